@@ -1,0 +1,113 @@
+//! The command line: one clap subcommand per job, each implemented in its own file.
+//!
+//! Owns: argument parsing, logging setup, exit codes. May call every library module. Must not:
+//! hold logic that a library user would need (that belongs in the library modules).
+
+mod generate;
+mod init_tiny;
+mod inspect;
+mod score;
+
+use crate::device::{DType, Device};
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "colotrain", version, about = "On-policy post-training of LLMs on one node: decoding, scoring, distillation and RL")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Write a tiny random Hugging Face model directory (config, weights, tokenizer, chat template).
+    InitTiny(init_tiny::Args),
+    /// Sample responses to prompts with the continuous-batching engine.
+    Generate(generate::Args),
+    /// Log-probabilities of given token sequences under a model.
+    Score(score::Args),
+    /// Architecture, parameter count, dtypes and memory estimate of a model directory.
+    Inspect(inspect::Args),
+}
+
+/// Options shared by the commands that run a model.
+#[derive(clap::Args, Debug, Clone)]
+pub struct DeviceArgs {
+    /// cpu, cpu:<threads>, cuda or cuda:<ordinal>.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Weight dtype in memory: auto (f32 on CPU, bf16 on CUDA), f32, bf16 or f16.
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+}
+
+impl DeviceArgs {
+    pub fn open(&self) -> Result<(Device, DType)> {
+        let dev = Device::parse(&self.device)?;
+        let dtype = match self.dtype.as_str() {
+            "auto" => {
+                if dev.is_cpu() {
+                    DType::F32
+                } else {
+                    DType::BF16
+                }
+            }
+            s => DType::parse(s).map_err(|e| anyhow::anyhow!("--dtype: {e}"))?,
+        };
+        Ok((dev, dtype))
+    }
+}
+
+/// Engine sizing options shared by generate and score.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// Most sequences decoded together.
+    #[arg(long, default_value_t = 64)]
+    pub max_seqs: usize,
+    /// Token budget of one engine step (prefill chunks + decodes).
+    #[arg(long, default_value_t = 1024)]
+    pub max_tokens_per_step: usize,
+    /// KV cache memory in MiB.
+    #[arg(long, default_value_t = 512)]
+    pub kv_cache_mb: usize,
+}
+
+impl EngineArgs {
+    pub fn config(&self) -> crate::engine::EngineConfig {
+        crate::engine::EngineConfig {
+            max_seqs: self.max_seqs,
+            max_tokens_per_step: self.max_tokens_per_step,
+            kv_cache_bytes: self.kv_cache_mb << 20,
+            ..Default::default()
+        }
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("COLOTRAIN_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+}
+
+/// Runs the command line; returns the process exit code.
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    init_logging();
+    match run(cli) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    }
+}
+
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::InitTiny(a) => init_tiny::run(a),
+        Command::Generate(a) => generate::run(a),
+        Command::Score(a) => score::run(a),
+        Command::Inspect(a) => inspect::run(a),
+    }
+}

@@ -1,0 +1,111 @@
+//! Devices and tensors.
+//!
+//! Owns: the [`Device`] handle (CPU thread pool, or a CUDA context), the [`Tensor`] type with its
+//! storage, and host<->device copies. May call: `rayon`, `cudarc` (feature `cuda`).
+//! Must not: know about models or ops; ops live in `crate::ops` and dispatch on [`Device`].
+
+pub mod cpu;
+#[cfg_attr(feature = "cuda", path = "cuda.rs")]
+#[cfg_attr(not(feature = "cuda"), path = "cuda_stub.rs")]
+pub mod cuda;
+mod tensor;
+
+pub use cpu::CpuDevice;
+pub use cuda::CudaDevice;
+pub use tensor::{CpuFloats, CpuStorage, DType, Storage, Tensor};
+
+use anyhow::Result;
+
+/// A compute device. Cheap to clone (handles are reference counted).
+#[derive(Clone, Debug)]
+pub enum Device {
+    Cpu(CpuDevice),
+    Cuda(CudaDevice),
+}
+
+impl Device {
+    /// A CPU device using `threads` worker threads (0: all available cores).
+    pub fn cpu(threads: usize) -> Result<Device> {
+        Ok(Device::Cpu(CpuDevice::new(threads, None)?))
+    }
+
+    /// CUDA device `ordinal`; fails with a clear message when built without `--features cuda`
+    /// or when no driver/GPU is present.
+    pub fn cuda(ordinal: usize) -> Result<Device> {
+        Ok(Device::Cuda(CudaDevice::new(ordinal)?))
+    }
+
+    /// Parses `cpu`, `cpu:N` (N threads) or `cuda:K`.
+    pub fn parse(spec: &str) -> Result<Device> {
+        let spec = spec.trim();
+        if spec == "cpu" {
+            return Device::cpu(0);
+        }
+        if let Some(n) = spec.strip_prefix("cpu:") {
+            let n: usize = n
+                .parse()
+                .map_err(|_| anyhow::anyhow!("device '{spec}': expected cpu:<threads>, e.g. cpu:4"))?;
+            return Device::cpu(n);
+        }
+        if spec == "cuda" {
+            return Device::cuda(0);
+        }
+        if let Some(k) = spec.strip_prefix("cuda:") {
+            let k: usize = k
+                .parse()
+                .map_err(|_| anyhow::anyhow!("device '{spec}': expected cuda:<ordinal>, e.g. cuda:0"))?;
+            return Device::cuda(k);
+        }
+        anyhow::bail!("device '{spec}': expected 'cpu', 'cpu:<threads>', 'cuda' or 'cuda:<ordinal>'")
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Device::Cpu(c) => format!("cpu ({} threads)", c.threads()),
+            Device::Cuda(c) => c.name(),
+        }
+    }
+
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, Device::Cpu(_))
+    }
+
+    /// Allocates a zero-filled tensor on this device.
+    pub fn zeros(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        match self {
+            Device::Cpu(_) => Ok(Tensor::cpu_zeros(dtype, shape)),
+            Device::Cuda(c) => c.zeros(dtype, shape),
+        }
+    }
+
+    /// Copies a host f32 slice into a new tensor of `dtype` on this device (rounding to nearest
+    /// even when `dtype` is BF16/F16).
+    pub fn from_f32(&self, dtype: DType, shape: &[usize], data: &[f32]) -> Result<Tensor> {
+        let host = Tensor::from_f32_host(dtype, shape, data)?;
+        self.upload(host)
+    }
+
+    /// Moves a host tensor to this device (no copy on CPU).
+    pub fn upload(&self, host: Tensor) -> Result<Tensor> {
+        match self {
+            Device::Cpu(_) => Ok(host),
+            Device::Cuda(c) => c.upload(&host),
+        }
+    }
+
+    /// Runs `f` inside this device's thread pool (CPU) or directly (CUDA).
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match self {
+            Device::Cpu(c) => c.install(f),
+            Device::Cuda(_) => f(),
+        }
+    }
+
+    /// Waits for all queued work on this device.
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            Device::Cpu(_) => Ok(()),
+            Device::Cuda(c) => c.synchronize(),
+        }
+    }
+}

@@ -1,0 +1,346 @@
+//! Tensors: a shape and a contiguous, row-major storage on one device.
+//!
+//! A tensor never aliases another; views are expressed by the ops' explicit row counts and
+//! offsets, the way llm.c passes (B, T) to every kernel. CPU storage is a plain `Vec`.
+
+use super::cuda::CudaStorage;
+use anyhow::{bail, Result};
+use half::{bf16, f16};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    BF16,
+    F16,
+    U8,
+    U32,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::U32 => 4,
+            DType::BF16 | DType::F16 => 2,
+            DType::U8 => 1,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::U8 => "u8",
+            DType::U32 => "u32",
+        }
+    }
+
+    /// Parses the names used in configs and on the command line (`f32`, `bf16`, `float32`, ...).
+    pub fn parse(s: &str) -> Result<DType> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" | "fp32" => DType::F32,
+            "bf16" | "bfloat16" => DType::BF16,
+            "f16" | "float16" | "fp16" | "half" => DType::F16,
+            _ => bail!("unknown dtype '{s}': expected one of f32, bf16, f16"),
+        })
+    }
+}
+
+/// Host-side storage of a CPU tensor.
+#[derive(Clone, Debug)]
+pub enum CpuStorage {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+    U8(Vec<u8>),
+    U32(Vec<u32>),
+}
+
+#[derive(Debug)]
+pub enum Storage {
+    Cpu(CpuStorage),
+    Cuda(CudaStorage),
+}
+
+#[derive(Debug)]
+pub struct Tensor {
+    shape: Vec<usize>,
+    storage: Storage,
+}
+
+fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+impl Tensor {
+    pub fn from_storage(shape: &[usize], storage: Storage) -> Tensor {
+        Tensor { shape: shape.to_vec(), storage }
+    }
+
+    pub fn cpu_zeros(dtype: DType, shape: &[usize]) -> Tensor {
+        let n = numel(shape);
+        let s = match dtype {
+            DType::F32 => CpuStorage::F32(vec![0.0; n]),
+            DType::BF16 => CpuStorage::BF16(vec![bf16::ZERO; n]),
+            DType::F16 => CpuStorage::F16(vec![f16::ZERO; n]),
+            DType::U8 => CpuStorage::U8(vec![0; n]),
+            DType::U32 => CpuStorage::U32(vec![0; n]),
+        };
+        Tensor { shape: shape.to_vec(), storage: Storage::Cpu(s) }
+    }
+
+    /// A host tensor of `dtype` holding `data` (rounded to nearest even for BF16/F16).
+    pub fn from_f32_host(dtype: DType, shape: &[usize], data: &[f32]) -> Result<Tensor> {
+        if numel(shape) != data.len() {
+            bail!("tensor of shape {shape:?} needs {} values, got {}", numel(shape), data.len());
+        }
+        let s = match dtype {
+            DType::F32 => CpuStorage::F32(data.to_vec()),
+            DType::BF16 => CpuStorage::BF16(data.iter().map(|&x| bf16::from_f32(x)).collect()),
+            DType::F16 => CpuStorage::F16(data.iter().map(|&x| f16::from_f32(x)).collect()),
+            other => bail!("cannot build a {} tensor from f32 values", other.name()),
+        };
+        Ok(Tensor { shape: shape.to_vec(), storage: Storage::Cpu(s) })
+    }
+
+    pub fn from_u32_host(shape: &[usize], data: Vec<u32>) -> Result<Tensor> {
+        if numel(shape) != data.len() {
+            bail!("tensor of shape {shape:?} needs {} values, got {}", numel(shape), data.len());
+        }
+        Ok(Tensor { shape: shape.to_vec(), storage: Storage::Cpu(CpuStorage::U32(data)) })
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    pub fn numel(&self) -> usize {
+        numel(&self.shape)
+    }
+
+    /// Size of dimension `i` (panics on a bad index: shapes are internal invariants).
+    pub fn dim(&self, i: usize) -> usize {
+        self.shape[i]
+    }
+
+    pub fn dtype(&self) -> DType {
+        match &self.storage {
+            Storage::Cpu(c) => match c {
+                CpuStorage::F32(_) => DType::F32,
+                CpuStorage::BF16(_) => DType::BF16,
+                CpuStorage::F16(_) => DType::F16,
+                CpuStorage::U8(_) => DType::U8,
+                CpuStorage::U32(_) => DType::U32,
+            },
+            Storage::Cuda(c) => c.dtype(),
+        }
+    }
+
+    pub fn storage(&self) -> &Storage {
+        &self.storage
+    }
+
+    pub fn storage_mut(&mut self) -> &mut Storage {
+        &mut self.storage
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        self.numel() * self.dtype().size()
+    }
+
+    /// Address of the first element: lets tests prove that two holders share one buffer.
+    pub fn data_ptr(&self) -> usize {
+        match &self.storage {
+            Storage::Cpu(c) => match c {
+                CpuStorage::F32(v) => v.as_ptr() as usize,
+                CpuStorage::BF16(v) => v.as_ptr() as usize,
+                CpuStorage::F16(v) => v.as_ptr() as usize,
+                CpuStorage::U8(v) => v.as_ptr() as usize,
+                CpuStorage::U32(v) => v.as_ptr() as usize,
+            },
+            Storage::Cuda(c) => c.device_ptr(),
+        }
+    }
+
+    pub fn cpu(&self) -> Result<&CpuStorage> {
+        match &self.storage {
+            Storage::Cpu(c) => Ok(c),
+            Storage::Cuda(_) => bail!("expected a CPU tensor, found a CUDA tensor"),
+        }
+    }
+
+    pub fn cpu_mut(&mut self) -> Result<&mut CpuStorage> {
+        match &mut self.storage {
+            Storage::Cpu(c) => Ok(c),
+            Storage::Cuda(_) => bail!("expected a CPU tensor, found a CUDA tensor"),
+        }
+    }
+
+    pub fn f32s(&self) -> Result<&[f32]> {
+        match self.cpu()? {
+            CpuStorage::F32(v) => Ok(v),
+            _ => bail!("expected an f32 tensor, found {}", self.dtype().name()),
+        }
+    }
+
+    pub fn f32s_mut(&mut self) -> Result<&mut [f32]> {
+        let dt = self.dtype();
+        match self.cpu_mut()? {
+            CpuStorage::F32(v) => Ok(v),
+            _ => bail!("expected an f32 tensor, found {}", dt.name()),
+        }
+    }
+
+    pub fn u32s(&self) -> Result<&[u32]> {
+        match self.cpu()? {
+            CpuStorage::U32(v) => Ok(v),
+            _ => bail!("expected a u32 tensor, found {}", self.dtype().name()),
+        }
+    }
+
+    pub fn u32s_mut(&mut self) -> Result<&mut [u32]> {
+        let dt = self.dtype();
+        match self.cpu_mut()? {
+            CpuStorage::U32(v) => Ok(v),
+            _ => bail!("expected a u32 tensor, found {}", dt.name()),
+        }
+    }
+
+    /// Copies the tensor to host f32 values (any float dtype, any device).
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        match &self.storage {
+            Storage::Cpu(c) => Ok(match c {
+                CpuStorage::F32(v) => v.clone(),
+                CpuStorage::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+                CpuStorage::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+                CpuStorage::U8(_) | CpuStorage::U32(_) => {
+                    bail!("to_f32_vec on a {} tensor", self.dtype().name())
+                }
+            }),
+            Storage::Cuda(c) => c.to_f32_vec(),
+        }
+    }
+
+    /// Copies the first `out.len()` elements of an f32 tensor to the host.
+    pub fn read_f32_into(&self, out: &mut [f32]) -> Result<()> {
+        if out.len() > self.numel() {
+            bail!("read of {} values from a tensor of {}", out.len(), self.numel());
+        }
+        match &self.storage {
+            Storage::Cpu(CpuStorage::F32(v)) => {
+                out.copy_from_slice(&v[..out.len()]);
+                Ok(())
+            }
+            Storage::Cuda(c) => c.read_f32_into(out),
+            _ => bail!("read_f32_into from a {} tensor", self.dtype().name()),
+        }
+    }
+
+    /// Overwrites the first `data.len()` elements of a u32 tensor from the host.
+    pub fn write_u32(&mut self, data: &[u32]) -> Result<()> {
+        if data.len() > self.numel() {
+            bail!("write of {} values into a tensor of {}", data.len(), self.numel());
+        }
+        match &mut self.storage {
+            Storage::Cpu(CpuStorage::U32(v)) => {
+                v[..data.len()].copy_from_slice(data);
+                Ok(())
+            }
+            Storage::Cuda(c) => c.write_u32(data),
+            _ => bail!("write_u32 into a {} tensor", self.dtype().name()),
+        }
+    }
+
+    /// Overwrites the first `data.len()` elements of a float tensor from host f32 values.
+    pub fn write_f32(&mut self, data: &[f32]) -> Result<()> {
+        if data.len() > self.numel() {
+            bail!("write of {} values into a tensor of {}", data.len(), self.numel());
+        }
+        match &mut self.storage {
+            Storage::Cpu(c) => match c {
+                CpuStorage::F32(v) => v[..data.len()].copy_from_slice(data),
+                CpuStorage::BF16(v) => {
+                    for (d, s) in v.iter_mut().zip(data) {
+                        *d = bf16::from_f32(*s);
+                    }
+                }
+                CpuStorage::F16(v) => {
+                    for (d, s) in v.iter_mut().zip(data) {
+                        *d = f16::from_f32(*s);
+                    }
+                }
+                _ => bail!("write_f32 into a {} tensor", self.dtype().name()),
+            },
+            Storage::Cuda(c) => c.write_f32(data)?,
+        }
+        Ok(())
+    }
+
+    /// Reshapes without moving data (the element count must match).
+    pub fn reshape(&mut self, shape: &[usize]) -> Result<()> {
+        if numel(shape) != self.numel() {
+            bail!("cannot reshape {:?} to {:?}", self.shape, shape);
+        }
+        self.shape = shape.to_vec();
+        Ok(())
+    }
+}
+
+/// A read-only view of float weights on the CPU, whatever their storage dtype.
+#[derive(Clone, Copy)]
+pub enum CpuFloats<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+impl<'a> CpuFloats<'a> {
+    pub fn of(t: &'a Tensor) -> Result<CpuFloats<'a>> {
+        Ok(match t.cpu()? {
+            CpuStorage::F32(v) => CpuFloats::F32(v),
+            CpuStorage::BF16(v) => CpuFloats::BF16(v),
+            CpuStorage::F16(v) => CpuFloats::F16(v),
+            _ => bail!("expected a float tensor, found {}", t.dtype().name()),
+        })
+    }
+
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            CpuFloats::F32(v) => v[i],
+            CpuFloats::BF16(v) => v[i].to_f32(),
+            CpuFloats::F16(v) => v[i].to_f32(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            CpuFloats::F32(v) => v.len(),
+            CpuFloats::BF16(v) => v.len(),
+            CpuFloats::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Converts `range` to f32 into `out` (same length).
+    #[inline]
+    pub fn read_into(&self, start: usize, out: &mut [f32]) {
+        let n = out.len();
+        match self {
+            CpuFloats::F32(v) => out.copy_from_slice(&v[start..start + n]),
+            CpuFloats::BF16(v) => {
+                for (o, x) in out.iter_mut().zip(&v[start..start + n]) {
+                    *o = x.to_f32();
+                }
+            }
+            CpuFloats::F16(v) => {
+                for (o, x) in out.iter_mut().zip(&v[start..start + n]) {
+                    *o = x.to_f32();
+                }
+            }
+        }
+    }
+}

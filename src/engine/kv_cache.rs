@@ -1,0 +1,63 @@
+//! The paged KV cache: per layer, keys and values in fixed-size blocks
+//! (num_blocks, Hkv, block_size, D), and a free list of block ids.
+//!
+//! Owns: cache memory and block allocation. May call: `crate::device`. Must not: decide which
+//! sequence gets blocks (that is the scheduler's job).
+
+use crate::device::{DType, Device};
+use crate::model::transformer::KvLayer;
+use crate::model::ModelConfig;
+use anyhow::{bail, Result};
+
+pub struct KvCache {
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub dtype: DType,
+    pub layers: Vec<KvLayer>,
+    free: Vec<u32>,
+}
+
+impl KvCache {
+    /// Bytes of one block across all layers (keys and values).
+    pub fn block_bytes(cfg: &ModelConfig, block_size: usize, dtype: DType) -> usize {
+        2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * dtype.size()
+    }
+
+    pub fn new(dev: &Device, cfg: &ModelConfig, block_size: usize, num_blocks: usize, dtype: DType) -> Result<KvCache> {
+        if block_size == 0 || num_blocks == 0 {
+            bail!("KV cache needs a positive block size and block count (got {block_size} x {num_blocks})");
+        }
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            bail!("KV cache dtype {} is not supported here (f32, bf16, f16)", dtype.name());
+        }
+        let shape = [num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim];
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for _ in 0..cfg.num_layers {
+            layers.push(KvLayer { k: dev.zeros(dtype, &shape)?, v: dev.zeros(dtype, &shape)? });
+        }
+        // Pop from the end: hand out low block ids first.
+        let free = (0..num_blocks as u32).rev().collect();
+        Ok(KvCache { block_size, num_blocks, dtype, layers, free })
+    }
+
+    pub fn num_free(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Capacity in tokens.
+    pub fn capacity_tokens(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+
+    pub fn alloc(&mut self) -> Option<u32> {
+        self.free.pop()
+    }
+
+    pub fn release(&mut self, blocks: &mut Vec<u32>) {
+        self.free.append(blocks);
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.k.size_bytes() + l.v.size_bytes()).sum()
+    }
+}

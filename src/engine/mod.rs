@@ -1,0 +1,491 @@
+//! The decoding engine: continuous batching over a paged KV cache, prefill and decode in one
+//! flat batch per step, Philox sampling, stop conditions, and prompt scoring (log-probs of
+//! given tokens) through the same path.
+//!
+//! Owns: [`Engine`] (cache, scheduler, activation buffers, per-step host staging vectors that
+//! are reused, so steady-state decoding allocates nothing). May call: `crate::model`,
+//! `crate::ops`. Must not: own weights — every step reads the caller's [`ModelWeights`], which
+//! is what lets a trainer and an engine share one weight store without copies.
+
+pub mod kv_cache;
+mod scheduler;
+
+use crate::device::{DType, Device};
+use crate::model::{ForwardBuffers, ModelConfig, ModelWeights, TextTools, Transformer};
+use crate::ops::{logprob, sample::{self, SampleParams}};
+use anyhow::{bail, Result};
+use kv_cache::KvCache;
+use scheduler::{Planned, Scheduler};
+use std::sync::Arc;
+
+/// How to draw a response.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingConfig {
+    /// 0 means greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 disables top-k.
+    pub top_k: u32,
+    pub max_new_tokens: usize,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub seed: u64,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        SamplingConfig { temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 128, stop: Vec::new(), ignore_eos: false, seed: 0 }
+    }
+}
+
+impl SamplingConfig {
+    pub fn validate(&self) -> Result<()> {
+        SampleParams { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p, seed: 0, request: 0, sample: 0, position: 0 }
+            .validate()
+    }
+}
+
+/// One sequence to run: a prompt to continue (`max_new_tokens` > 0) and/or to score.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// Request id: part of the sampling key, so the same (seed, id, sample) always draws the
+    /// same response from the same weights.
+    pub id: u64,
+    pub sample: u32,
+    pub prompt: Vec<u32>,
+    pub sampling: Arc<SamplingConfig>,
+    /// Also return log p(prompt[t+1] | prompt[..=t]) for every prompt position.
+    pub prompt_logprobs: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop string.
+    Stop,
+    /// max_new_tokens or the model's maximum length.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Completion {
+    pub id: u64,
+    pub sample: u32,
+    pub prompt_len: usize,
+    /// The response's token ids.
+    pub tokens: Vec<u32>,
+    /// The engine's log-prob of each response token (see `crate::ops::sample`).
+    pub logprobs: Vec<f32>,
+    /// With `prompt_logprobs`: prompt_len − 1 values.
+    pub prompt_logprobs: Vec<f32>,
+    pub finish: FinishReason,
+    /// Index into `stop` of the stop string that ended the response, if any.
+    pub stop_string: Option<usize>,
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub block_size: usize,
+    /// KV cache size in blocks; `None`: from `kv_cache_bytes`.
+    pub kv_blocks: Option<usize>,
+    pub kv_cache_bytes: usize,
+    /// `None`: the weights' dtype.
+    pub kv_dtype: Option<DType>,
+    pub max_seqs: usize,
+    pub max_tokens_per_step: usize,
+    /// Rows of logits computed at once (bounds the logits buffer to rows × vocab).
+    pub logits_rows: usize,
+    /// `None`: the model's max_position_embeddings.
+    pub max_model_len: Option<usize>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            kv_blocks: None,
+            kv_cache_bytes: 512 << 20,
+            kv_dtype: None,
+            max_seqs: 64,
+            max_tokens_per_step: 1024,
+            logits_rows: 64,
+            max_model_len: None,
+        }
+    }
+}
+
+/// What a step's logit row is for.
+#[derive(Clone, Copy)]
+enum RowUse {
+    /// Score the next prompt token at `pos + 1` of running[seq].
+    Score { seq: usize, pos: usize },
+    /// Draw the next token of running[seq].
+    Sample { seq: usize },
+}
+
+/// Host staging vectors, cleared and refilled each step (capacity kept).
+#[derive(Default)]
+struct Staging {
+    ids: Vec<u32>,
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    q_start: Vec<u32>,
+    ctx_len: Vec<u32>,
+    tables: Vec<u32>,
+    rows: Vec<(u32, RowUse)>,
+    sel: Vec<u32>,
+    targets: Vec<u32>,
+    params: Vec<SampleParams>,
+    tokens: Vec<u32>,
+    lps: Vec<f32>,
+    lp_host: Vec<f32>,
+}
+
+pub struct Engine {
+    dev: Device,
+    model: Transformer,
+    pub cache: KvCache,
+    bufs: ForwardBuffers,
+    sched: Scheduler,
+    st: Staging,
+    targets: crate::device::Tensor, // (logits_rows) u32
+    lp_out: crate::device::Tensor,  // (logits_rows) f32
+    max_model_len: usize,
+    text: Option<Arc<TextTools>>,
+    /// Tokens processed (prefill + decode) and drawn since creation.
+    pub stats: EngineStats,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EngineStats {
+    pub steps: u64,
+    pub tokens_forwarded: u64,
+    pub tokens_generated: u64,
+    pub preemptions: u64,
+}
+
+impl Engine {
+    pub fn new(dev: &Device, cfg: &ModelConfig, weights_dtype: DType, ec: &EngineConfig, text: Option<Arc<TextTools>>) -> Result<Engine> {
+        if ec.max_seqs == 0 || ec.max_tokens_per_step == 0 || ec.logits_rows == 0 {
+            bail!("engine: max_seqs, max_tokens_per_step and logits_rows must be positive");
+        }
+        let kv_dtype = ec.kv_dtype.unwrap_or(weights_dtype);
+        let max_model_len = ec.max_model_len.unwrap_or(cfg.max_position_embeddings);
+        let block_bytes = KvCache::block_bytes(cfg, ec.block_size, kv_dtype);
+        let max_blocks_per_seq = max_model_len.div_ceil(ec.block_size);
+        let useful = ec.max_seqs * max_blocks_per_seq;
+        let num_blocks = ec.kv_blocks.unwrap_or_else(|| (ec.kv_cache_bytes / block_bytes.max(1)).clamp(1, useful.max(1)));
+        let cache = KvCache::new(dev, cfg, ec.block_size, num_blocks, kv_dtype)?;
+        let max_model_len = max_model_len.min(cache.capacity_tokens());
+        let max_blocks = max_model_len.div_ceil(ec.block_size);
+        let bufs = ForwardBuffers::new(dev, cfg, ec.max_tokens_per_step, ec.logits_rows, ec.max_seqs, max_blocks, ec.block_size)?;
+        Ok(Engine {
+            dev: dev.clone(),
+            model: Transformer::new(dev, cfg.clone())?,
+            cache,
+            bufs,
+            sched: Scheduler::new(ec.max_seqs, ec.max_tokens_per_step),
+            st: Staging::default(),
+            targets: dev.zeros(DType::U32, &[ec.logits_rows])?,
+            lp_out: dev.zeros(DType::F32, &[ec.logits_rows])?,
+            max_model_len,
+            text,
+            stats: EngineStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.model.cfg
+    }
+
+    /// Longest prompt + response the engine accepts.
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    /// Queues a request. Fails (without queuing) on an empty prompt, an out-of-vocabulary token,
+    /// or a length the cache cannot hold.
+    pub fn add(&mut self, req: Request) -> Result<()> {
+        req.sampling.validate()?;
+        if req.prompt.is_empty() {
+            bail!("request {}: empty prompt", req.id);
+        }
+        let v = self.model.cfg.vocab_size as u32;
+        if let Some(t) = req.prompt.iter().find(|&&t| t >= v) {
+            bail!("request {}: token id {t} is outside the vocabulary (size {v})", req.id);
+        }
+        let total = req.prompt.len() + req.sampling.max_new_tokens;
+        if req.prompt.len() > self.max_model_len || (req.sampling.max_new_tokens > 0 && req.prompt.len() >= self.max_model_len) {
+            bail!(
+                "request {}: prompt of {} tokens does not fit the engine's maximum length {} (prompt + {} new tokens = {total})",
+                req.id,
+                req.prompt.len(),
+                self.max_model_len,
+                req.sampling.max_new_tokens
+            );
+        }
+        if !req.sampling.stop.is_empty() && self.text.is_none() {
+            bail!("request {}: stop strings need a tokenizer", req.id);
+        }
+        self.sched.add(req);
+        Ok(())
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.sched.is_empty()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.sched.running.len()
+    }
+
+    /// Runs one engine step with `w` and returns the sequences that finished in it.
+    pub fn step(&mut self, w: &ModelWeights) -> Result<Vec<Completion>> {
+        let plan = self.sched.schedule(&mut self.cache)?;
+        self.stats.preemptions = self.sched.preemptions;
+        if plan.is_empty() {
+            if self.sched.is_empty() {
+                return Ok(Vec::new());
+            }
+            bail!("engine: nothing could be scheduled (cache of {} blocks all in use)", self.cache.num_blocks);
+        }
+        self.build_batch(&plan)?;
+        let m = self.st.ids.len();
+        self.bufs.ids.write_u32(&self.st.ids)?;
+        self.bufs.positions.write_u32(&self.st.positions)?;
+        self.bufs.meta.slot_mapping.write_u32(&self.st.slots)?;
+        self.bufs.meta.q_start.write_u32(&self.st.q_start)?;
+        self.bufs.meta.ctx_len.write_u32(&self.st.ctx_len)?;
+        self.bufs.meta.block_tables.write_u32(&self.st.tables)?;
+        self.bufs.meta.num_seqs = plan.len();
+        self.bufs.meta.num_tokens = m;
+        self.model.forward(&self.dev, w, &mut self.bufs, &mut self.cache.layers)?;
+        self.stats.steps += 1;
+        self.stats.tokens_forwarded += m as u64;
+        for p in &plan {
+            self.sched.running[p.index].computed = p.start + p.n;
+        }
+        self.run_rows(w)?;
+        Ok(self.collect_finished())
+    }
+
+    /// Fills the staging vectors for `plan`.
+    fn build_batch(&mut self, plan: &[Planned]) -> Result<()> {
+        let st = &mut self.st;
+        let bs = self.cache.block_size;
+        let maxb = self.bufs.meta.max_blocks;
+        st.ids.clear();
+        st.positions.clear();
+        st.slots.clear();
+        st.q_start.clear();
+        st.ctx_len.clear();
+        st.tables.clear();
+        st.rows.clear();
+        st.q_start.push(0);
+        for p in plan {
+            let s = &self.sched.running[p.index];
+            let row0 = st.ids.len() as u32;
+            for pos in p.start..p.start + p.n {
+                st.ids.push(s.tokens[pos]);
+                st.positions.push(pos as u32);
+                st.slots.push(s.blocks[pos / bs] * bs as u32 + (pos % bs) as u32);
+                if s.req.prompt_logprobs && pos + 1 < s.prompt_len() {
+                    st.rows.push((row0 + (pos - p.start) as u32, RowUse::Score { seq: p.index, pos }));
+                }
+            }
+            if p.start + p.n == s.tokens.len() && s.generated() < s.req.sampling.max_new_tokens {
+                st.rows.push((row0 + p.n as u32 - 1, RowUse::Sample { seq: p.index }));
+            }
+            st.q_start.push(st.ids.len() as u32);
+            st.ctx_len.push((p.start + p.n) as u32);
+            if s.blocks.len() > maxb {
+                bail!("engine: sequence needs {} blocks, tables hold {maxb}", s.blocks.len());
+            }
+            st.tables.extend_from_slice(&s.blocks);
+            st.tables.resize(st.tables.len() + maxb - s.blocks.len(), 0);
+        }
+        Ok(())
+    }
+
+    /// Computes the logits of the step's scored and sampled rows, chunk by chunk.
+    fn run_rows(&mut self, w: &ModelWeights) -> Result<()> {
+        let cap = self.bufs.cap_rows;
+        let rows = std::mem::take(&mut self.st.rows);
+        // Score rows first, then sample rows, so that each chunk is of one kind.
+        let is_score = |r: &&(u32, RowUse)| matches!(r.1, RowUse::Score { .. });
+        let score_rows: Vec<_> = rows.iter().filter(is_score).copied().collect();
+        let sample_rows: Vec<_> = rows.iter().filter(|r| !is_score(r)).copied().collect();
+        for kind in [&score_rows, &sample_rows] {
+            for chunk in kind.chunks(cap) {
+                let r = chunk.len();
+                self.st.sel.clear();
+                self.st.sel.extend(chunk.iter().map(|x| x.0));
+                self.bufs.sel.write_u32(&self.st.sel)?;
+                self.model.logits(&self.dev, w, &mut self.bufs, r)?;
+                match chunk[0].1 {
+                    RowUse::Score { .. } => self.score_chunk(chunk)?,
+                    RowUse::Sample { .. } => self.sample_chunk(chunk)?,
+                }
+            }
+        }
+        self.st.rows = rows;
+        Ok(())
+    }
+
+    fn score_chunk(&mut self, chunk: &[(u32, RowUse)]) -> Result<()> {
+        self.st.targets.clear();
+        for (_, u) in chunk {
+            if let RowUse::Score { seq, pos } = *u {
+                self.st.targets.push(self.sched.running[seq].tokens[pos + 1]);
+            }
+        }
+        self.targets.write_u32(&self.st.targets)?;
+        logprob::log_softmax_gather(&self.dev, &self.bufs.logits, &self.targets, 1.0, &mut self.lp_out, chunk.len())?;
+        self.st.lp_host.resize(chunk.len(), 0.0);
+        self.lp_out.read_f32_into(&mut self.st.lp_host)?;
+        for (i, (_, u)) in chunk.iter().enumerate() {
+            if let RowUse::Score { seq, pos } = *u {
+                let s = &mut self.sched.running[seq];
+                debug_assert_eq!(s.prompt_logprobs.len(), pos);
+                s.prompt_logprobs.push(self.st.lp_host[i]);
+            }
+        }
+        Ok(())
+    }
+
+    fn sample_chunk(&mut self, chunk: &[(u32, RowUse)]) -> Result<()> {
+        let st = &mut self.st;
+        st.params.clear();
+        for (_, u) in chunk {
+            if let RowUse::Sample { seq } = *u {
+                let s = &self.sched.running[seq];
+                let c = &s.req.sampling;
+                st.params.push(SampleParams {
+                    temperature: c.temperature,
+                    top_k: c.top_k,
+                    top_p: c.top_p,
+                    seed: c.seed,
+                    request: s.req.id,
+                    sample: s.req.sample,
+                    position: s.tokens.len() as u32,
+                });
+            }
+        }
+        let r = chunk.len();
+        st.tokens.resize(r, 0);
+        st.lps.resize(r, 0.0);
+        sample::sample(&self.dev, &self.bufs.logits, &st.params, &mut st.tokens, &mut st.lps)?;
+        for (i, (_, u)) in chunk.iter().enumerate() {
+            if let RowUse::Sample { seq } = *u {
+                let s = &mut self.sched.running[seq];
+                s.tokens.push(st.tokens[i]);
+                s.logprobs.push(st.lps[i]);
+            }
+        }
+        self.stats.tokens_generated += r as u64;
+        Ok(())
+    }
+
+    /// Removes finished sequences from the running set, frees their blocks, returns them.
+    fn collect_finished(&mut self) -> Vec<Completion> {
+        let mut done = Vec::new();
+        let mut i = 0;
+        while i < self.sched.running.len() {
+            let s = &self.sched.running[i];
+            if let Some((finish, stop_string)) = self.finished(s) {
+                let mut s = self.sched.running.remove(i);
+                self.cache.release(&mut s.blocks);
+                let prompt_len = s.prompt_len();
+                let mut tokens = s.tokens;
+                let response = tokens.split_off(prompt_len);
+                done.push(Completion {
+                    id: s.req.id,
+                    sample: s.req.sample,
+                    prompt_len,
+                    tokens: response,
+                    logprobs: s.logprobs,
+                    prompt_logprobs: s.prompt_logprobs,
+                    finish,
+                    stop_string,
+                });
+            } else {
+                i += 1;
+            }
+        }
+        done
+    }
+
+    /// Whether `s` is done, and why.
+    fn finished(&self, s: &scheduler::Seq) -> Option<(FinishReason, Option<usize>)> {
+        let c = &s.req.sampling;
+        let g = s.generated();
+        if g == 0 {
+            // Scoring only: done once every prompt token is computed.
+            return (c.max_new_tokens == 0 && s.computed == s.tokens.len()).then_some((FinishReason::Length, None));
+        }
+        if s.computed + 1 != s.tokens.len() {
+            // Recomputing after a preemption.
+            return None;
+        }
+        let last = *s.tokens.last().expect("generated > 0");
+        if !c.ignore_eos && self.eos_ids().contains(&last) {
+            return Some((FinishReason::Stop, None));
+        }
+        if !c.stop.is_empty() {
+            if let Some(k) = self.stop_hit(&s.tokens[s.prompt_len()..], &c.stop) {
+                return Some((FinishReason::Stop, Some(k)));
+            }
+        }
+        if g >= c.max_new_tokens || s.tokens.len() >= self.max_model_len {
+            return Some((FinishReason::Length, None));
+        }
+        None
+    }
+
+    fn eos_ids(&self) -> &[u32] {
+        match &self.text {
+            Some(t) => &t.eos_ids,
+            None => &self.model.cfg.eos_token_ids,
+        }
+    }
+
+    /// Index of a stop string that ends the decoded tail of `response`, checking only a window
+    /// of recent tokens (long enough for the longest stop string).
+    fn stop_hit(&self, response: &[u32], stop: &[String]) -> Option<usize> {
+        let text = self.text.as_ref()?;
+        let longest = stop.iter().map(|s| s.len()).max().unwrap_or(0);
+        let window = (longest + 8).min(response.len());
+        let tail = text.decode(&response[response.len() - window..]).ok()?;
+        stop.iter().position(|s| !s.is_empty() && tail.contains(s.as_str()))
+    }
+
+    /// Runs every queued request to completion; `on_done` sees each completion as it finishes.
+    pub fn run_to_completion(&mut self, w: &ModelWeights, mut on_done: impl FnMut(&Completion)) -> Result<Vec<Completion>> {
+        let mut out = Vec::new();
+        while self.has_work() {
+            for c in self.step(w)? {
+                on_done(&c);
+                out.push(c);
+            }
+        }
+        out.sort_by_key(|c| (c.id, c.sample));
+        Ok(out)
+    }
+}
+
+/// Cuts `text` at the first occurrence of any stop string (the stop string is not kept).
+pub fn truncate_at_stop(text: &str, stop: &[String]) -> String {
+    let cut = stop.iter().filter(|s| !s.is_empty()).filter_map(|s| text.find(s.as_str())).min();
+    match cut {
+        Some(i) => text[..i].to_string(),
+        None => text.to_string(),
+    }
+}

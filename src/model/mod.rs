@@ -1,0 +1,53 @@
+//! Models: Hugging Face directories in (config, safetensors, tokenizer, chat template) and out,
+//! and the transformer forward shared by the decoding engine and the scorer.
+//!
+//! Owns: config parsing, weight loading/saving, tokenization, the forward pass.
+//! May call: `crate::device`, `crate::ops`. Must not: schedule requests or sample (engine/).
+
+pub mod config;
+pub mod rope;
+pub mod tokenizer;
+pub mod transformer;
+pub mod weights;
+
+pub use config::{Arch, ModelConfig};
+pub use tokenizer::TextTools;
+pub use transformer::{ForwardBuffers, Transformer};
+pub use weights::ModelWeights;
+
+use crate::device::{DType, Device};
+use anyhow::Result;
+use std::path::Path;
+use std::sync::Arc;
+
+/// A model directory loaded onto a device: config, weights, and (when present) its tokenizer.
+pub struct LoadedModel {
+    pub dir: std::path::PathBuf,
+    pub cfg: ModelConfig,
+    pub weights: ModelWeights,
+    pub text: Option<Arc<TextTools>>,
+}
+
+impl LoadedModel {
+    /// Loads `dir`. The tokenizer is optional here (token-id inputs need none); commands that
+    /// need text report its absence themselves.
+    pub fn load(dir: &Path, dev: &Device, dtype: DType) -> Result<LoadedModel> {
+        if !dir.is_dir() {
+            anyhow::bail!("model directory '{}' does not exist", dir.display());
+        }
+        let cfg = ModelConfig::from_dir(dir)?;
+        let weights = ModelWeights::load(dir, &cfg, dev, dtype)?;
+        let text = if dir.join("tokenizer.json").exists() { Some(Arc::new(TextTools::load(dir, &cfg)?)) } else { None };
+        if let Some(t) = &text {
+            if t.vocab_size() > cfg.vocab_size {
+                anyhow::bail!(
+                    "{}: tokenizer has {} tokens but config.json's vocab_size is {}",
+                    dir.display(),
+                    t.vocab_size(),
+                    cfg.vocab_size
+                );
+            }
+        }
+        Ok(LoadedModel { dir: dir.to_path_buf(), cfg, weights, text })
+    }
+}

@@ -1,0 +1,165 @@
+//! The transformer forward over a flat, ragged batch of tokens (prefill and decode rows mixed),
+//! reading and writing a paged KV cache. Shared by the decoding engine and scoring.
+//!
+//! Owns: [`Transformer`] (config + RoPE frequencies) and [`ForwardBuffers`] (every activation,
+//! allocated once at capacity). May call: `crate::ops`. Must not: sample or schedule.
+
+use super::config::ModelConfig;
+use super::weights::ModelWeights;
+use crate::device::{DType, Device, Tensor};
+use crate::ops::attention::{self, AttnMeta};
+use crate::ops::{elementwise, matmul, norm, rope};
+use anyhow::{bail, Result};
+
+/// One layer's paged cache: keys and values, each (num_blocks, Hkv, block_size, D).
+#[derive(Debug)]
+pub struct KvLayer {
+    pub k: Tensor,
+    pub v: Tensor,
+}
+
+pub struct Transformer {
+    pub cfg: ModelConfig,
+    inv_freq: Tensor, // (D/2) f32
+}
+
+/// Activations for up to `cap` tokens per forward and `cap_rows` LM-head rows per chunk.
+pub struct ForwardBuffers {
+    pub cap: usize,
+    pub cap_rows: usize,
+    pub ids: Tensor,       // (cap) u32
+    pub positions: Tensor, // (cap) u32
+    pub meta: AttnMeta,
+    x: Tensor,     // (cap, C) residual stream
+    h: Tensor,     // (cap, C) normed input of a sublayer
+    q: Tensor,     // (cap, H*D)
+    k: Tensor,     // (cap, Hkv*D)
+    v: Tensor,     // (cap, Hkv*D)
+    att: Tensor,   // (cap, H*D)
+    o: Tensor,     // (cap, C) attention output / MLP output (the pending residual update)
+    gate: Tensor,  // (cap, I)
+    up: Tensor,    // (cap, I)
+    act: Tensor,   // (cap, I) silu(gate) * up
+    cos: Tensor,   // (cap, D/2)
+    sin: Tensor,   // (cap, D/2)
+    pub sel: Tensor, // (cap_rows) u32 rows of the batch whose logits are wanted
+    xs: Tensor,    // (cap_rows, C)
+    os: Tensor,    // (cap_rows, C)
+    hn: Tensor,    // (cap_rows, C)
+    pub logits: Tensor, // (cap_rows, V)
+}
+
+impl ForwardBuffers {
+    pub fn new(dev: &Device, cfg: &ModelConfig, cap: usize, cap_rows: usize, max_seqs: usize, max_blocks: usize, block_size: usize) -> Result<ForwardBuffers> {
+        let (c, i, q, kv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        let f = |shape: &[usize]| dev.zeros(DType::F32, shape);
+        let u = |n: usize| dev.zeros(DType::U32, &[n]);
+        Ok(ForwardBuffers {
+            cap,
+            cap_rows,
+            ids: u(cap)?,
+            positions: u(cap)?,
+            meta: AttnMeta {
+                num_seqs: 0,
+                num_tokens: 0,
+                block_size,
+                max_blocks,
+                q_start: u(max_seqs + 1)?,
+                ctx_len: u(max_seqs)?,
+                block_tables: dev.zeros(DType::U32, &[max_seqs, max_blocks])?,
+                slot_mapping: u(cap)?,
+            },
+            x: f(&[cap, c])?,
+            h: f(&[cap, c])?,
+            q: f(&[cap, q])?,
+            k: f(&[cap, kv])?,
+            v: f(&[cap, kv])?,
+            att: f(&[cap, q])?,
+            o: f(&[cap, c])?,
+            gate: f(&[cap, i])?,
+            up: f(&[cap, i])?,
+            act: f(&[cap, i])?,
+            cos: f(&[cap, d / 2])?,
+            sin: f(&[cap, d / 2])?,
+            sel: u(cap_rows)?,
+            xs: f(&[cap_rows, c])?,
+            os: f(&[cap_rows, c])?,
+            hn: f(&[cap_rows, c])?,
+            logits: f(&[cap_rows, cfg.vocab_size])?,
+        })
+    }
+
+    /// Bytes held by the activation buffers.
+    pub fn size_bytes(&self) -> usize {
+        [&self.x, &self.h, &self.q, &self.k, &self.v, &self.att, &self.o, &self.gate, &self.up, &self.act, &self.cos, &self.sin, &self.xs, &self.os, &self.hn, &self.logits]
+            .iter()
+            .map(|t| t.size_bytes())
+            .sum()
+    }
+}
+
+impl Transformer {
+    pub fn new(dev: &Device, cfg: ModelConfig) -> Result<Transformer> {
+        let f = super::rope::inv_freq(&cfg.rope, cfg.head_dim);
+        let inv_freq = dev.from_f32(DType::F32, &[f.len()], &f)?;
+        Ok(Transformer { cfg, inv_freq })
+    }
+
+    /// Runs every layer over the `b.meta.num_tokens` tokens in `b.ids`/`b.positions`, writing
+    /// their keys/values into `kv` at `b.meta.slot_mapping`. Leaves the residual stream in the
+    /// buffers for [`Transformer::logits`].
+    pub fn forward(&self, dev: &Device, w: &ModelWeights, b: &mut ForwardBuffers, kv: &mut [KvLayer]) -> Result<()> {
+        let cfg = &self.cfg;
+        let m = b.meta.num_tokens;
+        if m == 0 || m > b.cap {
+            bail!("forward: {m} tokens for buffers of capacity {}", b.cap);
+        }
+        if kv.len() != cfg.num_layers {
+            bail!("forward: {} cache layers for {} model layers", kv.len(), cfg.num_layers);
+        }
+        let eps = cfg.rms_norm_eps as f32;
+        let (h, hkv) = (cfg.num_heads, cfg.num_kv_heads);
+        elementwise::embedding(dev, &w.embed_tokens, &b.ids, &mut b.x, m)?;
+        rope::rope_table(dev, &b.positions, &self.inv_freq, &mut b.cos, &mut b.sin, m)?;
+        for (l, (lw, cache)) in w.layers.iter().zip(kv.iter_mut()).enumerate() {
+            // Attention block. b.o holds the previous layer's MLP output, not yet added to x.
+            if l == 0 {
+                norm::rmsnorm(dev, &b.x, &lw.input_layernorm, eps, &mut b.h, m)?;
+            } else {
+                norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.input_layernorm, eps, &mut b.h, m)?;
+            }
+            matmul::linear(dev, &b.h, &lw.q_proj, lw.q_bias.as_ref(), &mut b.q, m, false)?;
+            matmul::linear(dev, &b.h, &lw.k_proj, lw.k_bias.as_ref(), &mut b.k, m, false)?;
+            matmul::linear(dev, &b.h, &lw.v_proj, lw.v_bias.as_ref(), &mut b.v, m, false)?;
+            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+                norm::head_rmsnorm(dev, &mut b.q, qn, eps, m, h)?;
+                norm::head_rmsnorm(dev, &mut b.k, kn, eps, m, hkv)?;
+            }
+            rope::rope(dev, &mut b.q, &b.cos, &b.sin, m, h)?;
+            rope::rope(dev, &mut b.k, &b.cos, &b.sin, m, hkv)?;
+            attention::kv_write(dev, &b.k, &b.v, &mut cache.k, &mut cache.v, &b.meta)?;
+            attention::paged_attention(dev, &b.q, &cache.k, &cache.v, &b.meta, &mut b.att, h)?;
+            matmul::linear(dev, &b.att, &lw.o_proj, lw.o_bias.as_ref(), &mut b.o, m, false)?;
+            // MLP block.
+            norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.post_attention_layernorm, eps, &mut b.h, m)?;
+            matmul::linear(dev, &b.h, &lw.gate_proj, lw.gate_bias.as_ref(), &mut b.gate, m, false)?;
+            matmul::linear(dev, &b.h, &lw.up_proj, lw.up_bias.as_ref(), &mut b.up, m, false)?;
+            elementwise::swiglu(dev, &b.gate, &b.up, &mut b.act, m)?;
+            matmul::linear(dev, &b.act, &lw.down_proj, lw.down_bias.as_ref(), &mut b.o, m, false)?;
+        }
+        Ok(())
+    }
+
+    /// Logits (r, V) in `b.logits` of the r batch rows listed in `b.sel[..r]`: the last residual
+    /// update, the final norm and the LM head, on those rows only.
+    pub fn logits(&self, dev: &Device, w: &ModelWeights, b: &mut ForwardBuffers, r: usize) -> Result<()> {
+        if r > b.cap_rows {
+            bail!("logits: {r} rows for a buffer of {}", b.cap_rows);
+        }
+        let eps = self.cfg.rms_norm_eps as f32;
+        elementwise::gather_rows(dev, &b.x, &b.sel, &mut b.xs, r)?;
+        elementwise::gather_rows(dev, &b.o, &b.sel, &mut b.os, r)?;
+        norm::add_rmsnorm(dev, &mut b.xs, &b.os, &w.norm, eps, &mut b.hn, r)?;
+        matmul::linear(dev, &b.hn, w.head(), None, &mut b.logits, r, false)
+    }
+}

@@ -1,0 +1,213 @@
+//! Attention over a paged KV cache (vLLM layout), for prefill and decode alike: every query row
+//! of the flat batch belongs to a sequence whose keys/values live in fixed-size cache blocks
+//! listed in its block table; row i of a sequence with q_len new tokens and ctx_len cached
+//! tokens sits at position ctx_len − q_len + i and attends causally to positions 0..=that.
+//! Softmax(q·kᵀ/√D) in f32; grouped-query attention maps query head h to KV head h / (H/Hkv).
+
+use super::check_rows;
+use crate::device::{cuda, CpuStorage, Device, Tensor};
+use anyhow::{bail, Result};
+use half::{bf16, f16};
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+/// Per-step batch metadata. Tensors are allocated at capacity; `num_seqs`/`num_tokens` say
+/// how much is live.
+#[derive(Debug)]
+pub struct AttnMeta {
+    pub num_seqs: usize,
+    pub num_tokens: usize,
+    pub block_size: usize,
+    /// Columns of `block_tables`.
+    pub max_blocks: usize,
+    pub q_start: Tensor,      // (S+1) u32: rows of sequence s are q_start[s]..q_start[s+1]
+    pub ctx_len: Tensor,      // (S) u32: cached tokens of s after this step's write
+    pub block_tables: Tensor, // (S, max_blocks) u32
+    pub slot_mapping: Tensor, // (T) u32: cache slot (block·block_size + offset) of each row
+}
+
+/// Writes the new keys/values k, v (m, Hkv·D) into the caches (num_blocks, Hkv, block_size, D)
+/// at `meta.slot_mapping`.
+pub fn kv_write(dev: &Device, k: &Tensor, v: &Tensor, k_cache: &mut Tensor, v_cache: &mut Tensor, meta: &AttnMeta) -> Result<()> {
+    let (nb, hkv, bs, d) = cache_dims(k_cache)?;
+    let m = meta.num_tokens;
+    check_rows(k, m, hkv * d, "kv_write keys")?;
+    check_rows(v, m, hkv * d, "kv_write values")?;
+    match dev {
+        Device::Cpu(_) => {
+            let slots = meta.slot_mapping.u32s()?;
+            let (ks, vs) = (k.f32s()?, v.f32s()?);
+            for (src, cache) in [(ks, k_cache), (vs, v_cache)] {
+                let st = cache.cpu_mut()?;
+                for t in 0..m {
+                    let slot = slots[t] as usize;
+                    let (blk, off) = (slot / bs, slot % bs);
+                    if blk >= nb {
+                        bail!("kv_write: slot {slot} outside the cache ({nb} blocks of {bs})");
+                    }
+                    for h in 0..hkv {
+                        let dst = ((blk * hkv + h) * bs + off) * d;
+                        let s = &src[t * hkv * d + h * d..t * hkv * d + (h + 1) * d];
+                        store(st, dst, s)?;
+                    }
+                }
+            }
+            Ok(())
+        }
+        Device::Cuda(c) => cuda::ops::kv_write(c, k, v, k_cache, v_cache, meta),
+    }
+}
+
+fn store(st: &mut CpuStorage, at: usize, src: &[f32]) -> Result<()> {
+    match st {
+        CpuStorage::F32(c) => c[at..at + src.len()].copy_from_slice(src),
+        CpuStorage::BF16(c) => {
+            for (o, x) in c[at..at + src.len()].iter_mut().zip(src) {
+                *o = bf16::from_f32(*x);
+            }
+        }
+        CpuStorage::F16(c) => {
+            for (o, x) in c[at..at + src.len()].iter_mut().zip(src) {
+                *o = f16::from_f32(*x);
+            }
+        }
+        _ => bail!("KV cache storage must be f32, bf16 or f16"),
+    }
+    Ok(())
+}
+
+/// (num_blocks, Hkv, block_size, D) of a cache tensor.
+pub fn cache_dims(c: &Tensor) -> Result<(usize, usize, usize, usize)> {
+    match c.shape() {
+        [a, b, c2, d] => Ok((*a, *b, *c2, *d)),
+        s => bail!("KV cache tensor must be (blocks, kv_heads, block_size, head_dim), got {s:?}"),
+    }
+}
+
+thread_local! {
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static KROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// out[..T] (T, H·D) = attention of q (T, H·D) over the paged caches.
+pub fn paged_attention(dev: &Device, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttnMeta, out: &mut Tensor, heads: usize) -> Result<()> {
+    let (_nb, hkv, bs, d) = cache_dims(k_cache)?;
+    if bs != meta.block_size {
+        bail!("paged_attention: cache block size {bs} != metadata block size {}", meta.block_size);
+    }
+    if heads % hkv != 0 {
+        bail!("paged_attention: {heads} query heads not a multiple of {hkv} KV heads");
+    }
+    let t_rows = meta.num_tokens;
+    check_rows(q, t_rows, heads * d, "attention queries")?;
+    check_rows(out, t_rows, heads * d, "attention output")?;
+    match dev {
+        Device::Cpu(dv) => {
+            let qs = q.f32s()?;
+            let qst = &meta.q_start.u32s()?[..meta.num_seqs + 1];
+            let ctx = &meta.ctx_len.u32s()?[..meta.num_seqs];
+            let bt = meta.block_tables.u32s()?;
+            let (kc, vc) = (Kv::of(k_cache)?, Kv::of(v_cache)?);
+            let os = out.f32s_mut()?;
+            let groups = heads / hkv;
+            let scale = 1.0 / (d as f32).sqrt();
+            let maxb = meta.max_blocks;
+            dv.install(|| {
+                os[..t_rows * heads * d]
+                    .par_chunks_mut(groups * d)
+                    .enumerate()
+                    .for_each(|(item, o)| {
+                        let (t, kvh) = (item / hkv, item % hkv);
+                        // Sequence of row t: last s with q_start[s] <= t.
+                        let s = qst.partition_point(|&x| x as usize <= t) - 1;
+                        let q_len = (qst[s + 1] - qst[s]) as usize;
+                        let pos = ctx[s] as usize - q_len + (t - qst[s] as usize);
+                        let n = pos + 1;
+                        let table = &bt[s * maxb..(s + 1) * maxb];
+                        let slot = |j: usize| ((table[j / bs] as usize * hkv + kvh) * bs + j % bs) * d;
+                        SCORES.with(|sc| {
+                            KROW.with(|kr| {
+                                let (mut sc, mut kr) = (sc.borrow_mut(), kr.borrow_mut());
+                                if sc.len() < groups * n {
+                                    sc.resize(groups * n, 0.0);
+                                }
+                                if kr.len() < d {
+                                    kr.resize(d, 0.0);
+                                }
+                                let qrow = &qs[t * heads * d + kvh * groups * d..t * heads * d + (kvh + 1) * groups * d];
+                                for j in 0..n {
+                                    kc.read(slot(j), &mut kr[..d]);
+                                    for g in 0..groups {
+                                        let qg = &qrow[g * d..(g + 1) * d];
+                                        let dot: f32 = qg.iter().zip(&kr[..d]).map(|(a, b)| a * b).sum();
+                                        sc[g * n + j] = dot * scale;
+                                    }
+                                }
+                                for g in 0..groups {
+                                    let row = &mut sc[g * n..(g + 1) * n];
+                                    let mx = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                                    let mut sum = 0.0f32;
+                                    for x in row.iter_mut() {
+                                        *x = (*x - mx).exp();
+                                        sum += *x;
+                                    }
+                                    let inv = 1.0 / sum;
+                                    for x in row.iter_mut() {
+                                        *x *= inv;
+                                    }
+                                }
+                                o.fill(0.0);
+                                for j in 0..n {
+                                    vc.read(slot(j), &mut kr[..d]);
+                                    for g in 0..groups {
+                                        let p = sc[g * n + j];
+                                        for (a, b) in o[g * d..(g + 1) * d].iter_mut().zip(&kr[..d]) {
+                                            *a += p * b;
+                                        }
+                                    }
+                                }
+                            })
+                        });
+                    })
+            });
+            Ok(())
+        }
+        Device::Cuda(c) => cuda::ops::paged_attention(c, q, k_cache, v_cache, meta, out, heads),
+    }
+}
+
+/// A read-only view of a CPU cache tensor.
+#[derive(Clone, Copy)]
+enum Kv<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+impl<'a> Kv<'a> {
+    fn of(t: &'a Tensor) -> Result<Kv<'a>> {
+        Ok(match t.cpu()? {
+            CpuStorage::F32(v) => Kv::F32(v),
+            CpuStorage::BF16(v) => Kv::BF16(v),
+            CpuStorage::F16(v) => Kv::F16(v),
+            _ => bail!("KV cache storage must be f32, bf16 or f16"),
+        })
+    }
+    #[inline]
+    fn read(&self, at: usize, out: &mut [f32]) {
+        let n = out.len();
+        match self {
+            Kv::F32(v) => out.copy_from_slice(&v[at..at + n]),
+            Kv::BF16(v) => {
+                for (o, x) in out.iter_mut().zip(&v[at..at + n]) {
+                    *o = x.to_f32();
+                }
+            }
+            Kv::F16(v) => {
+                for (o, x) in out.iter_mut().zip(&v[at..at + n]) {
+                    *o = x.to_f32();
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,34 @@
+//! Ops: one public function per op, taking a [`Device`] and tensors, dispatching to a CPU twin
+//! (in this directory) or a CUDA twin (`crate::device::cuda::ops`) with the same signature.
+//!
+//! Conventions (llm.c style): buffers are allocated once at their maximum size and ops take the
+//! number of active rows `m` explicitly; every tensor's logical shape is written next to it.
+//! CPU activations are f32; weights may be f32, bf16 or f16. Owns no state. May call
+//! `crate::device`. Must not: allocate in steady state (scratch is thread-local and reused).
+
+pub mod attention;
+pub mod elementwise;
+pub mod gemm_cpu;
+pub mod logprob;
+pub mod matmul;
+pub mod norm;
+pub mod rope;
+pub mod sample;
+
+use crate::device::Tensor;
+use anyhow::{bail, Result};
+
+/// Checks that `t` holds at least `rows` rows of `cols` values (its last dimension is `cols`).
+pub(crate) fn check_rows(t: &Tensor, rows: usize, cols: usize, what: &str) -> Result<()> {
+    let shape = t.shape();
+    let last = shape.last().copied().unwrap_or(1);
+    if last != cols || t.numel() < rows * cols {
+        bail!("{what}: tensor of shape {shape:?} cannot hold {rows} rows of {cols}");
+    }
+    Ok(())
+}
+
+/// Minimum rows per rayon task for row-wise ops (keeps tiny batches on one thread).
+pub(crate) fn rows_per_task(cols: usize) -> usize {
+    (16384 / cols.max(1)).max(1)
+}

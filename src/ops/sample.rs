@@ -1,0 +1,177 @@
+//! Sampling one token per row from temperature-scaled logits with optional top-k and top-p
+//! truncation, with Philox uniforms keyed by (seed, request, sample, position) so that the
+//! drawn token is a pure function of the logits and the key.
+//!
+//! The returned log-prob is the log-probability of the drawn token under the distribution it
+//! was actually drawn from: softmax(z/T) restricted to the kept set and renormalized. With no
+//! truncation this is exactly `log_softmax(z/T)[y]`, the value the trainer recomputes.
+//! Greedy (T = 0) is the one exception: a point mass carries no information, so it reports
+//! `log_softmax(z)[y]` at T = 1, like other engines' greedy log-probs.
+//!
+//! Order of operations (as transformers and vLLM): scale by 1/T, then top-k, then top-p on the
+//! renormalized top-k distribution (the smallest prefix of the sorted candidates whose mass
+//! reaches top_p, at least one token), then inverse-CDF sampling over the kept tokens in
+//! descending-probability order (ties: lower token id first). Without truncation the CDF runs
+//! over the vocabulary in token-id order.
+
+use super::logprob::row_log_normalizer;
+use crate::device::{cuda, Device, Tensor};
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SampleParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 disables top-k.
+    pub top_k: u32,
+    /// 1 disables top-p; must be in (0, 1].
+    pub top_p: f32,
+    pub seed: u64,
+    pub request: u64,
+    pub sample: u32,
+    /// Position of the token being drawn (its index in prompt + response).
+    pub position: u32,
+}
+
+impl SampleParams {
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature >= 0.0) || !self.temperature.is_finite() {
+            bail!("temperature must be a finite number >= 0, got {}", self.temperature);
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            bail!("top_p must be in (0, 1], got {}", self.top_p);
+        }
+        Ok(())
+    }
+}
+
+thread_local! {
+    static IDX: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Draws tokens[i], logprobs[i] from row i of logits (S, V) with params[i].
+pub fn sample(dev: &Device, logits: &Tensor, params: &[SampleParams], tokens: &mut [u32], logprobs: &mut [f32]) -> Result<()> {
+    let s = params.len();
+    let v = logits.dim(logits.shape().len() - 1);
+    super::check_rows(logits, s, v, "sample logits")?;
+    if tokens.len() < s || logprobs.len() < s {
+        bail!("sample: output slices shorter than the {s} rows");
+    }
+    for p in params {
+        p.validate()?;
+    }
+    match dev {
+        Device::Cpu(d) => {
+            let z = logits.f32s()?;
+            d.install(|| {
+                tokens[..s]
+                    .par_iter_mut()
+                    .zip(logprobs[..s].par_iter_mut())
+                    .enumerate()
+                    .for_each(|(i, (t, lp))| {
+                        let (tok, l) = sample_row(&z[i * v..(i + 1) * v], &params[i]);
+                        *t = tok;
+                        *lp = l;
+                    })
+            });
+            Ok(())
+        }
+        Device::Cuda(c) => cuda::ops::sample(c, logits, params, tokens, logprobs),
+    }
+}
+
+/// The CPU reference of one row (also used by tests as the spec).
+pub fn sample_row(z: &[f32], p: &SampleParams) -> (u32, f32) {
+    let v = z.len();
+    if p.temperature == 0.0 {
+        let mut best = 0usize;
+        for (i, &x) in z.iter().enumerate() {
+            if x > z[best] {
+                best = i;
+            }
+        }
+        let (mx, lse) = row_log_normalizer(z, 1.0);
+        return (best as u32, ((z[best] - mx) as f64 - lse) as f32);
+    }
+    let t = p.temperature;
+    let u = crate::rand::sampling_uniform(p.seed, p.request, p.sample, p.position);
+    let (mx, lse_full) = row_log_normalizer(z, t);
+    let w = |i: usize| ((z[i] / t) - mx).exp() as f64;
+    let truncate_k = p.top_k > 0 && (p.top_k as usize) < v;
+    if !truncate_k && p.top_p >= 1.0 {
+        let total = lse_full.exp();
+        let target = u * total;
+        let mut acc = 0.0f64;
+        let mut last_nonzero = 0usize;
+        for i in 0..v {
+            let wi = w(i);
+            if wi > 0.0 {
+                last_nonzero = i;
+            }
+            acc += wi;
+            if acc > target {
+                return (i as u32, ((z[i] / t - mx) as f64 - lse_full) as f32);
+            }
+        }
+        let i = last_nonzero;
+        return (i as u32, ((z[i] / t - mx) as f64 - lse_full) as f32);
+    }
+    IDX.with(|idx| {
+        let mut idx = idx.borrow_mut();
+        idx.clear();
+        idx.extend(0..v as u32);
+        // Descending score, ties by ascending id: a total order, so the kept set is unique.
+        let cmp = |a: &u32, b: &u32| z[*b as usize].total_cmp(&z[*a as usize]).then(a.cmp(b));
+        let k = if truncate_k { p.top_k as usize } else { v };
+        // Mass the kept prefix must reach: top_p of the top-k candidates' total.
+        let mut n = if truncate_k { k } else { 64.min(v) };
+        let kept;
+        let mut kept_sum;
+        loop {
+            if n < v {
+                idx.select_nth_unstable_by(n - 1, cmp);
+            }
+            idx[..n].sort_unstable_by(cmp);
+            let cand_total: f64 = if truncate_k { idx[..k].iter().map(|&i| w(i as usize)).sum() } else { lse_full.exp() };
+            let goal = p.top_p as f64 * cand_total;
+            kept_sum = 0.0;
+            let mut found = None;
+            for (j, &i) in idx[..n].iter().enumerate() {
+                kept_sum += w(i as usize);
+                if kept_sum >= goal || (p.top_p >= 1.0 && j + 1 == n) {
+                    found = Some(j + 1);
+                    break;
+                }
+            }
+            match found {
+                Some(c) => {
+                    kept = c;
+                    break;
+                }
+                None if n >= k => {
+                    // Rounding left the mass just short of the goal: keep every candidate.
+                    kept = n;
+                    break;
+                }
+                None => n = (n * 4).min(k),
+            }
+        }
+        let target = u * kept_sum;
+        let mut acc = 0.0f64;
+        let mut pick = idx[0] as usize;
+        for &i in &idx[..kept] {
+            let wi = w(i as usize);
+            if wi > 0.0 {
+                pick = i as usize;
+            }
+            acc += wi;
+            if acc > target {
+                pick = i as usize;
+                break;
+            }
+        }
+        (pick as u32, ((z[pick] / t - mx) as f64 - kept_sum.ln()) as f32)
+    })
+}

@@ -1,0 +1,121 @@
+//! Helpers shared by the integration tests: fixture readers and a direct forward pass.
+#![allow(dead_code)] // each test binary uses a different subset of these helpers
+
+use colotrain::device::{DType, Device};
+use colotrain::engine::kv_cache::KvCache;
+use colotrain::model::{ForwardBuffers, LoadedModel, Transformer};
+use std::path::{Path, PathBuf};
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+pub const FIXTURE_MODELS: [&str; 3] = ["llama_gqa", "qwen2_tied_sharded", "qwen3_headdim"];
+
+/// A reference tensor file written by scripts/make_fixtures.py.
+pub struct Ref {
+    bytes: Vec<u8>,
+}
+
+impl Ref {
+    pub fn open(path: &Path) -> Ref {
+        Ref { bytes: std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())) }
+    }
+    fn view(&self, name: &str) -> (Vec<usize>, safetensors::Dtype, Vec<u8>) {
+        let st = safetensors::SafeTensors::deserialize(&self.bytes).expect("valid fixture");
+        let v = st.tensor(name).unwrap_or_else(|e| panic!("fixture tensor {name}: {e}"));
+        (v.shape().to_vec(), v.dtype(), v.data().to_vec())
+    }
+    pub fn f32(&self, name: &str) -> (Vec<usize>, Vec<f32>) {
+        let (s, dt, b) = self.view(name);
+        assert_eq!(dt, safetensors::Dtype::F32, "{name}");
+        (s, b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+    pub fn i64(&self, name: &str) -> (Vec<usize>, Vec<i64>) {
+        let (s, dt, b) = self.view(name);
+        assert_eq!(dt, safetensors::Dtype::I64, "{name}");
+        (s, b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect())
+    }
+    pub fn u32s(&self, name: &str) -> (Vec<usize>, Vec<u32>) {
+        let (s, v) = self.i64(name);
+        (s, v.into_iter().map(|x| x as u32).collect())
+    }
+}
+
+pub fn load_fixture(name: &str, dev: &Device, dtype: DType) -> LoadedModel {
+    LoadedModel::load(&fixtures().join("models").join(name), dev, dtype).expect("fixture model loads")
+}
+
+/// Logits (T, V) of every position of one sequence, through the engine's forward path with a
+/// fresh paged cache (prefill in chunks of `chunk` tokens).
+pub fn full_logits(dev: &Device, lm: &LoadedModel, ids: &[u32], chunk: usize) -> Vec<f32> {
+    let cfg = &lm.cfg;
+    let bs = 16;
+    let nblocks = ids.len().div_ceil(bs);
+    let mut cache = KvCache::new(dev, cfg, bs, nblocks, DType::F32).unwrap();
+    let t = Transformer::new(dev, cfg.clone()).unwrap();
+    let mut b = ForwardBuffers::new(dev, cfg, chunk, chunk, 1, nblocks, bs).unwrap();
+    let table: Vec<u32> = (0..nblocks as u32).collect();
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < ids.len() {
+        let n = chunk.min(ids.len() - start);
+        let pos: Vec<u32> = (start as u32..(start + n) as u32).collect();
+        b.ids.write_u32(&ids[start..start + n]).unwrap();
+        b.positions.write_u32(&pos).unwrap();
+        b.meta.slot_mapping.write_u32(&pos).unwrap();
+        b.meta.q_start.write_u32(&[0, n as u32]).unwrap();
+        b.meta.ctx_len.write_u32(&[(start + n) as u32]).unwrap();
+        b.meta.block_tables.write_u32(&table).unwrap();
+        b.meta.num_seqs = 1;
+        b.meta.num_tokens = n;
+        t.forward(dev, &lm.weights, &mut b, &mut cache.layers).unwrap();
+        let sel: Vec<u32> = (0..n as u32).collect();
+        b.sel.write_u32(&sel).unwrap();
+        t.logits(dev, &lm.weights, &mut b, n).unwrap();
+        let l = b.logits.to_f32_vec().unwrap();
+        out.extend_from_slice(&l[..n * cfg.vocab_size]);
+        start += n;
+    }
+    out
+}
+
+/// Asserts |a − b| ≤ atol + rtol·|b| elementwise, reporting the worst offender.
+pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f64, rtol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = (0usize, 0.0f64);
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        let (a, b) = (*a as f64, *b as f64);
+        let excess = (a - b).abs() - (atol + rtol * b.abs());
+        if !(excess <= worst.1) || a.is_nan() {
+            worst = (i, excess);
+        }
+        assert!(a.is_finite(), "{what}[{i}] = {a} is not finite");
+    }
+    let (i, e) = worst;
+    assert!(e <= 0.0, "{what}[{i}]: got {} want {} (|diff| exceeds atol {atol} + rtol {rtol}·|ref| by {e:e})", got[i], want[i]);
+}
+
+/// A temporary directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!(
+            "colotrain-test-{tag}-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
