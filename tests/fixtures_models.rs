@@ -27,7 +27,13 @@ fn logits_match_transformers() {
             for chunk in [t, 7] {
                 let got = full_logits(&dev, &lm, &ids[row * t..(row + 1) * t], chunk);
                 // f32 vs f32 with different summation orders: logits are O(1..10).
-                assert_close(&format!("{name} row {row} chunk {chunk} logits"), &got, &want[row * t * v..(row + 1) * t * v], 1e-4, 1e-4);
+                assert_close(
+                    &format!("{name} row {row} chunk {chunk} logits"),
+                    &got,
+                    &want[row * t * v..(row + 1) * t * v],
+                    1e-4,
+                    1e-4,
+                );
             }
         }
     }
@@ -43,17 +49,25 @@ fn score_logprobs_match_transformers() {
         let (_, want) = r.f32("logprobs");
         let t = shape[1];
         // Small step budget: prefill of both sequences is split across steps and batched.
-        let mut e = engine_for(&lm, &dev, EngineConfig { max_tokens_per_step: 10, logits_rows: 5, ..Default::default() });
+        let mut e =
+            engine_for(&lm, &dev, EngineConfig { max_tokens_per_step: 10, logits_rows: 5, ..Default::default() });
         let sampling = Arc::new(SamplingConfig { max_new_tokens: 0, ..Default::default() });
         for row in 0..shape[0] {
             let prompt = ids[row * t..(row + 1) * t].to_vec();
-            e.add(Request { id: row as u64, sample: 0, prompt, sampling: sampling.clone(), prompt_logprobs: true }).unwrap();
+            e.add(Request { id: row as u64, sample: 0, prompt, sampling: sampling.clone(), prompt_logprobs: true })
+                .unwrap();
         }
         let done = e.run_to_completion(&lm.weights, |_| {}).unwrap();
         assert_eq!(done.len(), shape[0]);
         for (row, c) in done.iter().enumerate() {
             assert_eq!(c.prompt_logprobs.len(), t - 1);
-            assert_close(&format!("{name} row {row} logprobs"), &c.prompt_logprobs, &want[row * (t - 1)..(row + 1) * (t - 1)], 2e-4, 0.0);
+            assert_close(
+                &format!("{name} row {row} logprobs"),
+                &c.prompt_logprobs,
+                &want[row * (t - 1)..(row + 1) * (t - 1)],
+                2e-4,
+                0.0,
+            );
         }
     }
 }
@@ -66,15 +80,35 @@ fn greedy_continuations_match_transformers_exactly() {
         let r = Ref::open(&fixtures().join("ref").join(format!("{name}.safetensors")));
         let (_, prompt) = r.u32s("greedy_prompt");
         let (_, want) = r.u32s("greedy_tokens");
-        let sampling = Arc::new(SamplingConfig { temperature: 0.0, max_new_tokens: want.len(), ignore_eos: true, ..Default::default() });
+        let sampling = Arc::new(SamplingConfig {
+            temperature: 0.0,
+            max_new_tokens: want.len(),
+            ignore_eos: true,
+            ..Default::default()
+        });
         // Alone, and in a batch with other prompts (different lengths, joining at once).
         for others in [0usize, 5] {
             let mut e = engine_for(&lm, &dev, EngineConfig::default());
             for k in 0..others {
-                let p: Vec<u32> = (0..(3 + 2 * k) as u32).map(|x| (x * 7 + k as u32) % lm.cfg.vocab_size as u32).collect();
-                e.add(Request { id: 100 + k as u64, sample: 0, prompt: p, sampling: sampling.clone(), prompt_logprobs: false }).unwrap();
+                let p: Vec<u32> =
+                    (0..(3 + 2 * k) as u32).map(|x| (x * 7 + k as u32) % lm.cfg.vocab_size as u32).collect();
+                e.add(Request {
+                    id: 100 + k as u64,
+                    sample: 0,
+                    prompt: p,
+                    sampling: sampling.clone(),
+                    prompt_logprobs: false,
+                })
+                .unwrap();
             }
-            e.add(Request { id: 0, sample: 0, prompt: prompt.clone(), sampling: sampling.clone(), prompt_logprobs: false }).unwrap();
+            e.add(Request {
+                id: 0,
+                sample: 0,
+                prompt: prompt.clone(),
+                sampling: sampling.clone(),
+                prompt_logprobs: false,
+            })
+            .unwrap();
             let done = e.run_to_completion(&lm.weights, |_| {}).unwrap();
             let c = done.iter().find(|c| c.id == 0).unwrap();
             assert_eq!(c.tokens, want, "{name} with {others} other sequences");

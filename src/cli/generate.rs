@@ -77,7 +77,13 @@ pub fn run(a: Args) -> Result<()> {
     for (i, p) in prompts.iter().enumerate() {
         let ids = encode_prompt(p, lm.text.as_deref(), a.chat, &a.prompts)?;
         for s in 0..a.n {
-            let req = Request { id: i as u64, sample: s, prompt: ids.clone(), sampling: sampling.clone(), prompt_logprobs: false };
+            let req = Request {
+                id: i as u64,
+                sample: s,
+                prompt: ids.clone(),
+                sampling: sampling.clone(),
+                prompt_logprobs: false,
+            };
             engine.add(req).map_err(|e| anyhow::anyhow!("{}:{}: {e:#}", a.prompts.display(), p.line))?;
         }
     }

@@ -67,7 +67,12 @@ pub fn tiny_config(a: &Args) -> Result<ModelConfig> {
     let rope = match arch {
         Arch::Llama => Rope {
             theta: 500000.0,
-            scaling: RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 256.0 },
+            scaling: RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 256.0,
+            },
         },
         _ => Rope { theta: 1_000_000.0, scaling: RopeScaling::None },
     };
@@ -99,7 +104,8 @@ pub fn tiny_config(a: &Args) -> Result<ModelConfig> {
 /// Fails unless `dir` is absent or an empty directory; then creates it.
 pub fn prepare_empty_dir(dir: &Path) -> Result<()> {
     if dir.exists() {
-        let mut it = std::fs::read_dir(dir).with_context(|| format!("{} exists and is not a readable directory", dir.display()))?;
+        let mut it = std::fs::read_dir(dir)
+            .with_context(|| format!("{} exists and is not a readable directory", dir.display()))?;
         if it.next().is_some() {
             bail!("{} already exists and is not empty; refusing to overwrite it", dir.display());
         }
@@ -116,7 +122,10 @@ pub fn write_model_dir(dir: &Path, cfg: &ModelConfig, w: &ModelWeights, dtype: D
         other => bail!("cannot store weights as {}", other.name()),
     };
     w.save(cfg, dir, dtype)?;
-    crate::util::write_atomic(&dir.join("config.json"), serde_json::to_string_pretty(&cfg.to_hf_json(torch))?.as_bytes())?;
+    crate::util::write_atomic(
+        &dir.join("config.json"),
+        serde_json::to_string_pretty(&cfg.to_hf_json(torch))?.as_bytes(),
+    )?;
     tokenizer::write_tiny_text_files(dir)
 }
 

@@ -37,7 +37,11 @@ pub fn run(a: Args) -> Result<()> {
         if cfg.qkv_bias { ", qkv bias" } else { "" },
         if cfg.qk_norm { ", q/k norm" } else { "" }
     );
-    println!("vocab        {} (embeddings {})", cfg.vocab_size, if cfg.tie_word_embeddings { "tied" } else { "untied" });
+    println!(
+        "vocab        {} (embeddings {})",
+        cfg.vocab_size,
+        if cfg.tie_word_embeddings { "tied" } else { "untied" }
+    );
     println!("rope         theta {} {:?}", cfg.rope.theta, cfg.rope.scaling);
     println!("max length   {}", cfg.max_position_embeddings);
     println!("parameters   {} ({:.3} B)", n, n as f64 / 1e9);

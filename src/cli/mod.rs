@@ -13,7 +13,11 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "colotrain", version, about = "On-policy post-training of LLMs on one node: decoding, scoring, distillation and RL")]
+#[command(
+    name = "colotrain",
+    version,
+    about = "On-policy post-training of LLMs on one node: decoding, scoring, distillation and RL"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -87,7 +91,8 @@ impl EngineArgs {
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("COLOTRAIN_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    let _ =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
 }
 
 /// Runs the command line; returns the process exit code.

@@ -37,14 +37,19 @@ pub fn run(a: Args) -> Result<()> {
     let mut prompt_lens = Vec::new();
     for (i, (line, v)) in lines.iter().enumerate() {
         let ctx = || format!("{}:{line}", a.input.display());
-        let toks = parse_tokens(v.get("tokens").with_context(|| format!("{}: missing field 'tokens'", ctx()))?, lm.cfg.vocab_size, &ctx)?;
+        let toks = parse_tokens(
+            v.get("tokens").with_context(|| format!("{}: missing field 'tokens'", ctx()))?,
+            lm.cfg.vocab_size,
+            &ctx,
+        )?;
         if toks.len() < 2 {
             bail!("{}: need at least 2 tokens to score, got {}", ctx(), toks.len());
         }
         let pl = match v.get("prompt_len") {
             None | Some(serde_json::Value::Null) => None,
             Some(p) => {
-                let p = p.as_u64().with_context(|| format!("{}: 'prompt_len' must be a non-negative integer", ctx()))? as usize;
+                let p = p.as_u64().with_context(|| format!("{}: 'prompt_len' must be a non-negative integer", ctx()))?
+                    as usize;
                 if p == 0 || p > toks.len() {
                     bail!("{}: prompt_len {p} must be in 1..={}", ctx(), toks.len());
                 }

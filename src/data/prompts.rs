@@ -27,9 +27,7 @@ pub fn parse_tokens(v: &Value, vocab: usize, ctx: &dyn Fn() -> String) -> Result
     let arr = v.as_array().with_context(|| format!("{}: 'tokens' must be a list of integers", ctx()))?;
     let mut out = Vec::with_capacity(arr.len());
     for (i, t) in arr.iter().enumerate() {
-        let id = t
-            .as_u64()
-            .with_context(|| format!("{}: tokens[{i}] = {t} is not a non-negative integer", ctx()))?;
+        let id = t.as_u64().with_context(|| format!("{}: tokens[{i}] = {t} is not a non-negative integer", ctx()))?;
         if id as usize >= vocab {
             bail!("{}: tokens[{i}] = {id} is out of vocabulary (size {vocab})", ctx());
         }

@@ -22,23 +22,17 @@ impl CpuDevice {
     /// `threads == 0` uses every available core. `cores`, when given, pins worker i to
     /// `cores[i % cores.len()]`.
     pub fn new(threads: usize, cores: Option<Vec<core_affinity::CoreId>>) -> Result<CpuDevice> {
-        let threads = if threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-        } else {
-            threads
-        };
-        let mut b = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("colotrain-cpu-{i}"));
+        let threads =
+            if threads == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { threads };
+        let mut b = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|i| format!("colotrain-cpu-{i}"));
         if let Some(cores) = cores.filter(|c| !c.is_empty()) {
             b = b.start_handler(move |i| {
                 // Pinning is best effort: a refused pin only costs locality.
                 let _ = core_affinity::set_for_current(cores[i % cores.len()]);
             });
         }
-        let pool = b
-            .build()
-            .map_err(|e| anyhow::anyhow!("cannot start a CPU thread pool of {threads} threads: {e}"))?;
+        let pool =
+            b.build().map_err(|e| anyhow::anyhow!("cannot start a CPU thread pool of {threads} threads: {e}"))?;
         Ok(CpuDevice { pool: Arc::new(pool), threads })
     }
 
@@ -48,5 +42,10 @@ impl CpuDevice {
 
     pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+
+    /// Runs `f` once on every thread of the pool (used to size thread-local scratch up front).
+    pub fn broadcast(&self, f: impl Fn() + Sync) {
+        self.pool.broadcast(|_| f());
     }
 }

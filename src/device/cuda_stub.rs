@@ -62,19 +62,49 @@ pub mod ops {
     use crate::ops::sample::SampleParams;
     use anyhow::Result;
 
-    pub fn linear(d: &CudaDevice, _x: &Tensor, _w: &Tensor, _b: Option<&Tensor>, _y: &mut Tensor, _m: usize, _acc: bool) -> Result<()> {
+    pub fn linear(
+        d: &CudaDevice,
+        _x: &Tensor,
+        _w: &Tensor,
+        _b: Option<&Tensor>,
+        _y: &mut Tensor,
+        _m: usize,
+        _acc: bool,
+    ) -> Result<()> {
         match *d {}
     }
     pub fn rmsnorm(d: &CudaDevice, _x: &Tensor, _w: &Tensor, _eps: f32, _y: &mut Tensor, _m: usize) -> Result<()> {
         match *d {}
     }
-    pub fn add_rmsnorm(d: &CudaDevice, _x: &mut Tensor, _r: &Tensor, _w: &Tensor, _eps: f32, _y: &mut Tensor, _m: usize) -> Result<()> {
+    pub fn add_rmsnorm(
+        d: &CudaDevice,
+        _x: &mut Tensor,
+        _r: &Tensor,
+        _w: &Tensor,
+        _eps: f32,
+        _y: &mut Tensor,
+        _m: usize,
+    ) -> Result<()> {
         match *d {}
     }
-    pub fn head_rmsnorm(d: &CudaDevice, _x: &mut Tensor, _w: &Tensor, _eps: f32, _m: usize, _heads: usize) -> Result<()> {
+    pub fn head_rmsnorm(
+        d: &CudaDevice,
+        _x: &mut Tensor,
+        _w: &Tensor,
+        _eps: f32,
+        _m: usize,
+        _heads: usize,
+    ) -> Result<()> {
         match *d {}
     }
-    pub fn rope_table(d: &CudaDevice, _p: &Tensor, _f: &Tensor, _c: &mut Tensor, _s: &mut Tensor, _m: usize) -> Result<()> {
+    pub fn rope_table(
+        d: &CudaDevice,
+        _p: &Tensor,
+        _f: &Tensor,
+        _c: &mut Tensor,
+        _s: &mut Tensor,
+        _m: usize,
+    ) -> Result<()> {
         match *d {}
     }
     pub fn rope(d: &CudaDevice, _x: &mut Tensor, _c: &Tensor, _s: &Tensor, _m: usize, _heads: usize) -> Result<()> {
@@ -89,13 +119,35 @@ pub mod ops {
     pub fn gather_rows(d: &CudaDevice, _s: &Tensor, _i: &Tensor, _o: &mut Tensor, _r: usize) -> Result<()> {
         match *d {}
     }
-    pub fn kv_write(d: &CudaDevice, _k: &Tensor, _v: &Tensor, _kc: &mut Tensor, _vc: &mut Tensor, _m: &AttnMeta) -> Result<()> {
+    pub fn kv_write(
+        d: &CudaDevice,
+        _k: &Tensor,
+        _v: &Tensor,
+        _kc: &mut Tensor,
+        _vc: &mut Tensor,
+        _m: &AttnMeta,
+    ) -> Result<()> {
         match *d {}
     }
-    pub fn paged_attention(d: &CudaDevice, _q: &Tensor, _kc: &Tensor, _vc: &Tensor, _m: &AttnMeta, _o: &mut Tensor, _h: usize) -> Result<()> {
+    pub fn paged_attention(
+        d: &CudaDevice,
+        _q: &Tensor,
+        _kc: &Tensor,
+        _vc: &Tensor,
+        _m: &AttnMeta,
+        _o: &mut Tensor,
+        _h: usize,
+    ) -> Result<()> {
         match *d {}
     }
-    pub fn log_softmax_gather(d: &CudaDevice, _z: &Tensor, _y: &Tensor, _t: f32, _o: &mut Tensor, _m: usize) -> Result<()> {
+    pub fn log_softmax_gather(
+        d: &CudaDevice,
+        _z: &Tensor,
+        _y: &Tensor,
+        _t: f32,
+        _o: &mut Tensor,
+        _m: usize,
+    ) -> Result<()> {
         match *d {}
     }
     pub fn sample(d: &CudaDevice, _z: &Tensor, _p: &[SampleParams], _t: &mut [u32], _l: &mut [f32]) -> Result<()> {

@@ -42,18 +42,16 @@ impl Device {
             return Device::cpu(0);
         }
         if let Some(n) = spec.strip_prefix("cpu:") {
-            let n: usize = n
-                .parse()
-                .map_err(|_| anyhow::anyhow!("device '{spec}': expected cpu:<threads>, e.g. cpu:4"))?;
+            let n: usize =
+                n.parse().map_err(|_| anyhow::anyhow!("device '{spec}': expected cpu:<threads>, e.g. cpu:4"))?;
             return Device::cpu(n);
         }
         if spec == "cuda" {
             return Device::cuda(0);
         }
         if let Some(k) = spec.strip_prefix("cuda:") {
-            let k: usize = k
-                .parse()
-                .map_err(|_| anyhow::anyhow!("device '{spec}': expected cuda:<ordinal>, e.g. cuda:0"))?;
+            let k: usize =
+                k.parse().map_err(|_| anyhow::anyhow!("device '{spec}': expected cuda:<ordinal>, e.g. cuda:0"))?;
             return Device::cuda(k);
         }
         anyhow::bail!("device '{spec}': expected 'cpu', 'cpu:<threads>', 'cuda' or 'cuda:<ordinal>'")

@@ -12,7 +12,10 @@ mod scheduler;
 
 use crate::device::{DType, Device};
 use crate::model::{ForwardBuffers, ModelConfig, ModelWeights, TextTools, Transformer};
-use crate::ops::{logprob, sample::{self, SampleParams}};
+use crate::ops::{
+    logprob,
+    sample::{self, SampleParams},
+};
 use anyhow::{bail, Result};
 use kv_cache::KvCache;
 use scheduler::{Planned, Scheduler};
@@ -34,14 +37,30 @@ pub struct SamplingConfig {
 
 impl Default for SamplingConfig {
     fn default() -> Self {
-        SamplingConfig { temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 128, stop: Vec::new(), ignore_eos: false, seed: 0 }
+        SamplingConfig {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: 128,
+            stop: Vec::new(),
+            ignore_eos: false,
+            seed: 0,
+        }
     }
 }
 
 impl SamplingConfig {
     pub fn validate(&self) -> Result<()> {
-        SampleParams { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p, seed: 0, request: 0, sample: 0, position: 0 }
-            .validate()
+        SampleParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: 0,
+            request: 0,
+            sample: 0,
+            position: 0,
+        }
+        .validate()
     }
 }
 
@@ -141,6 +160,8 @@ struct Staging {
     ctx_len: Vec<u32>,
     tables: Vec<u32>,
     rows: Vec<(u32, RowUse)>,
+    chunk: Vec<(u32, RowUse)>,
+    plan: Vec<Planned>,
     sel: Vec<u32>,
     targets: Vec<u32>,
     params: Vec<SampleParams>,
@@ -173,7 +194,13 @@ pub struct EngineStats {
 }
 
 impl Engine {
-    pub fn new(dev: &Device, cfg: &ModelConfig, weights_dtype: DType, ec: &EngineConfig, text: Option<Arc<TextTools>>) -> Result<Engine> {
+    pub fn new(
+        dev: &Device,
+        cfg: &ModelConfig,
+        weights_dtype: DType,
+        ec: &EngineConfig,
+        text: Option<Arc<TextTools>>,
+    ) -> Result<Engine> {
         if ec.max_seqs == 0 || ec.max_tokens_per_step == 0 || ec.logits_rows == 0 {
             bail!("engine: max_seqs, max_tokens_per_step and logits_rows must be positive");
         }
@@ -182,17 +209,35 @@ impl Engine {
         let block_bytes = KvCache::block_bytes(cfg, ec.block_size, kv_dtype);
         let max_blocks_per_seq = max_model_len.div_ceil(ec.block_size);
         let useful = ec.max_seqs * max_blocks_per_seq;
-        let num_blocks = ec.kv_blocks.unwrap_or_else(|| (ec.kv_cache_bytes / block_bytes.max(1)).clamp(1, useful.max(1)));
+        let num_blocks =
+            ec.kv_blocks.unwrap_or_else(|| (ec.kv_cache_bytes / block_bytes.max(1)).clamp(1, useful.max(1)));
         let cache = KvCache::new(dev, cfg, ec.block_size, num_blocks, kv_dtype)?;
         let max_model_len = max_model_len.min(cache.capacity_tokens());
         let max_blocks = max_model_len.div_ceil(ec.block_size);
-        let bufs = ForwardBuffers::new(dev, cfg, ec.max_tokens_per_step, ec.logits_rows, ec.max_seqs, max_blocks, ec.block_size)?;
+        let bufs = ForwardBuffers::new(
+            dev,
+            cfg,
+            ec.max_tokens_per_step,
+            ec.logits_rows,
+            ec.max_seqs,
+            max_blocks,
+            ec.block_size,
+        )?;
+        crate::ops::reserve_scratch(
+            dev,
+            crate::ops::ScratchSizes {
+                max_k: cfg.hidden_size.max(cfg.intermediate_size).max(cfg.q_dim()),
+                attn_groups: cfg.num_heads / cfg.num_kv_heads,
+                head_dim: cfg.head_dim,
+                vocab: cfg.vocab_size,
+            },
+        );
         Ok(Engine {
             dev: dev.clone(),
             model: Transformer::new(dev, cfg.clone())?,
             cache,
             bufs,
-            sched: Scheduler::new(ec.max_seqs, ec.max_tokens_per_step),
+            sched: Scheduler::new(ec.max_seqs, ec.max_tokens_per_step, ec.block_size),
             st: Staging::default(),
             targets: dev.zeros(DType::U32, &[ec.logits_rows])?,
             lp_out: dev.zeros(DType::F32, &[ec.logits_rows])?,
@@ -223,7 +268,9 @@ impl Engine {
             bail!("request {}: token id {t} is outside the vocabulary (size {v})", req.id);
         }
         let total = req.prompt.len() + req.sampling.max_new_tokens;
-        if req.prompt.len() > self.max_model_len || (req.sampling.max_new_tokens > 0 && req.prompt.len() >= self.max_model_len) {
+        if req.prompt.len() > self.max_model_len
+            || (req.sampling.max_new_tokens > 0 && req.prompt.len() >= self.max_model_len)
+        {
             bail!(
                 "request {}: prompt of {} tokens does not fit the engine's maximum length {} (prompt + {} new tokens = {total})",
                 req.id,
@@ -248,8 +295,19 @@ impl Engine {
     }
 
     /// Runs one engine step with `w` and returns the sequences that finished in it.
+    ///
+    /// Steps run inside the device's thread pool (see [`Engine::run_to_completion`] and
+    /// `Device::install`) allocate nothing once every running sequence is admitted.
     pub fn step(&mut self, w: &ModelWeights) -> Result<Vec<Completion>> {
-        let plan = self.sched.schedule(&mut self.cache)?;
+        let mut plan = std::mem::take(&mut self.st.plan);
+        let r = self.step_with(w, &mut plan);
+        self.st.plan = plan;
+        r
+    }
+
+    fn step_with(&mut self, w: &ModelWeights, plan: &mut Vec<Planned>) -> Result<Vec<Completion>> {
+        self.sched.schedule(&mut self.cache, plan)?;
+        let plan = &plan[..];
         self.stats.preemptions = self.sched.preemptions;
         if plan.is_empty() {
             if self.sched.is_empty() {
@@ -257,7 +315,7 @@ impl Engine {
             }
             bail!("engine: nothing could be scheduled (cache of {} blocks all in use)", self.cache.num_blocks);
         }
-        self.build_batch(&plan)?;
+        self.build_batch(plan)?;
         let m = self.st.ids.len();
         self.bufs.ids.write_u32(&self.st.ids)?;
         self.bufs.positions.write_u32(&self.st.positions)?;
@@ -270,7 +328,7 @@ impl Engine {
         self.model.forward(&self.dev, w, &mut self.bufs, &mut self.cache.layers)?;
         self.stats.steps += 1;
         self.stats.tokens_forwarded += m as u64;
-        for p in &plan {
+        for p in plan {
             self.sched.running[p.index].computed = p.start + p.n;
         }
         self.run_rows(w)?;
@@ -315,28 +373,30 @@ impl Engine {
         Ok(())
     }
 
-    /// Computes the logits of the step's scored and sampled rows, chunk by chunk.
+    /// Computes the logits of the step's scored and sampled rows, chunk by chunk: score rows
+    /// first, then sample rows, so that each chunk is of one kind.
     fn run_rows(&mut self, w: &ModelWeights) -> Result<()> {
         let cap = self.bufs.cap_rows;
         let rows = std::mem::take(&mut self.st.rows);
-        // Score rows first, then sample rows, so that each chunk is of one kind.
-        let is_score = |r: &&(u32, RowUse)| matches!(r.1, RowUse::Score { .. });
-        let score_rows: Vec<_> = rows.iter().filter(is_score).copied().collect();
-        let sample_rows: Vec<_> = rows.iter().filter(|r| !is_score(r)).copied().collect();
-        for kind in [&score_rows, &sample_rows] {
-            for chunk in kind.chunks(cap) {
-                let r = chunk.len();
+        let mut chunk = std::mem::take(&mut self.st.chunk);
+        for scoring in [true, false] {
+            let mut it = rows.iter().filter(|r| matches!(r.1, RowUse::Score { .. }) == scoring).peekable();
+            while it.peek().is_some() {
+                chunk.clear();
+                chunk.extend(it.by_ref().take(cap).copied());
                 self.st.sel.clear();
                 self.st.sel.extend(chunk.iter().map(|x| x.0));
                 self.bufs.sel.write_u32(&self.st.sel)?;
-                self.model.logits(&self.dev, w, &mut self.bufs, r)?;
-                match chunk[0].1 {
-                    RowUse::Score { .. } => self.score_chunk(chunk)?,
-                    RowUse::Sample { .. } => self.sample_chunk(chunk)?,
+                self.model.logits(&self.dev, w, &mut self.bufs, chunk.len())?;
+                if scoring {
+                    self.score_chunk(&chunk)?;
+                } else {
+                    self.sample_chunk(&chunk)?;
                 }
             }
         }
         self.st.rows = rows;
+        self.st.chunk = chunk;
         Ok(())
     }
 
@@ -468,14 +528,23 @@ impl Engine {
     }
 
     /// Runs every queued request to completion; `on_done` sees each completion as it finishes.
-    pub fn run_to_completion(&mut self, w: &ModelWeights, mut on_done: impl FnMut(&Completion)) -> Result<Vec<Completion>> {
-        let mut out = Vec::new();
-        while self.has_work() {
-            for c in self.step(w)? {
-                on_done(&c);
-                out.push(c);
+    /// The loop runs inside the device's thread pool, so ops do not hop threads per call.
+    pub fn run_to_completion(
+        &mut self,
+        w: &ModelWeights,
+        mut on_done: impl FnMut(&Completion) + Send,
+    ) -> Result<Vec<Completion>> {
+        let dev = self.dev.clone();
+        let mut out = dev.install(|| -> Result<Vec<Completion>> {
+            let mut out = Vec::new();
+            while self.has_work() {
+                for c in self.step(w)? {
+                    on_done(&c);
+                    out.push(c);
+                }
             }
-        }
+            Ok(out)
+        })?;
         out.sort_by_key(|c| (c.id, c.sample));
         Ok(out)
     }

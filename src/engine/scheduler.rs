@@ -47,20 +47,42 @@ pub(crate) struct Scheduler {
     pub running: Vec<Seq>,
     pub max_seqs: usize,
     pub max_tokens: usize,
+    block_size: usize,
     next_order: u64,
     pub preemptions: u64,
 }
 
 impl Scheduler {
-    pub fn new(max_seqs: usize, max_tokens: usize) -> Scheduler {
-        Scheduler { waiting: VecDeque::new(), running: Vec::new(), max_seqs, max_tokens, next_order: 0, preemptions: 0 }
+    pub fn new(max_seqs: usize, max_tokens: usize, block_size: usize) -> Scheduler {
+        Scheduler {
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            max_seqs,
+            max_tokens,
+            block_size,
+            next_order: 0,
+            preemptions: 0,
+        }
     }
 
     pub fn add(&mut self, req: Request) {
-        let tokens = req.prompt.clone();
+        // Reserve the whole response up front: decoding appends without reallocating.
+        let max_new = req.sampling.max_new_tokens;
+        let mut tokens = Vec::with_capacity(req.prompt.len() + max_new);
+        tokens.extend_from_slice(&req.prompt);
         let order = self.next_order;
         self.next_order += 1;
-        self.waiting.push_back(Seq { req, tokens, computed: 0, blocks: Vec::new(), logprobs: Vec::new(), prompt_logprobs: Vec::new(), order });
+        let prompt_logprobs = Vec::with_capacity(if req.prompt_logprobs { req.prompt.len() } else { 0 });
+        let blocks = Vec::with_capacity((req.prompt.len() + max_new).div_ceil(self.block_size) + 1);
+        self.waiting.push_back(Seq {
+            req,
+            tokens,
+            computed: 0,
+            blocks,
+            logprobs: Vec::with_capacity(max_new),
+            prompt_logprobs,
+            order,
+        });
     }
 
     pub fn is_empty(&self) -> bool {
@@ -89,10 +111,11 @@ impl Scheduler {
         self.waiting.push_front(s);
     }
 
-    /// Plans the next step. Returns an empty plan when there is nothing to run.
-    pub fn schedule(&mut self, cache: &mut KvCache) -> Result<Vec<Planned>> {
+    /// Plans the next step into `plan` (cleared first; its capacity is reused). Leaves it
+    /// empty when there is nothing to run.
+    pub fn schedule(&mut self, cache: &mut KvCache, plan: &mut Vec<Planned>) -> Result<()> {
         let mut budget = self.max_tokens;
-        let mut plan = Vec::new();
+        plan.clear();
         // 1. Running sequences, oldest first.
         self.running.sort_by_key(|s| s.order);
         let mut i = 0;
@@ -123,7 +146,7 @@ impl Scheduler {
                 self.preempt(cache, last);
             }
             if preempted_self {
-                return Ok(plan);
+                return Ok(());
             }
             plan.push(Planned { index: i, start: computed, n });
             budget -= n;
@@ -131,7 +154,9 @@ impl Scheduler {
         }
         // 2. Admit waiting sequences.
         while budget > 0 && self.running.len() < self.max_seqs {
-            let Some(mut s) = self.waiting.pop_front() else { break };
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
             let n = (s.tokens.len() - s.computed).min(budget);
             let upto = s.computed + n;
             if !Self::grow(cache, &mut s, upto) {
@@ -143,6 +168,6 @@ impl Scheduler {
             budget -= n;
             self.running.push(s);
         }
-        Ok(plan)
+        Ok(())
     }
 }

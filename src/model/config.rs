@@ -44,9 +44,16 @@ impl Arch {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (equivalently, every frequency divided by it).
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Llama 3.x frequency-dependent scaling.
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -99,25 +106,27 @@ impl<'a> Fields<'a> {
     fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => Ok(Some(as_usize(v).with_context(|| {
-                format!("{}: field '{key}' must be a non-negative integer, got {v}", self.file)
-            })?)),
+            Some(v) => {
+                Ok(Some(as_usize(v).with_context(|| {
+                    format!("{}: field '{key}' must be a non-negative integer, got {v}", self.file)
+                })?))
+            }
         }
     }
     fn f64_opt(&self, key: &str) -> Result<Option<f64>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => Ok(Some(v.as_f64().with_context(|| {
-                format!("{}: field '{key}' must be a number, got {v}", self.file)
-            })?)),
+            Some(v) => {
+                Ok(Some(v.as_f64().with_context(|| format!("{}: field '{key}' must be a number, got {v}", self.file))?))
+            }
         }
     }
     fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => Ok(Some(v.as_bool().with_context(|| {
-                format!("{}: field '{key}' must be true or false, got {v}", self.file)
-            })?)),
+            Some(v) => Ok(Some(
+                v.as_bool().with_context(|| format!("{}: field '{key}' must be true or false, got {v}", self.file))?,
+            )),
         }
     }
 }
@@ -146,14 +155,8 @@ fn parse_rope_block(block: &Map<String, Value>, where_: &str, theta_default: Opt
         Some(t) => t,
         None => theta_default.with_context(|| format!("{where_}: missing 'rope_theta'"))?,
     };
-    let kind = block
-        .get("rope_type")
-        .or_else(|| block.get("type"))
-        .and_then(|v| v.as_str())
-        .unwrap_or("default");
-    let req = |k: &str| -> Result<f64> {
-        num(k)?.with_context(|| format!("{where_}: rope type '{kind}' needs '{k}'"))
-    };
+    let kind = block.get("rope_type").or_else(|| block.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
+    let req = |k: &str| -> Result<f64> { num(k)?.with_context(|| format!("{where_}: rope type '{kind}' needs '{k}'")) };
     let scaling = match kind {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: req("factor")? },
@@ -163,9 +166,7 @@ fn parse_rope_block(block: &Map<String, Value>, where_: &str, theta_default: Opt
             high_freq_factor: req("high_freq_factor")?,
             original_max_position_embeddings: req("original_max_position_embeddings")?,
         },
-        other => bail!(
-            "{where_}: rope type '{other}' is not supported (supported: default, linear, llama3)"
-        ),
+        other => bail!("{where_}: rope type '{other}' is not supported (supported: default, linear, llama3)"),
     };
     if let RopeScaling::Llama3 { low_freq_factor, high_freq_factor, .. } = &scaling {
         if high_freq_factor <= low_freq_factor {
@@ -268,11 +269,7 @@ impl ModelConfig {
             qk_norm: arch == Arch::Qwen3,
             bos_token_id: f.get("bos_token_id").and_then(token_ids).and_then(|v| v.first().copied()),
             eos_token_ids: f.get("eos_token_id").and_then(token_ids).unwrap_or_default(),
-            torch_dtype: f
-                .get("torch_dtype")
-                .or_else(|| f.get("dtype"))
-                .and_then(|d| d.as_str())
-                .map(str::to_string),
+            torch_dtype: f.get("torch_dtype").or_else(|| f.get("dtype")).and_then(|d| d.as_str()).map(str::to_string),
         };
         cfg.validate(file)?;
         Ok(cfg)
@@ -345,13 +342,15 @@ impl ModelConfig {
         let rope_scaling = match &self.rope.scaling {
             RopeScaling::None => Value::Null,
             RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => json!({
-                "rope_type": "llama3",
-                "factor": factor,
-                "low_freq_factor": low_freq_factor,
-                "high_freq_factor": high_freq_factor,
-                "original_max_position_embeddings": *original_max_position_embeddings as u64,
-            }),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                json!({
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor,
+                    "original_max_position_embeddings": *original_max_position_embeddings as u64,
+                })
+            }
         };
         let mut m = json!({
             "architectures": [self.arch.hf_name()],

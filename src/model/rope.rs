@@ -10,9 +10,7 @@ use super::config::{Rope, RopeScaling};
 pub fn inv_freq(rope: &Rope, head_dim: usize) -> Vec<f32> {
     let base = rope.theta as f32;
     let d = head_dim as f32;
-    let raw: Vec<f32> = (0..head_dim / 2)
-        .map(|i| 1.0f32 / base.powf((2 * i) as f32 / d))
-        .collect();
+    let raw: Vec<f32> = (0..head_dim / 2).map(|i| 1.0f32 / base.powf((2 * i) as f32 / d)).collect();
     match &rope.scaling {
         RopeScaling::None => raw,
         RopeScaling::Linear { factor } => raw.iter().map(|f| f / *factor as f32).collect(),
@@ -58,7 +56,12 @@ mod tests {
         // 8 and 32 interpolated (f64 reference computed here by hand from the formula).
         let r = Rope {
             theta: 10000.0,
-            scaling: RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 32.0 },
+            scaling: RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 32.0,
+            },
         };
         let plain = inv_freq(&Rope { theta: 10000.0, scaling: RopeScaling::None }, 16);
         let f = inv_freq(&r, 16);

@@ -72,11 +72,13 @@ impl TextTools {
         }
         let jinja = dir.join("chat_template.jinja");
         if chat_template.is_none() && jinja.exists() {
-            chat_template = Some(std::fs::read_to_string(&jinja).with_context(|| format!("cannot read {}", jinja.display()))?);
+            chat_template =
+                Some(std::fs::read_to_string(&jinja).with_context(|| format!("cannot read {}", jinja.display()))?);
         }
         let gen = |k: &str| gc.as_ref().and_then(|g| g.get(k)).and_then(token_ids);
         let lookup = |t: &Option<String>| t.as_ref().and_then(|s| tokenizer.token_to_id(s));
-        let bos_id = gen("bos_token_id").and_then(|v| v.first().copied()).or(cfg.bos_token_id).or_else(|| lookup(&bos_token));
+        let bos_id =
+            gen("bos_token_id").and_then(|v| v.first().copied()).or(cfg.bos_token_id).or_else(|| lookup(&bos_token));
         let mut eos_ids = gen("eos_token_id").unwrap_or_default();
         if eos_ids.is_empty() {
             eos_ids = cfg.eos_token_ids.clone();
@@ -85,7 +87,16 @@ impl TextTools {
             eos_ids.extend(lookup(&eos_token));
         }
         let pad_id = gen("pad_token_id").and_then(|v| v.first().copied());
-        Ok(TextTools { tokenizer, chat_template, bos_token, eos_token, bos_id, eos_ids, pad_id, source: dir.display().to_string() })
+        Ok(TextTools {
+            tokenizer,
+            chat_template,
+            bos_token,
+            eos_token,
+            bos_id,
+            eos_ids,
+            pad_id,
+            source: dir.display().to_string(),
+        })
     }
 
     /// Encodes a plain-text prompt with the tokenizer's own special-token rules (e.g. a BOS).
@@ -98,9 +109,7 @@ impl TextTools {
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.tokenizer
-            .decode(ids, true)
-            .map_err(|e| anyhow::anyhow!("{}: cannot decode tokens: {e}", self.source))
+        self.tokenizer.decode(ids, true).map_err(|e| anyhow::anyhow!("{}: cannot decode tokens: {e}", self.source))
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -213,7 +222,8 @@ pub fn write_tiny_text_files(dir: &Path) -> Result<()> {
         "chat_template": CHATML_TEMPLATE,
     });
     crate::util::write_atomic(&dir.join("tokenizer_config.json"), serde_json::to_string_pretty(&tc)?.as_bytes())?;
-    let gc = serde_json::json!({"bos_token_id": 256, "eos_token_id": [258, 256], "pad_token_id": 256, "do_sample": true});
+    let gc =
+        serde_json::json!({"bos_token_id": 256, "eos_token_id": [258, 256], "pad_token_id": 256, "do_sample": true});
     crate::util::write_atomic(&dir.join("generation_config.json"), serde_json::to_string_pretty(&gc)?.as_bytes())?;
     Ok(())
 }

@@ -30,27 +30,35 @@ pub struct ForwardBuffers {
     pub ids: Tensor,       // (cap) u32
     pub positions: Tensor, // (cap) u32
     pub meta: AttnMeta,
-    x: Tensor,     // (cap, C) residual stream
-    h: Tensor,     // (cap, C) normed input of a sublayer
-    q: Tensor,     // (cap, H*D)
-    k: Tensor,     // (cap, Hkv*D)
-    v: Tensor,     // (cap, Hkv*D)
-    att: Tensor,   // (cap, H*D)
-    o: Tensor,     // (cap, C) attention output / MLP output (the pending residual update)
-    gate: Tensor,  // (cap, I)
-    up: Tensor,    // (cap, I)
-    act: Tensor,   // (cap, I) silu(gate) * up
-    cos: Tensor,   // (cap, D/2)
-    sin: Tensor,   // (cap, D/2)
-    pub sel: Tensor, // (cap_rows) u32 rows of the batch whose logits are wanted
-    xs: Tensor,    // (cap_rows, C)
-    os: Tensor,    // (cap_rows, C)
-    hn: Tensor,    // (cap_rows, C)
+    x: Tensor,          // (cap, C) residual stream
+    h: Tensor,          // (cap, C) normed input of a sublayer
+    q: Tensor,          // (cap, H*D)
+    k: Tensor,          // (cap, Hkv*D)
+    v: Tensor,          // (cap, Hkv*D)
+    att: Tensor,        // (cap, H*D)
+    o: Tensor,          // (cap, C) attention output / MLP output (the pending residual update)
+    gate: Tensor,       // (cap, I)
+    up: Tensor,         // (cap, I)
+    act: Tensor,        // (cap, I) silu(gate) * up
+    cos: Tensor,        // (cap, D/2)
+    sin: Tensor,        // (cap, D/2)
+    pub sel: Tensor,    // (cap_rows) u32 rows of the batch whose logits are wanted
+    xs: Tensor,         // (cap_rows, C)
+    os: Tensor,         // (cap_rows, C)
+    hn: Tensor,         // (cap_rows, C)
     pub logits: Tensor, // (cap_rows, V)
 }
 
 impl ForwardBuffers {
-    pub fn new(dev: &Device, cfg: &ModelConfig, cap: usize, cap_rows: usize, max_seqs: usize, max_blocks: usize, block_size: usize) -> Result<ForwardBuffers> {
+    pub fn new(
+        dev: &Device,
+        cfg: &ModelConfig,
+        cap: usize,
+        cap_rows: usize,
+        max_seqs: usize,
+        max_blocks: usize,
+        block_size: usize,
+    ) -> Result<ForwardBuffers> {
         let (c, i, q, kv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
         let f = |shape: &[usize]| dev.zeros(DType::F32, shape);
         let u = |n: usize| dev.zeros(DType::U32, &[n]);
@@ -91,10 +99,27 @@ impl ForwardBuffers {
 
     /// Bytes held by the activation buffers.
     pub fn size_bytes(&self) -> usize {
-        [&self.x, &self.h, &self.q, &self.k, &self.v, &self.att, &self.o, &self.gate, &self.up, &self.act, &self.cos, &self.sin, &self.xs, &self.os, &self.hn, &self.logits]
-            .iter()
-            .map(|t| t.size_bytes())
-            .sum()
+        [
+            &self.x,
+            &self.h,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.att,
+            &self.o,
+            &self.gate,
+            &self.up,
+            &self.act,
+            &self.cos,
+            &self.sin,
+            &self.xs,
+            &self.os,
+            &self.hn,
+            &self.logits,
+        ]
+        .iter()
+        .map(|t| t.size_bytes())
+        .sum()
     }
 }
 

@@ -15,32 +15,32 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug)]
 pub struct LayerWeights {
-    pub input_layernorm: Tensor, // (C)
-    pub q_proj: Tensor,          // (H*D, C)
-    pub k_proj: Tensor,          // (Hkv*D, C)
-    pub v_proj: Tensor,          // (Hkv*D, C)
-    pub o_proj: Tensor,          // (C, H*D)
-    pub q_bias: Option<Tensor>,  // (H*D)
-    pub k_bias: Option<Tensor>,  // (Hkv*D)
-    pub v_bias: Option<Tensor>,  // (Hkv*D)
-    pub o_bias: Option<Tensor>,  // (C)
-    pub q_norm: Option<Tensor>,  // (D)
-    pub k_norm: Option<Tensor>,  // (D)
+    pub input_layernorm: Tensor,          // (C)
+    pub q_proj: Tensor,                   // (H*D, C)
+    pub k_proj: Tensor,                   // (Hkv*D, C)
+    pub v_proj: Tensor,                   // (Hkv*D, C)
+    pub o_proj: Tensor,                   // (C, H*D)
+    pub q_bias: Option<Tensor>,           // (H*D)
+    pub k_bias: Option<Tensor>,           // (Hkv*D)
+    pub v_bias: Option<Tensor>,           // (Hkv*D)
+    pub o_bias: Option<Tensor>,           // (C)
+    pub q_norm: Option<Tensor>,           // (D)
+    pub k_norm: Option<Tensor>,           // (D)
     pub post_attention_layernorm: Tensor, // (C)
-    pub gate_proj: Tensor,       // (I, C)
-    pub up_proj: Tensor,         // (I, C)
-    pub down_proj: Tensor,       // (C, I)
-    pub gate_bias: Option<Tensor>, // (I)
-    pub up_bias: Option<Tensor>,   // (I)
-    pub down_bias: Option<Tensor>, // (C)
+    pub gate_proj: Tensor,                // (I, C)
+    pub up_proj: Tensor,                  // (I, C)
+    pub down_proj: Tensor,                // (C, I)
+    pub gate_bias: Option<Tensor>,        // (I)
+    pub up_bias: Option<Tensor>,          // (I)
+    pub down_bias: Option<Tensor>,        // (C)
 }
 
 #[derive(Debug)]
 pub struct ModelWeights {
     pub embed_tokens: Tensor, // (V, C)
     pub layers: Vec<LayerWeights>,
-    pub norm: Tensor,             // (C)
-    pub lm_head: Option<Tensor>,  // (V, C); None when tied to embed_tokens
+    pub norm: Tensor,            // (C)
+    pub lm_head: Option<Tensor>, // (V, C); None when tied to embed_tokens
 }
 
 /// Name and shape of every parameter, in model order, with the HF tensor names.
@@ -111,9 +111,24 @@ impl ModelWeights {
             let (gate_bias, up_bias, down_bias) =
                 if cfg.mlp_bias { (Some(next()), Some(next()), Some(next())) } else { (None, None, None) };
             layers.push(LayerWeights {
-                input_layernorm, q_proj, k_proj, v_proj, o_proj, q_bias, k_bias, v_bias, o_bias,
-                q_norm, k_norm, post_attention_layernorm, gate_proj, up_proj, down_proj,
-                gate_bias, up_bias, down_bias,
+                input_layernorm,
+                q_proj,
+                k_proj,
+                v_proj,
+                o_proj,
+                q_bias,
+                k_bias,
+                v_bias,
+                o_bias,
+                q_norm,
+                k_norm,
+                post_attention_layernorm,
+                gate_proj,
+                up_proj,
+                down_proj,
+                gate_bias,
+                up_bias,
+                down_bias,
             });
         }
         let norm = next();
@@ -203,8 +218,7 @@ impl ModelWeights {
                     view.shape()
                 );
             }
-            let host = convert(&view, dtype, &shape)
-                .with_context(|| format!("{}: tensor '{name}'", path.display()))?;
+            let host = convert(&view, dtype, &shape).with_context(|| format!("{}: tensor '{name}'", path.display()))?;
             tensors.push(dev.upload(host)?);
         }
         ModelWeights::from_ordered(cfg, tensors)
@@ -257,8 +271,9 @@ pub fn write_safetensors(
     views: Vec<(String, OwnedView)>,
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
-    let bytes = safetensors::serialize(views, metadata.or_else(|| Some(HashMap::from([("format".into(), "pt".into())]))))
-        .with_context(|| format!("cannot serialize {}", path.display()))?;
+    let bytes =
+        safetensors::serialize(views, metadata.or_else(|| Some(HashMap::from([("format".into(), "pt".into())]))))
+            .with_context(|| format!("cannot serialize {}", path.display()))?;
     crate::util::write_atomic(path, &bytes)
 }
 
@@ -304,16 +319,16 @@ impl SafetensorsFiles {
         if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
                 .with_context(|| format!("cannot read {}", index_path.display()))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("{}: not valid JSON", index_path.display()))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", index_path.display()))?;
             let wm = v
                 .get("weight_map")
                 .and_then(|w| w.as_object())
                 .with_context(|| format!("{}: missing object 'weight_map'", index_path.display()))?;
             for (k, f) in wm {
-                let f = f.as_str().with_context(|| {
-                    format!("{}: weight_map['{k}'] must be a file name", index_path.display())
-                })?;
+                let f = f
+                    .as_str()
+                    .with_context(|| format!("{}: weight_map['{k}'] must be a file name", index_path.display()))?;
                 if f.contains('/') || f.contains("..") {
                     bail!("{}: weight_map['{k}'] = '{f}' is not a plain file name", index_path.display());
                 }
@@ -325,10 +340,7 @@ impl SafetensorsFiles {
         } else if single.exists() {
             file_names.push("model.safetensors".into());
         } else {
-            bail!(
-                "{}: no model.safetensors or model.safetensors.index.json found",
-                dir.display()
-            );
+            bail!("{}: no model.safetensors or model.safetensors.index.json found", dir.display());
         }
         let mut maps = Vec::new();
         let mut index = HashMap::new();
@@ -337,7 +349,8 @@ impl SafetensorsFiles {
             let file = std::fs::File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
             // SAFETY: the map is read-only; colotrain never writes model files in place (saves
             // go to a temporary file and are renamed), so the mapped bytes do not change.
-            let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot mmap {}", path.display()))?;
+            let map =
+                unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot mmap {}", path.display()))?;
             let (header_len, meta) = SafeTensors::read_metadata(&map)
                 .map_err(|e| anyhow::anyhow!("{}: invalid safetensors file: {e}", path.display()))?;
             for name in meta.tensors().keys() {

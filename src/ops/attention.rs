@@ -28,7 +28,14 @@ pub struct AttnMeta {
 
 /// Writes the new keys/values k, v (m, Hkv·D) into the caches (num_blocks, Hkv, block_size, D)
 /// at `meta.slot_mapping`.
-pub fn kv_write(dev: &Device, k: &Tensor, v: &Tensor, k_cache: &mut Tensor, v_cache: &mut Tensor, meta: &AttnMeta) -> Result<()> {
+pub fn kv_write(
+    dev: &Device,
+    k: &Tensor,
+    v: &Tensor,
+    k_cache: &mut Tensor,
+    v_cache: &mut Tensor,
+    meta: &AttnMeta,
+) -> Result<()> {
     let (nb, hkv, bs, d) = cache_dims(k_cache)?;
     let m = meta.num_tokens;
     check_rows(k, m, hkv * d, "kv_write keys")?;
@@ -84,13 +91,35 @@ pub fn cache_dims(c: &Tensor) -> Result<(usize, usize, usize, usize)> {
     }
 }
 
+/// Keys per online-softmax update. Fixed (not the cache block size), so a row's result does
+/// not depend on how the cache is paged.
+pub const KCHUNK: usize = 16;
+
 thread_local! {
-    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    static KROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Per-thread attention scratch of a fixed size (groups × block_size + 2 groups + D).
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Grows this thread's attention scratch to at least `n` values.
+pub fn reserve(n: usize) {
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.len() < n {
+            s.resize(n, 0.0);
+        }
+    });
 }
 
 /// out[..T] (T, H·D) = attention of q (T, H·D) over the paged caches.
-pub fn paged_attention(dev: &Device, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttnMeta, out: &mut Tensor, heads: usize) -> Result<()> {
+pub fn paged_attention(
+    dev: &Device,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &AttnMeta,
+    out: &mut Tensor,
+    heads: usize,
+) -> Result<()> {
     let (_nb, hkv, bs, d) = cache_dims(k_cache)?;
     if bs != meta.block_size {
         bail!("paged_attention: cache block size {bs} != metadata block size {}", meta.block_size);
@@ -113,62 +142,79 @@ pub fn paged_attention(dev: &Device, q: &Tensor, k_cache: &Tensor, v_cache: &Ten
             let scale = 1.0 / (d as f32).sqrt();
             let maxb = meta.max_blocks;
             dv.install(|| {
-                os[..t_rows * heads * d]
-                    .par_chunks_mut(groups * d)
-                    .enumerate()
-                    .for_each(|(item, o)| {
-                        let (t, kvh) = (item / hkv, item % hkv);
-                        // Sequence of row t: last s with q_start[s] <= t.
-                        let s = qst.partition_point(|&x| x as usize <= t) - 1;
-                        let q_len = (qst[s + 1] - qst[s]) as usize;
-                        let pos = ctx[s] as usize - q_len + (t - qst[s] as usize);
-                        let n = pos + 1;
-                        let table = &bt[s * maxb..(s + 1) * maxb];
-                        let slot = |j: usize| ((table[j / bs] as usize * hkv + kvh) * bs + j % bs) * d;
-                        SCORES.with(|sc| {
-                            KROW.with(|kr| {
-                                let (mut sc, mut kr) = (sc.borrow_mut(), kr.borrow_mut());
-                                if sc.len() < groups * n {
-                                    sc.resize(groups * n, 0.0);
-                                }
-                                if kr.len() < d {
-                                    kr.resize(d, 0.0);
-                                }
-                                let qrow = &qs[t * heads * d + kvh * groups * d..t * heads * d + (kvh + 1) * groups * d];
-                                for j in 0..n {
-                                    kc.read(slot(j), &mut kr[..d]);
-                                    for g in 0..groups {
-                                        let qg = &qrow[g * d..(g + 1) * d];
-                                        let dot: f32 = qg.iter().zip(&kr[..d]).map(|(a, b)| a * b).sum();
-                                        sc[g * n + j] = dot * scale;
-                                    }
-                                }
+                os[..t_rows * heads * d].par_chunks_mut(groups * d).enumerate().for_each(|(item, o)| {
+                    let (t, kvh) = (item / hkv, item % hkv);
+                    // Sequence of row t: last s with q_start[s] <= t.
+                    let s = qst.partition_point(|&x| x as usize <= t) - 1;
+                    let q_len = (qst[s + 1] - qst[s]) as usize;
+                    let pos = ctx[s] as usize - q_len + (t - qst[s] as usize);
+                    let n = pos + 1;
+                    let table = &bt[s * maxb..(s + 1) * maxb];
+                    let slot = |j: usize| ((table[j / bs] as usize * hkv + kvh) * bs + j % bs) * d;
+                    let qrow = &qs[t * heads * d + kvh * groups * d..t * heads * d + (kvh + 1) * groups * d];
+                    SCRATCH.with(|sc| {
+                        let mut sc = sc.borrow_mut();
+                        // Layout: scores (groups × KCHUNK) | running max (groups) | sum (groups) | one K/V row (d).
+                        let need = groups * KCHUNK + 2 * groups + d;
+                        if sc.len() < need {
+                            sc.resize(need, 0.0);
+                        }
+                        let (scores, rest) = sc.split_at_mut(groups * KCHUNK);
+                        let (mx, rest) = rest.split_at_mut(groups);
+                        let (sum, rest) = rest.split_at_mut(groups);
+                        let kr = &mut rest[..d];
+                        mx.fill(f32::NEG_INFINITY);
+                        sum.fill(0.0);
+                        o.fill(0.0);
+                        // Online softmax over the keys, KCHUNK at a time (flash-style):
+                        // rescale the running sum and output when the running max grows.
+                        let mut j0 = 0;
+                        while j0 < n {
+                            let jn = KCHUNK.min(n - j0);
+                            for j in 0..jn {
+                                kc.read(slot(j0 + j), kr);
                                 for g in 0..groups {
-                                    let row = &mut sc[g * n..(g + 1) * n];
-                                    let mx = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                                    let mut sum = 0.0f32;
-                                    for x in row.iter_mut() {
-                                        *x = (*x - mx).exp();
-                                        sum += *x;
-                                    }
-                                    let inv = 1.0 / sum;
-                                    for x in row.iter_mut() {
-                                        *x *= inv;
+                                    let dot: f32 =
+                                        qrow[g * d..(g + 1) * d].iter().zip(kr.iter()).map(|(a, b)| a * b).sum();
+                                    scores[g * KCHUNK + j] = dot * scale;
+                                }
+                            }
+                            for g in 0..groups {
+                                let blk_max =
+                                    scores[g * KCHUNK..g * KCHUNK + jn].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                                let m_new = mx[g].max(blk_max);
+                                let corr = (mx[g] - m_new).exp();
+                                if corr != 1.0 {
+                                    sum[g] *= corr;
+                                    for a in o[g * d..(g + 1) * d].iter_mut() {
+                                        *a *= corr;
                                     }
                                 }
-                                o.fill(0.0);
-                                for j in 0..n {
-                                    vc.read(slot(j), &mut kr[..d]);
-                                    for g in 0..groups {
-                                        let p = sc[g * n + j];
-                                        for (a, b) in o[g * d..(g + 1) * d].iter_mut().zip(&kr[..d]) {
-                                            *a += p * b;
-                                        }
+                                mx[g] = m_new;
+                                for x in scores[g * KCHUNK..g * KCHUNK + jn].iter_mut() {
+                                    *x = (*x - m_new).exp();
+                                    sum[g] += *x;
+                                }
+                            }
+                            for j in 0..jn {
+                                vc.read(slot(j0 + j), kr);
+                                for g in 0..groups {
+                                    let p = scores[g * KCHUNK + j];
+                                    for (a, b) in o[g * d..(g + 1) * d].iter_mut().zip(kr.iter()) {
+                                        *a += p * b;
                                     }
                                 }
-                            })
-                        });
-                    })
+                            }
+                            j0 += jn;
+                        }
+                        for g in 0..groups {
+                            let inv = 1.0 / sum[g];
+                            for a in o[g * d..(g + 1) * d].iter_mut() {
+                                *a *= inv;
+                            }
+                        }
+                    });
+                })
             });
             Ok(())
         }

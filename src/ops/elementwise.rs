@@ -17,9 +17,11 @@ pub fn embedding(dev: &Device, table: &Tensor, ids: &Tensor, out: &mut Tensor, m
                 bail!("token id {bad} is out of the vocabulary (size {v})");
             }
             d.install(|| {
-                os[..m * c].par_chunks_mut(c).zip(is[..m].par_iter()).with_min_len(rows_per_task(c)).for_each(|(o, &i)| {
-                    tf.read_into(i as usize * c, o);
-                })
+                os[..m * c].par_chunks_mut(c).zip(is[..m].par_iter()).with_min_len(rows_per_task(c)).for_each(
+                    |(o, &i)| {
+                        tf.read_into(i as usize * c, o);
+                    },
+                )
             });
             Ok(())
         }

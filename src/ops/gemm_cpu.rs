@@ -67,11 +67,7 @@ unsafe fn sgemm_ptr(
 ) {
     assert!(extent(m, k, a.rs, a.cs) <= a.data.len(), "sgemm: lhs out of bounds");
     assert!(extent(k, n, b.rs, b.cs) <= b.data.len(), "sgemm: rhs out of bounds");
-    let par = if parallel {
-        gemm::Parallelism::Rayon(rayon::current_num_threads())
-    } else {
-        gemm::Parallelism::None
-    };
+    let par = if parallel { gemm::Parallelism::Rayon(rayon::current_num_threads()) } else { gemm::Parallelism::None };
     gemm::gemm(
         m,
         n,
@@ -117,9 +113,7 @@ pub fn matmul_nt(
 ) {
     let xa = Mat { data: x, rs: ldx, cs: 1 };
     match w {
-        CpuFloats::F32(wd) => {
-            sgemm(m, n, k, xa, Mat { data: wd, rs: 1, cs: k }, y, ldy, accumulate, true)
-        }
+        CpuFloats::F32(wd) => sgemm(m, n, k, xa, Mat { data: wd, rs: 1, cs: k }, y, ldy, accumulate, true),
         _ => {
             // Panels of output columns are independent: split them over the pool, widen each
             // panel of w once into thread-local scratch, multiply without nested parallelism.
@@ -163,9 +157,7 @@ pub fn matmul_nn(
 ) {
     let xa = Mat { data: x, rs: ldx, cs: 1 };
     match w {
-        CpuFloats::F32(wd) => {
-            sgemm(m, n, k, xa, Mat { data: wd, rs: n, cs: 1 }, y, ldy, accumulate, true)
-        }
+        CpuFloats::F32(wd) => sgemm(m, n, k, xa, Mat { data: wd, rs: n, cs: 1 }, y, ldy, accumulate, true),
         _ => {
             // Widen the whole weight once per call into scratch (backward only; not a hot loop).
             PANEL.with(|s| {

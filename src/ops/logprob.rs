@@ -18,7 +18,14 @@ pub fn row_log_normalizer(z: &[f32], temperature: f32) -> (f32, f64) {
 }
 
 /// out[i] = log_softmax(logits[i] / T)[targets[i]] for i < m; logits (m, V), targets (m) u32.
-pub fn log_softmax_gather(dev: &Device, logits: &Tensor, targets: &Tensor, temperature: f32, out: &mut Tensor, m: usize) -> Result<()> {
+pub fn log_softmax_gather(
+    dev: &Device,
+    logits: &Tensor,
+    targets: &Tensor,
+    temperature: f32,
+    out: &mut Tensor,
+    m: usize,
+) -> Result<()> {
     let v = logits.dim(logits.shape().len() - 1);
     check_rows(logits, m, v, "log_softmax_gather logits")?;
     if !(temperature > 0.0) {

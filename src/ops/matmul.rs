@@ -1,11 +1,19 @@
 //! Linear layers: `y = x · Wᵀ (+ b)` for an nn.Linear weight W (N, K).
 
-use super::{check_rows, gemm_cpu};
+use super::{check_rows, linear_cpu};
 use crate::device::{cuda, CpuFloats, Device, Tensor};
 use anyhow::Result;
 
 /// y[..m] (m, N) = x[..m] (m, K) · wᵀ, w (N, K), plus `bias` (N) when given; `accumulate` adds to y.
-pub fn linear(dev: &Device, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize, accumulate: bool) -> Result<()> {
+pub fn linear(
+    dev: &Device,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+    accumulate: bool,
+) -> Result<()> {
     let (n, k) = (w.dim(0), w.dim(1));
     check_rows(x, m, k, "linear input")?;
     check_rows(y, m, n, "linear output")?;
@@ -18,7 +26,7 @@ pub fn linear(dev: &Device, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, y: &m
             let bf = bias.map(CpuFloats::of).transpose()?;
             let ys = y.f32s_mut()?;
             c.install(|| {
-                gemm_cpu::matmul_nt(m, n, k, xs, k, wf, ys, n, accumulate);
+                linear_cpu::linear_nt(m, n, k, xs, wf, ys, n, accumulate);
                 if let Some(b) = bf {
                     for row in ys[..m * n].chunks_exact_mut(n) {
                         for (j, v) in row.iter_mut().enumerate() {

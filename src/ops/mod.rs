@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod elementwise;
 pub mod gemm_cpu;
+pub mod linear_cpu;
 pub mod logprob;
 pub mod matmul;
 pub mod norm;
@@ -31,4 +32,27 @@ pub(crate) fn check_rows(t: &Tensor, rows: usize, cols: usize, what: &str) -> Re
 /// Minimum rows per rayon task for row-wise ops (keeps tiny batches on one thread).
 pub(crate) fn rows_per_task(cols: usize) -> usize {
     (16384 / cols.max(1)).max(1)
+}
+
+/// Largest per-thread scratch the CPU ops will need for a model (see [`reserve_scratch`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ScratchSizes {
+    /// Largest reduction dimension K of a linear (widened BF16/F16 weight blocks: 64 × K).
+    pub max_k: usize,
+    /// Query heads per KV head and head dimension (attention).
+    pub attn_groups: usize,
+    pub head_dim: usize,
+    /// Vocabulary size (top-k / top-p candidate lists).
+    pub vocab: usize,
+}
+
+/// Grows every CPU pool thread's scratch to `s` now, so that later steps never allocate.
+pub fn reserve_scratch(dev: &crate::device::Device, s: ScratchSizes) {
+    if let crate::device::Device::Cpu(c) = dev {
+        c.broadcast(|| {
+            linear_cpu::reserve(64 * s.max_k);
+            attention::reserve(s.attn_groups * attention::KCHUNK + 2 * s.attn_groups + s.head_dim);
+            sample::reserve(s.vocab);
+        });
+    }
 }

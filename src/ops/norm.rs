@@ -25,13 +25,11 @@ pub fn rmsnorm(dev: &Device, x: &Tensor, w: &Tensor, eps: f32, y: &mut Tensor, m
         Device::Cpu(d) => {
             let (xs, wf, ys) = (x.f32s()?, CpuFloats::of(w)?, y.f32s_mut()?);
             d.install(|| {
-                ys[..m * c]
-                    .par_chunks_mut(c)
-                    .zip(xs[..m * c].par_chunks(c))
-                    .with_min_len(rows_per_task(c))
-                    .for_each(|(yr, xr)| {
+                ys[..m * c].par_chunks_mut(c).zip(xs[..m * c].par_chunks(c)).with_min_len(rows_per_task(c)).for_each(
+                    |(yr, xr)| {
                         rms_row(xr, wf, eps, yr);
-                    })
+                    },
+                )
             });
             Ok(())
         }
@@ -40,7 +38,15 @@ pub fn rmsnorm(dev: &Device, x: &Tensor, w: &Tensor, eps: f32, y: &mut Tensor, m
 }
 
 /// The residual stream update fused with the next norm: x[..m] += r[..m]; y = rmsnorm(x) · w.
-pub fn add_rmsnorm(dev: &Device, x: &mut Tensor, r: &Tensor, w: &Tensor, eps: f32, y: &mut Tensor, m: usize) -> Result<()> {
+pub fn add_rmsnorm(
+    dev: &Device,
+    x: &mut Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
     let c = w.numel();
     check_rows(x, m, c, "add_rmsnorm residual")?;
     check_rows(r, m, c, "add_rmsnorm update")?;

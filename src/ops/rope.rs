@@ -8,7 +8,14 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 /// Fills cos/sin (m, D/2) for the m positions (u32) with inv_freq (D/2, f32).
-pub fn rope_table(dev: &Device, positions: &Tensor, inv_freq: &Tensor, cos: &mut Tensor, sin: &mut Tensor, m: usize) -> Result<()> {
+pub fn rope_table(
+    dev: &Device,
+    positions: &Tensor,
+    inv_freq: &Tensor,
+    cos: &mut Tensor,
+    sin: &mut Tensor,
+    m: usize,
+) -> Result<()> {
     let half = inv_freq.numel();
     check_rows(cos, m, half, "rope cos")?;
     check_rows(sin, m, half, "rope sin")?;

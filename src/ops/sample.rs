@@ -51,8 +51,25 @@ thread_local! {
     static IDX: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Grows this thread's candidate-index scratch to at least `n` entries.
+pub fn reserve(n: usize) {
+    IDX.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.capacity() < n {
+            let len = s.len();
+            s.reserve(n - len);
+        }
+    });
+}
+
 /// Draws tokens[i], logprobs[i] from row i of logits (S, V) with params[i].
-pub fn sample(dev: &Device, logits: &Tensor, params: &[SampleParams], tokens: &mut [u32], logprobs: &mut [f32]) -> Result<()> {
+pub fn sample(
+    dev: &Device,
+    logits: &Tensor,
+    params: &[SampleParams],
+    tokens: &mut [u32],
+    logprobs: &mut [f32],
+) -> Result<()> {
     let s = params.len();
     let v = logits.dim(logits.shape().len() - 1);
     super::check_rows(logits, s, v, "sample logits")?;
@@ -66,15 +83,11 @@ pub fn sample(dev: &Device, logits: &Tensor, params: &[SampleParams], tokens: &m
         Device::Cpu(d) => {
             let z = logits.f32s()?;
             d.install(|| {
-                tokens[..s]
-                    .par_iter_mut()
-                    .zip(logprobs[..s].par_iter_mut())
-                    .enumerate()
-                    .for_each(|(i, (t, lp))| {
-                        let (tok, l) = sample_row(&z[i * v..(i + 1) * v], &params[i]);
-                        *t = tok;
-                        *lp = l;
-                    })
+                tokens[..s].par_iter_mut().zip(logprobs[..s].par_iter_mut()).enumerate().for_each(|(i, (t, lp))| {
+                    let (tok, l) = sample_row(&z[i * v..(i + 1) * v], &params[i]);
+                    *t = tok;
+                    *lp = l;
+                })
             });
             Ok(())
         }
@@ -134,7 +147,8 @@ pub fn sample_row(z: &[f32], p: &SampleParams) -> (u32, f32) {
                 idx.select_nth_unstable_by(n - 1, cmp);
             }
             idx[..n].sort_unstable_by(cmp);
-            let cand_total: f64 = if truncate_k { idx[..k].iter().map(|&i| w(i as usize)).sum() } else { lse_full.exp() };
+            let cand_total: f64 =
+                if truncate_k { idx[..k].iter().map(|&i| w(i as usize)).sum() } else { lse_full.exp() };
             let goal = p.top_p as f64 * cand_total;
             kept_sum = 0.0;
             let mut found = None;
@@ -174,4 +188,77 @@ pub fn sample_row(z: &[f32], p: &SampleParams) -> (u32, f32) {
         }
         (pick as u32, ((z[pick] / t - mx) as f64 - kept_sum.ln()) as f32)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Expected probabilities after temperature, top-k and top-p, computed in f64 by brute force.
+    fn expected(z: &[f32], t: f64, k: usize, p: f64) -> Vec<f64> {
+        let s: Vec<f64> = z.iter().map(|&x| x as f64 / t).collect();
+        let mut idx: Vec<usize> = (0..s.len()).collect();
+        idx.sort_by(|&a, &b| s[b].partial_cmp(&s[a]).unwrap().then(a.cmp(&b)));
+        let k = if k == 0 { s.len() } else { k };
+        let w: Vec<f64> = s.iter().map(|x| x.exp()).collect();
+        let tot: f64 = idx[..k].iter().map(|&i| w[i]).sum();
+        let (mut acc, mut kept) = (0.0, 0);
+        for &i in &idx[..k] {
+            acc += w[i];
+            kept += 1;
+            if acc >= p * tot {
+                break;
+            }
+        }
+        let ks: f64 = idx[..kept].iter().map(|&i| w[i]).sum();
+        let mut out = vec![0.0; s.len()];
+        for &i in &idx[..kept] {
+            out[i] = w[i] / ks;
+        }
+        out
+    }
+
+    #[test]
+    fn empirical_frequencies_match_the_truncated_distribution() {
+        let z = [1.0f32, 2.5, -0.5, 2.5, 0.0, 1.7, -2.0, 3.0];
+        let n = 40_000u32;
+        for (t, k, p) in [(1.0f32, 0u32, 1.0f32), (0.5, 0, 1.0), (2.0, 3, 1.0), (1.0, 0, 0.6), (1.0, 4, 0.9), (0.7, 1, 1.0)] {
+            let want = expected(&z, t as f64, k as usize, p as f64);
+            let mut count = vec![0u32; z.len()];
+            for pos in 0..n {
+                let sp = SampleParams { temperature: t, top_k: k, top_p: p, seed: 9, request: 1, sample: 0, position: pos };
+                let (tok, lp) = sample_row(&z, &sp);
+                count[tok as usize] += 1;
+                assert!(want[tok as usize] > 0.0, "drew token {tok} outside the kept set");
+                assert!((lp as f64 - want[tok as usize].ln()).abs() < 1e-5, "logprob {lp} vs {}", want[tok as usize].ln());
+            }
+            for (i, &c) in count.iter().enumerate() {
+                let (f, q) = (c as f64 / n as f64, want[i]);
+                let sd = (q * (1.0 - q) / n as f64).sqrt();
+                assert!((f - q).abs() <= 5.0 * sd + 1e-12, "T={t} k={k} p={p} token {i}: freq {f} vs {q}");
+            }
+        }
+    }
+
+    #[test]
+    fn greedy_takes_the_first_maximum_and_reports_its_log_softmax() {
+        let z = [0.5f32, 2.0, 2.0, -1.0];
+        let sp = SampleParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, request: 0, sample: 0, position: 0 };
+        let (t, lp) = sample_row(&z, &sp);
+        assert_eq!(t, 1);
+        let lse = z.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
+        assert!((lp as f64 - (2.0 - lse)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn same_key_same_token_different_key_varies() {
+        let z: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let sp = |pos, sample| SampleParams { temperature: 1.0, top_k: 0, top_p: 0.95, seed: 4, request: 2, sample, position: pos };
+        assert_eq!(sample_row(&z, &sp(3, 0)), sample_row(&z, &sp(3, 0)));
+        let draws: std::collections::HashSet<u32> = (0..40).map(|p| sample_row(&z, &sp(p, 0)).0).collect();
+        assert!(draws.len() > 10);
+        let other: Vec<u32> = (0..40).map(|p| sample_row(&z, &sp(p, 1)).0).collect();
+        let base: Vec<u32> = (0..40).map(|p| sample_row(&z, &sp(p, 0)).0).collect();
+        assert_ne!(other, base);
+    }
 }

@@ -93,7 +93,12 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f64, rtol: f64)
         assert!(a.is_finite(), "{what}[{i}] = {a} is not finite");
     }
     let (i, e) = worst;
-    assert!(e <= 0.0, "{what}[{i}]: got {} want {} (|diff| exceeds atol {atol} + rtol {rtol}·|ref| by {e:e})", got[i], want[i]);
+    assert!(
+        e <= 0.0,
+        "{what}[{i}]: got {} want {} (|diff| exceeds atol {atol} + rtol {rtol}·|ref| by {e:e})",
+        got[i],
+        want[i]
+    );
 }
 
 /// A temporary directory removed on drop.

@@ -1,0 +1,122 @@
+//! End to end through the binary: init-tiny → inspect → generate → score, for every
+//! architecture, with text, chat and token prompts, stop strings, and the identity between the
+//! engine's sampled log-probs and the scorer's recomputation.
+
+mod common;
+
+use common::TempDir;
+use serde_json::Value;
+use std::path::Path;
+use std::process::Command;
+
+fn cli(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_colotrain")).args(args).output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string())
+}
+
+fn ok(args: &[&str]) -> String {
+    let (c, o, e) = cli(args);
+    assert_eq!(c, 0, "colotrain {args:?} failed:\n{e}");
+    o
+}
+
+fn lines(p: &Path) -> Vec<Value> {
+    std::fs::read_to_string(p).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+}
+
+fn floats(v: &Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}
+
+#[test]
+fn tiny_models_of_every_arch_generate_and_score_consistently() {
+    let t = TempDir::new("e2e");
+    for arch in ["llama", "qwen2", "qwen3"] {
+        let dir = t.path().join(arch);
+        let d = dir.to_str().unwrap();
+        ok(&["init-tiny", "--arch", arch, "--out", d, "--layers", "2", "--hidden", "64", "--std", "0.3", "--seed", "4"]);
+        let info = ok(&["inspect", "--model", d]);
+        assert!(info.contains("parameters") && info.contains("chat template yes"), "{info}");
+        // Refuses to overwrite.
+        let (c, _, e) = cli(&["init-tiny", "--arch", arch, "--out", d]);
+        assert!(c == 1 && e.contains("already exists and is not empty"), "{e}");
+
+        let prompts = t.path().join(format!("{arch}-p.jsonl"));
+        std::fs::write(
+            &prompts,
+            "{\"prompt\": \"12+30=\"}\n{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n{\"tokens\": [72, 105]}\n",
+        )
+        .unwrap();
+        let out = t.path().join(format!("{arch}-o.jsonl"));
+        let (p, o) = (prompts.to_str().unwrap(), out.to_str().unwrap());
+        ok(&["generate", "--model", d, "--prompts", p, "--n", "2", "--max-new-tokens", "12", "--seed", "7", "--out", o]);
+        let gen = lines(&out);
+        assert_eq!(gen.len(), 6);
+        for (i, g) in gen.iter().enumerate() {
+            assert_eq!(g["prompt_id"].as_u64().unwrap(), (i / 2) as u64);
+            assert_eq!(g["sample"].as_u64().unwrap(), (i % 2) as u64);
+            let toks = ids(&g["tokens"]);
+            assert_eq!(toks.len(), floats(&g["logprobs"]).len());
+            assert!(g["text"].is_string());
+            let fr = g["finish_reason"].as_str().unwrap();
+            assert!(fr == "length" && toks.len() == 12 || fr == "stop" && toks.len() <= 12, "{g}");
+        }
+
+        // Score prompt + response with the same model: identical to the engine's log-probs
+        // (temperature 1, no truncation). Prompt 2 is given as tokens, so its ids are known.
+        let sc_in = t.path().join(format!("{arch}-s.jsonl"));
+        let mut text = String::new();
+        for g in &gen[4..6] {
+            let mut full = vec![72u64, 105];
+            full.extend(ids(&g["tokens"]));
+            text.push_str(&serde_json::json!({"tokens": full, "prompt_len": 2}).to_string());
+            text.push('\n');
+        }
+        std::fs::write(&sc_in, text).unwrap();
+        let sc_out = t.path().join(format!("{arch}-so.jsonl"));
+        ok(&["score", "--model", d, "--input", sc_in.to_str().unwrap(), "--out", sc_out.to_str().unwrap()]);
+        let scored = lines(&sc_out);
+        for (g, s) in gen[4..6].iter().zip(&scored) {
+            let (a, b) = (floats(&g["logprobs"]), floats(&s["logprobs"]));
+            assert_eq!(a.len(), b.len());
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() <= 1e-5, "{arch}: engine {x} vs scorer {y}");
+            }
+        }
+    }
+}
+
+#[test]
+fn stop_strings_cut_the_text_and_end_the_response() {
+    let t = TempDir::new("stop");
+    let dir = t.path().join("m");
+    let d = dir.to_str().unwrap();
+    ok(&["init-tiny", "--out", d, "--layers", "1", "--hidden", "32", "--seed", "1"]);
+    let prompts = t.path().join("p.jsonl");
+    std::fs::write(&prompts, "{\"tokens\": [65, 66]}\n").unwrap();
+    let out = t.path().join("o.jsonl");
+    let args = |extra: &[&str]| {
+        let mut a = vec!["generate", "--model", d, "--prompts", prompts.to_str().unwrap(), "--max-new-tokens", "200", "--ignore-eos", "--seed", "3", "--out", out.to_str().unwrap()];
+        a.extend_from_slice(extra);
+        a.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let a: Vec<String> = args(&[]);
+    ok(&a.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    let free = lines(&out).remove(0);
+    let toks = ids(&free["tokens"]);
+    // Two consecutive printable ASCII tokens (byte-level: token id = byte).
+    let i = (1..toks.len()).find(|&i| (33..127).contains(&toks[i - 1]) && (33..127).contains(&toks[i])).expect("a printable pair in 200 random bytes");
+    let stop = format!("{}{}", toks[i - 1] as u8 as char, toks[i] as u8 as char);
+    let first = (1..toks.len()).find(|&j| toks[j - 1] == toks[i - 1] && toks[j] == toks[i]).unwrap();
+    let a = args(&["--stop", &stop]);
+    ok(&a.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    let cut = lines(&out).remove(0);
+    assert_eq!(cut["finish_reason"], "stop");
+    assert_eq!(ids(&cut["tokens"]), toks[..=first].to_vec(), "the response ends with the token completing {stop:?}");
+    let text = cut["text"].as_str().unwrap();
+    assert!(!text.contains(&stop), "{text:?} still holds {stop:?}");
+}
