@@ -44,6 +44,9 @@ pub struct Args {
     /// Stored dtype: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+    /// Replace the model files in an existing --out directory (other files are left alone).
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// The config of a tiny model of `arch` (llama gets llama3 rope scaling).
@@ -132,7 +135,11 @@ pub fn write_model_dir(dir: &Path, cfg: &ModelConfig, w: &ModelWeights, dtype: D
 pub fn run(a: Args) -> Result<()> {
     let cfg = tiny_config(&a)?;
     let dtype = DType::parse(&a.dtype).map_err(|e| anyhow::anyhow!("--dtype: {e}"))?;
-    prepare_empty_dir(&a.out)?;
+    if a.force {
+        std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
+    } else {
+        prepare_empty_dir(&a.out)?;
+    }
     let dev = Device::cpu(0)?;
     let w = ModelWeights::random(&cfg, &dev, DType::F32, a.seed, a.std)?;
     write_model_dir(&a.out, &cfg, &w, dtype)?;
