@@ -18,8 +18,9 @@ STAMP="$TC/.installed"
 PYTHON="${PYTHON:-python3}"
 
 # Exact pins. Every package is installed with --no-deps, so nothing else comes in:
-#  - nvidia-cuda-nvcc depends on an unpinned nvidia-nvvm (pip would pick the newest, whose cicc
-#    emits PTX that a 13.0 ptxas/driver rejects), so nvvm is pinned to the nvcc version here;
+#  - nvidia-cuda-nvcc depends on an unpinned nvidia-nvvm: pip would pick the newest (13.5.x),
+#    whose cicc emits PTX 9.5 that the 13.0 ptxas rejects ("Unsupported .version 9.5"), so nvvm
+#    is pinned to the nvcc version here;
 #  - nvidia-cutlass depends on cuda-python, numpy, scipy, ... which the headers do not need.
 PINS=(
   "nvidia-cuda-nvcc==13.0.88"
@@ -54,6 +55,10 @@ else
            include/cuda_fp4.h include/cuda_bf16.h include/cccl/cuda/std/cstdint; do
     [[ -e "$CU/$p" ]] || { echo "error: expected $CU/$p after install" >&2; exit 1; }
   done
+  # nvcc computes TOP as "<dir of nvcc>/.." and the kernel resolves ".." through the bin
+  # symlink, so TOP is the physical site/nvidia/cu13; nvcc.profile links with -L$TOP/lib64
+  # (libcudart_static.a, libcudadevrt.a), which the wheel ships as lib/ only.
+  ln -sfn lib "$CU/lib64"
   mkdir -p "$ROOT"
   for d in bin include nvvm lib; do
     ln -sfn "../site/nvidia/cu13/$d" "$ROOT/$d"
