@@ -7,6 +7,7 @@
 pub mod config;
 pub mod rope;
 pub mod tokenizer;
+pub mod trainable;
 pub mod transformer;
 pub mod weights;
 

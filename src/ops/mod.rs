@@ -8,6 +8,7 @@
 
 pub mod attention;
 pub mod elementwise;
+pub mod grad;
 pub mod gemm_cpu;
 pub mod linear_cpu;
 pub mod logprob;
