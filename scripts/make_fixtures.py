@@ -17,7 +17,40 @@ What it produces (all under ``tests/fixtures/``):
       ``greedy_prompt`` i64 [8], ``greedy_tokens`` i64 [24], ``greedy_min_margin`` f32 [1]
   - ``ref/<name>.json``: model name, architecture, config fields, library versions, seeds.
 
-Later sections (gradients, quantization, ...) are added as further ``section_*``
+* section ``grads`` (needs the ``models`` section's checkpoints)
+  Gradient references for the training objectives, one pair of files per model
+  (computed by autograd in float32, eager attention, on the checkpoint as
+  reloaded by ``AutoModelForCausalLM.from_pretrained``):
+  - ``grads/<name>_rollouts.jsonl``: 4 rollouts, one JSON object per line with
+    exactly the fields ``prompt_tokens``, ``response_tokens``,
+    ``sampler_logprobs``, ``teacher_logprobs`` (one per response token, drawn as
+    -U(0.05, 3.0) and rounded to 6 decimals), ``group`` (0,0,1,1) and
+    ``reward`` (1,0,0,1); prompt lengths 3,5,4,6, response lengths 4,2,7,3.
+    Everything below uses the logprobs as parsed back from this file, as float32.
+  - ``grads/<name>.safetensors`` (float32). Each rollout's prompt+response is run
+    through the model alone (batch 1, no padding); the scored rows are positions
+    t = prompt_len-1 .. len-2 predicting token t+1 (exactly the response tokens),
+    concatenated over the 4 rollouts: M = N = 16 rows, B = 4 sequences, n_i =
+    response length of rollout i, logp_t = log_softmax(logits_t)[target_t]
+    (live, with grad), sg() = detach, A_t = teacher_logprob_t - sg(logp_t):
+      ``logp_t1`` [M]                 logp_t at temperature 1
+      ``coef`` [M]                    random N(0, 1) coefficients
+      ``loss.coef`` [1]               sum_i -coef_i * log_softmax(logits_i / 0.7)[target_i]
+      ``loss.sft_token_mean``         -(1/N) sum_t logp_t
+      ``loss.opd_token_mean``         sum_t -(1/N) sg(A_t) logp_t
+      ``loss.opd_seq_mean_token_mean``  sum_i sum_{t in i} -(1/(B n_i)) sg(A_t) logp_t
+      ``loss.opd_seq_mean_token_sum``   sum_i sum_{t in i} -(1/B) sg(A_t) logp_t
+      ``grad.<obj>.<param>``          d loss.<obj> / d param, for every tensor of the
+                                      checkpoint, named and shaped as in the
+                                      checkpoint (tied qwen2: only
+                                      ``model.embed_tokens.weight``, holding the total
+                                      gradient of embedding + LM head; no ``lm_head.weight``)
+      ``grad_norm.<obj>`` [1]         global L2 norm over all ``grad.<obj>.*``
+                                      (accumulated in float64, stored float32)
+    where <obj> is one of coef, sft_token_mean, opd_token_mean,
+    opd_seq_mean_token_mean, opd_seq_mean_token_sum.
+
+Later sections (quantization, ...) are added as further ``section_*``
 functions and registered in ``SECTIONS``.
 
 How to run (from the repository root; needs network access to PyPI once, no GPU):
@@ -27,6 +60,7 @@ How to run (from the repository root; needs network access to PyPI once, no GPU)
     pip install -r scripts/requirements-fixtures.txt
     python scripts/make_fixtures.py              # all sections
     python scripts/make_fixtures.py --only models
+    python scripts/make_fixtures.py --only grads  # reuses tests/fixtures/models/
 
 The outputs are committed to the repository; CI does NOT run this script (it
 needs PyTorch/transformers, which CI does not install). Re-run it only when a
@@ -49,6 +83,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
@@ -400,8 +435,195 @@ def section_models() -> None:
         _compute_refs(spec, model_dir, ref_root)
 
 
+# ---------------------------------------------------------------------------
+# section: grads
+# ---------------------------------------------------------------------------
+
+GRAD_MODELS = ["llama_gqa", "qwen2_tied_sharded", "qwen3_headdim"]
+GRAD_SEEDS = {  # name -> (rollout seed, coef seed)
+    "llama_gqa": (4001, 5001),
+    "qwen2_tied_sharded": (4002, 5002),
+    "qwen3_headdim": (4003, 5003),
+}
+ROLLOUT_PROMPT_LENS = [3, 5, 4, 6]
+ROLLOUT_RESPONSE_LENS = [4, 2, 7, 3]
+ROLLOUT_GROUPS = [0, 0, 1, 1]
+ROLLOUT_REWARDS = [1, 0, 0, 1]
+LOGPROB_LO, LOGPROB_HI = 0.05, 3.0
+COEF_TEMPERATURE = 0.7
+GRAD_OBJECTIVES = [
+    "coef",
+    "sft_token_mean",
+    "opd_token_mean",
+    "opd_seq_mean_token_mean",
+    "opd_seq_mean_token_sum",
+]
+# Full gradients are stored only for these (model, objective) pairs, to keep the fixtures at a
+# few MB; every objective's loss and gradient norm are stored for every model.
+FULL_GRADS = {
+    "llama_gqa": {"coef", "opd_token_mean"},
+    "qwen2_tied_sharded": {"coef", "sft_token_mean", "opd_seq_mean_token_mean"},
+    "qwen3_headdim": {"coef", "opd_seq_mean_token_sum"},
+}
+
+
+def _make_rollouts(vocab: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    rollouts = []
+    for plen, rlen, group, reward in zip(
+        ROLLOUT_PROMPT_LENS, ROLLOUT_RESPONSE_LENS, ROLLOUT_GROUPS, ROLLOUT_REWARDS
+    ):
+        prompt = torch.randint(0, vocab, (plen,), generator=g, dtype=torch.int64)
+        response = torch.randint(0, vocab, (rlen,), generator=g, dtype=torch.int64)
+        u = torch.rand((2, rlen), generator=g, dtype=torch.float64)
+        lps = -(LOGPROB_LO + (LOGPROB_HI - LOGPROB_LO) * u)
+        rollouts.append({
+            "prompt_tokens": [int(x) for x in prompt],
+            "response_tokens": [int(x) for x in response],
+            "sampler_logprobs": [round(float(x), 6) for x in lps[0]],
+            "teacher_logprobs": [round(float(x), 6) for x in lps[1]],
+            "group": group,
+            "reward": reward,
+        })
+    return rollouts
+
+
+def _checkpoint_shapes(model_dir: Path) -> dict:
+    """Tensor name -> shape over every ``*.safetensors`` file of the directory."""
+    shapes = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                assert k not in shapes, f"{k} twice in {model_dir}"
+                shapes[k] = tuple(h.get_slice(k).get_shape())
+    return shapes
+
+
+def _scored_logits(model, rollouts: list[dict]):
+    """Run every rollout alone (batch 1, no padding); return the logits of the
+    scored rows [M, V] (with grad) and their targets [M] (the response tokens)."""
+    rows, targets = [], []
+    for r in rollouts:
+        p, resp = r["prompt_tokens"], r["response_tokens"]
+        seq = torch.tensor(p + resp, dtype=torch.int64)
+        logits = model(seq[None]).logits[0]  # [L, V]
+        rows.append(logits[len(p) - 1 : len(seq) - 1])
+        targets.append(seq[len(p) :])
+    return torch.cat(rows).to(torch.float32), torch.cat(targets)
+
+
+def _grad_losses(logits, targets, coef, teacher, seq_index, resp_lens) -> dict:
+    """The scalar objectives (see the module docstring), from scored logits."""
+    n_tok = targets.numel()
+    n_seq = len(resp_lens)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+    logp_t = torch.log_softmax(logits / COEF_TEMPERATURE, dim=-1).gather(-1, targets[:, None])[:, 0]
+    adv = (teacher - logp.detach()).detach()
+    n_i = torch.tensor(resp_lens, dtype=torch.float32)[seq_index]
+    losses = {
+        "coef": (-coef * logp_t).sum(),
+        "sft_token_mean": -logp.sum() / n_tok,
+        "opd_token_mean": (-(1.0 / n_tok) * adv * logp).sum(),
+        "opd_seq_mean_token_mean": (-(1.0 / (n_seq * n_i)) * adv * logp).sum(),
+        "opd_seq_mean_token_sum": (-(1.0 / n_seq) * adv * logp).sum(),
+    }
+    assert list(losses) == GRAD_OBJECTIVES
+    return losses, logp
+
+
+def _load_grad_model(model_dir: Path):
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="eager", **_dtype_kw()
+    ).eval()
+    for p in model.parameters():
+        assert p.dtype == torch.float32
+        p.requires_grad_(True)
+    return model
+
+
+def _grad_inputs(rollouts: list[dict], coef_seed: int):
+    """Tensors derived from the rollouts as parsed back from JSON (float32)."""
+    resp_lens = [len(r["response_tokens"]) for r in rollouts]
+    teacher = torch.tensor(
+        [x for r in rollouts for x in r["teacher_logprobs"]], dtype=torch.float32
+    )
+    seq_index = torch.cat(
+        [torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(resp_lens)]
+    )
+    g = torch.Generator().manual_seed(coef_seed)
+    coef = torch.randn((sum(resp_lens),), generator=g, dtype=torch.float32)
+    return coef, teacher, seq_index, resp_lens
+
+
+def _compute_grads(name: str, model_dir: Path, out_dir: Path) -> dict:
+    rollout_seed, coef_seed = GRAD_SEEDS[name]
+    model = _load_grad_model(model_dir)
+    vocab = model.config.vocab_size
+
+    rollouts = _make_rollouts(vocab, rollout_seed)
+    jsonl = out_dir / f"{name}_rollouts.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rollouts))
+    rollouts = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(rollouts) == len(ROLLOUT_PROMPT_LENS)
+
+    coef, teacher, seq_index, resp_lens = _grad_inputs(rollouts, coef_seed)
+    logits, targets = _scored_logits(model, rollouts)
+    m = sum(resp_lens)
+    assert logits.shape == (m, vocab) and targets.shape == (m,)
+    losses, logp = _grad_losses(logits, targets, coef, teacher, seq_index, resp_lens)
+
+    # parameter names: named_parameters() de-duplicates tied parameters, so a
+    # tied lm_head only appears as model.embed_tokens.weight (total gradient)
+    named = list(model.named_parameters())
+    ckpt = _checkpoint_shapes(model_dir)
+    names = [n for n, _ in named]
+    assert sorted(names) == sorted(ckpt), (
+        f"{name}: parameter names {sorted(set(names) ^ set(ckpt))} differ from the checkpoint"
+    )
+    if model.config.tie_word_embeddings:
+        assert "lm_head.weight" not in ckpt and "lm_head.weight" not in names
+
+    tensors = {
+        "logp_t1": logp.detach().contiguous(),
+        "coef": coef.contiguous(),
+    }
+    summary = {}
+    for obj, loss in losses.items():
+        grads = torch.autograd.grad(loss, [p for _, p in named], retain_graph=True)
+        sq = 0.0
+        for (pname, p), gr in zip(named, grads):
+            assert gr is not None, f"{name}: no gradient for {pname}"
+            assert tuple(gr.shape) == ckpt[pname] == tuple(p.shape), pname
+            assert gr.dtype == torch.float32 and torch.isfinite(gr).all(), pname
+            if obj in FULL_GRADS[name]:
+                tensors[f"grad.{obj}.{pname}"] = gr.detach().contiguous()
+            sq += float(gr.detach().double().pow(2).sum())
+        norm = sq ** 0.5
+        tensors[f"loss.{obj}"] = loss.detach().reshape(1).contiguous()
+        tensors[f"grad_norm.{obj}"] = torch.tensor([norm], dtype=torch.float32)
+        max_abs = max(float(g.abs().max()) for g in grads)
+        summary[obj] = {"loss": float(loss.detach()), "grad_norm": norm, "max_abs_grad": max_abs}
+        print(f"  [{name}] {obj:<24} loss {float(loss.detach()): .6f}  grad norm {norm:.6f}  max|grad| {max_abs:.6f}")
+
+    save_file(tensors, str(out_dir / f"{name}.safetensors"))
+    return summary
+
+
+def section_grads() -> None:
+    models_root = FIXTURES / "models"
+    out_dir = FIXTURES / "grads"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in GRAD_MODELS:
+        model_dir = models_root / name
+        if not (model_dir / "config.json").exists():
+            raise RuntimeError(f"{model_dir} missing: run the 'models' section first")
+        print(f"[grads] {name}")
+        _compute_grads(name, model_dir, out_dir)
+
+
 SECTIONS = {
     "models": section_models,
+    "grads": section_grads,
 }
 
 

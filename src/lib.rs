@@ -10,12 +10,15 @@
 //! - [`cli`]: the subcommands of the `colotrain` binary.
 
 pub mod cli;
+pub mod config;
 pub mod data;
 pub mod device;
 pub mod engine;
 pub mod model;
+pub mod objective;
 pub mod ops;
 pub mod rand;
+pub mod train;
 pub mod util;
 
 pub use anyhow::{Error, Result};

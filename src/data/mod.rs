@@ -1,6 +1,10 @@
-//! Data: prompt files (JSONL) for generation and scoring.
+//! Data: prompt files (JSONL), the built-in arithmetic task, answer checking, and the prompt
+//! source a training job draws from.
 //!
-//! Owns: parsing and validation of user-supplied prompt and token files. May call:
-//! `crate::model::TextTools` to render and encode. Must not: run models.
+//! Owns: parsing and validation of user-supplied prompt files; deterministic prompt order.
+//! May call: `crate::model::TextTools` to render and encode. Must not: run models.
 
+pub mod answer;
+pub mod arith;
+pub mod dataset;
 pub mod prompts;

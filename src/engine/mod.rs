@@ -381,9 +381,17 @@ impl Engine {
         let mut chunk = std::mem::take(&mut self.st.chunk);
         for scoring in [true, false] {
             let mut it = rows.iter().filter(|r| matches!(r.1, RowUse::Score { .. }) == scoring).peekable();
-            while it.peek().is_some() {
+            while let Some(first) = it.peek() {
+                // A chunk holds rows of one kind and, when scoring, of one temperature.
+                let t0 = self.row_temperature(first.1);
                 chunk.clear();
-                chunk.extend(it.by_ref().take(cap).copied());
+                while let Some(r) = it.peek() {
+                    if chunk.len() == cap || self.row_temperature(r.1) != t0 {
+                        break;
+                    }
+                    chunk.push(**r);
+                    it.next();
+                }
                 self.st.sel.clear();
                 self.st.sel.extend(chunk.iter().map(|x| x.0));
                 self.bufs.sel.write_u32(&self.st.sel)?;
@@ -400,6 +408,21 @@ impl Engine {
         Ok(())
     }
 
+    /// Scoring uses the request's temperature, log_softmax(z / T) (T = 0 scores at 1).
+    fn row_temperature(&self, u: RowUse) -> f32 {
+        match u {
+            RowUse::Score { seq, .. } => {
+                let t = self.sched.running[seq].req.sampling.temperature;
+                if t > 0.0 {
+                    t
+                } else {
+                    1.0
+                }
+            }
+            RowUse::Sample { .. } => 1.0,
+        }
+    }
+
     fn score_chunk(&mut self, chunk: &[(u32, RowUse)]) -> Result<()> {
         self.st.targets.clear();
         for (_, u) in chunk {
@@ -408,7 +431,8 @@ impl Engine {
             }
         }
         self.targets.write_u32(&self.st.targets)?;
-        logprob::log_softmax_gather(&self.dev, &self.bufs.logits, &self.targets, 1.0, &mut self.lp_out, chunk.len())?;
+        let temp = self.row_temperature(chunk[0].1);
+        logprob::log_softmax_gather(&self.dev, &self.bufs.logits, &self.targets, temp, &mut self.lp_out, chunk.len())?;
         self.st.lp_host.resize(chunk.len(), 0.0);
         self.lp_out.read_f32_into(&mut self.st.lp_host)?;
         for (i, (_, u)) in chunk.iter().enumerate() {

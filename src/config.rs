@@ -1,0 +1,332 @@
+//! The job config (TOML): every section, its defaults, and validation up front with errors that
+//! name the file, the key and what was expected (unknown keys included).
+//!
+//! Owns: [`JobConfig`]. May call: serde/toml. Must not: open models or touch devices.
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JobConfig {
+    #[serde(default)]
+    pub run: RunConfig,
+    pub model: ModelSource,
+    #[serde(default)]
+    pub teacher: Option<ModelSource>,
+    #[serde(default)]
+    pub data: DataConfig,
+    #[serde(default)]
+    pub rollout: RolloutConfig,
+    #[serde(default)]
+    pub objective: ObjectiveConfig,
+    #[serde(default)]
+    pub optimizer: OptimizerConfig,
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+    #[serde(default)]
+    pub eval: EvalConfig,
+    #[serde(default)]
+    pub engine: EngineSection,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    pub name: String,
+    /// Where metrics, checkpoints and the resolved config go (default runs/<name>).
+    pub out_dir: Option<PathBuf>,
+    pub seed: u64,
+    pub steps: u64,
+    /// cpu, cpu:<threads>, cuda:<k>.
+    pub device: String,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig { name: "run".into(), out_dir: None, seed: 1, steps: 100, device: "cpu".into() }
+    }
+}
+
+/// A model directory, or a built-in tiny model (`builtin:tiny-arith-student` / `-teacher`).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSource {
+    pub path: String,
+    /// Compute-weight dtype in memory: f32 or bf16 (default f32 on CPU, bf16 on CUDA).
+    #[serde(default)]
+    pub dtype: Option<String>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// `builtin:arith` (the synthetic addition task) or a JSONL of prompts
+    /// ({"prompt"|"messages"|"tokens", "answer"?}).
+    pub train: String,
+    /// Held-out prompts for evaluation (same formats); `builtin:arith` draws a fixed set.
+    pub heldout: Option<String>,
+    /// Render text prompts with the chat template.
+    pub chat: bool,
+    /// Held-out problems drawn for `builtin:arith`.
+    pub heldout_size: usize,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig { train: "builtin:arith".into(), heldout: None, chat: false, heldout_size: 128 }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolloutConfig {
+    /// "engine" (sample with the current weights) or "file" (precomputed rollouts).
+    pub source: String,
+    pub file: Option<PathBuf>,
+    pub prompts_per_step: usize,
+    pub samples_per_prompt: usize,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: u32,
+    pub max_new_tokens: usize,
+    pub max_seqs: usize,
+    pub max_tokens_per_step: usize,
+    pub kv_cache_mb: usize,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        RolloutConfig {
+            source: "engine".into(),
+            file: None,
+            prompts_per_step: 8,
+            samples_per_prompt: 8,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: 1024,
+            max_seqs: 64,
+            max_tokens_per_step: 2048,
+            kv_cache_mb: 512,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ObjectiveConfig {
+    /// "opd" or "sft".
+    pub kind: String,
+    /// "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum" (default: token-mean).
+    pub loss_agg: Option<String>,
+    /// Rows of logits held at once by the fused LM-head loss.
+    pub chunk_size: usize,
+    /// Tokens per micro-batch of the backward (activation memory bound); 0: the whole step.
+    pub micro_batch_tokens: usize,
+}
+
+impl Default for ObjectiveConfig {
+    fn default() -> Self {
+        ObjectiveConfig { kind: "opd".into(), loss_agg: None, chunk_size: 256, micro_batch_tokens: 0 }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    /// "adamw" or "sgd".
+    pub kind: String,
+    pub lr: f64,
+    pub betas: [f64; 2],
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Max global gradient norm; 0 disables clipping.
+    pub grad_clip: f64,
+    /// Linear warmup from 0 over this many steps, then constant.
+    pub warmup_steps: u64,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig { kind: "adamw".into(), lr: 1e-6, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 0.01, grad_clip: 1.0, warmup_steps: 0 }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Save every N steps (0: only at the end).
+    pub every: u64,
+    /// Stored weight dtype: bf16 or f32.
+    pub dtype: String,
+    /// Checkpoints kept (older ones are removed after a newer one is durable); 0 keeps all.
+    pub keep: usize,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig { every: 0, dtype: "bf16".into(), keep: 2 }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalConfig {
+    /// Held-out evaluation every N steps (0: only before the first and after the last step).
+    pub every: u64,
+    pub samples_per_prompt: usize,
+    pub max_new_tokens: Option<usize>,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        EvalConfig { every: 0, samples_per_prompt: 1, max_new_tokens: None }
+    }
+}
+
+/// The rollout engine (precision recipes, weight noise and staleness arrive with the
+/// low-precision engines; today only the standard engine).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineSection {
+    pub recipe: String,
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        EngineSection { recipe: "bf16".into() }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossAgg {
+    TokenMean,
+    SeqMeanTokenMean,
+    SeqMeanTokenSum,
+}
+
+impl LossAgg {
+    pub fn parse(s: &str) -> Result<LossAgg> {
+        Ok(match s {
+            "token-mean" => LossAgg::TokenMean,
+            "seq-mean-token-mean" => LossAgg::SeqMeanTokenMean,
+            "seq-mean-token-sum" => LossAgg::SeqMeanTokenSum,
+            _ => bail!("unknown loss aggregation '{s}': expected token-mean, seq-mean-token-mean or seq-mean-token-sum"),
+        })
+    }
+}
+
+impl JobConfig {
+    pub fn from_file(path: &Path) -> Result<JobConfig> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
+        Self::from_toml(&text, &path.display().to_string())
+    }
+
+    pub fn from_toml(text: &str, file: &str) -> Result<JobConfig> {
+        let cfg: JobConfig = toml::from_str(text).map_err(|e| anyhow::anyhow!("{file}: {e}"))?;
+        cfg.validate(file)?;
+        Ok(cfg)
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_default()
+    }
+
+    pub fn out_dir(&self) -> PathBuf {
+        self.run.out_dir.clone().unwrap_or_else(|| PathBuf::from("runs").join(&self.run.name))
+    }
+
+    pub fn loss_agg(&self) -> Result<LossAgg> {
+        LossAgg::parse(self.objective.loss_agg.as_deref().unwrap_or("token-mean"))
+    }
+
+    /// Checks values, not only types; every error names the key.
+    pub fn validate(&self, file: &str) -> Result<()> {
+        let err = |key: &str, msg: String| -> Result<()> { bail!("{file}: {key}: {msg}") };
+        if self.run.name.is_empty() || self.run.name.contains('/') {
+            err("run.name", format!("must be a non-empty name without '/', got {:?}", self.run.name))?;
+        }
+        if self.run.steps == 0 {
+            err("run.steps", "must be at least 1".into())?;
+        }
+        crate::device::Device::parse(&self.run.device).map(|_| ()).or_else(|e| {
+            if self.run.device.starts_with("cuda") {
+                Ok(()) // availability is checked when the run starts
+            } else {
+                err("run.device", format!("{e:#}"))
+            }
+        })?;
+        match self.objective.kind.as_str() {
+            "opd" => {
+                if self.teacher.is_none() {
+                    err("teacher", "the opd objective needs a [teacher] model".into())?;
+                }
+            }
+            "sft" => {}
+            k => err("objective.kind", format!("unknown objective '{k}': expected opd or sft"))?,
+        }
+        self.loss_agg().map_err(|e| anyhow::anyhow!("{file}: objective.loss_agg: {e}"))?;
+        if self.objective.chunk_size == 0 {
+            err("objective.chunk_size", "must be at least 1".into())?;
+        }
+        match self.rollout.source.as_str() {
+            "engine" => {}
+            "file" => {
+                if self.rollout.file.is_none() {
+                    err("rollout.file", "rollout.source = \"file\" needs rollout.file".into())?;
+                }
+            }
+            s => err("rollout.source", format!("unknown source '{s}': expected engine or file"))?,
+        }
+        if self.rollout.prompts_per_step == 0 || self.rollout.samples_per_prompt == 0 {
+            err("rollout.prompts_per_step", "prompts_per_step and samples_per_prompt must be at least 1".into())?;
+        }
+        if !(self.rollout.temperature > 0.0 && self.rollout.temperature.is_finite()) {
+            err("rollout.temperature", format!("must be positive for training, got {}", self.rollout.temperature))?;
+        }
+        if !(self.rollout.top_p > 0.0 && self.rollout.top_p <= 1.0) {
+            err("rollout.top_p", format!("must be in (0, 1], got {}", self.rollout.top_p))?;
+        }
+        if self.rollout.max_new_tokens == 0 {
+            err("rollout.max_new_tokens", "must be at least 1".into())?;
+        }
+        match self.optimizer.kind.as_str() {
+            "adamw" | "sgd" => {}
+            k => err("optimizer.kind", format!("unknown optimizer '{k}': expected adamw or sgd"))?,
+        }
+        if !(self.optimizer.lr >= 0.0 && self.optimizer.lr.is_finite()) {
+            err("optimizer.lr", format!("must be a finite number >= 0, got {}", self.optimizer.lr))?;
+        }
+        for (i, b) in self.optimizer.betas.iter().enumerate() {
+            if !(0.0..1.0).contains(b) {
+                err(&format!("optimizer.betas[{i}]"), format!("must be in [0, 1), got {b}"))?;
+            }
+        }
+        if !(self.optimizer.eps > 0.0) {
+            err("optimizer.eps", "must be positive".into())?;
+        }
+        if !(self.optimizer.weight_decay >= 0.0) || !(self.optimizer.grad_clip >= 0.0) {
+            err("optimizer.weight_decay", "weight_decay and grad_clip must be >= 0".into())?;
+        }
+        match self.checkpoint.dtype.as_str() {
+            "bf16" | "f32" => {}
+            d => err("checkpoint.dtype", format!("expected bf16 or f32, got '{d}'"))?,
+        }
+        for (key, m) in [("model.dtype", Some(&self.model)), ("teacher.dtype", self.teacher.as_ref())] {
+            if let Some(d) = m.and_then(|m| m.dtype.as_deref()) {
+                if !matches!(d, "f32" | "bf16") {
+                    err(key, format!("expected f32 or bf16, got '{d}'"))?;
+                }
+            }
+        }
+        if self.engine.recipe != "bf16" {
+            err("engine.recipe", format!("unknown recipe '{}': expected bf16 (the standard engine)", self.engine.recipe))?;
+        }
+        if self.eval.samples_per_prompt == 0 {
+            err("eval.samples_per_prompt", "must be at least 1".into())?;
+        }
+        Ok(())
+    }
+}

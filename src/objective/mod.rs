@@ -1,0 +1,96 @@
+//! Objectives: token statistics → one coefficient c_t per response token, such that the
+//! loss gradient is Σ_t −c_t·∇log p_θ(y_t) (the logits gradient −c_t·(e_y − softmax(z/T))/T is
+//! then produced by the fused LM-head pass, `ops::grad::lm_head::grad`). An objective is a cheap
+//! pass over the step's tokens; it never sees logits.
+//!
+//! Owns: the aggregation weights and each objective's coefficients and reported loss. May call
+//! nothing heavier than arithmetic. Must not: run models.
+
+pub mod opd;
+pub mod sft;
+
+use crate::config::LossAgg;
+use anyhow::{bail, Result};
+
+/// Per-token inputs of one training step. Response tokens of all sequences, concatenated in
+/// sequence order; `seq_lens[i]` tokens belong to sequence i.
+pub struct TokenStats<'a> {
+    pub seq_lens: &'a [usize],
+    /// log p_θ(y_t) at the trainer's current weights (temperature-scaled like the sampler).
+    pub logp: &'a [f32],
+    /// The engine's log q(y_t).
+    pub sampler: Option<&'a [f32]>,
+    /// The teacher's log p_T(y_t).
+    pub teacher: Option<&'a [f32]>,
+    /// 1 = train on this token, 0 = skip (e.g. too stale).
+    pub mask: Option<&'a [bool]>,
+}
+
+impl TokenStats<'_> {
+    pub fn len(&self) -> usize {
+        self.logp.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.logp.is_empty()
+    }
+    pub fn check(&self) -> Result<()> {
+        let n: usize = self.seq_lens.iter().sum();
+        if n != self.logp.len() {
+            bail!("objective: {} log-probs for {} response tokens", self.logp.len(), n);
+        }
+        for (name, v) in [("sampler", self.sampler), ("teacher", self.teacher)] {
+            if let Some(v) = v {
+                if v.len() != n {
+                    bail!("objective: {} {name} log-probs for {n} response tokens", v.len());
+                }
+            }
+        }
+        if let Some(m) = self.mask {
+            if m.len() != n {
+                bail!("objective: mask of {} for {n} tokens", m.len());
+            }
+        }
+        Ok(())
+    }
+    fn active(&self, t: usize) -> bool {
+        self.mask.map(|m| m[t]).unwrap_or(true)
+    }
+}
+
+/// Loss aggregation weights w_t (Σ_t w_t·ℓ_t is the step's loss), over active tokens:
+/// token-mean 1/N (N active tokens of the batch); seq-mean-token-mean 1/(B·n_i);
+/// seq-mean-token-sum 1/B (B sequences with at least one active token, n_i their active tokens).
+pub fn agg_weights(s: &TokenStats, agg: LossAgg) -> Vec<f64> {
+    let mut w = vec![0.0; s.len()];
+    let mut counts = Vec::with_capacity(s.seq_lens.len());
+    let mut t = 0;
+    for &n in s.seq_lens {
+        counts.push((t..t + n).filter(|&i| s.active(i)).count());
+        t += n;
+    }
+    let total: usize = counts.iter().sum();
+    let b = counts.iter().filter(|&&c| c > 0).count();
+    let mut t = 0;
+    for (&n, &c) in s.seq_lens.iter().zip(&counts) {
+        for i in t..t + n {
+            if s.active(i) {
+                w[i] = match agg {
+                    LossAgg::TokenMean => 1.0 / total as f64,
+                    LossAgg::SeqMeanTokenMean => 1.0 / (b * c) as f64,
+                    LossAgg::SeqMeanTokenSum => 1.0 / b as f64,
+                };
+            }
+        }
+        t += n;
+    }
+    w
+}
+
+/// What an objective returns.
+#[derive(Clone, Debug, Default)]
+pub struct Coefficients {
+    /// c_t per response token.
+    pub coef: Vec<f32>,
+    /// The objective's reported loss (its own definition, see each objective).
+    pub loss: f64,
+}

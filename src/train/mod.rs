@@ -1,0 +1,8 @@
+//! Training: the optimizer over FP32 master weights, the step (rollouts → statistics →
+//! coefficients → fused loss + backward → update → in-place rewrite of the compute weights),
+//! checkpoints, and the `train` job loop with its metrics.
+//!
+//! Owns: the trainer state. May call: `model`, `objective`, `engine`, `data`. Must not:
+//! reimplement ops (they live in `ops`).
+
+pub mod optimizer;

@@ -1,0 +1,166 @@
+//! Rollouts: what a training step learns from. Produced by the engine on the current weights
+//! (the engine reads the trainer's weight store directly), or read from a JSONL file of
+//! precomputed rollouts; then scored by the teacher (log p_T at the sampled tokens only).
+
+use crate::data::dataset::PromptItem;
+use crate::engine::{Engine, FinishReason, Request, SamplingConfig};
+use crate::model::ModelWeights;
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::path::Path;
+use std::sync::Arc;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rollout {
+    pub prompt_id: u64,
+    pub sample: u32,
+    /// Responses to the same prompt share a group (GRPO).
+    pub group: u64,
+    pub prompt: Vec<u32>,
+    pub response: Vec<u32>,
+    /// log q(y_t) of the engine that sampled the response.
+    pub sampler_logprobs: Vec<f32>,
+    pub teacher_logprobs: Option<Vec<f32>>,
+    pub reward: Option<f32>,
+    /// Reference answer of the prompt, when known.
+    pub answer: Option<String>,
+    /// The response hit the token limit.
+    pub truncated: bool,
+    /// Weight version the response was sampled with.
+    pub version: u64,
+}
+
+/// Samples `samples` responses to each prompt with `engine` on weights `w`. Sampling keys are
+/// (seed, request = step·2³² + prompt index, sample).
+pub fn generate(engine: &mut Engine, w: &ModelWeights, prompts: &[PromptItem], samples: u32, sampling: &Arc<SamplingConfig>, step: u64, version: u64) -> Result<Vec<Rollout>> {
+    for (i, p) in prompts.iter().enumerate() {
+        for s in 0..samples {
+            engine.add(Request { id: (step << 32) | i as u64, sample: s, prompt: p.tokens.clone(), sampling: sampling.clone(), prompt_logprobs: false })?;
+        }
+    }
+    let done = engine.run_to_completion(w, |_| {})?;
+    Ok(done
+        .into_iter()
+        .map(|c| {
+            let i = (c.id & 0xffff_ffff) as usize;
+            Rollout {
+                prompt_id: prompts[i].id,
+                sample: c.sample,
+                group: prompts[i].id,
+                prompt: prompts[i].tokens.clone(),
+                truncated: c.finish == FinishReason::Length,
+                response: c.tokens,
+                sampler_logprobs: c.logprobs,
+                teacher_logprobs: None,
+                reward: None,
+                answer: prompts[i].answer.clone(),
+                version,
+            }
+        })
+        .collect())
+}
+
+/// Fills `teacher_logprobs` of every rollout that lacks them: the teacher engine scores
+/// prompt + response at `temperature` and keeps only the response positions.
+pub fn score_teacher(engine: &mut Engine, w: &ModelWeights, rollouts: &mut [Rollout], temperature: f32) -> Result<()> {
+    let sampling = Arc::new(SamplingConfig { temperature, max_new_tokens: 0, ..Default::default() });
+    let mut asked = Vec::new();
+    for (i, r) in rollouts.iter().enumerate() {
+        if r.teacher_logprobs.is_some() || r.response.is_empty() {
+            continue;
+        }
+        let mut seq = r.prompt.clone();
+        seq.extend_from_slice(&r.response);
+        engine.add(Request { id: i as u64, sample: 0, prompt: seq, sampling: sampling.clone(), prompt_logprobs: true })?;
+        asked.push(i);
+    }
+    for c in engine.run_to_completion(w, |_| {})? {
+        let r = &mut rollouts[c.id as usize];
+        r.teacher_logprobs = Some(c.prompt_logprobs[r.prompt.len() - 1..].to_vec());
+    }
+    for r in rollouts.iter_mut().filter(|r| r.response.is_empty()) {
+        r.teacher_logprobs = Some(Vec::new());
+    }
+    debug_assert!(asked.iter().all(|&i| rollouts[i].teacher_logprobs.is_some()));
+    Ok(())
+}
+
+fn floats(v: Option<&Value>, key: &str, ctx: &dyn Fn() -> String) -> Result<Option<Vec<f32>>> {
+    let Some(v) = v.filter(|v| !v.is_null()) else { return Ok(None) };
+    let arr = v.as_array().with_context(|| format!("{}: '{key}' must be a list of numbers", ctx()))?;
+    let mut out = Vec::with_capacity(arr.len());
+    for (i, x) in arr.iter().enumerate() {
+        let f = x.as_f64().with_context(|| format!("{}: {key}[{i}] = {x} is not a number", ctx()))?;
+        if !f.is_finite() {
+            bail!("{}: {key}[{i}] = {f} is not finite", ctx());
+        }
+        out.push(f as f32);
+    }
+    Ok(Some(out))
+}
+
+/// Reads a rollout file: one JSON object per line with `prompt_tokens`, `response_tokens`,
+/// `sampler_logprobs` and optional `group`, `reward`, `teacher_logprobs`, `answer`. Errors name
+/// the file, the line and the field.
+pub fn read_file(path: &Path, vocab: usize) -> Result<Vec<Rollout>> {
+    let lines = crate::util::read_jsonl(path)?;
+    if lines.is_empty() {
+        bail!("{}: no rollouts (the file is empty)", path.display());
+    }
+    let mut out = Vec::with_capacity(lines.len());
+    for (idx, (line, v)) in lines.iter().enumerate() {
+        let ctx = || format!("{}:{line}", path.display());
+        if !v.is_object() {
+            bail!("{}: expected a JSON object", ctx());
+        }
+        let toks = |key: &str| -> Result<Vec<u32>> {
+            let f = v.get(key).with_context(|| format!("{}: missing field '{key}'", ctx()))?;
+            crate::data::prompts::parse_tokens(f, vocab, &|| format!("{} ('{key}')", ctx()))
+        };
+        let prompt = toks("prompt_tokens")?;
+        let response = toks("response_tokens")?;
+        if prompt.is_empty() {
+            bail!("{}: 'prompt_tokens' is empty", ctx());
+        }
+        let sampler = floats(v.get("sampler_logprobs"), "sampler_logprobs", &ctx)?
+            .with_context(|| format!("{}: missing field 'sampler_logprobs'", ctx()))?;
+        if sampler.len() != response.len() {
+            bail!("{}: 'sampler_logprobs' has {} values for {} response tokens", ctx(), sampler.len(), response.len());
+        }
+        let teacher = floats(v.get("teacher_logprobs"), "teacher_logprobs", &ctx)?;
+        if let Some(t) = &teacher {
+            if t.len() != response.len() {
+                bail!("{}: 'teacher_logprobs' has {} values for {} response tokens", ctx(), t.len(), response.len());
+            }
+        }
+        let group = match v.get("group") {
+            None | Some(Value::Null) => idx as u64,
+            Some(g) => g.as_u64().with_context(|| format!("{}: 'group' must be a non-negative integer", ctx()))?,
+        };
+        let reward = match v.get("reward") {
+            None | Some(Value::Null) => None,
+            Some(r) => {
+                let f = r.as_f64().with_context(|| format!("{}: 'reward' must be a number", ctx()))?;
+                if !f.is_finite() {
+                    bail!("{}: 'reward' = {f} is not finite", ctx());
+                }
+                Some(f as f32)
+            }
+        };
+        let answer = v.get("answer").and_then(|a| a.as_str()).map(str::to_string);
+        out.push(Rollout {
+            prompt_id: idx as u64,
+            sample: 0,
+            group,
+            prompt,
+            response,
+            sampler_logprobs: sampler,
+            teacher_logprobs: teacher,
+            reward,
+            answer,
+            truncated: false,
+            version: 0,
+        });
+    }
+    Ok(out)
+}
