@@ -31,6 +31,7 @@ fn tiny_cfg(arch: Arch) -> ModelConfig {
         qk_norm: arch == Arch::Qwen3,
         bos_token_id: None,
         eos_token_ids: vec![],
+        pad_token_id: None,
         torch_dtype: None,
     }
 }

@@ -34,6 +34,7 @@ fn cfg(arch: Arch) -> ModelConfig {
         qk_norm: arch == Arch::Qwen3,
         bos_token_id: None,
         eos_token_ids: vec![],
+        pad_token_id: None,
         torch_dtype: None,
     }
 }

@@ -56,6 +56,7 @@ fn decode_steps_do_not_allocate() {
         qk_norm: false,
         bos_token_id: None,
         eos_token_ids: vec![],
+        pad_token_id: None,
         torch_dtype: None,
     };
     for dtype in [DType::F32, DType::BF16] {

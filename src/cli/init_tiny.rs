@@ -98,6 +98,7 @@ pub fn tiny_config(a: &Args) -> Result<ModelConfig> {
         qk_norm: arch == Arch::Qwen3,
         bos_token_id: Some(256),
         eos_token_ids: vec![258, 256],
+        pad_token_id: Some(256),
         torch_dtype: None,
     };
     // Round-trip through the HF JSON so that what we write is what we validate.

@@ -86,6 +86,9 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// transformers builds the embedding as nn.Embedding(padding_idx = pad_token_id): that row
+    /// gets no gradient from lookups (the trainer reproduces this).
+    pub pad_token_id: Option<u32>,
     /// The dtype the checkpoint declares (`torch_dtype` / `dtype`), informational.
     pub torch_dtype: Option<String>,
 }
@@ -269,6 +272,7 @@ impl ModelConfig {
             qk_norm: arch == Arch::Qwen3,
             bos_token_id: f.get("bos_token_id").and_then(token_ids).and_then(|v| v.first().copied()),
             eos_token_ids: f.get("eos_token_id").and_then(token_ids).unwrap_or_default(),
+            pad_token_id: f.get("pad_token_id").and_then(token_ids).and_then(|v| v.first().copied()),
             torch_dtype: f.get("torch_dtype").or_else(|| f.get("dtype")).and_then(|d| d.as_str()).map(str::to_string),
         };
         cfg.validate(file)?;
@@ -394,6 +398,9 @@ impl ModelConfig {
         }
         if let Some(b) = self.bos_token_id {
             o.insert("bos_token_id".into(), json!(b));
+        }
+        if let Some(p) = self.pad_token_id {
+            o.insert("pad_token_id".into(), json!(p));
         }
         match self.eos_token_ids.as_slice() {
             [] => {}

@@ -399,7 +399,7 @@ impl<T: Real> Trainable<T> {
             }
             norm::bwd(n, c, &dh1, &a.x, p[li.ln1], &a.rstd1, &mut dx, true, &mut grads[li.ln1]);
         }
-        act::embed_bwd(c, &self.tokens, &dx, &mut grads[self.embed]);
+        act::embed_bwd(c, &self.tokens, &dx, &mut grads[self.embed], cfg.pad_token_id);
         Ok(loss)
     }
 }

@@ -6,3 +6,5 @@
 //! reimplement ops (they live in `ops`).
 
 pub mod optimizer;
+pub mod rollout;
+pub mod trainer;

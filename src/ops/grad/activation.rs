@@ -33,9 +33,13 @@ pub fn embed_fwd<T: Real>(c: usize, ids: &[u32], table: &[T], x: &mut [T]) {
     });
 }
 
-/// dtable[ids[t]] += dx[t], rows in order (deterministic).
-pub fn embed_bwd<T: Real>(c: usize, ids: &[u32], dx: &[T], dtable: &mut [T]) {
+/// dtable[ids[t]] += dx[t], rows in order (deterministic). Lookups of `skip` (the padding
+/// index, as nn.Embedding(padding_idx) does) contribute nothing.
+pub fn embed_bwd<T: Real>(c: usize, ids: &[u32], dx: &[T], dtable: &mut [T], skip: Option<u32>) {
     for (t, &i) in ids.iter().enumerate() {
+        if Some(i) == skip {
+            continue;
+        }
         let dst = &mut dtable[i as usize * c..(i as usize + 1) * c];
         for (a, b) in dst.iter_mut().zip(&dx[t * c..(t + 1) * c]) {
             *a += *b;
