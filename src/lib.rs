@@ -14,6 +14,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod engine;
+pub mod mismatch;
 pub mod model;
 pub mod objective;
 pub mod ops;

@@ -7,6 +7,7 @@ mod generate;
 mod init_tiny;
 mod inspect;
 mod score;
+mod train;
 
 use crate::device::{DType, Device};
 use anyhow::Result;
@@ -25,6 +26,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Train: on-policy distillation or SFT (no --config: the built-in tiny OPD job).
+    Train(train::Args),
     /// Write a tiny random Hugging Face model directory (config, weights, tokenizer, chat template).
     InitTiny(init_tiny::Args),
     /// Sample responses to prompts with the continuous-batching engine.
@@ -110,6 +113,7 @@ pub fn main() -> i32 {
 
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Train(a) => train::run(a),
         Command::InitTiny(a) => init_tiny::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Score(a) => score::run(a),

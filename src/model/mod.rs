@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod rope;
+pub mod tiny;
 pub mod tokenizer;
 pub mod trainable;
 pub mod transformer;

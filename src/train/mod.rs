@@ -5,6 +5,10 @@
 //! Owns: the trainer state. May call: `model`, `objective`, `engine`, `data`. Must not:
 //! reimplement ops (they live in `ops`).
 
+pub mod checkpoint;
+pub mod eval;
+pub mod job;
 pub mod optimizer;
 pub mod rollout;
+pub mod tiny;
 pub mod trainer;

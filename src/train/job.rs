@@ -1,0 +1,387 @@
+//! The `train` job: the colocated synchronous schedule on one device. Per step: rollout (the
+//! engine reads the trainer's weights), teacher scoring, rewards, the training step, the in-place
+//! resync, metrics (one JSON line), periodic held-out evaluation and checkpoints.
+
+use super::checkpoint;
+use super::eval::{self, EvalResult};
+use super::rollout::{self, Rollout};
+use super::trainer::{StepOut, Trainer};
+use crate::config::JobConfig;
+use crate::data::answer;
+use crate::data::dataset::Dataset;
+use crate::device::{DType, Device};
+use crate::engine::{Engine, EngineConfig, SamplingConfig};
+use crate::mismatch::{self, StepMismatch};
+use crate::model::LoadedModel;
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Clone, Debug, Default)]
+pub struct JobOptions {
+    pub resume: Option<PathBuf>,
+    /// Draw a progress bar (stderr).
+    pub progress: bool,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PhaseSeconds {
+    pub rollout: f64,
+    pub teacher: f64,
+    pub reward: f64,
+    pub train: f64,
+    pub resync: f64,
+    /// The trainer's wait for generation and teacher scoring (synchronous: their sum).
+    pub wait: f64,
+    pub total: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub version: u64,
+    pub time: PhaseSeconds,
+    pub gen_tokens: usize,
+    pub tokens_per_s: f64,
+    pub updates_per_hour: f64,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub entropy: f64,
+    pub response_len: f64,
+    pub length_cap_rate: f64,
+    pub reward: Option<f64>,
+    pub mismatch: StepMismatch,
+    pub skipped: bool,
+    pub skipped_steps: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heldout_kl: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heldout_acc: Option<f64>,
+}
+
+/// What a finished job reports.
+#[derive(Clone, Debug, Default)]
+pub struct JobSummary {
+    pub out_dir: PathBuf,
+    pub steps: u64,
+    pub seconds: f64,
+    pub evals: Vec<EvalResult>,
+    pub last: Option<StepMetrics>,
+    pub mean_time: PhaseSeconds,
+    pub skipped_steps: u64,
+}
+
+/// Loads a model source (a directory or a `builtin:` name).
+fn load(src: &crate::config::ModelSource, dev: &Device) -> Result<LoadedModel> {
+    let dir = super::tiny::resolve(&src.path)?;
+    let dtype = match src.dtype.as_deref() {
+        Some(d) => DType::parse(d)?,
+        None if dev.is_cpu() => DType::F32,
+        None => DType::BF16,
+    };
+    LoadedModel::load(&dir, dev, dtype)
+}
+
+fn engine_config(job: &JobConfig) -> EngineConfig {
+    let r = &job.rollout;
+    EngineConfig { max_seqs: r.max_seqs, max_tokens_per_step: r.max_tokens_per_step, kv_cache_bytes: r.kv_cache_mb << 20, ..Default::default() }
+}
+
+/// Keeps the lines of metrics.jsonl with step <= `upto` (resume), rewriting it atomically.
+fn truncate_metrics(path: &Path, upto: u64) -> Result<()> {
+    if !path.exists() {
+        return Ok(());
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v.get("step").and_then(|s| s.as_u64())).map(|s| s <= upto).unwrap_or(false))
+        .collect();
+    let mut out = kept.join("\n");
+    if !out.is_empty() {
+        out.push('\n');
+    }
+    crate::util::write_atomic(path, out.as_bytes())
+}
+
+pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
+    let t_job = Instant::now();
+    let out_dir = job.out_dir();
+    let metrics_path = out_dir.join("metrics.jsonl");
+    let resume = match &opts.resume {
+        Some(p) => Some(checkpoint::resolve(p)?),
+        None => {
+            if metrics_path.exists() || !checkpoint::list(&out_dir)?.is_empty() {
+                bail!(
+                    "{} already holds a run; resume it with --resume {} or choose another run.name / run.out_dir",
+                    out_dir.display(),
+                    out_dir.display()
+                );
+            }
+            None
+        }
+    };
+    std::fs::create_dir_all(out_dir.join("eval")).with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let dev = Device::parse(&job.run.device)?;
+    let student = load(&job.model, &dev).with_context(|| format!("loading the student '{}'", job.model.path))?;
+    let text = student.text.clone().context("the student model needs a tokenizer.json (for rewards and text data)")?;
+    let teacher = match &job.teacher {
+        Some(t) if job.objective.kind == "opd" => {
+            let tm = load(t, &dev).with_context(|| format!("loading the teacher '{}'", t.path))?;
+            if tm.cfg.vocab_size != student.cfg.vocab_size {
+                bail!(
+                    "student {} and teacher {} have different vocabularies ({} vs {} tokens); OPD needs one vocabulary",
+                    student.dir.display(),
+                    tm.dir.display(),
+                    student.cfg.vocab_size,
+                    tm.cfg.vocab_size
+                );
+            }
+            Some(tm)
+        }
+        _ => None,
+    };
+    let data = Dataset::open(&job.data.train, Some(text.clone()), job.data.chat, student.cfg.vocab_size, job.run.seed)?;
+    let heldout = match &job.data.heldout {
+        Some(h) => Dataset::open(h, Some(text.clone()), job.data.chat, student.cfg.vocab_size, job.run.seed)?.heldout(usize::MAX)?,
+        None => data.heldout(job.data.heldout_size)?,
+    };
+    let file_rollouts = match job.rollout.source.as_str() {
+        "file" => Some(rollout::read_file(job.rollout.file.as_deref().context("rollout.file")?, student.cfg.vocab_size)?),
+        _ => None,
+    };
+    let student_dir = student.dir.clone();
+    let cfg = student.cfg.clone();
+    let weights_dtype = student.weights.dtype();
+    let ec = engine_config(job);
+    let mut engine = Engine::new(&dev, &cfg, weights_dtype, &ec, Some(text.clone()))?;
+    let mut t_engine = match &teacher {
+        Some(t) => Some(Engine::new(&dev, &t.cfg, t.weights.dtype(), &ec, None)?),
+        None => None,
+    };
+    let mut trainer = Trainer::new(&cfg, student.weights, job)?;
+    let mut start = 0u64;
+    if let Some(ck) = &resume {
+        let (state, master, m, v) = checkpoint::load(ck, job)?;
+        trainer.restore(master, m, v, state.optimizer_step, state.version, state.skipped_steps)?;
+        start = state.step;
+        truncate_metrics(&metrics_path, start)?;
+        tracing::info!("resumed from {} at step {start}", ck.display());
+    }
+    crate::util::write_atomic(&out_dir.join("config.toml"), job.to_toml().as_bytes())?;
+    tracing::info!(
+        "run {}: {} ({} parameters, {}) on {}; trainer state {:.1} MiB; KV cache {} tokens",
+        job.run.name,
+        student_dir.display(),
+        trainer.num_params(),
+        weights_dtype.name(),
+        dev.name(),
+        trainer.state_bytes() as f64 / (1 << 20) as f64,
+        engine.cache.capacity_tokens()
+    );
+    let mut metrics_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&metrics_path)
+        .with_context(|| format!("cannot open {}", metrics_path.display()))?;
+    let eval_new = job.eval.max_new_tokens.unwrap_or(job.rollout.max_new_tokens);
+    let mut summary = JobSummary { out_dir: out_dir.clone(), ..Default::default() };
+    let do_eval = |step: u64, trainer: &Trainer, engine: &mut Engine, t_engine: &mut Option<Engine>| -> Result<EvalResult> {
+        let te = match (t_engine.as_mut(), teacher.as_ref()) {
+            (Some(e), Some(t)) => Some((e, &t.weights)),
+            _ => None,
+        };
+        let r = eval::evaluate(step, (engine, &trainer.weights), te, &text, &heldout, job.eval.samples_per_prompt as u32, eval_new, job.run.seed)?;
+        crate::util::write_atomic(&out_dir.join("eval").join(format!("step-{step:06}.json")), serde_json::to_string(&r)?.as_bytes())?;
+        Ok(r)
+    };
+    if start == 0 {
+        let r = do_eval(0, &trainer, &mut engine, &mut t_engine)?;
+        let line = serde_json::json!({"step": 0, "heldout_kl": r.kl, "heldout_acc": r.accuracy});
+        writeln!(metrics_file, "{line}")?;
+        summary.evals.push(r);
+    }
+    let bar = if opts.progress { indicatif::ProgressBar::new(job.run.steps) } else { indicatif::ProgressBar::hidden() };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} train [{bar:30}] {pos}/{len} steps {elapsed}<{eta} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_position(start);
+    let sampling = Arc::new(SamplingConfig {
+        temperature: job.rollout.temperature,
+        top_p: job.rollout.top_p,
+        top_k: job.rollout.top_k,
+        max_new_tokens: job.rollout.max_new_tokens,
+        stop: Vec::new(),
+        ignore_eos: false,
+        seed: job.run.seed,
+    });
+    let mut sum_time = PhaseSeconds::default();
+    let t_loop = Instant::now();
+    for step in start + 1..=job.run.steps {
+        let t_step = Instant::now();
+        let mut time = PhaseSeconds::default();
+        // 1. Rollout.
+        let t0 = Instant::now();
+        let mut rollouts: Vec<Rollout> = match (&file_rollouts, job.rollout.source.as_str()) {
+            (Some(f), _) => f.clone(),
+            _ => {
+                let prompts = data.train_prompts(step, job.rollout.prompts_per_step)?;
+                if job.objective.kind == "sft" && prompts.iter().all(|p| p.response.is_some()) {
+                    reference_rollouts(&prompts, job.rollout.samples_per_prompt)
+                } else {
+                    rollout::generate(&mut engine, &trainer.weights, &prompts, job.rollout.samples_per_prompt as u32, &sampling, step, trainer.version)?
+                }
+            }
+        };
+        time.rollout = t0.elapsed().as_secs_f64();
+        // 2. Teacher scoring.
+        let t0 = Instant::now();
+        if let (Some(te), Some(t)) = (t_engine.as_mut(), teacher.as_ref()) {
+            rollout::score_teacher(te, &t.weights, &mut rollouts, job.rollout.temperature)?;
+        }
+        time.teacher = t0.elapsed().as_secs_f64();
+        // 3. Rewards.
+        let t0 = Instant::now();
+        let mut rewards = Vec::new();
+        for r in rollouts.iter_mut() {
+            if r.reward.is_none() {
+                if let Some(ans) = &r.answer {
+                    r.reward = Some(if r.truncated { 0.0 } else { answer::reward(&text.decode(&r.response)?, ans) });
+                }
+            }
+            rewards.extend(r.reward.map(|x| x as f64));
+        }
+        time.reward = t0.elapsed().as_secs_f64();
+        // 4. Train.
+        let t0 = Instant::now();
+        let out: StepOut = trainer.step(&rollouts)?;
+        time.train = t0.elapsed().as_secs_f64();
+        // 5. Resync: the engine reads the trainer's compute weights in place; nothing to copy.
+        let t0 = Instant::now();
+        time.resync = t0.elapsed().as_secs_f64();
+        time.wait = time.rollout + time.teacher;
+        time.total = t_step.elapsed().as_secs_f64();
+        let gen_tokens: usize = rollouts.iter().map(|r| r.response.len()).sum();
+        let sampler: Vec<f32> = rollouts.iter().filter(|r| !r.response.is_empty()).flat_map(|r| r.sampler_logprobs.iter().copied()).collect();
+        let done_steps = (step - start) as f64;
+        let mut m = StepMetrics {
+            step,
+            version: trainer.version,
+            gen_tokens,
+            tokens_per_s: gen_tokens as f64 / time.rollout.max(1e-9),
+            updates_per_hour: done_steps * 3600.0 / t_loop.elapsed().as_secs_f64().max(1e-9),
+            loss: out.loss,
+            grad_norm: out.info.grad_norm,
+            lr: out.info.lr,
+            entropy: out.entropy,
+            response_len: gen_tokens as f64 / rollouts.len().max(1) as f64,
+            length_cap_rate: rollouts.iter().filter(|r| r.truncated).count() as f64 / rollouts.len().max(1) as f64,
+            reward: (!rewards.is_empty()).then(|| rewards.iter().sum::<f64>() / rewards.len() as f64),
+            mismatch: if file_rollouts.is_none() && job.objective.kind != "sft" { mismatch::step_mismatch(&sampler, &out.logp) } else { Default::default() },
+            skipped: out.skipped,
+            skipped_steps: trainer.skipped_steps,
+            time,
+            ..Default::default()
+        };
+        let eval_now = step == job.run.steps || (job.eval.every > 0 && step % job.eval.every == 0);
+        if eval_now {
+            let r = do_eval(step, &trainer, &mut engine, &mut t_engine)?;
+            m.heldout_kl = Some(r.kl);
+            m.heldout_acc = Some(r.accuracy);
+            summary.evals.push(r);
+        }
+        writeln!(metrics_file, "{}", serde_json::to_string(&m)?)?;
+        metrics_file.flush()?;
+        for (a, b) in [
+            (&mut sum_time.rollout, m.time.rollout),
+            (&mut sum_time.teacher, m.time.teacher),
+            (&mut sum_time.reward, m.time.reward),
+            (&mut sum_time.train, m.time.train),
+            (&mut sum_time.resync, m.time.resync),
+            (&mut sum_time.wait, m.time.wait),
+            (&mut sum_time.total, m.time.total),
+        ] {
+            *a += b;
+        }
+        bar.set_message(format!(
+            "loss {:.4} d_n {:.1e} ent {:.3}{}",
+            m.loss,
+            m.mismatch.d_n,
+            m.entropy,
+            m.heldout_kl.map(|k| format!(" heldout KL {k:.4}")).unwrap_or_default()
+        ));
+        bar.inc(1);
+        if step == job.run.steps || (job.checkpoint.every > 0 && step % job.checkpoint.every == 0) {
+            checkpoint::save(&out_dir, step, &trainer, job, Some(&student_dir))?;
+            checkpoint::prune(&out_dir, job.checkpoint.keep)?;
+        }
+        summary.last = Some(m);
+    }
+    bar.finish_and_clear();
+    let n = (job.run.steps.saturating_sub(start)).max(1) as f64;
+    summary.mean_time = PhaseSeconds {
+        rollout: sum_time.rollout / n,
+        teacher: sum_time.teacher / n,
+        reward: sum_time.reward / n,
+        train: sum_time.train / n,
+        resync: sum_time.resync / n,
+        wait: sum_time.wait / n,
+        total: sum_time.total / n,
+    };
+    summary.steps = job.run.steps;
+    summary.seconds = t_job.elapsed().as_secs_f64();
+    summary.skipped_steps = trainer.skipped_steps;
+    Ok(summary)
+}
+
+/// SFT on reference responses (teacher forcing on the dataset's answers).
+fn reference_rollouts(prompts: &[crate::data::dataset::PromptItem], samples: usize) -> Vec<Rollout> {
+    let mut out = Vec::new();
+    for p in prompts {
+        let resp = p.response.clone().unwrap_or_default();
+        for s in 0..samples.max(1) {
+            out.push(Rollout {
+                prompt_id: p.id,
+                sample: s as u32,
+                group: p.id,
+                prompt: p.tokens.clone(),
+                sampler_logprobs: vec![0.0; resp.len()],
+                response: resp.clone(),
+                teacher_logprobs: None,
+                reward: None,
+                answer: p.answer.clone(),
+                truncated: false,
+                version: 0,
+            });
+        }
+    }
+    out
+}
+
+/// The end-of-run table.
+pub fn summary_table(s: &JobSummary) -> String {
+    let mut t = String::new();
+    let first = s.evals.first();
+    let last = s.evals.last();
+    t.push_str(&format!("run            {}\n", s.out_dir.display()));
+    t.push_str(&format!("steps          {} in {:.1} s ({} skipped)\n", s.steps, s.seconds, s.skipped_steps));
+    if let (Some(a), Some(b)) = (first, last) {
+        let rel = if a.kl != 0.0 { (b.kl / a.kl - 1.0) * 100.0 } else { 0.0 };
+        t.push_str(&format!("held-out KL    {:.4} (step {}) -> {:.4} (step {})  {:+.1}%\n", a.kl, a.step, b.kl, b.step, rel));
+        t.push_str(&format!("accuracy       {:.1}% -> {:.1}%\n", a.accuracy * 100.0, b.accuracy * 100.0));
+    }
+    if let Some(m) = &s.last {
+        t.push_str(&format!("last step      loss {:.4}  entropy {:.3}  d_n {:.2e}  response {:.1} tokens\n", m.loss, m.entropy, m.mismatch.d_n, m.response_len));
+    }
+    let p = &s.mean_time;
+    t.push_str(&format!(
+        "seconds/step   total {:.3} = rollout {:.3} + teacher {:.3} + reward {:.3} + train {:.3} + resync {:.3}\n",
+        p.total, p.rollout, p.teacher, p.reward, p.train, p.resync
+    ));
+    t
+}
