@@ -33,8 +33,14 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, serde_json::Value)>> {
         if line.trim().is_empty() {
             continue;
         }
-        let v: serde_json::Value = serde_json::from_str(line)
-            .with_context(|| format!("{}:{}: not a valid JSON line", path.display(), i + 1))?;
+        let v: serde_json::Value = serde_json::from_str(line).with_context(|| {
+            let hint = if line.contains("NaN") || line.contains("Infinity") {
+                " (it holds a non-finite number: NaN and Infinity are not JSON and not valid values)"
+            } else {
+                ""
+            };
+            format!("{}:{}: not a valid JSON line{hint}", path.display(), i + 1)
+        })?;
         out.push((i + 1, v));
     }
     Ok(out)

@@ -1,0 +1,111 @@
+//! Bad training input: clear errors naming the file, key or line; nothing overwritten; a step
+//! whose loss or gradient is not finite is skipped, counted, and never applied.
+
+mod common;
+
+use colotrain::config::JobConfig;
+use colotrain::device::{DType, Device};
+use colotrain::train::job::{self, JobOptions};
+use colotrain::train::rollout::{read_file, Rollout};
+use colotrain::train::trainer::Trainer;
+use common::*;
+use std::process::Command;
+
+fn cfg_err(text: &str) -> String {
+    format!("{:#}", JobConfig::from_toml(text, "run.toml").unwrap_err())
+}
+
+const MIN: &str = "[model]\npath = \"m\"\n[teacher]\npath = \"t\"\n";
+
+#[test]
+fn config_errors_name_the_key() {
+    let e = cfg_err(&format!("{MIN}[optimizer]\nlearning_rate = 0.1\n"));
+    assert!(e.contains("run.toml") && e.contains("unknown field") && e.contains("learning_rate"), "{e}");
+    let e = cfg_err(&format!("{MIN}[run]\nsteps = \"ten\"\n"));
+    assert!(e.contains("run.toml") && e.contains("invalid type") && e.contains("steps"), "{e}");
+    let e = cfg_err("[model]\npath = \"m\"\n[objective]\nkind = \"opd\"\n");
+    assert!(e.contains("teacher: the opd objective needs a [teacher] model"), "{e}");
+    let e = cfg_err(&format!("{MIN}[objective]\nloss_agg = \"mean\"\n"));
+    assert!(e.contains("objective.loss_agg") && e.contains("unknown loss aggregation 'mean'"), "{e}");
+    let e = cfg_err(&format!("{MIN}[rollout]\ntop_p = 0\n"));
+    assert!(e.contains("rollout.top_p: must be in (0, 1]"), "{e}");
+    let e = cfg_err(&format!("{MIN}[optimizer]\nbetas = [0.9, 1.5]\n"));
+    assert!(e.contains("optimizer.betas[1]"), "{e}");
+    let e = cfg_err(&format!("{MIN}[engine]\nrecipe = \"fp4\"\n"));
+    assert!(e.contains("engine.recipe") && e.contains("unknown recipe 'fp4'"), "{e}");
+    let e = cfg_err(&format!("{MIN}[rollout]\nsource = \"file\"\n"));
+    assert!(e.contains("rollout.file"), "{e}");
+}
+
+#[test]
+fn model_errors_at_job_start() {
+    let t = TempDir::new("jobbad");
+    let run = |toml: &str| {
+        let mut j = JobConfig::from_toml(toml, "run.toml").unwrap();
+        j.run.out_dir = Some(t.path().join("out"));
+        format!("{:#}", job::run(&j, &JobOptions::default()).unwrap_err())
+    };
+    let e = run("[model]\npath = \"/nonexistent/model\"\n[teacher]\npath = \"/nonexistent/t\"\n");
+    assert!(e.contains("loading the student '/nonexistent/model'") && e.contains("does not exist"), "{e}");
+    let e = run("[model]\npath = \"builtin:gpt5\"\n[teacher]\npath = \"x\"\n");
+    assert!(e.contains("unknown built-in model 'builtin:gpt5'"), "{e}");
+    // Student and teacher with different vocabularies.
+    let bin = env!("CARGO_BIN_EXE_colotrain");
+    for (name, vocab) in [("s", "320"), ("t", "400")] {
+        let out = t.path().join(name);
+        let st = Command::new(bin).args(["init-tiny", "--out", out.to_str().unwrap(), "--layers", "1", "--hidden", "32", "--vocab", vocab]).status().unwrap();
+        assert!(st.success());
+    }
+    let e = run(&format!("[model]\npath = \"{}\"\n[teacher]\npath = \"{}\"\n", t.path().join("s").display(), t.path().join("t").display()));
+    assert!(e.contains("different vocabularies (320 vs 400 tokens)"), "{e}");
+}
+
+#[test]
+fn rollout_file_errors_name_the_line() {
+    let t = TempDir::new("rollbad");
+    let p = t.path().join("r.jsonl");
+    let read = |s: &str| {
+        std::fs::write(&p, s).unwrap();
+        format!("{:#}", read_file(&p, 100).unwrap_err())
+    };
+    let good = r#"{"prompt_tokens": [1, 2], "response_tokens": [3, 4], "sampler_logprobs": [-0.1, -0.2]}"#;
+    let e = read(&format!("{good}\n{{\"prompt_tokens\": [1], \"response_tokens\": [3, 4], \"sampler_logprobs\": [-0.1]}}\n"));
+    assert!(e.contains("r.jsonl:2: 'sampler_logprobs' has 1 values for 2 response tokens"), "{e}");
+    let e = read(&format!("{good}\n{good}\n{{\"prompt_tokens\": [1], \"response_tokens\": [3], \"sampler_logprobs\": [-0.1], \"teacher_logprobs\": [NaN]}}\n"));
+    assert!(e.contains("r.jsonl:3: not a valid JSON line (it holds a non-finite number"), "{e}");
+    let e = read("{\"prompt_tokens\": [1], \"response_tokens\": [300], \"sampler_logprobs\": [-0.1]}\n");
+    assert!(e.contains("r.jsonl:1") && e.contains("out of vocabulary"), "{e}");
+    let e = read("{\"prompt_tokens\": [1], \"response_tokens\": [3]}\n");
+    assert!(e.contains("r.jsonl:1: missing field 'sampler_logprobs'"), "{e}");
+    let e = read("");
+    assert!(e.contains("no rollouts"), "{e}");
+}
+
+#[test]
+fn non_finite_steps_are_skipped_and_counted() {
+    let dev = Device::cpu(2).unwrap();
+    let lm = load_fixture("qwen3_headdim", &dev, DType::F32);
+    let before: Vec<Vec<f32>> = lm.weights.tensors().iter().map(|t| t.to_f32_vec().unwrap()).collect();
+    let job = JobConfig::from_toml("[model]\npath = \"x\"\n[teacher]\npath = \"y\"\n[optimizer]\nkind = \"sgd\"\nlr = 1.0\n", "inline").unwrap();
+    let mut tr = Trainer::new(&lm.cfg, lm.weights, &job).unwrap();
+    // A teacher log-prob of 3e38 makes the advantages (and gradients) overflow f32.
+    let r = Rollout {
+        prompt_id: 0,
+        sample: 0,
+        group: 0,
+        prompt: vec![1, 2, 3],
+        response: vec![4, 5],
+        sampler_logprobs: vec![-1.0, -1.0],
+        teacher_logprobs: Some(vec![3e38, 3e38]),
+        reward: None,
+        answer: None,
+        truncated: false,
+        version: 0,
+    };
+    let out = tr.step(&[r.clone(), r]).unwrap();
+    assert!(out.skipped);
+    assert_eq!(tr.skipped_steps, 1);
+    assert_eq!(tr.version, 0);
+    let after: Vec<Vec<f32>> = tr.weights.tensors().iter().map(|t| t.to_f32_vec().unwrap()).collect();
+    assert!(before == after, "a skipped step changed the weights");
+}
