@@ -45,3 +45,62 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, serde_json::Value)>> {
     }
     Ok(out)
 }
+
+/// A global allocator that forwards to the system allocator and tracks live and peak bytes.
+/// The `colotrain` binary installs it (benchmarks and memory reports read it); elsewhere the
+/// counters stay at zero.
+pub struct TrackingAlloc;
+
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+// SAFETY: every call forwards to `System` with the same arguments; the counters are plain atomics.
+unsafe impl std::alloc::GlobalAlloc for TrackingAlloc {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        let p = std::alloc::System.alloc(l);
+        if !p.is_null() {
+            let now = LIVE.fetch_add(l.size(), std::sync::atomic::Ordering::Relaxed) + l.size();
+            PEAK.fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        std::alloc::System.dealloc(p, l);
+        LIVE.fetch_sub(l.size(), std::sync::atomic::Ordering::Relaxed);
+    }
+    unsafe fn alloc_zeroed(&self, l: std::alloc::Layout) -> *mut u8 {
+        let p = std::alloc::System.alloc_zeroed(l);
+        if !p.is_null() {
+            let now = LIVE.fetch_add(l.size(), std::sync::atomic::Ordering::Relaxed) + l.size();
+            PEAK.fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, n: usize) -> *mut u8 {
+        let q = std::alloc::System.realloc(p, l, n);
+        if !q.is_null() {
+            if n >= l.size() {
+                let now = LIVE.fetch_add(n - l.size(), std::sync::atomic::Ordering::Relaxed) + n - l.size();
+                PEAK.fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+            } else {
+                LIVE.fetch_sub(l.size() - n, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        q
+    }
+}
+
+/// Live heap bytes (0 unless [`TrackingAlloc`] is installed).
+pub fn heap_live() -> usize {
+    LIVE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Peak heap bytes since the last [`reset_heap_peak`].
+pub fn heap_peak() -> usize {
+    PEAK.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Starts a new peak measurement from the current live bytes.
+pub fn reset_heap_peak() {
+    PEAK.store(heap_live(), std::sync::atomic::Ordering::Relaxed);
+}

@@ -109,3 +109,15 @@ fn non_finite_steps_are_skipped_and_counted() {
     let after: Vec<Vec<f32>> = tr.weights.tensors().iter().map(|t| t.to_f32_vec().unwrap()).collect();
     assert!(before == after, "a skipped step changed the weights");
 }
+
+#[test]
+fn shipped_configs_parse() {
+    for f in ["configs/tiny-opd.toml", "configs/r1-distill-qwen-7b-opd.toml"] {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(f);
+        let j = JobConfig::from_file(&p).unwrap_or_else(|e| panic!("{f}: {e:#}"));
+        assert_eq!(j.objective.kind, "opd");
+    }
+    let j = JobConfig::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/r1-distill-qwen-7b-opd.toml")).unwrap();
+    assert_eq!((j.rollout.prompts_per_step, j.rollout.samples_per_prompt, j.rollout.max_new_tokens, j.run.steps), (8, 8, 16384, 200));
+    assert_eq!((j.optimizer.lr, j.optimizer.weight_decay, j.optimizer.grad_clip), (1e-6, 0.01, 1.0));
+}

@@ -3,6 +3,7 @@
 //! Owns: argument parsing, logging setup, exit codes. May call every library module. Must not:
 //! hold logic that a library user would need (that belongs in the library modules).
 
+mod bench;
 mod generate;
 mod init_tiny;
 mod inspect;
@@ -36,6 +37,9 @@ pub enum Command {
     Score(score::Args),
     /// Architecture, parameter count, dtypes and memory estimate of a model directory.
     Inspect(inspect::Args),
+    /// Benchmarks (side by side in one run).
+    #[command(subcommand)]
+    Bench(bench::Bench),
 }
 
 /// Options shared by the commands that run a model.
@@ -118,5 +122,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Generate(a) => generate::run(a),
         Command::Score(a) => score::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Bench(b) => bench::run(b),
     }
 }

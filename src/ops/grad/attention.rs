@@ -1,10 +1,15 @@
 //! Causal grouped-query attention over packed sequences (rows cu[b]..cu[b+1] are sequence b),
 //! forward saving the log-sum-exp of every (row, head), and the backward that recomputes the
-//! probabilities from it (the flash-attention backward, without the tiling):
-//! P_ij = exp(q_i·k_j·s − lse_i) for j ≤ i; O_i = Σ_j P_ij v_j;
-//! dV_j = Σ_i P_ij dO_i; dS_ij = P_ij (dO_i·v_j − dO_i·O_i); dQ_i = s Σ_j dS_ij k_j; dK_j = s Σ_i dS_ij q_i.
-//! Query head h reads KV head h / (H / Hkv). s = 1/√D.
+//! probabilities from it (the flash-attention backward):
+//! P_ij = exp(s·q_i·k_j − lse_i) for j ≤ i; O_i = Σ_j P_ij v_j;
+//! dV = Pᵀ dO; dS_ij = P_ij (dO_i·v_j − dO_i·O_i); dQ = s·dS K; dK = s·dSᵀ Q.
+//! Query head h reads KV head h / (H / Hkv); s = 1/√D.
+//!
+//! Work is one task per (sequence, KV head): the G query heads sharing that KV head are stacked
+//! row-major as (token, head) so that a block of QB query tokens is one contiguous matrix, and
+//! every product is a GEMM (QB·G × keys) over the causal prefix of the block.
 
+use super::matmul::serial;
 use super::Real;
 use rayon::prelude::*;
 
@@ -14,8 +19,26 @@ pub struct Shape {
     pub head_dim: usize,
 }
 
-fn dot<T: Real>(a: &[T], b: &[T]) -> T {
-    a.iter().zip(b).map(|(&x, &y)| x * y).sum()
+/// Query tokens per block (bounds the score matrix to QB·G × sequence length).
+const QB: usize = 128;
+
+/// Copies the G heads of KV head `kh` of rows r0..r0+n from x (rows, heads·D) into (n·G, D).
+fn gather<T: Real>(x: &[T], heads: usize, d: usize, r0: usize, n: usize, h0: usize, g: usize, out: &mut [T]) {
+    for i in 0..n {
+        let src = &x[(r0 + i) * heads * d + h0 * d..(r0 + i) * heads * d + (h0 + g) * d];
+        out[i * g * d..(i + 1) * g * d].copy_from_slice(src);
+    }
+}
+
+fn scatter<T: Real>(y: &mut [T], heads: usize, d: usize, r0: usize, n: usize, h0: usize, g: usize, src: &[T]) {
+    for i in 0..n {
+        y[(r0 + i) * heads * d + h0 * d..(r0 + i) * heads * d + (h0 + g) * d].copy_from_slice(&src[i * g * d..(i + 1) * g * d]);
+    }
+}
+
+/// Tasks (sequence, KV head).
+fn tasks(cu: &[usize], hkv: usize) -> Vec<(usize, usize)> {
+    (0..cu.len() - 1).flat_map(|b| (0..hkv).map(move |kh| (b, kh))).collect()
 }
 
 /// out (T, H·D), lse (T, H) from q (T, H·D), k, v (T, Hkv·D).
@@ -23,52 +46,54 @@ pub fn fwd<T: Real>(s: &Shape, cu: &[usize], q: &[T], k: &[T], v: &[T], out: &mu
     let (h, hkv, d) = (s.heads, s.kv_heads, s.head_dim);
     let g = h / hkv;
     let scale = T::one() / T::from_usize(d).sqrt();
-    let tasks: Vec<(usize, usize)> = (0..cu.len() - 1).flat_map(|b| (0..hkv).map(move |kh| (b, kh))).collect();
-    let results: Vec<(usize, usize, Vec<T>, Vec<T>)> = tasks
+    let results: Vec<(usize, usize, Vec<T>, Vec<T>)> = tasks(cu, hkv)
         .par_iter()
         .map(|&(b, kh)| {
-            let (r0, r1) = (cu[b], cu[b + 1]);
-            let n = r1 - r0;
+            let (r0, n) = (cu[b], cu[b + 1] - cu[b]);
+            let mut qg = vec![T::zero(); n * g * d];
+            let (mut kk, mut vv) = (vec![T::zero(); n * d], vec![T::zero(); n * d]);
+            gather(q, h, d, r0, n, kh * g, g, &mut qg);
+            gather(k, hkv, d, r0, n, kh, 1, &mut kk);
+            gather(v, hkv, d, r0, n, kh, 1, &mut vv);
             let mut o = vec![T::zero(); n * g * d];
             let mut l = vec![T::zero(); n * g];
-            let mut sc = vec![T::zero(); n];
-            for i in 0..n {
-                for gi in 0..g {
-                    let hh = kh * g + gi;
-                    let qi = &q[(r0 + i) * h * d + hh * d..(r0 + i) * h * d + (hh + 1) * d];
+            let mut sc = vec![T::zero(); QB.min(n) * g * n];
+            let mut i0 = 0;
+            while i0 < n {
+                let i1 = (i0 + QB).min(n);
+                let (rows, keys) = ((i1 - i0) * g, i1);
+                let sb = &mut sc[..rows * keys];
+                serial::nt(rows, keys, d, &qg[i0 * g * d..i1 * g * d], &kk[..keys * d], sb, false);
+                for (r, row) in sb.chunks_exact_mut(keys).enumerate() {
+                    let i = i0 + r / g;
                     let mut mx = T::neg_infinity();
-                    for j in 0..=i {
-                        let kj = &k[(r0 + j) * hkv * d + kh * d..(r0 + j) * hkv * d + (kh + 1) * d];
-                        sc[j] = dot(qi, kj) * scale;
-                        mx = mx.max(sc[j]);
+                    for x in row[..=i].iter_mut() {
+                        *x = *x * scale;
+                        mx = mx.max(*x);
                     }
                     let mut sum = T::zero();
-                    for x in sc[..=i].iter_mut() {
+                    for x in row[..=i].iter_mut() {
                         *x = (*x - mx).exp();
                         sum += *x;
                     }
-                    let oi = &mut o[(i * g + gi) * d..(i * g + gi + 1) * d];
-                    for j in 0..=i {
-                        let p = sc[j] / sum;
-                        let vj = &v[(r0 + j) * hkv * d + kh * d..(r0 + j) * hkv * d + (kh + 1) * d];
-                        for (a, &bv) in oi.iter_mut().zip(vj) {
-                            *a += p * bv;
-                        }
+                    let inv = T::one() / sum;
+                    for x in row[..=i].iter_mut() {
+                        *x *= inv;
                     }
-                    l[i * g + gi] = mx + sum.ln();
+                    row[i + 1..].fill(T::zero());
+                    l[i0 * g + r] = mx + sum.ln();
                 }
+                serial::nn(rows, keys, d, sb, &vv[..keys * d], &mut o[i0 * g * d..i1 * g * d], false);
+                i0 = i1;
             }
             (b, kh, o, l)
         })
         .collect();
     for (b, kh, o, l) in results {
-        for i in 0..cu[b + 1] - cu[b] {
-            let row = cu[b] + i;
-            for gi in 0..g {
-                let hh = kh * g + gi;
-                out[row * h * d + hh * d..row * h * d + (hh + 1) * d].copy_from_slice(&o[(i * g + gi) * d..(i * g + gi + 1) * d]);
-                lse[row * h + hh] = l[i * g + gi];
-            }
+        let (r0, n) = (cu[b], cu[b + 1] - cu[b]);
+        scatter(out, h, d, r0, n, kh * g, g, &o);
+        for i in 0..n {
+            lse[(r0 + i) * h + kh * g..(r0 + i) * h + (kh + 1) * g].copy_from_slice(&l[i * g..(i + 1) * g]);
         }
     }
 }
@@ -79,53 +104,64 @@ pub fn bwd<T: Real>(s: &Shape, cu: &[usize], q: &[T], k: &[T], v: &[T], out: &[T
     let (h, hkv, d) = (s.heads, s.kv_heads, s.head_dim);
     let g = h / hkv;
     let scale = T::one() / T::from_usize(d).sqrt();
-    let tasks: Vec<(usize, usize)> = (0..cu.len() - 1).flat_map(|b| (0..hkv).map(move |kh| (b, kh))).collect();
-    let results: Vec<(usize, usize, Vec<T>, Vec<T>, Vec<T>)> = tasks
+    type Grads<T> = (usize, usize, Vec<T>, Vec<T>, Vec<T>);
+    let results: Vec<Grads<T>> = tasks(cu, hkv)
         .par_iter()
         .map(|&(b, kh)| {
-            let (r0, r1) = (cu[b], cu[b + 1]);
-            let n = r1 - r0;
-            let mut gq = vec![T::zero(); n * g * d];
-            let mut gk = vec![T::zero(); n * d];
-            let mut gv = vec![T::zero(); n * d];
-            let krow = |j: usize| &k[(r0 + j) * hkv * d + kh * d..(r0 + j) * hkv * d + (kh + 1) * d];
-            let vrow = |j: usize| &v[(r0 + j) * hkv * d + kh * d..(r0 + j) * hkv * d + (kh + 1) * d];
+            let (r0, n) = (cu[b], cu[b + 1] - cu[b]);
+            let mut qg = vec![T::zero(); n * g * d];
+            let mut og = vec![T::zero(); n * g * d];
+            let mut dog = vec![T::zero(); n * g * d];
+            let (mut kk, mut vv) = (vec![T::zero(); n * d], vec![T::zero(); n * d]);
+            gather(q, h, d, r0, n, kh * g, g, &mut qg);
+            gather(out, h, d, r0, n, kh * g, g, &mut og);
+            gather(dout, h, d, r0, n, kh * g, g, &mut dog);
+            gather(k, hkv, d, r0, n, kh, 1, &mut kk);
+            gather(v, hkv, d, r0, n, kh, 1, &mut vv);
+            let mut l = vec![T::zero(); n * g];
             for i in 0..n {
-                for gi in 0..g {
-                    let hh = kh * g + gi;
-                    let at = (r0 + i) * h * d + hh * d;
-                    let (qi, oi, doi) = (&q[at..at + d], &out[at..at + d], &dout[at..at + d]);
-                    let l = lse[(r0 + i) * h + hh];
-                    let di = dot(doi, oi);
-                    for j in 0..=i {
-                        let p = (dot(qi, krow(j)) * scale - l).exp();
-                        let dp = dot(doi, vrow(j));
-                        let ds = p * (dp - di) * scale;
-                        let gqi = &mut gq[(i * g + gi) * d..(i * g + gi + 1) * d];
-                        for (a, &kk) in gqi.iter_mut().zip(krow(j)) {
-                            *a += ds * kk;
-                        }
-                        for (a, &qq) in gk[j * d..(j + 1) * d].iter_mut().zip(qi) {
-                            *a += ds * qq;
-                        }
-                        for (a, &oo) in gv[j * d..(j + 1) * d].iter_mut().zip(doi) {
-                            *a += p * oo;
-                        }
+                l[i * g..(i + 1) * g].copy_from_slice(&lse[(r0 + i) * h + kh * g..(r0 + i) * h + (kh + 1) * g]);
+            }
+            let (mut gq, mut gk, mut gv) = (vec![T::zero(); n * g * d], vec![T::zero(); n * d], vec![T::zero(); n * d]);
+            let cap = QB.min(n) * g * n;
+            let (mut p, mut dp) = (vec![T::zero(); cap], vec![T::zero(); cap]);
+            let mut i0 = 0;
+            while i0 < n {
+                let i1 = (i0 + QB).min(n);
+                let (rows, keys) = ((i1 - i0) * g, i1);
+                let (qb, ob, dob) = (&qg[i0 * g * d..i1 * g * d], &og[i0 * g * d..i1 * g * d], &dog[i0 * g * d..i1 * g * d]);
+                let (pb, dpb) = (&mut p[..rows * keys], &mut dp[..rows * keys]);
+                serial::nt(rows, keys, d, qb, &kk[..keys * d], pb, false);
+                for (r, row) in pb.chunks_exact_mut(keys).enumerate() {
+                    let i = i0 + r / g;
+                    let li = l[i0 * g + r];
+                    for x in row[..=i].iter_mut() {
+                        *x = (*x * scale - li).exp();
+                    }
+                    row[i + 1..].fill(T::zero());
+                }
+                // dV += Pᵀ dO
+                serial::tn(rows, keys, d, pb, dob, &mut gv[..keys * d], true);
+                // dP = dO Vᵀ; dS = P (dP − rowsum(dO ∘ O)) · s
+                serial::nt(rows, keys, d, dob, &vv[..keys * d], dpb, false);
+                for r in 0..rows {
+                    let di: T = dob[r * d..(r + 1) * d].iter().zip(&ob[r * d..(r + 1) * d]).map(|(&a, &b)| a * b).sum();
+                    for (ds, &pp) in dpb[r * keys..(r + 1) * keys].iter_mut().zip(&pb[r * keys..(r + 1) * keys]) {
+                        *ds = pp * (*ds - di) * scale;
                     }
                 }
+                // dQ = dS K; dK += dSᵀ Q
+                serial::nn(rows, keys, d, dpb, &kk[..keys * d], &mut gq[i0 * g * d..i1 * g * d], false);
+                serial::tn(rows, keys, d, dpb, qb, &mut gk[..keys * d], true);
+                i0 = i1;
             }
             (b, kh, gq, gk, gv)
         })
         .collect();
     for (b, kh, gq, gk, gv) in results {
-        for i in 0..cu[b + 1] - cu[b] {
-            let row = cu[b] + i;
-            for gi in 0..g {
-                let hh = kh * g + gi;
-                dq[row * h * d + hh * d..row * h * d + (hh + 1) * d].copy_from_slice(&gq[(i * g + gi) * d..(i * g + gi + 1) * d]);
-            }
-            dk[row * hkv * d + kh * d..row * hkv * d + (kh + 1) * d].copy_from_slice(&gk[i * d..(i + 1) * d]);
-            dv[row * hkv * d + kh * d..row * hkv * d + (kh + 1) * d].copy_from_slice(&gv[i * d..(i + 1) * d]);
-        }
+        let (r0, n) = (cu[b], cu[b + 1] - cu[b]);
+        scatter(dq, h, d, r0, n, kh * g, g, &gq);
+        scatter(dk, hkv, d, r0, n, kh, 1, &gk);
+        scatter(dv, hkv, d, r0, n, kh, 1, &gv);
     }
 }

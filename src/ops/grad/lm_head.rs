@@ -24,7 +24,7 @@ fn normalize<T: Real>(n: usize, v: usize, z: &mut [T], inv_t: T, lse: &mut [T]) 
             *x = *x * inv_t;
             mx = mx.max(*x);
         }
-        let s: T = row.iter().map(|&x| (x - mx).exp()).sum();
+        let s: T = row.iter().map(|&x| (x - mx).fexp()).sum();
         *l = mx + s.ln();
     });
 }
@@ -66,7 +66,7 @@ pub fn stats<T: Real>(c: usize, v: usize, rows: &[u32], targets: &[u32], h: &[T]
             let l = s.lse[i];
             *lp = row[ts[i] as usize] - l;
             // H = −Σ p log p = lse − Σ p·(z/T)
-            let ez: T = row.iter().map(|&x| (x - l).exp() * x).sum();
+            let ez: T = row.iter().map(|&x| (x - l).fexp() * x).sum();
             *en = l - ez;
         });
     }
@@ -92,7 +92,7 @@ pub fn grad<T: Real>(c: usize, v: usize, rows: &[u32], targets: &[u32], coef: &[
             let l = s.lse[i];
             let k = cs[i] * inv_t;
             for x in row.iter_mut() {
-                *x = k * (*x - l).exp();
+                *x = k * (*x - l).fexp();
             }
             row[ts[i] as usize] -= k;
         });

@@ -18,6 +18,11 @@ fn extent(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
 
 /// c (m, n) row-major (+)= a (m, k) · b (k, n).
 fn gemm<T: Real>(m: usize, n: usize, k: usize, a: View<T>, b: View<T>, c: &mut [T], accumulate: bool) {
+    gemm_par(m, n, k, a, b, c, accumulate, true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_par<T: Real>(m: usize, n: usize, k: usize, a: View<T>, b: View<T>, c: &mut [T], accumulate: bool, parallel: bool) {
     if m == 0 || n == 0 {
         return;
     }
@@ -30,7 +35,7 @@ fn gemm<T: Real>(m: usize, n: usize, k: usize, a: View<T>, b: View<T>, c: &mut [
     assert!(extent(m, k, a.rs, a.cs) <= a.d.len(), "gemm: lhs out of bounds");
     assert!(extent(k, n, b.rs, b.cs) <= b.d.len(), "gemm: rhs out of bounds");
     assert!(m * n <= c.len(), "gemm: dst out of bounds");
-    let par = gemm::Parallelism::Rayon(rayon::current_num_threads());
+    let par = if parallel { gemm::Parallelism::Rayon(rayon::current_num_threads()) } else { gemm::Parallelism::None };
     // SAFETY: all three extents were checked; `c` is exclusively borrowed and distinct from a, b.
     unsafe {
         gemm::gemm(
@@ -70,6 +75,21 @@ pub fn nn<T: Real>(m: usize, n: usize, k: usize, dy: &[T], w: &[T], dx: &mut [T]
 /// dw (n, k) (+)= dyᵀ · x, dy (m, n), x (m, k).
 pub fn tn<T: Real>(m: usize, n: usize, k: usize, dy: &[T], x: &[T], dw: &mut [T], accumulate: bool) {
     gemm(n, k, m, View { d: dy, rs: 1, cs: n }, View { d: x, rs: k, cs: 1 }, dw, accumulate)
+}
+
+/// The three GEMMs without internal parallelism (for callers that already run one task per
+/// thread, e.g. attention over (sequence, head) tasks). Same semantics as [`nt`], [`nn`], [`tn`].
+pub mod serial {
+    use super::*;
+    pub fn nt<T: Real>(m: usize, n: usize, k: usize, x: &[T], w: &[T], y: &mut [T], accumulate: bool) {
+        gemm_par(m, n, k, View { d: x, rs: k, cs: 1 }, View { d: w, rs: 1, cs: k }, y, accumulate, false)
+    }
+    pub fn nn<T: Real>(m: usize, n: usize, k: usize, dy: &[T], w: &[T], dx: &mut [T], accumulate: bool) {
+        gemm_par(m, k, n, View { d: dy, rs: n, cs: 1 }, View { d: w, rs: k, cs: 1 }, dx, accumulate, false)
+    }
+    pub fn tn<T: Real>(m: usize, n: usize, k: usize, dy: &[T], x: &[T], dw: &mut [T], accumulate: bool) {
+        gemm_par(n, k, m, View { d: dy, rs: 1, cs: n }, View { d: x, rs: k, cs: 1 }, dw, accumulate, false)
+    }
 }
 
 /// db (n) += column sums of dy (m, n).
