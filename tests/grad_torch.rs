@@ -133,3 +133,52 @@ grad_clip = 0.0
     }
 }
 
+
+/// The same reference check through the whole job: `colotrain train` with rollout.source = "file",
+/// SGD lr 1, F32 weights and an F32 checkpoint; the checkpoint's weights are θ − ∇L.
+#[test]
+fn one_job_step_from_a_rollout_file_writes_theta_minus_grad() {
+    let t = TempDir::new("sgdjob");
+    let name = "qwen3_headdim";
+    let model = fixtures().join("models").join(name);
+    let toml = format!(
+        r#"[run]
+steps = 1
+out_dir = "{out}"
+[model]
+path = "{m}"
+dtype = "f32"
+[teacher]
+path = "{m}"
+dtype = "f32"
+[rollout]
+source = "file"
+file = "{f}"
+[objective]
+kind = "opd"
+loss_agg = "seq-mean-token-sum"
+[optimizer]
+kind = "sgd"
+lr = 1.0
+weight_decay = 0.0
+grad_clip = 0.0
+[checkpoint]
+dtype = "f32"
+"#,
+        out = t.path().join("run").display(),
+        m = model.display(),
+        f = fixtures().join("grads").join(format!("{name}_rollouts.jsonl")).display()
+    );
+    let job = JobConfig::from_toml(&toml, "inline").unwrap();
+    colotrain::train::job::run(&job, &Default::default()).unwrap();
+    let dev = Device::cpu(2).unwrap();
+    let before = load_fixture(name, &dev, DType::F32);
+    let after = colotrain::model::LoadedModel::load(&t.path().join("run").join("checkpoint-000001"), &dev, DType::F32).unwrap();
+    let r = Ref::open(&fixtures().join("grads").join(format!("{name}.safetensors")));
+    for (((pname, _), a), b) in param_specs(&before.cfg).iter().zip(after.weights.tensors()).zip(before.weights.tensors()) {
+        let (_, g) = r.f32(&format!("grad.opd_seq_mean_token_sum.{pname}"));
+        let delta: Vec<f32> = b.to_f32_vec().unwrap().iter().zip(a.to_f32_vec().unwrap()).map(|(x, y)| x - y).collect();
+        let e = rel_err(&delta, &g);
+        assert!(e <= 1e-4, "{pname}: checkpoint update vs −∇L relative error {e:e}");
+    }
+}

@@ -128,7 +128,8 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
     std::fs::create_dir_all(out_dir.join("eval")).with_context(|| format!("cannot create {}", out_dir.display()))?;
     let dev = Device::parse(&job.run.device)?;
     let student = load(&job.model, &dev).with_context(|| format!("loading the student '{}'", job.model.path))?;
-    let text = student.text.clone().context("the student model needs a tokenizer.json (for rewards and text data)")?;
+    // The tokenizer is needed for text data, rewards and accuracy; token-only runs do without.
+    let text = student.text.clone();
     let teacher = match &job.teacher {
         Some(t) if job.objective.kind == "opd" => {
             let tm = load(t, &dev).with_context(|| format!("loading the teacher '{}'", t.path))?;
@@ -145,20 +146,25 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         }
         _ => None,
     };
-    let data = Dataset::open(&job.data.train, Some(text.clone()), job.data.chat, student.cfg.vocab_size, job.run.seed)?;
-    let heldout = match &job.data.heldout {
-        Some(h) => Dataset::open(h, Some(text.clone()), job.data.chat, student.cfg.vocab_size, job.run.seed)?.heldout(usize::MAX)?,
-        None => data.heldout(job.data.heldout_size)?,
-    };
     let file_rollouts = match job.rollout.source.as_str() {
         "file" => Some(rollout::read_file(job.rollout.file.as_deref().context("rollout.file")?, student.cfg.vocab_size)?),
         _ => None,
+    };
+    // With file rollouts, data is only needed for held-out evaluation, and only if given.
+    let data = match (&file_rollouts, &job.data.heldout) {
+        (Some(_), None) => None,
+        _ => Some(Dataset::open(&job.data.train, text.clone(), job.data.chat, student.cfg.vocab_size, job.run.seed)?),
+    };
+    let heldout = match (&job.data.heldout, &data) {
+        (Some(h), _) => Dataset::open(h, text.clone(), job.data.chat, student.cfg.vocab_size, job.run.seed)?.heldout(usize::MAX)?,
+        (None, Some(d)) => d.heldout(job.data.heldout_size)?,
+        (None, None) => Vec::new(),
     };
     let student_dir = student.dir.clone();
     let cfg = student.cfg.clone();
     let weights_dtype = student.weights.dtype();
     let ec = engine_config(job);
-    let mut engine = Engine::new(&dev, &cfg, weights_dtype, &ec, Some(text.clone()))?;
+    let mut engine = Engine::new(&dev, &cfg, weights_dtype, &ec, text.clone())?;
     let mut t_engine = match &teacher {
         Some(t) => Some(Engine::new(&dev, &t.cfg, t.weights.dtype(), &ec, None)?),
         None => None,
@@ -195,11 +201,12 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             (Some(e), Some(t)) => Some((e, &t.weights)),
             _ => None,
         };
-        let r = eval::evaluate(step, (engine, &trainer.weights), te, &text, &heldout, job.eval.samples_per_prompt as u32, eval_new, job.run.seed)?;
+        let r = eval::evaluate(step, (engine, &trainer.weights), te, text.as_deref(), &heldout, job.eval.samples_per_prompt as u32, eval_new, job.run.seed)?;
         crate::util::write_atomic(&out_dir.join("eval").join(format!("step-{step:06}.json")), serde_json::to_string(&r)?.as_bytes())?;
         Ok(r)
     };
-    if start == 0 {
+    let evaluate = !heldout.is_empty();
+    if start == 0 && evaluate {
         let r = do_eval(0, &trainer, &mut engine, &mut t_engine)?;
         let line = serde_json::json!({"step": 0, "heldout_kl": r.kl, "heldout_acc": r.accuracy});
         writeln!(metrics_file, "{line}")?;
@@ -230,7 +237,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         let mut rollouts: Vec<Rollout> = match (&file_rollouts, job.rollout.source.as_str()) {
             (Some(f), _) => f.clone(),
             _ => {
-                let prompts = data.train_prompts(step, job.rollout.prompts_per_step)?;
+                let prompts = data.as_ref().context("no training data")?.train_prompts(step, job.rollout.prompts_per_step)?;
                 if job.objective.kind == "sft" && prompts.iter().all(|p| p.response.is_some()) {
                     reference_rollouts(&prompts, job.rollout.samples_per_prompt)
                 } else {
@@ -249,7 +256,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         let t0 = Instant::now();
         let mut rewards = Vec::new();
         for r in rollouts.iter_mut() {
-            if r.reward.is_none() {
+            if let (None, Some(text)) = (r.reward, &text) {
                 if let Some(ans) = &r.answer {
                     r.reward = Some(if r.truncated { 0.0 } else { answer::reward(&text.decode(&r.response)?, ans) });
                 }
@@ -288,7 +295,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             time,
             ..Default::default()
         };
-        let eval_now = step == job.run.steps || (job.eval.every > 0 && step % job.eval.every == 0);
+        let eval_now = evaluate && (step == job.run.steps || (job.eval.every > 0 && step % job.eval.every == 0));
         if eval_now {
             let r = do_eval(step, &trainer, &mut engine, &mut t_engine)?;
             m.heldout_kl = Some(r.kl);
