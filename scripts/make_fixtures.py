@@ -50,8 +50,54 @@ What it produces (all under ``tests/fixtures/``):
     where <obj> is one of coef, sft_token_mean, opd_token_mean,
     opd_seq_mean_token_mean, opd_seq_mean_token_sum.
 
-Later sections (quantization, ...) are added as further ``section_*``
-functions and registered in ``SECTIONS``.
+* section ``quant`` (numpy + ml_dtypes only; no model needed)
+  Bit-exact references for the FP8/FP4 quantizers, under ``quant/``. Rounding is
+  round-to-nearest-even (RNE) as done by ml_dtypes' float32 casts; every ml_dtypes
+  result is also cross-checked against an independent exact RNE reference.
+  E2M1 codes are ``sign << 3 | magnitude index`` (magnitudes 0, 0.5, 1, 1.5, 2, 3,
+  4, 6 -> index 0..7); ml_dtypes stores one float4_e2m1fn per byte with the code
+  in the low nibble and the high nibble zero. Signs are preserved through
+  rounding: a negative value that rounds to zero gives -0 (E4M3 0x80, E2M1 code 8).
+  - ``quant/formats.safetensors``: for ``F`` in ``e4m3`` (float8_e4m3fn), ``e5m2``
+    (float8_e5m2), ``e2m1`` (float4_e2m1fn):
+      ``F.x`` f32 [n]         every finite value of F (both signs, +-0), every
+                              midpoint between consecutive magnitudes (incl. 0 and
+                              the smallest subnormal, and max and the next binade
+                              step) with its float32 neighbours, values below the
+                              smallest subnormal, float32 subnormals, max,
+                              nextafter(max), 2*max, 1e30, float32 max, inf (both
+                              signs), then 2000 random values log-uniform in
+                              magnitude over [smallest subnormal / 4, max], random
+                              sign. No NaN.
+      ``F.bits`` u8 [n]       ``x.astype(F)`` viewed as uint8 (ml_dtypes: out of
+                              range gives NaN 0x7f|sign for e4m3, inf 0x7c|sign for
+                              e5m2, saturation to +-6 for e2m1)
+      ``F.sat_bits`` u8 [n]   saturating RNE (PTX ``cvt.rn.satfinite``): as ``bits``,
+                              except |x| > max (incl. inf) gives +-max
+  - ``quant/nvfp4.safetensors``: NVFP4 (E2M1 values, one E4M3 scale per 16
+    consecutive elements along the last axis, one float32 global scale), all in
+    float32 arithmetic in exactly this order:
+      amax = max|x|; global = amax / 2688 (1 if amax == 0); denom6 = 6 * global;
+      per block: bs = e4m3_satfinite(bamax / denom6), 1 if that is 0;
+      denom = bs * global; q = e2m1(clip(x / denom, -6, 6));
+      deq = (q * bs) * global.
+    Tensors ``NAME.x`` f32 [R, K], ``NAME.packed`` u8 [R, K/2] (element 2i in the
+    low nibble, 2i+1 in the high nibble), ``NAME.scales`` u8 [R, K/16] (E4M3 bits,
+    after the 0 -> 1 replacement), ``NAME.global`` f32 [1], ``NAME.deq`` f32 [R, K]
+    for NAME in ``normal`` [8, 64], ``mixed`` [4, 128] (a x1e-3 row, a x1e3 row, an
+    all-zero block, a block with a 1000 outlier, a row with per-block magnitudes
+    from 1e-3 to 3, covering E4M3-subnormal scales), ``ties`` [2, 32] (power-of-two
+    global so that x / denom is exactly an E2M1 midpoint for most elements; two
+    blocks whose scale bamax / denom6 is itself an exact E4M3 midpoint) and
+    ``zeros`` [2, 32].
+  - ``quant/fp8.safetensors``: per-tensor E4M3: scale = amax / 448 (1 if amax ==
+    0), bits = e4m3_satfinite(x / scale), deq = e4m3(bits) * scale. Tensors
+    ``NAME.x``, ``NAME.bits`` u8, ``NAME.scale`` f32 [1], ``NAME.deq`` for NAME in
+    ``fp8_normal`` [8, 64] and ``fp8_mixed`` [4, 32] (one row x1e4).
+  - ``quant/meta.json``: versions, seeds and the conventions above.
+
+Later sections are added as further ``section_*`` functions and registered in
+``SECTIONS``.
 
 How to run (from the repository root; needs network access to PyPI once, no GPU):
 
@@ -61,6 +107,7 @@ How to run (from the repository root; needs network access to PyPI once, no GPU)
     python scripts/make_fixtures.py              # all sections
     python scripts/make_fixtures.py --only models
     python scripts/make_fixtures.py --only grads  # reuses tests/fixtures/models/
+    python scripts/make_fixtures.py --only quant  # numpy/ml_dtypes only, seconds
 
 The outputs are committed to the repository; CI does NOT run this script (it
 needs PyTorch/transformers, which CI does not install). Re-run it only when a
@@ -81,9 +128,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import save_file as save_numpy  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
@@ -621,9 +671,445 @@ def section_grads() -> None:
         _compute_grads(name, model_dir, out_dir)
 
 
+# ---------------------------------------------------------------------------
+# section: quant
+# ---------------------------------------------------------------------------
+
+# short name -> (ml_dtypes type, sign bit, ml_dtypes' result for an overflow: "nan", "inf"
+# or "saturate")
+QUANT_FORMATS = {
+    "e4m3": (ml_dtypes.float8_e4m3fn, 0x80, "nan"),
+    "e5m2": (ml_dtypes.float8_e5m2, 0x80, "inf"),
+    "e2m1": (ml_dtypes.float4_e2m1fn, 0x08, "saturate"),
+}
+QUANT_SEEDS = {
+    "formats": {"e4m3": 6001, "e5m2": 6002, "e2m1": 6003},
+    "nvfp4": {"normal": 6101, "mixed": 6102},
+    "fp8": {"fp8_normal": 6201, "fp8_mixed": 6202},
+}
+QUANT_RANDOM_PER_FORMAT = 2000
+NVFP4_BLOCK = 16
+NVFP4_GLOBAL_DIV = np.float32(6.0 * 448.0)  # 2688
+E2M1_MAX = np.float32(6.0)
+E4M3_MAX = np.float32(448.0)
+F32 = np.float32
+
+
+class _Fmt:
+    """The finite values of one element format, for the independent RNE reference."""
+
+    def __init__(self, short: str):
+        dtype, sign, overflow = QUANT_FORMATS[short]
+        self.short, self.dtype, self.sign, self.overflow = short, dtype, sign, overflow
+        ncodes = 256 if np.dtype(dtype).itemsize == 1 and sign == 0x80 else 16
+        codes = np.arange(ncodes, dtype=np.uint8)
+        vals = codes.view(dtype).astype(np.float64)
+        pos = (codes < sign) & np.isfinite(vals)
+        # positive codes 0..max_code are the magnitudes in increasing order
+        self.mags = vals[pos]
+        assert np.all(np.diff(self.mags) > 0) and self.mags[0] == 0
+        self.max_code = int(np.count_nonzero(pos)) - 1
+        assert np.array_equal(np.nonzero(pos)[0], np.arange(self.max_code + 1))
+        self.max = float(self.mags[-1])
+        assert self.max == float(ml_dtypes.finfo(dtype).max)
+        self.sub = float(ml_dtypes.finfo(dtype).smallest_subnormal)
+        assert self.sub == self.mags[1]
+        # the value the next code would have if the binade continued (480, 61440+4096
+        # -> 65536, 8): the upper end of max's rounding interval
+        self.virtual = 2.0 * self.max - float(self.mags[-2])
+        self.ext = np.append(self.mags, self.virtual)
+
+    def rne_ref(self, x: np.ndarray, saturate: bool) -> np.ndarray:
+        """Exact RNE of float32 ``x`` (no NaN) to this format's bit patterns, computed
+        in float64 (every float32, value and midpoint here is exact in float64)."""
+        x = np.asarray(x, dtype=np.float32)
+        assert not np.isnan(x).any()
+        neg = np.signbit(x)
+        a = np.abs(x.astype(np.float64))
+        i = np.clip(np.searchsorted(self.ext, a, side="right") - 1, 0, len(self.ext) - 2)
+        lo, hi = self.ext[i], self.ext[i + 1]
+        mid = (lo + hi) / 2.0
+        idx = np.where(a < mid, i, i + 1)
+        tie = a == mid
+        idx = np.where(tie, np.where(i % 2 == 0, i, i + 1), idx)
+        over = (idx > self.max_code) | (a >= self.ext[-1])
+        out = idx.astype(np.int64)
+        if saturate or self.overflow == "saturate":
+            out = np.where(over, self.max_code, out)
+        elif self.overflow == "nan":
+            out = np.where(over, 0x7F, out)  # e4m3fn NaN (sign kept)
+        else:
+            out = np.where(over, self.max_code + 1, out)  # e5m2 inf
+        return (out | np.where(neg, self.sign, 0)).astype(np.uint8)
+
+    def cast(self, x: np.ndarray) -> np.ndarray:
+        """ml_dtypes' conversion of float32 ``x``, as bit patterns."""
+        x = np.asarray(x, dtype=np.float32)
+        return x.astype(self.dtype).view(np.uint8)
+
+    def cast_sat(self, x: np.ndarray) -> np.ndarray:
+        """Saturating RNE (cvt.rn.satfinite): ml_dtypes for |x| <= max, else +-max."""
+        x = np.asarray(x, dtype=np.float32)
+        bits = self.cast(x).copy()
+        over = np.abs(x) > F32(self.max)
+        sign = np.where(np.signbit(x[over]), self.sign, 0).astype(np.uint8)
+        bits[over] = np.uint8(self.max_code) | sign
+        return bits
+
+    def decode(self, bits: np.ndarray) -> np.ndarray:
+        return np.asarray(bits, dtype=np.uint8).view(self.dtype).astype(np.float32)
+
+
+def _f32_neighbours(v: np.ndarray) -> np.ndarray:
+    v = np.asarray(v, dtype=np.float32)
+    return np.concatenate([
+        v,
+        np.nextafter(v, F32(np.inf)),
+        np.nextafter(v, F32(-np.inf)),
+    ])
+
+
+def _format_inputs(fmt: _Fmt, seed: int) -> np.ndarray:
+    mags = fmt.mags.astype(np.float32)
+    mids = ((fmt.ext[:-1] + fmt.ext[1:]) / 2.0)
+    assert np.array_equal(mids.astype(np.float32).astype(np.float64), mids)
+    sub, mx = fmt.sub, fmt.max
+    f32 = np.finfo(np.float32)
+    special = np.array([
+        # between 0 and the smallest subnormal (below, at and above half of it)
+        0.125 * sub, 0.25 * sub, 0.375 * sub, 0.49 * sub, 0.51 * sub, 0.75 * sub, 0.99 * sub,
+        # far below: tiny float32 normals and subnormals
+        1e-30, float(f32.smallest_normal), float(f32.smallest_subnormal), 1e-40,
+        # around max
+        mx, 1.01 * mx, (mx + fmt.virtual) / 2.0, 0.99 * fmt.virtual, fmt.virtual,
+        1.5 * mx, 2.0 * mx, 1e30, float(f32.max), np.inf,
+    ], dtype=np.float32)
+    pos = np.concatenate([mags, _f32_neighbours(mids), special,
+                          np.nextafter(F32(mx), F32(np.inf))[None]])
+    structured = np.concatenate([pos, -pos])
+    # de-duplicate by bit pattern, keeping the first occurrence (+0 and -0 both stay)
+    _, first = np.unique(structured.view(np.uint32), return_index=True)
+    structured = structured[np.sort(first)]
+
+    rng = np.random.default_rng(seed)
+    lo, hi = np.log2(sub / 4.0), np.log2(mx)
+    mag = np.exp2(rng.uniform(lo, hi, QUANT_RANDOM_PER_FORMAT)).astype(np.float32)
+    mag = np.minimum(mag, F32(mx))
+    sign = np.where(rng.random(QUANT_RANDOM_PER_FORMAT) < 0.5, F32(-1.0), F32(1.0))
+    x = np.concatenate([structured, sign * mag]).astype(np.float32)
+    assert not np.isnan(x).any()
+    return x
+
+
+def _quant_formats(out_dir: Path) -> dict:
+    tensors, summary = {}, {}
+    for short in QUANT_FORMATS:
+        fmt = _Fmt(short)
+        x = _format_inputs(fmt, QUANT_SEEDS["formats"][short])
+        bits = fmt.cast(x)
+        sat = fmt.cast_sat(x)
+        ref = fmt.rne_ref(x, saturate=False)
+        ref_sat = fmt.rne_ref(x, saturate=True)
+        bad = np.nonzero(bits != ref)[0]
+        assert bad.size == 0, (short, x[bad][:8], bits[bad][:8], ref[bad][:8])
+        bad = np.nonzero(sat != ref_sat)[0]
+        assert bad.size == 0, (short, x[bad][:8], sat[bad][:8], ref_sat[bad][:8])
+        over = np.abs(x) > F32(fmt.max)
+        in_range = ~over
+        assert np.array_equal(bits[in_range], sat[in_range])
+        # values that round back to the same magnitude are exact; ties went to even codes
+        mids = ((fmt.ext[:-1] + fmt.ext[1:]) / 2.0).astype(np.float32)
+        tie_codes = sat[np.isin(np.abs(x), mids)] & ~np.uint8(fmt.sign)
+        assert np.all((tie_codes % 2 == 0) | (tie_codes == fmt.max_code)), tie_codes
+        if short == "e2m1":
+            assert np.all(bits < 16), "ml_dtypes float4_e2m1fn byte has a high nibble"
+        tensors[f"{short}.x"] = x
+        tensors[f"{short}.bits"] = bits
+        tensors[f"{short}.sat_bits"] = sat
+        overflow_bits = sorted({int(b) for b in bits[over]})
+        summary[short] = {
+            "ml_dtypes_type": fmt.dtype.__name__,
+            "n": int(x.size),
+            "n_structured": int(x.size - QUANT_RANDOM_PER_FORMAT),
+            "max": fmt.max,
+            "smallest_subnormal": fmt.sub,
+            "max_code": fmt.max_code,
+            "n_out_of_range_inputs": int(over.sum()),
+            "ml_dtypes_overflow": fmt.overflow,
+            "ml_dtypes_overflow_bits": [f"0x{b:02x}" for b in overflow_bits],
+        }
+        print(f"  [quant/formats] {short}: {x.size} inputs ({int(over.sum())} beyond max; "
+              f"ml_dtypes gives {summary[short]['ml_dtypes_overflow_bits']} there)")
+    save_numpy(tensors, str(out_dir / "formats.safetensors"))
+    return summary
+
+
+_E4M3 = None
+_E2M1 = None
+
+
+def _fmts():
+    global _E4M3, _E2M1
+    if _E4M3 is None:
+        _E4M3, _E2M1 = _Fmt("e4m3"), _Fmt("e2m1")
+    return _E4M3, _E2M1
+
+
+def _nvfp4_quantize(x: np.ndarray, global_scale=None, use_ref: bool = False) -> dict:
+    """NVFP4 in float32 in the documented operation order. ``use_ref`` rounds with the
+    independent reference instead of ml_dtypes."""
+    e4m3, e2m1 = _fmts()
+    x = np.asarray(x, dtype=np.float32)
+    rows, k = x.shape
+    assert k % NVFP4_BLOCK == 0
+    if global_scale is None:
+        amax = np.max(np.abs(x))
+        global_scale = (amax / NVFP4_GLOBAL_DIV) if amax > 0 else F32(1.0)
+    g = F32(global_scale)
+    denom6 = F32(F32(6.0) * g)
+    xb = x.reshape(rows, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    bamax = np.max(np.abs(xb), axis=-1)
+    bs_f = (bamax / denom6).astype(np.float32)
+    s_bits = e4m3.rne_ref(bs_f, saturate=True) if use_ref else e4m3.cast_sat(bs_f)
+    s_bits = s_bits.reshape(bamax.shape)
+    s_bits = np.where((s_bits & 0x7F) == 0, e4m3.cast(F32(1.0)), s_bits).astype(np.uint8)
+    bs = e4m3.decode(s_bits)
+    denom = (bs * g).astype(np.float32)
+    v = np.clip((xb / denom[..., None]).astype(np.float32), -E2M1_MAX, E2M1_MAX)
+    codes = e2m1.rne_ref(v, saturate=True) if use_ref else e2m1.cast(v)
+    q = e2m1.decode(codes)
+    deq = ((q * bs[..., None]).astype(np.float32) * g).astype(np.float32)
+    codes = codes.reshape(rows, k)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    return {
+        "x": x,
+        "packed": packed,
+        "scales": s_bits.astype(np.uint8),
+        "global": np.array([g], dtype=np.float32),
+        "deq": deq.reshape(rows, k),
+        "_codes": codes,
+        "_v": v.reshape(rows, k),
+        "_denom": denom,
+    }
+
+
+def _nvfp4_inputs() -> dict:
+    seeds = QUANT_SEEDS["nvfp4"]
+    out = {}
+    rng = np.random.default_rng(seeds["normal"])
+    out["normal"] = rng.standard_normal((8, 64)).astype(np.float32)
+
+    rng = np.random.default_rng(seeds["mixed"])
+    m = rng.standard_normal((4, 128)).astype(np.float32)
+    m[1] *= F32(1e-3)
+    m[2] *= F32(1e3)
+    m[0, 16:32] = 0.0  # an all-zero block
+    m[0, 48:64] = rng.standard_normal(16).astype(np.float32) * F32(0.01)
+    m[0, 53] = F32(1000.0)  # a single outlier among small values
+    # row 3: each block at its own magnitude, 1e-3 .. 3 (E4M3 subnormal and normal scales)
+    for b, e in enumerate(np.linspace(-3.0, np.log10(3.0), 8)):
+        m[3, 16 * b:16 * (b + 1)] *= F32(10.0 ** e)
+    out["mixed"] = m
+
+    # ties: global = 2^-3 exactly (amax = 2688 * 2^-3 = 336), so with an exact block scale
+    # bs, denom = bs * 2^-3 exactly and x = t * denom gives x / denom == t exactly
+    g = 0.125
+    mid_t = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    blocks = [
+        # (scale the block max asks for, scale it gets, the 16th element in units of denom)
+        (448.0, 448.0, 0.0),                 # holds the tensor amax (6 * 448 * g = 336)
+        (1.0, 1.0, -6.0),
+        (3.5 * 2.0 ** -9, 2.0 ** -7, 3.0),   # E4M3-subnormal tie 3.5 * 2^-9 -> 4 * 2^-9
+        (13.5, 14.0, -0.5),                  # E4M3 tie 13.5 (13 odd, 14 even) -> 14
+    ]
+    t = np.zeros((2, 32), dtype=np.float32)
+    for b, (want, got, extra) in enumerate(blocks):
+        r, c = divmod(b, 2)
+        denom = got * g
+        vals = [6.0 * want * g]
+        vals += [s * m_ * denom for m_ in mid_t for s in (1.0, -1.0)]
+        vals += [extra * denom]
+        assert len(vals) == NVFP4_BLOCK
+        vals = np.array(vals, dtype=np.float64)
+        # shuffle deterministically so the max and the ties sit in both nibbles
+        perm = np.random.default_rng(6103 + b).permutation(NVFP4_BLOCK)
+        vals = vals[perm]
+        assert np.array_equal(vals.astype(np.float32).astype(np.float64), vals)
+        t[r, 16 * c:16 * (c + 1)] = vals.astype(np.float32)
+    out["ties"] = t
+    out["zeros"] = np.zeros((2, 32), dtype=np.float32)
+    return out
+
+
+def _check_nvfp4(name: str, res: dict) -> dict:
+    e4m3, e2m1 = _fmts()
+    x, deq, g = res["x"], res["deq"], res["global"][0]
+    # the independent RNE reference gives the same bits
+    ref = _nvfp4_quantize(x, use_ref=True)
+    for key in ("packed", "scales", "global", "deq"):
+        assert np.array_equal(res[key].view(np.uint8), ref[key].view(np.uint8)), (name, key)
+    # error bound: RNE to E2M1 in units of denom (half a step: 0.25 below 2, 0.5 below 4,
+    # 1 up to 6) plus whatever was clipped above 6, with float32 slack
+    rows, k = x.shape
+    denom = np.repeat(res["_denom"], NVFP4_BLOCK, axis=-1).reshape(rows, k).astype(np.float64)
+    u = np.abs(x.astype(np.float64)) / denom
+    half = np.where(u <= 2, 0.25, np.where(u <= 4, 0.5, 1.0))
+    bound = denom * (half + np.maximum(u - 6.0, 0.0)) * (1 + 1e-6) + 1e-30
+    err = np.abs(deq.astype(np.float64) - x.astype(np.float64))
+    assert np.all(err <= bound), (name, float((err / bound).max()))
+    # with an E4M3-normal scale the clip excess is at most 6 / (1 - 2^-4) - 6
+    bs = e4m3.decode(res["scales"])
+    normal_scale = np.repeat(bs >= 2.0 ** -6, NVFP4_BLOCK, axis=-1).reshape(rows, k)
+    assert np.all(u[normal_scale] <= 6.0 / (1 - 2.0 ** -4) * (1 + 1e-6)), name
+    # decode from the packed bytes reproduces deq
+    codes = np.empty((rows, k), dtype=np.uint8)
+    codes[:, 0::2] = res["packed"] & 0x0F
+    codes[:, 1::2] = res["packed"] >> 4
+    assert np.array_equal(codes, res["_codes"])
+    q = e2m1.decode(codes).reshape(rows, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    deq2 = ((q * bs[..., None]).astype(np.float32) * g).astype(np.float32).reshape(rows, k)
+    assert np.array_equal(deq2.view(np.uint32), deq.view(np.uint32)), name
+    # re-quantizing deq with the same global scale is the identity on every block whose
+    # scale is an E4M3 normal (its max then quantizes to +-6, so the scale re-derives); a
+    # block with a subnormal scale may have a smaller max code and then change
+    again = _nvfp4_quantize(deq, global_scale=g)
+    same_blk = (
+        np.all((again["_codes"] == res["_codes"]).reshape(rows, -1, NVFP4_BLOCK), axis=-1)
+        & (again["scales"] == res["scales"])
+    )
+    assert np.array_equal(
+        again["deq"].view(np.uint32)[same_blk.repeat(NVFP4_BLOCK, axis=-1)],
+        deq.view(np.uint32)[same_blk.repeat(NVFP4_BLOCK, axis=-1)])
+    assert np.all(same_blk[bs >= 2.0 ** -6]), (name, np.argwhere(~same_blk))
+    n_not_idem = int(np.count_nonzero(~same_blk))
+    # ... and with the global scale recomputed from deq (reported, not required)
+    again_full = _nvfp4_quantize(deq)
+    full_idem = all(
+        np.array_equal(again_full[k_].view(np.uint8), res[k_].view(np.uint8))
+        for k_ in ("packed", "scales", "global", "deq")
+    )
+    v = res["_v"]
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+    n_ties = int(np.isin(np.abs(v), mids).sum())
+    n_negzero = int(np.count_nonzero(res["_codes"] == 8))
+    scale_hist = sorted({float(s) for s in bs.ravel()})
+    info = {
+        "shape": list(x.shape),
+        "global": float(g),
+        "n_exact_e2m1_ties": n_ties,
+        "n_negative_zero_codes": n_negzero,
+        "n_subnormal_e4m3_scales": int(np.count_nonzero(bs < 2.0 ** -6)),
+        "n_scales_replaced_by_1": int(np.count_nonzero(
+            (e4m3.cast_sat((np.max(np.abs(x.reshape(rows, -1, NVFP4_BLOCK)), -1)
+                            / F32(F32(6.0) * g)).astype(np.float32)) & 0x7F) == 0)),
+        "requant_same_global_changed_blocks": n_not_idem,
+        "requant_with_recomputed_global_identical": bool(full_idem),
+        "max_rel_err_vs_block_amax": float(np.max(
+            err.reshape(rows, -1, NVFP4_BLOCK).max(-1)
+            / np.maximum(np.abs(x.astype(np.float64)).reshape(rows, -1, NVFP4_BLOCK).max(-1),
+                         1e-300))),
+    }
+    print(f"  [quant/nvfp4] {name} {tuple(x.shape)}: global {float(g):.6g}, "
+          f"{n_ties} exact ties, {n_negzero} -0 codes, "
+          f"{info['n_subnormal_e4m3_scales']} subnormal scales, "
+          f"{info['n_scales_replaced_by_1']} scales 0->1, {len(scale_hist)} distinct scales, "
+          f"requant: {n_not_idem} blocks change (same global), "
+          f"identical with recomputed global: {full_idem}")
+    return info
+
+
+def _quant_nvfp4(out_dir: Path) -> dict:
+    tensors, summary = {}, {}
+    for name, x in _nvfp4_inputs().items():
+        res = _nvfp4_quantize(x)
+        summary[name] = _check_nvfp4(name, res)
+        for key in ("x", "packed", "scales", "global", "deq"):
+            tensors[f"{name}.{key}"] = np.ascontiguousarray(res[key])
+    z = tensors["zeros.global"], tensors["zeros.scales"], tensors["zeros.packed"]
+    assert z[0][0] == 1.0 and np.all(z[1] == 0x38) and np.all(z[2] == 0)
+    t = _nvfp4_quantize(tensors["ties.x"])
+    assert t["global"][0] == F32(0.125)
+    ties_scales = [float(s) for s in _fmts()[0].decode(t["scales"]).ravel()]
+    assert ties_scales == [448.0, 1.0, 2.0 ** -7, 14.0], ties_scales
+    save_numpy(tensors, str(out_dir / "nvfp4.safetensors"))
+    return summary
+
+
+def _fp8_quantize(x: np.ndarray) -> dict:
+    e4m3, _ = _fmts()
+    x = np.asarray(x, dtype=np.float32)
+    amax = np.max(np.abs(x))
+    scale = (amax / E4M3_MAX) if amax > 0 else F32(1.0)
+    scale = F32(scale)
+    v = (x / scale).astype(np.float32)
+    bits = e4m3.cast_sat(v)
+    assert np.array_equal(bits, e4m3.rne_ref(v, saturate=True))
+    deq = (e4m3.decode(bits) * scale).astype(np.float32)
+    return {"x": x, "bits": bits, "scale": np.array([scale], dtype=np.float32), "deq": deq}
+
+
+def _quant_fp8(out_dir: Path) -> dict:
+    seeds = QUANT_SEEDS["fp8"]
+    inputs = {
+        "fp8_normal": np.random.default_rng(seeds["fp8_normal"]).standard_normal((8, 64)),
+    }
+    m = np.random.default_rng(seeds["fp8_mixed"]).standard_normal((4, 32))
+    m[2] *= 1e4
+    inputs["fp8_mixed"] = m
+    tensors, summary = {}, {}
+    for name, x in inputs.items():
+        res = _fp8_quantize(x.astype(np.float32))
+        x, deq, s = res["x"], res["deq"], float(res["scale"][0])
+        # |deq - x| <= half an E4M3 step: 2^-4 relative (normal) or 2^-10 * scale (subnormal)
+        err = np.abs(deq.astype(np.float64) - x.astype(np.float64))
+        bound = np.maximum(np.abs(x.astype(np.float64)) * 2.0 ** -4, 2.0 ** -10 * s) * (1 + 1e-6)
+        assert np.all(err <= bound), name
+        again = _fp8_quantize(deq)
+        assert np.array_equal(again["bits"], res["bits"]), name
+        n_sub = int(np.count_nonzero((res["bits"] & 0x78) == 0))
+        summary[name] = {"shape": list(x.shape), "scale": s, "n_subnormal_or_zero": n_sub,
+                         "n_negative_zero": int(np.count_nonzero(res["bits"] == 0x80))}
+        print(f"  [quant/fp8] {name} {tuple(x.shape)}: scale {s:.6g}, "
+              f"{n_sub} subnormal/zero codes, {summary[name]['n_negative_zero']} -0")
+        for key in ("x", "bits", "scale", "deq"):
+            tensors[f"{name}.{key}"] = np.ascontiguousarray(res[key])
+    save_numpy(tensors, str(out_dir / "fp8.safetensors"))
+    return summary
+
+
+def section_quant() -> None:
+    out_dir = FIXTURES / "quant"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[quant] numpy {np.__version__}, ml_dtypes {ml_dtypes.__version__}")
+    # float4_e2m1fn byte layout: the code in the low nibble, high nibble zero
+    e2m1_bytes = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn)
+    assert e2m1_bytes.astype(np.float32).tolist() == [
+        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    assert np.array_equal(e2m1_bytes.astype(np.float32).astype(ml_dtypes.float4_e2m1fn)
+                          .view(np.uint8), np.arange(16, dtype=np.uint8))
+    meta = {
+        "versions": {"python": sys.version.split()[0], "numpy": np.__version__,
+                     "ml_dtypes": ml_dtypes.__version__},
+        "seeds": QUANT_SEEDS,
+        "rounding": "round to nearest, ties to even, from float32 (single rounding)",
+        "e2m1_code": "sign << 3 | index of magnitude in [0, 0.5, 1, 1.5, 2, 3, 4, 6]; "
+                     "ml_dtypes float4_e2m1fn stores it in the low nibble of a byte, high nibble 0",
+        "nvfp4_packing": "byte i of a row = code[2i] | code[2i+1] << 4",
+        "negative_zero": "signs are kept: negative values that round to 0 give -0 "
+                         "(e4m3 0x80, e5m2 0x80, e2m1 code 8), and deq is then -0.0",
+        "formats": _quant_formats(out_dir),
+        "nvfp4": _quant_nvfp4(out_dir),
+        "fp8": _quant_fp8(out_dir),
+    }
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    total = sum(p.stat().st_size for p in out_dir.iterdir())
+    print(f"  [quant] {total} bytes in {out_dir.relative_to(REPO_ROOT)}")
+
+
 SECTIONS = {
     "models": section_models,
     "grads": section_grads,
+    "quant": section_quant,
 }
 
 

@@ -18,6 +18,7 @@ pub mod mismatch;
 pub mod model;
 pub mod objective;
 pub mod ops;
+pub mod quant;
 pub mod rand;
 pub mod train;
 pub mod util;

@@ -125,6 +125,8 @@ pub mod ops {
         _v: &Tensor,
         _kc: &mut Tensor,
         _vc: &mut Tensor,
+        _ks: f32,
+        _vs: f32,
         _m: &AttnMeta,
     ) -> Result<()> {
         match *d {}
@@ -134,6 +136,8 @@ pub mod ops {
         _q: &Tensor,
         _kc: &Tensor,
         _vc: &Tensor,
+        _ks: f32,
+        _vs: f32,
         _m: &AttnMeta,
         _o: &mut Tensor,
         _h: usize,
@@ -147,6 +151,28 @@ pub mod ops {
         _t: f32,
         _o: &mut Tensor,
         _m: usize,
+    ) -> Result<()> {
+        match *d {}
+    }
+    pub fn amax_rows(d: &CudaDevice, _x: &Tensor, _m: usize) -> Result<f32> {
+        match *d {}
+    }
+    pub fn linear_q(
+        d: &CudaDevice,
+        _x: &Tensor,
+        _w: &crate::quant::QTensor,
+        _b: Option<&Tensor>,
+        _y: &mut Tensor,
+        _m: usize,
+    ) -> Result<()> {
+        match *d {}
+    }
+    pub fn fake_quant_rows(
+        d: &CudaDevice,
+        _x: &Tensor,
+        _y: &mut Tensor,
+        _m: usize,
+        _q: &crate::ops::quantize::ActQuant,
     ) -> Result<()> {
         match *d {}
     }

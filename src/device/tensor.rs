@@ -286,12 +286,17 @@ impl Tensor {
     }
 }
 
-/// A read-only view of float weights on the CPU, whatever their storage dtype.
+/// A read-only view of float weights on the CPU, whatever their storage: plain floats, or the
+/// codes and scales of a quantized weight (decoded exactly, see `crate::quant`).
 #[derive(Clone, Copy)]
 pub enum CpuFloats<'a> {
     F32(&'a [f32]),
     BF16(&'a [bf16]),
     F16(&'a [f16]),
+    /// FP8 E4M3 codes with one tensor scale: value = e4m3(code) · scale.
+    Fp8 { codes: &'a [u8], scale: f32 },
+    /// NVFP4 codes (two per byte), E4M3 scales per 16 values and a global scale.
+    Nvfp4 { packed: &'a [u8], scales: &'a [u8], global: f32 },
 }
 
 impl<'a> CpuFloats<'a> {
@@ -310,6 +315,12 @@ impl<'a> CpuFloats<'a> {
             CpuFloats::F32(v) => v[i],
             CpuFloats::BF16(v) => v[i].to_f32(),
             CpuFloats::F16(v) => v[i].to_f32(),
+            CpuFloats::Fp8 { .. } | CpuFloats::Nvfp4 { .. } => {
+                let mut o = [0.0f32; 16];
+                let b = i / 16 * 16;
+                self.read_into(b, &mut o);
+                o[i - b]
+            }
         }
     }
 
@@ -318,6 +329,8 @@ impl<'a> CpuFloats<'a> {
             CpuFloats::F32(v) => v.len(),
             CpuFloats::BF16(v) => v.len(),
             CpuFloats::F16(v) => v.len(),
+            CpuFloats::Fp8 { codes, .. } => codes.len(),
+            CpuFloats::Nvfp4 { packed, .. } => packed.len() * 2,
         }
     }
 
@@ -340,6 +353,16 @@ impl<'a> CpuFloats<'a> {
                 for (o, x) in out.iter_mut().zip(&v[start..start + n]) {
                     *o = x.to_f32();
                 }
+            }
+            CpuFloats::Fp8 { codes, scale } => {
+                let t = crate::quant::fp8::e4m3_table();
+                for (o, c) in out.iter_mut().zip(&codes[start..start + n]) {
+                    *o = t[*c as usize] * scale;
+                }
+            }
+            CpuFloats::Nvfp4 { packed, scales, global } => {
+                debug_assert!(start % 16 == 0 && n % 16 == 0, "NVFP4 reads whole 16-value blocks");
+                crate::quant::nvfp4::dequantize_into(packed, scales, *global, start, out)
             }
         }
     }

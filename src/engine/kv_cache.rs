@@ -20,21 +20,36 @@ pub struct KvCache {
 impl KvCache {
     /// Bytes of one block across all layers (keys and values).
     pub fn block_bytes(cfg: &ModelConfig, block_size: usize, dtype: DType) -> usize {
-        2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * dtype.size()
+        Self::block_bytes_layers(cfg, block_size, &vec![dtype; cfg.num_layers])
+    }
+
+    /// Bytes of one block with a dtype per layer.
+    pub fn block_bytes_layers(cfg: &ModelConfig, block_size: usize, dtypes: &[DType]) -> usize {
+        dtypes.iter().map(|d| 2 * cfg.num_kv_heads * block_size * cfg.head_dim * d.size()).sum()
     }
 
     pub fn new(dev: &Device, cfg: &ModelConfig, block_size: usize, num_blocks: usize, dtype: DType) -> Result<KvCache> {
+        Self::with_layers(dev, cfg, block_size, num_blocks, &vec![dtype; cfg.num_layers])
+    }
+
+    /// A cache whose layer l stores `dtypes[l]`: f32, bf16, f16, or u8 for FP8 E4M3 with a
+    /// per-layer scale (1 until set).
+    pub fn with_layers(dev: &Device, cfg: &ModelConfig, block_size: usize, num_blocks: usize, dtypes: &[DType]) -> Result<KvCache> {
         if block_size == 0 || num_blocks == 0 {
             bail!("KV cache needs a positive block size and block count (got {block_size} x {num_blocks})");
         }
-        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
-            bail!("KV cache dtype {} is not supported here (f32, bf16, f16)", dtype.name());
+        if dtypes.len() != cfg.num_layers {
+            bail!("KV cache: {} layer dtypes for {} layers", dtypes.len(), cfg.num_layers);
         }
         let shape = [num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim];
         let mut layers = Vec::with_capacity(cfg.num_layers);
-        for _ in 0..cfg.num_layers {
-            layers.push(KvLayer { k: dev.zeros(dtype, &shape)?, v: dev.zeros(dtype, &shape)? });
+        for &dtype in dtypes {
+            if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::U8) {
+                bail!("KV cache dtype {} is not supported (f32, bf16, f16, or u8 for FP8)", dtype.name());
+            }
+            layers.push(KvLayer { k: dev.zeros(dtype, &shape)?, v: dev.zeros(dtype, &shape)?, k_scale: 1.0, v_scale: 1.0 });
         }
+        let dtype = dtypes[0];
         // Pop from the end: hand out low block ids first.
         let free = (0..num_blocks as u32).rev().collect();
         Ok(KvCache { block_size, num_blocks, dtype, layers, free })

@@ -21,6 +21,20 @@ use kv_cache::KvCache;
 use scheduler::{Planned, Scheduler};
 use std::sync::Arc;
 
+/// The weights an engine step reads: the dense store (the trainer's own tensors for a standard
+/// engine) and, for low-precision engines, the quantized linears and KV scales.
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    pub w: &'a ModelWeights,
+    pub q: Option<&'a [crate::quant::QLayer]>,
+}
+
+impl<'a> From<&'a ModelWeights> for View<'a> {
+    fn from(w: &'a ModelWeights) -> View<'a> {
+        View { w, q: None }
+    }
+}
+
 /// How to draw a response.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingConfig {
@@ -124,6 +138,8 @@ pub struct EngineConfig {
     pub logits_rows: usize,
     /// `None`: the model's max_position_embeddings.
     pub max_model_len: Option<usize>,
+    /// Layers whose KV cache is FP8 E4M3 (empty: none).
+    pub kv_fp8: Vec<bool>,
 }
 
 impl Default for EngineConfig {
@@ -137,6 +153,7 @@ impl Default for EngineConfig {
             max_tokens_per_step: 1024,
             logits_rows: 64,
             max_model_len: None,
+            kv_fp8: Vec::new(),
         }
     }
 }
@@ -205,13 +222,16 @@ impl Engine {
             bail!("engine: max_seqs, max_tokens_per_step and logits_rows must be positive");
         }
         let kv_dtype = ec.kv_dtype.unwrap_or(weights_dtype);
+        let kv_dtypes: Vec<DType> = (0..cfg.num_layers)
+            .map(|l| if ec.kv_fp8.get(l).copied().unwrap_or(false) { DType::U8 } else { kv_dtype })
+            .collect();
         let max_model_len = ec.max_model_len.unwrap_or(cfg.max_position_embeddings);
-        let block_bytes = KvCache::block_bytes(cfg, ec.block_size, kv_dtype);
+        let block_bytes = KvCache::block_bytes_layers(cfg, ec.block_size, &kv_dtypes);
         let max_blocks_per_seq = max_model_len.div_ceil(ec.block_size);
         let useful = ec.max_seqs * max_blocks_per_seq;
         let num_blocks =
             ec.kv_blocks.unwrap_or_else(|| (ec.kv_cache_bytes / block_bytes.max(1)).clamp(1, useful.max(1)));
-        let cache = KvCache::new(dev, cfg, ec.block_size, num_blocks, kv_dtype)?;
+        let cache = KvCache::with_layers(dev, cfg, ec.block_size, num_blocks, &kv_dtypes)?;
         let max_model_len = max_model_len.min(cache.capacity_tokens());
         let max_blocks = max_model_len.div_ceil(ec.block_size);
         let bufs = ForwardBuffers::new(
@@ -298,14 +318,22 @@ impl Engine {
     ///
     /// Steps run inside the device's thread pool (see [`Engine::run_to_completion`] and
     /// `Device::install`) allocate nothing once every running sequence is admitted.
-    pub fn step(&mut self, w: &ModelWeights) -> Result<Vec<Completion>> {
+    pub fn step<'a>(&mut self, w: impl Into<View<'a>>) -> Result<Vec<Completion>> {
         let mut plan = std::mem::take(&mut self.st.plan);
-        let r = self.step_with(w, &mut plan);
+        let r = self.step_with(w.into(), &mut plan);
         self.st.plan = plan;
         r
     }
 
-    fn step_with(&mut self, w: &ModelWeights, plan: &mut Vec<Planned>) -> Result<Vec<Completion>> {
+    fn step_with(&mut self, v: View<'_>, plan: &mut Vec<Planned>) -> Result<Vec<Completion>> {
+        let w = v.w;
+        if let Some(q) = v.q {
+            // FP8 cache scales follow the engine's quantized view.
+            for (c, l) in self.cache.layers.iter_mut().zip(q) {
+                c.k_scale = l.k_scale;
+                c.v_scale = l.v_scale;
+            }
+        }
         self.sched.schedule(&mut self.cache, plan)?;
         let plan = &plan[..];
         self.stats.preemptions = self.sched.preemptions;
@@ -325,7 +353,7 @@ impl Engine {
         self.bufs.meta.block_tables.write_u32(&self.st.tables)?;
         self.bufs.meta.num_seqs = plan.len();
         self.bufs.meta.num_tokens = m;
-        self.model.forward(&self.dev, w, &mut self.bufs, &mut self.cache.layers)?;
+        self.model.forward(&self.dev, w, v.q, &mut self.bufs, &mut self.cache.layers)?;
         self.stats.steps += 1;
         self.stats.tokens_forwarded += m as u64;
         for p in plan {
@@ -553,11 +581,12 @@ impl Engine {
 
     /// Runs every queued request to completion; `on_done` sees each completion as it finishes.
     /// The loop runs inside the device's thread pool, so ops do not hop threads per call.
-    pub fn run_to_completion(
+    pub fn run_to_completion<'a>(
         &mut self,
-        w: &ModelWeights,
+        w: impl Into<View<'a>>,
         mut on_done: impl FnMut(&Completion) + Send,
     ) -> Result<Vec<Completion>> {
+        let w: View<'a> = w.into();
         let dev = self.dev.clone();
         let mut out = dev.install(|| -> Result<Vec<Completion>> {
             let mut out = Vec::new();

@@ -8,7 +8,10 @@ use super::config::ModelConfig;
 use super::weights::ModelWeights;
 use crate::device::{DType, Device, Tensor};
 use crate::ops::attention::{self, AttnMeta};
+use crate::ops::quantize::{self, ActQuant};
 use crate::ops::{elementwise, matmul, norm, rope};
+use crate::quant::calib::Calibration;
+use crate::quant::QLayer;
 use anyhow::{bail, Result};
 
 /// One layer's paged cache: keys and values, each (num_blocks, Hkv, block_size, D).
@@ -16,6 +19,9 @@ use anyhow::{bail, Result};
 pub struct KvLayer {
     pub k: Tensor,
     pub v: Tensor,
+    /// Scales of an FP8 (u8) cache: stored code = e4m3(x / scale).
+    pub k_scale: f32,
+    pub v_scale: f32,
 }
 
 pub struct Transformer {
@@ -47,6 +53,10 @@ pub struct ForwardBuffers {
     os: Tensor,         // (cap_rows, C)
     hn: Tensor,         // (cap_rows, C)
     pub logits: Tensor, // (cap_rows, V)
+    xq: Tensor,         // (cap · max K) fake-quantized linear input (low-precision engines)
+    /// When set, the forward records the max magnitude of every linear input and of the keys and
+    /// values (the calibration pass of the low-precision engines).
+    pub observe: Option<Calibration>,
 }
 
 impl ForwardBuffers {
@@ -94,6 +104,8 @@ impl ForwardBuffers {
             os: f(&[cap_rows, c])?,
             hn: f(&[cap_rows, c])?,
             logits: f(&[cap_rows, cfg.vocab_size])?,
+            xq: f(&[cap, c.max(i).max(q)])?,
+            observe: None,
         })
     }
 
@@ -132,45 +144,56 @@ impl Transformer {
 
     /// Runs every layer over the `b.meta.num_tokens` tokens in `b.ids`/`b.positions`, writing
     /// their keys/values into `kv` at `b.meta.slot_mapping`. Leaves the residual stream in the
-    /// buffers for [`Transformer::logits`].
-    pub fn forward(&self, dev: &Device, w: &ModelWeights, b: &mut ForwardBuffers, kv: &mut [KvLayer]) -> Result<()> {
+    /// buffers for [`Transformer::logits`]. With `q`, each layer's linears run in the precision
+    /// its [`QLayer`] gives (quantized weights, fake-quantized inputs).
+    pub fn forward(&self, dev: &Device, w: &ModelWeights, q: Option<&[QLayer]>, b: &mut ForwardBuffers, kv: &mut [KvLayer]) -> Result<()> {
         let cfg = &self.cfg;
         let m = b.meta.num_tokens;
         if m == 0 || m > b.cap {
             bail!("forward: {m} tokens for buffers of capacity {}", b.cap);
         }
-        if kv.len() != cfg.num_layers {
-            bail!("forward: {} cache layers for {} model layers", kv.len(), cfg.num_layers);
+        if kv.len() != cfg.num_layers || q.map(|q| q.len() != cfg.num_layers).unwrap_or(false) {
+            bail!("forward: cache or quantization layers do not match the {} model layers", cfg.num_layers);
         }
         let eps = cfg.rms_norm_eps as f32;
         let (h, hkv) = (cfg.num_heads, cfg.num_kv_heads);
         elementwise::embedding(dev, &w.embed_tokens, &b.ids, &mut b.x, m)?;
         rope::rope_table(dev, &b.positions, &self.inv_freq, &mut b.cos, &mut b.sin, m)?;
         for (l, (lw, cache)) in w.layers.iter().zip(kv.iter_mut()).enumerate() {
+            let ql = q.map(|q| &q[l]);
             // Attention block. b.o holds the previous layer's MLP output, not yet added to x.
             if l == 0 {
                 norm::rmsnorm(dev, &b.x, &lw.input_layernorm, eps, &mut b.h, m)?;
             } else {
                 norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.input_layernorm, eps, &mut b.h, m)?;
             }
-            matmul::linear(dev, &b.h, &lw.q_proj, lw.q_bias.as_ref(), &mut b.q, m, false)?;
-            matmul::linear(dev, &b.h, &lw.k_proj, lw.k_bias.as_ref(), &mut b.k, m, false)?;
-            matmul::linear(dev, &b.h, &lw.v_proj, lw.v_bias.as_ref(), &mut b.v, m, false)?;
+            observe(dev, &mut b.observe, l, 0, &b.h, m)?;
+            proj(dev, &b.h, &mut b.xq, &lw.q_proj, lw.q_bias.as_ref(), ql, 0, &mut b.q, m)?;
+            proj(dev, &b.h, &mut b.xq, &lw.k_proj, lw.k_bias.as_ref(), ql, 1, &mut b.k, m)?;
+            proj(dev, &b.h, &mut b.xq, &lw.v_proj, lw.v_bias.as_ref(), ql, 2, &mut b.v, m)?;
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
                 norm::head_rmsnorm(dev, &mut b.q, qn, eps, m, h)?;
                 norm::head_rmsnorm(dev, &mut b.k, kn, eps, m, hkv)?;
             }
             rope::rope(dev, &mut b.q, &b.cos, &b.sin, m, h)?;
             rope::rope(dev, &mut b.k, &b.cos, &b.sin, m, hkv)?;
-            attention::kv_write(dev, &b.k, &b.v, &mut cache.k, &mut cache.v, &b.meta)?;
-            attention::paged_attention(dev, &b.q, &cache.k, &cache.v, &b.meta, &mut b.att, h)?;
-            matmul::linear(dev, &b.att, &lw.o_proj, lw.o_bias.as_ref(), &mut b.o, m, false)?;
+            if let Some(obs) = &mut b.observe {
+                obs.k_amax[l] = obs.k_amax[l].max(elementwise::amax_rows(dev, &b.k, m)?);
+                obs.v_amax[l] = obs.v_amax[l].max(elementwise::amax_rows(dev, &b.v, m)?);
+            }
+            let (ks, vs) = (cache.k_scale, cache.v_scale);
+            attention::kv_write(dev, &b.k, &b.v, &mut cache.k, &mut cache.v, ks, vs, &b.meta)?;
+            attention::paged_attention(dev, &b.q, &cache.k, &cache.v, ks, vs, &b.meta, &mut b.att, h)?;
+            observe(dev, &mut b.observe, l, 1, &b.att, m)?;
+            proj(dev, &b.att, &mut b.xq, &lw.o_proj, lw.o_bias.as_ref(), ql, 3, &mut b.o, m)?;
             // MLP block.
             norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.post_attention_layernorm, eps, &mut b.h, m)?;
-            matmul::linear(dev, &b.h, &lw.gate_proj, lw.gate_bias.as_ref(), &mut b.gate, m, false)?;
-            matmul::linear(dev, &b.h, &lw.up_proj, lw.up_bias.as_ref(), &mut b.up, m, false)?;
+            observe(dev, &mut b.observe, l, 2, &b.h, m)?;
+            proj(dev, &b.h, &mut b.xq, &lw.gate_proj, lw.gate_bias.as_ref(), ql, 4, &mut b.gate, m)?;
+            proj(dev, &b.h, &mut b.xq, &lw.up_proj, lw.up_bias.as_ref(), ql, 5, &mut b.up, m)?;
             elementwise::swiglu(dev, &b.gate, &b.up, &mut b.act, m)?;
-            matmul::linear(dev, &b.act, &lw.down_proj, lw.down_bias.as_ref(), &mut b.o, m, false)?;
+            observe(dev, &mut b.observe, l, 3, &b.act, m)?;
+            proj(dev, &b.act, &mut b.xq, &lw.down_proj, lw.down_bias.as_ref(), ql, 6, &mut b.o, m)?;
         }
         Ok(())
     }
@@ -187,4 +210,35 @@ impl Transformer {
         norm::add_rmsnorm(dev, &mut b.xs, &b.os, &w.norm, eps, &mut b.hn, r)?;
         matmul::linear(dev, &b.hn, w.head(), None, &mut b.logits, r, false)
     }
+}
+
+/// One projection: dense, or with a quantized weight and/or a fake-quantized input.
+#[allow(clippy::too_many_arguments)]
+fn proj(dev: &Device, x: &Tensor, xq: &mut Tensor, dense: &Tensor, bias: Option<&Tensor>, q: Option<&QLayer>, i: usize, y: &mut Tensor, m: usize) -> Result<()> {
+    let (wq, act) = match q {
+        Some(q) => (q.w[i].as_ref(), q.act[i]),
+        None => (None, ActQuant::None),
+    };
+    let input = if act == ActQuant::None {
+        x
+    } else {
+        // xq is a (cap, max K) scratch: view it with this input's row width.
+        let k = x.dim(x.shape().len() - 1);
+        xq.reshape(&[xq.numel() / k, k])?;
+        quantize::fake_quant_rows(dev, x, xq, m, &act)?;
+        &*xq
+    };
+    match wq {
+        Some(wq) => matmul::linear_q(dev, input, wq, bias, y, m),
+        None => matmul::linear(dev, input, dense, bias, y, m, false),
+    }
+}
+
+/// Calibration: the running max magnitude of input slot `slot` of layer `l`.
+fn observe(dev: &Device, obs: &mut Option<Calibration>, l: usize, slot: usize, x: &Tensor, m: usize) -> Result<()> {
+    if let Some(o) = obs {
+        let a = elementwise::amax_rows(dev, x, m)?;
+        o.input_amax[l][slot] = o.input_amax[l][slot].max(a);
+    }
+    Ok(())
 }

@@ -27,13 +27,17 @@ pub struct AttnMeta {
 }
 
 /// Writes the new keys/values k, v (m, Hkv·D) into the caches (num_blocks, Hkv, block_size, D)
-/// at `meta.slot_mapping`.
+/// at `meta.slot_mapping`. FP8 (u8) caches store e4m3_satfinite(x / scale); float caches ignore
+/// the scales.
+#[allow(clippy::too_many_arguments)]
 pub fn kv_write(
     dev: &Device,
     k: &Tensor,
     v: &Tensor,
     k_cache: &mut Tensor,
     v_cache: &mut Tensor,
+    k_scale: f32,
+    v_scale: f32,
     meta: &AttnMeta,
 ) -> Result<()> {
     let (nb, hkv, bs, d) = cache_dims(k_cache)?;
@@ -44,7 +48,7 @@ pub fn kv_write(
         Device::Cpu(_) => {
             let slots = meta.slot_mapping.u32s()?;
             let (ks, vs) = (k.f32s()?, v.f32s()?);
-            for (src, cache) in [(ks, k_cache), (vs, v_cache)] {
+            for (src, cache, scale) in [(ks, k_cache, k_scale), (vs, v_cache, v_scale)] {
                 let st = cache.cpu_mut()?;
                 for t in 0..m {
                     let slot = slots[t] as usize;
@@ -55,17 +59,17 @@ pub fn kv_write(
                     for h in 0..hkv {
                         let dst = ((blk * hkv + h) * bs + off) * d;
                         let s = &src[t * hkv * d + h * d..t * hkv * d + (h + 1) * d];
-                        store(st, dst, s)?;
+                        store(st, dst, s, scale)?;
                     }
                 }
             }
             Ok(())
         }
-        Device::Cuda(c) => cuda::ops::kv_write(c, k, v, k_cache, v_cache, meta),
+        Device::Cuda(c) => cuda::ops::kv_write(c, k, v, k_cache, v_cache, k_scale, v_scale, meta),
     }
 }
 
-fn store(st: &mut CpuStorage, at: usize, src: &[f32]) -> Result<()> {
+fn store(st: &mut CpuStorage, at: usize, src: &[f32], scale: f32) -> Result<()> {
     match st {
         CpuStorage::F32(c) => c[at..at + src.len()].copy_from_slice(src),
         CpuStorage::BF16(c) => {
@@ -78,7 +82,12 @@ fn store(st: &mut CpuStorage, at: usize, src: &[f32]) -> Result<()> {
                 *o = f16::from_f32(*x);
             }
         }
-        _ => bail!("KV cache storage must be f32, bf16 or f16"),
+        CpuStorage::U8(c) => {
+            for (o, x) in c[at..at + src.len()].iter_mut().zip(src) {
+                *o = crate::quant::fp8::E4M3.encode(*x / scale);
+            }
+        }
+        _ => bail!("KV cache storage must be f32, bf16, f16 or FP8 (u8)"),
     }
     Ok(())
 }
@@ -110,12 +119,16 @@ pub fn reserve(n: usize) {
     });
 }
 
-/// out[..T] (T, H·D) = attention of q (T, H·D) over the paged caches.
+/// out[..T] (T, H·D) = attention of q (T, H·D) over the paged caches (FP8 caches decoded as
+/// e4m3(code) · scale).
+#[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     dev: &Device,
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
+    k_scale: f32,
+    v_scale: f32,
     meta: &AttnMeta,
     out: &mut Tensor,
     heads: usize,
@@ -136,7 +149,7 @@ pub fn paged_attention(
             let qst = &meta.q_start.u32s()?[..meta.num_seqs + 1];
             let ctx = &meta.ctx_len.u32s()?[..meta.num_seqs];
             let bt = meta.block_tables.u32s()?;
-            let (kc, vc) = (Kv::of(k_cache)?, Kv::of(v_cache)?);
+            let (kc, vc) = (Kv::of(k_cache, k_scale)?, Kv::of(v_cache, v_scale)?);
             let os = out.f32s_mut()?;
             let groups = heads / hkv;
             let scale = 1.0 / (d as f32).sqrt();
@@ -218,7 +231,7 @@ pub fn paged_attention(
             });
             Ok(())
         }
-        Device::Cuda(c) => cuda::ops::paged_attention(c, q, k_cache, v_cache, meta, out, heads),
+        Device::Cuda(c) => cuda::ops::paged_attention(c, q, k_cache, v_cache, k_scale, v_scale, meta, out, heads),
     }
 }
 
@@ -228,15 +241,17 @@ enum Kv<'a> {
     F32(&'a [f32]),
     BF16(&'a [bf16]),
     F16(&'a [f16]),
+    Fp8(&'a [u8], f32, &'static [f32; 256]),
 }
 
 impl<'a> Kv<'a> {
-    fn of(t: &'a Tensor) -> Result<Kv<'a>> {
+    fn of(t: &'a Tensor, scale: f32) -> Result<Kv<'a>> {
         Ok(match t.cpu()? {
             CpuStorage::F32(v) => Kv::F32(v),
             CpuStorage::BF16(v) => Kv::BF16(v),
             CpuStorage::F16(v) => Kv::F16(v),
-            _ => bail!("KV cache storage must be f32, bf16 or f16"),
+            CpuStorage::U8(v) => Kv::Fp8(v, scale, crate::quant::fp8::e4m3_table()),
+            _ => bail!("KV cache storage must be f32, bf16, f16 or FP8 (u8)"),
         })
     }
     #[inline]
@@ -252,6 +267,11 @@ impl<'a> Kv<'a> {
             Kv::F16(v) => {
                 for (o, x) in out.iter_mut().zip(&v[at..at + n]) {
                     *o = x.to_f32();
+                }
+            }
+            Kv::Fp8(v, scale, t) => {
+                for (o, x) in out.iter_mut().zip(&v[at..at + n]) {
+                    *o = t[*x as usize] * *scale;
                 }
             }
         }

@@ -80,3 +80,20 @@ pub fn gather_rows(dev: &Device, src: &Tensor, idx: &Tensor, dst: &mut Tensor, r
         Device::Cuda(d) => cuda::ops::gather_rows(d, src, idx, dst, r),
     }
 }
+
+/// max |x| over the first m rows of x (rows, C), propagating NaN.
+pub fn amax_rows(dev: &Device, x: &Tensor, m: usize) -> Result<f32> {
+    let c = x.dim(x.shape().len() - 1);
+    check_rows(x, m, c, "amax input")?;
+    match dev {
+        Device::Cpu(d) => {
+            let xs = &x.f32s()?[..m * c];
+            Ok(d.install(|| {
+                xs.par_chunks(4096)
+                    .map(|ch| ch.iter().fold(0.0f32, |a, v| if v.is_nan() || a.is_nan() { f32::NAN } else { a.max(v.abs()) }))
+                    .reduce(|| 0.0f32, |a, b| if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) })
+            }))
+        }
+        Device::Cuda(d) => cuda::ops::amax_rows(d, x, m),
+    }
+}

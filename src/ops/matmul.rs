@@ -40,3 +40,32 @@ pub fn linear(
         Device::Cuda(c) => cuda::ops::linear(c, x, w, bias, y, m, accumulate),
     }
 }
+
+/// y[..m] (m, N) = x[..m] · dequant(wq)ᵀ (+ bias): the emulated low-precision linear. The weight
+/// is decoded exactly (FP8: e4m3·scale; NVFP4: f32(e2m1·bs)·global) block by block inside the
+/// same kernel as [`linear`], so the products equal those of a real FP8/FP4 GEMM and only the
+/// f32 summation order differs.
+pub fn linear_q(dev: &Device, x: &Tensor, wq: &crate::quant::QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
+    let (n, k) = (wq.rows, wq.k);
+    check_rows(x, m, k, "linear input")?;
+    check_rows(y, m, n, "linear output")?;
+    match dev {
+        Device::Cpu(c) => {
+            let xs = x.f32s()?;
+            let bf = bias.map(CpuFloats::of).transpose()?;
+            let ys = y.f32s_mut()?;
+            c.install(|| {
+                linear_cpu::linear_nt(m, n, k, xs, wq.view(), ys, n, false);
+                if let Some(b) = bf {
+                    for row in ys[..m * n].chunks_exact_mut(n) {
+                        for (j, v) in row.iter_mut().enumerate() {
+                            *v += b.get(j);
+                        }
+                    }
+                }
+            });
+            Ok(())
+        }
+        Device::Cuda(c) => cuda::ops::linear_q(c, x, wq, bias, y, m),
+    }
+}

@@ -14,6 +14,7 @@ pub mod linear_cpu;
 pub mod logprob;
 pub mod matmul;
 pub mod norm;
+pub mod quantize;
 pub mod rope;
 pub mod sample;
 

@@ -69,7 +69,7 @@ pub fn full_logits(dev: &Device, lm: &LoadedModel, ids: &[u32], chunk: usize) ->
         b.meta.block_tables.write_u32(&table).unwrap();
         b.meta.num_seqs = 1;
         b.meta.num_tokens = n;
-        t.forward(dev, &lm.weights, &mut b, &mut cache.layers).unwrap();
+        t.forward(dev, &lm.weights, None, &mut b, &mut cache.layers).unwrap();
         let sel: Vec<u32> = (0..n as u32).collect();
         b.sel.write_u32(&sel).unwrap();
         t.logits(dev, &lm.weights, &mut b, n).unwrap();

@@ -1,0 +1,106 @@
+//! A low-precision engine's quantized view of the weights: per layer, the quantized linears
+//! (buffers allocated once) and how each linear's input is quantized; the FP8 KV scales.
+//! `sync` rewrites every buffer in place from the trainer's weights (the in-place resync).
+
+use super::calib::{input_slot, Calibration};
+use super::qtensor::{QFormat, QTensor};
+use super::recipe::{KvScale, Precision, Recipe};
+use crate::device::CpuFloats;
+use crate::model::{ModelConfig, ModelWeights};
+use crate::ops::quantize::ActQuant;
+use anyhow::{bail, Context, Result};
+
+/// One layer's low-precision linears: `w[i]` replaces the dense weight of linear i when set;
+/// `act[i]` says how its input is quantized. Order: `recipe::LINEARS`.
+#[derive(Clone, Debug)]
+pub struct QLayer {
+    pub w: [Option<QTensor>; 7],
+    pub act: [ActQuant; 7],
+    pub k_scale: f32,
+    pub v_scale: f32,
+}
+
+#[derive(Clone, Debug)]
+pub struct QuantState {
+    pub recipe: Recipe,
+    pub layers: Vec<QLayer>,
+    pub syncs: u64,
+}
+
+/// The dense weight of linear i of a layer.
+fn dense(l: &crate::model::weights::LayerWeights, i: usize) -> &crate::device::Tensor {
+    [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj][i]
+}
+
+impl QuantState {
+    /// Allocates every buffer the recipe needs; input and KV scales come from `calib`.
+    pub fn new(recipe: &Recipe, cfg: &ModelConfig, w: &ModelWeights, calib: Option<&Calibration>) -> Result<QuantState> {
+        if recipe.layers.len() != cfg.num_layers {
+            bail!("recipe has {} layers, the model {}", recipe.layers.len(), cfg.num_layers);
+        }
+        if recipe.needs_calibration() && calib.is_none() {
+            bail!("recipe '{}' needs calibrated scales", recipe.name);
+        }
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for (l, lr) in recipe.layers.iter().enumerate() {
+            let mut wq: [Option<QTensor>; 7] = Default::default();
+            let mut act = [ActQuant::None; 7];
+            for i in 0..7 {
+                let t = dense(&w.layers[l], i);
+                let (rows, k) = (t.dim(0), t.dim(1));
+                wq[i] = match lr.weight[i] {
+                    Precision::Native => None,
+                    Precision::Fp8 => Some(QTensor::alloc(QFormat::Fp8, rows, k, recipe.nvfp4)?),
+                    Precision::Nvfp4 => Some(QTensor::alloc(QFormat::Nvfp4, rows, k, recipe.nvfp4).with_context(|| format!("layer {l} {}", super::recipe::LINEARS[i]))?),
+                };
+                let amax = calib.map(|c| c.input_amax[l][input_slot(i)]).unwrap_or(0.0);
+                act[i] = match lr.input[i] {
+                    Precision::Native => ActQuant::None,
+                    Precision::Fp8 => ActQuant::Fp8 { scale: if amax > 0.0 { amax / 448.0 } else { 1.0 } },
+                    Precision::Nvfp4 => {
+                        if k % 16 != 0 {
+                            bail!("layer {l} {}: NVFP4 inputs need K divisible by 16, got {k}", super::recipe::LINEARS[i]);
+                        }
+                        ActQuant::Nvfp4 { global: super::nvfp4::global_scale(amax), opts: recipe.nvfp4 }
+                    }
+                };
+            }
+            let (k_scale, v_scale) = match (lr.kv_fp8, recipe.kv_scale, calib) {
+                (false, _, _) => (1.0, 1.0),
+                (true, KvScale::Fixed(s), _) => (s, s),
+                (true, KvScale::Calibrated, Some(c)) => (scale_of(c.k_amax[l]), scale_of(c.v_amax[l])),
+                (true, KvScale::Calibrated, None) => bail!("recipe '{}' needs calibrated KV scales", recipe.name),
+            };
+            layers.push(QLayer { w: wq, act, k_scale, v_scale });
+        }
+        Ok(QuantState { recipe: recipe.clone(), layers, syncs: 0 })
+    }
+
+    /// Re-quantizes every quantized weight in place from `w` (fused amax + quantize).
+    pub fn sync(&mut self, w: &ModelWeights) -> Result<()> {
+        for (l, (ql, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
+            for (i, q) in ql.w.iter_mut().enumerate() {
+                if let Some(q) = q {
+                    let src = CpuFloats::of(dense(lw, i))?;
+                    q.requantize(src, &format!("model.layers.{l}.{}.{}.weight", if i < 4 { "self_attn" } else { "mlp" }, super::recipe::LINEARS[i]))?;
+                }
+            }
+        }
+        self.syncs += 1;
+        Ok(())
+    }
+
+    /// Bytes of the quantized weight buffers.
+    pub fn size_bytes(&self) -> usize {
+        self.layers.iter().flat_map(|l| l.w.iter().flatten()).map(|q| q.size_bytes()).sum()
+    }
+}
+
+/// FP8 scale of a calibrated amax (amax / 448; 1 when nothing was observed).
+pub fn scale_of(amax: f32) -> f32 {
+    if amax > 0.0 {
+        amax / 448.0
+    } else {
+        1.0
+    }
+}
