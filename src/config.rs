@@ -186,17 +186,105 @@ impl Default for EvalConfig {
     }
 }
 
-/// The rollout engine (precision recipes, weight noise and staleness arrive with the
-/// low-precision engines; today only the standard engine).
+/// The rollout engine: precision recipe (seed 000 Table 3), weight noise, staleness.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineSection {
+    /// bf16 (the standard engine), fp8, nvfp4 or fp8-kv.
     pub recipe: String,
+    /// Exceptions kept in the model's dtype: "first-layer-kv", "first-layer", "last-layer".
+    pub keep_bf16: Vec<String>,
+    /// FP8 KV-cache scales: "calibrated" or a number (vLLM's default is 1.0).
+    pub kv_scale: KvScaleConfig,
+    /// Per-layer overrides, applied after the preset.
+    pub overrides: Vec<OverrideConfig>,
+    /// Weight-noise engine: σ (0 disables).
+    pub noise_sigma: f64,
+    pub noise_seed: u64,
+    /// Rollout weights this many versions behind the trainer's.
+    pub staleness: usize,
+    /// NVFP4 options: random Hadamard transform and stochastic rounding.
+    pub rht: bool,
+    pub stochastic_rounding: bool,
+    /// Responses of the untrained student for calibrating activation and KV scales.
+    pub calibration_samples: usize,
+    /// Reuse a calibration file instead of calibrating.
+    pub calibration_file: Option<PathBuf>,
 }
 
 impl Default for EngineSection {
     fn default() -> Self {
-        EngineSection { recipe: "bf16".into() }
+        EngineSection {
+            recipe: "bf16".into(),
+            keep_bf16: Vec::new(),
+            kv_scale: KvScaleConfig::Name("calibrated".into()),
+            overrides: Vec::new(),
+            noise_sigma: 0.0,
+            noise_seed: 20261001,
+            staleness: 0,
+            rht: false,
+            stochastic_rounding: false,
+            calibration_samples: 16,
+            calibration_file: None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(untagged)]
+pub enum KvScaleConfig {
+    Value(f64),
+    Name(String),
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct OverrideConfig {
+    pub layers: Vec<usize>,
+    /// Linears (q_proj ... down_proj); empty: all seven.
+    pub linears: Vec<String>,
+    pub weight: Option<String>,
+    pub input: Option<String>,
+    /// "fp8" or "bf16".
+    pub kv: Option<String>,
+}
+
+impl EngineSection {
+    /// The engine described by this section for a model of `num_layers` layers.
+    pub fn spec(&self, num_layers: usize) -> Result<crate::engine::rollout_weights::EngineSpec> {
+        use crate::quant::recipe::{KvScale, Override, Precision, Recipe};
+        let kv_scale = match &self.kv_scale {
+            KvScaleConfig::Name(n) if n == "calibrated" => KvScale::Calibrated,
+            KvScaleConfig::Name(n) => bail!("engine.kv_scale: expected \"calibrated\" or a number, got {n:?}"),
+            KvScaleConfig::Value(v) if *v > 0.0 && v.is_finite() => KvScale::Fixed(*v as f32),
+            KvScaleConfig::Value(v) => bail!("engine.kv_scale: must be positive, got {v}"),
+        };
+        let opts = crate::quant::nvfp4::Nvfp4Opts {
+            rht: self.rht.then_some(0x5248_5400 ^ self.noise_seed),
+            stochastic: self.stochastic_rounding.then_some(0x5352_0000 ^ self.noise_seed),
+        };
+        let mut recipe = Recipe::preset(&self.recipe, num_layers, &self.keep_bf16, kv_scale, opts).map_err(|e| anyhow::anyhow!("engine.recipe: {e}"))?;
+        for (i, o) in self.overrides.iter().enumerate() {
+            let p = |s: &Option<String>| s.as_deref().map(Precision::parse).transpose();
+            let kv_fp8 = match o.kv.as_deref() {
+                None => None,
+                Some("fp8") => Some(true),
+                Some("bf16") | Some("native") => Some(false),
+                Some(k) => bail!("engine.overrides[{i}].kv: expected fp8 or bf16, got '{k}'"),
+            };
+            let ov = Override {
+                layers: o.layers.clone(),
+                linears: o.linears.clone(),
+                weight: p(&o.weight).map_err(|e| anyhow::anyhow!("engine.overrides[{i}].weight: {e}"))?,
+                input: p(&o.input).map_err(|e| anyhow::anyhow!("engine.overrides[{i}].input: {e}"))?,
+                kv_fp8,
+            };
+            recipe.apply(&ov).map_err(|e| anyhow::anyhow!("engine.overrides[{i}]: {e}"))?;
+        }
+        if !(self.noise_sigma >= 0.0 && self.noise_sigma.is_finite()) {
+            bail!("engine.noise_sigma: must be a finite number >= 0, got {}", self.noise_sigma);
+        }
+        Ok(crate::engine::rollout_weights::EngineSpec { recipe, noise_sigma: self.noise_sigma, noise_seed: self.noise_seed, staleness: self.staleness })
     }
 }
 
@@ -321,8 +409,18 @@ impl JobConfig {
                 }
             }
         }
-        if self.engine.recipe != "bf16" {
-            err("engine.recipe", format!("unknown recipe '{}': expected bf16 (the standard engine)", self.engine.recipe))?;
+        // The recipe itself (names, layer indices) is checked against the model at start; here
+        // everything that does not need the model.
+        self.engine.spec(1).map(|_| ()).or_else(|e| {
+            let m = format!("{e:#}");
+            if m.contains("out of range") {
+                Ok(())
+            } else {
+                bail!("{file}: {m}")
+            }
+        })?;
+        if self.engine.calibration_samples == 0 {
+            err("engine.calibration_samples", "must be at least 1".into())?;
         }
         if self.eval.samples_per_prompt == 0 {
             err("eval.samples_per_prompt", "must be at least 1".into())?;

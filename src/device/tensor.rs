@@ -221,6 +221,20 @@ impl Tensor {
         }
     }
 
+    /// Copies the first `out.len()` elements of a float tensor of any dtype to the host as f32.
+    pub fn read_f32_into_any(&self, out: &mut [f32]) -> Result<()> {
+        if out.len() > self.numel() {
+            bail!("read of {} values from a tensor of {}", out.len(), self.numel());
+        }
+        match &self.storage {
+            Storage::Cpu(_) => {
+                CpuFloats::of(self)?.read_into(0, out);
+                Ok(())
+            }
+            Storage::Cuda(c) => c.read_f32_into(out),
+        }
+    }
+
     /// Copies the first `out.len()` elements of an f32 tensor to the host.
     pub fn read_f32_into(&self, out: &mut [f32]) -> Result<()> {
         if out.len() > self.numel() {
@@ -272,6 +286,34 @@ impl Tensor {
                 _ => bail!("write_f32 into a {} tensor", self.dtype().name()),
             },
             Storage::Cuda(c) => c.write_f32(data)?,
+        }
+        Ok(())
+    }
+
+    /// A deep copy (same device, dtype and shape).
+    pub fn try_clone(&self) -> Result<Tensor> {
+        match &self.storage {
+            Storage::Cpu(c) => Ok(Tensor { shape: self.shape.clone(), storage: Storage::Cpu(c.clone()) }),
+            Storage::Cuda(c) => c.try_clone(&self.shape),
+        }
+    }
+
+    /// Overwrites this tensor with `src` (same dtype and element count), in place.
+    pub fn copy_from(&mut self, src: &Tensor) -> Result<()> {
+        if src.dtype() != self.dtype() || src.numel() != self.numel() {
+            bail!("copy_from: {} {:?} into {} {:?}", src.dtype().name(), src.shape(), self.dtype().name(), self.shape);
+        }
+        match (&mut self.storage, &src.storage) {
+            (Storage::Cpu(d), Storage::Cpu(s)) => match (d, s) {
+                (CpuStorage::F32(d), CpuStorage::F32(s)) => d.copy_from_slice(s),
+                (CpuStorage::BF16(d), CpuStorage::BF16(s)) => d.copy_from_slice(s),
+                (CpuStorage::F16(d), CpuStorage::F16(s)) => d.copy_from_slice(s),
+                (CpuStorage::U8(d), CpuStorage::U8(s)) => d.copy_from_slice(s),
+                (CpuStorage::U32(d), CpuStorage::U32(s)) => d.copy_from_slice(s),
+                _ => bail!("copy_from: storage mismatch"),
+            },
+            (Storage::Cuda(d), Storage::Cuda(s)) => d.copy_from(s)?,
+            _ => bail!("copy_from across devices"),
         }
         Ok(())
     }

@@ -8,6 +8,7 @@
 //! is what lets a trainer and an engine share one weight store without copies.
 
 pub mod kv_cache;
+pub mod rollout_weights;
 mod scheduler;
 
 use crate::device::{DType, Device};
@@ -265,6 +266,12 @@ impl Engine {
             text,
             stats: EngineStats::default(),
         })
+    }
+
+    /// Starts (Some) or stops (None, returning what was recorded) calibration: the forward then
+    /// records the max magnitude of every linear input and of the keys and values.
+    pub fn set_observer(&mut self, obs: Option<crate::quant::calib::Calibration>) -> Option<crate::quant::calib::Calibration> {
+        std::mem::replace(&mut self.bufs.observe, obs)
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -172,6 +172,19 @@ impl ModelWeights {
         v
     }
 
+    /// A deep copy.
+    pub fn try_clone(&self, cfg: &ModelConfig) -> Result<ModelWeights> {
+        ModelWeights::from_ordered(cfg, self.tensors().into_iter().map(|t| t.try_clone()).collect::<Result<_>>()?)
+    }
+
+    /// Overwrites every tensor from `src` (same layout), in place: no allocation.
+    pub fn copy_from(&mut self, src: &ModelWeights) -> Result<()> {
+        for (d, s) in self.tensors_mut().into_iter().zip(src.tensors()) {
+            d.copy_from(s)?;
+        }
+        Ok(())
+    }
+
     /// The LM head matrix (V, C): `lm_head` or, when tied, the embedding table.
     pub fn head(&self) -> &Tensor {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)

@@ -25,6 +25,9 @@ pub struct QuantState {
     pub recipe: Recipe,
     pub layers: Vec<QLayer>,
     pub syncs: u64,
+    /// HF names of the quantized weights, per layer and linear (for error messages; built once
+    /// so that a sync allocates nothing).
+    names: Vec<[String; 7]>,
 }
 
 /// The dense weight of linear i of a layer.
@@ -73,7 +76,10 @@ impl QuantState {
             };
             layers.push(QLayer { w: wq, act, k_scale, v_scale });
         }
-        Ok(QuantState { recipe: recipe.clone(), layers, syncs: 0 })
+        let names = (0..cfg.num_layers)
+            .map(|l| std::array::from_fn(|i| format!("model.layers.{l}.{}.{}.weight", if i < 4 { "self_attn" } else { "mlp" }, super::recipe::LINEARS[i])))
+            .collect();
+        Ok(QuantState { recipe: recipe.clone(), layers, syncs: 0, names })
     }
 
     /// Re-quantizes every quantized weight in place from `w` (fused amax + quantize).
@@ -82,7 +88,7 @@ impl QuantState {
             for (i, q) in ql.w.iter_mut().enumerate() {
                 if let Some(q) = q {
                     let src = CpuFloats::of(dense(lw, i))?;
-                    q.requantize(src, &format!("model.layers.{l}.{}.{}.weight", if i < 4 { "self_attn" } else { "mlp" }, super::recipe::LINEARS[i]))?;
+                    q.requantize(src, &self.names[l][i])?;
                 }
             }
         }

@@ -163,13 +163,43 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
     let student_dir = student.dir.clone();
     let cfg = student.cfg.clone();
     let weights_dtype = student.weights.dtype();
+    let spec = job.engine.spec(cfg.num_layers).context("[engine]")?;
+    let standard = spec.recipe.is_standard() && spec.noise_sigma == 0.0 && spec.staleness == 0;
     let ec = engine_config(job);
-    let mut engine = Engine::new(&dev, &cfg, weights_dtype, &ec, text.clone())?;
+    // The standard engine: held-out evaluation and calibration always use it.
+    let mut std_engine = Engine::new(&dev, &cfg, weights_dtype, &ec, text.clone())?;
+    // The rollout engine, when it differs (its KV cache follows the recipe).
+    let mut rollout_engine = if standard {
+        None
+    } else {
+        let ec = EngineConfig { kv_fp8: spec.recipe.layers.iter().map(|l| l.kv_fp8).collect(), ..ec.clone() };
+        Some(Engine::new(&dev, &cfg, weights_dtype, &ec, text.clone())?)
+    };
     let mut t_engine = match &teacher {
         Some(t) => Some(Engine::new(&dev, &t.cfg, t.weights.dtype(), &ec, None)?),
         None => None,
     };
     let mut trainer = Trainer::new(&cfg, student.weights, job)?;
+    let calib = if spec.recipe.needs_calibration() {
+        let saved = out_dir.join("calibration.json");
+        let path = job.engine.calibration_file.clone().or_else(|| saved.exists().then(|| saved.clone()));
+        Some(match path {
+            Some(p) => crate::quant::calib::Calibration::load(&p, &cfg)?,
+            None => {
+                let prompts = match &data {
+                    Some(d) => d.train_prompts(u64::MAX >> 1, job.engine.calibration_samples)?,
+                    None => bail!("[engine] recipe '{}' needs calibration prompts: give data.train or engine.calibration_file", spec.recipe.name),
+                };
+                let c = super::calibrate::calibrate(&mut std_engine, &trainer.weights, &cfg, &prompts, &sampling_of(job), job.run.seed)?;
+                c.save(&saved)?;
+                tracing::info!("calibrated activation and KV scales on {} responses ({} tokens) -> {}", c.samples, c.tokens, saved.display());
+                c
+            }
+        })
+    } else {
+        None
+    };
+    let mut rw = crate::engine::rollout_weights::RolloutWeights::new(&spec, &cfg, &trainer.weights, calib.as_ref(), trainer.version)?;
     let mut start = 0u64;
     if let Some(ck) = &resume {
         let (state, master, m, v) = checkpoint::load(ck, job)?;
@@ -187,7 +217,14 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         weights_dtype.name(),
         dev.name(),
         trainer.state_bytes() as f64 / (1 << 20) as f64,
-        engine.cache.capacity_tokens()
+        rollout_engine.as_ref().unwrap_or(&std_engine).cache.capacity_tokens()
+    );
+    tracing::info!(
+        "rollout engine '{}'{}{}: {:.1} MiB of own buffers",
+        spec.recipe.name,
+        if spec.noise_sigma > 0.0 { format!(", weight noise σ = {}", spec.noise_sigma) } else { String::new() },
+        if spec.staleness > 0 { format!(", staleness {}", spec.staleness) } else { String::new() },
+        rw.extra_bytes() as f64 / (1 << 20) as f64
     );
     let mut metrics_file = std::fs::OpenOptions::new()
         .create(true)
@@ -207,7 +244,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
     };
     let evaluate = !heldout.is_empty();
     if start == 0 && evaluate {
-        let r = do_eval(0, &trainer, &mut engine, &mut t_engine)?;
+        let r = do_eval(0, &trainer, &mut std_engine, &mut t_engine)?;
         let line = serde_json::json!({"step": 0, "heldout_kl": r.kl, "heldout_acc": r.accuracy});
         writeln!(metrics_file, "{line}")?;
         summary.evals.push(r);
@@ -218,15 +255,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     bar.set_position(start);
-    let sampling = Arc::new(SamplingConfig {
-        temperature: job.rollout.temperature,
-        top_p: job.rollout.top_p,
-        top_k: job.rollout.top_k,
-        max_new_tokens: job.rollout.max_new_tokens,
-        stop: Vec::new(),
-        ignore_eos: false,
-        seed: job.run.seed,
-    });
+    let sampling = Arc::new(sampling_of(job));
     let mut sum_time = PhaseSeconds::default();
     let t_loop = Instant::now();
     for step in start + 1..=job.run.steps {
@@ -241,7 +270,8 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
                 if job.objective.kind == "sft" && prompts.iter().all(|p| p.response.is_some()) {
                     reference_rollouts(&prompts, job.rollout.samples_per_prompt)
                 } else {
-                    rollout::generate(&mut engine, &trainer.weights, &prompts, job.rollout.samples_per_prompt as u32, &sampling, step, trainer.version)?
+                    let engine = rollout_engine.as_mut().unwrap_or(&mut std_engine);
+                    rollout::generate(engine, rw.view(&trainer.weights), &prompts, job.rollout.samples_per_prompt as u32, &sampling, step, rw.version)?
                 }
             }
         };
@@ -268,8 +298,10 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         let t0 = Instant::now();
         let out: StepOut = trainer.step(&rollouts)?;
         time.train = t0.elapsed().as_secs_f64();
-        // 5. Resync: the engine reads the trainer's compute weights in place; nothing to copy.
+        // 5. Resync: a standard engine reads the trainer's weights in place (nothing to do);
+        // the others rewrite their preallocated buffers.
         let t0 = Instant::now();
+        rw.sync(&trainer.weights, trainer.version)?;
         time.resync = t0.elapsed().as_secs_f64();
         time.wait = time.rollout + time.teacher;
         time.total = t_step.elapsed().as_secs_f64();
@@ -297,7 +329,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         };
         let eval_now = evaluate && (step == job.run.steps || (job.eval.every > 0 && step % job.eval.every == 0));
         if eval_now {
-            let r = do_eval(step, &trainer, &mut engine, &mut t_engine)?;
+            let r = do_eval(step, &trainer, &mut std_engine, &mut t_engine)?;
             m.heldout_kl = Some(r.kl);
             m.heldout_acc = Some(r.accuracy);
             summary.evals.push(r);
@@ -344,6 +376,19 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
     summary.seconds = t_job.elapsed().as_secs_f64();
     summary.skipped_steps = trainer.skipped_steps;
     Ok(summary)
+}
+
+/// The rollout sampling settings of a job.
+fn sampling_of(job: &JobConfig) -> SamplingConfig {
+    SamplingConfig {
+        temperature: job.rollout.temperature,
+        top_p: job.rollout.top_p,
+        top_k: job.rollout.top_k,
+        max_new_tokens: job.rollout.max_new_tokens,
+        stop: Vec::new(),
+        ignore_eos: false,
+        seed: job.run.seed,
+    }
 }
 
 /// SFT on reference responses (teacher forcing on the dataset's answers).

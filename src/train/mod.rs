@@ -5,6 +5,7 @@
 //! Owns: the trainer state. May call: `model`, `objective`, `engine`, `data`. Must not:
 //! reimplement ops (they live in `ops`).
 
+pub mod calibrate;
 pub mod checkpoint;
 pub mod eval;
 pub mod job;

@@ -3,7 +3,7 @@
 //! precomputed rollouts; then scored by the teacher (log p_T at the sampled tokens only).
 
 use crate::data::dataset::PromptItem;
-use crate::engine::{Engine, FinishReason, Request, SamplingConfig};
+use crate::engine::{Engine, FinishReason, Request, SamplingConfig, View};
 use crate::model::ModelWeights;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -32,7 +32,8 @@ pub struct Rollout {
 
 /// Samples `samples` responses to each prompt with `engine` on weights `w`. Sampling keys are
 /// (seed, request = step·2³² + prompt index, sample).
-pub fn generate(engine: &mut Engine, w: &ModelWeights, prompts: &[PromptItem], samples: u32, sampling: &Arc<SamplingConfig>, step: u64, version: u64) -> Result<Vec<Rollout>> {
+#[allow(clippy::too_many_arguments)]
+pub fn generate<'a>(engine: &mut Engine, w: impl Into<View<'a>>, prompts: &[PromptItem], samples: u32, sampling: &Arc<SamplingConfig>, step: u64, version: u64) -> Result<Vec<Rollout>> {
     for (i, p) in prompts.iter().enumerate() {
         for s in 0..samples {
             engine.add(Request { id: (step << 32) | i as u64, sample: s, prompt: p.tokens.clone(), sampling: sampling.clone(), prompt_logprobs: false })?;
