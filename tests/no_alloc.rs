@@ -35,8 +35,12 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
+/// The counter is process-wide: the tests of this file take turns.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn decode_steps_do_not_allocate() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cfg = ModelConfig {
         arch: Arch::Qwen2,
         vocab_size: 300,
@@ -93,5 +97,57 @@ fn decode_steps_do_not_allocate() {
         });
         assert_eq!(e.num_running(), 8);
         assert_eq!(ALLOCS.load(Ordering::SeqCst), 0, "{dtype:?}: allocations during 20 decode steps");
+    }
+}
+
+#[test]
+fn quantized_and_stale_resyncs_do_not_allocate() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
+    use colotrain::quant::calib::Calibration;
+    use colotrain::quant::recipe::{KvScale, Recipe};
+    let cfg = ModelConfig {
+        arch: Arch::Qwen3,
+        vocab_size: 128,
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        rms_norm_eps: 1e-6,
+        rope: Rope { theta: 10000.0, scaling: RopeScaling::None },
+        max_position_embeddings: 64,
+        tie_word_embeddings: false,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        qk_norm: true,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+        pad_token_id: None,
+        torch_dtype: None,
+    };
+    let dev = Device::cpu(2).unwrap();
+    let mut w = ModelWeights::random(&cfg, &dev, DType::BF16, 5, 0.1).unwrap();
+    let mut cal = Calibration::new(Calibration::fingerprint(&cfg), 2);
+    cal.input_amax = vec![[3.0; 4]; 2];
+    cal.k_amax = vec![5.0; 2];
+    cal.v_amax = vec![5.0; 2];
+    for (recipe, noise, stale) in [("fp8", 0.0, 0), ("nvfp4", 0.0, 0), ("nvfp4", 0.1, 2)] {
+        let spec = EngineSpec { recipe: Recipe::preset(recipe, 2, &[], KvScale::Calibrated, Default::default()).unwrap(), noise_sigma: noise, noise_seed: 1, staleness: stale };
+        let mut rw = RolloutWeights::new(&spec, &cfg, &w, Some(&cal), 0).unwrap();
+        let vals = w.layers[0].up_proj.to_f32_vec().unwrap();
+        dev.install(|| {
+            rw.sync(&w, 1).unwrap();
+            ALLOCS.store(0, Ordering::SeqCst);
+            COUNTING.store(true, Ordering::SeqCst);
+            for v in 2..5 {
+                rw.sync(&w, v).unwrap();
+            }
+            COUNTING.store(false, Ordering::SeqCst);
+        });
+        assert_eq!(ALLOCS.load(Ordering::SeqCst), 0, "{recipe} noise {noise} staleness {stale}: allocations during 3 syncs");
+        w.layers[0].up_proj.write_f32(&vals).unwrap();
     }
 }

@@ -100,24 +100,25 @@ impl RolloutWeights {
         };
         if let Some(n) = &mut self.noise {
             n.weights.copy_from(base)?;
-            for (i, t) in n.weights.tensors_mut().into_iter().enumerate() {
-                if !n.is_projection[i] {
-                    continue;
+            let Noise { weights, std, is_projection, names, scratch, sigma, seed } = n;
+            weights.for_each_mut(|i, t| {
+                if !is_projection[i] {
+                    return Ok(());
                 }
-                n.scratch.resize(t.numel(), 0.0);
-                t.read_f32_into_any(&mut n.scratch)?;
-                let s_w = *n.std[i].get_or_insert_with(|| {
-                    let len = n.scratch.len() as f64;
-                    let mean = n.scratch.iter().map(|&x| x as f64).sum::<f64>() / len;
-                    (n.scratch.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / len).sqrt()
+                scratch.resize(t.numel(), 0.0);
+                t.read_f32_into_any(scratch)?;
+                let s_w = *std[i].get_or_insert_with(|| {
+                    let len = scratch.len() as f64;
+                    let mean = scratch.iter().map(|&x| x as f64).sum::<f64>() / len;
+                    (scratch.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / len).sqrt()
                 });
-                let mut eps = crate::rand::Stream::new(n.seed, crate::rand::fnv1a64(n.names[i].as_bytes()));
-                let k = n.sigma * s_w;
-                for x in n.scratch.iter_mut() {
+                let mut eps = crate::rand::Stream::new(*seed, crate::rand::fnv1a64(names[i].as_bytes()));
+                let k = *sigma * s_w;
+                for x in scratch.iter_mut() {
                     *x += (k * eps.normal()) as f32;
                 }
-                t.write_f32(&n.scratch)?;
-            }
+                t.write_f32(scratch)
+            })?;
         }
         let dense: &ModelWeights = match &self.noise {
             Some(n) => &n.weights,

@@ -172,6 +172,70 @@ impl ModelWeights {
         v
     }
 
+    /// Visits every parameter in [`param_specs`] order, mutably, without allocating.
+    pub fn for_each_mut(&mut self, mut f: impl FnMut(usize, &mut Tensor) -> Result<()>) -> Result<()> {
+        let mut i = 0;
+        let mut visit = |t: &mut Tensor| -> Result<()> {
+            f(i, t)?;
+            i += 1;
+            Ok(())
+        };
+        visit(&mut self.embed_tokens)?;
+        for l in &mut self.layers {
+            visit(&mut l.input_layernorm)?;
+            for t in [&mut l.q_proj, &mut l.k_proj, &mut l.v_proj, &mut l.o_proj] {
+                visit(t)?;
+            }
+            for t in [&mut l.q_bias, &mut l.k_bias, &mut l.v_bias, &mut l.o_bias, &mut l.q_norm, &mut l.k_norm].into_iter().flatten() {
+                visit(t)?;
+            }
+            visit(&mut l.post_attention_layernorm)?;
+            for t in [&mut l.gate_proj, &mut l.up_proj, &mut l.down_proj] {
+                visit(t)?;
+            }
+            for t in [&mut l.gate_bias, &mut l.up_bias, &mut l.down_bias].into_iter().flatten() {
+                visit(t)?;
+            }
+        }
+        visit(&mut self.norm)?;
+        if let Some(h) = &mut self.lm_head {
+            visit(h)?;
+        }
+        Ok(())
+    }
+
+    /// Visits every parameter in [`param_specs`] order without allocating.
+    pub fn for_each(&self, mut f: impl FnMut(usize, &Tensor) -> Result<()>) -> Result<()> {
+        let mut i = 0;
+        let mut visit = |t: &Tensor| -> Result<()> {
+            f(i, t)?;
+            i += 1;
+            Ok(())
+        };
+        visit(&self.embed_tokens)?;
+        for l in &self.layers {
+            visit(&l.input_layernorm)?;
+            for t in [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj] {
+                visit(t)?;
+            }
+            for t in [&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.q_norm, &l.k_norm].into_iter().flatten() {
+                visit(t)?;
+            }
+            visit(&l.post_attention_layernorm)?;
+            for t in [&l.gate_proj, &l.up_proj, &l.down_proj] {
+                visit(t)?;
+            }
+            for t in [&l.gate_bias, &l.up_bias, &l.down_bias].into_iter().flatten() {
+                visit(t)?;
+            }
+        }
+        visit(&self.norm)?;
+        if let Some(h) = &self.lm_head {
+            visit(h)?;
+        }
+        Ok(())
+    }
+
     /// A deep copy.
     pub fn try_clone(&self, cfg: &ModelConfig) -> Result<ModelWeights> {
         ModelWeights::from_ordered(cfg, self.tensors().into_iter().map(|t| t.try_clone()).collect::<Result<_>>()?)
@@ -179,8 +243,45 @@ impl ModelWeights {
 
     /// Overwrites every tensor from `src` (same layout), in place: no allocation.
     pub fn copy_from(&mut self, src: &ModelWeights) -> Result<()> {
-        for (d, s) in self.tensors_mut().into_iter().zip(src.tensors()) {
-            d.copy_from(s)?;
+        if src.layers.len() != self.layers.len() || src.lm_head.is_some() != self.lm_head.is_some() {
+            bail!("copy_from: weights of different layouts");
+        }
+        self.embed_tokens.copy_from(&src.embed_tokens)?;
+        for (d, s) in self.layers.iter_mut().zip(&src.layers) {
+            for (a, b) in [
+                (&mut d.input_layernorm, &s.input_layernorm),
+                (&mut d.q_proj, &s.q_proj),
+                (&mut d.k_proj, &s.k_proj),
+                (&mut d.v_proj, &s.v_proj),
+                (&mut d.o_proj, &s.o_proj),
+                (&mut d.post_attention_layernorm, &s.post_attention_layernorm),
+                (&mut d.gate_proj, &s.gate_proj),
+                (&mut d.up_proj, &s.up_proj),
+                (&mut d.down_proj, &s.down_proj),
+            ] {
+                a.copy_from(b)?;
+            }
+            for (a, b) in [
+                (&mut d.q_bias, &s.q_bias),
+                (&mut d.k_bias, &s.k_bias),
+                (&mut d.v_bias, &s.v_bias),
+                (&mut d.o_bias, &s.o_bias),
+                (&mut d.q_norm, &s.q_norm),
+                (&mut d.k_norm, &s.k_norm),
+                (&mut d.gate_bias, &s.gate_bias),
+                (&mut d.up_bias, &s.up_bias),
+                (&mut d.down_bias, &s.down_bias),
+            ] {
+                match (a, b) {
+                    (Some(a), Some(b)) => a.copy_from(b)?,
+                    (None, None) => {}
+                    _ => bail!("copy_from: weights of different layouts"),
+                }
+            }
+        }
+        self.norm.copy_from(&src.norm)?;
+        if let (Some(a), Some(b)) = (&mut self.lm_head, &src.lm_head) {
+            a.copy_from(b)?;
         }
         Ok(())
     }
