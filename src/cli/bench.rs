@@ -18,6 +18,19 @@ use std::time::Instant;
 pub enum Bench {
     /// Training step tokens/s vs PyTorch eager, and the fused loss's memory vs naive logits.
     Train(TrainArgs),
+    /// Milliseconds per in-place engine resync, per recipe, against a memcpy of the weights.
+    Resync(ResyncArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ResyncArgs {
+    /// Transformer layers of the qwen2-shaped model (12: ~100M parameters, hidden 768).
+    #[arg(long, default_value_t = 12)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
 }
 
 #[derive(clap::Args, Debug)]
@@ -48,6 +61,7 @@ pub struct TrainArgs {
 pub fn run(b: Bench) -> Result<()> {
     match b {
         Bench::Train(a) => train(a),
+        Bench::Resync(a) => resync(a),
     }
 }
 
@@ -202,3 +216,50 @@ fn loss_memory(dev: &Device, t: usize, v: usize, c: usize) -> Result<()> {
     Ok(())
 }
 
+
+fn resync(a: ResyncArgs) -> Result<()> {
+    use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
+    use crate::quant::calib::Calibration;
+    use crate::quant::recipe::{KvScale, Recipe};
+    let spec = TinySpec { arch: "qwen2".into(), layers: a.layers, hidden: 768, heads: 12, kv_heads: 4, head_dim: None, intermediate: Some(2048), vocab: 32000, max_position: 4096, tie: true };
+    let cfg = tiny_config(&spec)?;
+    let dev = Device::cpu(a.threads)?;
+    let w = ModelWeights::random(&cfg, &dev, DType::BF16, 1, 0.02)?;
+    let bytes = w.size_bytes();
+    let mut cal = Calibration::new(Calibration::fingerprint(&cfg), cfg.num_layers);
+    cal.input_amax = vec![[4.0; 4]; cfg.num_layers];
+    cal.k_amax = vec![8.0; cfg.num_layers];
+    cal.v_amax = vec![8.0; cfg.num_layers];
+    println!("in-place resync, qwen2-shaped model: {} parameters, {:.1} MiB of BF16 weights, {} threads", cfg.num_params(), bytes as f64 / (1 << 20) as f64, a.threads);
+    // The baseline: copy the same bytes (a second BF16 copy, written in place).
+    let mut dst = w.try_clone(&cfg)?;
+    let memcpy = dev.install(|| -> Result<f64> {
+        dst.copy_from(&w)?;
+        let t0 = Instant::now();
+        for _ in 0..a.reps {
+            dst.copy_from(&w)?;
+        }
+        Ok(t0.elapsed().as_secs_f64() / a.reps as f64)
+    })?;
+    println!("  {:<34} {:>9.2} ms", "memcpy of the weights", memcpy * 1e3);
+    let cases: Vec<(&str, EngineSpec)> = vec![
+        ("bf16 (reads the trainer's buffers)", EngineSpec { recipe: Recipe::preset("bf16", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.0, noise_seed: 0, staleness: 0 }),
+        ("fp8 (W8A8, FP8 KV)", EngineSpec { recipe: Recipe::preset("fp8", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.0, noise_seed: 0, staleness: 0 }),
+        ("nvfp4 (W4A4, FP8 KV)", EngineSpec { recipe: Recipe::preset("nvfp4", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.0, noise_seed: 0, staleness: 0 }),
+        ("stale, k = 1", EngineSpec { recipe: Recipe::preset("bf16", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.0, noise_seed: 0, staleness: 1 }),
+        ("weight noise, sigma = 0.15", EngineSpec { recipe: Recipe::preset("bf16", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.15, noise_seed: 1, staleness: 0 }),
+    ];
+    for (name, s) in cases {
+        let mut rw = RolloutWeights::new(&s, &cfg, &w, Some(&cal), 0)?;
+        let t = dev.install(|| -> Result<f64> {
+            rw.sync(&w, 1)?;
+            let t0 = Instant::now();
+            for v in 0..a.reps {
+                rw.sync(&w, 2 + v as u64)?;
+            }
+            Ok(t0.elapsed().as_secs_f64() / a.reps as f64)
+        })?;
+        println!("  {:<34} {:>9.2} ms   {:.2}x memcpy", name, t * 1e3, t / memcpy);
+    }
+    Ok(())
+}

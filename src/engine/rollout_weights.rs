@@ -25,14 +25,50 @@ pub struct EngineSpec {
 }
 
 struct Noise {
-    sigma: f64,
-    seed: u64,
+    /// The engine's own copy of the weights: base + σ·s_w·ε on every projection matrix.
     weights: ModelWeights,
-    /// Per parameter: Some(s_w) for projection matrices (set at the first sync), None otherwise.
-    std: Vec<Option<f64>>,
-    is_projection: Vec<bool>,
-    names: Vec<String>,
-    scratch: Vec<f32>,
+    /// Per parameter: σ·s_w·ε_w for projection matrices (BF16; drawn once, so a sync is one
+    /// pass over the weights), None for everything else.
+    offset: Vec<Option<Vec<half::bf16>>>,
+}
+
+/// ε_w ~ N(0, I) for the tensor named `name`: chunk c of 4096 values comes from Philox stream
+/// (seed, hash(name) + c), so values are fixed whatever the thread count or device.
+fn gaussian(seed: u64, name: &str, n: usize, scale: f64) -> Vec<half::bf16> {
+    use rayon::prelude::*;
+    let key = crate::rand::fnv1a64(name.as_bytes());
+    let mut out = vec![half::bf16::ZERO; n];
+    out.par_chunks_mut(4096).enumerate().for_each(|(c, ch)| {
+        let mut s = crate::rand::Stream::new(seed, key.wrapping_add(c as u64));
+        for v in ch.iter_mut() {
+            *v = half::bf16::from_f64(scale * s.normal());
+        }
+    });
+    out
+}
+
+/// dst = src + offset, elementwise, in dst's dtype (rounded to nearest even).
+fn add_offset(dst: &mut crate::device::Tensor, src: &crate::device::Tensor, off: &[half::bf16]) -> Result<()> {
+    use crate::device::CpuStorage;
+    use rayon::prelude::*;
+    let s = crate::device::CpuFloats::of(src)?;
+    match dst.cpu_mut()? {
+        CpuStorage::BF16(d) => d.par_chunks_mut(4096).zip(off.par_chunks(4096)).enumerate().for_each(|(c, (d, o))| {
+            let mut buf = [0.0f32; 4096];
+            s.read_into(c * 4096, &mut buf[..d.len()]);
+            for ((d, o), x) in d.iter_mut().zip(o).zip(&buf) {
+                *d = half::bf16::from_f32(x + o.to_f32());
+            }
+        }),
+        CpuStorage::F32(d) => d.par_chunks_mut(4096).zip(off.par_chunks(4096)).enumerate().for_each(|(c, (d, o))| {
+            s.read_into(c * 4096, d);
+            for (d, o) in d.iter_mut().zip(o) {
+                *d += o.to_f32();
+            }
+        }),
+        _ => anyhow::bail!("weight noise needs F32 or BF16 weights"),
+    }
+    Ok(())
 }
 
 pub struct RolloutWeights {
@@ -55,16 +91,21 @@ impl RolloutWeights {
     /// (version `version`).
     pub fn new(spec: &EngineSpec, cfg: &ModelConfig, w: &ModelWeights, calib: Option<&Calibration>, version: u64) -> Result<RolloutWeights> {
         let noise = if spec.noise_sigma > 0.0 {
+            // s_w: each projection matrix's std at this first sync.
             let names: Vec<String> = crate::model::weights::param_specs(cfg).into_iter().map(|(n, _)| n).collect();
-            Some(Noise {
-                sigma: spec.noise_sigma,
-                seed: spec.noise_seed,
-                weights: w.try_clone(cfg)?,
-                std: vec![None; names.len()],
-                is_projection: names.iter().map(|n| is_projection(n)).collect(),
-                names,
-                scratch: Vec::new(),
-            })
+            let mut offset = Vec::with_capacity(names.len());
+            for (name, t) in names.iter().zip(w.tensors()) {
+                offset.push(if is_projection(name) {
+                    let v = t.to_f32_vec()?;
+                    let len = v.len() as f64;
+                    let mean = v.iter().map(|&x| x as f64).sum::<f64>() / len;
+                    let s_w = (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / len).sqrt();
+                    Some(gaussian(spec.noise_seed, name, v.len(), spec.noise_sigma * s_w))
+                } else {
+                    None
+                });
+            }
+            Some(Noise { weights: w.try_clone(cfg)?, offset })
         } else {
             None
         };
@@ -99,26 +140,25 @@ impl RolloutWeights {
             _ => w,
         };
         if let Some(n) = &mut self.noise {
-            n.weights.copy_from(base)?;
-            let Noise { weights, std, is_projection, names, scratch, sigma, seed } = n;
-            weights.for_each_mut(|i, t| {
-                if !is_projection[i] {
-                    return Ok(());
+            let Noise { weights, offset } = n;
+            // Walk the base's tensors alongside the engine copy's (both in parameter order).
+            let mut i = 0;
+            let mut err = None;
+            weights.for_each_mut(|_, d| {
+                let s = base.nth(i).expect("same layout");
+                i += 1;
+                let r = match &offset[i - 1] {
+                    Some(o) => add_offset(d, s, o),
+                    None => d.copy_from(s),
+                };
+                if let Err(e) = r {
+                    err = Some(e);
                 }
-                scratch.resize(t.numel(), 0.0);
-                t.read_f32_into_any(scratch)?;
-                let s_w = *std[i].get_or_insert_with(|| {
-                    let len = scratch.len() as f64;
-                    let mean = scratch.iter().map(|&x| x as f64).sum::<f64>() / len;
-                    (scratch.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / len).sqrt()
-                });
-                let mut eps = crate::rand::Stream::new(*seed, crate::rand::fnv1a64(names[i].as_bytes()));
-                let k = *sigma * s_w;
-                for x in scratch.iter_mut() {
-                    *x += (k * eps.normal()) as f32;
-                }
-                t.write_f32(scratch)
+                Ok(())
             })?;
+            if let Some(e) = err {
+                return Err(e);
+            }
         }
         let dense: &ModelWeights = match &self.noise {
             Some(n) => &n.weights,

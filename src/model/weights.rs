@@ -236,6 +236,46 @@ impl ModelWeights {
         Ok(())
     }
 
+    /// Parameter `i` in [`param_specs`] order, without allocating.
+    pub fn nth(&self, mut i: usize) -> Option<&Tensor> {
+        if i == 0 {
+            return Some(&self.embed_tokens);
+        }
+        i -= 1;
+        for l in &self.layers {
+            let all: [Option<&Tensor>; 18] = [
+                Some(&l.input_layernorm),
+                Some(&l.q_proj),
+                Some(&l.k_proj),
+                Some(&l.v_proj),
+                Some(&l.o_proj),
+                l.q_bias.as_ref(),
+                l.k_bias.as_ref(),
+                l.v_bias.as_ref(),
+                l.o_bias.as_ref(),
+                l.q_norm.as_ref(),
+                l.k_norm.as_ref(),
+                Some(&l.post_attention_layernorm),
+                Some(&l.gate_proj),
+                Some(&l.up_proj),
+                Some(&l.down_proj),
+                l.gate_bias.as_ref(),
+                l.up_bias.as_ref(),
+                l.down_bias.as_ref(),
+            ];
+            let n = all.iter().flatten().count();
+            if i < n {
+                return all.into_iter().flatten().nth(i);
+            }
+            i -= n;
+        }
+        match i {
+            0 => Some(&self.norm),
+            1 => self.lm_head.as_ref(),
+            _ => None,
+        }
+    }
+
     /// A deep copy.
     pub fn try_clone(&self, cfg: &ModelConfig) -> Result<ModelWeights> {
         ModelWeights::from_ordered(cfg, self.tensors().into_iter().map(|t| t.try_clone()).collect::<Result<_>>()?)

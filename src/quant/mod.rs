@@ -11,6 +11,7 @@ pub mod fp8;
 pub mod nvfp4;
 pub mod qtensor;
 pub mod recipe;
+pub mod simd;
 pub mod state;
 
 pub use qtensor::QTensor;

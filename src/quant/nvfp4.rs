@@ -9,7 +9,7 @@
 //! Options, as in the NVFP4 training recipe: a 16×16 random Hadamard transform (H/4 times a fixed
 //! random ±1 diagonal) applied to each block before quantization, and stochastic rounding.
 
-use super::fp8::{E2M1, E2M1_VALUES, E4M3};
+use super::fp8::{encode_e2m1_fast, encode_e4m3_fast, E2M1_VALUES};
 use rayon::prelude::*;
 
 pub const BLOCK: usize = 16;
@@ -99,36 +99,44 @@ fn sr_e2m1(v: f32, u: f64) -> u8 {
     (if v.is_sign_negative() { 8 } else { 0 } | code) as u8
 }
 
-/// Quantizes one row of K values (K a multiple of 16) into `packed` (K/2) and `scales` (K/16).
-/// `row_index` keys the stochastic-rounding stream.
-pub fn quantize_row(x: &[f32], global: f32, opts: &Nvfp4Opts, signs: Option<&[f32; BLOCK]>, row_index: u64, packed: &mut [u8], scales: &mut [u8]) {
+/// Quantizes a piece of a row (a multiple of 16 values) into `packed` (len/2) and `scales`
+/// (len/16). `first` is the flat index of x[0] in its tensor: it keys stochastic rounding.
+#[inline(always)]
+pub fn quantize_row(x: &[f32], global: f32, opts: &Nvfp4Opts, signs: Option<&[f32; BLOCK]>, first: u64, packed: &mut [u8], scales: &mut [u8]) {
     let denom6 = 6.0 * global;
+    let e4m3 = super::fp8::e4m3_table();
     let mut blk = [0.0f32; BLOCK];
+    let mut codes = [0u8; BLOCK];
     for (b, chunk) in x.chunks_exact(BLOCK).enumerate() {
         blk.copy_from_slice(chunk);
         if let Some(s) = signs {
             rht_block(&mut blk, s);
         }
-        let bamax = blk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-        let mut bs = E4M3.encode(bamax / denom6);
-        if E4M3.decode(bs) == 0.0 {
-            bs = E4M3.encode(1.0);
+        // The block's max magnitude: the largest |x| bit pattern, an integer reduction that
+        // vectorizes (values are finite: the tensor's amax was checked).
+        let bamax = f32::from_bits(blk.iter().map(|v| v.to_bits() & 0x7FFF_FFFF).max().unwrap_or(0));
+        let mut bs = encode_e4m3_fast(bamax / denom6);
+        if bs == 0 {
+            bs = 0x38; // a zero scale becomes 1.0
         }
         scales[b] = bs;
-        let denom = E4M3.decode(bs) * global;
-        for i in (0..BLOCK).step_by(2) {
-            let code = |j: usize| -> u8 {
-                let v = (blk[j] / denom).clamp(-6.0, 6.0);
-                match opts.stochastic {
-                    None => E2M1.encode(v),
-                    Some(seed) => {
-                        let idx = (row_index << 32) | (b * BLOCK + j) as u64;
-                        let r = crate::rand::philox4x32_10([idx as u32, (idx >> 32) as u32, 0x5352, 0], crate::rand::seed_key(seed));
-                        sr_e2m1(v, crate::rand::uniform_f64(r[0], r[1]))
-                    }
+        let denom = e4m3[bs as usize] * global;
+        match opts.stochastic {
+            None => {
+                for (c, v) in codes.iter_mut().zip(&blk) {
+                    *c = encode_e2m1_fast(v / denom);
                 }
-            };
-            packed[b * BLOCK / 2 + i / 2] = code(i) | (code(i + 1) << 4);
+            }
+            Some(seed) => {
+                for (j, (c, v)) in codes.iter_mut().zip(&blk).enumerate() {
+                    let idx = first + (b * BLOCK + j) as u64;
+                    let r = crate::rand::philox4x32_10([idx as u32, (idx >> 32) as u32, 0x5352, 0], crate::rand::seed_key(seed));
+                    *c = sr_e2m1((v / denom).clamp(-6.0, 6.0), crate::rand::uniform_f64(r[0], r[1]));
+                }
+            }
+        }
+        for i in 0..BLOCK / 2 {
+            packed[b * BLOCK / 2 + i] = codes[2 * i] | (codes[2 * i + 1] << 4);
         }
     }
 }
@@ -142,7 +150,7 @@ pub fn quantize(x: &[f32], k: usize, global: f32, opts: &Nvfp4Opts, packed: &mut
         .zip(scales.par_chunks_mut(k / BLOCK))
         .zip(x.par_chunks(k))
         .enumerate()
-        .for_each(|(r, ((p, s), xr))| quantize_row(xr, global, opts, signs.as_ref(), r as u64, p, s));
+        .for_each(|(r, ((p, s), xr))| quantize_row(xr, global, opts, signs.as_ref(), (r * k) as u64, p, s));
 }
 
 /// Values [start, start + out.len()) of a quantized tensor (flat, row-major; start and length
@@ -169,7 +177,7 @@ pub fn fake_quantize_rows(x: &mut [f32], k: usize, global: f32, opts: &Nvfp4Opts
         let mut p = [0u8; BLOCK / 2];
         let mut s = [0u8; 1];
         for (b, blk) in row.chunks_exact_mut(BLOCK).enumerate() {
-            quantize_row(blk, global, opts, signs.as_ref(), ((r as u64) << 16) | b as u64, &mut p, &mut s);
+            quantize_row(blk, global, opts, signs.as_ref(), (r * k + b * BLOCK) as u64, &mut p, &mut s);
             dequantize_into(&p, &s, global, 0, blk);
         }
     });
@@ -213,7 +221,7 @@ mod tests {
             let mut xr = x.clone();
             xr[1] = 2.4;
             let (mut p, mut s) = ([0u8; 8], [0u8; 1]);
-            quantize_row(&xr, 1.0 / 448.0 * 6.0 / 6.0, &opts, None, r, &mut p, &mut s);
+            quantize_row(&xr, 1.0 / 448.0 * 6.0 / 6.0, &opts, None, r * 16, &mut p, &mut s);
             let mut out = [0.0f32; 16];
             dequantize_into(&p, &s, 1.0 / 448.0 * 6.0 / 6.0, 0, &mut out);
             mean += out[1] as f64 / n as f64;

@@ -2,6 +2,7 @@
 //! the trainer's weights at every sync (fused amax + quantize), and read by the engine's linears.
 
 use super::fp8::E4M3;
+use super::simd;
 use super::nvfp4::{self, Nvfp4Opts, BLOCK};
 use crate::device::CpuFloats;
 use anyhow::{bail, Result};
@@ -27,8 +28,6 @@ pub struct QTensor {
     /// FP8: the tensor scale; NVFP4: the global scale.
     pub scale: f32,
     pub opts: Nvfp4Opts,
-    /// Row scratch for widening BF16/F16 sources (allocated once).
-    scratch: Vec<f32>,
 }
 
 impl QTensor {
@@ -43,7 +42,7 @@ impl QTensor {
                 (vec![0u8; rows * k / 2], vec![0u8; rows * k / BLOCK])
             }
         };
-        Ok(QTensor { format, rows, k, codes, block_scales, scale: 1.0, opts, scratch: Vec::new() })
+        Ok(QTensor { format, rows, k, codes, block_scales, scale: 1.0, opts })
     }
 
     pub fn size_bytes(&self) -> usize {
@@ -55,26 +54,42 @@ impl QTensor {
         self.codes.as_ptr() as usize
     }
 
-    /// Re-quantizes from `src` (rows·K values) in place. Fails, naming `name`, if `src` holds a
-    /// non-finite value. Allocates nothing once the scratch has grown to the source's size.
+    /// Re-quantizes from `src` (rows·K values) in place: one parallel pass for the amax, one
+    /// that encodes (reading BF16/F16 sources directly, through small stack buffers). Fails,
+    /// naming `name`, if `src` holds a non-finite value. Allocates nothing.
     pub fn requantize(&mut self, src: CpuFloats, name: &str) -> Result<()> {
         let n = self.rows * self.k;
         if src.len() != n {
             bail!("{name}: quantizing {} values into a buffer of {n}", src.len());
         }
-        // The f32 view of the source (BF16/F16 widened once into reused scratch).
-        let vals: &[f32] = match src {
-            CpuFloats::F32(v) => v,
-            _ => {
-                if self.scratch.len() != n {
-                    self.scratch.resize(n, 0.0);
-                }
-                let s = &mut self.scratch;
-                s.par_chunks_mut(self.k).enumerate().for_each(|(r, row)| src.read_into(r * row.len(), row));
-                &self.scratch
-            }
+        const CH: usize = 8192;
+        let nan_max = |a: f32, b: f32| if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) };
+        let rht = self.opts.rht.map(nvfp4::rht_signs);
+        // The amax of the values that get quantized (rotated ones under the RHT). BF16 and F32
+        // sources without the RHT: the largest magnitude's bits, compared as integers.
+        let direct = match (src, rht.is_some()) {
+            (CpuFloats::BF16(v), false) => Some(simd::amax_bf16(v)),
+            (CpuFloats::F32(v), false) => Some(simd::amax_f32(v)),
+            _ => None,
         };
-        let amax = vals.par_iter().map(|v| v.abs()).reduce(|| 0.0f32, |a, b| if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) });
+        let amax = if let Some(a) = direct {
+            a
+        } else {
+            (0..n.div_ceil(CH))
+            .into_par_iter()
+            .map(|c| {
+                let mut buf = [0.0f32; CH];
+                let len = CH.min(n - c * CH);
+                src.read_into(c * CH, &mut buf[..len]);
+                if let Some(s) = &rht {
+                    for blk in buf[..len].chunks_exact_mut(BLOCK) {
+                        nvfp4::rht_block(blk, s);
+                    }
+                }
+                simd::amax(&buf[..len])
+            })
+            .reduce(|| 0.0f32, nan_max)
+        };
         if !amax.is_finite() {
             bail!("{name}: cannot quantize a tensor holding NaN or Inf values");
         }
@@ -82,30 +97,29 @@ impl QTensor {
             QFormat::Fp8 => {
                 let scale = if amax > 0.0 { amax / E4M3.max() } else { 1.0 };
                 self.scale = scale;
-                self.codes.par_chunks_mut(4096).zip(vals.par_chunks(4096)).for_each(|(c, v)| {
-                    for (c, x) in c.iter_mut().zip(v) {
-                        *c = E4M3.encode(x / scale);
-                    }
+                self.codes.par_chunks_mut(CH).enumerate().for_each(|(c, out)| {
+                    let mut buf = [0.0f32; CH];
+                    let len = out.len();
+                    src.read_into(c * CH, &mut buf[..len]);
+                    simd::encode_fp8(&buf[..len], scale, out);
                 });
             }
             QFormat::Nvfp4 => {
                 let global = nvfp4::global_scale(amax);
                 self.scale = global;
-                if self.opts.rht.is_some() {
-                    // The global scale covers the rotated values: their amax, not the source's.
-                    let signs = nvfp4::rht_signs(self.opts.rht.unwrap_or(0));
-                    let ramax = vals
-                        .par_chunks(BLOCK)
-                        .map(|b| {
-                            let mut blk = [0.0f32; BLOCK];
-                            blk.copy_from_slice(b);
-                            nvfp4::rht_block(&mut blk, &signs);
-                            blk.iter().fold(0.0f32, |a, v| a.max(v.abs()))
-                        })
-                        .reduce(|| 0.0f32, f32::max);
-                    self.scale = nvfp4::global_scale(ramax);
-                }
-                nvfp4::quantize(vals, self.k, self.scale, &self.opts, &mut self.codes, &mut self.block_scales);
+                let opts = self.opts;
+                let k = self.k;
+                // Rows in parallel, each in pieces of CH values (whole 16-value blocks).
+                self.codes.par_chunks_mut(k / 2).zip(self.block_scales.par_chunks_mut(k / BLOCK)).enumerate().for_each(|(r, (p, s))| {
+                    let mut buf = [0.0f32; CH];
+                    let mut at = 0;
+                    while at < k {
+                        let len = CH.min(k - at);
+                        src.read_into(r * k + at, &mut buf[..len]);
+                        simd::quantize_nvfp4(&buf[..len], global, &opts, rht.as_ref(), (r * k + at) as u64, &mut p[at / 2..(at + len) / 2], &mut s[at / BLOCK..(at + len) / BLOCK]);
+                        at += len;
+                    }
+                });
             }
         }
         Ok(())
