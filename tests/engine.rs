@@ -116,7 +116,7 @@ fn reference_logprob(z: &[f32], t: f32, y: usize, top_k: usize, top_p: f64) -> f
 #[test]
 fn logprobs_are_those_of_the_distribution_sampled_from() {
     let (dev, cfg, w) = model(Arch::Qwen2);
-    let lm = LoadedModel { dir: "mem".into(), cfg: cfg.clone(), weights: w, text: None };
+    let lm = LoadedModel { dir: "mem".into(), cfg: cfg.clone(), weights: w, text: None, quant: None };
     for (t, k, p) in [(1.0f32, 0u32, 1.0f32), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.8, 10, 0.7)] {
         let s = Arc::new(SamplingConfig { temperature: t, top_k: k, top_p: p, max_new_tokens: 12, ignore_eos: true, seed: 3, ..Default::default() });
         let out = run(&dev, &cfg, &lm.weights, EngineConfig::default(), &s, &[1, 4], 1);

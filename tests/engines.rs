@@ -223,3 +223,45 @@ fn bad_engine_inputs() {
     let e = format!("{:#}", Calibration::load(&t.path().join("c.json"), &cfg()).unwrap_err());
     assert!(e.contains("belong to another model"), "{e}");
 }
+
+#[test]
+fn modelopt_export_loads_back_as_the_same_engine() {
+    use colotrain::model::LoadedModel;
+    let t = common::TempDir::new("modelopt");
+    let dev = Device::cpu(2).unwrap();
+    let c = cfg();
+    let w = ModelWeights::random(&c, &dev, DType::F32, 9, 0.15).unwrap();
+    let cal = calib(&c);
+    for (recipe, keep) in [("fp8", vec!["first-layer".to_string()]), ("nvfp4", vec![])] {
+        let sp = EngineSpec { recipe: Recipe::preset(recipe, 3, &keep, KvScale::Calibrated, Default::default()).unwrap(), noise_sigma: 0.0, noise_seed: 0, staleness: 0 };
+        let rw = RolloutWeights::new(&sp, &c, &w, Some(&cal), 0).unwrap();
+        let dir = t.path().join(recipe);
+        std::fs::create_dir_all(&dir).unwrap();
+        colotrain::model::modelopt::export(&dir, &c, &w, rw.quant.as_ref().unwrap(), DType::F32).unwrap();
+        let hq: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("hf_quant_config.json")).unwrap()).unwrap();
+        assert_eq!(hq["quantization"]["quant_algo"], recipe.to_uppercase());
+        assert_eq!(hq["quantization"]["kv_cache_quant_algo"], "FP8");
+        let cj: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        assert_eq!(cj["quantization_config"]["quant_method"], "modelopt");
+        let lm = LoadedModel::load(&dir, &dev, DType::F32).unwrap();
+        let q = lm.quant.as_ref().expect("a ModelOpt directory loads as a quantized engine");
+        assert_eq!(q.recipe.layers.iter().map(|l| l.kv_fp8).collect::<Vec<_>>(), sp.recipe.layers.iter().map(|l| l.kv_fp8).collect::<Vec<_>>());
+        // Same codes and scales: the imported engine scores exactly like the in-memory one.
+        let s = Arc::new(SamplingConfig { temperature: 0.0, max_new_tokens: 0, ..Default::default() });
+        let prompt: Vec<u32> = (0..30).map(|i| (i * 5 % 64) as u32).collect();
+        let score = |v: colotrain::engine::View| {
+            let ec = EngineConfig { kv_fp8: sp.recipe.layers.iter().map(|l| l.kv_fp8).collect(), ..Default::default() };
+            let mut e = Engine::new(&dev, &c, DType::F32, &ec, None).unwrap();
+            e.add(Request { id: 0, sample: 0, prompt: prompt.clone(), sampling: s.clone(), prompt_logprobs: true }).unwrap();
+            e.run_to_completion(v, |_| {}).unwrap()[0].prompt_logprobs.clone()
+        };
+        let a = score(rw.view(&w));
+        let b = score(colotrain::engine::View { w: &lm.weights, q: Some(&q.layers) });
+        assert_eq!(a, b, "{recipe}");
+        // The first layer was kept in the model's dtype: its weights are in the file unquantized.
+        if recipe == "fp8" {
+            assert!(q.layers[0].w.iter().all(|x| x.is_none()));
+            assert_eq!(lm.weights.layers[0].q_proj.to_f32_vec().unwrap(), w.layers[0].q_proj.to_f32_vec().unwrap());
+        }
+    }
+}

@@ -100,3 +100,40 @@ fn resume_continues_exactly() {
     let err = format!("{:#}", job::run(&other, &JobOptions { resume: Some(t.path().join("resumed")), progress: false }).unwrap_err());
     assert!(err.contains("belongs to another run"), "{err}");
 }
+
+#[test]
+fn tiny_job_runs_with_every_rollout_engine() {
+    let t = TempDir::new("engines-job");
+    let cases: Vec<(&str, Box<dyn Fn(&mut JobConfig)>)> = vec![
+        ("fp8", Box::new(|j| {
+            j.engine.recipe = "fp8".into();
+            j.engine.keep_bf16 = vec!["first-layer".into(), "last-layer".into()];
+        })),
+        ("nvfp4", Box::new(|j| j.engine.recipe = "nvfp4".into())),
+        ("fp8-kv", Box::new(|j| {
+            j.engine.recipe = "fp8-kv".into();
+            j.engine.keep_bf16 = vec!["first-layer-kv".into()];
+            j.engine.kv_scale = colotrain::config::KvScaleConfig::Value(1.0);
+        })),
+        ("noise", Box::new(|j| j.engine.noise_sigma = 0.15)),
+        ("stale", Box::new(|j| j.engine.staleness = 2)),
+    ];
+    for (name, edit) in cases {
+        let j = tiny(&t.path().join(name), |j| {
+            j.run.steps = 4;
+            j.eval.every = 0;
+            j.data.heldout_size = 8;
+            j.rollout.prompts_per_step = 4;
+            j.rollout.samples_per_prompt = 4;
+            edit(j);
+        });
+        job::run(&j, &JobOptions::default()).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        let m = lines(&t.path().join(name).join("metrics.jsonl"));
+        let d: Vec<f64> = m[1..].iter().map(|l| l["mismatch"]["d_n"].as_f64().unwrap()).collect();
+        // Every non-standard engine differs from the trainer at some step (stale only once the
+        // trainer has moved: from step 2 on).
+        assert!(d.iter().any(|x| x.abs() > 1e-5), "{name}: d_n {d:?}");
+        let calibrated = t.path().join(name).join("calibration.json").exists();
+        assert_eq!(calibrated, matches!(name, "fp8" | "nvfp4"), "{name}: calibration.json");
+    }
+}

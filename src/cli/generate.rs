@@ -73,7 +73,12 @@ pub fn run(a: Args) -> Result<()> {
         ignore_eos: a.ignore_eos,
         seed: a.seed,
     });
-    let mut engine = Engine::new(&dev, &lm.cfg, dtype, &a.engine.config(), lm.text.clone())?;
+    // A ModelOpt directory runs as its quantized engine (FP8 KV where it says so).
+    let mut ec = a.engine.config();
+    if let Some(q) = &lm.quant {
+        ec.kv_fp8 = q.recipe.layers.iter().map(|l| l.kv_fp8).collect();
+    }
+    let mut engine = Engine::new(&dev, &lm.cfg, dtype, &ec, lm.text.clone())?;
     for (i, p) in prompts.iter().enumerate() {
         let ids = encode_prompt(p, lm.text.as_deref(), a.chat, &a.prompts)?;
         for s in 0..a.n {
@@ -95,7 +100,8 @@ pub fn run(a: Args) -> Result<()> {
     );
     let t0 = Instant::now();
     let mut ntok = 0usize;
-    let done = engine.run_to_completion(&lm.weights, |c| {
+    let view = crate::engine::View { w: &lm.weights, q: lm.quant.as_ref().map(|q| q.layers.as_slice()) };
+    let done = engine.run_to_completion(view, |c| {
         ntok += c.tokens.len();
         bar.inc(1);
         bar.set_message(format!("{:.0} tok/s", ntok as f64 / t0.elapsed().as_secs_f64().max(1e-9)));

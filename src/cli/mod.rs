@@ -7,6 +7,7 @@ mod bench;
 mod generate;
 mod init_tiny;
 mod inspect;
+mod quantize;
 mod score;
 mod train;
 
@@ -37,6 +38,8 @@ pub enum Command {
     Score(score::Args),
     /// Architecture, parameter count, dtypes and memory estimate of a model directory.
     Inspect(inspect::Args),
+    /// Export a model in the ModelOpt FP8 / NVFP4 layout that vLLM and TensorRT-LLM load.
+    Quantize(quantize::Args),
     /// Benchmarks (side by side in one run).
     #[command(subcommand)]
     Bench(bench::Bench),
@@ -123,5 +126,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Score(a) => score::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(b) => bench::run(b),
+        Command::Quantize(a) => quantize::run(a),
     }
 }

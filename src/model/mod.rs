@@ -5,6 +5,7 @@
 //! May call: `crate::device`, `crate::ops`. Must not: schedule requests or sample (engine/).
 
 pub mod config;
+pub mod modelopt;
 pub mod rope;
 pub mod tiny;
 pub mod tokenizer;
@@ -28,6 +29,8 @@ pub struct LoadedModel {
     pub cfg: ModelConfig,
     pub weights: ModelWeights,
     pub text: Option<Arc<TextTools>>,
+    /// A ModelOpt-quantized directory's engine view (its stored codes and scales).
+    pub quant: Option<crate::quant::QuantState>,
 }
 
 impl LoadedModel {
@@ -38,7 +41,13 @@ impl LoadedModel {
             anyhow::bail!("model directory '{}' does not exist", dir.display());
         }
         let cfg = ModelConfig::from_dir(dir)?;
-        let weights = ModelWeights::load(dir, &cfg, dev, dtype)?;
+        let (weights, quant) = match modelopt::detect(dir)? {
+            Some(q) => {
+                let (w, s) = modelopt::load(dir, &cfg, dev, dtype, &q)?;
+                (w, Some(s))
+            }
+            None => (ModelWeights::load(dir, &cfg, dev, dtype)?, None),
+        };
         let text = if dir.join("tokenizer.json").exists() { Some(Arc::new(TextTools::load(dir, &cfg)?)) } else { None };
         if let Some(t) = &text {
             if t.vocab_size() > cfg.vocab_size {
@@ -50,6 +59,6 @@ impl LoadedModel {
                 );
             }
         }
-        Ok(LoadedModel { dir: dir.to_path_buf(), cfg, weights, text })
+        Ok(LoadedModel { dir: dir.to_path_buf(), cfg, weights, text, quant })
     }
 }

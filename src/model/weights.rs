@@ -364,16 +364,7 @@ impl ModelWeights {
         let files = SafetensorsFiles::open(dir)?;
         let mut tensors = Vec::new();
         for (name, shape) in param_specs(cfg) {
-            let (path, view) = files.get(&name)?;
-            if view.shape() != shape.as_slice() {
-                bail!(
-                    "{}: tensor '{name}' has shape {:?}, expected {shape:?} from config.json",
-                    path.display(),
-                    view.shape()
-                );
-            }
-            let host = convert(&view, dtype, &shape).with_context(|| format!("{}: tensor '{name}'", path.display()))?;
-            tensors.push(dev.upload(host)?);
+            tensors.push(dev.upload(load_one(&files, &name, &shape, dtype)?)?);
         }
         ModelWeights::from_ordered(cfg, tensors)
     }
@@ -395,6 +386,15 @@ impl ModelWeights {
         }
         write_safetensors(&dir.join("model.safetensors"), views, None)
     }
+}
+
+/// One tensor of `files` as a host tensor of `dtype`, its shape checked against `shape`.
+pub fn load_one(files: &SafetensorsFiles, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+    let (path, view) = files.get(name)?;
+    if view.shape() != shape {
+        bail!("{}: tensor '{name}' has shape {:?}, expected {shape:?} from config.json", path.display(), view.shape());
+    }
+    convert(&view, dtype, shape).with_context(|| format!("{}: tensor '{name}'", path.display()))
 }
 
 /// A tensor to serialize.

@@ -82,6 +82,14 @@ impl QuantState {
         Ok(QuantState { recipe: recipe.clone(), layers, syncs: 0, names })
     }
 
+    /// A state from imported parts (a ModelOpt directory).
+    pub fn from_parts(recipe: Recipe, layers: Vec<QLayer>, cfg: &ModelConfig) -> QuantState {
+        let names = (0..cfg.num_layers)
+            .map(|l| std::array::from_fn(|i| format!("model.layers.{l}.{}.{}.weight", if i < 4 { "self_attn" } else { "mlp" }, super::recipe::LINEARS[i])))
+            .collect();
+        QuantState { recipe, layers, syncs: 0, names }
+    }
+
     /// Re-quantizes every quantized weight in place from `w` (fused amax + quantize).
     pub fn sync(&mut self, w: &ModelWeights) -> Result<()> {
         for (l, (ql, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
