@@ -57,7 +57,7 @@ fn standard_engine_reads_the_trainer_buffers() {
     let dev = Device::cpu(1).unwrap();
     let c = cfg();
     let w = ModelWeights::random(&c, &dev, DType::BF16, 1, 0.2).unwrap();
-    let rw = RolloutWeights::new(&spec("bf16", 0.0, 0), &c, &w, None, 0).unwrap();
+    let rw = RolloutWeights::new(&dev, &spec("bf16", 0.0, 0), &c, &w, None, 0).unwrap();
     let v = rw.view(&w);
     assert!(v.q.is_none());
     for (a, b) in v.w.tensors().iter().zip(w.tensors()) {
@@ -72,12 +72,12 @@ fn quantized_buffers_are_rewritten_in_place() {
     let c = cfg();
     let mut w = ModelWeights::random(&c, &dev, DType::F32, 1, 0.2).unwrap();
     for (r, c0) in [("fp8", 0.3f32), ("nvfp4", 0.75)] {
-        let mut rw = RolloutWeights::new(&spec(r, 0.0, 0), &c, &w, Some(&calib(&c)), 0).unwrap();
+        let mut rw = RolloutWeights::new(&dev, &spec(r, 0.0, 0), &c, &w, Some(&calib(&c)), 0).unwrap();
         let ptrs: Vec<usize> = rw.quant.as_ref().unwrap().layers.iter().flat_map(|l| l.w.iter().flatten().map(|q| q.codes_ptr())).collect();
         assert_eq!(ptrs.len(), 21);
         let snap = |rw: &RolloutWeights| {
             let q = rw.quant.as_ref().unwrap().layers[1].w[4].as_ref().unwrap();
-            (q.codes.clone(), q.block_scales.clone(), q.scale)
+            (q.codes_bytes().unwrap().to_vec(), q.scales_bytes().unwrap().to_vec(), q.scale)
         };
         let before = snap(&rw);
         w.layers[1].gate_proj.write_f32(&vec![c0; 64 * 32]).unwrap();
@@ -92,7 +92,7 @@ fn quantized_buffers_are_rewritten_in_place() {
         }
     }
     // A NaN weight is an error naming the tensor.
-    let mut rw = RolloutWeights::new(&spec("fp8", 0.0, 0), &c, &w, Some(&calib(&c)), 0).unwrap();
+    let mut rw = RolloutWeights::new(&dev, &spec("fp8", 0.0, 0), &c, &w, Some(&calib(&c)), 0).unwrap();
     let mut vals = w.layers[2].down_proj.to_f32_vec().unwrap();
     vals[3] = f32::NAN;
     w.layers[2].down_proj.write_f32(&vals).unwrap();
@@ -134,7 +134,7 @@ fn fp8_kv_engine_samples_close_to_the_standard_one() {
         let ec = EngineConfig { kv_fp8: vec![fp8; 3], ..Default::default() };
         let mut e = Engine::new(&dev, &c, DType::F32, &ec, None).unwrap();
         let sp = EngineSpec { recipe: Recipe::preset(recipe, 3, &[], KvScale::Calibrated, Default::default()).unwrap(), noise_sigma: 0.0, noise_seed: 0, staleness: 0 };
-        let rw = RolloutWeights::new(&sp, &c, &w, Some(&cal), 0).unwrap();
+        let rw = RolloutWeights::new(&dev, &sp, &c, &w, Some(&cal), 0).unwrap();
         e.add(Request { id: 0, sample: 0, prompt: prompt.clone(), sampling: s.clone(), prompt_logprobs: true }).unwrap();
         e.run_to_completion(rw.view(&w), |_| {}).unwrap()[0].prompt_logprobs.clone()
     };
@@ -158,7 +158,7 @@ fn stale_engine_reads_the_version_k_behind() {
     let dev = Device::cpu(1).unwrap();
     let c = cfg();
     let mut w = ModelWeights::random(&c, &dev, DType::F32, 1, 0.2).unwrap();
-    let mut rw = RolloutWeights::new(&spec("bf16", 0.0, 2), &c, &w, None, 0).unwrap();
+    let mut rw = RolloutWeights::new(&dev, &spec("bf16", 0.0, 2), &c, &w, None, 0).unwrap();
     let mut history = vec![w.norm.to_f32_vec().unwrap()];
     for v in 1..=5u64 {
         w.norm.write_f32(&vec![v as f32; 32]).unwrap();
@@ -175,8 +175,8 @@ fn weight_noise_is_fixed_seeded_and_scaled() {
     let dev = Device::cpu(1).unwrap();
     let c = cfg();
     let w = ModelWeights::random(&c, &dev, DType::F32, 1, 0.2).unwrap();
-    let mut a = RolloutWeights::new(&spec("bf16", 0.15, 0), &c, &w, None, 0).unwrap();
-    let b = RolloutWeights::new(&spec("bf16", 0.15, 0), &c, &w, None, 0).unwrap();
+    let mut a = RolloutWeights::new(&dev, &spec("bf16", 0.15, 0), &c, &w, None, 0).unwrap();
+    let b = RolloutWeights::new(&dev, &spec("bf16", 0.15, 0), &c, &w, None, 0).unwrap();
     let first = a.view(&w).w.layers[1].up_proj.to_f32_vec().unwrap();
     a.sync(&w, 1).unwrap();
     let again = a.view(&w).w.layers[1].up_proj.to_f32_vec().unwrap();
@@ -192,7 +192,7 @@ fn weight_noise_is_fixed_seeded_and_scaled() {
     // Norms and embeddings are untouched; the trainer's weights too.
     assert_eq!(a.view(&w).w.norm.to_f32_vec().unwrap(), w.norm.to_f32_vec().unwrap());
     assert_eq!(w.layers[1].up_proj.to_f32_vec().unwrap(), t);
-    let c2 = RolloutWeights::new(&EngineSpec { noise_seed: 8, ..spec("bf16", 0.15, 0) }, &c, &w, None, 0).unwrap();
+    let c2 = RolloutWeights::new(&dev, &EngineSpec { noise_seed: 8, ..spec("bf16", 0.15, 0) }, &c, &w, None, 0).unwrap();
     assert_ne!(first, c2.view(&w).w.layers[1].up_proj.to_f32_vec().unwrap());
 }
 
@@ -215,7 +215,7 @@ fn bad_engine_inputs() {
     odd.num_kv_heads = 1;
     let w = ModelWeights::random(&odd, &dev, DType::F32, 1, 0.2).unwrap();
     let r = Recipe::preset("nvfp4", 3, &[], KvScale::Fixed(1.0), Default::default()).unwrap();
-    let e = format!("{:#}", RolloutWeights::new(&EngineSpec { recipe: r, noise_sigma: 0.0, noise_seed: 0, staleness: 0 }, &odd, &w, Some(&calib(&odd)), 0).err().unwrap());
+    let e = format!("{:#}", RolloutWeights::new(&dev, &EngineSpec { recipe: r, noise_sigma: 0.0, noise_seed: 0, staleness: 0 }, &odd, &w, Some(&calib(&odd)), 0).err().unwrap());
     assert!(e.contains("multiple of 16") || e.contains("divisible by 16"), "{e}");
     // A calibration file from another model.
     let t = common::TempDir::new("calib");
@@ -234,7 +234,7 @@ fn modelopt_export_loads_back_as_the_same_engine() {
     let cal = calib(&c);
     for (recipe, keep) in [("fp8", vec!["first-layer".to_string()]), ("nvfp4", vec![])] {
         let sp = EngineSpec { recipe: Recipe::preset(recipe, 3, &keep, KvScale::Calibrated, Default::default()).unwrap(), noise_sigma: 0.0, noise_seed: 0, staleness: 0 };
-        let rw = RolloutWeights::new(&sp, &c, &w, Some(&cal), 0).unwrap();
+        let rw = RolloutWeights::new(&dev, &sp, &c, &w, Some(&cal), 0).unwrap();
         let dir = t.path().join(recipe);
         std::fs::create_dir_all(&dir).unwrap();
         colotrain::model::modelopt::export(&dir, &c, &w, rw.quant.as_ref().unwrap(), DType::F32).unwrap();

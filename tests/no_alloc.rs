@@ -136,7 +136,7 @@ fn quantized_and_stale_resyncs_do_not_allocate() {
     cal.v_amax = vec![5.0; 2];
     for (recipe, noise, stale) in [("fp8", 0.0, 0), ("nvfp4", 0.0, 0), ("nvfp4", 0.1, 2)] {
         let spec = EngineSpec { recipe: Recipe::preset(recipe, 2, &[], KvScale::Calibrated, Default::default()).unwrap(), noise_sigma: noise, noise_seed: 1, staleness: stale };
-        let mut rw = RolloutWeights::new(&spec, &cfg, &w, Some(&cal), 0).unwrap();
+        let mut rw = RolloutWeights::new(&dev, &spec, &cfg, &w, Some(&cal), 0).unwrap();
         let vals = w.layers[0].up_proj.to_f32_vec().unwrap();
         dev.install(|| {
             rw.sync(&w, 1).unwrap();

@@ -250,7 +250,7 @@ fn resync(a: ResyncArgs) -> Result<()> {
         ("weight noise, sigma = 0.15", EngineSpec { recipe: Recipe::preset("bf16", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.15, noise_seed: 1, staleness: 0 }),
     ];
     for (name, s) in cases {
-        let mut rw = RolloutWeights::new(&s, &cfg, &w, Some(&cal), 0)?;
+        let mut rw = RolloutWeights::new(&dev, &s, &cfg, &w, Some(&cal), 0)?;
         let t = dev.install(|| -> Result<f64> {
             rw.sync(&w, 1)?;
             let t0 = Instant::now();

@@ -64,8 +64,8 @@ pub fn run(a: Args) -> Result<()> {
         }
         (None, None) => bail!("give --calibration FILE or --prompts FILE to set activation and KV scales"),
     };
-    let mut q = QuantState::new(&spec.recipe, &lm.cfg, &lm.weights, Some(&calib))?;
-    q.sync(&lm.weights)?;
+    let mut q = QuantState::new(&dev, &spec.recipe, &lm.cfg, &lm.weights, Some(&calib))?;
+    q.sync(&dev, &lm.weights)?;
     prepare_empty_dir(&a.out)?;
     let out_dtype = DType::parse(&a.out_dtype)?;
     crate::model::modelopt::export(&a.out, &lm.cfg, &lm.weights, &q, out_dtype)?;

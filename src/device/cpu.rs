@@ -36,6 +36,12 @@ impl CpuDevice {
         Ok(CpuDevice { pool: Arc::new(pool), threads })
     }
 
+    /// A one-thread device for host-side buffers (quantized tensors built on the host).
+    pub fn host() -> CpuDevice {
+        static HOST: std::sync::OnceLock<CpuDevice> = std::sync::OnceLock::new();
+        HOST.get_or_init(|| CpuDevice::new(1, None).expect("a one-thread pool")).clone()
+    }
+
     pub fn threads(&self) -> usize {
         self.threads
     }

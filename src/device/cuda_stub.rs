@@ -160,6 +160,9 @@ pub mod ops {
     ) -> Result<()> {
         match *d {}
     }
+    pub fn requantize(d: &CudaDevice, _src: &Tensor, _q: &mut crate::quant::QTensor, _name: &str) -> Result<()> {
+        match *d {}
+    }
     pub fn amax_rows(d: &CudaDevice, _x: &Tensor, _m: usize) -> Result<f32> {
         match *d {}
     }

@@ -8,6 +8,7 @@
 //! rewrites them in place.
 
 use super::View;
+use crate::device::Device;
 use crate::model::{ModelConfig, ModelWeights};
 use crate::quant::calib::Calibration;
 use crate::quant::recipe::Recipe;
@@ -72,6 +73,7 @@ fn add_offset(dst: &mut crate::device::Tensor, src: &crate::device::Tensor, off:
 }
 
 pub struct RolloutWeights {
+    dev: Device,
     pub spec: EngineSpec,
     cfg: ModelConfig,
     ring: VecDeque<(u64, ModelWeights)>,
@@ -89,7 +91,7 @@ fn is_projection(name: &str) -> bool {
 impl RolloutWeights {
     /// Builds the engine's buffers for `spec` and syncs them with the trainer's weights `w`
     /// (version `version`).
-    pub fn new(spec: &EngineSpec, cfg: &ModelConfig, w: &ModelWeights, calib: Option<&Calibration>, version: u64) -> Result<RolloutWeights> {
+    pub fn new(dev: &Device, spec: &EngineSpec, cfg: &ModelConfig, w: &ModelWeights, calib: Option<&Calibration>, version: u64) -> Result<RolloutWeights> {
         let noise = if spec.noise_sigma > 0.0 {
             // s_w: each projection matrix's std at this first sync.
             let names: Vec<String> = crate::model::weights::param_specs(cfg).into_iter().map(|(n, _)| n).collect();
@@ -109,8 +111,8 @@ impl RolloutWeights {
         } else {
             None
         };
-        let quant = if spec.recipe.is_standard() { None } else { Some(QuantState::new(&spec.recipe, cfg, w, calib)?) };
-        let mut rw = RolloutWeights { spec: spec.clone(), cfg: cfg.clone(), ring: VecDeque::new(), noise, quant, version, syncs: 0 };
+        let quant = if spec.recipe.is_standard() { None } else { Some(QuantState::new(dev, &spec.recipe, cfg, w, calib)?) };
+        let mut rw = RolloutWeights { dev: dev.clone(), spec: spec.clone(), cfg: cfg.clone(), ring: VecDeque::new(), noise, quant, version, syncs: 0 };
         if spec.staleness > 0 {
             for _ in 0..=spec.staleness {
                 rw.ring.push_back((version, w.try_clone(cfg)?));
@@ -165,7 +167,7 @@ impl RolloutWeights {
             None => base,
         };
         if let Some(q) = &mut self.quant {
-            q.sync(dense)?;
+            q.sync(&self.dev, dense)?;
         }
         self.version = base_version;
         self.syncs += 1;

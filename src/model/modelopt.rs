@@ -51,12 +51,12 @@ pub fn export(dir: &Path, cfg: &ModelConfig, w: &ModelWeights, q: &QuantState, d
                     skip.insert(format!("{p}.weight"));
                     match qt.format {
                         QFormat::Fp8 => {
-                            views.push((format!("{p}.weight"), OwnedView { dtype: St::F8_E4M3, shape: vec![qt.rows, qt.k], bytes: qt.codes.clone() }));
+                            views.push((format!("{p}.weight"), OwnedView { dtype: St::F8_E4M3, shape: vec![qt.rows, qt.k], bytes: qt.codes_bytes()?.to_vec() }));
                             views.push((format!("{p}.weight_scale"), scalar(qt.scale)));
                         }
                         QFormat::Nvfp4 => {
-                            views.push((format!("{p}.weight"), OwnedView { dtype: St::U8, shape: vec![qt.rows, qt.k / 2], bytes: qt.codes.clone() }));
-                            views.push((format!("{p}.weight_scale"), OwnedView { dtype: St::F8_E4M3, shape: vec![qt.rows, qt.k / 16], bytes: qt.block_scales.clone() }));
+                            views.push((format!("{p}.weight"), OwnedView { dtype: St::U8, shape: vec![qt.rows, qt.k / 2], bytes: qt.codes_bytes()?.to_vec() }));
+                            views.push((format!("{p}.weight_scale"), OwnedView { dtype: St::F8_E4M3, shape: vec![qt.rows, qt.k / 16], bytes: qt.scales_bytes()?.to_vec() }));
                             views.push((format!("{p}.weight_scale_2"), scalar(qt.scale)));
                         }
                     }
@@ -162,10 +162,10 @@ pub fn load(dir: &Path, cfg: &ModelConfig, dev: &Device, dtype: DType, quant: &V
                 (_, s) => bail!("{}: '{p}.weight' has shape {s:?}", path.display()),
             };
             let mut qt = QTensor::alloc(fmt, rows, k, Default::default())?;
-            if wv.data().len() != qt.codes.len() {
-                bail!("{}: '{p}.weight' holds {} bytes, expected {}", path.display(), wv.data().len(), qt.codes.len());
+            if wv.data().len() != qt.codes.numel() {
+                bail!("{}: '{p}.weight' holds {} bytes, expected {}", path.display(), wv.data().len(), qt.codes.numel());
             }
-            qt.codes.copy_from_slice(wv.data());
+            qt.codes = Tensor::from_storage(&[qt.codes.numel()], crate::device::Storage::Cpu(crate::device::CpuStorage::U8(wv.data().to_vec())));
             let input = f32_scalar(&files, &format!("{p}.input_scale"))?;
             match fmt {
                 QFormat::Fp8 => {
@@ -176,10 +176,10 @@ pub fn load(dir: &Path, cfg: &ModelConfig, dev: &Device, dtype: DType, quant: &V
                 }
                 QFormat::Nvfp4 => {
                     let (sp, sv) = files.get(&format!("{p}.weight_scale"))?;
-                    if sv.data().len() != qt.block_scales.len() {
-                        bail!("{}: '{p}.weight_scale' holds {} bytes, expected {}", sp.display(), sv.data().len(), qt.block_scales.len());
+                    if sv.data().len() != qt.block_scales.numel() {
+                        bail!("{}: '{p}.weight_scale' holds {} bytes, expected {}", sp.display(), sv.data().len(), qt.block_scales.numel());
                     }
-                    qt.block_scales.copy_from_slice(sv.data());
+                    qt.block_scales = Tensor::from_storage(&[qt.block_scales.numel()], crate::device::Storage::Cpu(crate::device::CpuStorage::U8(sv.data().to_vec())));
                     qt.scale = f32_scalar(&files, &format!("{p}.weight_scale_2"))?;
                     ql.act[i] = ActQuant::Nvfp4 { global: input, opts: Default::default() };
                     recipe.layers[l].weight[i] = Precision::Nvfp4;

@@ -53,9 +53,10 @@ pub fn linear_q(dev: &Device, x: &Tensor, wq: &crate::quant::QTensor, bias: Opti
         Device::Cpu(c) => {
             let xs = x.f32s()?;
             let bf = bias.map(CpuFloats::of).transpose()?;
+            let wv = wq.view()?;
             let ys = y.f32s_mut()?;
             c.install(|| {
-                linear_cpu::linear_nt(m, n, k, xs, wq.view(), ys, n, false);
+                linear_cpu::linear_nt(m, n, k, xs, wv, ys, n, false);
                 if let Some(b) = bf {
                     for row in ys[..m * n].chunks_exact_mut(n) {
                         for (j, v) in row.iter_mut().enumerate() {

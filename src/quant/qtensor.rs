@@ -4,7 +4,7 @@
 use super::fp8::E4M3;
 use super::simd;
 use super::nvfp4::{self, Nvfp4Opts, BLOCK};
-use crate::device::CpuFloats;
+use crate::device::{CpuFloats, CpuStorage, DType, Device, Tensor};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
@@ -16,48 +16,83 @@ pub enum QFormat {
     Nvfp4,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct QTensor {
     pub format: QFormat,
     pub rows: usize,
     pub k: usize,
-    /// FP8: one code per value (rows, K). NVFP4: two codes per byte (rows, K/2).
-    pub codes: Vec<u8>,
+    /// FP8: one code per value (rows, K). NVFP4: two codes per byte (rows, K/2). u8, on the
+    /// device of the weights it quantizes.
+    pub codes: Tensor,
     /// NVFP4 block scales (rows, K/16), E4M3 codes; empty for FP8.
-    pub block_scales: Vec<u8>,
+    pub block_scales: Tensor,
     /// FP8: the tensor scale; NVFP4: the global scale.
     pub scale: f32,
     pub opts: Nvfp4Opts,
 }
 
 impl QTensor {
-    /// Buffers for a (rows, K) weight.
+    /// Host buffers for a (rows, K) weight.
     pub fn alloc(format: QFormat, rows: usize, k: usize, opts: Nvfp4Opts) -> Result<QTensor> {
+        Self::alloc_on(&Device::Cpu(crate::device::CpuDevice::host()), format, rows, k, opts)
+    }
+
+    /// Buffers for a (rows, K) weight on `dev`.
+    pub fn alloc_on(dev: &Device, format: QFormat, rows: usize, k: usize, opts: Nvfp4Opts) -> Result<QTensor> {
         let (codes, block_scales) = match format {
-            QFormat::Fp8 => (vec![0u8; rows * k], Vec::new()),
+            QFormat::Fp8 => (rows * k, 0),
             QFormat::Nvfp4 => {
                 if k % BLOCK != 0 {
                     bail!("NVFP4 needs the reduction dimension to be a multiple of 16, got K = {k}");
                 }
-                (vec![0u8; rows * k / 2], vec![0u8; rows * k / BLOCK])
+                (rows * k / 2, rows * k / BLOCK)
             }
         };
+        let codes = dev.zeros(DType::U8, &[codes])?;
+        let block_scales = dev.zeros(DType::U8, &[block_scales])?;
         Ok(QTensor { format, rows, k, codes, block_scales, scale: 1.0, opts })
     }
 
     pub fn size_bytes(&self) -> usize {
-        self.codes.len() + self.block_scales.len() + 4
+        self.codes.size_bytes() + self.block_scales.size_bytes() + 4
     }
 
     /// Address of the code buffer (tests prove syncs do not move it).
     pub fn codes_ptr(&self) -> usize {
-        self.codes.as_ptr() as usize
+        self.codes.data_ptr()
+    }
+
+    /// The codes, on the host.
+    pub fn codes_bytes(&self) -> Result<&[u8]> {
+        match self.codes.cpu()? {
+            CpuStorage::U8(v) => Ok(v),
+            _ => bail!("quantized codes must be u8"),
+        }
+    }
+
+    /// The NVFP4 block scales (E4M3 codes), on the host.
+    pub fn scales_bytes(&self) -> Result<&[u8]> {
+        match self.block_scales.cpu()? {
+            CpuStorage::U8(v) => Ok(v),
+            _ => bail!("block scales must be u8"),
+        }
+    }
+
+    /// Re-quantizes from the weight tensor `src` (same device), in place.
+    pub fn requantize(&mut self, dev: &Device, src: &Tensor, name: &str) -> Result<()> {
+        match dev {
+            Device::Cpu(c) => {
+                let s = CpuFloats::of(src)?;
+                c.install(|| self.requantize_cpu(s, name))
+            }
+            Device::Cuda(c) => crate::device::cuda::ops::requantize(c, src, self, name),
+        }
     }
 
     /// Re-quantizes from `src` (rows·K values) in place: one parallel pass for the amax, one
     /// that encodes (reading BF16/F16 sources directly, through small stack buffers). Fails,
     /// naming `name`, if `src` holds a non-finite value. Allocates nothing.
-    pub fn requantize(&mut self, src: CpuFloats, name: &str) -> Result<()> {
+    pub fn requantize_cpu(&mut self, src: CpuFloats, name: &str) -> Result<()> {
         let n = self.rows * self.k;
         if src.len() != n {
             bail!("{name}: quantizing {} values into a buffer of {n}", src.len());
@@ -97,7 +132,11 @@ impl QTensor {
             QFormat::Fp8 => {
                 let scale = if amax > 0.0 { amax / E4M3.max() } else { 1.0 };
                 self.scale = scale;
-                self.codes.par_chunks_mut(CH).enumerate().for_each(|(c, out)| {
+                let codes = match self.codes.cpu_mut()? {
+                    CpuStorage::U8(v) => v,
+                    _ => bail!("quantized codes must be u8"),
+                };
+                codes.par_chunks_mut(CH).enumerate().for_each(|(c, out)| {
                     let mut buf = [0.0f32; CH];
                     let len = out.len();
                     src.read_into(c * CH, &mut buf[..len]);
@@ -110,7 +149,11 @@ impl QTensor {
                 let opts = self.opts;
                 let k = self.k;
                 // Rows in parallel, each in pieces of CH values (whole 16-value blocks).
-                self.codes.par_chunks_mut(k / 2).zip(self.block_scales.par_chunks_mut(k / BLOCK)).enumerate().for_each(|(r, (p, s))| {
+                let (codes, scales) = match (self.codes.cpu_mut()?, self.block_scales.cpu_mut()?) {
+                    (CpuStorage::U8(c), CpuStorage::U8(s)) => (c, s),
+                    _ => bail!("quantized codes and scales must be u8"),
+                };
+                codes.par_chunks_mut(k / 2).zip(scales.par_chunks_mut(k / BLOCK)).enumerate().for_each(|(r, (p, s))| {
                     let mut buf = [0.0f32; CH];
                     let mut at = 0;
                     while at < k {
@@ -125,18 +168,20 @@ impl QTensor {
         Ok(())
     }
 
-    /// The decoded view for the linear kernel.
-    pub fn view(&self) -> CpuFloats<'_> {
-        match self.format {
-            QFormat::Fp8 => CpuFloats::Fp8 { codes: &self.codes, scale: self.scale },
-            QFormat::Nvfp4 => CpuFloats::Nvfp4 { packed: &self.codes, scales: &self.block_scales, global: self.scale },
-        }
+    /// The decoded view for the CPU linear kernel.
+    pub fn view(&self) -> Result<CpuFloats<'_>> {
+        Ok(match self.format {
+            QFormat::Fp8 => CpuFloats::Fp8 { codes: self.codes_bytes()?, scale: self.scale },
+            QFormat::Nvfp4 => CpuFloats::Nvfp4 { packed: self.codes_bytes()?, scales: self.scales_bytes()?, global: self.scale },
+        })
     }
 
-    /// All values, decoded (tests and export).
+    /// All values, decoded (tests and export; host tensors).
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = vec![0.0f32; self.rows * self.k];
-        self.view().read_into(0, &mut out);
+        if let Ok(v) = self.view() {
+            v.read_into(0, &mut out);
+        }
         out
     }
 }
@@ -150,7 +195,7 @@ mod tests {
         let mut q = QTensor::alloc(QFormat::Nvfp4, 4, 32, Nvfp4Opts::default()).unwrap();
         let ptr = q.codes_ptr();
         let mut x: Vec<f32> = (0..128).map(|i| (i as f32 * 0.37).sin()).collect();
-        q.requantize(CpuFloats::F32(&x), "w").unwrap();
+        q.requantize_cpu(CpuFloats::F32(&x), "w").unwrap();
         let d = q.dequantize();
         // NVFP4's rounding error is at most one E2M1 step at the top of the block: bamax/6, and
         // the E4M3 block scale's own rounding (≤ 6.25%) on top.
@@ -161,7 +206,7 @@ mod tests {
             }
         }
         x[5] = f32::NAN;
-        let e = q.requantize(CpuFloats::F32(&x), "model.layers.0.mlp.up_proj.weight").unwrap_err().to_string();
+        let e = q.requantize_cpu(CpuFloats::F32(&x), "model.layers.0.mlp.up_proj.weight").unwrap_err().to_string();
         assert!(e.contains("model.layers.0.mlp.up_proj.weight") && e.contains("NaN"), "{e}");
         assert_eq!(q.codes_ptr(), ptr);
         assert!(QTensor::alloc(QFormat::Nvfp4, 2, 24, Nvfp4Opts::default()).unwrap_err().to_string().contains("multiple of 16"));

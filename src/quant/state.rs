@@ -5,14 +5,14 @@
 use super::calib::{input_slot, Calibration};
 use super::qtensor::{QFormat, QTensor};
 use super::recipe::{KvScale, Precision, Recipe};
-use crate::device::CpuFloats;
+use crate::device::Device;
 use crate::model::{ModelConfig, ModelWeights};
 use crate::ops::quantize::ActQuant;
 use anyhow::{bail, Context, Result};
 
 /// One layer's low-precision linears: `w[i]` replaces the dense weight of linear i when set;
 /// `act[i]` says how its input is quantized. Order: `recipe::LINEARS`.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct QLayer {
     pub w: [Option<QTensor>; 7],
     pub act: [ActQuant; 7],
@@ -20,7 +20,7 @@ pub struct QLayer {
     pub v_scale: f32,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct QuantState {
     pub recipe: Recipe,
     pub layers: Vec<QLayer>,
@@ -37,7 +37,7 @@ fn dense(l: &crate::model::weights::LayerWeights, i: usize) -> &crate::device::T
 
 impl QuantState {
     /// Allocates every buffer the recipe needs; input and KV scales come from `calib`.
-    pub fn new(recipe: &Recipe, cfg: &ModelConfig, w: &ModelWeights, calib: Option<&Calibration>) -> Result<QuantState> {
+    pub fn new(dev: &Device, recipe: &Recipe, cfg: &ModelConfig, w: &ModelWeights, calib: Option<&Calibration>) -> Result<QuantState> {
         if recipe.layers.len() != cfg.num_layers {
             bail!("recipe has {} layers, the model {}", recipe.layers.len(), cfg.num_layers);
         }
@@ -53,8 +53,8 @@ impl QuantState {
                 let (rows, k) = (t.dim(0), t.dim(1));
                 wq[i] = match lr.weight[i] {
                     Precision::Native => None,
-                    Precision::Fp8 => Some(QTensor::alloc(QFormat::Fp8, rows, k, recipe.nvfp4)?),
-                    Precision::Nvfp4 => Some(QTensor::alloc(QFormat::Nvfp4, rows, k, recipe.nvfp4).with_context(|| format!("layer {l} {}", super::recipe::LINEARS[i]))?),
+                    Precision::Fp8 => Some(QTensor::alloc_on(dev, QFormat::Fp8, rows, k, recipe.nvfp4)?),
+                    Precision::Nvfp4 => Some(QTensor::alloc_on(dev, QFormat::Nvfp4, rows, k, recipe.nvfp4).with_context(|| format!("layer {l} {}", super::recipe::LINEARS[i]))?),
                 };
                 let amax = calib.map(|c| c.input_amax[l][input_slot(i)]).unwrap_or(0.0);
                 act[i] = match lr.input[i] {
@@ -91,12 +91,11 @@ impl QuantState {
     }
 
     /// Re-quantizes every quantized weight in place from `w` (fused amax + quantize).
-    pub fn sync(&mut self, w: &ModelWeights) -> Result<()> {
+    pub fn sync(&mut self, dev: &Device, w: &ModelWeights) -> Result<()> {
         for (l, (ql, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
             for (i, q) in ql.w.iter_mut().enumerate() {
                 if let Some(q) = q {
-                    let src = CpuFloats::of(dense(lw, i))?;
-                    q.requantize(src, &self.names[l][i])?;
+                    q.requantize(dev, dense(lw, i), &self.names[l][i])?;
                 }
             }
         }

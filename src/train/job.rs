@@ -199,7 +199,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
     } else {
         None
     };
-    let mut rw = crate::engine::rollout_weights::RolloutWeights::new(&spec, &cfg, &trainer.weights, calib.as_ref(), trainer.version)?;
+    let mut rw = crate::engine::rollout_weights::RolloutWeights::new(&dev, &spec, &cfg, &trainer.weights, calib.as_ref(), trainer.version)?;
     let mut start = 0u64;
     if let Some(ck) = &resume {
         let (state, master, m, v) = checkpoint::load(ck, job)?;
