@@ -278,6 +278,8 @@ impl EngineSection {
                 weight: p(&o.weight).map_err(|e| anyhow::anyhow!("engine.overrides[{i}].weight: {e}"))?,
                 input: p(&o.input).map_err(|e| anyhow::anyhow!("engine.overrides[{i}].input: {e}"))?,
                 kv_fp8,
+                k_fp8: None,
+                v_fp8: None,
             };
             recipe.apply(&ov).map_err(|e| anyhow::anyhow!("engine.overrides[{i}]: {e}"))?;
         }

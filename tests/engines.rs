@@ -106,7 +106,7 @@ fn fp8_kv_cache_holds_more_tokens_in_the_same_memory() {
     let c = cfg();
     let budget = 1 << 20;
     let mk = |fp8: bool, dt: DType| {
-        let ec = EngineConfig { kv_cache_bytes: budget, kv_fp8: vec![fp8; 3], max_seqs: 512, ..Default::default() };
+        let ec = EngineConfig { kv_cache_bytes: budget, kv_fp8: vec![(fp8, fp8); 3], max_seqs: 512, ..Default::default() };
         Engine::new(&dev, &c, dt, &ec, None).unwrap().cache.capacity_tokens()
     };
     // Capacity is whole 16-token blocks of the budget: the ratio is exact up to one block.
@@ -131,7 +131,7 @@ fn fp8_kv_engine_samples_close_to_the_standard_one() {
     let cal = std_e.set_observer(None).unwrap();
     assert!(cal.input_amax.iter().all(|a| a.iter().all(|&x| x > 0.0)) && cal.k_amax.iter().all(|&x| x > 0.0));
     let score = |fp8: bool, recipe: &str| {
-        let ec = EngineConfig { kv_fp8: vec![fp8; 3], ..Default::default() };
+        let ec = EngineConfig { kv_fp8: vec![(fp8, fp8); 3], ..Default::default() };
         let mut e = Engine::new(&dev, &c, DType::F32, &ec, None).unwrap();
         let sp = EngineSpec { recipe: Recipe::preset(recipe, 3, &[], KvScale::Calibrated, Default::default()).unwrap(), noise_sigma: 0.0, noise_seed: 0, staleness: 0 };
         let rw = RolloutWeights::new(&dev, &sp, &c, &w, Some(&cal), 0).unwrap();
@@ -245,12 +245,12 @@ fn modelopt_export_loads_back_as_the_same_engine() {
         assert_eq!(cj["quantization_config"]["quant_method"], "modelopt");
         let lm = LoadedModel::load(&dir, &dev, DType::F32).unwrap();
         let q = lm.quant.as_ref().expect("a ModelOpt directory loads as a quantized engine");
-        assert_eq!(q.recipe.layers.iter().map(|l| l.kv_fp8).collect::<Vec<_>>(), sp.recipe.layers.iter().map(|l| l.kv_fp8).collect::<Vec<_>>());
+        assert_eq!(q.recipe.kv_layers(), sp.recipe.kv_layers());
         // Same codes and scales: the imported engine scores exactly like the in-memory one.
         let s = Arc::new(SamplingConfig { temperature: 0.0, max_new_tokens: 0, ..Default::default() });
         let prompt: Vec<u32> = (0..30).map(|i| (i * 5 % 64) as u32).collect();
         let score = |v: colotrain::engine::View| {
-            let ec = EngineConfig { kv_fp8: sp.recipe.layers.iter().map(|l| l.kv_fp8).collect(), ..Default::default() };
+            let ec = EngineConfig { kv_fp8: sp.recipe.kv_layers(), ..Default::default() };
             let mut e = Engine::new(&dev, &c, DType::F32, &ec, None).unwrap();
             e.add(Request { id: 0, sample: 0, prompt: prompt.clone(), sampling: s.clone(), prompt_logprobs: true }).unwrap();
             e.run_to_completion(v, |_| {}).unwrap()[0].prompt_logprobs.clone()

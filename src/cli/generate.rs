@@ -76,7 +76,7 @@ pub fn run(a: Args) -> Result<()> {
     // A ModelOpt directory runs as its quantized engine (FP8 KV where it says so).
     let mut ec = a.engine.config();
     if let Some(q) = &lm.quant {
-        ec.kv_fp8 = q.recipe.layers.iter().map(|l| l.kv_fp8).collect();
+        ec.kv_fp8 = q.recipe.kv_layers();
     }
     let mut engine = Engine::new(&dev, &lm.cfg, dtype, &ec, lm.text.clone())?;
     for (i, p) in prompts.iter().enumerate() {

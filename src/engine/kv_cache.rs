@@ -20,21 +20,21 @@ pub struct KvCache {
 impl KvCache {
     /// Bytes of one block across all layers (keys and values).
     pub fn block_bytes(cfg: &ModelConfig, block_size: usize, dtype: DType) -> usize {
-        Self::block_bytes_layers(cfg, block_size, &vec![dtype; cfg.num_layers])
+        Self::block_bytes_layers(cfg, block_size, &vec![(dtype, dtype); cfg.num_layers])
     }
 
-    /// Bytes of one block with a dtype per layer.
-    pub fn block_bytes_layers(cfg: &ModelConfig, block_size: usize, dtypes: &[DType]) -> usize {
-        dtypes.iter().map(|d| 2 * cfg.num_kv_heads * block_size * cfg.head_dim * d.size()).sum()
+    /// Bytes of one block with (key, value) dtypes per layer.
+    pub fn block_bytes_layers(cfg: &ModelConfig, block_size: usize, dtypes: &[(DType, DType)]) -> usize {
+        dtypes.iter().map(|(k, v)| cfg.num_kv_heads * block_size * cfg.head_dim * (k.size() + v.size())).sum()
     }
 
     pub fn new(dev: &Device, cfg: &ModelConfig, block_size: usize, num_blocks: usize, dtype: DType) -> Result<KvCache> {
-        Self::with_layers(dev, cfg, block_size, num_blocks, &vec![dtype; cfg.num_layers])
+        Self::with_layers(dev, cfg, block_size, num_blocks, &vec![(dtype, dtype); cfg.num_layers])
     }
 
-    /// A cache whose layer l stores `dtypes[l]`: f32, bf16, f16, or u8 for FP8 E4M3 with a
-    /// per-layer scale (1 until set).
-    pub fn with_layers(dev: &Device, cfg: &ModelConfig, block_size: usize, num_blocks: usize, dtypes: &[DType]) -> Result<KvCache> {
+    /// A cache whose layer l stores keys and values as `dtypes[l]`: f32, bf16, f16, or u8 for
+    /// FP8 E4M3 with a per-layer scale (1 until set).
+    pub fn with_layers(dev: &Device, cfg: &ModelConfig, block_size: usize, num_blocks: usize, dtypes: &[(DType, DType)]) -> Result<KvCache> {
         if block_size == 0 || num_blocks == 0 {
             bail!("KV cache needs a positive block size and block count (got {block_size} x {num_blocks})");
         }
@@ -43,13 +43,15 @@ impl KvCache {
         }
         let shape = [num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim];
         let mut layers = Vec::with_capacity(cfg.num_layers);
-        for &dtype in dtypes {
-            if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::U8) {
-                bail!("KV cache dtype {} is not supported (f32, bf16, f16, or u8 for FP8)", dtype.name());
+        for &(kd, vd) in dtypes {
+            for d in [kd, vd] {
+                if !matches!(d, DType::F32 | DType::BF16 | DType::F16 | DType::U8) {
+                    bail!("KV cache dtype {} is not supported (f32, bf16, f16, or u8 for FP8)", d.name());
+                }
             }
-            layers.push(KvLayer { k: dev.zeros(dtype, &shape)?, v: dev.zeros(dtype, &shape)?, k_scale: 1.0, v_scale: 1.0 });
+            layers.push(KvLayer { k: dev.zeros(kd, &shape)?, v: dev.zeros(vd, &shape)?, k_scale: 1.0, v_scale: 1.0 });
         }
-        let dtype = dtypes[0];
+        let dtype = dtypes[0].0;
         // Pop from the end: hand out low block ids first.
         let free = (0..num_blocks as u32).rev().collect();
         Ok(KvCache { block_size, num_blocks, dtype, layers, free })

@@ -140,7 +140,8 @@ pub struct EngineConfig {
     /// `None`: the model's max_position_embeddings.
     pub max_model_len: Option<usize>,
     /// Layers whose KV cache is FP8 E4M3 (empty: none).
-    pub kv_fp8: Vec<bool>,
+    /// (keys, values) in FP8 E4M3, per layer (empty: none).
+    pub kv_fp8: Vec<(bool, bool)>,
 }
 
 impl Default for EngineConfig {
@@ -223,8 +224,11 @@ impl Engine {
             bail!("engine: max_seqs, max_tokens_per_step and logits_rows must be positive");
         }
         let kv_dtype = ec.kv_dtype.unwrap_or(weights_dtype);
-        let kv_dtypes: Vec<DType> = (0..cfg.num_layers)
-            .map(|l| if ec.kv_fp8.get(l).copied().unwrap_or(false) { DType::U8 } else { kv_dtype })
+        let kv_dtypes: Vec<(DType, DType)> = (0..cfg.num_layers)
+            .map(|l| {
+                let (k, v) = ec.kv_fp8.get(l).copied().unwrap_or((false, false));
+                (if k { DType::U8 } else { kv_dtype }, if v { DType::U8 } else { kv_dtype })
+            })
             .collect();
         let max_model_len = ec.max_model_len.unwrap_or(cfg.max_position_embeddings);
         let block_bytes = KvCache::block_bytes_layers(cfg, ec.block_size, &kv_dtypes);

@@ -4,6 +4,9 @@
 //!
 //! Owns: the per-step estimators. May call nothing. Must not: run models.
 
+pub mod budget;
+pub mod segments;
+
 use serde::Serialize;
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]

@@ -70,7 +70,7 @@ pub fn export(dir: &Path, cfg: &ModelConfig, w: &ModelWeights, q: &QuantState, d
                 None => exclude.push(p),
             }
         }
-        if lr.kv_fp8 {
+        if lr.kv_fp8() {
             views.push((format!("{}.k_scale", prefix(l, 1)), scalar(ql.k_scale)));
             views.push((format!("{}.v_scale", prefix(l, 2)), scalar(ql.v_scale)));
         }
@@ -87,7 +87,7 @@ pub fn export(dir: &Path, cfg: &ModelConfig, w: &ModelWeights, q: &QuantState, d
         views.push((name.clone(), OwnedView { dtype: st, shape: shape.clone(), bytes }));
     }
     write_safetensors(&dir.join("model.safetensors"), views, None)?;
-    let kv_algo = if q.recipe.layers.iter().any(|l| l.kv_fp8) { json!("FP8") } else { Value::Null };
+    let kv_algo = if q.recipe.layers.iter().any(|l| l.kv_fp8()) { json!("FP8") } else { Value::Null };
     let mut quant = json!({"quant_algo": algo, "kv_cache_quant_algo": kv_algo, "exclude_modules": exclude});
     if algo == "NVFP4" {
         quant["group_size"] = json!(16);
@@ -193,7 +193,7 @@ pub fn load(dir: &Path, cfg: &ModelConfig, dev: &Device, dtype: DType, quant: &V
         if kv_fp8 && files.names().any(|n| *n == format!("{}.k_scale", prefix(l, 1))) {
             ql.k_scale = f32_scalar(&files, &format!("{}.k_scale", prefix(l, 1)))?;
             ql.v_scale = f32_scalar(&files, &format!("{}.v_scale", prefix(l, 2)))?;
-            recipe.layers[l].kv_fp8 = true;
+            recipe.layers[l].set_kv_fp8(true);
         }
         qlayers.push(ql);
     }

@@ -44,13 +44,24 @@ pub enum KvScale {
 pub struct LayerRecipe {
     pub weight: [Precision; 7],
     pub input: [Precision; 7],
-    /// FP8 KV cache (else the model's dtype).
-    pub kv_fp8: bool,
+    /// FP8 keys / values in the KV cache (else the model's dtype).
+    pub k_fp8: bool,
+    pub v_fp8: bool,
 }
 
 impl LayerRecipe {
     fn uniform(p: Precision, kv_fp8: bool) -> LayerRecipe {
-        LayerRecipe { weight: [p; 7], input: [p; 7], kv_fp8 }
+        LayerRecipe { weight: [p; 7], input: [p; 7], k_fp8: kv_fp8, v_fp8: kv_fp8 }
+    }
+
+    /// Keys or values (or both) in FP8.
+    pub fn kv_fp8(&self) -> bool {
+        self.k_fp8 || self.v_fp8
+    }
+
+    pub fn set_kv_fp8(&mut self, on: bool) {
+        self.k_fp8 = on;
+        self.v_fp8 = on;
     }
 }
 
@@ -69,7 +80,10 @@ pub struct Override {
     pub linears: Vec<String>,
     pub weight: Option<Precision>,
     pub input: Option<Precision>,
+    /// FP8 keys and values (Some(true/false)); `k_fp8`/`v_fp8` set one side only.
     pub kv_fp8: Option<bool>,
+    pub k_fp8: Option<bool>,
+    pub v_fp8: Option<bool>,
 }
 
 impl Recipe {
@@ -78,7 +92,7 @@ impl Recipe {
         let layer = match name {
             "bf16" => LayerRecipe::uniform(Precision::Native, false),
             "fp8" => LayerRecipe::uniform(Precision::Fp8, true),
-            "nvfp4" => LayerRecipe { weight: [Precision::Nvfp4; 7], input: [Precision::Nvfp4; 7], kv_fp8: true },
+            "nvfp4" => LayerRecipe { weight: [Precision::Nvfp4; 7], input: [Precision::Nvfp4; 7], k_fp8: true, v_fp8: true },
             "fp8-kv" => LayerRecipe::uniform(Precision::Native, true),
             _ => bail!("unknown recipe '{name}': expected bf16, fp8, nvfp4 or fp8-kv"),
         };
@@ -87,7 +101,7 @@ impl Recipe {
             match k.as_str() {
                 "first-layer-kv" => {
                     if let Some(l) = layers.first_mut() {
-                        l.kv_fp8 = false;
+                        l.set_kv_fp8(false);
                     }
                 }
                 "first-layer" => {
@@ -130,7 +144,13 @@ impl Recipe {
                 }
             }
             if let Some(k) = o.kv_fp8 {
-                lr.kv_fp8 = k;
+                lr.set_kv_fp8(k);
+            }
+            if let Some(k) = o.k_fp8 {
+                lr.k_fp8 = k;
+            }
+            if let Some(v) = o.v_fp8 {
+                lr.v_fp8 = v;
             }
         }
         Ok(())
@@ -138,7 +158,7 @@ impl Recipe {
 
     /// Every layer runs in the model's own precision.
     pub fn is_standard(&self) -> bool {
-        self.layers.iter().all(|l| !l.kv_fp8 && l.weight.iter().chain(&l.input).all(|p| *p == Precision::Native))
+        self.layers.iter().all(|l| !l.kv_fp8() && l.weight.iter().chain(&l.input).all(|p| *p == Precision::Native))
     }
 
     pub fn quantizes_weights(&self) -> bool {
@@ -147,12 +167,17 @@ impl Recipe {
 
     /// Calibrated scales are needed (quantized inputs, or an FP8 cache with calibrated scales).
     pub fn needs_calibration(&self) -> bool {
-        self.layers.iter().any(|l| l.input.iter().any(|p| *p != Precision::Native) || (l.kv_fp8 && self.kv_scale == KvScale::Calibrated))
+        self.layers.iter().any(|l| l.input.iter().any(|p| *p != Precision::Native) || (l.kv_fp8() && self.kv_scale == KvScale::Calibrated))
+    }
+
+    /// (keys, values) in FP8, per layer: what the engine's cache stores.
+    pub fn kv_layers(&self) -> Vec<(bool, bool)> {
+        self.layers.iter().map(|l| (l.k_fp8, l.v_fp8)).collect()
     }
 
     /// KV-cache bytes per token with `native_bytes` per element for unquantized layers.
     pub fn kv_bytes_per_token(&self, kv_dim: usize, native_bytes: usize) -> usize {
-        self.layers.iter().map(|l| 2 * kv_dim * if l.kv_fp8 { 1 } else { native_bytes }).sum()
+        self.layers.iter().map(|l| kv_dim * ((if l.k_fp8 { 1 } else { native_bytes }) + if l.v_fp8 { 1 } else { native_bytes })).sum()
     }
 }
 
@@ -166,9 +191,9 @@ mod tests {
         assert_eq!(r.layers[0], LayerRecipe::uniform(Precision::Native, false));
         assert_eq!(r.layers[3], LayerRecipe::uniform(Precision::Native, false));
         assert_eq!(r.layers[1].weight, [Precision::Fp8; 7]);
-        assert!(r.layers[2].kv_fp8);
+        assert!(r.layers[2].kv_fp8());
         let r = Recipe::preset("fp8-kv", 3, &["first-layer-kv".into()], KvScale::Fixed(1.0), Default::default()).unwrap();
-        assert!(!r.layers[0].kv_fp8 && r.layers[1].kv_fp8 && !r.quantizes_weights() && !r.needs_calibration());
+        assert!(!r.layers[0].kv_fp8() && r.layers[1].kv_fp8() && !r.quantizes_weights() && !r.needs_calibration());
         // FP8 KV in bf16 bytes: 2 layers × 1 byte + 1 layer × 2 bytes, keys and values.
         assert_eq!(r.kv_bytes_per_token(8, 2), 2 * 8 * (2 + 1 + 1));
         assert!(Recipe::preset("bf16", 2, &[], KvScale::Calibrated, Default::default()).unwrap().is_standard());

@@ -68,7 +68,7 @@ impl QuantState {
                     }
                 };
             }
-            let (k_scale, v_scale) = match (lr.kv_fp8, recipe.kv_scale, calib) {
+            let (k_scale, v_scale) = match (lr.kv_fp8(), recipe.kv_scale, calib) {
                 (false, _, _) => (1.0, 1.0),
                 (true, KvScale::Fixed(s), _) => (s, s),
                 (true, KvScale::Calibrated, Some(c)) => (scale_of(c.k_amax[l]), scale_of(c.v_amax[l])),

@@ -172,7 +172,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
     let mut rollout_engine = if standard {
         None
     } else {
-        let ec = EngineConfig { kv_fp8: spec.recipe.layers.iter().map(|l| l.kv_fp8).collect(), ..ec.clone() };
+        let ec = EngineConfig { kv_fp8: spec.recipe.kv_layers(), ..ec.clone() };
         Some(Engine::new(&dev, &cfg, weights_dtype, &ec, text.clone())?)
     };
     let mut t_engine = match &teacher {
