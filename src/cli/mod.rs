@@ -3,6 +3,7 @@
 //! Owns: argument parsing, logging setup, exit codes. May call every library module. Must not:
 //! hold logic that a library user would need (that belongs in the library modules).
 
+mod admit;
 mod bench;
 mod generate;
 mod init_tiny;
@@ -38,6 +39,8 @@ pub enum Command {
     Score(score::Args),
     /// Architecture, parameter count, dtypes and memory estimate of a model directory.
     Inspect(inspect::Args),
+    /// Offline admission check of candidate rollout engines (seed 000 Eqs. 5-6).
+    Admit(admit::Args),
     /// Export a model in the ModelOpt FP8 / NVFP4 layout that vLLM and TensorRT-LLM load.
     Quantize(quantize::Args),
     /// Benchmarks (side by side in one run).
@@ -127,5 +130,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Quantize(a) => quantize::run(a),
+        Command::Admit(a) => admit::run(a),
     }
 }

@@ -2,8 +2,11 @@
 //! Notation: δ_t = log p_θ(y_t) − log q(y_t) (the token gap of seed 004, Eq. 2: learner minus
 //! sampler), so seed 000's d_n (Eq. 2) = mean_t [log q − log p_θ] = −mean_t δ_t.
 //!
-//! Owns: the per-step estimators. May call nothing. Must not: run models.
+//! Owns: the per-step estimators (this file, `segments`), budgets (`budget`) and the offline
+//! admission check (`admit`, which drives engines through `crate::engine` and the rollout
+//! helpers of `crate::train`). Must not: train.
 
+pub mod admit;
 pub mod budget;
 pub mod segments;
 

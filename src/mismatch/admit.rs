@@ -1,0 +1,175 @@
+//! The offline admission check (seed 000 §3.3, Eqs. 5–6, App. C.2–C.3): a candidate engine
+//! samples a few responses with the untrained student; the standard engine re-scores the same
+//! tokens with the same weights; D̂ is the token-pooled mean of log q_c − log q_0 with a bootstrap
+//! interval over prompts, and admit(c) = 1[α·D̂ < L]. `--per-layer` attributes D̂ to layers, to the
+//! first layer's KV cache (share (A−B)/(A−F)) and to its keys vs values.
+
+use super::budget::{self, Estimate};
+use crate::data::dataset::PromptItem;
+use crate::device::Device;
+use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
+use crate::engine::{Engine, EngineConfig, Request, SamplingConfig};
+use crate::model::{ModelConfig, ModelWeights, TextTools};
+use crate::quant::calib::Calibration;
+use crate::quant::recipe::{KvScale, Override, Precision, Recipe};
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use std::sync::Arc;
+
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub samples: u32,
+    pub seed: u64,
+    pub temperature: f32,
+    pub max_new_tokens: usize,
+    pub alpha: f64,
+    pub line: f64,
+    pub reps: usize,
+}
+
+/// A named candidate engine.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub name: String,
+    pub spec: EngineSpec,
+}
+
+/// Parses `RECIPE[+KEEP...][@KV_SCALE]` (e.g. `fp8+first-layer+last-layer`, `fp8-kv@1`,
+/// `nvfp4+first-layer-kv`, `bf16`) or `noise=SIGMA`.
+pub fn parse_candidate(s: &str, num_layers: usize, noise_seed: u64) -> Result<Candidate> {
+    if let Some(sig) = s.strip_prefix("noise=") {
+        let sigma: f64 = sig.parse().map_err(|_| anyhow::anyhow!("candidate '{s}': noise=SIGMA needs a number"))?;
+        if !(sigma > 0.0 && sigma.is_finite()) {
+            bail!("candidate '{s}': sigma must be positive");
+        }
+        let recipe = Recipe::preset("bf16", num_layers, &[], KvScale::Calibrated, Default::default())?;
+        return Ok(Candidate { name: s.to_string(), spec: EngineSpec { recipe, noise_sigma: sigma, noise_seed, staleness: 0 } });
+    }
+    let (body, scale) = match s.split_once('@') {
+        Some((b, sc)) => (b, KvScale::Fixed(sc.parse().map_err(|_| anyhow::anyhow!("candidate '{s}': @KV_SCALE needs a number"))?)),
+        None => (s, KvScale::Calibrated),
+    };
+    let mut parts = body.split('+');
+    let recipe_name = parts.next().unwrap_or_default();
+    let keep: Vec<String> = parts.map(str::to_string).collect();
+    let recipe = Recipe::preset(recipe_name, num_layers, &keep, scale, Default::default()).with_context(|| format!("candidate '{s}'"))?;
+    Ok(Candidate { name: s.to_string(), spec: EngineSpec { recipe, noise_sigma: 0.0, noise_seed, staleness: 0 } })
+}
+
+/// Everything the check needs about the student.
+pub struct Student<'a> {
+    pub dev: &'a Device,
+    pub cfg: &'a ModelConfig,
+    pub w: &'a ModelWeights,
+    pub text: Option<Arc<TextTools>>,
+    pub calib: Option<&'a Calibration>,
+}
+
+/// D̂ of one engine spec against the standard engine on `prompts`.
+pub fn estimate(st: &Student, spec: &EngineSpec, prompts: &[PromptItem], s: &Settings) -> Result<Estimate> {
+    let rw = RolloutWeights::new(st.dev, spec, st.cfg, st.w, st.calib, 0)?;
+    let ec = EngineConfig { kv_fp8: spec.recipe.kv_layers(), ..Default::default() };
+    let mut cand = Engine::new(st.dev, st.cfg, st.w.dtype(), &ec, st.text.clone())?;
+    let sampling = Arc::new(SamplingConfig { temperature: s.temperature, max_new_tokens: s.max_new_tokens, seed: s.seed, ..Default::default() });
+    let rollouts = crate::train::rollout::generate(&mut cand, rw.view(st.w), prompts, s.samples, &sampling, 0, 0)?;
+    let mut std_e = Engine::new(st.dev, st.cfg, st.w.dtype(), &EngineConfig::default(), None)?;
+    let score = Arc::new(SamplingConfig { temperature: s.temperature, max_new_tokens: 0, ..Default::default() });
+    for (i, r) in rollouts.iter().enumerate() {
+        if r.response.is_empty() {
+            continue;
+        }
+        let mut seq = r.prompt.clone();
+        seq.extend_from_slice(&r.response);
+        std_e.add(Request { id: i as u64, sample: 0, prompt: seq, sampling: score.clone(), prompt_logprobs: true })?;
+    }
+    let mut per_prompt = vec![(0.0f64, 0usize); prompts.len()];
+    let index: std::collections::HashMap<u64, usize> = prompts.iter().enumerate().map(|(i, p)| (p.id, i)).collect();
+    for c in std_e.run_to_completion(st.w, |_| {})? {
+        let r = &rollouts[c.id as usize];
+        let q0 = &c.prompt_logprobs[r.prompt.len() - 1..];
+        let x = index[&r.prompt_id];
+        for (a, b) in r.sampler_logprobs.iter().zip(q0) {
+            per_prompt[x].0 += (*a - *b) as f64;
+            per_prompt[x].1 += 1;
+        }
+    }
+    Ok(budget::estimate(&per_prompt, s.reps, s.seed))
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Verdict {
+    pub candidate: String,
+    pub estimate: Estimate,
+    /// α·D̂ < L.
+    pub admit: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub per_layer: Option<PerLayer>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PerLayer {
+    /// D̂ with the candidate's recipe on one layer only (others standard).
+    pub layers: Vec<f64>,
+    /// App. C.2: (A − B)/(A − F): A the full candidate, B with the first layer's KV cache in the
+    /// model's dtype, F the standard engine against itself.
+    pub first_layer_share: Option<f64>,
+    /// App. C.3: D̂ with only the first layer's keys (values) in FP8, and keys / (keys and values).
+    pub first_keys: Option<f64>,
+    pub first_values: Option<f64>,
+    pub keys_share: Option<f64>,
+}
+
+fn only_layer(r: &Recipe, l: usize) -> Recipe {
+    let mut out = r.clone();
+    for (i, lr) in out.layers.iter_mut().enumerate() {
+        if i != l {
+            lr.weight = [Precision::Native; 7];
+            lr.input = [Precision::Native; 7];
+            lr.set_kv_fp8(false);
+        }
+    }
+    out
+}
+
+/// Runs the check for every candidate (the floor, `bf16` against itself, first).
+pub fn check(st: &Student, candidates: &[Candidate], prompts: &[PromptItem], s: &Settings, per_layer: bool) -> Result<(Estimate, Vec<Verdict>)> {
+    let n = st.cfg.num_layers;
+    let std_spec = EngineSpec { recipe: Recipe::preset("bf16", n, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.0, noise_seed: 0, staleness: 0 };
+    let floor = estimate(st, &std_spec, prompts, s)?;
+    let mut out = Vec::new();
+    for c in candidates {
+        let e = estimate(st, &c.spec, prompts, s)?;
+        let pl = if per_layer && !c.spec.recipe.is_standard() {
+            let mut layers = Vec::with_capacity(n);
+            for l in 0..n {
+                let spec = EngineSpec { recipe: only_layer(&c.spec.recipe, l), ..c.spec.clone() };
+                layers.push(estimate(st, &spec, prompts, s)?.d_hat);
+            }
+            let (mut share, mut fk, mut fv, mut ks) = (None, None, None, None);
+            if c.spec.recipe.layers[0].kv_fp8() {
+                let mut b = c.spec.recipe.clone();
+                b.apply(&Override { layers: vec![0], kv_fp8: Some(false), ..Default::default() })?;
+                let bb = estimate(st, &EngineSpec { recipe: b, ..c.spec.clone() }, prompts, s)?.d_hat;
+                if e.d_hat != floor.d_hat {
+                    share = Some((e.d_hat - bb) / (e.d_hat - floor.d_hat));
+                }
+                let side = |k: bool, v: bool| -> Result<f64> {
+                    let mut r = Recipe::preset("bf16", n, &[], c.spec.recipe.kv_scale, Default::default())?;
+                    r.apply(&Override { layers: vec![0], k_fp8: Some(k), v_fp8: Some(v), ..Default::default() })?;
+                    Ok(estimate(st, &EngineSpec { recipe: r, noise_sigma: 0.0, ..c.spec.clone() }, prompts, s)?.d_hat)
+                };
+                let (k, v, kv) = (side(true, false)?, side(false, true)?, side(true, true)?);
+                fk = Some(k);
+                fv = Some(v);
+                if kv != 0.0 {
+                    ks = Some(k / kv);
+                }
+            }
+            Some(PerLayer { layers, first_layer_share: share, first_keys: fk, first_values: fv, keys_share: ks })
+        } else {
+            None
+        };
+        out.push(Verdict { candidate: c.name.clone(), admit: budget::admit(e.d_hat, s.alpha, s.line), estimate: e, per_layer: pl });
+    }
+    Ok((floor, out))
+}
