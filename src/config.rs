@@ -178,11 +178,14 @@ pub struct EvalConfig {
     pub every: u64,
     pub samples_per_prompt: usize,
     pub max_new_tokens: Option<usize>,
+    /// Sampling seed of held-out responses: fixed per (problem, sample) and shared by every run
+    /// compared with one another.
+    pub seed: u64,
 }
 
 impl Default for EvalConfig {
     fn default() -> Self {
-        EvalConfig { every: 0, samples_per_prompt: 1, max_new_tokens: None }
+        EvalConfig { every: 0, samples_per_prompt: 1, max_new_tokens: None, seed: 20261101 }
     }
 }
 

@@ -5,6 +5,7 @@
 
 mod admit;
 mod bench;
+mod eval;
 mod generate;
 mod init_tiny;
 mod inspect;
@@ -39,6 +40,8 @@ pub enum Command {
     Score(score::Args),
     /// Architecture, parameter count, dtypes and memory estimate of a model directory.
     Inspect(inspect::Args),
+    /// Held-out KL and accuracy of a checkpoint, Δ against a reference run, budget brackets.
+    Eval(eval::Args),
     /// Offline admission check of candidate rollout engines (seed 000 Eqs. 5-6).
     Admit(admit::Args),
     /// Export a model in the ModelOpt FP8 / NVFP4 layout that vLLM and TensorRT-LLM load.
@@ -131,5 +134,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench(b) => bench::run(b),
         Command::Quantize(a) => quantize::run(a),
         Command::Admit(a) => admit::run(a),
+        Command::Eval(a) => eval::run(a),
     }
 }

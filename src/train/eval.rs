@@ -12,7 +12,7 @@ use anyhow::Result;
 use serde::Serialize;
 use std::sync::Arc;
 
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct EvalResult {
     pub step: u64,
     /// K(c): mean over problems of the per-problem KL.
@@ -23,6 +23,14 @@ pub struct EvalResult {
     /// Mean correctness per problem.
     pub acc_per_problem: Vec<f64>,
     pub tokens: usize,
+    /// Fingerprint of the held-out prompts and sampling (comparisons need equal ones).
+    #[serde(default)]
+    pub heldout: String,
+    /// The student and teacher the run trained (model paths as configured).
+    #[serde(default)]
+    pub student: String,
+    #[serde(default)]
+    pub teacher: String,
 }
 
 /// Scores `rollouts`' responses with `engine` on `w` at temperature 1 (prompt log-probs).
@@ -48,12 +56,16 @@ pub fn evaluate(
     seed: u64,
 ) -> Result<EvalResult> {
     let (se, sw) = student;
-    let sampling = Arc::new(SamplingConfig { temperature: 1.0, max_new_tokens, seed: seed ^ 0x4556_414c, ..Default::default() });
+    let sampling = Arc::new(SamplingConfig { temperature: 1.0, max_new_tokens, seed, ..Default::default() });
     // Held-out responses are keyed by the problem only, so every checkpoint of every run is
     // evaluated on responses drawn with the same random numbers.
     let mut rollouts = rollout::generate(se, sw, prompts, samples, &sampling, 0, 0)?;
     rollouts.retain(|r| !r.response.is_empty());
-    let mut res = EvalResult { step, ..Default::default() };
+    let mut fp = format!("{samples}/{max_new_tokens}/{seed}");
+    for p in prompts {
+        fp.push_str(&format!("|{:?}", p.tokens));
+    }
+    let mut res = EvalResult { step, heldout: format!("{:016x}", crate::rand::fnv1a64(fp.as_bytes())), ..Default::default() };
     let mut kl_sum = vec![0.0f64; prompts.len()];
     let mut kl_n = vec![0usize; prompts.len()];
     let mut acc = vec![0.0f64; prompts.len()];

@@ -238,7 +238,9 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             (Some(e), Some(t)) => Some((e, &t.weights)),
             _ => None,
         };
-        let r = eval::evaluate(step, (engine, &trainer.weights), te, text.as_deref(), &heldout, job.eval.samples_per_prompt as u32, eval_new, job.run.seed)?;
+        let mut r = eval::evaluate(step, (engine, &trainer.weights), te, text.as_deref(), &heldout, job.eval.samples_per_prompt as u32, eval_new, job.eval.seed)?;
+        r.student = job.model.path.clone();
+        r.teacher = job.teacher.as_ref().map(|t| t.path.clone()).unwrap_or_default();
         crate::util::write_atomic(&out_dir.join("eval").join(format!("step-{step:06}.json")), serde_json::to_string(&r)?.as_bytes())?;
         Ok(r)
     };

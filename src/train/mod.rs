@@ -11,5 +11,6 @@ pub mod eval;
 pub mod job;
 pub mod optimizer;
 pub mod rollout;
+pub mod runs;
 pub mod tiny;
 pub mod trainer;

@@ -1,0 +1,324 @@
+/*
+ * colotrain_kernels.h: the C ABI between the Rust device layer (src/device/cuda.rs and
+ * src/device/cuda/) and the CUDA code in csrc/.
+ *
+ * - One plain-data parameter struct per kernel (csrc/kernels/*.cu). Each kernel takes its struct
+ *   by value as its only argument, so the Rust side fills named fields instead of a positional
+ *   argument list: the argument order is checked in one place (this file).
+ * - The host-side CUTLASS launchers (csrc/cutlass/*.cu), plain C functions.
+ *
+ * Rust bindings: src/device/cuda/ffi.rs, generated from this file by scripts/gen_bindings.sh
+ * (bindgen, with compile-time layout assertions). build.rs refuses to build when this file's
+ * hash differs from the one recorded in ffi.rs: rerun the script after editing this file.
+ *
+ * Conventions: row-major tensors; `rows` are the live rows (the engine's `m`), buffers may be
+ * larger. Pointers are device addresses. Nothing in here has been run on a GPU yet.
+ */
+#ifndef COLOTRAIN_KERNELS_H
+#define COLOTRAIN_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Element types of float tensors (weights, caches). */
+#define CT_DTYPE_F32 0
+#define CT_DTYPE_BF16 1
+#define CT_DTYPE_F16 2
+/* FP8 E4M3 codes (KV caches): value = e4m3(code) * scale. */
+#define CT_DTYPE_U8 3
+
+/* Quantized weight formats (QTensor). */
+#define CT_FORMAT_FP8 0
+#define CT_FORMAT_NVFP4 1
+
+/* Codes written (first error wins) into the device's error word by kernels that meet bad
+ * input; the Rust side reads the word at every synchronization and turns it into an error. */
+#define CT_ERR_TOKEN_ID 1    /* embedding: token id >= vocabulary size */
+#define CT_ERR_GATHER_ROW 2  /* gather_rows: row index out of range */
+#define CT_ERR_KV_SLOT 3     /* kv_write: cache slot outside the cache */
+#define CT_ERR_TARGET 4      /* log_softmax_gather: target id >= vocabulary size */
+#define CT_ERR_ATTN_META 5   /* paged_attention: inconsistent q_start / ctx_len / block table */
+
+/* rmsnorm / add_rmsnorm / head_rmsnorm:
+ *   if r: x += r (x is the residual stream, updated in place); y = x / sqrt(mean(x^2) + eps) * w.
+ * head_rmsnorm runs it in place over rows of one head (y == x, rows = m * heads, cols = D). */
+typedef struct ct_rmsnorm_params {
+  float* y;
+  float* x;
+  const float* r; /* NULL: plain rmsnorm */
+  const void* w;  /* (cols), w_dtype */
+  int32_t w_dtype;
+  int32_t rows;
+  int32_t cols;
+  float eps;
+} ct_rmsnorm_params;
+
+/* cos/sin (rows, half) of angle = f32(pos * inv_freq[i]), evaluated in double. */
+typedef struct ct_rope_table_params {
+  const uint32_t* pos;
+  const float* inv_freq;
+  float* cos;
+  float* sin;
+  int32_t rows;
+  int32_t half;
+} ct_rope_table_params;
+
+/* HF rotate_half RoPE in place on x (rows, heads * 2 * half). */
+typedef struct ct_rope_params {
+  float* x;
+  const float* cos;
+  const float* sin;
+  int32_t rows;
+  int32_t heads;
+  int32_t half;
+} ct_rope_params;
+
+/* out (rows, cols) f32 = table[ids[i]], table (vocab, cols) of `dtype`. */
+typedef struct ct_embedding_params {
+  const void* table;
+  int32_t dtype;
+  int32_t vocab;
+  const uint32_t* ids;
+  float* out;
+  int32_t rows;
+  int32_t cols;
+  uint32_t* err;
+} ct_embedding_params;
+
+/* out[i] = silu(gate[i]) * up[i] for i < n. */
+typedef struct ct_swiglu_params {
+  const float* gate;
+  const float* up;
+  float* out;
+  int64_t n;
+} ct_swiglu_params;
+
+/* dst (rows, cols) = src[idx[i]], src (src_rows, cols). */
+typedef struct ct_gather_rows_params {
+  const float* src;
+  const uint32_t* idx;
+  float* dst;
+  int32_t rows;
+  int32_t cols;
+  int32_t src_rows;
+  uint32_t* err;
+} ct_gather_rows_params;
+
+/* y (rows, cols) += bias (cols) of `dtype`. */
+typedef struct ct_add_bias_params {
+  float* y;
+  const void* bias;
+  int32_t dtype;
+  int32_t rows;
+  int32_t cols;
+} ct_add_bias_params;
+
+/* y[i] = dtype(x[i]) (round to nearest even) for i < n; dtype BF16 or F16. */
+typedef struct ct_cast_params {
+  const float* x;
+  void* y;
+  int32_t dtype;
+  int64_t n;
+} ct_cast_params;
+
+/* out[i] = mean + std * N(0, 1) from Philox (key seed, counter (i / 2, stream)), for the device
+ * check's random inputs (not the CPU's crate::rand::Stream sequence). */
+typedef struct ct_fill_normal_params {
+  void* out;
+  int32_t dtype;
+  int64_t n;
+  uint64_t seed;
+  uint64_t stream;
+  float mean;
+  float std;
+} ct_fill_normal_params;
+
+/* Writes k, v (tokens, kv_heads * head_dim) f32 into the caches (num_blocks, kv_heads,
+ * block_size, head_dim) at slots[t] = block * block_size + offset. U8 caches store
+ * e4m3_satfinite(x / scale). */
+typedef struct ct_kv_write_params {
+  const float* k;
+  const float* v;
+  void* k_cache;
+  void* v_cache;
+  int32_t dtype;
+  float k_scale;
+  float v_scale;
+  const uint32_t* slots;
+  int32_t tokens;
+  int32_t kv_heads;
+  int32_t block_size;
+  int32_t head_dim;
+  int32_t num_blocks;
+  uint32_t* err;
+} ct_kv_write_params;
+
+/* Paged attention (prefill and decode rows alike): row t of sequence s (rows q_start[s] ..
+ * q_start[s+1]) sits at position ctx_len[s] - q_len + (t - q_start[s]) and attends causally
+ * to the cached positions 0..=that through block_tables (num_seqs, max_blocks). Online softmax
+ * in f32; GQA maps query head h to KV head h / (heads / kv_heads). */
+typedef struct ct_attention_params {
+  const float* q;
+  const void* k_cache;
+  const void* v_cache;
+  int32_t dtype;
+  float k_scale;
+  float v_scale;
+  const uint32_t* q_start;
+  const uint32_t* ctx_len;
+  const uint32_t* block_tables;
+  int32_t num_seqs;
+  int32_t num_tokens;
+  int32_t max_blocks;
+  int32_t block_size;
+  int32_t num_blocks;
+  int32_t heads;
+  int32_t kv_heads;
+  int32_t head_dim;
+  float softmax_scale;
+  float* out;
+  uint32_t* err;
+} ct_attention_params;
+
+/* out[i] = log_softmax(logits[i] / temperature)[targets[i]] (normalizer summed in double). */
+typedef struct ct_logprob_params {
+  const float* logits;
+  const uint32_t* targets;
+  float* out;
+  int32_t rows;
+  int32_t vocab;
+  float temperature;
+  uint32_t* err;
+} ct_logprob_params;
+
+/* One row of a sampling call. on_device = 0: the row is truncated (top-k / top-p) and sampled
+ * on the host by the CPU twin; the kernel skips it. */
+typedef struct ct_sample_row {
+  uint64_t seed;
+  uint64_t request;
+  float temperature; /* 0: greedy */
+  uint32_t sample;
+  uint32_t position;
+  uint32_t on_device;
+} ct_sample_row;
+
+typedef struct ct_sample_params {
+  const float* logits;
+  const ct_sample_row* params;
+  int32_t rows;
+  int32_t vocab;
+  uint32_t* tokens;
+  float* logprobs;
+} ct_sample_params;
+
+/* *amax_bits = max over i < n of the |x| bit pattern (atomicMax; the caller zeroes it first).
+ * With rht, every 16-value block is rotated (random Hadamard transform) before. NaN
+ * propagates (its bit pattern is above every finite one). */
+typedef struct ct_amax_params {
+  const void* x;
+  int32_t dtype;
+  int64_t n;
+  int32_t rht;
+  float signs[16];
+  uint32_t* amax_bits;
+} ct_amax_params;
+
+/* FP8 E4M3 per-tensor quantization: scale = fixed_scale if > 0, else amax / 448 (1 when amax
+ * is 0), amax read from *amax_bits; code = e4m3_satfinite(x / scale). Writes codes (if not
+ * NULL), the dequantized values e4m3(code) * scale (if dequant is not NULL) and the scale (if
+ * scale_out is not NULL). */
+typedef struct ct_quant_fp8_params {
+  const void* x;
+  int32_t dtype;
+  int64_t n;
+  const uint32_t* amax_bits;
+  float fixed_scale;
+  uint8_t* codes;
+  float* dequant;
+  float* scale_out;
+} ct_quant_fp8_params;
+
+/* NVFP4 quantization of n values (n % 16 == 0, blocks of 16 consecutive values), the exact
+ * arithmetic of src/quant/nvfp4.rs: global = fixed_global if > 0, else amax / 2688 (1 when amax
+ * is 0); optional RHT (signs) and stochastic rounding (Philox key sr_seed, counter (flat index
+ * of the value, 0x5352, 0)). Writes packed codes (n/2 bytes, even element in the low nibble),
+ * E4M3 block scales (n/16 bytes), the dequantized values (if not NULL) and the global scale
+ * (if global_out is not NULL). */
+typedef struct ct_quant_nvfp4_params {
+  const void* x;
+  int32_t dtype;
+  int64_t n;
+  const uint32_t* amax_bits;
+  float fixed_global;
+  int32_t rht;
+  float signs[16];
+  int32_t stochastic;
+  uint64_t sr_seed;
+  uint8_t* packed;
+  uint8_t* scales;
+  float* dequant;
+  float* global_out;
+} ct_quant_nvfp4_params;
+
+/* Decodes n quantized weight values. out_dtype F32: the exact CPU values (FP8: e4m3 * scale;
+ * NVFP4: f32(q * bs) * scale). out_dtype BF16: the unit values e4m3 / q * bs, exact in BF16;
+ * the tensor scale is then applied by the GEMM (alpha). */
+typedef struct ct_dequant_params {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int32_t format;
+  int64_t n;
+  float scale;
+  void* out;
+  int32_t out_dtype;
+} ct_dequant_params;
+
+/* Rewrites NVFP4 block scales (rows, sf_cols) from the linear layout into the tiled layout of
+ * block-scaled tensor-core GEMMs (CUTLASS Sm1xxBlkScaledConfig, cuBLASLt VEC16_UE4M3): tiles
+ * of 128 rows x 4 scale columns (512 bytes), K tiles innermost; inside a tile, row r and
+ * column c sit at (r % 32) * 16 + (r / 32) * 4 + c. Padding is written as 0. */
+typedef struct ct_swizzle_sf_params {
+  const uint8_t* src;
+  uint8_t* dst;
+  int32_t rows;
+  int32_t sf_cols;
+  int32_t padded_rows;
+  int32_t padded_cols;
+} ct_swizzle_sf_params;
+
+/* ---- CUTLASS launchers (host functions; csrc/cutlass/) ---------------------------------- */
+
+/* d (m, n) f32 row-major = alpha * a (m, k) . b (n, k)^T, FP32 accumulation.
+ * FP8: a, b are E4M3 codes, row-major with k contiguous; sfa = sfb = NULL.
+ * NVFP4: a, b are packed E2M1 (k/2 bytes per row); sfa, sfb the swizzled E4M3 block scales. */
+typedef struct ct_gemm_lp_args {
+  const void* a;
+  const void* b;
+  const void* sfa;
+  const void* sfb;
+  float* d;
+  int32_t m;
+  int32_t n;
+  int32_t k;
+  float alpha;
+} ct_gemm_lp_args;
+
+/* Each launcher returns 0 on success, else a cutlass::Status code (or -1 when the problem
+ * shape is not supported). With workspace_bytes != NULL it only writes the workspace size
+ * (nothing is launched); otherwise it runs on `stream` (a CUstream / cudaStream_t) with
+ * `workspace` (device memory of that size, or NULL when 0). */
+int ct_fp8_gemm_sm90a(const ct_gemm_lp_args* args, void* workspace, size_t* workspace_bytes, void* stream);
+int ct_fp8_gemm_sm100a(const ct_gemm_lp_args* args, void* workspace, size_t* workspace_bytes, void* stream);
+int ct_nvfp4_gemm_sm100a(const ct_gemm_lp_args* args, void* workspace, size_t* workspace_bytes, void* stream);
+/* Bytes of the swizzled scale tensors CUTLASS expects for an (m, n, k) NVFP4 problem. */
+void ct_nvfp4_sf_bytes_sm100a(int32_t m, int32_t n, int32_t k, size_t* sfa_bytes, size_t* sfb_bytes);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COLOTRAIN_KERNELS_H */

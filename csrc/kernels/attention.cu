@@ -1,0 +1,150 @@
+// attention.cu: the paged KV cache write and paged attention (vLLM layout: caches of shape
+// (num_blocks, kv_heads, block_size, head_dim)), for prefill and decode rows alike.
+// CPU twins: src/ops/attention.rs kv_write (bit-exact: the same f32 division and E4M3 / BF16 /
+// F16 rounding) and paged_attention (the same online softmax in f32, but keys are processed in
+// tiles of CT_ATT_TILE and dot products are reduced across a warp, so results agree to
+// rounding). Prefill is this same kernel over the freshly written cache (no separate flash
+// kernel yet): one block per (query row, KV head), so long prefills are O(T^2) with no reuse
+// of K/V tiles across rows, and batch-1 decode uses only kv_heads blocks (no split-K yet).
+// Not yet run on a GPU.
+#include "common.cuh"
+
+#define CT_ATT_TILE 32
+
+__device__ __forceinline__ float ct_cache_load(const void* c, int dtype, int64_t i, float scale) {
+  if (dtype == CT_DTYPE_U8) {
+    return __fmul_rn(ct_e4m3_decode(static_cast<const uint8_t*>(c)[i]), scale);
+  }
+  return ct_load(c, dtype, i);
+}
+
+// One thread per (token, kv head, d) for keys and values.
+extern "C" __global__ void ct_kv_write(ct_kv_write_params p) {
+  const int64_t row = static_cast<int64_t>(p.kv_heads) * p.head_dim;
+  const int64_t n = static_cast<int64_t>(p.tokens) * row;
+  CT_GRID_LOOP(idx, n) {
+    const int64_t t = idx / row;
+    const int h = static_cast<int>((idx % row) / p.head_dim);
+    const int d = static_cast<int>(idx % p.head_dim);
+    const uint32_t slot = p.slots[t];
+    const uint32_t blk = slot / static_cast<uint32_t>(p.block_size);
+    const uint32_t off = slot % static_cast<uint32_t>(p.block_size);
+    if (blk >= static_cast<uint32_t>(p.num_blocks)) {
+      ct_set_error(p.err, CT_ERR_KV_SLOT);
+      continue;
+    }
+    const int64_t dst = ((static_cast<int64_t>(blk) * p.kv_heads + h) * p.block_size + off) * p.head_dim + d;
+    const float kv[2] = {p.k[idx], p.v[idx]};
+    void* caches[2] = {p.k_cache, p.v_cache};
+    const float scales[2] = {p.k_scale, p.v_scale};
+#pragma unroll
+    for (int w = 0; w < 2; w++) {
+      if (p.dtype == CT_DTYPE_U8) {
+        static_cast<uint8_t*>(caches[w])[dst] = static_cast<uint8_t>(ct_e4m3_encode_nan(__fdiv_rn(kv[w], scales[w])));
+      } else {
+        ct_store(caches[w], p.dtype, dst, kv[w]);
+      }
+    }
+  }
+}
+
+// grid (num_tokens, kv_heads), block 128 threads (4 warps). Dynamic shared memory:
+//   q (groups * D) | acc (groups * D) | scores (groups * TILE) | m, l, corr (3 * groups) floats.
+extern "C" __global__ void ct_paged_attention(ct_attention_params p) {
+  extern __shared__ float smem[];
+  const int t = blockIdx.x, kvh = blockIdx.y;
+  const int D = p.head_dim, groups = p.heads / p.kv_heads;
+  float* sq = smem;
+  float* acc = sq + groups * D;
+  float* scores = acc + groups * D;
+  float* mrun = scores + groups * CT_ATT_TILE;
+  float* lrun = mrun + groups;
+  float* corr = lrun + groups;
+  const int tid = threadIdx.x, lane = tid % CT_WARP, warp = tid / CT_WARP;
+  const int nwarps = blockDim.x / CT_WARP;
+  const int64_t row_stride = static_cast<int64_t>(p.heads) * D;
+  float* out = p.out + t * row_stride + static_cast<int64_t>(kvh) * groups * D;
+
+  // The sequence of row t: the last s with q_start[s] <= t.
+  int lo = 0, hi = p.num_seqs;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (p.q_start[mid] <= static_cast<uint32_t>(t)) lo = mid; else hi = mid;
+  }
+  const int s = lo;
+  const int64_t q0 = p.q_start[s], q_len = static_cast<int64_t>(p.q_start[s + 1]) - q0;
+  const int64_t ctx = p.ctx_len[s];
+  const int64_t pos = ctx - q_len + (t - q0);
+  const int64_t n = pos + 1;
+  if (q_len <= 0 || t - q0 >= q_len || pos < 0 || n > static_cast<int64_t>(p.max_blocks) * p.block_size) {
+    if (tid == 0) ct_set_error(p.err, CT_ERR_ATTN_META);
+    for (int i = tid; i < groups * D; i += blockDim.x) out[i] = __uint_as_float(0x7FC00000u);
+    return;
+  }
+  const uint32_t* table = p.block_tables + static_cast<int64_t>(s) * p.max_blocks;
+
+  const float* q = p.q + t * row_stride + static_cast<int64_t>(kvh) * groups * D;
+  for (int i = tid; i < groups * D; i += blockDim.x) {
+    sq[i] = q[i];
+    acc[i] = 0.0f;
+  }
+  for (int g = tid; g < groups; g += blockDim.x) {
+    mrun[g] = -INFINITY;
+    lrun[g] = 0.0f;
+  }
+  __syncthreads();
+
+  for (int64_t j0 = 0; j0 < n; j0 += CT_ATT_TILE) {
+    const int jn = static_cast<int>(n - j0 < CT_ATT_TILE ? n - j0 : CT_ATT_TILE);
+    // Scores: one warp per key, lanes over D.
+    for (int j = warp; j < jn; j += nwarps) {
+      const int64_t key = j0 + j;
+      const uint32_t blk = table[key / p.block_size];
+      if (blk >= static_cast<uint32_t>(p.num_blocks)) {
+        if (lane == 0) ct_set_error(p.err, CT_ERR_ATTN_META);
+        for (int g = lane; g < groups; g += CT_WARP) scores[g * CT_ATT_TILE + j] = __uint_as_float(0x7FC00000u);
+        continue;
+      }
+      const int64_t base = ((static_cast<int64_t>(blk) * p.kv_heads + kvh) * p.block_size + key % p.block_size) * D;
+      for (int g = 0; g < groups; g++) {
+        float dot = 0.0f;
+        for (int d = lane; d < D; d += CT_WARP) dot += sq[g * D + d] * ct_cache_load(p.k_cache, p.dtype, base + d, p.k_scale);
+        dot = ct_warp_sum(dot);
+        if (lane == 0) scores[g * CT_ATT_TILE + j] = dot * p.softmax_scale;
+      }
+    }
+    __syncthreads();
+    // Online softmax update, one thread per query head of the group.
+    for (int g = tid; g < groups; g += blockDim.x) {
+      float tile_max = -INFINITY;
+      for (int j = 0; j < jn; j++) tile_max = fmaxf(tile_max, scores[g * CT_ATT_TILE + j]);
+      const float m_new = fmaxf(mrun[g], tile_max);
+      const float c = expf(mrun[g] - m_new);
+      float l = lrun[g] * c;
+      for (int j = 0; j < jn; j++) {
+        const float e = expf(scores[g * CT_ATT_TILE + j] - m_new);
+        scores[g * CT_ATT_TILE + j] = e;
+        l += e;
+      }
+      mrun[g] = m_new;
+      lrun[g] = l;
+      corr[g] = c;
+    }
+    __syncthreads();
+    // acc = acc * corr + P . V, threads over (g, d).
+    for (int i = tid; i < groups * D; i += blockDim.x) {
+      const int g = i / D, d = i % D;
+      float a = acc[i] * corr[g];
+      for (int j = 0; j < jn; j++) {
+        const int64_t key = j0 + j;
+        const uint32_t blk = table[key / p.block_size];
+        if (blk >= static_cast<uint32_t>(p.num_blocks)) continue;
+        const int64_t base = ((static_cast<int64_t>(blk) * p.kv_heads + kvh) * p.block_size + key % p.block_size) * D;
+        a += scores[g * CT_ATT_TILE + j] * ct_cache_load(p.v_cache, p.dtype, base + d, p.v_scale);
+      }
+      acc[i] = a;
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < groups * D; i += blockDim.x) out[i] = acc[i] / lrun[i / D];
+}

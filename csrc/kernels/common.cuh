@@ -1,0 +1,224 @@
+// common.cuh: device helpers shared by the kernels in csrc/kernels/: element loads by dtype,
+// block reductions, and bit-exact ports of the CPU's number formats and random numbers:
+//   - ct_e4m3_encode / ct_e4m3_decode   <- src/quant/fp8.rs (encode_e4m3_fast, E4M3.encode/decode)
+//   - ct_e2m1_encode / ct_e2m1_sr       <- src/quant/fp8.rs encode_e2m1_fast, nvfp4.rs sr_e2m1
+//   - ct_rht16                          <- src/quant/nvfp4.rs rht_block
+//   - ct_philox / ct_uniform_f64        <- src/rand.rs philox4x32_10, uniform_f64
+// Bit-exactness needs the same f32 operations in the same order, so these use the _rn
+// intrinsics, which nvcc never contracts into FMAs. Not yet run on a GPU.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "colotrain_kernels.h"
+
+#define CT_WARP 32
+
+__device__ __forceinline__ float ct_load(const void* p, int dtype, int64_t i) {
+  switch (dtype) {
+    case CT_DTYPE_BF16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case CT_DTYPE_F16:
+      return __half2float(static_cast<const __half*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ void ct_store(void* p, int dtype, int64_t i, float v) {
+  switch (dtype) {
+    case CT_DTYPE_BF16:
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+      break;
+    case CT_DTYPE_F16:
+      static_cast<__half*>(p)[i] = __float2half_rn(v);
+      break;
+    default:
+      static_cast<float*>(p)[i] = v;
+  }
+}
+
+// Records the first error code of this launch sequence (the host resets the word to 0).
+__device__ __forceinline__ void ct_set_error(uint32_t* err, uint32_t code) {
+  if (err != nullptr) atomicCAS(err, 0u, code);
+}
+
+// ---- reductions (blockDim.x a multiple of 32, at most 1024) ---------------------------------
+
+__device__ __forceinline__ float ct_warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ double ct_warp_sum_f64(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// max ignoring NaN (like Rust's f32::max).
+__device__ __forceinline__ float ct_warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Block-wide sum; `scratch` holds 32 floats. Every thread gets the result.
+__device__ __forceinline__ float ct_block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x % CT_WARP, warp = threadIdx.x / CT_WARP;
+  const int nwarps = (blockDim.x + CT_WARP - 1) / CT_WARP;
+  v = ct_warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? scratch[lane] : 0.0f;
+  return ct_warp_sum(t);
+}
+
+__device__ __forceinline__ double ct_block_sum_f64(double v, double* scratch) {
+  const int lane = threadIdx.x % CT_WARP, warp = threadIdx.x / CT_WARP;
+  const int nwarps = (blockDim.x + CT_WARP - 1) / CT_WARP;
+  v = ct_warp_sum_f64(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  double t = lane < nwarps ? scratch[lane] : 0.0;
+  return ct_warp_sum_f64(t);
+}
+
+__device__ __forceinline__ float ct_block_max(float v, float* scratch) {
+  const int lane = threadIdx.x % CT_WARP, warp = threadIdx.x / CT_WARP;
+  const int nwarps = (blockDim.x + CT_WARP - 1) / CT_WARP;
+  v = ct_warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? scratch[lane] : -INFINITY;
+  return ct_warp_max(t);
+}
+
+// ---- FP8 E4M3 (fn: bias 7, max 448) ---------------------------------------------------------
+
+// The value of an E4M3 code (0x7F / 0xFF: NaN), exact.
+__device__ __forceinline__ float ct_e4m3_decode(uint32_t c) {
+  const uint32_t mag = c & 0x7Fu;
+  float v;
+  if (mag == 0x7Fu) {
+    v = __uint_as_float(0x7FC00000u);
+  } else if ((mag >> 3) == 0) {
+    v = __fmul_rn(static_cast<float>(mag & 7u), 1.0f / 512.0f);  // subnormal: m * 2^-9
+  } else {
+    v = __uint_as_float((((mag >> 3) + 120u) << 23) | ((mag & 7u) << 20));
+  }
+  return (c & 0x80u) ? -v : v;
+}
+
+// encode_e4m3_fast: round to nearest even, saturating at 448 (NaN saturates too).
+__device__ __forceinline__ uint32_t ct_e4m3_encode(float x) {
+  const uint32_t bits = __float_as_uint(x);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t abs = bits & 0x7FFFFFFFu;
+  const uint32_t rounded = (abs + 0x7FFFFu + ((abs >> 20) & 1u)) >> 20;
+  const int32_t normal_i = static_cast<int32_t>(rounded) - (120 << 3);
+  const uint32_t normal = static_cast<uint32_t>(normal_i < 0x7E ? normal_i : 0x7E);
+  const float sub_f = __fadd_rn(__fmul_rn(__uint_as_float(abs), 512.0f), 12582912.0f);
+  const uint32_t sub = __float_as_uint(sub_f) - 0x4B400000u;
+  uint32_t mag = abs < 0x3C800000u ? sub : normal;
+  mag = abs >= 0x47800000u ? 0x7Eu : mag;
+  return sign | mag;
+}
+
+// E4M3.encode: as above, but NaN encodes as the NaN code (the KV cache and fake-quant paths).
+__device__ __forceinline__ uint32_t ct_e4m3_encode_nan(float x) {
+  const uint32_t bits = __float_as_uint(x);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return ((bits >> 24) & 0x80u) | 0x7Fu;
+  return ct_e4m3_encode(x);
+}
+
+// ---- E2M1 -----------------------------------------------------------------------------------
+
+__device__ __forceinline__ float ct_e2m1_value(uint32_t code) {
+  const float mags[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float v = mags[code & 7u];
+  return (code & 8u) ? -v : v;
+}
+
+// encode_e2m1_fast: RNE thresholds, saturating at 6.
+__device__ __forceinline__ uint32_t ct_e2m1_encode(float v) {
+  const float a = fabsf(v);
+  const uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                        (a >= 3.5f) + (a > 5.0f);
+  return ((__float_as_uint(v) >> 28) & 0x8u) | code;
+}
+
+// Rust's f32::clamp (NaN passes through).
+__device__ __forceinline__ float ct_clamp(float v, float lo, float hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+// sr_e2m1: stochastic rounding between the two neighbouring magnitudes (|v| <= 6).
+__device__ __forceinline__ uint32_t ct_e2m1_sr(float v, double u) {
+  const float mags[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float a = fminf(fabsf(v), 6.0f);
+  int lo = 0;
+  while (lo + 1 < 8 && mags[lo + 1] <= a) lo++;
+  int code = lo;
+  if (!(lo == 7 || a == mags[lo])) {
+    const float p = __fdiv_rn(__fsub_rn(a, mags[lo]), __fsub_rn(mags[lo + 1], mags[lo]));
+    if (u < static_cast<double>(p)) code = lo + 1;
+  }
+  return (signbit(v) ? 8u : 0u) | static_cast<uint32_t>(code);
+}
+
+// ---- random Hadamard transform on 16 values -------------------------------------------------
+
+__device__ __forceinline__ void ct_rht16(float* x, const float* signs) {
+#pragma unroll
+  for (int i = 0; i < 16; i++) x[i] = __fmul_rn(x[i], signs[i]);
+#pragma unroll
+  for (int h = 1; h < 16; h *= 2) {
+#pragma unroll
+    for (int i = 0; i < 16; i += 2 * h) {
+#pragma unroll
+      for (int j = i; j < i + h; j++) {
+        const float a = x[j], b = x[j + h];
+        x[j] = __fadd_rn(a, b);
+        x[j + h] = __fsub_rn(a, b);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 16; i++) x[i] = __fmul_rn(x[i], 0.25f);
+}
+
+// ---- Philox 4x32-10 -------------------------------------------------------------------------
+
+__device__ __forceinline__ uint4 ct_philox(uint4 c, uint2 k) {
+  const uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u, W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+#pragma unroll
+  for (int r = 0; r < 10; r++) {
+    if (r > 0) {
+      k.x += W0;
+      k.y += W1;
+    }
+    const uint32_t hi0 = __umulhi(M0, c.x), lo0 = M0 * c.x;
+    const uint32_t hi1 = __umulhi(M1, c.z), lo1 = M1 * c.z;
+    c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+  }
+  return c;
+}
+
+__device__ __forceinline__ uint2 ct_seed_key(uint64_t seed) {
+  return make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+// A double in [0, 1) from 53 random bits, exact.
+__device__ __forceinline__ double ct_uniform_f64(uint32_t a, uint32_t b) {
+  const uint64_t bits = ((static_cast<uint64_t>(a) << 32) | b) >> 11;
+  return static_cast<double>(bits) * (1.0 / 9007199254740992.0);
+}
+
+// Grid-stride loop over [0, n).
+#define CT_GRID_LOOP(i, n)                                                      \
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; \
+       i < (n); i += static_cast<int64_t>(gridDim.x) * blockDim.x)

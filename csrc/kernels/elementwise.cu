@@ -1,0 +1,74 @@
+// elementwise.cu: row-wise data movement and activations.
+// CPU twins: src/ops/elementwise.rs (embedding, swiglu, gather_rows); the bias add and the f32
+// -> BF16/F16 cast are the pieces of src/ops/matmul.rs's linear that run around the cuBLASLt
+// GEMM (bias: y += b as in the CPU loop; cast: the GEMM's BF16 input, round to nearest even as
+// half::bf16::from_f32). fill_normal has no CPU twin: it makes the device check's random inputs.
+// Out-of-range ids are reported through the error word and their rows set to NaN (the CPU
+// twin returns an error before writing). Not yet run on a GPU.
+#include "common.cuh"
+
+// One thread per output element (row, col).
+extern "C" __global__ void ct_embedding(ct_embedding_params p) {
+  const int64_t n = static_cast<int64_t>(p.rows) * p.cols;
+  CT_GRID_LOOP(idx, n) {
+    const int64_t row = idx / p.cols, col = idx % p.cols;
+    const uint32_t id = p.ids[row];
+    if (id >= static_cast<uint32_t>(p.vocab)) {
+      ct_set_error(p.err, CT_ERR_TOKEN_ID);
+      p.out[idx] = __uint_as_float(0x7FC00000u);
+    } else {
+      p.out[idx] = ct_load(p.table, p.dtype, static_cast<int64_t>(id) * p.cols + col);
+    }
+  }
+}
+
+// silu(g) * u with silu(g) = g / (1 + exp(-g)) (the CPU's formula; expf may differ from the
+// host's by an ulp).
+extern "C" __global__ void ct_swiglu(ct_swiglu_params p) {
+  CT_GRID_LOOP(i, p.n) {
+    const float g = p.gate[i];
+    const float s = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+    p.out[i] = __fmul_rn(s, p.up[i]);
+  }
+}
+
+extern "C" __global__ void ct_gather_rows(ct_gather_rows_params p) {
+  const int64_t n = static_cast<int64_t>(p.rows) * p.cols;
+  CT_GRID_LOOP(idx, n) {
+    const int64_t row = idx / p.cols, col = idx % p.cols;
+    const uint32_t src_row = p.idx[row];
+    if (src_row >= static_cast<uint32_t>(p.src_rows)) {
+      ct_set_error(p.err, CT_ERR_GATHER_ROW);
+      p.dst[idx] = __uint_as_float(0x7FC00000u);
+    } else {
+      p.dst[idx] = p.src[static_cast<int64_t>(src_row) * p.cols + col];
+    }
+  }
+}
+
+extern "C" __global__ void ct_add_bias(ct_add_bias_params p) {
+  const int64_t n = static_cast<int64_t>(p.rows) * p.cols;
+  CT_GRID_LOOP(idx, n) {
+    p.y[idx] = __fadd_rn(p.y[idx], ct_load(p.bias, p.dtype, idx % p.cols));
+  }
+}
+
+extern "C" __global__ void ct_cast(ct_cast_params p) {
+  CT_GRID_LOOP(i, p.n) { ct_store(p.y, p.dtype, i, p.x[i]); }
+}
+
+// Box-Muller on Philox uniforms: pair i/2 uses block (i/2, stream) of key seed.
+extern "C" __global__ void ct_fill_normal(ct_fill_normal_params p) {
+  const int64_t pairs = (p.n + 1) / 2;
+  CT_GRID_LOOP(j, pairs) {
+    const uint4 r = ct_philox(make_uint4(static_cast<uint32_t>(j), static_cast<uint32_t>(j >> 32),
+                                         static_cast<uint32_t>(p.stream), static_cast<uint32_t>(p.stream >> 32)),
+                              ct_seed_key(p.seed));
+    const double u1 = 1.0 - ct_uniform_f64(r.x, r.y);  // (0, 1]
+    const double u2 = ct_uniform_f64(r.z, r.w);
+    const double rad = sqrt(-2.0 * log(u1));
+    const double z0 = rad * cos(6.283185307179586 * u2), z1 = rad * sin(6.283185307179586 * u2);
+    ct_store(p.out, p.dtype, 2 * j, p.mean + p.std * static_cast<float>(z0));
+    if (2 * j + 1 < p.n) ct_store(p.out, p.dtype, 2 * j + 1, p.mean + p.std * static_cast<float>(z1));
+  }
+}

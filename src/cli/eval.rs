@@ -1,0 +1,163 @@
+//! `colotrain eval`: held-out KL and accuracy of a checkpoint (optionally Δ against a reference
+//! run at the same step, with the primary rule), or `--budget`: the runs' mismatch levels, their
+//! verdicts and the empirical bracket B_emp(τ).
+
+use crate::data::dataset::Dataset;
+use crate::device::{DType, Device};
+use crate::engine::{Engine, EngineConfig};
+use crate::mismatch::budget;
+use crate::model::LoadedModel;
+use crate::train::eval;
+use crate::train::runs::{self, RunDir};
+use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// A checkpoint directory to evaluate.
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    #[arg(long)]
+    pub teacher: Option<PathBuf>,
+    /// Held-out prompts (JSONL with "answer") or builtin:arith.
+    #[arg(long)]
+    pub heldout: Option<String>,
+    /// Problems drawn for builtin:arith.
+    #[arg(long, default_value_t = 128)]
+    pub heldout_size: usize,
+    /// A reference run (directory) to compare with at the same step.
+    #[arg(long)]
+    pub reference: Option<PathBuf>,
+    /// Runs whose budget to bracket (with --reference).
+    #[arg(long, num_args = 1..)]
+    pub budget: Vec<PathBuf>,
+    /// Step to compare at (default: the checkpoint's step, or the last step every run evaluated).
+    #[arg(long)]
+    pub step: Option<u64>,
+    #[arg(long, default_value_t = 0.20)]
+    pub tau: f64,
+    #[arg(long, default_value_t = 10000)]
+    pub reps: usize,
+    #[arg(long, default_value_t = 4)]
+    pub samples: u32,
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    #[arg(long, default_value_t = 20261101)]
+    pub seed: u64,
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if !a.budget.is_empty() {
+        return run_budget(&a);
+    }
+    let ck = a.checkpoint.as_ref().context("give --checkpoint DIR (or --budget RUN... --reference RUN)")?;
+    let tdir = a.teacher.as_ref().context("--teacher DIR is required to measure held-out KL")?;
+    let hspec = a.heldout.as_ref().context("--heldout FILE (or builtin:arith) is required")?;
+    let dev = Device::parse(&a.device)?;
+    let dtype = if dev.is_cpu() { DType::F32 } else { DType::BF16 };
+    let st = LoadedModel::load(ck, &dev, dtype)?;
+    let te = LoadedModel::load(&crate::train::tiny::resolve(&tdir.display().to_string())?, &dev, dtype)?;
+    if st.cfg.vocab_size != te.cfg.vocab_size {
+        bail!("student and teacher vocabularies differ ({} vs {})", st.cfg.vocab_size, te.cfg.vocab_size);
+    }
+    let prompts = Dataset::open(hspec, st.text.clone(), false, st.cfg.vocab_size, 0)?.heldout(a.heldout_size)?;
+    if prompts.is_empty() {
+        bail!("{hspec}: no held-out problems");
+    }
+    let mut se = Engine::new(&dev, &st.cfg, dtype, &EngineConfig::default(), st.text.clone())?;
+    let mut tt = Engine::new(&dev, &te.cfg, dtype, &EngineConfig::default(), None)?;
+    let step = match a.step {
+        Some(s) => s,
+        None => std::fs::read_to_string(ck.join(crate::train::checkpoint::STATE_FILE))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v["step"].as_u64())
+            .unwrap_or(0),
+    };
+    let mut r = eval::evaluate(step, (&mut se, &st.weights), Some((&mut tt, &te.weights)), st.text.as_deref(), &prompts, a.samples, a.max_new_tokens, a.seed)?;
+    let mut out = serde_json::json!({"checkpoint": ck, "step": step, "heldout_kl": r.kl, "accuracy": r.accuracy, "problems": prompts.len()});
+    println!("{}: step {step}, held-out KL K = {:.5} nats/token over {} problems, accuracy {:.1}%", ck.display(), r.kl, prompts.len(), r.accuracy * 100.0);
+    if let Some(refdir) = &a.reference {
+        let rd = RunDir::open(refdir)?;
+        let mut reference = rd.eval_at(step)?;
+        // The reference's labels come from its run; a checkpoint evaluated here carries its
+        // run's labels when it has a trainer state.
+        if let Ok(t) = std::fs::read_to_string(ck.join(crate::train::checkpoint::STATE_FILE)) {
+            if let Ok(j) = serde_json::from_str::<serde_json::Value>(&t).map(|v| v["config"].as_str().unwrap_or_default().to_string()) {
+                if let Ok(cfg) = crate::config::JobConfig::from_toml(&j, "checkpoint config") {
+                    r.student = cfg.model.path.clone();
+                    r.teacher = cfg.teacher.map(|t| t.path).unwrap_or_default();
+                }
+            }
+        }
+        if reference.heldout != r.heldout {
+            bail!(
+                "{}: its evaluations used another held-out set or sampling (fingerprint {} vs {}); evaluate with the same --heldout, --samples, --max-new-tokens and --seed",
+                refdir.display(),
+                reference.heldout,
+                r.heldout
+            );
+        }
+        reference.step = step;
+        let d = runs::compare(&r, &reference, a.tau, a.reps)?;
+        println!(
+            "vs {} at step {step}: Δ = {:+.2}% [{:+.2}, {:+.2}], paired difference [{:+.5}, {:+.5}] nats/token -> {}",
+            refdir.display(),
+            d.delta * 100.0,
+            d.lo * 100.0,
+            d.hi * 100.0,
+            d.diff_lo,
+            d.diff_hi,
+            if d.fail { "FAIL" } else { "pass" }
+        );
+        out["delta"] = serde_json::to_value(&d)?;
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    Ok(())
+}
+
+fn run_budget(a: &Args) -> Result<()> {
+    let refdir = a.reference.as_ref().context("--budget needs --reference RUN (the standard run)")?;
+    let reference = RunDir::open(refdir)?;
+    let runs: Vec<RunDir> = a.budget.iter().map(|p| RunDir::open(p)).collect::<Result<_>>()?;
+    let step = match a.step {
+        Some(s) => s,
+        None => {
+            let mut common = reference.eval_steps();
+            for r in &runs {
+                let s = r.eval_steps();
+                common.retain(|x| s.contains(x));
+            }
+            *common.iter().filter(|&&s| s > 0).last().context("the runs share no evaluated step > 0")?
+        }
+    };
+    let re = reference.eval_at(step)?;
+    let mut rows = Vec::new();
+    println!("budget at step {step} (τ = {:.0}%), reference {} (K = {:.5}, D = {:.5})", a.tau * 100.0, reference.name(), re.kl, reference.mismatch_level(step).unwrap_or(f64::NAN));
+    println!("{:<28} {:>10} {:>9} {:>22} {:>7}", "run", "D", "Δ", "95% interval", "rule");
+    for r in &runs {
+        let e = r.eval_at(step)?;
+        let d = runs::compare(&e, &re, a.tau, a.reps).with_context(|| format!("comparing {} with {}", r.path.display(), refdir.display()))?;
+        let level = r.mismatch_level(step).with_context(|| format!("{}: no mismatch metrics up to step {step}", r.path.display()))?;
+        println!(
+            "{:<28} {:>10.5} {:>+8.2}% {:>22} {:>7}",
+            r.name(),
+            level,
+            d.delta * 100.0,
+            format!("[{:+.2}, {:+.2}]", d.lo * 100.0, d.hi * 100.0),
+            if d.fail { "fail" } else { "pass" }
+        );
+        rows.push((level, d.fail));
+    }
+    match budget::bracket(&rows) {
+        Some((lo, hi)) => println!("B_emp(τ = {:.2}) = [{lo:.5}, {hi:.5}] nats/token", a.tau),
+        None => println!("B_emp(τ = {:.2}): the passing and failing levels are not ordered (or one set is empty)", a.tau),
+    }
+    Ok(())
+}
