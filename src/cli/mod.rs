@@ -10,6 +10,7 @@ mod generate;
 mod init_tiny;
 mod inspect;
 mod quantize;
+mod report;
 mod score;
 mod train;
 
@@ -42,6 +43,8 @@ pub enum Command {
     Inspect(inspect::Args),
     /// Held-out KL and accuracy of a checkpoint, Δ against a reference run, budget brackets.
     Eval(eval::Args),
+    /// SVG plots of a run's metrics (mismatch, held-out KL, accuracy, reward, entropy, phases).
+    Report(report::Args),
     /// Offline admission check of candidate rollout engines (seed 000 Eqs. 5-6).
     Admit(admit::Args),
     /// Export a model in the ModelOpt FP8 / NVFP4 layout that vLLM and TensorRT-LLM load.
@@ -135,5 +138,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Quantize(a) => quantize::run(a),
         Command::Admit(a) => admit::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Report(a) => report::run(a),
     }
 }

@@ -1,0 +1,146 @@
+//! `colotrain report RUN_DIR`: SVG plots of a run's metrics log (plotters), so a user looks
+//! instead of reads: mismatch (d_n, |δ| quantiles), held-out KL and accuracy, reward, entropy,
+//! response length, and the per-step phase-time breakdown.
+
+use anyhow::{bail, Context, Result};
+use plotters::prelude::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The run directory (holds metrics.jsonl).
+    pub run: PathBuf,
+    /// Output directory for the SVG files (default RUN/report).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+type Series = (String, Vec<(f64, f64)>);
+
+fn series(metrics: &[Value], name: &str, path: &[&str]) -> Series {
+    let pts = metrics
+        .iter()
+        .filter_map(|m| {
+            let step = m.get("step")?.as_f64()?;
+            let mut v = m;
+            for p in path {
+                v = v.get(*p)?;
+            }
+            v.as_f64().filter(|x| x.is_finite()).map(|y| (step, y))
+        })
+        .collect();
+    (name.to_string(), pts)
+}
+
+const COLORS: [RGBColor; 6] = [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(255, 127, 14), RGBColor(148, 103, 189), RGBColor(140, 86, 75)];
+
+/// One line chart of several series into `path`.
+fn chart(path: &Path, title: &str, ylabel: &str, all: &[Series]) -> Result<bool> {
+    let pts: Vec<&(f64, f64)> = all.iter().flat_map(|s| s.1.iter()).collect();
+    if pts.is_empty() {
+        return Ok(false);
+    }
+    let (x0, x1) = pts.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let (y0, y1) = pts.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    let pad = ((y1 - y0) * 0.05).max(1e-12);
+    let root = SVGBackend::new(path, (720, 420)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let mut c = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(64)
+        .build_cartesian_2d(x0..x1.max(x0 + 1.0), (y0 - pad)..(y1 + pad))
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    c.configure_mesh().x_desc("step").y_desc(ylabel).draw().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    for (i, (name, s)) in all.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        c.draw_series(LineSeries::new(s.iter().copied(), color.stroke_width(2)))
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?
+            .label(name.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+    }
+    c.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    root.present().map_err(|e| anyhow::anyhow!("{}: {e:?}", path.display()))?;
+    Ok(true)
+}
+
+/// Stacked areas of the phase seconds per step.
+fn phases(path: &Path, metrics: &[Value]) -> Result<bool> {
+    let names = ["rollout", "teacher", "reward", "train", "resync"];
+    let rows: Vec<(f64, Vec<f64>)> = metrics
+        .iter()
+        .filter_map(|m| {
+            let t = m.get("time")?;
+            Some((m.get("step")?.as_f64()?, names.iter().map(|n| t.get(*n).and_then(|v| v.as_f64()).unwrap_or(0.0)).collect()))
+        })
+        .collect();
+    if rows.is_empty() {
+        return Ok(false);
+    }
+    let x1 = rows.iter().map(|r| r.0).fold(1.0, f64::max);
+    let y1 = rows.iter().map(|r| r.1.iter().sum::<f64>()).fold(1e-9, f64::max);
+    let root = SVGBackend::new(path, (720, 420)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let mut c = ChartBuilder::on(&root)
+        .caption("Where a step's time goes (seconds)", ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(64)
+        .build_cartesian_2d(0.0..x1, 0.0..y1 * 1.05)
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    c.configure_mesh().x_desc("step").y_desc("seconds").draw().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    for k in (0..names.len()).rev() {
+        let color = COLORS[k % COLORS.len()];
+        let pts: Vec<(f64, f64)> = rows.iter().map(|(s, v)| (*s, v[..=k].iter().sum())).collect();
+        c.draw_series(AreaSeries::new(pts, 0.0, color.mix(0.6)).border_style(color))
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?
+            .label(names[k])
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+    }
+    c.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    root.present().map_err(|e| anyhow::anyhow!("{}: {e:?}", path.display()))?;
+    Ok(true)
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let mp = a.run.join("metrics.jsonl");
+    if !mp.exists() {
+        bail!("{}: no metrics.jsonl (is it a colotrain run directory?)", a.run.display());
+    }
+    let metrics: Vec<Value> = crate::util::read_jsonl(&mp)?.into_iter().map(|(_, v)| v).collect();
+    if metrics.is_empty() {
+        bail!("{}: no metrics lines", mp.display());
+    }
+    let out = a.out.unwrap_or_else(|| a.run.join("report"));
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let plots: Vec<(&str, &str, &str, Vec<Series>)> = vec![
+        ("mismatch.svg", "Training-inference mismatch", "nats/token", vec![
+            series(&metrics, "d_n (seed 000 Eq. 2)", &["mismatch", "d_n"]),
+            series(&metrics, "mean |δ|", &["mismatch", "abs_mean"]),
+            series(&metrics, "k3 KL estimate", &["mismatch", "k3"]),
+        ]),
+        ("delta_quantiles.svg", "Token gap δ = log p_θ − log q: lower quantiles", "nats", vec![
+            series(&metrics, "q0.01", &["mismatch", "q01"]),
+            series(&metrics, "q0.05", &["mismatch", "q05"]),
+        ]),
+        ("heldout.svg", "Held-out KL to the teacher", "nats/token", vec![series(&metrics, "held-out KL", &["heldout_kl"])]),
+        ("accuracy.svg", "Held-out accuracy (last boxed answer)", "fraction", vec![series(&metrics, "accuracy", &["heldout_acc"])]),
+        ("reward.svg", "Reward of the step's rollouts", "mean reward", vec![series(&metrics, "reward", &["reward"])]),
+        ("entropy.svg", "Trainer entropy over response tokens", "nats", vec![series(&metrics, "entropy", &["entropy"])]),
+        ("length.svg", "Response length", "tokens", vec![series(&metrics, "mean response length", &["response_len"])]),
+        ("loss.svg", "Loss and gradient norm", "", vec![series(&metrics, "loss", &["loss"]), series(&metrics, "grad norm", &["grad_norm"])]),
+    ];
+    let mut written = Vec::new();
+    for (file, title, ylabel, s) in &plots {
+        if chart(&out.join(file), title, ylabel, s)? {
+            written.push(*file);
+        }
+    }
+    if phases(&out.join("phases.svg"), &metrics)? {
+        written.push("phases.svg");
+    }
+    println!("wrote {} plots to {}: {}", written.len(), out.display(), written.join(", "));
+    Ok(())
+}
