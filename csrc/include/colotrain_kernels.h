@@ -2,10 +2,10 @@
  * colotrain_kernels.h: the C ABI between the Rust device layer (src/device/cuda.rs and
  * src/device/cuda/) and the CUDA code in csrc/.
  *
- * - One plain-data parameter struct per kernel (csrc/kernels/*.cu). Each kernel takes its struct
+ * - One plain-data parameter struct per kernel (the .cu files of csrc/kernels). Each kernel takes its struct
  *   by value as its only argument, so the Rust side fills named fields instead of a positional
  *   argument list: the argument order is checked in one place (this file).
- * - The host-side CUTLASS launchers (csrc/cutlass/*.cu), plain C functions.
+ * - The host-side CUTLASS launchers (csrc/cutlass), plain C functions.
  *
  * Rust bindings: src/device/cuda/ffi.rs, generated from this file by scripts/gen_bindings.sh
  * (bindgen, with compile-time layout assertions). build.rs refuses to build when this file's

@@ -48,6 +48,15 @@ pub struct Args {
     pub device: String,
     #[arg(long)]
     pub json: bool,
+    /// With --budget: also run the offline admission check on each run's rollout engine
+    /// (untrained student, 16 prompts × 2 samples) and print its prediction next to the outcome.
+    #[arg(long)]
+    pub admit: bool,
+    /// Admission margin α and line L (nats/token).
+    #[arg(long, default_value_t = 1.5)]
+    pub alpha: f64,
+    #[arg(long, default_value_t = 0.184)]
+    pub line: f64,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -139,19 +148,25 @@ fn run_budget(a: &Args) -> Result<()> {
     };
     let re = reference.eval_at(step)?;
     let mut rows = Vec::new();
+    let admitter = if a.admit { Some(Admitter::new(&reference, a)?) } else { None };
     println!("budget at step {step} (τ = {:.0}%), reference {} (K = {:.5}, D = {:.5})", a.tau * 100.0, reference.name(), re.kl, reference.mismatch_level(step).unwrap_or(f64::NAN));
-    println!("{:<28} {:>10} {:>9} {:>22} {:>7}", "run", "D", "Δ", "95% interval", "rule");
+    println!("{:<28} {:>10} {:>9} {:>22} {:>7}{}", "run", "D", "Δ", "95% interval", "rule", if a.admit { "   D-hat (offline)   predicted" } else { "" });
     for r in &runs {
         let e = r.eval_at(step)?;
         let d = runs::compare(&e, &re, a.tau, a.reps).with_context(|| format!("comparing {} with {}", r.path.display(), refdir.display()))?;
         let level = r.mismatch_level(step).with_context(|| format!("{}: no mismatch metrics up to step {step}", r.path.display()))?;
+        let pred = match &admitter {
+            Some(ad) => ad.predict(r)?,
+            None => String::new(),
+        };
         println!(
-            "{:<28} {:>10.5} {:>+8.2}% {:>22} {:>7}",
+            "{:<28} {:>10.5} {:>+8.2}% {:>22} {:>7}{}",
             r.name(),
             level,
             d.delta * 100.0,
             format!("[{:+.2}, {:+.2}]", d.lo * 100.0, d.hi * 100.0),
-            if d.fail { "fail" } else { "pass" }
+            if d.fail { "fail" } else { "pass" },
+            pred
         );
         rows.push((level, d.fail));
     }
@@ -160,4 +175,53 @@ fn run_budget(a: &Args) -> Result<()> {
         None => println!("B_emp(τ = {:.2}): the passing and failing levels are not ordered (or one set is empty)", a.tau),
     }
     Ok(())
+}
+
+/// The offline admission check on the untrained student of the reference run.
+struct Admitter {
+    dev: Device,
+    lm: LoadedModel,
+    prompts: Vec<crate::data::dataset::PromptItem>,
+    calib: Option<crate::quant::calib::Calibration>,
+    settings: crate::mismatch::admit::Settings,
+}
+
+impl Admitter {
+    fn new(reference: &RunDir, a: &Args) -> Result<Admitter> {
+        let job = &reference.config;
+        let dev = Device::parse(&job.run.device)?;
+        let dir = crate::train::tiny::resolve(&job.model.path)?;
+        let lm = LoadedModel::load(&dir, &dev, if dev.is_cpu() { DType::F32 } else { DType::BF16 })?;
+        let data = Dataset::open(&job.data.train, lm.text.clone(), job.data.chat, lm.cfg.vocab_size, job.run.seed)?;
+        let mut prompts = match &job.data.heldout {
+            Some(h) => Dataset::open(h, lm.text.clone(), job.data.chat, lm.cfg.vocab_size, job.run.seed)?.heldout(usize::MAX)?,
+            None => data.heldout(16)?,
+        };
+        prompts.truncate(16);
+        let cp = data.train_prompts(u64::MAX >> 1, job.engine.calibration_samples)?;
+        let mut e = Engine::new(&dev, &lm.cfg, lm.weights.dtype(), &EngineConfig::default(), lm.text.clone())?;
+        let sc = crate::engine::SamplingConfig { temperature: job.rollout.temperature, max_new_tokens: job.rollout.max_new_tokens, ..Default::default() };
+        let calib = Some(crate::train::calibrate::calibrate(&mut e, &lm.weights, &lm.cfg, &cp, &sc, job.run.seed)?);
+        let settings = crate::mismatch::admit::Settings {
+            samples: 2,
+            seed: 777,
+            temperature: job.rollout.temperature,
+            max_new_tokens: job.rollout.max_new_tokens,
+            alpha: a.alpha,
+            line: a.line,
+            reps: a.reps,
+        };
+        Ok(Admitter { dev, lm, prompts, calib, settings })
+    }
+
+    fn predict(&self, run: &RunDir) -> Result<String> {
+        let spec = run.config.engine.spec(self.lm.cfg.num_layers)?;
+        if spec.staleness > 0 {
+            return Ok(format!("{:>18}   {:>9}", "n/a", "(stale)"));
+        }
+        let st = crate::mismatch::admit::Student { dev: &self.dev, cfg: &self.lm.cfg, w: &self.lm.weights, text: self.lm.text.clone(), calib: self.calib.as_ref() };
+        let e = crate::mismatch::admit::estimate(&st, &spec, &self.prompts, &self.settings)?;
+        let ok = budget::admit(e.d_hat, self.settings.alpha, self.settings.line);
+        Ok(format!("{:>18.5}   {:>9}", e.d_hat, if ok { "pass" } else { "fail" }))
+    }
 }
