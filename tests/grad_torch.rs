@@ -43,7 +43,7 @@ fn gradients_match_pytorch_autograd() {
         assert_close(&format!("{name} logp"), &lp, &want_lp, 1e-5, 1e-5);
         let seq_lens: Vec<usize> = rollouts.iter().map(|r| r.response.len()).collect();
         let teacher: Vec<f32> = rollouts.iter().flat_map(|r| r.teacher_logprobs.clone().unwrap()).collect();
-        let stats = TokenStats { seq_lens: &seq_lens, logp: &lp, sampler: None, teacher: Some(&teacher), mask: None };
+        let stats = TokenStats { seq_lens: &seq_lens, logp: &lp, logp_old: None, sampler: None, teacher: Some(&teacher), advantages: None, mask: None };
         let (_, coef) = r.f32("coef");
         let cases: Vec<(&str, f32, Vec<f32>)> = vec![
             ("coef", 0.7, coef),

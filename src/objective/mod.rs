@@ -6,8 +6,11 @@
 //! Owns: the aggregation weights and each objective's coefficients and reported loss. May call
 //! nothing heavier than arithmetic. Must not: run models.
 
+pub mod advantage;
+pub mod grpo;
 pub mod opd;
 pub mod sft;
+pub mod triage;
 
 use crate::config::LossAgg;
 use anyhow::{bail, Result};
@@ -18,10 +21,15 @@ pub struct TokenStats<'a> {
     pub seq_lens: &'a [usize],
     /// log p_θ(y_t) at the trainer's current weights (temperature-scaled like the sampler).
     pub logp: &'a [f32],
+    /// log π_old(y_t): the learner's log-probs at the start of the step (the ratio's
+    /// denominator); None means the current ones (one update per step: ratio 1).
+    pub logp_old: Option<&'a [f32]>,
     /// The engine's log q(y_t).
     pub sampler: Option<&'a [f32]>,
     /// The teacher's log p_T(y_t).
     pub teacher: Option<&'a [f32]>,
+    /// Per-token advantages (RL: the response's advantage on each of its tokens).
+    pub advantages: Option<&'a [f64]>,
     /// 1 = train on this token, 0 = skip (e.g. too stale).
     pub mask: Option<&'a [bool]>,
 }
@@ -38,11 +46,16 @@ impl TokenStats<'_> {
         if n != self.logp.len() {
             bail!("objective: {} log-probs for {} response tokens", self.logp.len(), n);
         }
-        for (name, v) in [("sampler", self.sampler), ("teacher", self.teacher)] {
+        for (name, v) in [("sampler", self.sampler), ("teacher", self.teacher), ("old", self.logp_old)] {
             if let Some(v) = v {
                 if v.len() != n {
                     bail!("objective: {} {name} log-probs for {n} response tokens", v.len());
                 }
+            }
+        }
+        if let Some(a) = self.advantages {
+            if a.len() != n {
+                bail!("objective: {} advantages for {n} tokens", a.len());
             }
         }
         if let Some(m) = self.mask {

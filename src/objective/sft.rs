@@ -19,7 +19,7 @@ mod tests {
     #[test]
     fn token_mean_weights_are_one_over_n() {
         let logp = [-1.0f32, -2.0, -0.5];
-        let s = TokenStats { seq_lens: &[2, 1], logp: &logp, sampler: None, teacher: None, mask: None };
+        let s = TokenStats { seq_lens: &[2, 1], logp: &logp, logp_old: None, sampler: None, teacher: None, advantages: None, mask: None };
         let c = coefficients(&s, LossAgg::TokenMean).unwrap();
         assert_eq!(c.coef, vec![1.0 / 3.0; 3]);
         assert!((c.loss - 3.5 / 3.0).abs() < 1e-12);

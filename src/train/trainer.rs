@@ -174,7 +174,7 @@ impl Trainer {
             }
             ObjectiveKind::Sft => None,
         };
-        let stats = TokenStats { seq_lens: &seq_lens, logp: &logp, sampler: Some(&sampler), teacher: teacher.as_deref(), mask: None };
+        let stats = TokenStats { seq_lens: &seq_lens, logp: &logp, logp_old: None, sampler: Some(&sampler), teacher: teacher.as_deref(), advantages: None, mask: None };
         let coefs = match self.objective {
             ObjectiveKind::Sft => objective::sft::coefficients(&stats, self.agg)?,
             ObjectiveKind::Opd => objective::opd::coefficients(&stats, self.agg)?,
