@@ -96,6 +96,53 @@ What it produces (all under ``tests/fixtures/``):
     ``fp8_normal`` [8, 64] and ``fp8_mixed`` [4, 32] (one row x1e4).
   - ``quant/meta.json``: versions, seeds and the conventions above.
 
+* section ``rl`` (needs the ``models`` section's ``qwen3_headdim`` checkpoint)
+  RL objective references on ``models/qwen3_headdim`` (float32, eager attention,
+  loaded and scored exactly as in ``grads``; temperature 1: plain log_softmax):
+  - ``rl/rollouts.jsonl``: 6 rollouts, one JSON object per line with exactly the
+    fields ``prompt_tokens``, ``response_tokens``, ``group`` (0,0,1,1,2,2),
+    ``reward`` (1,0,0,1,1,1), ``sampler_logprobs``, ``sampler_topk_ids`` (per
+    response token, K = 4 distinct ids) and ``sampler_topk_logprobs`` (per token,
+    4 values -U(0.1, 4.0) rounded to 6 decimals); prompt lengths 3,3,4,4,5,5,
+    response lengths 7,3,5,1,6,4; all tokens and top-k ids in [3, vocab), drawn
+    from one torch.Generator seeded 6001 (tokens first, then the top-k).
+    ``sampler_logprobs`` b_t = round(logp_t - gap_t, 6), with logp_t the model's
+    own logprob and gap_t the designed learner-sampler gap (``RL_GAPS``), so
+    delta_t = logp_t - b_t equals gap_t to ~1e-6 and sits >= 2e-3 away from every
+    TRIAGE threshold (except one exact 0.00 gap in an A = 0 response).
+    Everything below uses the file as parsed back, as float32.
+  - ``rl/params.json``: the constants (GRPO eps_low 0.2 / eps_high 0.28, TIS cap
+    2, TRIAGE W = 3, tau_tail -1, K_tail 2, tau_sev -0.4, tau_neg -0.1, w_sev 0.2,
+    w_neg 0.6, tau_rep -0.05, beta 0.1, lambda_rep 0.5, k_rep 0, update index 0;
+    REINFORCE offset 0.15), the designed gaps and N_rep.
+  - ``rl/qwen3_headdim.safetensors`` (float32). M = 26 scored rows (the response
+    tokens, concatenated), G = 6, n_i = response length, gamma_i = 1/(G n_i)
+    (seq-mean-token-mean), logp live, logp_old = sg(logp), rho = exp(logp -
+    logp_old) (1 in value, carries the gradient), delta = logp - b; advantages,
+    TIS weights and gate weights detached:
+      ``logp`` [M], ``delta`` [M] (detached)
+      ``advantages.grpo`` [6]      (r - mean_g) / (sample std_g + 1e-6)
+      ``loss.grpo``                sum_i gamma_i sum_t -min(rho A, clip(rho, 0.8, 1.28) A)
+      ``loss.grpo_tis``            as grpo with each token times v_t = min(exp(logp_old - b), 2)
+      ``loss.triage``              L_PG + L_rep: L_PG = sum_i (1/G) sum_t w_t l_t / sum_t w_t
+                                   (l_t the grpo_tis token loss; gate weights w_t from the
+                                   W-token segments of A < 0 responses: segment mean vs
+                                   tau_sev / tau_neg, tail count below tau_tail, applied to
+                                   delta_t < 0 tokens); L_rep = (lambda / N_rep) sum over the
+                                   A > 0 segments of phi_beta(relu(tau_rep - mean(delta_live))),
+                                   phi_beta(q) = beta^2 (sqrt(1 + (q/beta)^2) - 1), N_rep = number
+                                   of W-token segments over all 6 responses
+      ``loss.reinforce_offset``    sum_i gamma_i sum_t -rho (r_i + 0.15)
+      ``loss.reinforce_centered``  -sum_t c_t (logp_t - sum_{v in topk_t} q_v log_softmax_t[v]),
+                                   c_t = gamma_i (r_i + 0.15), q the normalized top-k distribution
+      ``triage.w`` [M]             gate weight w_t (1 outside A < 0 negative-gap tokens)
+      ``triage.alpha`` [M]         w_t n_i / sum_{t in i} w_t
+      ``triage.psi`` [M]           (lambda / N_rep)(1 / n_R) q / sqrt(1 + (q/beta)^2) on tokens
+                                   of A > 0 segments with q > 0, else 0 (= -dL_rep/dlogp_t)
+      ``grad.<obj>.<param>``       full gradient, for every checkpoint tensor
+      ``grad_norm.<obj>`` [1]      as in ``grads``
+    for <obj> in grpo, grpo_tis, triage, reinforce_offset, reinforce_centered.
+
 Later sections are added as further ``section_*`` functions and registered in
 ``SECTIONS``.
 
@@ -108,6 +155,7 @@ How to run (from the repository root; needs network access to PyPI once, no GPU)
     python scripts/make_fixtures.py --only models
     python scripts/make_fixtures.py --only grads  # reuses tests/fixtures/models/
     python scripts/make_fixtures.py --only quant  # numpy/ml_dtypes only, seconds
+    python scripts/make_fixtures.py --only rl     # reuses tests/fixtures/models/qwen3_headdim
 
 The outputs are committed to the repository; CI does NOT run this script (it
 needs PyTorch/transformers, which CI does not install). Re-run it only when a
@@ -672,6 +720,360 @@ def section_grads() -> None:
 
 
 # ---------------------------------------------------------------------------
+# section: rl
+# ---------------------------------------------------------------------------
+
+RL_MODEL = "qwen3_headdim"
+RL_SEED = 6001
+RL_GROUPS = [0, 0, 1, 1, 2, 2]
+RL_REWARDS = [1, 0, 0, 1, 1, 1]
+RL_PROMPT_LENS = [3, 3, 4, 4, 5, 5]
+RL_RESPONSE_LENS = [7, 3, 5, 1, 6, 4]
+RL_TOPK = 4
+RL_TOPK_LO, RL_TOPK_HI = 0.1, 4.0
+RL_FIRST_TOKEN = 3  # tokens are drawn from [3, vocab): never pad/bos/eos
+# designed learner-sampler gaps delta_t = logp_t - sampler_logprob_t, per response
+RL_GAPS = [
+    [-0.30, -0.02, 0.40, -0.25, -0.35, 0.05, -0.50],  # r0, A > 0
+    # r1, A < 0. Third gap was -1.60 in the first design: its segment mean -0.633 then hit
+    # w_sev (the tail count 1 gives w_tail 0.6, not binding) and no segment reached w_neg;
+    # -0.60 makes the mean -0.30, in [tau_sev, tau_neg), with no tail token.
+    [-0.50, 0.20, -0.60],
+    [-1.50, -2.00, -0.30, 0.60, -0.03],               # r2, A < 0
+    [-0.20],                                          # r3, A > 0
+    # r4, A = 0. -0.45 and -0.08 were -0.40 (= tau_sev) and -0.05 (= tau_rep) in the first
+    # design; moved off the thresholds (margin check below). 0.00 stays exactly on 0.
+    [0.30, -0.45, 1.20, -0.08, 0.00, -2.50],
+    [0.10, 0.90, -0.70, -0.15],                       # r5, A = 0
+]
+RL_PARAMS = {
+    "temperature": 1.0,
+    "grpo": {"eps_low": 0.2, "eps_high": 0.28, "adv_eps": 1e-6, "std": "sample (n-1)"},
+    "tis_cap": 2.0,
+    "loss_agg": "seq-mean-token-mean",
+    "triage": {
+        "segment_len": 3,
+        "tau_tail": -1.0,
+        "k_tail": 2,
+        "tau_sev": -0.4,
+        "tau_neg": -0.1,
+        "w_sev": 0.2,
+        "w_neg": 0.6,
+        "tau_rep": -0.05,
+        "beta": 0.1,
+        "lambda_rep": 0.5,
+        "k_rep": 0,
+        "update_index": 0,
+    },
+    "reinforce": {"offset": 0.15},
+}
+RL_OBJECTIVES = ["grpo", "grpo_tis", "triage", "reinforce_offset", "reinforce_centered"]
+RL_GAP_TOL = 1e-4        # |delta - designed gap|
+RL_THRESHOLD_MARGIN = 2e-3
+RL_ZERO_GAP_TOL = 1e-5   # the designed 0.00 gap (in r4, A = 0, so it never matters)
+
+
+def _make_rl_rollouts(vocab: int) -> list[dict]:
+    """Tokens and sampler top-k; ``sampler_logprobs`` are filled in later from the model."""
+    g = torch.Generator().manual_seed(RL_SEED)
+    rollouts = []
+    for plen, rlen, group, reward in zip(RL_PROMPT_LENS, RL_RESPONSE_LENS, RL_GROUPS, RL_REWARDS):
+        prompt = torch.randint(RL_FIRST_TOKEN, vocab, (plen,), generator=g, dtype=torch.int64)
+        response = torch.randint(RL_FIRST_TOKEN, vocab, (rlen,), generator=g, dtype=torch.int64)
+        rollouts.append({
+            "prompt_tokens": [int(x) for x in prompt],
+            "response_tokens": [int(x) for x in response],
+            "group": group,
+            "reward": reward,
+        })
+    for r in rollouts:
+        ids, lps = [], []
+        for _ in r["response_tokens"]:
+            perm = torch.randperm(vocab - RL_FIRST_TOKEN, generator=g)[:RL_TOPK] + RL_FIRST_TOKEN
+            u = torch.rand((RL_TOPK,), generator=g, dtype=torch.float64)
+            lp = -(RL_TOPK_LO + (RL_TOPK_HI - RL_TOPK_LO) * u)
+            ids.append([int(x) for x in perm])
+            lps.append([round(float(x), 6) for x in lp])
+        r["sampler_topk_ids"] = ids
+        r["sampler_topk_logprobs"] = lps
+    return rollouts
+
+
+def _segments(n: int, w: int) -> list[range]:
+    return [range(s, min(s + w, n)) for s in range(0, n, w)]
+
+
+def _rl_losses(logits, targets, rollouts, b, topk_ids, topk_q):
+    """The five RL objectives (see the module docstring) and the TRIAGE per-token values."""
+    P = RL_PARAMS
+    T = P["triage"]
+    G = len(rollouts)
+    lens = [len(r["response_tokens"]) for r in rollouts]
+    starts = np.cumsum([0] + lens)
+    seq_index = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(lens)])
+    n_i = torch.tensor(lens, dtype=torch.float32)[seq_index]
+    gamma = 1.0 / (G * n_i)
+
+    lsm = torch.log_softmax(logits, dim=-1)
+    logp = lsm.gather(-1, targets[:, None])[:, 0]
+    logp_old = logp.detach()
+    ratio = torch.exp(logp - logp_old)
+    delta_live = logp - b
+    delta = delta_live.detach()
+
+    # GRPO advantages: (r - mean_g) / (sample std_g + eps)
+    rewards = torch.tensor([float(r["reward"]) for r in rollouts], dtype=torch.float32)
+    groups = [r["group"] for r in rollouts]
+    adv = torch.zeros(G, dtype=torch.float32)
+    for gid in sorted(set(groups)):
+        idx = torch.tensor([i for i in range(G) if groups[i] == gid])
+        rg = rewards[idx]
+        adv[idx] = (rg - rg.mean()) / (rg.std(unbiased=True) + P["grpo"]["adv_eps"])
+    A_t = adv[seq_index]
+
+    lo, hi = 1.0 - P["grpo"]["eps_low"], 1.0 + P["grpo"]["eps_high"]
+    pg = -torch.minimum(ratio * A_t, torch.clamp(ratio, lo, hi) * A_t)  # per-token GRPO loss
+    tis_v = torch.clamp(torch.exp(logp_old - b), max=P["tis_cap"]).detach()
+    pg_tis = tis_v * pg
+
+    # TRIAGE gate weights (A < 0 responses, W-token segments of the detached delta)
+    W = T["segment_len"]
+    w = torch.ones_like(delta)
+    gate_info = []
+    for i in range(G):
+        if not float(adv[i]) < 0:
+            continue
+        for seg in _segments(lens[i], W):
+            d = delta[starts[i] + seg.start : starts[i] + seg.stop]
+            mean = float(d.mean())
+            k = int((d < T["tau_tail"]).sum())
+            if mean < T["tau_sev"]:
+                w_mean = T["w_sev"]
+            elif mean < T["tau_neg"]:
+                w_mean = T["w_neg"]
+            else:
+                w_mean = 1.0
+            w_tail = 1.0 - (1.0 - T["w_sev"]) * min(k / T["k_tail"], 1.0)
+            w_s = min(w_mean, w_tail)
+            gate_info.append((i, seg.start, mean, k, w_mean, w_tail, w_s))
+            for t in seg:
+                if float(delta[starts[i] + t]) < 0:
+                    w[starts[i] + t] = w_s
+    w_sum = torch.zeros(G, dtype=torch.float32).index_add_(0, seq_index, w)
+    alpha = w * n_i / w_sum[seq_index]
+    l_pg = ((1.0 / G) * w * pg_tis / w_sum[seq_index]).sum()
+
+    # TRIAGE repair: W-token segments of every response; penalty on A > 0 segments only
+    beta, lam = T["beta"], T["lambda_rep"]
+    assert T["update_index"] >= T["k_rep"]  # repair active
+    all_segs = [(i, seg) for i in range(G) for seg in _segments(lens[i], W)]
+    n_rep = len(all_segs)
+    l_rep = torch.zeros((), dtype=torch.float32)
+    psi = torch.zeros_like(delta)
+    rep_info = []
+    for i, seg in all_segs:
+        if not float(adv[i]) > 0:
+            continue
+        sl = slice(starts[i] + seg.start, starts[i] + seg.stop)
+        q_live = torch.relu(T["tau_rep"] - delta_live[sl].mean())
+        l_rep = l_rep + beta ** 2 * (torch.sqrt(1.0 + (q_live / beta) ** 2) - 1.0)
+        q = max(T["tau_rep"] - float(delta[sl].mean()), 0.0)
+        n_r = len(seg)
+        if q > 0:
+            psi[sl] = (lam / n_rep) * (1.0 / n_r) * q / (1.0 + (q / beta) ** 2) ** 0.5
+        rep_info.append((i, seg.start, n_r, float(delta[sl].mean()), q))
+    l_rep = (lam / n_rep) * l_rep
+
+    # REINFORCE with a reward offset, and its top-k score-centred variant
+    a_rf = (rewards + P["reinforce"]["offset"])[seq_index]
+    c = (gamma * a_rf).detach()
+    lp_topk = lsm.gather(-1, topk_ids)  # [M, K]
+    centred = logp - (topk_q * lp_topk).sum(-1)
+
+    losses = {
+        "grpo": (gamma * pg).sum(),
+        "grpo_tis": (gamma * pg_tis).sum(),
+        "triage": l_pg + l_rep,
+        "reinforce_offset": (gamma * (-ratio * a_rf)).sum(),
+        "reinforce_centered": -(c * centred).sum(),
+    }
+    assert list(losses) == RL_OBJECTIVES
+    extra = dict(
+        logp=logp, delta=delta, adv=adv, A_t=A_t, w=w, alpha=alpha, psi=psi, tis_v=tis_v,
+        gamma=gamma, seq_index=seq_index, n_rep=n_rep, l_pg=l_pg, l_rep=l_rep,
+        gate_info=gate_info, rep_info=rep_info, starts=starts, lens=lens,
+    )
+    return losses, extra
+
+
+def _rl_checks(losses, ex, gaps_flat) -> None:
+    """Sanity checks on the designed scenario (see the section's brief in the docstring)."""
+    T = RL_PARAMS["triage"]
+    delta, adv, w, alpha, psi = ex["delta"], ex["adv"], ex["w"], ex["alpha"], ex["psi"]
+    lens, starts, seq_index = ex["lens"], ex["starts"], ex["seq_index"]
+    # delta is the designed gap, and never near a threshold (except the exact 0.00 gap)
+    thresholds = [T["tau_tail"], T["tau_sev"], T["tau_neg"], T["tau_rep"], 0.0]
+    for t, (d, gap) in enumerate(zip(delta.tolist(), gaps_flat)):
+        assert abs(d - gap) < RL_GAP_TOL, (t, d, gap)
+        if gap == 0.0:
+            # rounding b to 6 decimals leaves |delta| <= ~5e-7 (+ float32): the sign is
+            # arbitrary, which is harmless because this token is in r4 (A = 0)
+            assert abs(d) < RL_ZERO_GAP_TOL and float(adv[int(seq_index[t])]) == 0.0, (t, d)
+            continue
+        for th in thresholds:
+            assert abs(d - th) > RL_THRESHOLD_MARGIN, (t, d, th)
+    # segment means are off the thresholds they are compared with
+    for i in range(len(lens)):
+        for seg in _segments(lens[i], T["segment_len"]):
+            m = float(delta[starts[i] + seg.start : starts[i] + seg.stop].mean())
+            for th in (T["tau_sev"], T["tau_neg"], T["tau_rep"], 0.0):
+                assert abs(m - th) > RL_THRESHOLD_MARGIN, (i, seg, m, th)
+    # alpha averages to 1 over each response
+    for i in range(len(lens)):
+        a = alpha[starts[i] : starts[i + 1]].double().mean()
+        assert abs(float(a) - 1.0) < 1e-6, (i, float(a))
+    neg = (adv[seq_index] < 0) & (delta < 0)
+    wl = w.tolist()
+    assert any(abs(x - T["w_sev"]) < 1e-7 for x in wl), "no token at w_sev"
+    assert any(abs(x - T["w_neg"]) < 1e-7 for x in wl), "no token at w_neg"
+    assert bool((w[neg] == 1.0).any()), "no A<0 negative-gap token keeps weight 1"
+    assert bool((w[~neg] == 1.0).all())
+    qs = [q for (_, _, _, _, q) in ex["rep_info"]]
+    assert any(q > 0 for q in qs) and any(q == 0 for q in qs), qs
+    for i, s, n_r, _, _ in ex["rep_info"]:
+        bound = T["lambda_rep"] * T["beta"] / (ex["n_rep"] * n_r)
+        assert bool((psi[starts[i] + s : starts[i] + s + n_r] <= bound).all())
+    assert bool((ex["tis_v"] == RL_PARAMS["tis_cap"]).any()), "no TIS weight capped"
+    assert float(adv[4]) == 0.0 and float(adv[5]) == 0.0
+
+    # cross-check the closed-form coefficients against autograd through logp
+    logp, gamma, A_t, v = ex["logp"], ex["gamma"], ex["A_t"], ex["tis_v"]
+    d_grpo = torch.autograd.grad(losses["grpo"], logp, retain_graph=True)[0]
+    assert torch.allclose(d_grpo, -gamma * A_t, atol=1e-7, rtol=1e-5)
+    assert bool((d_grpo[seq_index >= 4] == 0).all()), "A=0 responses have grpo coefficients"
+    d_tis = torch.autograd.grad(losses["grpo_tis"], logp, retain_graph=True)[0]
+    assert torch.allclose(d_tis, -gamma * v * A_t, atol=1e-7, rtol=1e-5)
+    d_pg = torch.autograd.grad(ex["l_pg"], logp, retain_graph=True)[0]
+    assert torch.allclose(d_pg, -gamma * ex["alpha"] * v * A_t, atol=1e-7, rtol=1e-5)
+    d_rep = torch.autograd.grad(ex["l_rep"], logp, retain_graph=True)[0]
+    assert torch.allclose(d_rep, -psi, atol=1e-8, rtol=1e-5), (d_rep, psi)
+
+
+def section_rl() -> None:
+    model_dir = FIXTURES / "models" / RL_MODEL
+    if not (model_dir / "config.json").exists():
+        raise RuntimeError(f"{model_dir} missing: run the 'models' section first")
+    out_dir = FIXTURES / "rl"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[rl] {RL_MODEL}")
+    model = _load_grad_model(model_dir)
+    vocab = model.config.vocab_size
+    assert [len(g) for g in RL_GAPS] == RL_RESPONSE_LENS
+
+    # sampler logprobs b_t = round(logp_t - gap_t, 6) from the model's own logp
+    rollouts = _make_rl_rollouts(vocab)
+    with torch.no_grad():
+        logits0, _ = _scored_logits(model, rollouts)
+        targets0 = torch.tensor([t for r in rollouts for t in r["response_tokens"]])
+        lp0 = torch.log_softmax(logits0, -1).gather(-1, targets0[:, None])[:, 0]
+    gaps_flat = [x for g in RL_GAPS for x in g]
+    b_all = [round(float(lp) - gap, 6) for lp, gap in zip(lp0.tolist(), gaps_flat)]
+    pos = 0
+    for r in rollouts:
+        n = len(r["response_tokens"])
+        r["sampler_logprobs"] = b_all[pos : pos + n]
+        pos += n
+    keys = ["prompt_tokens", "response_tokens", "group", "reward", "sampler_logprobs",
+            "sampler_topk_ids", "sampler_topk_logprobs"]
+    jsonl = out_dir / "rollouts.jsonl"
+    jsonl.write_text("".join(json.dumps({k: r[k] for k in keys}) + "\n" for r in rollouts))
+    rollouts = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(rollouts) == len(RL_RESPONSE_LENS)
+    for r in rollouts:
+        assert list(r) == keys
+        for ids, lps in zip(r["sampler_topk_ids"], r["sampler_topk_logprobs"]):
+            assert len(set(ids)) == RL_TOPK and all(RL_FIRST_TOKEN <= x < vocab for x in ids)
+            assert len(lps) == RL_TOPK and all(x < 0 for x in lps)
+
+    # everything below from the file as parsed back, as float32
+    b = torch.tensor([x for r in rollouts for x in r["sampler_logprobs"]], dtype=torch.float32)
+    topk_ids = torch.tensor([ids for r in rollouts for ids in r["sampler_topk_ids"]])
+    topk_lp = torch.tensor(
+        [lps for r in rollouts for lps in r["sampler_topk_logprobs"]], dtype=torch.float32
+    )
+    topk_q = torch.softmax(topk_lp, dim=-1).detach()
+    logits, targets = _scored_logits(model, rollouts)
+    m = sum(RL_RESPONSE_LENS)
+    assert logits.shape == (m, vocab) and targets.shape == (m,) and topk_ids.shape == (m, RL_TOPK)
+    losses, ex = _rl_losses(logits, targets, rollouts, b, topk_ids, topk_q)
+    _rl_checks(losses, ex, gaps_flat)
+
+    params = {
+        "model": RL_MODEL,
+        "seed": RL_SEED,
+        "num_responses": len(RL_RESPONSE_LENS),
+        "groups": RL_GROUPS,
+        "rewards": RL_REWARDS,
+        "prompt_lens": RL_PROMPT_LENS,
+        "response_lens": RL_RESPONSE_LENS,
+        "topk": RL_TOPK,
+        **RL_PARAMS,
+        "designed_gaps": RL_GAPS,
+        "gap_tolerance": RL_GAP_TOL,
+        "n_repair_segments": ex["n_rep"],
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+    }
+    (out_dir / "params.json").write_text(json.dumps(params, indent=2) + "\n")
+
+    named = list(model.named_parameters())
+    ckpt = _checkpoint_shapes(model_dir)
+    names = [n for n, _ in named]
+    assert sorted(names) == sorted(ckpt), sorted(set(names) ^ set(ckpt))
+
+    tensors = {
+        "logp": ex["logp"].detach().contiguous(),
+        "delta": ex["delta"].contiguous(),
+        "advantages.grpo": ex["adv"].contiguous(),
+        "triage.w": ex["w"].contiguous(),
+        "triage.alpha": ex["alpha"].contiguous(),
+        "triage.psi": ex["psi"].contiguous(),
+    }
+    for obj, loss in losses.items():
+        grads = torch.autograd.grad(loss, [p for _, p in named], retain_graph=True)
+        sq = 0.0
+        for (pname, p), gr in zip(named, grads):
+            assert gr is not None, f"no gradient for {pname}"
+            assert tuple(gr.shape) == ckpt[pname] == tuple(p.shape), pname
+            assert gr.dtype == torch.float32 and torch.isfinite(gr).all(), pname
+            tensors[f"grad.{obj}.{pname}"] = gr.detach().contiguous()
+            sq += float(gr.detach().double().pow(2).sum())
+        norm = sq ** 0.5
+        tensors[f"loss.{obj}"] = loss.detach().reshape(1).contiguous()
+        tensors[f"grad_norm.{obj}"] = torch.tensor([norm], dtype=torch.float32)
+        print(f"  [rl] {obj:<20} loss {float(loss.detach()): .8f}  grad norm {norm:.8f}")
+    out = out_dir / f"{RL_MODEL}.safetensors"
+    save_file(tensors, str(out))
+
+    print(f"  [rl] advantages {[round(float(a), 6) for a in ex['adv']]}, "
+          f"N_rep {ex['n_rep']}, L_PG {float(ex['l_pg'].detach()):.8f}, L_rep {float(ex['l_rep'].detach()):.8e}")
+    for i, s, mean, k, wm, wt, ws in ex["gate_info"]:
+        print(f"  [rl] gate r{i} seg@{s}: mean {mean:+.4f} tail {k} -> "
+              f"w_mean {wm} w_tail {wt:.2f} w {ws}")
+    for i, s, n_r, mean, q in ex["rep_info"]:
+        print(f"  [rl] repair r{i} seg@{s} (n {n_r}): mean {mean:+.4f} q {q:.4f}")
+    for i, n in enumerate(ex["lens"]):
+        sl = slice(ex["starts"][i], ex["starts"][i + 1])
+        print(f"  [rl] r{i} delta {[round(x, 5) for x in ex['delta'][sl].tolist()]}")
+        print(f"        w {[round(x, 6) for x in ex['w'][sl].tolist()]} "
+              f"alpha {[round(x, 6) for x in ex['alpha'][sl].tolist()]}")
+        print(f"        psi {[float(f'{x:.6g}') for x in ex['psi'][sl].tolist()]} "
+              f"tis_v {[round(x, 4) for x in ex['tis_v'][sl].tolist()]}")
+    total = sum(p.stat().st_size for p in out_dir.iterdir())
+    print(f"  [rl] {total} bytes in {out_dir.relative_to(REPO_ROOT)}")
+
+
+# ---------------------------------------------------------------------------
 # section: quant
 # ---------------------------------------------------------------------------
 
@@ -1110,6 +1512,7 @@ SECTIONS = {
     "models": section_models,
     "grads": section_grads,
     "quant": section_quant,
+    "rl": section_rl,
 }
 
 

@@ -29,6 +29,10 @@ pub struct JobConfig {
     pub eval: EvalConfig,
     #[serde(default)]
     pub engine: EngineSection,
+    #[serde(default)]
+    pub learner: LearnerConfig,
+    #[serde(default)]
+    pub monitor: crate::train::monitor::MonitorConfig,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -117,19 +121,80 @@ impl Default for RolloutConfig {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ObjectiveConfig {
-    /// "opd" or "sft".
+    /// "opd", "sft", "grpo", "reinforce" or "triage" (GRPO + TIS + the TRIAGE gate and repair).
     pub kind: String,
-    /// "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum" (default: token-mean).
+    /// "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum" (default: token-mean for
+    /// opd/sft, seq-mean-token-mean for the RL objectives).
     pub loss_agg: Option<String>,
     /// Rows of logits held at once by the fused LM-head loss.
     pub chunk_size: usize,
     /// Tokens per micro-batch of the backward (activation memory bound); 0: the whole step.
     pub micro_batch_tokens: usize,
+    /// PPO-style ratio clipping [1 − clip_low, 1 + clip_high] (grpo, triage).
+    pub clip_low: f64,
+    pub clip_high: f64,
+    /// Truncated importance sampling × min(π_old/π_sampler, tis_cap) (default: on for triage).
+    pub tis: Option<bool>,
+    pub tis_cap: f64,
+    /// GRPO's group std with n (population) instead of n − 1.
+    pub population_std: bool,
+    /// Constant b added to every advantage (seed 000 App. B.1).
+    pub advantage_offset: f64,
+    /// Score centering: the score's target becomes the engine's normalized top-k distribution.
+    pub centering: bool,
+    pub centering_top_k: u32,
+    /// Optimizer updates per step: the step's rollouts split into `minibatches`, each pass over
+    /// them repeated `updates_per_step` times (ratios against the step's old log-probs).
+    pub minibatches: usize,
+    pub updates_per_step: usize,
+    pub triage: crate::objective::triage::TriageConfig,
 }
 
 impl Default for ObjectiveConfig {
     fn default() -> Self {
-        ObjectiveConfig { kind: "opd".into(), loss_agg: None, chunk_size: 256, micro_batch_tokens: 0 }
+        ObjectiveConfig {
+            kind: "opd".into(),
+            loss_agg: None,
+            chunk_size: 256,
+            micro_batch_tokens: 0,
+            clip_low: 0.2,
+            clip_high: 0.28,
+            tis: None,
+            tis_cap: 2.0,
+            population_std: false,
+            advantage_offset: 0.0,
+            centering: false,
+            centering_top_k: 128,
+            minibatches: 1,
+            updates_per_step: 1,
+            triage: Default::default(),
+        }
+    }
+}
+
+impl ObjectiveConfig {
+    pub fn is_rl(&self) -> bool {
+        matches!(self.kind.as_str(), "grpo" | "reinforce" | "triage")
+    }
+    pub fn tis_enabled(&self) -> bool {
+        self.tis.unwrap_or(self.kind == "triage")
+    }
+}
+
+/// The trainer's forward precision (seed 004 §5.1: native NVFP4 on the learner too).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LearnerConfig {
+    /// "bf16" (the compute dtype) or "nvfp4": the chosen linears run with NVFP4 weights and
+    /// activations (the engine's quantizer) and a straight-through backward.
+    pub precision: String,
+    /// Which linears of every layer (q_proj … down_proj); default: the MLP's.
+    pub linears: Vec<String>,
+}
+
+impl Default for LearnerConfig {
+    fn default() -> Self {
+        LearnerConfig { precision: "bf16".into(), linears: vec!["gate_proj".into(), "up_proj".into(), "down_proj".into()] }
     }
 }
 
@@ -332,7 +397,8 @@ impl JobConfig {
     }
 
     pub fn loss_agg(&self) -> Result<LossAgg> {
-        LossAgg::parse(self.objective.loss_agg.as_deref().unwrap_or("token-mean"))
+        let default = if self.objective.is_rl() { "seq-mean-token-mean" } else { "token-mean" };
+        LossAgg::parse(self.objective.loss_agg.as_deref().unwrap_or(default))
     }
 
     /// Checks values, not only types; every error names the key.
@@ -358,7 +424,48 @@ impl JobConfig {
                 }
             }
             "sft" => {}
-            k => err("objective.kind", format!("unknown objective '{k}': expected opd or sft"))?,
+            "grpo" | "triage" if self.rollout.source == "engine" && self.rollout.samples_per_prompt < 2 => err(
+                "rollout.samples_per_prompt",
+                format!("{} normalizes rewards within each prompt's group: its standard deviation is undefined with 1 sample per prompt (use at least 2, or objective.kind = \"reinforce\")", self.objective.kind),
+            )?,
+            "grpo" | "reinforce" | "triage" => {}
+            k => err("objective.kind", format!("unknown objective '{k}': expected opd, sft, grpo, reinforce or triage"))?,
+        }
+        let o = &self.objective;
+        if !(o.clip_low >= 0.0 && o.clip_low < 1.0) || !(o.clip_high >= 0.0 && o.clip_high.is_finite()) {
+            err("objective.clip_low", format!("need 0 <= clip_low < 1 and clip_high >= 0, got {} and {}", o.clip_low, o.clip_high))?;
+        }
+        if !(o.tis_cap > 0.0) {
+            err("objective.tis_cap", format!("must be positive, got {}", o.tis_cap))?;
+        }
+        if !o.advantage_offset.is_finite() {
+            err("objective.advantage_offset", "must be finite".into())?;
+        }
+        if o.centering && o.centering_top_k == 0 {
+            err("objective.centering_top_k", "must be at least 1".into())?;
+        }
+        if o.centering && !(o.is_rl() || o.kind == "opd") {
+            err("objective.centering", format!("score centering applies to policy-gradient objectives (opd, grpo, reinforce, triage), not '{}'", o.kind))?;
+        }
+        if o.minibatches == 0 || o.updates_per_step == 0 {
+            err("objective.minibatches", "minibatches and updates_per_step must be at least 1".into())?;
+        }
+        if o.kind == "triage" {
+            o.triage.validate().map_err(|e| anyhow::anyhow!("{file}: {e:#}"))?;
+        }
+        if self.monitor.segment_len == 0 {
+            err("monitor.segment_len", "must be at least 1 token".into())?;
+        }
+        match self.learner.precision.as_str() {
+            "bf16" => {}
+            "nvfp4" => {
+                for l in &self.learner.linears {
+                    if !crate::quant::recipe::LINEARS.contains(&l.as_str()) {
+                        err("learner.linears", format!("unknown linear '{l}': expected one of {:?}", crate::quant::recipe::LINEARS))?;
+                    }
+                }
+            }
+            p => err("learner.precision", format!("expected bf16 or nvfp4, got '{p}'"))?,
         }
         self.loss_agg().map_err(|e| anyhow::anyhow!("{file}: objective.loss_agg: {e}"))?;
         if self.objective.chunk_size == 0 {

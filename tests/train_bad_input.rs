@@ -101,6 +101,7 @@ fn non_finite_steps_are_skipped_and_counted() {
         answer: None,
         truncated: false,
         version: 0,
+        ..Default::default()
     };
     let out = tr.step(&[r.clone(), r]).unwrap();
     assert!(out.skipped);

@@ -103,6 +103,7 @@ fn train(a: TrainArgs) -> Result<()> {
             answer: None,
             truncated: false,
             version: 0,
+            ..Default::default()
         })
         .collect();
     std::fs::create_dir_all(&a.work)?;

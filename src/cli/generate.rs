@@ -72,6 +72,7 @@ pub fn run(a: Args) -> Result<()> {
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
         seed: a.seed,
+        topk_logprobs: 0,
     });
     // A ModelOpt directory runs as its quantized engine (FP8 KV where it says so).
     let mut ec = a.engine.config();

@@ -48,6 +48,9 @@ pub struct SamplingConfig {
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub seed: u64,
+    /// Also return the k most likely tokens' log-probs at each sampled position (score
+    /// centering's target); 0: none.
+    pub topk_logprobs: u32,
 }
 
 impl Default for SamplingConfig {
@@ -60,6 +63,7 @@ impl Default for SamplingConfig {
             stop: Vec::new(),
             ignore_eos: false,
             seed: 0,
+            topk_logprobs: 0,
         }
     }
 }
@@ -120,6 +124,10 @@ pub struct Completion {
     pub logprobs: Vec<f32>,
     /// With `prompt_logprobs`: prompt_len − 1 values.
     pub prompt_logprobs: Vec<f32>,
+    /// With `sampling.topk_logprobs = k`: per response token, the k most likely ids and their
+    /// log-probs at the sampling temperature (tokens·k each; see `ops::logprob::topk_logprobs`).
+    pub topk_ids: Vec<u32>,
+    pub topk_logprobs: Vec<f32>,
     pub finish: FinishReason,
     /// Index into `stop` of the stop string that ended the response, if any.
     pub stop_string: Option<usize>,
@@ -187,6 +195,9 @@ struct Staging {
     tokens: Vec<u32>,
     lps: Vec<f32>,
     lp_host: Vec<f32>,
+    topk_temps: Vec<f32>,
+    topk_ids: Vec<u32>,
+    topk_lps: Vec<f32>,
 }
 
 pub struct Engine {
@@ -506,11 +517,30 @@ impl Engine {
         st.tokens.resize(r, 0);
         st.lps.resize(r, 0.0);
         sample::sample(&self.dev, &self.bufs.logits, &st.params, &mut st.tokens, &mut st.lps)?;
+        // Top-k log-probs for the requests that asked (k = the largest asked in this chunk).
+        let k = chunk
+            .iter()
+            .map(|(_, u)| match *u {
+                RowUse::Sample { seq } => self.sched.running[seq].req.sampling.topk_logprobs as usize,
+                _ => 0,
+            })
+            .max()
+            .unwrap_or(0);
+        if k > 0 {
+            st.topk_temps.clear();
+            st.topk_temps.extend(st.params.iter().map(|p| p.temperature));
+            logprob::topk_logprobs(&self.dev, &self.bufs.logits, &st.topk_temps, k, &mut st.topk_ids, &mut st.topk_lps)?;
+        }
         for (i, (_, u)) in chunk.iter().enumerate() {
             if let RowUse::Sample { seq } = *u {
                 let s = &mut self.sched.running[seq];
                 s.tokens.push(st.tokens[i]);
                 s.logprobs.push(st.lps[i]);
+                let kk = s.req.sampling.topk_logprobs as usize;
+                if kk > 0 {
+                    s.topk_ids.extend_from_slice(&st.topk_ids[i * k..i * k + kk]);
+                    s.topk_lps.extend_from_slice(&st.topk_lps[i * k..i * k + kk]);
+                }
             }
         }
         self.stats.tokens_generated += r as u64;
@@ -536,6 +566,8 @@ impl Engine {
                     tokens: response,
                     logprobs: s.logprobs,
                     prompt_logprobs: s.prompt_logprobs,
+                    topk_ids: s.topk_ids,
+                    topk_logprobs: s.topk_lps,
                     finish,
                     stop_string,
                 });

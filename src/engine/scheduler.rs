@@ -21,6 +21,9 @@ pub(crate) struct Seq {
     pub blocks: Vec<u32>,
     pub logprobs: Vec<f32>,
     pub prompt_logprobs: Vec<f32>,
+    /// Top-k ids and log-probs per generated token (when the request asks for them).
+    pub topk_ids: Vec<u32>,
+    pub topk_lps: Vec<f32>,
     /// Arrival order (preemption takes the youngest).
     pub order: u64,
 }
@@ -73,6 +76,7 @@ impl Scheduler {
         let order = self.next_order;
         self.next_order += 1;
         let prompt_logprobs = Vec::with_capacity(if req.prompt_logprobs { req.prompt.len() } else { 0 });
+        let topk = max_new * req.sampling.topk_logprobs as usize;
         let blocks = Vec::with_capacity((req.prompt.len() + max_new).div_ceil(self.block_size) + 1);
         self.waiting.push_back(Seq {
             req,
@@ -81,6 +85,8 @@ impl Scheduler {
             blocks,
             logprobs: Vec::with_capacity(max_new),
             prompt_logprobs,
+            topk_ids: Vec::with_capacity(topk),
+            topk_lps: Vec::with_capacity(topk),
             order,
         });
     }

@@ -5,6 +5,7 @@
 //! May call: `crate::device`, `crate::ops`. Must not: schedule requests or sample (engine/).
 
 pub mod config;
+pub mod learner_quant;
 pub mod modelopt;
 pub mod rope;
 pub mod tiny;

@@ -7,6 +7,7 @@
 //! Must not: own weights or optimizer state (the trainer passes parameter slices in).
 
 use super::config::ModelConfig;
+use super::learner_quant::{LearnerQuant, DOWN, GATE, UP};
 use super::weights::param_specs;
 use crate::ops::grad::{activation as act, attention, lm_head, matmul as mm, norm, rope, Real};
 use anyhow::{bail, Result};
@@ -90,6 +91,8 @@ struct LayerActs<T> {
     g: Vec<T>,     // (N, I)
     u: Vec<T>,     // (N, I)
     a: Vec<T>,     // (N, I)
+    h2q: Vec<T>,   // (N, C) NVFP4 learner: Q(h2), the gate/up input
+    aq: Vec<T>,    // (N, I) NVFP4 learner: Q(a), the down input
 }
 
 pub struct Trainable<T: Real> {
@@ -109,6 +112,10 @@ pub struct Trainable<T: Real> {
     cu: Vec<usize>,
     tokens: Vec<u32>,
     scratch: Option<lm_head::Scratch<T>>,
+    /// The native NVFP4 forward of chosen MLP linears, and their quantized weights per layer
+    /// (gate, up, down), refreshed by every forward.
+    quant: Option<LearnerQuant>,
+    qw: Vec<[Vec<T>; 3]>,
 }
 
 fn resize<T: Real>(v: &mut Vec<T>, n: usize) {
@@ -165,7 +172,15 @@ impl<T: Real> Trainable<T> {
             cu: Vec::new(),
             tokens: Vec::new(),
             scratch: None,
+            quant: None,
+            qw: Vec::new(),
         }
+    }
+
+    /// Runs the chosen MLP linears in NVFP4 from now on (None: the compute dtype).
+    pub fn set_quant(&mut self, q: Option<LearnerQuant>) {
+        self.qw = (0..self.cfg.num_layers).map(|_| Default::default()).collect();
+        self.quant = q;
     }
 
     /// Bytes of saved activations for the last forward (the memory plan's trainer arena).
@@ -174,7 +189,7 @@ impl<T: Real> Trainable<T> {
             .acts
             .iter()
             .map(|a| {
-                [&a.x, &a.rstd1, &a.h1, &a.qraw, &a.kraw, &a.rq, &a.rk, &a.qn, &a.kn, &a.q, &a.k, &a.v, &a.att, &a.lse, &a.x2, &a.rstd2, &a.h2, &a.g, &a.u, &a.a]
+                [&a.x, &a.rstd1, &a.h1, &a.qraw, &a.kraw, &a.rq, &a.rk, &a.qn, &a.kn, &a.q, &a.k, &a.v, &a.att, &a.lse, &a.x2, &a.rstd2, &a.h2, &a.g, &a.u, &a.a, &a.h2q, &a.aq]
                     .iter()
                     .map(|v| v.capacity())
                     .sum::<usize>()
@@ -271,8 +286,27 @@ impl<T: Real> Trainable<T> {
             }
             act::add_into(&mut a.x2, &a.x);
             norm::fwd(n, c, &a.x2, p[li.ln2], eps, &mut a.h2, &mut a.rstd2);
-            mm::nt(n, i_dim, c, &a.h2, p[li.gate], &mut a.g, false);
-            mm::nt(n, i_dim, c, &a.h2, p[li.up], &mut a.u, false);
+            let lq = self.quant.as_ref();
+            let on = |i: usize| lq.map(|q| q.on(i)).unwrap_or(false);
+            if let Some(q) = lq {
+                let qw = &mut self.qw[l];
+                for (j, (lin, w, k)) in [(GATE, li.gate, c), (UP, li.up, c), (DOWN, li.down, i_dim)].into_iter().enumerate() {
+                    if q.on(lin) {
+                        q.weight(p[w], k, &mut qw[j])?;
+                    }
+                }
+                if q.on(GATE) || q.on(UP) {
+                    a.h2q.clone_from(&a.h2);
+                    q.act(l, if q.on(GATE) { GATE } else { UP }, &mut a.h2q, c)?;
+                }
+            }
+            let qw = self.qw.get(l);
+            let pick = |on: bool, j: usize, dense: usize| if on { &qw.expect("set with the quantizer")[j][..] } else { p[dense] };
+            let (wg, wu, wd) = (pick(on(GATE), 0, li.gate), pick(on(UP), 1, li.up), pick(on(DOWN), 2, li.down));
+            let xg = if on(GATE) { &a.h2q } else { &a.h2 };
+            let xu = if on(UP) { &a.h2q } else { &a.h2 };
+            mm::nt(n, i_dim, c, xg, wg, &mut a.g, false);
+            mm::nt(n, i_dim, c, xu, wu, &mut a.u, false);
             if let Some(bi) = li.gb {
                 mm::add_bias(n, i_dim, &mut a.g, p[bi]);
             }
@@ -280,8 +314,12 @@ impl<T: Real> Trainable<T> {
                 mm::add_bias(n, i_dim, &mut a.u, p[bi]);
             }
             act::swiglu_fwd(&a.g, &a.u, &mut a.a);
+            if let (Some(q), true) = (lq, on(DOWN)) {
+                a.aq.clone_from(&a.a);
+                q.act(l, DOWN, &mut a.aq, i_dim)?;
+            }
             // x = x2 + a·Wdᵀ (+ bd)
-            mm::nt(n, c, i_dim, &a.a, p[li.down], &mut x, false);
+            mm::nt(n, c, i_dim, if on(DOWN) { &a.aq } else { &a.a }, wd, &mut x, false);
             if let Some(bi) = li.db {
                 mm::add_bias(n, c, &mut x, p[bi]);
             }
@@ -320,6 +358,12 @@ impl<T: Real> Trainable<T> {
     /// accumulated into `grads` (parameter order). Returns that loss value.
     #[allow(clippy::too_many_arguments)]
     pub fn backward(&mut self, p: &[&[T]], b: &TrainBatch, coef: &[T], t: T, chunk: usize, grads: &mut [Vec<T>]) -> Result<T> {
+        self.backward_centered(p, b, coef, None, t, chunk, grads)
+    }
+
+    /// [`Self::backward`] with an optional score-centering target per scored row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_centered(&mut self, p: &[&[T]], b: &TrainBatch, coef: &[T], center: Option<&lm_head::Center>, t: T, chunk: usize, grads: &mut [Vec<T>]) -> Result<T> {
         let cfg = self.cfg.clone();
         let (c, i_dim, h, hkv, d, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size);
         let (qd, kd) = (h * d, hkv * d);
@@ -331,7 +375,12 @@ impl<T: Real> Trainable<T> {
         let mut dh = vec![T::zero(); n * c]; // (N, C) gradient w.r.t. the final normed hidden
         let hf = std::mem::take(&mut self.hf);
         let head = self.head;
-        let loss = lm_head::grad(c, v, &b.rows, &b.targets, coef, &hf, p[head], t, self.scratch(chunk), &mut dh, &mut grads[head]);
+        if let Some(ct) = center {
+            if ct.ids.len() != ct.k * coef.len() || ct.probs.len() != ct.ids.len() || ct.ids.iter().any(|&i| i as usize >= v) {
+                bail!("backward: the centering target does not match the batch ({} ids for {} rows of k = {})", ct.ids.len(), coef.len(), ct.k);
+            }
+        }
+        let loss = lm_head::grad_centered(c, v, &b.rows, &b.targets, coef, center, &hf, p[head], t, self.scratch(chunk), &mut dh, &mut grads[head]);
         self.hf = hf;
         // Final norm.
         let mut dx = vec![T::zero(); n * c]; // (N, C) gradient w.r.t. the residual stream
@@ -348,17 +397,24 @@ impl<T: Real> Trainable<T> {
         for l in (0..cfg.num_layers).rev() {
             let li = self.layers[l];
             let a = &self.acts[l];
-            // MLP: x_out = x2 + down(a); dx flows to x2 directly and through the MLP.
-            mm::nn(n, c, i_dim, &dx, p[li.down], &mut da, false);
-            mm::tn(n, c, i_dim, &dx, &a.a, &mut grads[li.down], true);
+            // MLP: x_out = x2 + down(a); dx flows to x2 directly and through the MLP. Linears
+            // of the NVFP4 learner use their quantized operands (straight-through estimator).
+            let on = |i: usize| self.quant.as_ref().map(|q| q.on(i)).unwrap_or(false);
+            let qw = self.qw.get(l);
+            let pick = |on: bool, j: usize, dense: usize| if on { &qw.expect("set with the quantizer")[j][..] } else { p[dense] };
+            let (wg, wu, wd) = (pick(on(GATE), 0, li.gate), pick(on(UP), 1, li.up), pick(on(DOWN), 2, li.down));
+            let xg = if on(GATE) { &a.h2q } else { &a.h2 };
+            let xu = if on(UP) { &a.h2q } else { &a.h2 };
+            mm::nn(n, c, i_dim, &dx, wd, &mut da, false);
+            mm::tn(n, c, i_dim, &dx, if on(DOWN) { &a.aq } else { &a.a }, &mut grads[li.down], true);
             if let Some(bi) = li.db {
                 mm::bias_grad(n, c, &dx, &mut grads[bi]);
             }
             act::swiglu_bwd(&da, &a.g, &a.u, &mut dg, &mut du);
-            mm::nn(n, i_dim, c, &dg, p[li.gate], &mut dh2, false);
-            mm::nn(n, i_dim, c, &du, p[li.up], &mut dh2, true);
-            mm::tn(n, i_dim, c, &dg, &a.h2, &mut grads[li.gate], true);
-            mm::tn(n, i_dim, c, &du, &a.h2, &mut grads[li.up], true);
+            mm::nn(n, i_dim, c, &dg, wg, &mut dh2, false);
+            mm::nn(n, i_dim, c, &du, wu, &mut dh2, true);
+            mm::tn(n, i_dim, c, &dg, xg, &mut grads[li.gate], true);
+            mm::tn(n, i_dim, c, &du, xu, &mut grads[li.up], true);
             if let Some(bi) = li.gb {
                 mm::bias_grad(n, i_dim, &dg, &mut grads[bi]);
             }

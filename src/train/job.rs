@@ -5,6 +5,7 @@
 use super::checkpoint;
 use super::eval::{self, EvalResult};
 use super::rollout::{self, Rollout};
+use super::monitor::{Monitor, RlMetrics};
 use super::trainer::{StepOut, Trainer};
 use crate::config::JobConfig;
 use crate::data::answer;
@@ -55,6 +56,12 @@ pub struct StepMetrics {
     pub length_cap_rate: f64,
     pub reward: Option<f64>,
     pub mismatch: StepMismatch,
+    /// Optimizer updates this step (minibatches × updates per step, less skipped ones).
+    pub updates: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rl: Option<RlMetrics>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub triage: Option<crate::objective::triage::TriageStats>,
     pub skipped: bool,
     pub skipped_steps: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -200,10 +207,25 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         None
     };
     let mut rw = crate::engine::rollout_weights::RolloutWeights::new(&dev, &spec, &cfg, &trainer.weights, calib.as_ref(), trainer.version)?;
+    if job.learner.precision == "nvfp4" {
+        let mut lq = crate::model::learner_quant::LearnerQuant::new(&job.learner.linears, spec.recipe.nvfp4, cfg.num_layers)?;
+        // The engine's calibrated input scales where it quantizes the same linears in NVFP4.
+        if let Some(q) = &rw.quant {
+            for (l, ql) in q.layers.iter().enumerate() {
+                for (i, a) in ql.act.iter().enumerate() {
+                    if let crate::ops::quantize::ActQuant::Nvfp4 { global, .. } = a {
+                        lq.act_global[l][i] = Some(*global);
+                    }
+                }
+            }
+        }
+        trainer.set_learner_quant(Some(lq));
+    }
+    let mut monitor = Monitor::new(&job.monitor);
     let mut start = 0u64;
     if let Some(ck) = &resume {
         let (state, master, m, v) = checkpoint::load(ck, job)?;
-        trainer.restore(master, m, v, state.optimizer_step, state.version, state.skipped_steps)?;
+        trainer.restore(master, m, v, state.optimizer_step, state.version, state.skipped_steps, state.step)?;
         start = state.step;
         truncate_metrics(&metrics_path, start)?;
         tracing::info!("resumed from {} at step {start}", ck.display());
@@ -324,6 +346,9 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             length_cap_rate: rollouts.iter().filter(|r| r.truncated).count() as f64 / rollouts.len().max(1) as f64,
             reward: (!rewards.is_empty()).then(|| rewards.iter().sum::<f64>() / rewards.len() as f64),
             mismatch: if file_rollouts.is_none() && job.objective.kind != "sft" { mismatch::step_mismatch(&sampler, &out.logp) } else { Default::default() },
+            updates: out.updates,
+            rl: out.adv_response.as_ref().map(|a| monitor.observe(a, &out.seq_lens, &out.logp, &sampler, out.clipped)),
+            triage: out.triage.clone(),
             skipped: out.skipped,
             skipped_steps: trainer.skipped_steps,
             time,
@@ -390,6 +415,7 @@ fn sampling_of(job: &JobConfig) -> SamplingConfig {
         stop: Vec::new(),
         ignore_eos: false,
         seed: job.run.seed,
+        topk_logprobs: if job.objective.centering { job.objective.centering_top_k } else { 0 },
     }
 }
 
@@ -407,6 +433,7 @@ fn reference_rollouts(prompts: &[crate::data::dataset::PromptItem], samples: usi
                 sampler_logprobs: vec![0.0; resp.len()],
                 response: resp.clone(),
                 teacher_logprobs: None,
+                sampler_topk: None,
                 reward: None,
                 answer: p.answer.clone(),
                 truncated: false,

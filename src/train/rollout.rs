@@ -10,7 +10,16 @@ use serde_json::Value;
 use std::path::Path;
 use std::sync::Arc;
 
-#[derive(Clone, Debug, PartialEq)]
+/// The engine's k most likely tokens at each response position and their log-probs (score
+/// centering's target): `ids` and `logprobs` hold response_len·k values.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TopK {
+    pub k: usize,
+    pub ids: Vec<u32>,
+    pub logprobs: Vec<f32>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Rollout {
     pub prompt_id: u64,
     pub sample: u32,
@@ -21,6 +30,8 @@ pub struct Rollout {
     /// log q(y_t) of the engine that sampled the response.
     pub sampler_logprobs: Vec<f32>,
     pub teacher_logprobs: Option<Vec<f32>>,
+    /// With score centering: the sampler's top-k at each response token.
+    pub sampler_topk: Option<TopK>,
     pub reward: Option<f32>,
     /// Reference answer of the prompt, when known.
     pub answer: Option<String>,
@@ -50,6 +61,7 @@ pub fn generate<'a>(engine: &mut Engine, w: impl Into<View<'a>>, prompts: &[Prom
                 group: prompts[i].id,
                 prompt: prompts[i].tokens.clone(),
                 truncated: c.finish == FinishReason::Length,
+                sampler_topk: (!c.topk_ids.is_empty()).then(|| TopK { k: c.topk_ids.len() / c.tokens.len().max(1), ids: c.topk_ids, logprobs: c.topk_logprobs }),
                 response: c.tokens,
                 sampler_logprobs: c.logprobs,
                 teacher_logprobs: None,
@@ -100,8 +112,40 @@ fn floats(v: Option<&Value>, key: &str, ctx: &dyn Fn() -> String) -> Result<Opti
     Ok(Some(out))
 }
 
+/// Optional `sampler_topk_ids` / `sampler_topk_logprobs`: one list of k values per response token.
+fn read_topk(v: &Value, n: usize, vocab: usize, ctx: &dyn Fn() -> String) -> Result<Option<TopK>> {
+    let (ids, lps) = match (v.get("sampler_topk_ids"), v.get("sampler_topk_logprobs")) {
+        (None | Some(Value::Null), None | Some(Value::Null)) => return Ok(None),
+        (Some(i), Some(l)) => (i, l),
+        _ => bail!("{}: 'sampler_topk_ids' and 'sampler_topk_logprobs' come together", ctx()),
+    };
+    let rows = |x: &Value, key: &str| -> Result<Vec<Value>> {
+        let a = x.as_array().with_context(|| format!("{}: '{key}' must be a list (one list per response token)", ctx()))?;
+        if a.len() != n {
+            bail!("{}: '{key}' has {} entries for {n} response tokens", ctx(), a.len());
+        }
+        Ok(a.clone())
+    };
+    let (ir, lr) = (rows(ids, "sampler_topk_ids")?, rows(lps, "sampler_topk_logprobs")?);
+    let mut t = TopK::default();
+    for (j, (i, l)) in ir.iter().zip(&lr).enumerate() {
+        let ids = crate::data::prompts::parse_tokens(i, vocab, &|| format!("{} ('sampler_topk_ids'[{j}])", ctx()))?;
+        let lps = floats(Some(l), &format!("sampler_topk_logprobs[{j}]"), ctx)?.unwrap_or_default();
+        if j == 0 {
+            t.k = ids.len();
+        }
+        if ids.is_empty() || ids.len() != t.k || lps.len() != t.k {
+            bail!("{}: token {j} has {} top-k ids and {} log-probs; every token needs the same k >= 1 of each", ctx(), ids.len(), lps.len());
+        }
+        t.ids.extend(ids);
+        t.logprobs.extend(lps);
+    }
+    Ok(Some(t))
+}
+
 /// Reads a rollout file: one JSON object per line with `prompt_tokens`, `response_tokens`,
-/// `sampler_logprobs` and optional `group`, `reward`, `teacher_logprobs`, `answer`. Errors name
+/// `sampler_logprobs` and optional `group`, `reward`, `teacher_logprobs`, `answer`,
+/// `sampler_topk_ids` + `sampler_topk_logprobs`. Errors name
 /// the file, the line and the field.
 pub fn read_file(path: &Path, vocab: usize) -> Result<Vec<Rollout>> {
     let lines = crate::util::read_jsonl(path)?;
@@ -148,6 +192,7 @@ pub fn read_file(path: &Path, vocab: usize) -> Result<Vec<Rollout>> {
                 Some(f as f32)
             }
         };
+        let sampler_topk = read_topk(v, response.len(), vocab, &ctx)?;
         let answer = v.get("answer").and_then(|a| a.as_str()).map(str::to_string);
         out.push(Rollout {
             prompt_id: idx as u64,
@@ -157,6 +202,7 @@ pub fn read_file(path: &Path, vocab: usize) -> Result<Vec<Rollout>> {
             response,
             sampler_logprobs: sampler,
             teacher_logprobs: teacher,
+            sampler_topk,
             reward,
             answer,
             truncated: false,

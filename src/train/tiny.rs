@@ -60,11 +60,13 @@ pub fn sft_job(init: &Path, out: &Path) -> JobConfig {
         teacher: None,
         data: DataConfig { train: "builtin:arith".into(), heldout: None, chat: false, heldout_size: 64 },
         rollout: RolloutConfig { prompts_per_step: 64, samples_per_prompt: 1, max_new_tokens: 12, ..Default::default() },
-        objective: ObjectiveConfig { kind: "sft".into(), loss_agg: Some("token-mean".into()), chunk_size: 512, micro_batch_tokens: 0 },
+        objective: ObjectiveConfig { kind: "sft".into(), loss_agg: Some("token-mean".into()), chunk_size: 512, ..Default::default() },
         optimizer: OptimizerConfig { kind: "adamw".into(), lr: 3e-3, betas: [0.9, 0.98], eps: 1e-8, weight_decay: 0.0, grad_clip: 1.0, warmup_steps: 50 },
         checkpoint: CheckpointConfig { every: 100, dtype: "f32".into(), keep: 0 },
         eval: EvalConfig { every: 0, samples_per_prompt: 1, max_new_tokens: Some(12), ..Default::default() },
         engine: Default::default(),
+        learner: Default::default(),
+        monitor: Default::default(),
     }
 }
 

@@ -9,16 +9,14 @@ use super::rollout::Rollout;
 use crate::config::{JobConfig, LossAgg};
 use crate::model::trainable::{TrainBatch, Trainable};
 use crate::model::{ModelConfig, ModelWeights};
-use crate::objective::{self, TokenStats};
+use super::step_inputs::{evaluate, minibatches, Objective, StepInputs};
+use crate::model::learner_quant::LearnerQuant;
+use crate::objective::triage::TriageStats;
+use crate::objective::TokenStats;
+use crate::ops::grad::lm_head::Center;
 use anyhow::{bail, Result};
 use std::borrow::Cow;
 use std::ops::Range;
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum ObjectiveKind {
-    Sft,
-    Opd,
-}
 
 /// What a step measured.
 #[derive(Clone, Debug, Default)]
@@ -33,6 +31,16 @@ pub struct StepOut {
     /// The step was not applied (non-finite loss or gradient).
     pub skipped: bool,
     pub tokens: usize,
+    /// Optimizer updates applied (minibatches × updates per step, less skipped ones).
+    pub updates: usize,
+    /// Tokens whose ratio was clipped (summed over updates).
+    pub clipped: usize,
+    /// RL: advantages per response and per token (concatenated like `logp`).
+    pub adv_response: Option<Vec<f64>>,
+    pub adv_tokens: Option<Vec<f64>>,
+    pub seq_lens: Vec<usize>,
+    /// TRIAGE's statistics of the step's first pass over its minibatches (summed).
+    pub triage: Option<TriageStats>,
 }
 
 pub struct Trainer {
@@ -44,13 +52,18 @@ pub struct Trainer {
     ranges: Vec<Range<usize>>,
     grads: Vec<Vec<f32>>,
     flat_grad: Vec<f32>,
-    pub objective: ObjectiveKind,
+    pub objective: Objective,
     pub agg: LossAgg,
     pub temperature: f32,
     chunk: usize,
     micro_batch_tokens: usize,
+    centering: bool,
+    minibatches: usize,
+    updates_per_step: usize,
     /// Weight version: optimizer updates applied so far.
     pub version: u64,
+    /// Rollout steps trained so far (TRIAGE's update index k of the next step).
+    pub rollout_steps: u64,
     pub skipped_steps: u64,
 }
 
@@ -67,11 +80,7 @@ pub fn param_slices(w: &ModelWeights) -> Result<Vec<Cow<'_, [f32]>>> {
 
 impl Trainer {
     pub fn new(cfg: &ModelConfig, weights: ModelWeights, job: &JobConfig) -> Result<Trainer> {
-        let objective = match job.objective.kind.as_str() {
-            "sft" => ObjectiveKind::Sft,
-            "opd" => ObjectiveKind::Opd,
-            k => bail!("objective '{k}' is not available in the trainer"),
-        };
+        let objective = Objective::from_job(job)?;
         let mut ranges = Vec::new();
         let mut master = Vec::new();
         for t in weights.tensors() {
@@ -94,9 +103,18 @@ impl Trainer {
             temperature: job.rollout.temperature,
             chunk: job.objective.chunk_size,
             micro_batch_tokens: job.objective.micro_batch_tokens,
+            centering: job.objective.centering,
+            minibatches: job.objective.minibatches,
+            updates_per_step: job.objective.updates_per_step,
             version: 0,
+            rollout_steps: 0,
             skipped_steps: 0,
         })
+    }
+
+    /// Runs the chosen MLP linears of the learner's forward in NVFP4 (None: off).
+    pub fn set_learner_quant(&mut self, q: Option<LearnerQuant>) {
+        self.model.set_quant(q);
     }
 
     pub fn num_params(&self) -> usize {
@@ -134,91 +152,135 @@ impl Trainer {
         b
     }
 
-    /// One optimizer step on `rollouts` (the teacher log-probs must be filled for OPD).
+    /// logp and entropy of every response token of `rollouts` at the current weights, micro-batch
+    /// by micro-batch. Leaves the last micro-batch's activations in the model.
+    fn token_stats(&mut self, rollouts: &[Rollout]) -> Result<(Vec<f32>, Vec<f32>, usize)> {
+        let mbs = self.micro_batches(rollouts);
+        let m: usize = rollouts.iter().map(|r| r.response.len()).sum();
+        let (mut logp, mut entropy) = (vec![0.0f32; m], vec![0.0f32; m]);
+        let params = param_slices(&self.weights)?;
+        let ps: Vec<&[f32]> = params.iter().map(|c| c.as_ref()).collect();
+        let mut at = 0;
+        for mb in &mbs {
+            let b = Self::batch(&rollouts[mb.clone()]);
+            let k = b.rows.len();
+            self.model.forward(&ps, &b)?;
+            self.model.token_stats(&ps, &b, self.temperature, self.chunk, &mut logp[at..at + k], &mut entropy[at..at + k]);
+            at += k;
+        }
+        Ok((logp, entropy, mbs.len()))
+    }
+
+    /// One training step on `rollouts`: the step's old log-probs, then `updates_per_step` passes
+    /// over its `minibatches`, one optimizer update each (the teacher log-probs must be filled
+    /// for OPD, rewards for RL, the sampler's top-k for score centering).
     pub fn step(&mut self, rollouts: &[Rollout]) -> Result<StepOut> {
-        let rollouts: Vec<&Rollout> = rollouts.iter().filter(|r| !r.response.is_empty()).collect();
-        let rollouts: Vec<Rollout> = rollouts.into_iter().cloned().collect();
+        let rollouts: Vec<Rollout> = rollouts.iter().filter(|r| !r.response.is_empty()).cloned().collect();
         if rollouts.is_empty() {
             bail!("training step with no response tokens");
         }
-        let mbs = self.micro_batches(&rollouts);
-        let t = self.temperature;
-        let chunk = self.chunk;
-        // Pass 1: statistics of every response token under the current weights.
-        let m: usize = rollouts.iter().map(|r| r.response.len()).sum();
-        let (mut logp, mut entropy) = (vec![0.0f32; m], vec![0.0f32; m]);
-        {
-            let params = param_slices(&self.weights)?;
-            let ps: Vec<&[f32]> = params.iter().map(|c| c.as_ref()).collect();
-            let mut at = 0;
-            for mb in &mbs {
-                let b = Self::batch(&rollouts[mb.clone()]);
-                let k = b.rows.len();
-                self.model.forward(&ps, &b)?;
-                self.model.token_stats(&ps, &b, t, chunk, &mut logp[at..at + k], &mut entropy[at..at + k]);
-                at += k;
-            }
-        }
-        let seq_lens: Vec<usize> = rollouts.iter().map(|r| r.response.len()).collect();
-        let sampler: Vec<f32> = rollouts.iter().flat_map(|r| r.sampler_logprobs.iter().copied()).collect();
-        let teacher: Option<Vec<f32>> = match self.objective {
-            ObjectiveKind::Opd => {
-                let mut v = Vec::with_capacity(m);
-                for r in &rollouts {
-                    match &r.teacher_logprobs {
-                        Some(t) if t.len() == r.response.len() => v.extend_from_slice(t),
-                        _ => bail!("opd: rollout (prompt {}, sample {}) has no teacher log-probs", r.prompt_id, r.sample),
+        let inp = StepInputs::build(&rollouts, &self.objective, self.centering)?;
+        let k = self.rollout_steps;
+        self.rollout_steps += 1;
+        // Pass 1: π_old, the statistics of every response token at the step's start.
+        let (logp_old, entropy, n_chunks) = self.token_stats(&rollouts)?;
+        let m = logp_old.len();
+        let mut out = StepOut {
+            entropy: entropy.iter().map(|&x| x as f64).sum::<f64>() / m as f64,
+            logp: logp_old.clone(),
+            tokens: m,
+            adv_response: inp.adv_response.clone(),
+            adv_tokens: inp.adv_tokens.clone(),
+            seq_lens: inp.seq_lens.clone(),
+            ..Default::default()
+        };
+        let parts = minibatches(rollouts.len(), self.minibatches);
+        let mut losses = Vec::new();
+        let mut applied = 0;
+        for u in 0..self.updates_per_step {
+            for (j, mb) in parts.iter().enumerate() {
+                let toks = inp.tokens(mb);
+                let first = u == 0 && j == 0;
+                // At the first update the weights are π_old's: no new forward is needed, and the
+                // activations of pass 1 are still in place when it was a single micro-batch.
+                let logp_now = if first { logp_old[toks.clone()].to_vec() } else { self.token_stats(&rollouts[mb.clone()])?.0 };
+                let stats = TokenStats {
+                    seq_lens: &inp.seq_lens[mb.clone()],
+                    logp: &logp_now,
+                    logp_old: Some(&logp_old[toks.clone()]),
+                    sampler: Some(&inp.sampler[toks.clone()]),
+                    teacher: inp.teacher.as_ref().map(|t| &t[toks.clone()]),
+                    advantages: inp.adv_tokens.as_ref().map(|a| &a[toks.clone()]),
+                    mask: None,
+                };
+                let ev = evaluate(&self.objective, &stats, self.agg, k)?;
+                out.clipped += ev.clipped;
+                if u == 0 {
+                    losses.push(ev.coefs.loss);
+                    if let Some(t) = ev.triage {
+                        out.triage = Some(match out.triage.take() {
+                            None => t,
+                            Some(acc) => sum_triage(acc, &t),
+                        });
                     }
                 }
-                Some(v)
+                if !ev.coefs.loss.is_finite() || ev.coefs.coef.iter().any(|c| !c.is_finite()) {
+                    tracing::warn!("update skipped: the loss is not finite ({})", ev.coefs.loss);
+                    continue;
+                }
+                let reuse = first && parts.len() == 1 && n_chunks == 1;
+                let center = inp.center.as_ref().map(|(k, ids, p)| (*k, &ids[toks.start * k..toks.end * k], &p[toks.start * k..toks.end * k]));
+                self.backward(&rollouts[mb.clone()], &ev.coefs.coef, center, reuse)?;
+                for (g, r) in self.grads.iter().zip(&self.ranges) {
+                    self.flat_grad[r.clone()].copy_from_slice(g);
+                }
+                let info = self.opt.update(&mut self.flat_grad)?;
+                if first {
+                    out.info = info;
+                }
+                if info.skipped {
+                    tracing::warn!("update skipped: the gradient norm is not finite ({})", info.grad_norm);
+                    continue;
+                }
+                self.write_compute_weights()?;
+                self.version += 1;
+                applied += 1;
             }
-            ObjectiveKind::Sft => None,
-        };
-        let stats = TokenStats { seq_lens: &seq_lens, logp: &logp, logp_old: None, sampler: Some(&sampler), teacher: teacher.as_deref(), advantages: None, mask: None };
-        let coefs = match self.objective {
-            ObjectiveKind::Sft => objective::sft::coefficients(&stats, self.agg)?,
-            ObjectiveKind::Opd => objective::opd::coefficients(&stats, self.agg)?,
-        };
-        let ent = entropy.iter().map(|&x| x as f64).sum::<f64>() / m as f64;
-        let mut out = StepOut { loss: coefs.loss, entropy: ent, logp, tokens: m, ..Default::default() };
-        if !coefs.loss.is_finite() || coefs.coef.iter().any(|c| !c.is_finite()) {
-            tracing::warn!("step skipped: the loss is not finite ({})", coefs.loss);
+        }
+        out.loss = losses.iter().sum::<f64>() / losses.len().max(1) as f64;
+        if let Some(t) = &mut out.triage {
+            t.mass_moved /= parts.len() as f64;
+            t.repair_mass /= parts.len() as f64;
+        }
+        out.updates = applied;
+        if applied == 0 {
             self.skipped_steps += 1;
             out.skipped = true;
-            return Ok(out);
         }
-        // Pass 2: the fused loss pass and the backward, micro-batch by micro-batch.
+        Ok(out)
+    }
+
+    /// The fused loss pass and the backward over `rollouts` (micro-batch by micro-batch) into the
+    /// gradients; `reuse`: the model still holds these rollouts' activations (one micro-batch).
+    fn backward(&mut self, rollouts: &[Rollout], coef: &[f32], center: Option<(usize, &[u32], &[f32])>, reuse: bool) -> Result<()> {
         for g in &mut self.grads {
             g.fill(0.0);
         }
-        {
-            let params = param_slices(&self.weights)?;
-            let ps: Vec<&[f32]> = params.iter().map(|c| c.as_ref()).collect();
-            let mut at = 0;
-            for mb in &mbs {
-                let b = Self::batch(&rollouts[mb.clone()]);
-                let k = b.rows.len();
-                if mbs.len() > 1 {
-                    self.model.forward(&ps, &b)?;
-                }
-                self.model.backward(&ps, &b, &coefs.coef[at..at + k], t, chunk, &mut self.grads)?;
-                at += k;
+        let mbs = self.micro_batches(rollouts);
+        let params = param_slices(&self.weights)?;
+        let ps: Vec<&[f32]> = params.iter().map(|c| c.as_ref()).collect();
+        let mut at = 0;
+        for mb in &mbs {
+            let b = Self::batch(&rollouts[mb.clone()]);
+            let k = b.rows.len();
+            if !(reuse && mbs.len() == 1) {
+                self.model.forward(&ps, &b)?;
             }
+            let ct = center.map(|(kk, ids, p)| Center { k: kk, ids: &ids[at * kk..(at + k) * kk], probs: &p[at * kk..(at + k) * kk] });
+            self.model.backward_centered(&ps, &b, &coef[at..at + k], ct.as_ref(), self.temperature, self.chunk, &mut self.grads)?;
+            at += k;
         }
-        for (g, r) in self.grads.iter().zip(&self.ranges) {
-            self.flat_grad[r.clone()].copy_from_slice(g);
-        }
-        let info = self.opt.update(&mut self.flat_grad)?;
-        out.info = info;
-        if info.skipped {
-            tracing::warn!("step skipped: the gradient norm is not finite ({})", info.grad_norm);
-            self.skipped_steps += 1;
-            out.skipped = true;
-            return Ok(out);
-        }
-        self.write_compute_weights()?;
-        self.version += 1;
-        Ok(out)
+        Ok(())
     }
 
     /// Rewrites the compute weights in place from the FP32 master (rounded to their dtype).
@@ -230,7 +292,7 @@ impl Trainer {
     }
 
     /// Restores master weights, moments and counters (from a checkpoint), then the compute weights.
-    pub fn restore(&mut self, master: Vec<f32>, m: Vec<f32>, v: Vec<f32>, opt_step: u64, version: u64, skipped: u64) -> Result<()> {
+    pub fn restore(&mut self, master: Vec<f32>, m: Vec<f32>, v: Vec<f32>, opt_step: u64, version: u64, skipped: u64, rollout_steps: u64) -> Result<()> {
         let n = self.opt.master.len();
         if master.len() != n || (self.opt.kind == super::optimizer::Kind::AdamW && (m.len() != n || v.len() != n)) {
             bail!("checkpoint optimizer state has {} values, the model has {n} parameters", master.len());
@@ -243,6 +305,26 @@ impl Trainer {
         self.opt.step = opt_step;
         self.version = version;
         self.skipped_steps = skipped;
+        self.rollout_steps = rollout_steps;
         self.write_compute_weights()
+    }
+}
+
+/// Adds two minibatches' TRIAGE statistics (everything summed; the step divides the shares by the number of minibatches).
+fn sum_triage(a: TriageStats, b: &TriageStats) -> TriageStats {
+    TriageStats {
+        eligible_segments: a.eligible_segments + b.eligible_segments,
+        gated_segments: a.gated_segments + b.gated_segments,
+        gated_tokens: a.gated_tokens + b.gated_tokens,
+        gated_responses: a.gated_responses + b.gated_responses,
+        repair_segments: a.repair_segments + b.repair_segments,
+        repair_active: a.repair_active + b.repair_active,
+        lambda: a.lambda,
+        mass_moved: a.mass_moved + b.mass_moved,
+        repair_mass: a.repair_mass + b.repair_mass,
+        b_amp: a.b_amp + b.b_amp,
+        b_con: a.b_con + b.b_con,
+        b_amp_base: a.b_amp_base + b.b_amp_base,
+        b_con_base: a.b_con_base + b.b_con_base,
     }
 }

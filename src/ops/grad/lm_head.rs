@@ -72,10 +72,39 @@ pub fn stats<T: Real>(c: usize, v: usize, rows: &[u32], targets: &[u32], h: &[T]
     }
 }
 
+/// Score centering's target per scored row (seed 000 App. B.1): the engine's k most likely
+/// tokens `ids` (M·k) and their normalized probabilities `probs` (M·k, each row sums to 1).
+/// The score ∇log p(y) becomes ∇log p(y) − Σ_v q̃_v ∇log p(v): in logits, (e_y − q̃)/T.
+pub struct Center<'a> {
+    pub k: usize,
+    pub ids: &'a [u32],
+    pub probs: &'a [f32],
+}
+
 /// The fused loss pass: dh[rows] += dz·Wh, dwh += dzᵀ·h for dz_i = −coef_i (e_{y_i} − p_i)/T.
 /// Returns Σ_i −coef_i·logp_i (the surrogate loss value at these weights).
 #[allow(clippy::too_many_arguments)]
 pub fn grad<T: Real>(c: usize, v: usize, rows: &[u32], targets: &[u32], coef: &[T], h: &[T], wh: &[T], temperature: T, s: &mut Scratch<T>, dh: &mut [T], dwh: &mut [T]) -> T {
+    grad_centered(c, v, rows, targets, coef, None, h, wh, temperature, s, dh, dwh)
+}
+
+/// [`grad`], or with `center` the centered score: dz_i = −coef_i (e_{y_i} − q̃_i)/T and the
+/// surrogate −coef_i·(logp_i − Σ_v q̃_iv·logp_iv).
+#[allow(clippy::too_many_arguments)]
+pub fn grad_centered<T: Real>(
+    c: usize,
+    v: usize,
+    rows: &[u32],
+    targets: &[u32],
+    coef: &[T],
+    center: Option<&Center>,
+    h: &[T],
+    wh: &[T],
+    temperature: T,
+    s: &mut Scratch<T>,
+    dh: &mut [T],
+    dwh: &mut [T],
+) -> T {
     let chunk = s.chunk();
     let inv_t = T::one() / temperature;
     let mut loss = T::zero();
@@ -87,12 +116,29 @@ pub fn grad<T: Real>(c: usize, v: usize, rows: &[u32], targets: &[u32], coef: &[
         normalize(n, v, &mut s.z, inv_t, &mut s.lse);
         for i in 0..n {
             loss -= cs[i] * (s.z[i * v + ts[i] as usize] - s.lse[i]);
+            if let Some(ct) = center {
+                let at = (ci * chunk + i) * ct.k;
+                for (&id, &q) in ct.ids[at..at + ct.k].iter().zip(&ct.probs[at..at + ct.k]) {
+                    loss += cs[i] * T::from_f64(q as f64) * (s.z[i * v + id as usize] - s.lse[i]);
+                }
+            }
         }
         s.z[..n * v].par_chunks_mut(v).enumerate().for_each(|(i, row)| {
             let l = s.lse[i];
             let k = cs[i] * inv_t;
-            for x in row.iter_mut() {
-                *x = k * (*x - l).fexp();
+            match center {
+                None => {
+                    for x in row.iter_mut() {
+                        *x = k * (*x - l).fexp();
+                    }
+                }
+                Some(ct) => {
+                    row.fill(T::zero());
+                    let at = (ci * chunk + i) * ct.k;
+                    for (&id, &q) in ct.ids[at..at + ct.k].iter().zip(&ct.probs[at..at + ct.k]) {
+                        row[id as usize] += k * T::from_f64(q as f64);
+                    }
+                }
             }
             row[ts[i] as usize] -= k;
         });

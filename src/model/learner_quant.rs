@@ -1,0 +1,164 @@
+//! The learner's native NVFP4 forward (seed 004 §5.1, App. B.1: W4A4 on the sampler *and* the
+//! learner). Chosen MLP linears of the trainable model run on fake-quantized weights and
+//! activations — the engine's quantizer bit for bit: the same global scale rule (the amax of the
+//! values that get quantized, /2688), the same 16-value E4M3 block scales, the same RHT signs and
+//! stochastic-rounding keys for weights, and the engine's calibrated activation scales when the
+//! engine quantizes that linear's input (else a per-token global scale, as the paper's kernels
+//! use). The backward is straight-through: gradients flow to the FP32 master as if the rounding
+//! were the identity, through the quantized operands (dx = dy·Q(W), dW = dyᵀ·Q(x)).
+//!
+//! Owns: [`LearnerQuant`]. May call: `crate::quant::nvfp4`. Must not: touch weights in place
+//! (quantized copies live in the trainable model's arenas).
+
+use crate::ops::grad::Real;
+use crate::quant::nvfp4::{self, Nvfp4Opts, BLOCK};
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+
+/// Index of the MLP linears in `quant::recipe::LINEARS` order.
+pub const GATE: usize = 4;
+pub const UP: usize = 5;
+pub const DOWN: usize = 6;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LearnerQuant {
+    /// Which linears run in NVFP4, in `quant::recipe::LINEARS` order (MLP ones only).
+    pub linears: [bool; 7],
+    pub opts: Nvfp4Opts,
+    /// Per layer and linear: the engine's calibrated global scale of that linear's input, or
+    /// None for a per-token scale.
+    pub act_global: Vec<[Option<f32>; 7]>,
+}
+
+impl LearnerQuant {
+    /// From config names; only the MLP projections are supported (attention, norms, embeddings
+    /// and the LM head stay in the compute dtype, as in the paper's recipe).
+    pub fn new(names: &[String], opts: Nvfp4Opts, layers: usize) -> Result<LearnerQuant> {
+        let mut linears = [false; 7];
+        for n in names {
+            match crate::quant::recipe::LINEARS.iter().position(|l| l == n) {
+                Some(i) if i >= GATE => linears[i] = true,
+                Some(_) => bail!("learner.linears: '{n}' is an attention projection; the NVFP4 learner forward covers the MLP (gate_proj, up_proj, down_proj)"),
+                None => bail!("learner.linears: unknown linear '{n}'"),
+            }
+        }
+        Ok(LearnerQuant { linears, opts, act_global: vec![[None; 7]; layers] })
+    }
+
+    pub fn on(&self, linear: usize) -> bool {
+        self.linears[linear]
+    }
+
+    /// out = Q(w) for a weight (rows, k), as the engine's `QTensor::requantize` rounds it.
+    pub fn weight<T: Real>(&self, w: &[T], k: usize, out: &mut Vec<T>) -> Result<()> {
+        let mut x: Vec<f32> = w.iter().map(|v| Real::to_f64(*v) as f32).collect();
+        let signs = self.opts.rht.map(nvfp4::rht_signs);
+        check_k(k)?;
+        rotate(&mut x, signs.as_ref(), false);
+        let amax = x.par_iter().fold(|| 0.0f32, |a, v| a.max(v.abs())).reduce(|| 0.0, f32::max);
+        if !amax.is_finite() {
+            bail!("learner NVFP4: a weight holds NaN or Inf values");
+        }
+        let g = nvfp4::global_scale(amax);
+        round_rows(&mut x, k, &|_| g, &self.opts, signs.as_ref());
+        out.clear();
+        out.extend(x.iter().map(|&v| T::from_f64(v as f64)));
+        Ok(())
+    }
+
+    /// Fake-quantizes activation rows x (n, k) in place for linear `linear` of layer `layer`.
+    pub fn act<T: Real>(&self, layer: usize, linear: usize, x: &mut [T], k: usize) -> Result<()> {
+        check_k(k)?;
+        let mut v: Vec<f32> = x.iter().map(|a| Real::to_f64(*a) as f32).collect();
+        let signs = self.opts.rht.map(nvfp4::rht_signs);
+        rotate(&mut v, signs.as_ref(), false);
+        let fixed = self.act_global.get(layer).and_then(|a| a[linear]);
+        let global = |row: &[f32]| fixed.unwrap_or_else(|| nvfp4::global_scale(row.iter().fold(0.0f32, |a, v| a.max(v.abs()))));
+        round_rows(&mut v, k, &global, &self.opts, signs.as_ref());
+        for (a, b) in x.iter_mut().zip(&v) {
+            *a = T::from_f64(*b as f64);
+        }
+        Ok(())
+    }
+}
+
+fn check_k(k: usize) -> Result<()> {
+    if k == 0 || k % BLOCK != 0 {
+        bail!("learner NVFP4: the reduction dimension {k} is not a multiple of {BLOCK}");
+    }
+    Ok(())
+}
+
+/// Applies the RHT (or its inverse) to every 16-value block.
+fn rotate(x: &mut [f32], signs: Option<&[f32; BLOCK]>, inverse: bool) {
+    if let Some(s) = signs {
+        x.par_chunks_mut(BLOCK).for_each(|b| if inverse { nvfp4::rht_block_inverse(b, s) } else { nvfp4::rht_block(b, s) });
+    }
+}
+
+/// Rounds rotated rows (n, k) onto the NVFP4 grid with global scale `global(row)` and rotates
+/// them back. Stochastic rounding keys are the flat element index, as in the engine.
+fn round_rows(x: &mut [f32], k: usize, global: &(dyn Fn(&[f32]) -> f32 + Sync), opts: &Nvfp4Opts, signs: Option<&[f32; BLOCK]>) {
+    x.par_chunks_mut(k).enumerate().for_each(|(r, row)| {
+        let g = global(row);
+        let mut p = [0u8; BLOCK / 2];
+        let mut s = [0u8; 1];
+        for (b, blk) in row.chunks_exact_mut(BLOCK).enumerate() {
+            nvfp4::quantize_row(blk, g, opts, None, (r * k + b * BLOCK) as u64, &mut p, &mut s);
+            nvfp4::dequantize_into(&p, &s, g, 0, blk);
+        }
+    });
+    rotate(x, signs, true);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{DType, Device};
+    use crate::quant::qtensor::{QFormat, QTensor};
+
+    /// Q(x)·Q(w) in the learner's (unrotated) domain equals the engine's rotated-domain product
+    /// of its quantized weight and fake-quantized activations.
+    #[test]
+    fn weights_round_like_the_engine_and_dot_products_match() {
+        let dev = Device::cpu(2).unwrap();
+        let (rows, k) = (8, 64);
+        let mut rng = crate::rand::Stream::new(9, 0);
+        let w: Vec<f32> = (0..rows * k).map(|_| rng.normal() as f32 * 0.05).collect();
+        let x: Vec<f32> = (0..k).map(|_| rng.normal() as f32).collect();
+        for opts in [Nvfp4Opts::default(), Nvfp4Opts { rht: Some(3), stochastic: None }, Nvfp4Opts { rht: Some(3), stochastic: Some(5) }] {
+            let lq = LearnerQuant { linears: [false, false, false, false, true, true, true], opts, act_global: vec![[Some(0.01); 7]] };
+            let mut qw = Vec::new();
+            lq.weight(&w, k, &mut qw).unwrap();
+            let mut qt = QTensor::alloc(QFormat::Nvfp4, rows, k, opts).unwrap();
+            qt.requantize(&dev, &dev.from_f32(DType::F32, &[rows, k], &w).unwrap(), "w").unwrap();
+            let engine_w = qt.dequantize(); // rotated domain under the RHT
+            let mut qx = x.clone();
+            lq.act(0, GATE, &mut qx, k).unwrap();
+            let mut ex = x.clone();
+            if let Some(seed) = opts.rht {
+                let s = nvfp4::rht_signs(seed);
+                ex.chunks_mut(BLOCK).for_each(|b| nvfp4::rht_block(b, &s));
+            }
+            nvfp4::fake_quantize_rows(&mut ex, k, 0.01, &Nvfp4Opts { rht: None, ..opts });
+            for r in 0..rows {
+                let a: f64 = (0..k).map(|j| qw[r * k + j] as f64 * qx[j] as f64).sum();
+                let b: f64 = (0..k).map(|j| engine_w[r * k + j] as f64 * ex[j] as f64).sum();
+                // Same rounded operands, rotated back: f32 rounding of the rotation only.
+                assert!((a - b).abs() <= 1e-5 + 1e-4 * b.abs(), "{opts:?} row {r}: {a} vs {b}");
+            }
+            if opts.rht.is_none() {
+                assert_eq!(qw, engine_w, "without the RHT the learner's weight is the engine's dequantized weight");
+            }
+        }
+    }
+
+    #[test]
+    fn only_mlp_linears_and_multiples_of_16() {
+        assert!(LearnerQuant::new(&["q_proj".into()], Nvfp4Opts::default(), 1).unwrap_err().to_string().contains("attention"));
+        let lq = LearnerQuant::new(&["down_proj".into()], Nvfp4Opts::default(), 1).unwrap();
+        assert!(lq.on(DOWN) && !lq.on(GATE));
+        let mut x = vec![1.0f32; 24];
+        assert!(lq.act(0, DOWN, &mut x, 24).is_err());
+    }
+}

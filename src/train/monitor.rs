@@ -1,0 +1,117 @@
+//! Per-step RL mismatch monitoring (seed 004 §3, App. B.4–B.6): ρ_asym with raw |A| and |A|/n
+//! weights, and segment tail statistics with a threshold τ calibrated once from a healthy
+//! window (Eq. 45: the 5% quantile of δ over every valid token of the window's first steps) or
+//! given in the config. δ = log π_learner − log π_sampler at the step's start.
+//!
+//! Owns: [`Monitor`] (τ and the healthy pool). May call: `crate::mismatch`. Must not: change
+//! training.
+
+use crate::mismatch::segments::{rho_parts, tail_stats, Response, TailStats};
+use serde::{Deserialize, Serialize};
+
+/// `[monitor]`: the tail statistics' segment length and threshold.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MonitorConfig {
+    /// W of the diagnostic segments (the paper's analysis uses 64).
+    pub segment_len: usize,
+    /// Steps pooled to calibrate τ (from the run's first step); 0 disables tail statistics
+    /// unless `tail_tau` is set.
+    pub healthy_steps: u64,
+    /// A fixed τ instead of the calibrated one.
+    pub tail_tau: Option<f64>,
+}
+
+impl Default for MonitorConfig {
+    fn default() -> Self {
+        MonitorConfig { segment_len: 64, healthy_steps: 25, tail_tau: None }
+    }
+}
+
+/// The `rl` object of a metrics line.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RlMetrics {
+    /// Responses with A = 0 (zero-variance groups), as a share of responses.
+    pub zero_adv_frac: f64,
+    pub rho_asym: Option<f64>,
+    pub rho_asym_len_norm: Option<f64>,
+    /// τ in use (None while the healthy window is being pooled).
+    pub tail_tau: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tail: Option<TailStats>,
+    pub clip_frac: f64,
+}
+
+pub struct Monitor {
+    cfg: MonitorConfig,
+    tau: Option<f64>,
+    pool: Vec<f64>,
+    steps: u64,
+}
+
+impl Monitor {
+    pub fn new(cfg: &MonitorConfig) -> Monitor {
+        Monitor { cfg: cfg.clone(), tau: cfg.tail_tau, pool: Vec::new(), steps: 0 }
+    }
+
+    /// One step: advantages per response, response lengths, the learner's and the sampler's
+    /// log-probs per token (concatenated), and the clipped-token count.
+    pub fn observe(&mut self, adv: &[f64], seq_lens: &[usize], logp: &[f32], sampler: &[f32], clipped: usize) -> RlMetrics {
+        let delta: Vec<f64> = logp.iter().zip(sampler).map(|(a, b)| *a as f64 - *b as f64).collect();
+        let valid = vec![true; delta.len()];
+        let mut resp = Vec::with_capacity(adv.len());
+        let mut at = 0;
+        for (a, &n) in adv.iter().zip(seq_lens) {
+            resp.push(Response { advantage: *a, delta: &delta[at..at + n], valid: &valid[at..at + n] });
+            at += n;
+        }
+        self.steps += 1;
+        if self.tau.is_none() && self.cfg.healthy_steps > 0 {
+            self.pool.extend_from_slice(&delta);
+            if self.steps >= self.cfg.healthy_steps {
+                let mut s = std::mem::take(&mut self.pool);
+                s.sort_by(f64::total_cmp);
+                self.tau = Some(crate::mismatch::quantile(&s, 0.05));
+                tracing::info!("tail threshold τ = {:.5} (5% quantile of δ over the first {} steps)", self.tau.unwrap_or(f64::NAN), self.steps);
+            }
+        }
+        RlMetrics {
+            zero_adv_frac: adv.iter().filter(|a| **a == 0.0).count() as f64 / adv.len().max(1) as f64,
+            rho_asym: rho_parts(&resp, false).ratio(),
+            rho_asym_len_norm: rho_parts(&resp, true).ratio(),
+            tail_tau: self.tau,
+            tail: self.tau.map(|t| tail_stats(&resp, self.cfg.segment_len, t)),
+            clip_frac: clipped as f64 / delta.len().max(1) as f64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tau_is_calibrated_once_from_the_healthy_window() {
+        let mut m = Monitor::new(&MonitorConfig { segment_len: 2, healthy_steps: 2, tail_tau: None });
+        // δ = logp − sampler: step 1 gives −1..−0.1 (10 values), step 2 gives 0..0.9.
+        let adv = [-1.0, 1.0];
+        let lens = [5, 5];
+        let s1: Vec<f32> = (0..10).map(|i| (i as f32 + 1.0) / 10.0).collect();
+        let r = m.observe(&adv, &lens, &vec![0.0; 10], &s1, 0);
+        assert!(r.tail_tau.is_none() && r.tail.is_none());
+        let s2: Vec<f32> = (0..10).map(|i| -(i as f32) / 10.0).collect();
+        let r = m.observe(&adv, &lens, &vec![0.0; 10], &s2, 3);
+        // Pool: −1.0..−0.1 and 0..0.9 (20 values); numpy linear 5% quantile: position 0.95
+        // between −1.0 and −0.9 → −0.905.
+        let tau = r.tail_tau.unwrap();
+        assert!((tau + 0.905).abs() < 1e-6, "{tau}");
+        assert!((r.clip_frac - 0.3).abs() < 1e-12);
+        // Step 2: δ = 0..0.9 ≥ 0: A⁻ is empty, A⁺ holds response 1's 5 tokens → ρ = 0/5.
+        assert_eq!(r.rho_asym, Some(0.0));
+        let r3 = m.observe(&adv, &lens, &vec![0.0; 10], &s1, 0);
+        assert_eq!(r3.tail_tau, Some(tau), "τ stays fixed after calibration");
+        // Step 3: response 0 has 5 tokens with δ < 0 (A⁻, |A| = 1), response 1 none with δ > 0.
+        assert_eq!(r3.rho_asym, None);
+        assert_eq!(r3.tail.as_ref().map(|t| t.tokens), Some(5));
+    }
+}
