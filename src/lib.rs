@@ -8,6 +8,7 @@
 //! - [`engine`]: the decoding engine: paged KV cache, Philox sampler, continuous batching.
 //! - [`data`]: prompt files (JSONL) and chat templates.
 //! - [`cli`]: the subcommands of the `colotrain` binary.
+//! - [`parallel`]: collectives between ranks and the per-device worker threads.
 
 pub mod cli;
 pub mod config;
@@ -18,6 +19,7 @@ pub mod mismatch;
 pub mod model;
 pub mod objective;
 pub mod ops;
+pub mod parallel;
 pub mod quant;
 pub mod rand;
 pub mod train;
