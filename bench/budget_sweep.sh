@@ -12,15 +12,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${STEPS:-150}
 OUT=${OUT:-runs/budget-sweep}
-BIN=target/release/colotrain
 cargo build --release --quiet
+# A private copy: rebuilding while the sweep runs must not swap the binary under it.
+BIN=$(mktemp -d)/colotrain
+cp target/release/colotrain "$BIN"
 mkdir -p "$OUT/configs"
 run() { # name, extra [engine] lines
   local name=$1; shift
   local cfg=$OUT/configs/$name.toml
   sed -e "s/^steps = .*/steps = $STEPS/" -e "s/^every = 50/every = $STEPS/" -e "s/^name = .*/name = \"$name\"/" \
       -e "s|^\[run\]|[run]\nout_dir = \"$OUT/$name\"|" configs/tiny-opd.toml > "$cfg"
-  for line in "$@"; do echo "$line" >> "$cfg"; done
+  # [engine] is the config's last section: replace its keys, then append.
+  for line in "$@"; do
+    key=${line%% =*}
+    grep -v "^$key = " "$cfg" > "$cfg.tmp" && mv "$cfg.tmp" "$cfg"
+    echo "$line" >> "$cfg"
+  done
   if [ -f "$OUT/$name/checkpoint-$(printf %06d "$STEPS")/trainer_state.json" ]; then
     echo "== $name: done already"; return; fi
   rm -rf "${OUT:?}/$name"

@@ -4,7 +4,8 @@
 //!
 //! Presets: `bf16` (the standard engine), `fp8` (Model Optimizer FP8: W8A8 + FP8 KV), `nvfp4`
 //! (W4A4 + FP8 KV), `fp8-kv` (vLLM-style FP8 KV cache only). `keep_bf16` entries:
-//! `first-layer-kv`, `first-layer`, `last-layer` (a whole layer: its linears and its KV).
+//! `first-layer-kv`, `first-layer`, `last-layer` (a whole layer: its linears and its KV),
+//! `attention` (every layer's q/k/v/o projections), `kv` (every layer's KV cache).
 
 use super::nvfp4::Nvfp4Opts;
 use anyhow::{bail, Result};
@@ -114,7 +115,17 @@ impl Recipe {
                         *l = LayerRecipe::uniform(Precision::Native, false);
                     }
                 }
-                other => bail!("unknown keep_bf16 entry '{other}': expected first-layer-kv, first-layer or last-layer"),
+                // Every layer's attention projections (seed 004's recipe: NVFP4 on the MLP only).
+                "attention" => {
+                    for l in &mut layers {
+                        for i in 0..4 {
+                            l.weight[i] = Precision::Native;
+                            l.input[i] = Precision::Native;
+                        }
+                    }
+                }
+                "kv" => layers.iter_mut().for_each(|l| l.set_kv_fp8(false)),
+                other => bail!("unknown keep_bf16 entry '{other}': expected first-layer-kv, first-layer, last-layer, attention or kv"),
             }
         }
         Ok(Recipe { name: name.to_string(), layers, kv_scale, nvfp4 })
@@ -184,6 +195,18 @@ impl Recipe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mlp_only_nvfp4() {
+        let r = Recipe::preset("nvfp4", 3, &["attention".into(), "kv".into()], KvScale::Calibrated, Default::default()).unwrap();
+        for l in &r.layers {
+            assert_eq!(&l.weight[..4], &[Precision::Native; 4]);
+            assert_eq!(&l.weight[4..], &[Precision::Nvfp4; 3]);
+            assert_eq!(&l.input[4..], &[Precision::Nvfp4; 3]);
+            assert!(!l.kv_fp8());
+        }
+        assert!(r.quantizes_weights() && r.kv_layers().iter().all(|&(k, v)| !k && !v));
+    }
 
     #[test]
     fn presets_and_exceptions() {

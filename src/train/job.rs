@@ -375,11 +375,16 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             *a += b;
         }
         bar.set_message(format!(
-            "loss {:.4} d_n {:.1e} ent {:.3}{}",
+            "loss {:.4} d_n {:.1e} ent {:.3}{}{}{} | {:.0} tok/s {:.0} upd/h wait {:.2}s",
             m.loss,
             m.mismatch.d_n,
             m.entropy,
-            m.heldout_kl.map(|k| format!(" heldout KL {k:.4}")).unwrap_or_default()
+            m.reward.map(|r| format!(" reward {r:.3}")).unwrap_or_default(),
+            m.heldout_kl.filter(|_| teacher.is_some()).map(|k| format!(" heldout KL {k:.4}")).unwrap_or_default(),
+            m.heldout_acc.map(|a| format!(" acc {:.1}%", 100.0 * a)).unwrap_or_default(),
+            m.tokens_per_s,
+            m.updates_per_hour,
+            m.time.wait
         ));
         bar.inc(1);
         if step == job.run.steps || (job.checkpoint.every > 0 && step % job.checkpoint.every == 0) {
@@ -452,12 +457,21 @@ pub fn summary_table(s: &JobSummary) -> String {
     t.push_str(&format!("run            {}\n", s.out_dir.display()));
     t.push_str(&format!("steps          {} in {:.1} s ({} skipped)\n", s.steps, s.seconds, s.skipped_steps));
     if let (Some(a), Some(b)) = (first, last) {
-        let rel = if a.kl != 0.0 { (b.kl / a.kl - 1.0) * 100.0 } else { 0.0 };
-        t.push_str(&format!("held-out KL    {:.4} (step {}) -> {:.4} (step {})  {:+.1}%\n", a.kl, a.step, b.kl, b.step, rel));
+        if !a.teacher.is_empty() {
+            let rel = if a.kl != 0.0 { (b.kl / a.kl - 1.0) * 100.0 } else { 0.0 };
+            t.push_str(&format!("held-out KL    {:.4} (step {}) -> {:.4} (step {})  {:+.1}%\n", a.kl, a.step, b.kl, b.step, rel));
+        }
         t.push_str(&format!("accuracy       {:.1}% -> {:.1}%\n", a.accuracy * 100.0, b.accuracy * 100.0));
     }
     if let Some(m) = &s.last {
-        t.push_str(&format!("last step      loss {:.4}  entropy {:.3}  d_n {:.2e}  response {:.1} tokens\n", m.loss, m.entropy, m.mismatch.d_n, m.response_len));
+        t.push_str(&format!("last step      loss {:.4}  entropy {:.3}  d_n {:.2e}  response {:.1} tokens", m.loss, m.entropy, m.mismatch.d_n, m.response_len));
+        if let Some(r) = m.reward {
+            t.push_str(&format!("  reward {r:.3}"));
+        }
+        if let Some(tr) = &m.triage {
+            t.push_str(&format!("  gated {} tokens, repair {}/{} segments", tr.gated_tokens, tr.repair_active, tr.repair_segments));
+        }
+        t.push('\n');
     }
     let p = &s.mean_time;
     t.push_str(&format!(
