@@ -52,11 +52,12 @@ pub struct Args {
     /// (untrained student, 16 prompts × 2 samples) and print its prediction next to the outcome.
     #[arg(long)]
     pub admit: bool,
-    /// Admission margin α and line L (nats/token).
+    /// Admission margin α and line L (nats/token); without --line, the lower end of this
+    /// table's own bracket B_emp (the offline check judged against the budget these runs found).
     #[arg(long, default_value_t = 1.5)]
     pub alpha: f64,
-    #[arg(long, default_value_t = 0.184)]
-    pub line: f64,
+    #[arg(long)]
+    pub line: Option<f64>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -150,29 +151,58 @@ fn run_budget(a: &Args) -> Result<()> {
     let mut rows = Vec::new();
     let admitter = if a.admit { Some(Admitter::new(&reference, a)?) } else { None };
     println!("budget at step {step} (τ = {:.0}%), reference {} (K = {:.5}, D = {:.5})", a.tau * 100.0, reference.name(), re.kl, reference.mismatch_level(step).unwrap_or(f64::NAN));
-    println!("{:<28} {:>10} {:>9} {:>22} {:>7}{}", "run", "D", "Δ", "95% interval", "rule", if a.admit { "   D-hat (offline)   predicted" } else { "" });
+    let mut table = Vec::new();
     for r in &runs {
         let e = r.eval_at(step)?;
         let d = runs::compare(&e, &re, a.tau, a.reps).with_context(|| format!("comparing {} with {}", r.path.display(), refdir.display()))?;
         let level = r.mismatch_level(step).with_context(|| format!("{}: no mismatch metrics up to step {step}", r.path.display()))?;
-        let pred = match &admitter {
+        let d_hat = match &admitter {
             Some(ad) => ad.predict(r)?,
-            None => String::new(),
+            None => None,
+        };
+        rows.push((level, d.fail));
+        table.push((r.name(), level, d, d_hat));
+    }
+    let bracket = budget::bracket(&rows);
+    let line = a.line.or(bracket.map(|b| b.0));
+    if a.admit {
+        match line {
+            Some(l) => println!("offline admission: pass iff {:.2}·D-hat < L = {l:.5}{}", a.alpha, if a.line.is_none() { " (the lower end of B_emp below)" } else { "" }),
+            None => println!("offline admission: no line L (give --line; this table has no bracket)"),
+        }
+    }
+    println!("{:<28} {:>10} {:>9} {:>22} {:>7}{}", "run", "D", "Δ", "95% interval", "rule", if a.admit { "   D-hat (offline)   predicted" } else { "" });
+    let mut agree = (0, 0);
+    for (name, level, d, d_hat) in &table {
+        let pred = match (a.admit, d_hat, line) {
+            (false, _, _) => String::new(),
+            (true, None, _) => format!("{:>18}   {:>9}", "n/a", "(stale)"),
+            (true, Some(x), None) => format!("{x:>18.5}   {:>9}", "?"),
+            (true, Some(x), Some(l)) => {
+                let ok = budget::admit(*x, a.alpha, l);
+                agree.1 += 1;
+                if ok != d.fail {
+                    agree.0 += 1;
+                }
+                format!("{x:>18.5}   {:>9}", if ok { "pass" } else { "fail" })
+            }
         };
         println!(
             "{:<28} {:>10.5} {:>+8.2}% {:>22} {:>7}{}",
-            r.name(),
+            name,
             level,
             d.delta * 100.0,
             format!("[{:+.2}, {:+.2}]", d.lo * 100.0, d.hi * 100.0),
             if d.fail { "fail" } else { "pass" },
             pred
         );
-        rows.push((level, d.fail));
     }
-    match budget::bracket(&rows) {
+    match bracket {
         Some((lo, hi)) => println!("B_emp(τ = {:.2}) = [{lo:.5}, {hi:.5}] nats/token", a.tau),
         None => println!("B_emp(τ = {:.2}): the passing and failing levels are not ordered (or one set is empty)", a.tau),
+    }
+    if agree.1 > 0 {
+        println!("offline prediction agrees with the training outcome for {} of {} engines", agree.0, agree.1);
     }
     Ok(())
 }
@@ -208,20 +238,20 @@ impl Admitter {
             temperature: job.rollout.temperature,
             max_new_tokens: job.rollout.max_new_tokens,
             alpha: a.alpha,
-            line: a.line,
+            line: a.line.unwrap_or(f64::NAN),
             reps: a.reps,
         };
         Ok(Admitter { dev, lm, prompts, calib, settings })
     }
 
-    fn predict(&self, run: &RunDir) -> Result<String> {
+    /// The offline estimate D̂ of a run's rollout engine (None: stale engines, which need a
+    /// trained trajectory).
+    fn predict(&self, run: &RunDir) -> Result<Option<f64>> {
         let spec = run.config.engine.spec(self.lm.cfg.num_layers)?;
         if spec.staleness > 0 {
-            return Ok(format!("{:>18}   {:>9}", "n/a", "(stale)"));
+            return Ok(None);
         }
         let st = crate::mismatch::admit::Student { dev: &self.dev, cfg: &self.lm.cfg, w: &self.lm.weights, text: self.lm.text.clone(), calib: self.calib.as_ref() };
-        let e = crate::mismatch::admit::estimate(&st, &spec, &self.prompts, &self.settings)?;
-        let ok = budget::admit(e.d_hat, self.settings.alpha, self.settings.line);
-        Ok(format!("{:>18.5}   {:>9}", e.d_hat, if ok { "pass" } else { "fail" }))
+        Ok(Some(crate::mismatch::admit::estimate(&st, &spec, &self.prompts, &self.settings)?.d_hat))
     }
 }

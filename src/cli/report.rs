@@ -1,6 +1,7 @@
 //! `colotrain report RUN_DIR`: SVG plots of a run's metrics log (plotters), so a user looks
 //! instead of reads: mismatch (d_n, |δ| quantiles), held-out KL and accuracy, reward, entropy,
-//! response length, and the per-step phase-time breakdown.
+//! response length, the per-step phase-time breakdown, and for RL runs ρ_asym, segment tail
+//! statistics and TRIAGE's gate/repair counts.
 
 use anyhow::{bail, Context, Result};
 use plotters::prelude::*;
@@ -131,6 +132,24 @@ pub fn run(a: Args) -> Result<()> {
         ("entropy.svg", "Trainer entropy over response tokens", "nats", vec![series(&metrics, "entropy", &["entropy"])]),
         ("length.svg", "Response length", "tokens", vec![series(&metrics, "mean response length", &["response_len"])]),
         ("loss.svg", "Loss and gradient norm", "", vec![series(&metrics, "loss", &["loss"]), series(&metrics, "grad norm", &["grad_norm"])]),
+        ("rho_asym.svg", "Direction asymmetry ρ_asym = w(A⁻)/w(A⁺) (seed 004 Eq. 10)", "ratio", vec![
+            series(&metrics, "|A| weights", &["rl", "rho_asym"]),
+            series(&metrics, "|A|/n weights", &["rl", "rho_asym_len_norm"]),
+        ]),
+        ("tail.svg", "Segment tail statistics (seed 004 Eqs. 48–50)", "share", vec![
+            series(&metrics, "r_amp", &["rl", "tail", "r_amp"]),
+            series(&metrics, "C_tok", &["rl", "tail", "c_tok"]),
+            series(&metrics, "H_seg", &["rl", "tail", "h_seg"]),
+        ]),
+        ("triage.svg", "TRIAGE: gated tokens and active repair segments per step", "count", vec![
+            series(&metrics, "gated tokens", &["triage", "gated_tokens"]),
+            series(&metrics, "repair segments with q > 0", &["triage", "repair_active"]),
+        ]),
+        ("amplification.svg", "B_amp / B_con proxies (κ ≡ 1, seed 004 Eq. 7)", "", vec![
+            series(&metrics, "B_amp", &["triage", "b_amp"]),
+            series(&metrics, "B_con", &["triage", "b_con"]),
+            series(&metrics, "B_amp (base objective)", &["triage", "b_amp_base"]),
+        ]),
     ];
     let mut written = Vec::new();
     for (file, title, ylabel, s) in &plots {

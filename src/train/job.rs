@@ -269,7 +269,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
     let evaluate = !heldout.is_empty();
     if start == 0 && evaluate {
         let r = do_eval(0, &trainer, &mut std_engine, &mut t_engine)?;
-        let line = serde_json::json!({"step": 0, "heldout_kl": r.kl, "heldout_acc": r.accuracy});
+        let line = serde_json::json!({"step": 0, "heldout_kl": teacher.is_some().then_some(r.kl), "heldout_acc": r.accuracy});
         writeln!(metrics_file, "{line}")?;
         summary.evals.push(r);
     }
@@ -357,7 +357,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         let eval_now = evaluate && (step == job.run.steps || (job.eval.every > 0 && step % job.eval.every == 0));
         if eval_now {
             let r = do_eval(step, &trainer, &mut std_engine, &mut t_engine)?;
-            m.heldout_kl = Some(r.kl);
+            m.heldout_kl = teacher.is_some().then_some(r.kl);
             m.heldout_acc = Some(r.accuracy);
             summary.evals.push(r);
         }
@@ -380,7 +380,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             m.mismatch.d_n,
             m.entropy,
             m.reward.map(|r| format!(" reward {r:.3}")).unwrap_or_default(),
-            m.heldout_kl.filter(|_| teacher.is_some()).map(|k| format!(" heldout KL {k:.4}")).unwrap_or_default(),
+            m.heldout_kl.map(|k| format!(" heldout KL {k:.4}")).unwrap_or_default(),
             m.heldout_acc.map(|a| format!(" acc {:.1}%", 100.0 * a)).unwrap_or_default(),
             m.tokens_per_s,
             m.updates_per_hour,
