@@ -56,6 +56,8 @@ pub struct StepMetrics {
     pub length_cap_rate: f64,
     pub reward: Option<f64>,
     pub mismatch: StepMismatch,
+    /// The same mean / max |log q − log p_θ| under the name other trainers log.
+    pub sampling_logp_difference: LogpDifference,
     /// Optimizer updates this step (minibatches × updates per step, less skipped ones).
     pub updates: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -68,6 +70,12 @@ pub struct StepMetrics {
     pub heldout_kl: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub heldout_acc: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct LogpDifference {
+    pub mean: f64,
+    pub max: f64,
 }
 
 /// What a finished job reports.
@@ -354,6 +362,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             time,
             ..Default::default()
         };
+        m.sampling_logp_difference = LogpDifference { mean: m.mismatch.abs_mean, max: m.mismatch.abs_max };
         let eval_now = evaluate && (step == job.run.steps || (job.eval.every > 0 && step % job.eval.every == 0));
         if eval_now {
             let r = do_eval(step, &trainer, &mut std_engine, &mut t_engine)?;
