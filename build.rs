@@ -81,8 +81,10 @@ fn build_cuda() -> Res<()> {
     let cutlass_on = env("COLOTRAIN_CUTLASS").map(|v| v != "0").unwrap_or(true);
 
     let include = csrc.join("include");
-    let headers = hash_files(&[&include, &csrc.join("kernels"), &csrc.join("cutlass")], &["h", "cuh"])?;
-    let base_stamp = format!("{version}|{headers:016x}");
+    // Kernels and CUTLASS launchers include different headers: a kernel edit does not
+    // invalidate the (slow) CUTLASS objects.
+    let kernel_headers = hash_files(&[&include, &csrc.join("kernels")], &["h", "cuh"])?;
+    let cutlass_headers = hash_files(&[&include, &csrc.join("cutlass")], &["h", "cuh"])?;
     let mut jobs = Vec::new();
 
     // 1. Kernel cubins: every csrc/kernels/*.cu, once per architecture.
@@ -104,7 +106,7 @@ fn build_cuda() -> Res<()> {
                 output.display().to_string(),
                 src.display().to_string(),
             ];
-            let stamp = format!("{base_stamp}|{}|{:016x}", args.join(" "), hash_file(&src)?);
+            let stamp = format!("{version}|{kernel_headers:016x}|{}|{:016x}", args.join(" "), hash_file(&src)?);
             cubins.push((stem.clone(), arch.clone(), output.clone()));
             jobs.push(Job { what: format!("{stem}.cu -> {arch} cubin"), args, output, stamp });
         }
@@ -151,7 +153,7 @@ fn build_cuda() -> Res<()> {
                 output.display().to_string(),
                 src.display().to_string(),
             ]);
-            let stamp = format!("{base_stamp}|{}|{:016x}", args.join(" "), hash_file(&src)?);
+            let stamp = format!("{version}|{cutlass_headers:016x}|{}|{:016x}", args.join(" "), hash_file(&src)?);
             jobs.push(Job { what: format!("{stem}.cu -> CUTLASS object for {}", join(&targets)), args, output: output.clone(), stamp });
             objects.push(output);
             if !cfgs.contains(&cfg) {

@@ -10,6 +10,7 @@
 #include "common.cuh"
 
 #define CT_ATT_TILE 32
+#define CT_ATT_THREADS 128  // blockDim.x of ct_paged_attention (ATT_THREADS in kernels.rs)
 
 __device__ __forceinline__ float ct_cache_load(const void* c, int dtype, int64_t i, float scale) {
   if (dtype == CT_DTYPE_U8) {
@@ -50,7 +51,7 @@ extern "C" __global__ void ct_kv_write(ct_kv_write_params p) {
 
 // grid (num_tokens, kv_heads), block 128 threads (4 warps). Dynamic shared memory:
 //   q (groups * D) | acc (groups * D) | scores (groups * TILE) | m, l, corr (3 * groups) floats.
-extern "C" __global__ void ct_paged_attention(ct_attention_params p) {
+extern "C" __global__ void __launch_bounds__(CT_ATT_THREADS) ct_paged_attention(ct_attention_params p) {
   extern __shared__ float smem[];
   const int t = blockIdx.x, kvh = blockIdx.y;
   const int D = p.head_dim, groups = p.heads / p.kv_heads;

@@ -39,7 +39,7 @@ __device__ RowStats ct_row_stats(const float* z, int vocab, float temperature, d
 }
 
 // One block of CT_ROW_THREADS threads per row.
-extern "C" __global__ void ct_log_softmax_gather(ct_logprob_params p) {
+extern "C" __global__ void __launch_bounds__(CT_ROW_THREADS) ct_log_softmax_gather(ct_logprob_params p) {
   const int row = blockIdx.x;
   if (row >= p.rows) return;
   const float* z = p.logits + static_cast<int64_t>(row) * p.vocab;
@@ -67,7 +67,7 @@ __device__ __forceinline__ bool ct_better(float v, int i, float bv, int bi) {
 }
 
 // One block of CT_ROW_THREADS threads per row.
-extern "C" __global__ void ct_sample(ct_sample_params p) {
+extern "C" __global__ void __launch_bounds__(CT_ROW_THREADS) ct_sample(ct_sample_params p) {
   __shared__ double chunk_sums[CT_ROW_THREADS];
   __shared__ float best_v[32];
   __shared__ int best_i[32];

@@ -9,8 +9,8 @@
 // (rare). Not yet run on a GPU.
 #include "common.cuh"
 
-// One block per row; blockDim.x threads stride over the columns.
-extern "C" __global__ void ct_rmsnorm(ct_rmsnorm_params p) {
+// One block per row; blockDim.x (256, NORM_THREADS in kernels.rs) threads stride over the columns.
+extern "C" __global__ void __launch_bounds__(256) ct_rmsnorm(ct_rmsnorm_params p) {
   __shared__ float scratch[32];
   const int row = blockIdx.x;
   if (row >= p.rows) return;

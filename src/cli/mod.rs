@@ -5,6 +5,7 @@
 
 mod admit;
 mod bench;
+mod device_check;
 mod eval;
 mod generate;
 mod init_tiny;
@@ -52,6 +53,9 @@ pub enum Command {
     /// Benchmarks (side by side in one run).
     #[command(subcommand)]
     Bench(bench::Bench),
+    /// On a GPU machine: every CUDA op against its CPU twin, then GEMM, decode and resync
+    /// timings (bench/device_check.sh runs it).
+    DeviceCheck(device_check::Args),
 }
 
 /// Options shared by the commands that run a model.
@@ -139,5 +143,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Admit(a) => admit::run(a),
         Command::Eval(a) => eval::run(a),
         Command::Report(a) => report::run(a),
+        Command::DeviceCheck(a) => device_check::run(a),
     }
 }

@@ -26,11 +26,16 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 #[path = "cuda/alloc.rs"]
 mod alloc;
+#[path = "cuda/bench.rs"]
+pub mod bench;
 #[path = "cuda/blas.rs"]
 mod blas;
 #[allow(non_camel_case_types, non_upper_case_globals, non_snake_case)]
 #[path = "cuda/ffi.rs"]
 pub mod ffi;
+#[cfg(test)]
+#[path = "cuda/hostemu.rs"]
+mod hostemu;
 #[path = "cuda/kernels.rs"]
 mod kernels;
 #[path = "cuda/lowp.rs"]
@@ -198,7 +203,7 @@ impl CudaDevice {
 
     pub fn zeros(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
         let n: usize = shape.iter().product();
-        let s = CudaStorage::alloc(self, dtype, n, "a tensor")?;
+        let s = CudaStorage::alloc(self, dtype, n, &format!("a {} tensor of shape {shape:?}", dtype.name()))?;
         self.memset0(s.ptr, n * dtype.size())?;
         Ok(Tensor::from_storage(shape, Storage::Cuda(s)))
     }
@@ -206,7 +211,7 @@ impl CudaDevice {
     /// Copies a tensor to this device (a host tensor, or another CUDA tensor).
     pub fn upload(&self, t: &Tensor) -> Result<Tensor> {
         let n = t.numel();
-        let s = CudaStorage::alloc(self, t.dtype(), n, "an upload")?;
+        let s = CudaStorage::alloc(self, t.dtype(), n, &format!("an upload of a {} tensor of shape {:?}", t.dtype().name(), t.shape()))?;
         match t.storage() {
             Storage::Cpu(c) => match c {
                 CpuStorage::F32(v) => self.htod(s.ptr, v)?,

@@ -166,7 +166,7 @@ impl CudaDevice {
     }
 
     pub(super) fn k_fill_normal(&self, p: ffi::ct_fill_normal_params) -> Result<()> {
-        let g = self.stride_grid(p.n.div_ceil(2), ELEMENTWISE_THREADS);
+        let g = self.stride_grid((p.n + 1) / 2, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.fill_normal, "ct_fill_normal", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
