@@ -33,6 +33,29 @@ pub struct JobConfig {
     pub learner: LearnerConfig,
     #[serde(default)]
     pub monitor: crate::train::monitor::MonitorConfig,
+    #[serde(default)]
+    pub schedule: ScheduleConfig,
+}
+
+/// How rollout and training share the devices (seed 000 §5.4, App. C.5).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScheduleConfig {
+    /// "sync": rollout, then training, then resync, every step. "async": generation runs ahead
+    /// of training; a token is trained only if its weights are at most `max_staleness` versions
+    /// old.
+    pub mode: String,
+    pub max_staleness: u64,
+    /// "colocated" (every device generates and trains) or "split" (`rollout_devices` devices
+    /// generate, the others train).
+    pub placement: String,
+    pub rollout_devices: usize,
+}
+
+impl Default for ScheduleConfig {
+    fn default() -> Self {
+        ScheduleConfig { mode: "sync".into(), max_staleness: 1, placement: "colocated".into(), rollout_devices: 1 }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -43,13 +66,17 @@ pub struct RunConfig {
     pub out_dir: Option<PathBuf>,
     pub seed: u64,
     pub steps: u64,
-    /// cpu, cpu:<threads>, cuda:<k>.
+    /// cpu, cpu:<threads> (threads per device), cuda, cuda:<k> (the first GPU).
     pub device: String,
+    /// Devices (workers) of the run; 0: all visible GPUs on CUDA, 1 on CPU.
+    pub devices: usize,
+    /// Memory per device the plan must fit in (MiB); checked before the run starts.
+    pub memory_budget_mb: Option<usize>,
 }
 
 impl Default for RunConfig {
     fn default() -> Self {
-        RunConfig { name: "run".into(), out_dir: None, seed: 1, steps: 100, device: "cpu".into() }
+        RunConfig { name: "run".into(), out_dir: None, seed: 1, steps: 100, device: "cpu".into(), devices: 0, memory_budget_mb: None }
     }
 }
 
@@ -452,6 +479,18 @@ impl JobConfig {
         }
         if o.kind == "triage" {
             o.triage.validate().map_err(|e| anyhow::anyhow!("{file}: {e:#}"))?;
+        }
+        match (self.schedule.mode.as_str(), self.schedule.placement.as_str()) {
+            ("sync", "colocated") | ("async", "colocated") | ("async", "split") => {}
+            ("sync", "split") => err("schedule.placement", "the split placement needs schedule.mode = \"async\" (generators run ahead of the trainers)".into())?,
+            (m, "colocated" | "split") => err("schedule.mode", format!("expected sync or async, got '{m}'"))?,
+            (_, p) => err("schedule.placement", format!("expected colocated or split, got '{p}'"))?,
+        }
+        if self.schedule.placement == "split" && self.schedule.rollout_devices == 0 {
+            err("schedule.rollout_devices", "the split placement needs at least 1 rollout device".into())?;
+        }
+        if self.schedule.mode == "async" && self.rollout.source != "engine" {
+            err("schedule.mode", "the asynchronous schedule generates its rollouts: rollout.source must be \"engine\"".into())?;
         }
         if self.monitor.segment_len == 0 {
             err("monitor.segment_len", "must be at least 1 token".into())?;

@@ -82,7 +82,7 @@ fn resume_continues_exactly() {
     let err = format!("{:#}", job::run(&b3, &JobOptions::default()).unwrap_err());
     assert!(err.contains("already holds a run"), "{err}");
     let b6 = tiny(&t.path().join("resumed"), edit);
-    job::run(&b6, &JobOptions { resume: Some(t.path().join("resumed")), progress: false }).unwrap();
+    job::run(&b6, &JobOptions { resume: Some(t.path().join("resumed")), progress: false, stop: None, fault: None }).unwrap();
     let x = master_of(&t.path().join("straight").join("checkpoint-000006"), &a);
     let y = master_of(&t.path().join("resumed").join("checkpoint-000006"), &b6);
     assert_eq!(x.3, 6);
@@ -97,7 +97,7 @@ fn resume_continues_exactly() {
         edit(j);
         j.run.seed = 99;
     });
-    let err = format!("{:#}", job::run(&other, &JobOptions { resume: Some(t.path().join("resumed")), progress: false }).unwrap_err());
+    let err = format!("{:#}", job::run(&other, &JobOptions { resume: Some(t.path().join("resumed")), progress: false, stop: None, fault: None }).unwrap_err());
     assert!(err.contains("belongs to another run"), "{err}");
 }
 

@@ -128,6 +128,8 @@ pub struct Completion {
     /// log-probs at the sampling temperature (tokens·k each; see `ops::logprob::topk_logprobs`).
     pub topk_ids: Vec<u32>,
     pub topk_logprobs: Vec<f32>,
+    /// The weight version (see [`Engine::set_version`]) each response token was sampled with.
+    pub versions: Vec<u32>,
     pub finish: FinishReason,
     /// Index into `stop` of the stop string that ended the response, if any.
     pub stop_string: Option<usize>,
@@ -211,6 +213,8 @@ pub struct Engine {
     lp_out: crate::device::Tensor,  // (logits_rows) f32
     max_model_len: usize,
     text: Option<Arc<TextTools>>,
+    /// Weight version stamped on sampled tokens.
+    version: u32,
     /// Tokens processed (prefill + decode) and drawn since creation.
     pub stats: EngineStats,
 }
@@ -279,6 +283,7 @@ impl Engine {
             lp_out: dev.zeros(DType::F32, &[ec.logits_rows])?,
             max_model_len,
             text,
+            version: 0,
             stats: EngineStats::default(),
         })
     }
@@ -334,6 +339,20 @@ impl Engine {
 
     pub fn num_running(&self) -> usize {
         self.sched.running.len()
+    }
+
+    /// The weight version stamped on every token sampled from now on.
+    pub fn set_version(&mut self, v: u64) {
+        self.version = v as u32;
+    }
+
+    /// Sequences added and not finished (waiting or running).
+    pub fn num_unfinished(&self) -> usize {
+        self.sched.running.len() + self.sched.waiting.len()
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.dev
     }
 
     /// Runs one engine step with `w` and returns the sequences that finished in it.
@@ -536,6 +555,7 @@ impl Engine {
                 let s = &mut self.sched.running[seq];
                 s.tokens.push(st.tokens[i]);
                 s.logprobs.push(st.lps[i]);
+                s.versions.push(self.version);
                 let kk = s.req.sampling.topk_logprobs as usize;
                 if kk > 0 {
                     s.topk_ids.extend_from_slice(&st.topk_ids[i * k..i * k + kk]);
@@ -568,6 +588,7 @@ impl Engine {
                     prompt_logprobs: s.prompt_logprobs,
                     topk_ids: s.topk_ids,
                     topk_logprobs: s.topk_lps,
+                    versions: s.versions,
                     finish,
                     stop_string,
                 });

@@ -21,6 +21,8 @@ pub(crate) struct Seq {
     pub blocks: Vec<u32>,
     pub logprobs: Vec<f32>,
     pub prompt_logprobs: Vec<f32>,
+    /// Weight version of each generated token (asynchronous schedules).
+    pub versions: Vec<u32>,
     /// Top-k ids and log-probs per generated token (when the request asks for them).
     pub topk_ids: Vec<u32>,
     pub topk_lps: Vec<f32>,
@@ -85,6 +87,7 @@ impl Scheduler {
             blocks,
             logprobs: Vec::with_capacity(max_new),
             prompt_logprobs,
+            versions: Vec::with_capacity(max_new),
             topk_ids: Vec::with_capacity(topk),
             topk_lps: Vec::with_capacity(topk),
             order,

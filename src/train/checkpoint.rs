@@ -34,6 +34,10 @@ pub fn fingerprint(job: &JobConfig) -> String {
     let mut j = job.clone();
     j.run.steps = 0;
     j.run.out_dir = None;
+    // Where it runs is not what it is: a run may resume on other devices.
+    j.run.device = String::new();
+    j.run.devices = 0;
+    j.run.memory_budget_mb = None;
     j.eval = Default::default();
     j.checkpoint = Default::default();
     format!("{:016x}", crate::rand::fnv1a64(j.to_toml().as_bytes()))
@@ -53,8 +57,16 @@ fn fsync_dir(d: &Path) {
     }
 }
 
-/// Writes checkpoint `step` of `trainer` into `out_dir`; `text_dir` provides the tokenizer files.
-pub fn save(out_dir: &Path, step: u64, trainer: &Trainer, job: &JobConfig, text_dir: Option<&Path>) -> Result<PathBuf> {
+/// The optimizer state of a checkpoint, gathered over devices (`Trainer::gather_state`).
+pub struct OptState {
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// Writes checkpoint `step` of `trainer` into `out_dir` (with the gathered optimizer state `o`);
+/// `text_dir` provides the tokenizer files.
+pub fn save(out_dir: &Path, step: u64, trainer: &Trainer, o: &OptState, job: &JobConfig, text_dir: Option<&Path>) -> Result<PathBuf> {
     let final_dir = out_dir.join(dir_name(step));
     if final_dir.exists() {
         bail!("{} already exists; refusing to overwrite a checkpoint", final_dir.display());
@@ -77,7 +89,6 @@ pub fn save(out_dir: &Path, step: u64, trainer: &Trainer, job: &JobConfig, text_
             }
         }
     }
-    let o = &trainer.opt;
     let mut views = vec![("master".to_string(), f32_view(&o.master))];
     if !o.m.is_empty() {
         views.push(("exp_avg".to_string(), f32_view(&o.m)));
@@ -88,7 +99,7 @@ pub fn save(out_dir: &Path, step: u64, trainer: &Trainer, job: &JobConfig, text_
         format: 1,
         step,
         version: trainer.version,
-        optimizer_step: o.step,
+        optimizer_step: trainer.opt.step,
         skipped_steps: trainer.skipped_steps,
         num_params: o.master.len(),
         fingerprint: fingerprint(job),

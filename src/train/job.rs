@@ -1,23 +1,32 @@
-//! The `train` job: the colocated synchronous schedule on one device. Per step: rollout (the
-//! engine reads the trainer's weights), teacher scoring, rewards, the training step, the in-place
-//! resync, metrics (one JSON line), periodic held-out evaluation and checkpoints.
+//! The `train` job: one process, N devices (worker threads, one per device, each with its own
+//! replica), colocated. Per step (synchronous schedule): every device generates from a shared
+//! queue of the step's requests (work-balanced), every device teacher-scores from a shared queue,
+//! rewards on the host, the data-parallel training step (ZeRO-1), the in-place resync, metrics
+//! (one JSON line), periodic held-out evaluation (device 0) and checkpoints. The asynchronous
+//! schedule lives in `schedule.rs`.
+//!
+//! Owns: the orchestration and the run directory's files. May call: the worker pool, replicas.
+//! Must not: touch a device's state except through commands to its worker.
 
-use super::checkpoint;
+pub use super::metrics::{summary_table, JobSummary, LogpDifference, PhaseSeconds, StepMetrics};
+use super::checkpoint::{self, OptState};
+use super::dp::Dp;
 use super::eval::{self, EvalResult};
+use super::monitor::Monitor;
+use super::replica::{self, Replica, Setup};
 use super::rollout::{self, Rollout};
-use super::monitor::{Monitor, RlMetrics};
-use super::trainer::{StepOut, Trainer};
+use super::trainer::StepOut;
 use crate::config::JobConfig;
 use crate::data::answer;
-use crate::data::dataset::Dataset;
-use crate::device::{DType, Device};
-use crate::engine::{Engine, EngineConfig, SamplingConfig};
-use crate::mismatch::{self, StepMismatch};
-use crate::model::LoadedModel;
+use crate::data::dataset::{Dataset, PromptItem};
+use crate::engine::{EngineConfig, SamplingConfig};
+use crate::mismatch;
+use crate::model::{ModelConfig, TextTools};
+use crate::parallel::{Collective, InProcess, WorkerPool};
 use anyhow::{bail, Context, Result};
-use serde::Serialize;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -26,82 +35,21 @@ pub struct JobOptions {
     pub resume: Option<PathBuf>,
     /// Draw a progress bar (stderr).
     pub progress: bool,
+    /// Set (e.g. by Ctrl-C) to finish the current step, write a checkpoint and stop.
+    pub stop: Option<Arc<AtomicBool>>,
+    /// Fault injection for tests of the failure paths: device `rank` fails (or panics) in the
+    /// training phase of `step`.
+    pub fault: Option<Fault>,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct PhaseSeconds {
-    pub rollout: f64,
-    pub teacher: f64,
-    pub reward: f64,
-    pub train: f64,
-    pub resync: f64,
-    /// The trainer's wait for generation and teacher scoring (synchronous: their sum).
-    pub wait: f64,
-    pub total: f64,
-}
-
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct StepMetrics {
+#[derive(Clone, Copy, Debug)]
+pub struct Fault {
     pub step: u64,
-    pub version: u64,
-    pub time: PhaseSeconds,
-    pub gen_tokens: usize,
-    pub tokens_per_s: f64,
-    pub updates_per_hour: f64,
-    pub loss: f64,
-    pub grad_norm: f64,
-    pub lr: f64,
-    pub entropy: f64,
-    pub response_len: f64,
-    pub length_cap_rate: f64,
-    pub reward: Option<f64>,
-    pub mismatch: StepMismatch,
-    /// The same mean / max |log q − log p_θ| under the name other trainers log.
-    pub sampling_logp_difference: LogpDifference,
-    /// Optimizer updates this step (minibatches × updates per step, less skipped ones).
-    pub updates: usize,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub rl: Option<RlMetrics>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub triage: Option<crate::objective::triage::TriageStats>,
-    pub skipped: bool,
-    pub skipped_steps: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub heldout_kl: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub heldout_acc: Option<f64>,
+    pub rank: usize,
+    pub panic: bool,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct LogpDifference {
-    pub mean: f64,
-    pub max: f64,
-}
-
-/// What a finished job reports.
-#[derive(Clone, Debug, Default)]
-pub struct JobSummary {
-    pub out_dir: PathBuf,
-    pub steps: u64,
-    pub seconds: f64,
-    pub evals: Vec<EvalResult>,
-    pub last: Option<StepMetrics>,
-    pub mean_time: PhaseSeconds,
-    pub skipped_steps: u64,
-}
-
-/// Loads a model source (a directory or a `builtin:` name).
-fn load(src: &crate::config::ModelSource, dev: &Device) -> Result<LoadedModel> {
-    let dir = super::tiny::resolve(&src.path)?;
-    let dtype = match src.dtype.as_deref() {
-        Some(d) => DType::parse(d)?,
-        None if dev.is_cpu() => DType::F32,
-        None => DType::BF16,
-    };
-    LoadedModel::load(&dir, dev, dtype)
-}
-
-fn engine_config(job: &JobConfig) -> EngineConfig {
+pub fn engine_config(job: &JobConfig) -> EngineConfig {
     let r = &job.rollout;
     EngineConfig { max_seqs: r.max_seqs, max_tokens_per_step: r.max_tokens_per_step, kv_cache_bytes: r.kv_cache_mb << 20, ..Default::default() }
 }
@@ -123,79 +71,196 @@ fn truncate_metrics(path: &Path, upto: u64) -> Result<()> {
     crate::util::write_atomic(path, out.as_bytes())
 }
 
-pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
-    let t_job = Instant::now();
-    let out_dir = job.out_dir();
-    let metrics_path = out_dir.join("metrics.jsonl");
-    let resume = match &opts.resume {
-        Some(p) => Some(checkpoint::resolve(p)?),
-        None => {
-            if metrics_path.exists() || !checkpoint::list(&out_dir)?.is_empty() {
-                bail!(
-                    "{} already holds a run; resume it with --resume {} or choose another run.name / run.out_dir",
-                    out_dir.display(),
-                    out_dir.display()
-                );
-            }
-            None
+/// The devices of a run: (name, threads per CPU device or 0 for CUDA) × N. `cpu` splits the
+/// cores evenly (an error when there are more devices than cores); `cpu:T` gives each device T
+/// threads (oversubscription is the user's choice); `cuda`/`cuda:K` takes N GPUs from K on.
+pub fn plan_devices(spec: &str, n: usize) -> Result<Vec<String>> {
+    let spec = spec.trim();
+    let cores = std::thread::available_parallelism().map(|c| c.get()).unwrap_or(1);
+    if spec == "cpu" {
+        let n = n.max(1);
+        if n > cores {
+            bail!("run.devices = {n} CPU devices, but this machine has {cores} cores: a CPU device needs at least one (set run.device = \"cpu:T\" to choose threads per device yourself)");
         }
+        return Ok((0..n).map(|_| format!("cpu:{}", cores / n)).collect());
+    }
+    if let Some(t) = spec.strip_prefix("cpu:") {
+        let t: usize = t.parse().map_err(|_| anyhow::anyhow!("run.device '{spec}': expected cpu:<threads>"))?;
+        return Ok((0..n.max(1)).map(|_| format!("cpu:{t}")).collect());
+    }
+    let first = match spec {
+        "cuda" => 0,
+        s => match s.strip_prefix("cuda:") {
+            Some(k) => k.parse().map_err(|_| anyhow::anyhow!("run.device '{spec}': expected cuda:<ordinal>"))?,
+            None => bail!("run.device '{spec}': expected cpu, cpu:<threads>, cuda or cuda:<ordinal>"),
+        },
     };
-    std::fs::create_dir_all(out_dir.join("eval")).with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let dev = Device::parse(&job.run.device)?;
-    let student = load(&job.model, &dev).with_context(|| format!("loading the student '{}'", job.model.path))?;
+    // All visible GPUs (CUDA_VISIBLE_DEVICES decides what is visible) unless N is given.
+    let n = if n > 0 {
+        n
+    } else {
+        (first..first + 64).take_while(|&k| crate::device::Device::cuda(k).is_ok()).count().max(1)
+    };
+    Ok((first..first + n).map(|k| format!("cuda:{k}")).collect())
+}
+
+/// The rollout sampling settings of a job.
+pub fn sampling_of(job: &JobConfig) -> SamplingConfig {
+    SamplingConfig {
+        temperature: job.rollout.temperature,
+        top_p: job.rollout.top_p,
+        top_k: job.rollout.top_k,
+        max_new_tokens: job.rollout.max_new_tokens,
+        stop: Vec::new(),
+        ignore_eos: false,
+        seed: job.run.seed,
+        topk_logprobs: if job.objective.centering { job.objective.centering_top_k } else { 0 },
+    }
+}
+
+/// What the host side of a run holds: data, tokenizer, the worker pool.
+pub struct Host {
+    pub job: Arc<JobConfig>,
+    pub pool: WorkerPool<Replica>,
+    pub coll: Arc<dyn Collective>,
+    pub text: Option<Arc<TextTools>>,
+    pub cfg: ModelConfig,
+    pub data: Option<Dataset>,
+    pub file_rollouts: Option<Vec<Rollout>>,
+    pub heldout: Arc<Vec<PromptItem>>,
+    pub out_dir: PathBuf,
+}
+
+impl Host {
+    pub fn devices(&self) -> usize {
+        self.pool.len()
+    }
+
+    /// Rewards of every rollout that lacks one and has a reference answer (0 when cut at the
+    /// length limit); the step's mean reward.
+    pub fn rewards(&self, rollouts: &mut [Rollout]) -> Result<Option<f64>> {
+        let mut rewards = Vec::new();
+        for r in rollouts.iter_mut() {
+            if let (None, Some(text)) = (r.reward, &self.text) {
+                if let Some(ans) = &r.answer {
+                    r.reward = Some(if r.truncated { 0.0 } else { answer::reward(&text.decode(&r.response)?, ans) });
+                }
+            }
+            rewards.extend(r.reward.map(|x| x as f64));
+        }
+        Ok((!rewards.is_empty()).then(|| rewards.iter().sum::<f64>() / rewards.len() as f64))
+    }
+
+    /// Teacher log-probs for every rollout, scored on all devices from a shared queue.
+    pub fn score_teacher(&self, rollouts: &mut [Rollout]) -> Result<f64> {
+        let reqs = rollout::teacher_requests(rollouts, self.job.rollout.temperature);
+        let q = replica::queue(reqs);
+        let inflight = self.job.rollout.max_seqs;
+        let t0 = Instant::now();
+        let parts = self.pool.run_all("teacher", move |_, r| {
+            let t = Instant::now();
+            Ok((r.score(&q, inflight)?, t.elapsed().as_secs_f64()))
+        })?;
+        let busy: f64 = parts.iter().map(|p| p.1).sum();
+        rollout::store_teacher(rollouts, replica::merge(parts.into_iter().map(|p| p.0).collect()));
+        Ok(busy / t0.elapsed().as_secs_f64().max(1e-9))
+    }
+
+    /// The training step on every device (the same rollouts everywhere); device 0's report.
+    pub fn train(&self, rollouts: Vec<Rollout>, step: u64, fault: Option<Fault>) -> Result<(StepOut, Vec<f64>)> {
+        let rs = Arc::new(rollouts);
+        let parts = self.pool.run_all("train", move |rank, r| {
+            let t = Instant::now();
+            if let Some(f) = fault.filter(|f| f.step == step && f.rank == rank) {
+                if f.panic {
+                    panic!("injected panic at step {step}");
+                }
+                bail!("injected device error at step {step}");
+            }
+            let out = r.train(&rs)?;
+            Ok((out, t.elapsed().as_secs_f64()))
+        })?;
+        let busy: Vec<f64> = parts.iter().map(|p| p.1).collect();
+        let out = parts.into_iter().next().map(|p| p.0).context("no devices")?;
+        Ok((out, busy))
+    }
+
+    pub fn resync(&self) -> Result<()> {
+        self.pool.run_all("resync", |_, r| r.resync()).map(|_| ())
+    }
+
+    /// Held-out evaluation on device 0 with its standard engine.
+    pub fn evaluate(&self, step: u64) -> Result<EvalResult> {
+        let (job, text, heldout) = (self.job.clone(), self.text.clone(), self.heldout.clone());
+        let r = self.pool.run_on(0, "eval", move |rep| {
+            let eval_new = job.eval.max_new_tokens.unwrap_or(job.rollout.max_new_tokens);
+            let te = rep.teacher.as_mut().map(|(w, e)| (e, &*w));
+            let mut r = eval::evaluate(step, (&mut rep.std_engine, &rep.trainer.weights), te, text.as_deref(), &heldout, job.eval.samples_per_prompt as u32, eval_new, job.eval.seed)?;
+            r.student = job.model.path.clone();
+            r.teacher = job.teacher.as_ref().map(|t| t.path.clone()).unwrap_or_default();
+            Ok(r)
+        })?;
+        crate::util::write_atomic(&self.out_dir.join("eval").join(format!("step-{step:06}.json")), serde_json::to_string(&r)?.as_bytes())?;
+        Ok(r)
+    }
+
+    /// Checkpoint `step`: the optimizer shards gathered, device 0 writes.
+    pub fn checkpoint(&self, step: u64) -> Result<()> {
+        let (job, out) = (self.job.clone(), self.out_dir.clone());
+        self.pool.run_all("checkpoint", move |rank, r| {
+            let (master, m, v) = r.trainer.gather_state()?;
+            if rank == 0 {
+                checkpoint::save(&out, step, &r.trainer, &OptState { master, m, v }, &job, Some(&r.student_dir))?;
+                checkpoint::prune(&out, job.checkpoint.keep)?;
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+}
+
+/// Sets up the devices, replicas, data and the calibration of a run.
+pub fn start(job: &JobConfig, resume: Option<&Path>, out_dir: &Path) -> Result<(Host, u64)> {
+    let dir = super::tiny::resolve(&job.model.path)?;
+    if !dir.is_dir() {
+        bail!("loading the student '{}': model directory '{}' does not exist", job.model.path, dir.display());
+    }
+    let cfg = ModelConfig::from_dir(&dir).with_context(|| format!("loading the student '{}'", job.model.path))?;
     // The tokenizer is needed for text data, rewards and accuracy; token-only runs do without.
-    let text = student.text.clone();
-    let teacher = match &job.teacher {
-        Some(t) if job.objective.kind == "opd" => {
-            let tm = load(t, &dev).with_context(|| format!("loading the teacher '{}'", t.path))?;
-            if tm.cfg.vocab_size != student.cfg.vocab_size {
-                bail!(
-                    "student {} and teacher {} have different vocabularies ({} vs {} tokens); OPD needs one vocabulary",
-                    student.dir.display(),
-                    tm.dir.display(),
-                    student.cfg.vocab_size,
-                    tm.cfg.vocab_size
-                );
-            }
-            Some(tm)
-        }
-        _ => None,
-    };
+    let text = if dir.join("tokenizer.json").exists() { Some(Arc::new(TextTools::load(&dir, &cfg)?)) } else { None };
     let file_rollouts = match job.rollout.source.as_str() {
-        "file" => Some(rollout::read_file(job.rollout.file.as_deref().context("rollout.file")?, student.cfg.vocab_size)?),
+        "file" => Some(rollout::read_file(job.rollout.file.as_deref().context("rollout.file")?, cfg.vocab_size)?),
         _ => None,
     };
     // With file rollouts, data is only needed for held-out evaluation, and only if given.
     let data = match (&file_rollouts, &job.data.heldout) {
         (Some(_), None) => None,
-        _ => Some(Dataset::open(&job.data.train, text.clone(), job.data.chat, student.cfg.vocab_size, job.run.seed)?),
+        _ => Some(Dataset::open(&job.data.train, text.clone(), job.data.chat, cfg.vocab_size, job.run.seed)?),
     };
     let heldout = match (&job.data.heldout, &data) {
-        (Some(h), _) => Dataset::open(h, text.clone(), job.data.chat, student.cfg.vocab_size, job.run.seed)?.heldout(usize::MAX)?,
+        (Some(h), _) => Dataset::open(h, text.clone(), job.data.chat, cfg.vocab_size, job.run.seed)?.heldout(usize::MAX)?,
         (None, Some(d)) => d.heldout(job.data.heldout_size)?,
         (None, None) => Vec::new(),
     };
-    let student_dir = student.dir.clone();
-    let cfg = student.cfg.clone();
-    let weights_dtype = student.weights.dtype();
+    let names = plan_devices(&job.run.device, job.run.devices)?;
+    let n = names.len();
     let spec = job.engine.spec(cfg.num_layers).context("[engine]")?;
-    let standard = spec.recipe.is_standard() && spec.noise_sigma == 0.0 && spec.staleness == 0;
-    let ec = engine_config(job);
-    // The standard engine: held-out evaluation and calibration always use it.
-    let mut std_engine = Engine::new(&dev, &cfg, weights_dtype, &ec, text.clone())?;
-    // The rollout engine, when it differs (its KV cache follows the recipe).
-    let mut rollout_engine = if standard {
-        None
-    } else {
-        let ec = EngineConfig { kv_fp8: spec.recipe.kv_layers(), ..ec.clone() };
-        Some(Engine::new(&dev, &cfg, weights_dtype, &ec, text.clone())?)
-    };
-    let mut t_engine = match &teacher {
-        Some(t) => Some(Engine::new(&dev, &t.cfg, t.weights.dtype(), &ec, None)?),
-        None => None,
-    };
-    let mut trainer = Trainer::new(&cfg, student.weights, job)?;
-    let calib = if spec.recipe.needs_calibration() {
+    let setup = Arc::new(Setup { job: job.clone(), spec, engine: engine_config(job) });
+    let inproc = Arc::new(InProcess::new(n)?);
+    let coll: Arc<dyn Collective> = inproc.clone();
+    let cores = if job.run.device.starts_with("cpu") { crate::parallel::split_cores(n) } else { vec![Vec::new(); n] };
+    let (s2, c2, names2) = (setup.clone(), coll.clone(), names.clone());
+    let mut pool = WorkerPool::spawn(names.clone(), cores.clone(), move |rank| {
+        let dev = match names2[rank].strip_prefix("cpu:") {
+            Some(t) => crate::device::Device::Cpu(crate::device::CpuDevice::new(t.parse().unwrap_or(1), Some(cores[rank].clone()))?),
+            None => crate::device::Device::parse(&names2[rank]).with_context(|| format!("device {rank} of {} ({}) is not available", names2.len(), names2[rank]))?,
+        };
+        Replica::new(rank, dev, &s2, Dp { rank, world: names2.len(), coll: c2.clone() })
+    })?;
+    // A failed device wakes the others out of their collectives instead of leaving them waiting.
+    let abort = inproc.clone();
+    pool.set_on_failure(move |why| abort.abort(why));
+    let calib = if setup.spec.recipe.needs_calibration() {
         let saved = out_dir.join("calibration.json");
         let path = job.engine.calibration_file.clone().or_else(|| saved.exists().then(|| saved.clone()));
         Some(match path {
@@ -203,9 +268,10 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             None => {
                 let prompts = match &data {
                     Some(d) => d.train_prompts(u64::MAX >> 1, job.engine.calibration_samples)?,
-                    None => bail!("[engine] recipe '{}' needs calibration prompts: give data.train or engine.calibration_file", spec.recipe.name),
+                    None => bail!("[engine] recipe '{}' needs calibration prompts: give data.train or engine.calibration_file", setup.spec.recipe.name),
                 };
-                let c = super::calibrate::calibrate(&mut std_engine, &trainer.weights, &cfg, &prompts, &sampling_of(job), job.run.seed)?;
+                let j = Arc::new(job.clone());
+                let c = pool.run_on(0, "calibrate", move |r| r.calibrate(&j, &prompts))?;
                 c.save(&saved)?;
                 tracing::info!("calibrated activation and KV scales on {} responses ({} tokens) -> {}", c.samples, c.tokens, saved.display());
                 c
@@ -214,135 +280,145 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
     } else {
         None
     };
-    let mut rw = crate::engine::rollout_weights::RolloutWeights::new(&dev, &spec, &cfg, &trainer.weights, calib.as_ref(), trainer.version)?;
-    if job.learner.precision == "nvfp4" {
-        let mut lq = crate::model::learner_quant::LearnerQuant::new(&job.learner.linears, spec.recipe.nvfp4, cfg.num_layers)?;
-        // The engine's calibrated input scales where it quantizes the same linears in NVFP4.
-        if let Some(q) = &rw.quant {
-            for (l, ql) in q.layers.iter().enumerate() {
-                for (i, a) in ql.act.iter().enumerate() {
-                    if let crate::ops::quantize::ActQuant::Nvfp4 { global, .. } = a {
-                        lq.act_global[l][i] = Some(*global);
-                    }
-                }
-            }
-        }
-        trainer.set_learner_quant(Some(lq));
-    }
-    let mut monitor = Monitor::new(&job.monitor);
-    let mut start = 0u64;
-    if let Some(ck) = &resume {
+    let c = Arc::new(calib);
+    let s3 = setup.clone();
+    pool.run_all("init", move |_, r| r.init_rollout(&s3, c.as_ref().as_ref()))?;
+    let mut start = 0;
+    if let Some(ck) = resume {
         let (state, master, m, v) = checkpoint::load(ck, job)?;
-        trainer.restore(master, m, v, state.optimizer_step, state.version, state.skipped_steps, state.step)?;
+        let parts = Arc::new((master, m, v));
+        let st = state.clone();
+        pool.run_all("restore", move |_, r| r.trainer.restore(parts.0.clone(), parts.1.clone(), parts.2.clone(), st.optimizer_step, st.version, st.skipped_steps, st.step))?;
+        pool.run_all("resync", |_, r| r.resync())?;
         start = state.step;
-        truncate_metrics(&metrics_path, start)?;
         tracing::info!("resumed from {} at step {start}", ck.display());
     }
-    crate::util::write_atomic(&out_dir.join("config.toml"), job.to_toml().as_bytes())?;
-    tracing::info!(
-        "run {}: {} ({} parameters, {}) on {}; trainer state {:.1} MiB; KV cache {} tokens",
-        job.run.name,
-        student_dir.display(),
-        trainer.num_params(),
-        weights_dtype.name(),
-        dev.name(),
-        trainer.state_bytes() as f64 / (1 << 20) as f64,
-        rollout_engine.as_ref().unwrap_or(&std_engine).cache.capacity_tokens()
+    let host = Host { job: Arc::new(job.clone()), pool, coll, text, cfg, data, file_rollouts, heldout: Arc::new(heldout), out_dir: out_dir.to_path_buf() };
+    Ok((host, start))
+}
+
+/// Prints the plan: placement and memory per device, and checks it against the budget.
+fn print_plan(h: &Host) -> Result<()> {
+    let plans = h.pool.run_all("plan", |_, r| r.plan())?;
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let job = &h.job;
+    eprintln!(
+        "plan: {} device(s), {} schedule{}; student {} ({} layers)",
+        plans.len(),
+        job.schedule.mode,
+        if job.schedule.mode == "async" { format!(" (staleness ≤ {})", job.schedule.max_staleness) } else { String::new() },
+        job.model.path,
+        h.cfg.num_layers
     );
-    tracing::info!(
-        "rollout engine '{}'{}{}: {:.1} MiB of own buffers",
-        spec.recipe.name,
-        if spec.noise_sigma > 0.0 { format!(", weight noise σ = {}", spec.noise_sigma) } else { String::new() },
-        if spec.staleness > 0 { format!(", staleness {}", spec.staleness) } else { String::new() },
-        rw.extra_bytes() as f64 / (1 << 20) as f64
-    );
-    let mut metrics_file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&metrics_path)
-        .with_context(|| format!("cannot open {}", metrics_path.display()))?;
-    let eval_new = job.eval.max_new_tokens.unwrap_or(job.rollout.max_new_tokens);
-    let mut summary = JobSummary { out_dir: out_dir.clone(), ..Default::default() };
-    let do_eval = |step: u64, trainer: &Trainer, engine: &mut Engine, t_engine: &mut Option<Engine>| -> Result<EvalResult> {
-        let te = match (t_engine.as_mut(), teacher.as_ref()) {
-            (Some(e), Some(t)) => Some((e, &t.weights)),
-            _ => None,
-        };
-        let mut r = eval::evaluate(step, (engine, &trainer.weights), te, text.as_deref(), &heldout, job.eval.samples_per_prompt as u32, eval_new, job.eval.seed)?;
-        r.student = job.model.path.clone();
-        r.teacher = job.teacher.as_ref().map(|t| t.path.clone()).unwrap_or_default();
-        crate::util::write_atomic(&out_dir.join("eval").join(format!("step-{step:06}.json")), serde_json::to_string(&r)?.as_bytes())?;
-        Ok(r)
+    for (i, p) in plans.iter().enumerate() {
+        let total = p.weights + p.trainer + p.teacher + p.engine_buffers + p.kv_cache;
+        eprintln!(
+            "  device {i} {}: weights {:.1} MiB, trainer {:.1} MiB (master/Adam shard, grads, activations), teacher {:.1} MiB, engine buffers {:.1} MiB, KV cache {:.1} MiB = {} tokens; total {:.1} MiB",
+            p.device,
+            mib(p.weights),
+            mib(p.trainer),
+            mib(p.teacher),
+            mib(p.engine_buffers),
+            mib(p.kv_cache),
+            p.kv_tokens,
+            mib(total)
+        );
+        if let Some(budget) = job.run.memory_budget_mb {
+            if total > budget << 20 {
+                bail!(
+                    "the plan does not fit device {i} ({}): it needs {:.0} MiB (weights {:.0}, trainer {:.0}, teacher {:.0}, engine {:.0}, KV cache {:.0}) but run.memory_budget_mb = {budget}; lower rollout.kv_cache_mb or objective.micro_batch_tokens, or add devices",
+                    p.device,
+                    mib(total),
+                    mib(p.weights),
+                    mib(p.trainer),
+                    mib(p.teacher),
+                    mib(p.engine_buffers),
+                    mib(p.kv_cache)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
+    let t_job = Instant::now();
+    let out_dir = job.out_dir();
+    let metrics_path = out_dir.join("metrics.jsonl");
+    let resume = match &opts.resume {
+        Some(p) => Some(checkpoint::resolve(p)?),
+        None => {
+            if metrics_path.exists() || !checkpoint::list(&out_dir)?.is_empty() {
+                bail!("{} already holds a run; resume it with --resume {} or choose another run.name / run.out_dir", out_dir.display(), out_dir.display());
+            }
+            None
+        }
     };
-    let evaluate = !heldout.is_empty();
+    std::fs::create_dir_all(out_dir.join("eval")).with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let (host, start) = start(job, resume.as_deref(), &out_dir)?;
+    if resume.is_some() {
+        truncate_metrics(&metrics_path, start)?;
+    }
+    crate::util::write_atomic(&out_dir.join("config.toml"), job.to_toml().as_bytes())?;
+    print_plan(&host)?;
+    let mut metrics_file = std::fs::OpenOptions::new().create(true).append(true).open(&metrics_path).with_context(|| format!("cannot open {}", metrics_path.display()))?;
+    let mut summary = JobSummary { out_dir: out_dir.clone(), ..Default::default() };
+    let evaluate = !host.heldout.is_empty();
     if start == 0 && evaluate {
-        let r = do_eval(0, &trainer, &mut std_engine, &mut t_engine)?;
-        let line = serde_json::json!({"step": 0, "heldout_kl": teacher.is_some().then_some(r.kl), "heldout_acc": r.accuracy});
+        let r = host.evaluate(0)?;
+        let line = serde_json::json!({"step": 0, "heldout_kl": job.teacher.is_some().then_some(r.kl), "heldout_acc": r.accuracy});
         writeln!(metrics_file, "{line}")?;
         summary.evals.push(r);
     }
     let bar = if opts.progress { indicatif::ProgressBar::new(job.run.steps) } else { indicatif::ProgressBar::hidden() };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} train [{bar:30}] {pos}/{len} steps {elapsed}<{eta} {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    bar.set_style(indicatif::ProgressStyle::with_template("{spinner} train [{bar:30}] {pos}/{len} steps {elapsed}<{eta} {msg}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
     bar.set_position(start);
-    let sampling = Arc::new(sampling_of(job));
+    let mut sched = super::schedule::Scheduler::new(&host, start)?;
+    let mut monitor = Monitor::new(&job.monitor);
     let mut sum_time = PhaseSeconds::default();
     let t_loop = Instant::now();
+    let mut last_step = start;
     for step in start + 1..=job.run.steps {
+        let _span = tracing::info_span!("step", step).entered();
         let t_step = Instant::now();
         let mut time = PhaseSeconds::default();
-        // 1. Rollout.
+        // 1. Rollout (the schedule decides how: synchronous, or ahead of training).
         let t0 = Instant::now();
-        let mut rollouts: Vec<Rollout> = match (&file_rollouts, job.rollout.source.as_str()) {
-            (Some(f), _) => f.clone(),
-            _ => {
-                let prompts = data.as_ref().context("no training data")?.train_prompts(step, job.rollout.prompts_per_step)?;
-                if job.objective.kind == "sft" && prompts.iter().all(|p| p.response.is_some()) {
-                    reference_rollouts(&prompts, job.rollout.samples_per_prompt)
-                } else {
-                    let engine = rollout_engine.as_mut().unwrap_or(&mut std_engine);
-                    rollout::generate(engine, rw.view(&trainer.weights), &prompts, job.rollout.samples_per_prompt as u32, &sampling, step, rw.version)?
-                }
-            }
-        };
+        let batch = sched.rollouts(&host, step)?;
+        let mut rollouts = batch.rollouts;
         time.rollout = t0.elapsed().as_secs_f64();
         // 2. Teacher scoring.
         let t0 = Instant::now();
-        if let (Some(te), Some(t)) = (t_engine.as_mut(), teacher.as_ref()) {
-            rollout::score_teacher(te, &t.weights, &mut rollouts, job.rollout.temperature)?;
-        }
+        let teacher_util = if job.teacher.is_some() && job.objective.kind == "opd" { Some(host.score_teacher(&mut rollouts)?) } else { None };
         time.teacher = t0.elapsed().as_secs_f64();
         // 3. Rewards.
         let t0 = Instant::now();
-        let mut rewards = Vec::new();
-        for r in rollouts.iter_mut() {
-            if let (None, Some(text)) = (r.reward, &text) {
-                if let Some(ans) = &r.answer {
-                    r.reward = Some(if r.truncated { 0.0 } else { answer::reward(&text.decode(&r.response)?, ans) });
-                }
-            }
-            rewards.extend(r.reward.map(|x| x as f64));
-        }
+        let reward = host.rewards(&mut rollouts)?;
         time.reward = t0.elapsed().as_secs_f64();
-        // 4. Train.
+        // 4. Train (data-parallel over the devices).
         let t0 = Instant::now();
-        let out: StepOut = trainer.step(&rollouts)?;
-        time.train = t0.elapsed().as_secs_f64();
-        // 5. Resync: a standard engine reads the trainer's weights in place (nothing to do);
-        // the others rewrite their preallocated buffers.
-        let t0 = Instant::now();
-        rw.sync(&trainer.weights, trainer.version)?;
-        time.resync = t0.elapsed().as_secs_f64();
-        time.wait = time.rollout + time.teacher;
-        time.total = t_step.elapsed().as_secs_f64();
         let gen_tokens: usize = rollouts.iter().map(|r| r.response.len()).sum();
+        let n_rollouts = rollouts.len();
+        let truncated = rollouts.iter().filter(|r| r.truncated).count();
         let sampler: Vec<f32> = rollouts.iter().filter(|r| !r.response.is_empty()).flat_map(|r| r.sampler_logprobs.iter().copied()).collect();
+        let (out, train_busy) = host.train(rollouts, step, opts.fault)?;
+        time.train = t0.elapsed().as_secs_f64();
+        // 5. Resync.
+        let t0 = Instant::now();
+        host.resync()?;
+        time.resync = t0.elapsed().as_secs_f64();
+        time.wait = batch.wait.unwrap_or(time.rollout) + time.teacher;
+        time.total = t_step.elapsed().as_secs_f64();
         let done_steps = (step - start) as f64;
+        let utilization: Vec<f64> = batch
+            .busy
+            .iter()
+            .zip(&train_busy)
+            .map(|(g, t)| ((g + t + teacher_util.unwrap_or(0.0) * time.teacher / host.devices() as f64) / time.total.max(1e-9)).min(1.0))
+            .collect();
         let mut m = StepMetrics {
             step,
-            version: trainer.version,
+            version: sched.trainer_version(&host)?,
             gen_tokens,
             tokens_per_s: gen_tokens as f64 / time.rollout.max(1e-9),
             updates_per_hour: done_steps * 3600.0 / t_loop.elapsed().as_secs_f64().max(1e-9),
@@ -350,39 +426,34 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             grad_norm: out.info.grad_norm,
             lr: out.info.lr,
             entropy: out.entropy,
-            response_len: gen_tokens as f64 / rollouts.len().max(1) as f64,
-            length_cap_rate: rollouts.iter().filter(|r| r.truncated).count() as f64 / rollouts.len().max(1) as f64,
-            reward: (!rewards.is_empty()).then(|| rewards.iter().sum::<f64>() / rewards.len() as f64),
-            mismatch: if file_rollouts.is_none() && job.objective.kind != "sft" { mismatch::step_mismatch(&sampler, &out.logp) } else { Default::default() },
+            response_len: gen_tokens as f64 / n_rollouts.max(1) as f64,
+            length_cap_rate: truncated as f64 / n_rollouts.max(1) as f64,
+            reward,
+            mismatch: if host.file_rollouts.is_none() && job.objective.kind != "sft" { mismatch::step_mismatch(&sampler, &out.logp) } else { Default::default() },
             updates: out.updates,
             rl: out.adv_response.as_ref().map(|a| monitor.observe(a, &out.seq_lens, &out.logp, &sampler, out.clipped)),
             triage: out.triage.clone(),
             skipped: out.skipped,
-            skipped_steps: trainer.skipped_steps,
+            skipped_steps: 0,
+            devices: host.devices(),
+            utilization,
+            max_lag: out.max_lag,
+            stale_tokens_masked: out.max_lag.map(|_| out.masked),
             time,
             ..Default::default()
         };
+        m.skipped_steps = host.pool.run_on(0, "stats", |r| Ok(r.trainer.skipped_steps))?;
         m.sampling_logp_difference = LogpDifference { mean: m.mismatch.abs_mean, max: m.mismatch.abs_max };
         let eval_now = evaluate && (step == job.run.steps || (job.eval.every > 0 && step % job.eval.every == 0));
         if eval_now {
-            let r = do_eval(step, &trainer, &mut std_engine, &mut t_engine)?;
-            m.heldout_kl = teacher.is_some().then_some(r.kl);
+            let r = host.evaluate(step)?;
+            m.heldout_kl = job.teacher.is_some().then_some(r.kl);
             m.heldout_acc = Some(r.accuracy);
             summary.evals.push(r);
         }
         writeln!(metrics_file, "{}", serde_json::to_string(&m)?)?;
         metrics_file.flush()?;
-        for (a, b) in [
-            (&mut sum_time.rollout, m.time.rollout),
-            (&mut sum_time.teacher, m.time.teacher),
-            (&mut sum_time.reward, m.time.reward),
-            (&mut sum_time.train, m.time.train),
-            (&mut sum_time.resync, m.time.resync),
-            (&mut sum_time.wait, m.time.wait),
-            (&mut sum_time.total, m.time.total),
-        ] {
-            *a += b;
-        }
+        sum_time.add(&m.time);
         bar.set_message(format!(
             "loss {:.4} d_n {:.1e} ent {:.3}{}{}{} | {:.0} tok/s {:.0} upd/h wait {:.2}s",
             m.loss,
@@ -396,45 +467,28 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             m.time.wait
         ));
         bar.inc(1);
-        if step == job.run.steps || (job.checkpoint.every > 0 && step % job.checkpoint.every == 0) {
-            checkpoint::save(&out_dir, step, &trainer, job, Some(&student_dir))?;
-            checkpoint::prune(&out_dir, job.checkpoint.keep)?;
+        let stopping = opts.stop.as_ref().map(|s| s.load(Ordering::SeqCst)).unwrap_or(false);
+        if step == job.run.steps || stopping || (job.checkpoint.every > 0 && step % job.checkpoint.every == 0) {
+            host.checkpoint(step)?;
         }
+        summary.skipped_steps = m.skipped_steps;
         summary.last = Some(m);
+        last_step = step;
+        if stopping {
+            tracing::warn!("stopped at step {step} on request; checkpoint written (resume with --resume {})", out_dir.display());
+            break;
+        }
     }
     bar.finish_and_clear();
-    let n = (job.run.steps.saturating_sub(start)).max(1) as f64;
-    summary.mean_time = PhaseSeconds {
-        rollout: sum_time.rollout / n,
-        teacher: sum_time.teacher / n,
-        reward: sum_time.reward / n,
-        train: sum_time.train / n,
-        resync: sum_time.resync / n,
-        wait: sum_time.wait / n,
-        total: sum_time.total / n,
-    };
-    summary.steps = job.run.steps;
+    let n = (last_step.saturating_sub(start)).max(1) as f64;
+    summary.mean_time = sum_time.scaled(1.0 / n);
+    summary.steps = last_step;
     summary.seconds = t_job.elapsed().as_secs_f64();
-    summary.skipped_steps = trainer.skipped_steps;
     Ok(summary)
 }
 
-/// The rollout sampling settings of a job.
-fn sampling_of(job: &JobConfig) -> SamplingConfig {
-    SamplingConfig {
-        temperature: job.rollout.temperature,
-        top_p: job.rollout.top_p,
-        top_k: job.rollout.top_k,
-        max_new_tokens: job.rollout.max_new_tokens,
-        stop: Vec::new(),
-        ignore_eos: false,
-        seed: job.run.seed,
-        topk_logprobs: if job.objective.centering { job.objective.centering_top_k } else { 0 },
-    }
-}
-
 /// SFT on reference responses (teacher forcing on the dataset's answers).
-fn reference_rollouts(prompts: &[crate::data::dataset::PromptItem], samples: usize) -> Vec<Rollout> {
+pub fn reference_rollouts(prompts: &[PromptItem], samples: usize) -> Vec<Rollout> {
     let mut out = Vec::new();
     for p in prompts {
         let resp = p.response.clone().unwrap_or_default();
@@ -446,46 +500,10 @@ fn reference_rollouts(prompts: &[crate::data::dataset::PromptItem], samples: usi
                 prompt: p.tokens.clone(),
                 sampler_logprobs: vec![0.0; resp.len()],
                 response: resp.clone(),
-                teacher_logprobs: None,
-                sampler_topk: None,
-                reward: None,
                 answer: p.answer.clone(),
-                truncated: false,
-                version: 0,
+                ..Default::default()
             });
         }
     }
     out
-}
-
-/// The end-of-run table.
-pub fn summary_table(s: &JobSummary) -> String {
-    let mut t = String::new();
-    let first = s.evals.first();
-    let last = s.evals.last();
-    t.push_str(&format!("run            {}\n", s.out_dir.display()));
-    t.push_str(&format!("steps          {} in {:.1} s ({} skipped)\n", s.steps, s.seconds, s.skipped_steps));
-    if let (Some(a), Some(b)) = (first, last) {
-        if !a.teacher.is_empty() {
-            let rel = if a.kl != 0.0 { (b.kl / a.kl - 1.0) * 100.0 } else { 0.0 };
-            t.push_str(&format!("held-out KL    {:.4} (step {}) -> {:.4} (step {})  {:+.1}%\n", a.kl, a.step, b.kl, b.step, rel));
-        }
-        t.push_str(&format!("accuracy       {:.1}% -> {:.1}%\n", a.accuracy * 100.0, b.accuracy * 100.0));
-    }
-    if let Some(m) = &s.last {
-        t.push_str(&format!("last step      loss {:.4}  entropy {:.3}  d_n {:.2e}  response {:.1} tokens", m.loss, m.entropy, m.mismatch.d_n, m.response_len));
-        if let Some(r) = m.reward {
-            t.push_str(&format!("  reward {r:.3}"));
-        }
-        if let Some(tr) = &m.triage {
-            t.push_str(&format!("  gated {} tokens, repair {}/{} segments", tr.gated_tokens, tr.repair_active, tr.repair_segments));
-        }
-        t.push('\n');
-    }
-    let p = &s.mean_time;
-    t.push_str(&format!(
-        "seconds/step   total {:.3} = rollout {:.3} + teacher {:.3} + reward {:.3} + train {:.3} + resync {:.3}\n",
-        p.total, p.rollout, p.teacher, p.reward, p.train, p.resync
-    ));
-    t
 }

@@ -6,12 +6,16 @@
 //! reimplement ops (they live in `ops`).
 
 pub mod calibrate;
+pub mod dp;
 pub mod checkpoint;
 pub mod eval;
 pub mod job;
+pub mod metrics;
 pub mod monitor;
 pub mod optimizer;
+pub mod replica;
 pub mod rollout;
+pub mod schedule;
 pub mod step_inputs;
 pub mod runs;
 pub mod tiny;

@@ -61,11 +61,17 @@ impl Optimizer {
     /// One update with gradient `grad` (flat, same layout as master; modified by clipping).
     /// A non-finite gradient skips the update (nothing changes, the step is counted as skipped).
     pub fn update(&mut self, grad: &mut [f32]) -> Result<StepInfo> {
+        let norm = sum_sq(grad).sqrt();
+        self.update_with_norm(grad, norm)
+    }
+
+    /// [`Self::update`] on a shard (ZeRO-1): `master`, the moments and `grad` hold this device's
+    /// slice; `norm` is the global gradient norm (every device's shard together), which decides
+    /// clipping and skipping identically on every device.
+    pub fn update_with_norm(&mut self, grad: &mut [f32], norm: f64) -> Result<StepInfo> {
         if grad.len() != self.master.len() {
             bail!("optimizer: gradient of {} values for {} parameters", grad.len(), self.master.len());
         }
-        // Global L2 norm, accumulated in f64.
-        let norm = grad.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>().sqrt();
         if !norm.is_finite() {
             return Ok(StepInfo { grad_norm: norm, clip_coef: 0.0, lr: 0.0, skipped: true });
         }
@@ -113,6 +119,11 @@ impl Optimizer {
         }
         Ok(StepInfo { grad_norm: norm, clip_coef, lr, skipped: false })
     }
+}
+
+/// Σ g² accumulated in f64 (the squared L2 norm of a gradient or of a shard of it).
+pub fn sum_sq(g: &[f32]) -> f64 {
+    g.iter().map(|&x| (x as f64) * (x as f64)).sum()
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! precomputed rollouts; then scored by the teacher (log p_T at the sampled tokens only).
 
 use crate::data::dataset::PromptItem;
-use crate::engine::{Engine, FinishReason, Request, SamplingConfig, View};
+use crate::engine::{Completion, Engine, FinishReason, Request, SamplingConfig, View};
 use crate::model::ModelWeights;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -37,64 +37,118 @@ pub struct Rollout {
     pub answer: Option<String>,
     /// The response hit the token limit.
     pub truncated: bool,
-    /// Weight version the response was sampled with.
+    /// Weight version the response was sampled with (its first token's, under an asynchronous
+    /// schedule).
     pub version: u64,
+    /// Asynchronous schedules: the weight version of each response token (a generation
+    /// interrupted by an update resumes under the new weights); empty: all `version`.
+    pub token_versions: Vec<u32>,
 }
 
-/// Samples `samples` responses to each prompt with `engine` on weights `w`. Sampling keys are
-/// (seed, request = step·2³² + prompt index, sample).
-#[allow(clippy::too_many_arguments)]
-pub fn generate<'a>(engine: &mut Engine, w: impl Into<View<'a>>, prompts: &[PromptItem], samples: u32, sampling: &Arc<SamplingConfig>, step: u64, version: u64) -> Result<Vec<Rollout>> {
+/// Requests not yet started, shared by every device's engine: a device takes the next one
+/// whenever its engine has room, so long responses do not leave the other devices idle.
+pub type WorkQueue = std::sync::Mutex<std::collections::VecDeque<Request>>;
+
+/// The rollout requests of one step: `samples` responses to each prompt. Sampling keys are
+/// (seed, request = step·2³² + prompt index, sample): the tokens do not depend on which device
+/// draws them.
+pub fn requests(prompts: &[PromptItem], samples: u32, sampling: &Arc<SamplingConfig>, step: u64) -> Vec<Request> {
+    let mut out = Vec::with_capacity(prompts.len() * samples as usize);
     for (i, p) in prompts.iter().enumerate() {
         for s in 0..samples {
-            engine.add(Request { id: (step << 32) | i as u64, sample: s, prompt: p.tokens.clone(), sampling: sampling.clone(), prompt_logprobs: false })?;
+            out.push(Request { id: (step << 32) | i as u64, sample: s, prompt: p.tokens.clone(), sampling: sampling.clone(), prompt_logprobs: false });
         }
     }
-    let done = engine.run_to_completion(w, |_| {})?;
-    Ok(done
-        .into_iter()
-        .map(|c| {
-            let i = (c.id & 0xffff_ffff) as usize;
-            Rollout {
-                prompt_id: prompts[i].id,
-                sample: c.sample,
-                group: prompts[i].id,
-                prompt: prompts[i].tokens.clone(),
-                truncated: c.finish == FinishReason::Length,
-                sampler_topk: (!c.topk_ids.is_empty()).then(|| TopK { k: c.topk_ids.len() / c.tokens.len().max(1), ids: c.topk_ids, logprobs: c.topk_logprobs }),
-                response: c.tokens,
-                sampler_logprobs: c.logprobs,
-                teacher_logprobs: None,
-                reward: None,
-                answer: prompts[i].answer.clone(),
-                version,
-            }
-        })
-        .collect())
+    out
 }
 
-/// Fills `teacher_logprobs` of every rollout that lacks them: the teacher engine scores
-/// prompt + response at `temperature` and keeps only the response positions.
-pub fn score_teacher(engine: &mut Engine, w: &ModelWeights, rollouts: &mut [Rollout], temperature: f32) -> Result<()> {
+/// Runs `engine` on `w`, pulling requests from `queue` while it holds fewer than `inflight`
+/// unfinished sequences, until the queue is empty and the engine idle. Completions in the order
+/// they finished.
+pub fn run_queue<'a>(engine: &mut Engine, w: impl Into<View<'a>>, queue: &WorkQueue, inflight: usize) -> Result<Vec<Completion>> {
+    let w: View<'a> = w.into();
+    let dev = engine.device().clone();
+    dev.install(|| -> Result<Vec<Completion>> {
+        let mut out = Vec::new();
+        loop {
+            while engine.num_unfinished() < inflight.max(1) {
+                let next = queue.lock().map_err(|_| anyhow::anyhow!("the rollout queue was poisoned by a failed device"))?.pop_front();
+                match next {
+                    Some(r) => engine.add(r)?,
+                    None => break,
+                }
+            }
+            if !engine.has_work() {
+                return Ok(out);
+            }
+            out.extend(engine.step(w)?);
+        }
+    })
+}
+
+/// The rollout of a completion of [`requests`] for `prompts`.
+pub fn from_completion(c: Completion, prompts: &[PromptItem], version: u64) -> Rollout {
+    let i = (c.id & 0xffff_ffff) as usize;
+    Rollout {
+        prompt_id: prompts[i].id,
+        sample: c.sample,
+        group: prompts[i].id,
+        prompt: prompts[i].tokens.clone(),
+        truncated: c.finish == FinishReason::Length,
+        sampler_topk: (!c.topk_ids.is_empty()).then(|| TopK { k: c.topk_ids.len() / c.tokens.len().max(1), ids: c.topk_ids, logprobs: c.topk_logprobs }),
+        response: c.tokens,
+        sampler_logprobs: c.logprobs,
+        teacher_logprobs: None,
+        reward: None,
+        answer: prompts[i].answer.clone(),
+        version: c.versions.first().map(|&v| v as u64).unwrap_or(version),
+        token_versions: c.versions,
+    }
+}
+
+/// Samples `samples` responses to each prompt with `engine` on weights `w` (one device).
+#[allow(clippy::too_many_arguments)]
+pub fn generate<'a>(engine: &mut Engine, w: impl Into<View<'a>>, prompts: &[PromptItem], samples: u32, sampling: &Arc<SamplingConfig>, step: u64, version: u64) -> Result<Vec<Rollout>> {
+    let queue: WorkQueue = std::sync::Mutex::new(requests(prompts, samples, sampling, step).into());
+    let mut done = run_queue(engine, w, &queue, usize::MAX)?;
+    done.sort_by_key(|c| (c.id, c.sample));
+    Ok(done.into_iter().map(|c| from_completion(c, prompts, version)).collect())
+}
+
+/// Teacher-scoring requests for the rollouts that lack teacher log-probs (request id = the
+/// rollout's index); rollouts with empty responses get empty teacher log-probs at once.
+pub fn teacher_requests(rollouts: &mut [Rollout], temperature: f32) -> Vec<Request> {
     let sampling = Arc::new(SamplingConfig { temperature, max_new_tokens: 0, ..Default::default() });
-    let mut asked = Vec::new();
-    for (i, r) in rollouts.iter().enumerate() {
-        if r.teacher_logprobs.is_some() || r.response.is_empty() {
+    let mut out = Vec::new();
+    for (i, r) in rollouts.iter_mut().enumerate() {
+        if r.response.is_empty() {
+            r.teacher_logprobs.get_or_insert_with(Vec::new);
+        }
+        if r.teacher_logprobs.is_some() {
             continue;
         }
         let mut seq = r.prompt.clone();
         seq.extend_from_slice(&r.response);
-        engine.add(Request { id: i as u64, sample: 0, prompt: seq, sampling: sampling.clone(), prompt_logprobs: true })?;
-        asked.push(i);
+        out.push(Request { id: i as u64, sample: 0, prompt: seq, sampling: sampling.clone(), prompt_logprobs: true });
     }
-    for c in engine.run_to_completion(w, |_| {})? {
+    out
+}
+
+/// Stores the teacher's scores (completions of [`teacher_requests`]) into the rollouts.
+pub fn store_teacher(rollouts: &mut [Rollout], done: Vec<Completion>) {
+    for c in done {
         let r = &mut rollouts[c.id as usize];
         r.teacher_logprobs = Some(c.prompt_logprobs[r.prompt.len() - 1..].to_vec());
     }
-    for r in rollouts.iter_mut().filter(|r| r.response.is_empty()) {
-        r.teacher_logprobs = Some(Vec::new());
-    }
-    debug_assert!(asked.iter().all(|&i| rollouts[i].teacher_logprobs.is_some()));
+}
+
+/// Fills `teacher_logprobs` of every rollout that lacks them: the teacher engine scores
+/// prompt + response at `temperature` and keeps only the response positions (one device).
+pub fn score_teacher(engine: &mut Engine, w: &ModelWeights, rollouts: &mut [Rollout], temperature: f32) -> Result<()> {
+    let queue: WorkQueue = std::sync::Mutex::new(teacher_requests(rollouts, temperature).into());
+    let done = run_queue(engine, w, &queue, usize::MAX)?;
+    store_teacher(rollouts, done);
+    debug_assert!(rollouts.iter().all(|r| r.teacher_logprobs.is_some()));
     Ok(())
 }
 
@@ -207,6 +261,7 @@ pub fn read_file(path: &Path, vocab: usize) -> Result<Vec<Rollout>> {
             answer,
             truncated: false,
             version: 0,
+            token_versions: Vec::new(),
         });
     }
     Ok(out)

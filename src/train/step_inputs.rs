@@ -94,11 +94,34 @@ pub struct StepInputs {
     pub adv_tokens: Option<Vec<f64>>,
     /// Score centering: k, ids (tokens·k) and the normalized probabilities q̃ (tokens·k).
     pub center: Option<(usize, Vec<u32>, Vec<f32>)>,
+    /// Asynchronous schedules: tokens trained (false: sampled more than k versions ago), how
+    /// many were left out, and the largest version lag among the trained ones.
+    pub mask: Option<Vec<bool>>,
+    pub masked: usize,
+    pub max_lag: u64,
 }
 
 impl StepInputs {
-    pub fn build(rollouts: &[Rollout], obj: &Objective, centering: bool) -> Result<StepInputs> {
+    /// `staleness`: (the trainer's weight version, the bound k) under an asynchronous schedule.
+    pub fn build(rollouts: &[Rollout], obj: &Objective, centering: bool, staleness: Option<(u64, u64)>) -> Result<StepInputs> {
         let mut s = StepInputs { offsets: vec![0], ..Default::default() };
+        if let Some((now, k)) = staleness {
+            let mut mask = Vec::new();
+            for r in rollouts {
+                for t in 0..r.response.len() {
+                    let v = r.token_versions.get(t).map(|&v| v as u64).unwrap_or(r.version);
+                    let lag = now.saturating_sub(v);
+                    let keep = lag <= k;
+                    if keep {
+                        s.max_lag = s.max_lag.max(lag);
+                    } else {
+                        s.masked += 1;
+                    }
+                    mask.push(keep);
+                }
+            }
+            s.mask = Some(mask);
+        }
         for r in rollouts {
             s.seq_lens.push(r.response.len());
             s.offsets.push(s.offsets.last().copied().unwrap_or(0) + r.response.len());

@@ -55,7 +55,7 @@ pub fn resolve(path: &str) -> Result<PathBuf> {
 /// The SFT job that makes both models.
 pub fn sft_job(init: &Path, out: &Path) -> JobConfig {
     JobConfig {
-        run: RunConfig { name: "tiny-arith-sft".into(), out_dir: Some(out.to_path_buf()), seed: 7, steps: TEACHER_STEP, device: "cpu".into() },
+        run: RunConfig { name: "tiny-arith-sft".into(), out_dir: Some(out.to_path_buf()), seed: 7, steps: TEACHER_STEP, device: "cpu".into(), devices: 1, memory_budget_mb: None },
         model: ModelSource { path: init.display().to_string(), dtype: Some("f32".into()) },
         teacher: None,
         data: DataConfig { train: "builtin:arith".into(), heldout: None, chat: false, heldout_size: 64 },
@@ -67,6 +67,7 @@ pub fn sft_job(init: &Path, out: &Path) -> JobConfig {
         engine: Default::default(),
         learner: Default::default(),
         monitor: Default::default(),
+        schedule: Default::default(),
     }
 }
 

@@ -1,14 +1,18 @@
 //! One training step: rollouts → packed batch → forward with saved activations → per-token
 //! statistics → objective coefficients → fused loss pass + backward → optimizer update on the
-//! FP32 master → in-place rewrite of the compute weights (the store the engine reads).
+//! FP32 master → in-place rewrite of the compute weights (the store the engine reads). With
+//! several devices every device runs this same step on its share (see `dp.rs`): the optimizer
+//! holds this device's ZeRO-1 shard and the weights are all-gathered after each update.
 //!
-//! Owns: the student's compute weights, the trainable model, the optimizer and gradients.
+//! Owns: one device's compute weights, the trainable model, its optimizer shard and gradients.
 
 use super::optimizer::{Optimizer, StepInfo};
 use super::rollout::Rollout;
 use crate::config::{JobConfig, LossAgg};
 use crate::model::trainable::{TrainBatch, Trainable};
 use crate::model::{ModelConfig, ModelWeights};
+use super::dp::{sum_triage, Dp};
+use super::optimizer::sum_sq;
 use super::step_inputs::{evaluate, minibatches, Objective, StepInputs};
 use crate::model::learner_quant::LearnerQuant;
 use crate::objective::triage::TriageStats;
@@ -41,6 +45,9 @@ pub struct StepOut {
     pub seq_lens: Vec<usize>,
     /// TRIAGE's statistics of the step's first pass over its minibatches (summed).
     pub triage: Option<TriageStats>,
+    /// Asynchronous schedules: tokens left out as too stale, the largest lag trained on.
+    pub masked: usize,
+    pub max_lag: Option<u64>,
 }
 
 pub struct Trainer {
@@ -48,10 +55,15 @@ pub struct Trainer {
     /// The compute weights: the store the rollout engine reads (no copy).
     pub weights: ModelWeights,
     model: Trainable<f32>,
+    /// The optimizer over this device's shard of the flat parameters.
     pub opt: Optimizer,
     ranges: Vec<Range<usize>>,
     grads: Vec<Vec<f32>>,
-    flat_grad: Vec<f32>,
+    flat_grad: Vec<f32>, // (P) this device's gradient, every parameter
+    grad_shard: Vec<f32>, // (P / world) the reduce-scattered sum
+    gathered: Vec<f32>,  // (P) all-gathered master weights (world > 1)
+    n_params: usize,
+    pub dp: Dp,
     pub objective: Objective,
     pub agg: LossAgg,
     pub temperature: f32,
@@ -64,6 +76,8 @@ pub struct Trainer {
     pub version: u64,
     /// Rollout steps trained so far (TRIAGE's update index k of the next step).
     pub rollout_steps: u64,
+    /// Asynchronous schedules: train only tokens at most this many versions old.
+    pub max_staleness: Option<u64>,
     pub skipped_steps: u64,
 }
 
@@ -80,6 +94,11 @@ pub fn param_slices(w: &ModelWeights) -> Result<Vec<Cow<'_, [f32]>>> {
 
 impl Trainer {
     pub fn new(cfg: &ModelConfig, weights: ModelWeights, job: &JobConfig) -> Result<Trainer> {
+        Self::new_dp(cfg, weights, job, Dp::single()?)
+    }
+
+    /// Device `dp.rank` of `dp.world` (its optimizer holds its shard only).
+    pub fn new_dp(cfg: &ModelConfig, weights: ModelWeights, job: &JobConfig, dp: Dp) -> Result<Trainer> {
         let objective = Objective::from_job(job)?;
         let mut ranges = Vec::new();
         let mut master = Vec::new();
@@ -90,6 +109,8 @@ impl Trainer {
         }
         let grads = ranges.iter().map(|r| vec![0.0; r.len()]).collect();
         let n = master.len();
+        let shard = dp.shard(n);
+        let master = if dp.world == 1 { master } else { master[shard.clone()].to_vec() };
         Ok(Trainer {
             cfg: cfg.clone(),
             weights,
@@ -98,6 +119,10 @@ impl Trainer {
             ranges,
             grads,
             flat_grad: vec![0.0; n],
+            grad_shard: vec![0.0; shard.len()],
+            gathered: if dp.world == 1 { Vec::new() } else { vec![0.0; n] },
+            n_params: n,
+            dp,
             objective,
             agg: job.loss_agg()?,
             temperature: job.rollout.temperature,
@@ -108,6 +133,7 @@ impl Trainer {
             updates_per_step: job.objective.updates_per_step,
             version: 0,
             rollout_steps: 0,
+            max_staleness: (job.schedule.mode == "async").then_some(job.schedule.max_staleness),
             skipped_steps: 0,
         })
     }
@@ -118,12 +144,14 @@ impl Trainer {
     }
 
     pub fn num_params(&self) -> usize {
-        self.opt.master.len()
+        self.n_params
     }
 
-    /// Bytes of the trainer's own state: FP32 master, Adam moments, gradients, activations.
+    /// Bytes of this device's trainer state: its FP32 master and Adam shard, gradients (full and
+    /// shard), the all-gather buffer, activations.
     pub fn state_bytes(&self) -> usize {
-        4 * (self.opt.master.len() + self.opt.m.len() + self.opt.v.len() + 2 * self.flat_grad.len()) + self.model.activation_bytes()
+        4 * (self.opt.master.len() + self.opt.m.len() + self.opt.v.len() + self.flat_grad.len() + self.grad_shard.len() + self.gathered.len())
+            + self.model.activation_bytes()
     }
 
     /// Micro-batches (rollout index ranges) of at most `micro_batch_tokens` tokens each.
@@ -158,6 +186,9 @@ impl Trainer {
         let mbs = self.micro_batches(rollouts);
         let m: usize = rollouts.iter().map(|r| r.response.len()).sum();
         let (mut logp, mut entropy) = (vec![0.0f32; m], vec![0.0f32; m]);
+        if rollouts.is_empty() {
+            return Ok((logp, entropy, 0));
+        }
         let params = param_slices(&self.weights)?;
         let ps: Vec<&[f32]> = params.iter().map(|c| c.as_ref()).collect();
         let mut at = 0;
@@ -171,27 +202,42 @@ impl Trainer {
         Ok((logp, entropy, mbs.len()))
     }
 
+    /// The log-probs (and entropy sum) of responses `r` at the current weights: this device
+    /// computes its share, the devices exchange them.
+    fn gathered_stats(&mut self, rollouts: &[Rollout], inp: &StepInputs, r: Range<usize>) -> Result<(Vec<f32>, f64, usize, Range<usize>)> {
+        let mine = self.dp.split(rollouts, r.clone());
+        let (lp, en, chunks) = self.token_stats(&rollouts[mine.clone()])?;
+        let all = inp.tokens(&r);
+        let at = inp.tokens(&mine).start - all.start;
+        let logp = self.dp.allgather_v(&lp, at, all.len())?;
+        let ent = self.dp.sum_f64(en.iter().map(|&x| x as f64).sum())?;
+        Ok((logp, ent, chunks, mine))
+    }
+
     /// One training step on `rollouts`: the step's old log-probs, then `updates_per_step` passes
     /// over its `minibatches`, one optimizer update each (the teacher log-probs must be filled
-    /// for OPD, rewards for RL, the sampler's top-k for score centering).
+    /// for OPD, rewards for RL, the sampler's top-k for score centering). With several devices,
+    /// every device calls this with the same rollouts.
     pub fn step(&mut self, rollouts: &[Rollout]) -> Result<StepOut> {
         let rollouts: Vec<Rollout> = rollouts.iter().filter(|r| !r.response.is_empty()).cloned().collect();
         if rollouts.is_empty() {
             bail!("training step with no response tokens");
         }
-        let inp = StepInputs::build(&rollouts, &self.objective, self.centering)?;
+        let inp = StepInputs::build(&rollouts, &self.objective, self.centering, self.max_staleness.map(|k| (self.version, k)))?;
         let k = self.rollout_steps;
         self.rollout_steps += 1;
         // Pass 1: π_old, the statistics of every response token at the step's start.
-        let (logp_old, entropy, n_chunks) = self.token_stats(&rollouts)?;
+        let (logp_old, ent, n_chunks, mine0) = self.gathered_stats(&rollouts, &inp, 0..rollouts.len())?;
         let m = logp_old.len();
         let mut out = StepOut {
-            entropy: entropy.iter().map(|&x| x as f64).sum::<f64>() / m as f64,
+            entropy: ent / m as f64,
             logp: logp_old.clone(),
             tokens: m,
             adv_response: inp.adv_response.clone(),
             adv_tokens: inp.adv_tokens.clone(),
             seq_lens: inp.seq_lens.clone(),
+            masked: inp.masked,
+            max_lag: inp.mask.is_some().then_some(inp.max_lag),
             ..Default::default()
         };
         let parts = minibatches(rollouts.len(), self.minibatches);
@@ -203,7 +249,13 @@ impl Trainer {
                 let first = u == 0 && j == 0;
                 // At the first update the weights are π_old's: no new forward is needed, and the
                 // activations of pass 1 are still in place when it was a single micro-batch.
-                let logp_now = if first { logp_old[toks.clone()].to_vec() } else { self.token_stats(&rollouts[mb.clone()])?.0 };
+                let (logp_now, mine) = if first {
+                    let mine = if parts.len() == 1 { mine0.clone() } else { self.dp.split(&rollouts, mb.clone()) };
+                    (logp_old[toks.clone()].to_vec(), mine)
+                } else {
+                    let (lp, _, _, mine) = self.gathered_stats(&rollouts, &inp, mb.clone())?;
+                    (lp, mine)
+                };
                 let stats = TokenStats {
                     seq_lens: &inp.seq_lens[mb.clone()],
                     logp: &logp_now,
@@ -211,7 +263,7 @@ impl Trainer {
                     sampler: Some(&inp.sampler[toks.clone()]),
                     teacher: inp.teacher.as_ref().map(|t| &t[toks.clone()]),
                     advantages: inp.adv_tokens.as_ref().map(|a| &a[toks.clone()]),
-                    mask: None,
+                    mask: inp.mask.as_ref().map(|m| &m[toks.clone()]),
                 };
                 let ev = evaluate(&self.objective, &stats, self.agg, k)?;
                 out.clipped += ev.clipped;
@@ -224,17 +276,17 @@ impl Trainer {
                         });
                     }
                 }
+                // Every device sees the same coefficients: they skip together.
                 if !ev.coefs.loss.is_finite() || ev.coefs.coef.iter().any(|c| !c.is_finite()) {
                     tracing::warn!("update skipped: the loss is not finite ({})", ev.coefs.loss);
                     continue;
                 }
                 let reuse = first && parts.len() == 1 && n_chunks == 1;
-                let center = inp.center.as_ref().map(|(k, ids, p)| (*k, &ids[toks.start * k..toks.end * k], &p[toks.start * k..toks.end * k]));
-                self.backward(&rollouts[mb.clone()], &ev.coefs.coef, center, reuse)?;
-                for (g, r) in self.grads.iter().zip(&self.ranges) {
-                    self.flat_grad[r.clone()].copy_from_slice(g);
-                }
-                let info = self.opt.update(&mut self.flat_grad)?;
+                let my = inp.tokens(&mine);
+                let (a, b) = (my.start - toks.start, my.end - toks.start);
+                let center = inp.center.as_ref().map(|(k, ids, p)| (*k, &ids[my.start * k..my.end * k], &p[my.start * k..my.end * k]));
+                self.backward(&rollouts[mine.clone()], &ev.coefs.coef[a..b], center, reuse)?;
+                let info = self.apply()?;
                 if first {
                     out.info = info;
                 }
@@ -242,7 +294,6 @@ impl Trainer {
                     tracing::warn!("update skipped: the gradient norm is not finite ({})", info.grad_norm);
                     continue;
                 }
-                self.write_compute_weights()?;
                 self.version += 1;
                 applied += 1;
             }
@@ -260,47 +311,99 @@ impl Trainer {
         Ok(out)
     }
 
-    /// The fused loss pass and the backward over `rollouts` (micro-batch by micro-batch) into the
-    /// gradients; `reuse`: the model still holds these rollouts' activations (one micro-batch).
+    /// The fused loss pass and the backward over `rollouts` (micro-batch by micro-batch) into
+    /// `flat_grad`; `reuse`: the model still holds these rollouts' activations (one micro-batch).
     fn backward(&mut self, rollouts: &[Rollout], coef: &[f32], center: Option<(usize, &[u32], &[f32])>, reuse: bool) -> Result<()> {
         for g in &mut self.grads {
             g.fill(0.0);
         }
-        let mbs = self.micro_batches(rollouts);
-        let params = param_slices(&self.weights)?;
-        let ps: Vec<&[f32]> = params.iter().map(|c| c.as_ref()).collect();
-        let mut at = 0;
-        for mb in &mbs {
-            let b = Self::batch(&rollouts[mb.clone()]);
-            let k = b.rows.len();
-            if !(reuse && mbs.len() == 1) {
-                self.model.forward(&ps, &b)?;
+        if !rollouts.is_empty() {
+            let mbs = self.micro_batches(rollouts);
+            let params = param_slices(&self.weights)?;
+            let ps: Vec<&[f32]> = params.iter().map(|c| c.as_ref()).collect();
+            let mut at = 0;
+            for mb in &mbs {
+                let b = Self::batch(&rollouts[mb.clone()]);
+                let k = b.rows.len();
+                if !(reuse && mbs.len() == 1) {
+                    self.model.forward(&ps, &b)?;
+                }
+                let ct = center.map(|(kk, ids, p)| Center { k: kk, ids: &ids[at * kk..(at + k) * kk], probs: &p[at * kk..(at + k) * kk] });
+                self.model.backward_centered(&ps, &b, &coef[at..at + k], ct.as_ref(), self.temperature, self.chunk, &mut self.grads)?;
+                at += k;
             }
-            let ct = center.map(|(kk, ids, p)| Center { k: kk, ids: &ids[at * kk..(at + k) * kk], probs: &p[at * kk..(at + k) * kk] });
-            self.model.backward_centered(&ps, &b, &coef[at..at + k], ct.as_ref(), self.temperature, self.chunk, &mut self.grads)?;
-            at += k;
+        }
+        for (g, r) in self.grads.iter().zip(&self.ranges) {
+            self.flat_grad[r.clone()].copy_from_slice(g);
         }
         Ok(())
     }
 
-    /// Rewrites the compute weights in place from the FP32 master (rounded to their dtype).
+    /// The optimizer update from `flat_grad`: reduce-scatter over devices, the global norm, this
+    /// device's shard of AdamW/SGD, then the all-gather into the compute weights.
+    fn apply(&mut self) -> Result<StepInfo> {
+        let info = if self.dp.world == 1 {
+            self.opt.update(&mut self.flat_grad)?
+        } else {
+            self.dp.coll.reduce_scatter_sum(self.dp.rank, &self.flat_grad, &mut self.grad_shard)?;
+            let norm = self.dp.sum_f64(sum_sq(&self.grad_shard))?.sqrt();
+            self.opt.update_with_norm(&mut self.grad_shard, norm)?
+        };
+        if !info.skipped {
+            if self.dp.world > 1 {
+                self.dp.coll.all_gather(self.dp.rank, &self.opt.master, &mut self.gathered)?;
+            }
+            self.write_compute_weights()?;
+        }
+        Ok(info)
+    }
+
+    /// Rewrites the compute weights in place from the FP32 master (rounded to their dtype): this
+    /// device's own master with one device, the all-gathered one with several.
     pub fn write_compute_weights(&mut self) -> Result<()> {
+        let full = if self.dp.world == 1 { &self.opt.master } else { &self.gathered };
         for (t, r) in self.weights.tensors_mut().into_iter().zip(&self.ranges) {
-            t.write_f32(&self.opt.master[r.clone()])?;
+            t.write_f32(&full[r.clone()])?;
         }
         Ok(())
+    }
+
+    /// The full optimizer state (every device's shard gathered; call on every device):
+    /// (master, exp_avg, exp_avg_sq), the moments empty under SGD.
+    pub fn gather_state(&mut self) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        if self.dp.world == 1 {
+            return Ok((self.opt.master.clone(), self.opt.m.clone(), self.opt.v.clone()));
+        }
+        let n = self.n_params;
+        let gather = |part: &[f32]| -> Result<Vec<f32>> {
+            let mut full = vec![0.0f32; n];
+            self.dp.coll.all_gather(self.dp.rank, part, &mut full)?;
+            Ok(full)
+        };
+        let master = gather(&self.opt.master)?;
+        // The moments exist on every device or on none (the optimizer kind is global).
+        if self.opt.kind == super::optimizer::Kind::AdamW {
+            Ok((master, gather(&self.opt.m)?, gather(&self.opt.v)?))
+        } else {
+            Ok((master, Vec::new(), Vec::new()))
+        }
     }
 
     /// Restores master weights, moments and counters (from a checkpoint), then the compute weights.
     pub fn restore(&mut self, master: Vec<f32>, m: Vec<f32>, v: Vec<f32>, opt_step: u64, version: u64, skipped: u64, rollout_steps: u64) -> Result<()> {
-        let n = self.opt.master.len();
+        let n = self.n_params;
         if master.len() != n || (self.opt.kind == super::optimizer::Kind::AdamW && (m.len() != n || v.len() != n)) {
             bail!("checkpoint optimizer state has {} values, the model has {n} parameters", master.len());
         }
-        self.opt.master = master;
+        // Each device keeps its shard; the compute weights come from the whole master.
+        let shard = self.dp.shard(n);
+        if self.dp.world > 1 {
+            self.gathered.copy_from_slice(&master);
+        }
+        self.opt.master = master[shard.clone()].to_vec();
         if self.opt.kind == super::optimizer::Kind::AdamW {
-            self.opt.m = m;
-            self.opt.v = v;
+            self.opt.m = m[shard.clone()].to_vec();
+            self.opt.v = v[shard].to_vec();
         }
         self.opt.step = opt_step;
         self.version = version;
@@ -310,21 +413,3 @@ impl Trainer {
     }
 }
 
-/// Adds two minibatches' TRIAGE statistics (everything summed; the step divides the shares by the number of minibatches).
-fn sum_triage(a: TriageStats, b: &TriageStats) -> TriageStats {
-    TriageStats {
-        eligible_segments: a.eligible_segments + b.eligible_segments,
-        gated_segments: a.gated_segments + b.gated_segments,
-        gated_tokens: a.gated_tokens + b.gated_tokens,
-        gated_responses: a.gated_responses + b.gated_responses,
-        repair_segments: a.repair_segments + b.repair_segments,
-        repair_active: a.repair_active + b.repair_active,
-        lambda: a.lambda,
-        mass_moved: a.mass_moved + b.mass_moved,
-        repair_mass: a.repair_mass + b.repair_mass,
-        b_amp: a.b_amp + b.b_amp,
-        b_con: a.b_con + b.b_con,
-        b_amp_base: a.b_amp_base + b.b_amp_base,
-        b_con_base: a.b_con_base + b.b_con_base,
-    }
-}

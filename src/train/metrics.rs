@@ -1,0 +1,136 @@
+//! What a job reports: one JSON line per step ([`StepMetrics`]), the phase times, and the
+//! end-of-run summary table.
+//!
+//! Owns: the metric types. May call: serde. Must not: compute anything but formatting.
+
+use super::eval::EvalResult;
+use super::monitor::RlMetrics;
+use crate::mismatch::StepMismatch;
+use serde::Serialize;
+use std::path::PathBuf;
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PhaseSeconds {
+    pub rollout: f64,
+    pub teacher: f64,
+    pub reward: f64,
+    pub train: f64,
+    pub resync: f64,
+    /// The trainer's wait for generation and teacher scoring (synchronous: their sum).
+    pub wait: f64,
+    pub total: f64,
+}
+
+impl PhaseSeconds {
+    pub fn add(&mut self, o: &PhaseSeconds) {
+        self.rollout += o.rollout;
+        self.teacher += o.teacher;
+        self.reward += o.reward;
+        self.train += o.train;
+        self.resync += o.resync;
+        self.wait += o.wait;
+        self.total += o.total;
+    }
+    pub fn scaled(&self, f: f64) -> PhaseSeconds {
+        PhaseSeconds {
+            rollout: self.rollout * f,
+            teacher: self.teacher * f,
+            reward: self.reward * f,
+            train: self.train * f,
+            resync: self.resync * f,
+            wait: self.wait * f,
+            total: self.total * f,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub version: u64,
+    pub time: PhaseSeconds,
+    pub gen_tokens: usize,
+    pub tokens_per_s: f64,
+    pub updates_per_hour: f64,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub entropy: f64,
+    pub response_len: f64,
+    pub length_cap_rate: f64,
+    pub reward: Option<f64>,
+    pub mismatch: StepMismatch,
+    /// The same mean / max |log q − log p_θ| under the name other trainers log.
+    pub sampling_logp_difference: LogpDifference,
+    /// Optimizer updates this step (minibatches × updates per step, less skipped ones).
+    pub updates: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rl: Option<RlMetrics>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub triage: Option<crate::objective::triage::TriageStats>,
+    pub skipped: bool,
+    pub skipped_steps: u64,
+    /// Devices of the run and each one's busy share of the step's wall time.
+    pub devices: usize,
+    pub utilization: Vec<f64>,
+    /// Asynchronous schedule: versions between the oldest trained token's weights and the
+    /// trainer's, and tokens left out for being older than the staleness bound.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_lag: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stale_tokens_masked: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heldout_kl: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heldout_acc: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct LogpDifference {
+    pub mean: f64,
+    pub max: f64,
+}
+
+/// What a finished job reports.
+#[derive(Clone, Debug, Default)]
+pub struct JobSummary {
+    pub out_dir: PathBuf,
+    pub steps: u64,
+    pub seconds: f64,
+    pub evals: Vec<EvalResult>,
+    pub last: Option<StepMetrics>,
+    pub mean_time: PhaseSeconds,
+    pub skipped_steps: u64,
+}
+
+/// The end-of-run table.
+pub fn summary_table(s: &JobSummary) -> String {
+    let mut t = String::new();
+    let first = s.evals.first();
+    let last = s.evals.last();
+    t.push_str(&format!("run            {}\n", s.out_dir.display()));
+    t.push_str(&format!("steps          {} in {:.1} s ({} skipped)\n", s.steps, s.seconds, s.skipped_steps));
+    if let (Some(a), Some(b)) = (first, last) {
+        if !a.teacher.is_empty() {
+            let rel = if a.kl != 0.0 { (b.kl / a.kl - 1.0) * 100.0 } else { 0.0 };
+            t.push_str(&format!("held-out KL    {:.4} (step {}) -> {:.4} (step {})  {:+.1}%\n", a.kl, a.step, b.kl, b.step, rel));
+        }
+        t.push_str(&format!("accuracy       {:.1}% -> {:.1}%\n", a.accuracy * 100.0, b.accuracy * 100.0));
+    }
+    if let Some(m) = &s.last {
+        t.push_str(&format!("last step      loss {:.4}  entropy {:.3}  d_n {:.2e}  response {:.1} tokens", m.loss, m.entropy, m.mismatch.d_n, m.response_len));
+        if let Some(r) = m.reward {
+            t.push_str(&format!("  reward {r:.3}"));
+        }
+        if let Some(tr) = &m.triage {
+            t.push_str(&format!("  gated {} tokens, repair {}/{} segments", tr.gated_tokens, tr.repair_active, tr.repair_segments));
+        }
+        t.push('\n');
+    }
+    let p = &s.mean_time;
+    t.push_str(&format!(
+        "seconds/step   total {:.3} = rollout {:.3} + teacher {:.3} + reward {:.3} + train {:.3} + resync {:.3}\n",
+        p.total, p.rollout, p.teacher, p.reward, p.train, p.resync
+    ));
+    t
+}
