@@ -120,3 +120,39 @@ fn stop_strings_cut_the_text_and_end_the_response() {
     let text = cut["text"].as_str().unwrap();
     assert!(!text.contains(&stop), "{text:?} still holds {stop:?}");
 }
+
+/// `colotrain report`: one run gives every plot it has data for plus its breakdown; several runs
+/// give the side-by-side breakdown (table on stdout and in breakdown.txt, breakdown.svg); a
+/// folder without metrics is a clear error.
+#[test]
+fn report_plots_one_run_and_compares_several() {
+    let t = TempDir::new("report");
+    let step = |s: u64, wait: f64, train: f64| {
+        serde_json::json!({"step": s, "loss": 0.5 / s as f64, "entropy": 1.0, "mismatch": {"d_n": 1e-4, "abs_mean": 0.01, "k3": 1e-4, "q01": -0.1, "q05": -0.05},
+            "time": {"rollout": wait, "teacher": 0.0, "reward": 0.0, "train": train, "resync": 0.0, "wait": wait, "total": wait + train},
+            "gen_tokens": 10, "utilization": [1.0]})
+    };
+    for (name, wait) in [("slow", 3.0), ("fast", 1.0)] {
+        let d = t.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        let text: String = (1..=5).map(|s| format!("{}\n", step(s, wait, 1.0))).collect();
+        std::fs::write(d.join("metrics.jsonl"), format!("{{\"step\":0,\"heldout_kl\":0.4}}\n{text}")).unwrap();
+    }
+    let slow = t.path().join("slow");
+    let o = ok(&["report", slow.to_str().unwrap()]);
+    for f in ["mismatch.svg", "loss.svg", "phases.svg", "breakdown.svg", "heldout.svg"] {
+        let svg = std::fs::read_to_string(slow.join("report").join(f)).unwrap_or_else(|e| panic!("{f}: {e}"));
+        assert!(svg.starts_with("<svg") && svg.len() > 500, "{f}");
+    }
+    assert!(o.contains("slow") && o.contains("updates/h"), "{o}");
+    let out = t.path().join("cmp");
+    let o = ok(&["report", slow.to_str().unwrap(), t.path().join("fast").to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    // 4 s vs 2 s per step (steps 3-5): 900 vs 1800 updates/hour, ratio 2.
+    let fast = o.lines().find(|l| l.starts_with("fast")).unwrap_or_else(|| panic!("{o}"));
+    assert!(fast.contains(" 1800 ") && fast.contains("2.000"), "{fast}");
+    assert!(std::fs::read_to_string(out.join("breakdown.txt")).unwrap().contains("slow"));
+    assert!(std::fs::read_to_string(out.join("breakdown.svg")).unwrap().contains("fast"));
+    let (c, _, e) = cli(&["report", t.path().to_str().unwrap()]);
+    assert_ne!(c, 0);
+    assert!(e.contains("no metrics.jsonl"), "{e}");
+}

@@ -97,6 +97,55 @@ fn async_schedule_trains_only_tokens_within_the_staleness_bound() {
     }
 }
 
+/// Split placement: device 0 generates while device 1 trains; the generator loads each
+/// published update in place between engine steps, every step trains one step's worth of
+/// groups, no token is more than k versions old, and a run resumes from its checkpoint.
+#[test]
+fn split_placement_generates_beside_training_within_the_staleness_bound() {
+    let t = TempDir::new("split");
+    for k in [0u64, 2] {
+        let dir = t.path().join(format!("k{k}"));
+        let j = tiny(&dir, 2, |j| {
+            j.schedule.mode = "async".into();
+            j.schedule.placement = "split".into();
+            j.schedule.rollout_devices = 1;
+            j.schedule.max_staleness = k;
+            j.run.steps = 5;
+            j.checkpoint.every = 5;
+        });
+        let s = job::run(&j, &JobOptions::default()).unwrap();
+        assert_eq!(s.steps, 5);
+        let m = lines(&dir);
+        for l in &m[1..] {
+            let lag = l["max_lag"].as_u64().unwrap();
+            assert!(lag <= k, "k = {k}: lag {lag}");
+            assert!(l["gen_tokens"].as_u64().unwrap() > 0);
+            // Device 0 only generates, device 1 only trains.
+            let u = l["utilization"].as_array().unwrap();
+            assert_eq!(u.len(), 2);
+            assert!(u.iter().all(|x| x.as_f64().unwrap() > 0.0), "{u:?}");
+        }
+        // Five updates happened and were published; the checkpoint resumes.
+        assert_eq!(m.last().unwrap()["version"].as_u64(), Some(5));
+        let mut j2 = j.clone();
+        j2.run.steps = 7;
+        job::run(&j2, &JobOptions { resume: Some(dir.clone()), ..Default::default() }).unwrap();
+        assert_eq!(checkpoint::list(&dir).unwrap().iter().map(|c| c.0).max(), Some(7));
+    }
+}
+
+#[test]
+fn a_split_placement_without_a_training_device_is_refused() {
+    let t = TempDir::new("split-bad");
+    let j = tiny(&t.path().join("r"), 2, |j| {
+        j.schedule.mode = "async".into();
+        j.schedule.placement = "split".into();
+        j.schedule.rollout_devices = 2;
+    });
+    let e = format!("{:#}", job::run(&j, &JobOptions::default()).unwrap_err());
+    assert!(e.contains("schedule.rollout_devices = 2") && e.contains("at least 3 devices"), "{e}");
+}
+
 #[test]
 fn more_cpu_devices_than_cores_is_refused() {
     let cores = std::thread::available_parallelism().unwrap().get();

@@ -181,3 +181,37 @@ fn rejects_requests_that_cannot_run() {
     assert!(err.contains("stop strings need a tokenizer"), "{err}");
     assert!(!e.has_work());
 }
+
+/// A split placement's generators score their completions with the teacher as they finish
+/// (`rollout::score_completions`, a few at a time); the trainers' path scores whole batches of
+/// rollouts (`rollout::score_teacher`). Both must give the teacher's exact log-probs at the
+/// response tokens (the CPU kernels are batch-invariant), in the same order.
+#[test]
+fn teacher_scores_of_completions_equal_those_of_rollouts() {
+    use colotrain::train::rollout::{self, Rollout};
+    let (dev, cfg, student) = model(Arch::Qwen2);
+    let teacher = ModelWeights::random(&cfg, &dev, DType::F32, 12, 0.3).unwrap();
+    let s = Arc::new(SamplingConfig { temperature: 0.8, max_new_tokens: 7, seed: 3, ..Default::default() });
+    let done = run(&dev, &cfg, &student, EngineConfig::default(), &s, &[0, 1, 2, 3, 4, 5], 2);
+    let ps = prompts();
+    let prompt_of: Vec<&[u32]> = done.iter().map(|c| ps[c.id as usize].as_slice()).collect();
+    let mut te = Engine::new(&dev, &cfg, DType::F32, &EngineConfig::default(), None).unwrap();
+    // In two uneven parts, as finished completions arrive.
+    let mut got = rollout::score_completions(&mut te, &teacher, &prompt_of[..3], &done[..3], 0.8).unwrap();
+    got.extend(rollout::score_completions(&mut te, &teacher, &prompt_of[3..], &done[3..], 0.8).unwrap());
+    let mut rs: Vec<Rollout> = done
+        .iter()
+        .map(|c| Rollout { prompt: ps[c.id as usize].clone(), response: c.tokens.clone(), sampler_logprobs: c.logprobs.clone(), ..Default::default() })
+        .collect();
+    rollout::score_teacher(&mut te, &teacher, &mut rs, 0.8).unwrap();
+    assert_eq!(got.len(), rs.len());
+    for (g, r) in got.iter().zip(&rs) {
+        let want = r.teacher_logprobs.as_ref().unwrap();
+        assert_eq!(g.len(), r.response.len());
+        assert!(g.iter().all(|x| x.is_finite() && *x <= 0.0));
+        assert_eq!(g.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    }
+    // A completion whose prompt does not match its request is refused, not mis-scored.
+    let e = rollout::score_completions(&mut te, &teacher, &[&[1, 2]], &done[..1], 0.8).unwrap_err();
+    assert!(e.to_string().contains("prompt of"), "{e}");
+}

@@ -5,6 +5,7 @@
 
 mod admit;
 mod bench;
+mod breakdown;
 mod device_check;
 mod eval;
 mod generate;
@@ -44,7 +45,8 @@ pub enum Command {
     Inspect(inspect::Args),
     /// Held-out KL and accuracy of a checkpoint, Δ against a reference run, budget brackets.
     Eval(eval::Args),
-    /// SVG plots of a run's metrics (mismatch, held-out KL, accuracy, reward, entropy, phases).
+    /// SVG plots of a run's metrics (mismatch, held-out KL, accuracy, reward, entropy, phases);
+    /// several runs: where their trainer's step time goes, side by side.
     Report(report::Args),
     /// Offline admission check of candidate rollout engines (seed 000 Eqs. 5-6).
     Admit(admit::Args),

@@ -1,7 +1,8 @@
 //! `colotrain report RUN_DIR`: SVG plots of a run's metrics log (plotters), so a user looks
 //! instead of reads: mismatch (d_n, |δ| quantiles), held-out KL and accuracy, reward, entropy,
 //! response length, the per-step phase-time breakdown, and for RL runs ρ_asym, segment tail
-//! statistics and TRIAGE's gate/repair counts.
+//! statistics and TRIAGE's gate/repair counts. Given several runs, it compares where their
+//! trainer's step time goes (seed 000 Figure 10, see `breakdown.rs`).
 
 use anyhow::{bail, Context, Result};
 use plotters::prelude::*;
@@ -10,11 +11,17 @@ use std::path::{Path, PathBuf};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The run directory (holds metrics.jsonl).
-    pub run: PathBuf,
-    /// Output directory for the SVG files (default RUN/report).
+    /// Run directories (each holds metrics.jsonl). One: every plot of that run. Several: the
+    /// step-time breakdown of each, side by side.
+    #[arg(required = true, num_args = 1..)]
+    pub runs: Vec<PathBuf>,
+    /// Output directory for the SVG files (default RUN/report; several runs: the first run's
+    /// folder's breakdown/).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Training steps left out of the breakdown's averages as warm-up.
+    #[arg(long, default_value_t = 2)]
+    pub skip: usize,
 }
 
 type Series = (String, Vec<(f64, f64)>);
@@ -105,16 +112,45 @@ fn phases(path: &Path, metrics: &[Value]) -> Result<bool> {
     Ok(true)
 }
 
-pub fn run(a: Args) -> Result<()> {
-    let mp = a.run.join("metrics.jsonl");
+fn read_metrics(run: &Path) -> Result<Vec<Value>> {
+    let mp = run.join("metrics.jsonl");
     if !mp.exists() {
-        bail!("{}: no metrics.jsonl (is it a colotrain run directory?)", a.run.display());
+        bail!("{}: no metrics.jsonl (is it a colotrain run directory?)", run.display());
     }
     let metrics: Vec<Value> = crate::util::read_jsonl(&mp)?.into_iter().map(|(_, v)| v).collect();
     if metrics.is_empty() {
         bail!("{}: no metrics lines", mp.display());
     }
-    let out = a.out.unwrap_or_else(|| a.run.join("report"));
+    Ok(metrics)
+}
+
+fn run_name(run: &Path) -> String {
+    run.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| run.display().to_string())
+}
+
+/// Several runs: the breakdown table (stdout, and breakdown.txt) and plot.
+fn compare(a: &Args) -> Result<()> {
+    let mut rows = Vec::new();
+    for r in &a.runs {
+        rows.push(super::breakdown::average(&run_name(r), &read_metrics(r)?, a.skip)?);
+    }
+    let out = a.out.clone().unwrap_or_else(|| a.runs[0].parent().unwrap_or(Path::new(".")).join("breakdown"));
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let t = super::breakdown::table(&rows);
+    print!("{t}");
+    crate::util::write_atomic(&out.join("breakdown.txt"), t.as_bytes())?;
+    super::breakdown::plot(&out.join("breakdown.svg"), &rows)?;
+    println!("wrote {} and breakdown.txt", out.join("breakdown.svg").display());
+    Ok(())
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if a.runs.len() > 1 {
+        return compare(&a);
+    }
+    let run = &a.runs[0];
+    let metrics = read_metrics(run)?;
+    let out = a.out.clone().unwrap_or_else(|| run.join("report"));
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let plots: Vec<(&str, &str, &str, Vec<Series>)> = vec![
         ("mismatch.svg", "Training-inference mismatch", "nats/token", vec![
@@ -159,6 +195,13 @@ pub fn run(a: Args) -> Result<()> {
     }
     if phases(&out.join("phases.svg"), &metrics)? {
         written.push("phases.svg");
+    }
+    // The one run's average step (no warm-up skipped when the run is too short for it).
+    let skip = if metrics.iter().filter(|m| m.get("time").is_some()).count() > a.skip { a.skip } else { 0 };
+    if let Ok(b) = super::breakdown::average(&run_name(run), &metrics, skip) {
+        super::breakdown::plot(&out.join("breakdown.svg"), std::slice::from_ref(&b))?;
+        written.push("breakdown.svg");
+        print!("{}", super::breakdown::table(&[b]));
     }
     println!("wrote {} plots to {}: {}", written.len(), out.display(), written.join(", "));
     Ok(())

@@ -16,4 +16,4 @@ pub mod worker;
 mod tests;
 
 pub use collective::{shard_range, Collective, InProcess};
-pub use worker::{split_cores, WorkerPool};
+pub use worker::{split_cores, Pending, WorkerPool};

@@ -109,10 +109,22 @@ impl<S: Send + 'static> WorkerPool<S> {
         phase: &str,
         f: impl Fn(usize, &mut S) -> Result<R> + Send + Sync + 'static,
     ) -> Result<Vec<R>> {
+        let all: Vec<usize> = (0..self.workers.len()).collect();
+        self.run_some(&all, phase, f)
+    }
+
+    /// [`run_all`](Self::run_all) on the workers `ranks` only (e.g. the trainers of a split
+    /// placement); results in the order of `ranks`.
+    pub fn run_some<R: Send + 'static>(
+        &self,
+        ranks: &[usize],
+        phase: &str,
+        f: impl Fn(usize, &mut S) -> Result<R> + Send + Sync + 'static,
+    ) -> Result<Vec<R>> {
         let f = Arc::new(f);
-        let n = self.workers.len();
+        let n = ranks.len();
         let (reply_tx, reply_rx) = channel::unbounded::<(usize, Result<R>)>();
-        for rank in 0..n {
+        for (slot, &rank) in ranks.iter().enumerate() {
             let f = Arc::clone(&f);
             let reply = reply_tx.clone();
             let sent = self.dispatch(
@@ -120,11 +132,11 @@ impl<S: Send + 'static> WorkerPool<S> {
                 phase,
                 move |state| f(rank, state),
                 move |r| {
-                    let _ = reply.send((rank, r));
+                    let _ = reply.send((slot, r));
                 },
             );
             if let Err(e) = sent {
-                let _ = reply_tx.send((rank, Err(e)));
+                let _ = reply_tx.send((slot, Err(e)));
             }
         }
         drop(reply_tx);
@@ -132,28 +144,46 @@ impl<S: Send + 'static> WorkerPool<S> {
         let mut failures = Vec::new();
         // Every dispatched job replies exactly once; its sender is dropped unanswered only if the
         // worker thread died, which ends this loop early.
-        while let Ok((rank, r)) = reply_rx.recv() {
+        while let Ok((slot, r)) = reply_rx.recv() {
             match r {
-                Ok(v) => results[rank] = Some(v),
+                Ok(v) => results[slot] = Some(v),
                 Err(e) => {
                     if failures.is_empty() {
                         if let Some(hook) = &self.on_failure {
                             hook(&format!("{e:#}"));
                         }
                     }
-                    failures.push((rank, e));
+                    failures.push((ranks[slot], e));
                 }
             }
         }
-        for (rank, w) in self.workers.iter().enumerate() {
-            if results[rank].is_none() && !failures.iter().any(|(k, _)| *k == rank) {
-                failures.push((rank, anyhow!("worker {rank} ({}) exited without replying in phase '{phase}'", w.name)));
+        for (slot, &rank) in ranks.iter().enumerate() {
+            if results[slot].is_none() && !failures.iter().any(|(k, _)| *k == rank) {
+                let name = self.name(rank).unwrap_or("?");
+                failures.push((rank, anyhow!("worker {rank} ({name}) exited without replying in phase '{phase}'")));
             }
         }
         if let Some(e) = summarize(failures, n, phase) {
             return Err(e);
         }
-        results.into_iter().enumerate().map(|(k, r)| r.ok_or_else(|| anyhow!("worker {k} gave no result"))).collect()
+        results.into_iter().zip(ranks).map(|(r, k)| r.ok_or_else(|| anyhow!("worker {k} gave no result"))).collect()
+    }
+
+    /// Starts `f` on worker `rank` and returns at once; [`Pending::wait`] gives its result. For
+    /// long-running work beside the orchestrator (the generators of a split placement). A
+    /// failure calls the failure hook as soon as it is collected.
+    pub fn start_on<R: Send + 'static>(
+        &self,
+        rank: usize,
+        phase: &str,
+        f: impl FnOnce(&mut S) -> Result<R> + Send + 'static,
+    ) -> Result<Pending<R>> {
+        let (reply_tx, reply_rx) = channel::bounded::<Result<R>>(1);
+        self.dispatch(rank, phase, f, move |r| {
+            let _ = reply_tx.send(r);
+        })?;
+        let what = format!("worker {rank} ({}) exited without replying in phase '{phase}'", self.workers[rank].name);
+        Ok(Pending { rx: reply_rx, what, hook: self.on_failure.clone() })
     }
 
     /// Runs `f` on worker `rank` and waits for its result.
@@ -216,6 +246,29 @@ impl<S: Send + 'static> WorkerPool<S> {
         tx.send(job).map_err(|_| {
             anyhow!("worker {rank} ({}) is gone (its thread exited); cannot run phase '{phase}'", worker.name)
         })
+    }
+}
+
+/// The outcome of a command started with [`WorkerPool::start_on`].
+pub struct Pending<R> {
+    rx: Receiver<Result<R>>,
+    what: String,
+    hook: Option<Hook>,
+}
+
+impl<R> Pending<R> {
+    /// Whether the command has finished (its result is waiting).
+    pub fn is_done(&self) -> bool {
+        !self.rx.is_empty()
+    }
+
+    /// Blocks until the command finishes; its result (errors name the worker and phase).
+    pub fn wait(self) -> Result<R> {
+        let r = self.rx.recv().map_err(|_| anyhow!("{}", self.what)).and_then(|r| r);
+        if let (Err(e), Some(hook)) = (&r, &self.hook) {
+            hook(&format!("{e:#}"));
+        }
+        r
     }
 }
 

@@ -129,11 +129,25 @@ pub struct Host {
     pub file_rollouts: Option<Vec<Rollout>>,
     pub heldout: Arc<Vec<PromptItem>>,
     pub out_dir: PathBuf,
+    /// The devices that train (all of them, colocated) and those that generate (all, colocated;
+    /// the first `schedule.rollout_devices`, split). Trainer `trainers[i]` is data-parallel rank i.
+    pub trainers: Vec<usize>,
+    pub generators: Vec<usize>,
 }
 
 impl Host {
     pub fn devices(&self) -> usize {
         self.pool.len()
+    }
+
+    /// Whether generation has devices of its own (split placement).
+    pub fn split(&self) -> bool {
+        self.generators.len() < self.pool.len()
+    }
+
+    /// The device of data-parallel rank 0 (it evaluates and writes checkpoints).
+    pub fn lead(&self) -> usize {
+        self.trainers[0]
     }
 
     /// Rewards of every rollout that lacks one and has a reference answer (0 when cut at the
@@ -151,13 +165,13 @@ impl Host {
         Ok((!rewards.is_empty()).then(|| rewards.iter().sum::<f64>() / rewards.len() as f64))
     }
 
-    /// Teacher log-probs for every rollout, scored on all devices from a shared queue.
+    /// Teacher log-probs for every rollout, scored on the training devices from a shared queue.
     pub fn score_teacher(&self, rollouts: &mut [Rollout]) -> Result<f64> {
         let reqs = rollout::teacher_requests(rollouts, self.job.rollout.temperature);
         let q = replica::queue(reqs);
         let inflight = self.job.rollout.max_seqs;
         let t0 = Instant::now();
-        let parts = self.pool.run_all("teacher", move |_, r| {
+        let parts = self.pool.run_some(&self.trainers, "teacher", move |_, r| {
             let t = Instant::now();
             Ok((r.score(&q, inflight)?, t.elapsed().as_secs_f64()))
         })?;
@@ -166,10 +180,11 @@ impl Host {
         Ok(busy / t0.elapsed().as_secs_f64().max(1e-9))
     }
 
-    /// The training step on every device (the same rollouts everywhere); device 0's report.
+    /// The training step on every training device (the same rollouts everywhere); data-parallel
+    /// rank 0's report and every device's seconds busy (0 for generators).
     pub fn train(&self, rollouts: Vec<Rollout>, step: u64, fault: Option<Fault>) -> Result<(StepOut, Vec<f64>)> {
         let rs = Arc::new(rollouts);
-        let parts = self.pool.run_all("train", move |rank, r| {
+        let parts = self.pool.run_some(&self.trainers, "train", move |rank, r| {
             let t = Instant::now();
             if let Some(f) = fault.filter(|f| f.step == step && f.rank == rank) {
                 if f.panic {
@@ -180,19 +195,29 @@ impl Host {
             let out = r.train(&rs)?;
             Ok((out, t.elapsed().as_secs_f64()))
         })?;
-        let busy: Vec<f64> = parts.iter().map(|p| p.1).collect();
+        let mut busy = vec![0.0; self.devices()];
+        for (&rank, p) in self.trainers.iter().zip(&parts) {
+            busy[rank] = p.1;
+        }
         let out = parts.into_iter().next().map(|p| p.0).context("no devices")?;
         Ok((out, busy))
     }
 
+    /// The colocated engines' in-place resync (a split placement publishes instead, see
+    /// `schedule.rs`).
     pub fn resync(&self) -> Result<()> {
         self.pool.run_all("resync", |_, r| r.resync()).map(|_| ())
     }
 
-    /// Held-out evaluation on device 0 with its standard engine.
+    /// The training lead's counters: (weight version, skipped steps).
+    pub fn trainer_counters(&self) -> Result<(u64, u64)> {
+        self.pool.run_on(self.lead(), "stats", |r| Ok((r.trainer.version, r.trainer.skipped_steps)))
+    }
+
+    /// Held-out evaluation on the training lead with its standard engine.
     pub fn evaluate(&self, step: u64) -> Result<EvalResult> {
         let (job, text, heldout) = (self.job.clone(), self.text.clone(), self.heldout.clone());
-        let r = self.pool.run_on(0, "eval", move |rep| {
+        let r = self.pool.run_on(self.lead(), "eval", move |rep| {
             let eval_new = job.eval.max_new_tokens.unwrap_or(job.rollout.max_new_tokens);
             let te = rep.teacher.as_mut().map(|(w, e)| (e, &*w));
             let mut r = eval::evaluate(step, (&mut rep.std_engine, &rep.trainer.weights), te, text.as_deref(), &heldout, job.eval.samples_per_prompt as u32, eval_new, job.eval.seed)?;
@@ -204,12 +229,12 @@ impl Host {
         Ok(r)
     }
 
-    /// Checkpoint `step`: the optimizer shards gathered, device 0 writes.
+    /// Checkpoint `step`: the optimizer shards gathered, data-parallel rank 0 writes.
     pub fn checkpoint(&self, step: u64) -> Result<()> {
-        let (job, out) = (self.job.clone(), self.out_dir.clone());
-        self.pool.run_all("checkpoint", move |rank, r| {
+        let (job, out, lead) = (self.job.clone(), self.out_dir.clone(), self.lead());
+        self.pool.run_some(&self.trainers, "checkpoint", move |rank, r| {
             let (master, m, v) = r.trainer.gather_state()?;
-            if rank == 0 {
+            if rank == lead {
                 checkpoint::save(&out, step, &r.trainer, &OptState { master, m, v }, &job, Some(&r.student_dir))?;
                 checkpoint::prune(&out, job.checkpoint.keep)?;
             }
@@ -244,9 +269,17 @@ pub fn start(job: &JobConfig, resume: Option<&Path>, out_dir: &Path) -> Result<(
     };
     let names = plan_devices(&job.run.device, job.run.devices)?;
     let n = names.len();
+    // Split placement: the first rollout_devices generate, the others train (data-parallel).
+    let gens = if job.schedule.placement == "split" { job.schedule.rollout_devices } else { 0 };
+    if gens >= n {
+        bail!(
+            "schedule.placement = \"split\" with schedule.rollout_devices = {gens} needs at least {} devices (some generate, at least one trains), but the run has {n} (run.devices / --devices)",
+            gens + 1
+        );
+    }
     let spec = job.engine.spec(cfg.num_layers).context("[engine]")?;
     let setup = Arc::new(Setup { job: job.clone(), spec, engine: engine_config(job) });
-    let inproc = Arc::new(InProcess::new(n)?);
+    let inproc = Arc::new(InProcess::new(n - gens)?);
     let coll: Arc<dyn Collective> = inproc.clone();
     let cores = if job.run.device.starts_with("cpu") { crate::parallel::split_cores(n) } else { vec![Vec::new(); n] };
     let (s2, c2, names2) = (setup.clone(), coll.clone(), names.clone());
@@ -255,7 +288,9 @@ pub fn start(job: &JobConfig, resume: Option<&Path>, out_dir: &Path) -> Result<(
             Some(t) => crate::device::Device::Cpu(crate::device::CpuDevice::new(t.parse().unwrap_or(1), Some(cores[rank].clone()))?),
             None => crate::device::Device::parse(&names2[rank]).with_context(|| format!("device {rank} of {} ({}) is not available", names2.len(), names2[rank]))?,
         };
-        Replica::new(rank, dev, &s2, Dp { rank, world: names2.len(), coll: c2.clone() })
+        // A generator keeps a whole copy of the weights and trains nothing: a world of its own.
+        let dp = if rank < gens { Dp::single()? } else { Dp { rank: rank - gens, world: names2.len() - gens, coll: c2.clone() } };
+        Replica::new(rank, dev, &s2, dp)
     })?;
     // A failed device wakes the others out of their collectives instead of leaving them waiting.
     let abort = inproc.clone();
@@ -293,7 +328,8 @@ pub fn start(job: &JobConfig, resume: Option<&Path>, out_dir: &Path) -> Result<(
         start = state.step;
         tracing::info!("resumed from {} at step {start}", ck.display());
     }
-    let host = Host { job: Arc::new(job.clone()), pool, coll, text, cfg, data, file_rollouts, heldout: Arc::new(heldout), out_dir: out_dir.to_path_buf() };
+    let (trainers, generators) = if gens > 0 { ((gens..n).collect(), (0..gens).collect()) } else { ((0..n).collect(), (0..n).collect()) };
+    let host = Host { job: Arc::new(job.clone()), pool, coll, text, cfg, data, file_rollouts, heldout: Arc::new(heldout), out_dir: out_dir.to_path_buf(), trainers, generators };
     Ok((host, start))
 }
 
@@ -303,18 +339,20 @@ fn print_plan(h: &Host) -> Result<()> {
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     let job = &h.job;
     eprintln!(
-        "plan: {} device(s), {} schedule{}; student {} ({} layers)",
+        "plan: {} device(s), {} schedule{}, {}; student {} ({} layers)",
         plans.len(),
         job.schedule.mode,
         if job.schedule.mode == "async" { format!(" (staleness ≤ {})", job.schedule.max_staleness) } else { String::new() },
+        if h.split() { format!("split: {} generate, {} train", h.generators.len(), h.trainers.len()) } else { "colocated: every device generates and trains".into() },
         job.model.path,
         h.cfg.num_layers
     );
     for (i, p) in plans.iter().enumerate() {
         let total = p.weights + p.trainer + p.teacher + p.engine_buffers + p.kv_cache;
         eprintln!(
-            "  device {i} {}: weights {:.1} MiB, trainer {:.1} MiB (master/Adam shard, grads, activations), teacher {:.1} MiB, engine buffers {:.1} MiB, KV cache {:.1} MiB = {} tokens; total {:.1} MiB",
+            "  device {i} {} ({}): weights {:.1} MiB, trainer {:.1} MiB (master/Adam shard, grads, activations), teacher {:.1} MiB, engine buffers {:.1} MiB, KV cache {:.1} MiB = {} tokens; total {:.1} MiB",
             p.device,
+            if !h.split() { "generates, trains" } else if h.trainers.contains(&i) { "trains" } else { "generates" },
             mib(p.weights),
             mib(p.trainer),
             mib(p.teacher),
@@ -405,7 +443,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         time.train = t0.elapsed().as_secs_f64();
         // 5. Resync.
         let t0 = Instant::now();
-        host.resync()?;
+        sched.resync(&host)?;
         time.resync = t0.elapsed().as_secs_f64();
         time.wait = batch.wait.unwrap_or(time.rollout) + time.teacher;
         time.total = t_step.elapsed().as_secs_f64();
@@ -418,7 +456,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             .collect();
         let mut m = StepMetrics {
             step,
-            version: sched.trainer_version(&host)?,
+            version: host.trainer_counters()?.0,
             gen_tokens,
             tokens_per_s: gen_tokens as f64 / time.rollout.max(1e-9),
             updates_per_hour: done_steps * 3600.0 / t_loop.elapsed().as_secs_f64().max(1e-9),
@@ -442,7 +480,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             time,
             ..Default::default()
         };
-        m.skipped_steps = host.pool.run_on(0, "stats", |r| Ok(r.trainer.skipped_steps))?;
+        m.skipped_steps = host.trainer_counters()?.1;
         m.sampling_logp_difference = LogpDifference { mean: m.mismatch.abs_mean, max: m.mismatch.abs_max };
         let eval_now = evaluate && (step == job.run.steps || (job.eval.every > 0 && step % job.eval.every == 0));
         if eval_now {
@@ -479,6 +517,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             break;
         }
     }
+    sched.finish()?;
     bar.finish_and_clear();
     let n = (last_step.saturating_sub(start)).max(1) as f64;
     summary.mean_time = sum_time.scaled(1.0 / n);

@@ -17,48 +17,115 @@ use crate::engine::{Completion, Engine, EngineConfig};
 use crate::model::{LoadedModel, ModelWeights};
 use crate::quant::calib::Calibration;
 use anyhow::{bail, Context, Result};
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// A completion on the board, with the teacher's log-probs at its response tokens when its
+/// generator scored it (split placement).
+pub type Posted = (Completion, Option<Vec<f32>>);
 
 /// Completions posted by every device, grouped by prompt request; counts complete groups
 /// (all `samples` responses of a prompt done).
 pub struct Board {
     samples: usize,
-    groups: std::sync::Mutex<std::collections::BTreeMap<u64, Vec<Completion>>>,
-    complete: std::sync::atomic::AtomicUsize,
+    groups: Mutex<BTreeMap<u64, Vec<Posted>>>,
+    complete: AtomicUsize,
+    /// Signalled when a group completes (the split placement's trainer waits on it).
+    ready: Condvar,
 }
 
 impl Board {
     pub fn new(samples: usize) -> Board {
-        Board { samples: samples.max(1), groups: Default::default(), complete: Default::default() }
+        Board { samples: samples.max(1), groups: Default::default(), complete: Default::default(), ready: Condvar::new() }
     }
 
     pub fn complete(&self) -> usize {
-        self.complete.load(std::sync::atomic::Ordering::SeqCst)
+        self.complete.load(Ordering::SeqCst)
     }
 
-    pub fn post(&self, c: Completion) -> Result<()> {
-        let mut g = self.groups.lock().map_err(|_| anyhow::anyhow!("the rollout board was poisoned by a failed device"))?;
+    fn lock(&self) -> Result<MutexGuard<'_, BTreeMap<u64, Vec<Posted>>>> {
+        self.groups.lock().map_err(|_| anyhow::anyhow!("the rollout board was poisoned by a failed device"))
+    }
+
+    pub fn post(&self, c: Completion, teacher: Option<Vec<f32>>) -> Result<()> {
+        let mut g = self.lock()?;
         let e = g.entry(c.id).or_default();
-        e.push(c);
+        e.push((c, teacher));
         if e.len() == self.samples {
-            self.complete.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.complete.fetch_add(1, Ordering::SeqCst);
+            self.ready.notify_all();
         }
         Ok(())
     }
 
+    /// Waits until the board holds at least `n` complete groups or `timeout` passes; whether it
+    /// does.
+    pub fn wait_for(&self, n: usize, timeout: Duration) -> Result<bool> {
+        let g = self.lock()?;
+        let (_g, _) = self
+            .ready
+            .wait_timeout_while(g, timeout, |_| self.complete() < n)
+            .map_err(|_| anyhow::anyhow!("the rollout board was poisoned by a failed device"))?;
+        Ok(self.complete() >= n)
+    }
+
     /// Removes and returns up to `n` complete groups, oldest request first, each in sample order.
-    pub fn take(&self, n: usize) -> Result<Vec<Completion>> {
-        let mut g = self.groups.lock().map_err(|_| anyhow::anyhow!("the rollout board was poisoned by a failed device"))?;
+    pub fn take(&self, n: usize) -> Result<Vec<Posted>> {
+        let mut g = self.lock()?;
         let ids: Vec<u64> = g.iter().filter(|(_, v)| v.len() == self.samples).map(|(k, _)| *k).take(n).collect();
         let mut out = Vec::new();
         for id in ids {
             if let Some(mut v) = g.remove(&id) {
-                v.sort_by_key(|c| c.sample);
+                v.sort_by_key(|c| c.0.sample);
                 out.extend(v);
-                self.complete.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                self.complete.fetch_sub(1, Ordering::SeqCst);
             }
         }
         Ok(out)
+    }
+}
+
+/// What the orchestrator shares with the generators of a split placement: the request queue,
+/// the board they post to, the newest published weights, a stop flag and each generator's busy
+/// time.
+pub struct GenLink {
+    pub queue: Arc<WorkQueue>,
+    pub board: Arc<Board>,
+    /// (version, the whole FP32 master) last published by the trainers.
+    published: Mutex<Option<(u64, Arc<Vec<f32>>)>>,
+    pub stop: AtomicBool,
+    /// Nanoseconds each generator spent in engine steps and teacher scoring (indexed by
+    /// generator slot).
+    pub busy_ns: Vec<AtomicU64>,
+    /// Generators also teacher-score what they generate (at this temperature), off the
+    /// trainers' path, as the paper's separate teacher devices do (seed 000 Figure 10).
+    pub teacher_temperature: Option<f32>,
+}
+
+impl GenLink {
+    pub fn new(samples: usize, generators: usize, teacher_temperature: Option<f32>) -> GenLink {
+        GenLink {
+            teacher_temperature,
+            queue: queue(Vec::new()),
+            board: Arc::new(Board::new(samples)),
+            published: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            busy_ns: (0..generators).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Makes `master` (the weights of `version`) the generators' next weights.
+    pub fn publish(&self, version: u64, master: Arc<Vec<f32>>) -> Result<()> {
+        *self.published.lock().map_err(|_| anyhow::anyhow!("the weight mailbox was poisoned"))? = Some((version, master));
+        Ok(())
+    }
+
+    /// The published weights when they are newer than `have`.
+    fn newer_than(&self, have: u64) -> Result<Option<(u64, Arc<Vec<f32>>)>> {
+        let p = self.published.lock().map_err(|_| anyhow::anyhow!("the weight mailbox was poisoned"))?;
+        Ok(p.as_ref().filter(|(v, _)| *v > have).cloned())
     }
 }
 
@@ -201,8 +268,75 @@ impl Replica {
                     return Ok(());
                 }
                 for c in engine.step(w)? {
-                    board.post(c)?;
+                    board.post(c, None)?;
                 }
+            }
+            Ok(())
+        })
+    }
+
+    /// A generator of the split placement, until `link.stop`: pulls requests from the shared
+    /// queue, keeps up to `inflight` sequences decoding, posts completions to the board, and
+    /// between engine steps loads newer published weights in place (sequences in flight go on
+    /// under them; every token records its version). Requests popped after a publication are
+    /// always started under it, so a request queued after weights v is never sampled older.
+    pub fn generate_forever(&mut self, link: &GenLink, slot: usize, inflight: usize) -> Result<()> {
+        let rw = self.rw.as_mut().context("the rollout engine is not initialized")?;
+        let engine = self.rollout_engine.as_mut().unwrap_or(&mut self.std_engine);
+        let trainer = &mut self.trainer;
+        let mut teacher = self.teacher.as_mut().filter(|_| link.teacher_temperature.is_some());
+        let dev = engine.device().clone();
+        engine.set_version(rw.version);
+        dev.install(|| -> Result<()> {
+            let mut popped: Vec<crate::engine::Request> = Vec::new();
+            // Prompts of requests in flight (for teacher scoring): id -> (tokens, samples left).
+            let mut prompts: std::collections::HashMap<u64, (Vec<u32>, usize)> = Default::default();
+            while !link.stop.load(Ordering::SeqCst) {
+                {
+                    let mut q = link.queue.lock().map_err(|_| anyhow::anyhow!("the rollout queue was poisoned by a failed device"))?;
+                    while engine.num_unfinished() + popped.len() < inflight.max(1) {
+                        match q.pop_front() {
+                            Some(r) => popped.push(r),
+                            None => break,
+                        }
+                    }
+                }
+                if let Some((v, master)) = link.newer_than(rw.version)? {
+                    trainer.load_weights(&master, v)?;
+                    rw.sync(&trainer.weights, v)?;
+                    engine.set_version(v);
+                }
+                for r in popped.drain(..) {
+                    if teacher.is_some() {
+                        prompts.entry(r.id).or_insert_with(|| (r.prompt.clone(), 0)).1 += 1;
+                    }
+                    engine.add(r)?;
+                }
+                if !engine.has_work() {
+                    std::thread::sleep(Duration::from_micros(200));
+                    continue;
+                }
+                let t = Instant::now();
+                let done = engine.step(rw.view(&trainer.weights))?;
+                let scores = match (&mut teacher, link.teacher_temperature) {
+                    (Some((tw, te)), Some(temp)) if !done.is_empty() => {
+                        let ps: Vec<&[u32]> = done.iter().map(|c| prompts.get(&c.id).map(|p| p.0.as_slice()).unwrap_or(&[])).collect();
+                        Some(rollout::score_completions(te, tw, &ps, &done, temp)?)
+                    }
+                    _ => None,
+                };
+                let mut scores = scores.map(|v| v.into_iter());
+                for c in done {
+                    if let Some(p) = prompts.get_mut(&c.id) {
+                        p.1 -= 1;
+                        if p.1 == 0 {
+                            prompts.remove(&c.id);
+                        }
+                    }
+                    let lp = scores.as_mut().and_then(|s| s.next());
+                    link.board.post(c, lp)?;
+                }
+                link.busy_ns[slot].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
             }
             Ok(())
         })
@@ -259,5 +393,5 @@ pub fn merge(parts: Vec<Vec<Completion>>) -> Vec<Completion> {
 
 /// The shared queue of `reqs`.
 pub fn queue(reqs: Vec<crate::engine::Request>) -> Arc<WorkQueue> {
-    Arc::new(std::sync::Mutex::new(reqs.into()))
+    Arc::new(Mutex::new(reqs.into()))
 }

@@ -142,6 +142,30 @@ pub fn store_teacher(rollouts: &mut [Rollout], done: Vec<Completion>) {
     }
 }
 
+/// The teacher's log-probs at the response tokens of `done` (completions of prompts
+/// `prompts[i]`), scored at `temperature` on one device (a split placement's generator).
+pub fn score_completions(engine: &mut Engine, w: &ModelWeights, prompts: &[&[u32]], done: &[Completion], temperature: f32) -> Result<Vec<Vec<f32>>> {
+    let sampling = Arc::new(SamplingConfig { temperature, max_new_tokens: 0, ..Default::default() });
+    let mut reqs = Vec::new();
+    for (i, (c, p)) in done.iter().zip(prompts).enumerate() {
+        if p.len() != c.prompt_len {
+            bail!("teacher scoring: completion {} has a prompt of {} tokens, its request {}", c.id, c.prompt_len, p.len());
+        }
+        if !c.tokens.is_empty() {
+            let mut seq = p.to_vec();
+            seq.extend_from_slice(&c.tokens);
+            reqs.push(Request { id: i as u64, sample: 0, prompt: seq, sampling: sampling.clone(), prompt_logprobs: true });
+        }
+    }
+    let queue: WorkQueue = std::sync::Mutex::new(reqs.into());
+    let mut out = vec![Vec::new(); done.len()];
+    for c in run_queue(engine, w, &queue, usize::MAX)? {
+        let i = c.id as usize;
+        out[i] = c.prompt_logprobs[done[i].prompt_len - 1..].to_vec();
+    }
+    Ok(out)
+}
+
 /// Fills `teacher_logprobs` of every rollout that lacks them: the teacher engine scores
 /// prompt + response at `temperature` and keeps only the response positions (one device).
 pub fn score_teacher(engine: &mut Engine, w: &ModelWeights, rollouts: &mut [Rollout], temperature: f32) -> Result<()> {

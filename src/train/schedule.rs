@@ -7,17 +7,26 @@
 //!   groups, which are trained on (oldest requests first). Sequences still running stay in their
 //!   engines and resume under the updated weights; every token records the version it was
 //!   sampled with, and the trainer leaves out tokens more than k versions old.
+//! - Asynchronous, split: the first `rollout_devices` devices only generate, the others only
+//!   score and train, at the same time. Each generator runs one long command
+//!   (`Replica::generate_forever`) that pulls from the queue and posts to the board; after each
+//!   update the trainers publish their FP32 master, which the generators load in place between
+//!   engine steps. The queue holds this step's and the next k steps' requests, so no token is
+//!   sampled more than k versions before it is trained (the trainer's mask enforces it too).
 //!
-//! Owns: [`Scheduler`] (prompts in flight, the board). May call: the worker pool.
+//! Owns: [`Scheduler`] (prompts in flight, the board, the generators' commands). May call: the
+//! worker pool.
 
 use super::job::{reference_rollouts, sampling_of, Host};
-use super::replica::{self, Board};
+use super::replica::{self, GenLink};
 use super::rollout::{self, Rollout};
 use crate::data::dataset::PromptItem;
-use anyhow::{Context, Result};
+use crate::parallel::Pending;
+use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 /// A step's rollouts and how getting them went.
 pub struct Batch {
@@ -33,8 +42,12 @@ pub struct Scheduler {
     /// Steps with requests not yet turned into rollouts: their prompts (request id =
     /// step·2³² + index) and how many responses are outstanding.
     prompts: BTreeMap<u64, (Arc<Vec<PromptItem>>, usize)>,
-    queue: Arc<rollout::WorkQueue>,
-    board: Arc<Board>,
+    /// The queue, the board and (split placement) the generators' mailbox and counters.
+    link: Arc<GenLink>,
+    /// Split placement: each generator's long-running command, started at the first step, and
+    /// its busy nanoseconds at the last step.
+    generators: Vec<Pending<()>>,
+    gen_busy: Vec<u64>,
 }
 
 impl Scheduler {
@@ -42,13 +55,49 @@ impl Scheduler {
         Ok(Scheduler {
             asynchronous: h.job.schedule.mode == "async",
             prompts: BTreeMap::new(),
-            queue: replica::queue(Vec::new()),
-            board: Arc::new(Board::new(h.job.rollout.samples_per_prompt)),
+            link: Arc::new(GenLink::new(
+                h.job.rollout.samples_per_prompt,
+                h.generators.len(),
+                (h.split() && h.job.objective.kind == "opd" && h.job.teacher.is_some()).then_some(h.job.rollout.temperature),
+            )),
+            generators: Vec::new(),
+            gen_busy: vec![0; h.generators.len()],
         })
     }
 
-    pub fn trainer_version(&self, h: &Host) -> Result<u64> {
-        h.pool.run_on(0, "stats", |r| Ok(r.trainer.version))
+    /// After an update: colocated engines resync in place; a split placement publishes the
+    /// trainers' master for the generators to load.
+    pub fn resync(&mut self, h: &Host) -> Result<()> {
+        if !h.split() {
+            return h.resync();
+        }
+        let (v, master) = h.pool.run_on(h.lead(), "publish", |r| Ok((r.trainer.version, Arc::new(r.trainer.full_master().to_vec()))))?;
+        self.link.publish(v, master)
+    }
+
+    /// Split placement: starts the generators' commands (once).
+    fn start_generators(&mut self, h: &Host) -> Result<()> {
+        if !self.generators.is_empty() {
+            return Ok(());
+        }
+        let inflight = h.job.rollout.max_seqs;
+        for (slot, &rank) in h.generators.iter().enumerate() {
+            let link = self.link.clone();
+            self.generators.push(h.pool.start_on(rank, "generate", move |r| r.generate_forever(&link, slot, inflight))?);
+        }
+        Ok(())
+    }
+
+    /// Stops the generators and waits for them; the first one's error, if any.
+    pub fn finish(&mut self) -> Result<()> {
+        self.link.stop.store(true, Ordering::SeqCst);
+        let mut first = Ok(());
+        for p in self.generators.drain(..) {
+            if let (Err(e), true) = (p.wait(), first.is_ok()) {
+                first = Err(e);
+            }
+        }
+        first
     }
 
     /// Queues the requests of `step` (once).
@@ -60,18 +109,20 @@ impl Scheduler {
         let sampling = Arc::new(sampling_of(&h.job));
         let reqs = rollout::requests(&prompts, h.job.rollout.samples_per_prompt as u32, &sampling, step);
         let n = reqs.len();
-        self.queue.lock().map_err(|_| anyhow::anyhow!("the rollout queue was poisoned"))?.extend(reqs);
+        self.link.queue.lock().map_err(|_| anyhow::anyhow!("the rollout queue was poisoned"))?.extend(reqs);
         self.prompts.insert(step, (Arc::new(prompts), n));
         Ok(())
     }
 
     /// Rollouts of completions; a step's prompts are dropped once all its responses are out.
-    fn to_rollouts(&mut self, done: Vec<crate::engine::Completion>, version: u64) -> Result<Vec<Rollout>> {
+    fn to_rollouts(&mut self, done: Vec<replica::Posted>, version: u64) -> Result<Vec<Rollout>> {
         let mut out = Vec::with_capacity(done.len());
-        for c in done {
+        for (c, teacher) in done {
             let step = c.id >> 32;
             let (p, left) = self.prompts.get_mut(&step).with_context(|| format!("a completion of step {step}, whose prompts are gone"))?;
-            out.push(rollout::from_completion(c, p, version));
+            let mut r = rollout::from_completion(c, p, version);
+            r.teacher_logprobs = teacher;
+            out.push(r);
             *left -= 1;
             if *left == 0 {
                 self.prompts.remove(&step);
@@ -93,17 +144,18 @@ impl Scheduler {
             }
         }
         let inflight = h.job.rollout.max_seqs;
-        let version = h.pool.run_on(0, "stats", |r| r.rollout_version())?;
+        // The lead's: device 0 may be a generator busy with its long command.
+        let version = h.pool.run_on(h.lead(), "stats", |r| r.rollout_version())?;
         if !self.asynchronous {
             self.enqueue(h, step)?;
-            let q = self.queue.clone();
+            let q = self.link.queue.clone();
             let parts = h.pool.run_all("rollout", move |_, r| {
                 let t = Instant::now();
                 Ok((r.generate(&q, inflight)?, t.elapsed().as_secs_f64()))
             })?;
             let busy = parts.iter().map(|p| p.1).collect();
             let done = replica::merge(parts.into_iter().map(|p| p.0).collect());
-            let rollouts = self.to_rollouts(done, version)?;
+            let rollouts = self.to_rollouts(done.into_iter().map(|c| (c, None)).collect(), version)?;
             return Ok(Batch { rollouts, busy, wait: None });
         }
         // Asynchronous: keep k steps of requests ahead, then wait for one step's groups.
@@ -113,15 +165,51 @@ impl Scheduler {
         }
         let need = h.job.rollout.prompts_per_step;
         let t0 = Instant::now();
-        let (q, b) = (self.queue.clone(), self.board.clone());
-        let busy = h.pool.run_all("rollout", move |_, r| {
-            let t = Instant::now();
-            r.generate_until(&q, &b, need, inflight)?;
-            Ok(t.elapsed().as_secs_f64())
-        })?;
+        let busy = if h.split() {
+            self.start_generators(h)?;
+            self.wait_split(h, need)?
+        } else {
+            let (q, b) = (self.link.queue.clone(), self.link.board.clone());
+            h.pool.run_all("rollout", move |_, r| {
+                let t = Instant::now();
+                r.generate_until(&q, &b, need, inflight)?;
+                Ok(t.elapsed().as_secs_f64())
+            })?
+        };
         let wait = t0.elapsed().as_secs_f64();
-        let done = self.board.take(need)?;
+        let done = self.link.board.take(need)?;
         let rollouts = self.to_rollouts(done, version)?;
         Ok(Batch { rollouts, busy, wait: Some(wait) })
+    }
+}
+
+impl Scheduler {
+    /// Split placement: waits until the board holds `need` complete groups (a generator that
+    /// stops meanwhile ends the wait with its error); every device's seconds spent generating
+    /// since the last step.
+    fn wait_split(&mut self, h: &Host, need: usize) -> Result<Vec<f64>> {
+        while !self.link.board.wait_for(need, Duration::from_millis(20))? {
+            if let Some(i) = self.generators.iter().position(|p| p.is_done()) {
+                let p = self.generators.remove(i);
+                p.wait().with_context(|| format!("generator on device {}", h.generators[i]))?;
+                bail!("the generator on device {} stopped before the run ended", h.generators[i]);
+            }
+        }
+        let mut busy = vec![0.0; h.devices()];
+        for (slot, &rank) in h.generators.iter().enumerate() {
+            let now = self.link.busy_ns[slot].load(Ordering::Relaxed);
+            busy[rank] = (now - self.gen_busy[slot]) as f64 * 1e-9;
+            self.gen_busy[slot] = now;
+        }
+        Ok(busy)
+    }
+}
+
+impl Drop for Scheduler {
+    /// The generators' commands must end before the worker pool joins its threads.
+    fn drop(&mut self) {
+        if let Err(e) = self.finish() {
+            tracing::warn!("a generator ended with an error: {e:#}");
+        }
     }
 }

@@ -361,10 +361,35 @@ impl Trainer {
     /// Rewrites the compute weights in place from the FP32 master (rounded to their dtype): this
     /// device's own master with one device, the all-gathered one with several.
     pub fn write_compute_weights(&mut self) -> Result<()> {
+        // Fields, not full_master(): the weights are borrowed mutably beside it.
         let full = if self.dp.world == 1 { &self.opt.master } else { &self.gathered };
         for (t, r) in self.weights.tensors_mut().into_iter().zip(&self.ranges) {
             t.write_f32(&full[r.clone()])?;
         }
+        Ok(())
+    }
+
+    /// The whole FP32 master as of the last update: this device's own with one device, the
+    /// all-gathered one with several (what the trainers publish to a split placement's
+    /// generators).
+    pub fn full_master(&self) -> &[f32] {
+        if self.dp.world == 1 {
+            &self.opt.master
+        } else {
+            &self.gathered
+        }
+    }
+
+    /// A generator's copy of published weights: the compute weights rewritten in place from the
+    /// whole master `full` of `version` (its optimizer state is not used).
+    pub fn load_weights(&mut self, full: &[f32], version: u64) -> Result<()> {
+        if full.len() != self.n_params {
+            bail!("published weights have {} values, the model has {} parameters", full.len(), self.n_params);
+        }
+        for (t, r) in self.weights.tensors_mut().into_iter().zip(&self.ranges) {
+            t.write_f32(&full[r.clone()])?;
+        }
+        self.version = version;
         Ok(())
     }
 
