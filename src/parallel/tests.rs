@@ -234,6 +234,43 @@ fn run_all_returns_results_in_rank_order_and_state_persists() {
     assert_eq!(pool.run_all("read", |_, n| Ok(*n)).expect("run_all"), vec![3, 6, 9, 12]);
 }
 
+/// A subset of workers runs a phase (results in the order asked) while a long command started
+/// with `start_on` keeps another worker busy; its error names the worker and the phase, and the
+/// failure hook hears of it.
+#[test]
+fn run_some_beside_a_long_command_on_another_worker() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let mut pool = counter_pool(3);
+    let heard = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let h2 = heard.clone();
+    pool.set_on_failure(move |why| h2.lock().expect("hook").push(why.to_string()));
+    let go = Arc::new(AtomicBool::new(false));
+    let g2 = go.clone();
+    let long = pool
+        .start_on(0, "generate", move |n| {
+            while !g2.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            *n += 100;
+            Err::<(), _>(anyhow::anyhow!("generator gave up"))
+        })
+        .expect("start_on");
+    assert!(!long.is_done());
+    // Workers 2 and 1 answer while worker 0 is still busy.
+    let got = pool.run_some(&[2, 1], "train", |rank, n| {
+        *n += rank as u64;
+        Ok(rank)
+    });
+    assert_eq!(got.expect("run_some"), vec![2, 1]);
+    go.store(true, Ordering::SeqCst);
+    let e = format!("{:#}", long.wait().unwrap_err());
+    assert!(e.contains("worker 0 (cpu:0) failed in phase 'generate'") && e.contains("generator gave up"), "{e}");
+    assert_eq!(heard.lock().expect("hook").len(), 1);
+    assert_eq!(pool.run_all("read", |_, n| Ok(*n)).expect("run_all"), vec![100, 1, 2]);
+    assert!(pool.run_some(&[5], "x", |_, _| Ok(())).unwrap_err().to_string().contains("no worker 5"));
+}
+
 #[test]
 fn init_runs_on_the_worker_thread_and_its_errors_are_named() {
     let pool = WorkerPool::spawn(names(2), vec![Vec::new(); 2], |rank| {
