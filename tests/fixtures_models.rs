@@ -131,3 +131,33 @@ fn bf16_weights_stay_close_to_f32() {
     assert_close("bf16 vs f32 logits", &b, &a, 0.1, 0.05);
     assert!(a.iter().zip(&b).any(|(x, y)| x != y), "bf16 weights must actually be rounded");
 }
+
+/// Weights stored as F16 load exactly: every value read back (as F32 or as F16 in memory) is the
+/// F16 rounding of the original, and the model's logits stay within F16 weight rounding of the
+/// F32 model's (|a − b| ≤ 2e-2 + 2e-2·|b|: inputs and weights of O(0.1), 11-bit mantissas).
+#[test]
+fn f16_safetensors_load_exactly() {
+    let dev = Device::cpu(2).unwrap();
+    let t = TempDir::new("f16");
+    for name in FIXTURE_MODELS {
+        let src = fixtures().join("models").join(name);
+        let lm = load_fixture(name, &dev, DType::F32);
+        let dir = t.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+        lm.weights.save(&lm.cfg, &dir, DType::F16).unwrap();
+        for dtype in [DType::F32, DType::F16] {
+            let back = colotrain::model::LoadedModel::load(&dir, &dev, dtype).unwrap();
+            assert_eq!(back.weights.dtype(), dtype);
+            for (a, b) in lm.weights.tensors().iter().zip(back.weights.tensors()) {
+                let want: Vec<u32> = a.to_f32_vec().unwrap().iter().map(|&x| half::f16::from_f32(x).to_f32().to_bits()).collect();
+                let got: Vec<u32> = b.to_f32_vec().unwrap().iter().map(|x| x.to_bits()).collect();
+                assert_eq!(got, want, "{name} as {dtype:?}");
+            }
+        }
+        let back = colotrain::model::LoadedModel::load(&dir, &dev, DType::F32).unwrap();
+        let ids: Vec<u32> = (0..9u32).map(|i| (i * 7 + 3) % lm.cfg.vocab_size as u32).collect();
+        let want = full_logits(&dev, &lm, &ids, 9);
+        assert_close(&format!("{name} f16 logits"), &full_logits(&dev, &back, &ids, 9), &want, 2e-2, 2e-2);
+    }
+}

@@ -127,3 +127,20 @@ fn missing_rewards_and_singleton_groups_fail_the_step_clearly() {
     let e = run("b");
     assert!(e.contains("single response") && e.contains("undefined"), "{e}");
 }
+
+/// A prompt file with a prompt that has no answer is refused before the run starts (its RL
+/// rewards could never be computed), naming the file and the prompt.
+#[test]
+fn prompts_without_answers_are_refused_before_the_run() {
+    let t = TempDir::new("rl-noanswer");
+    let f = t.path().join("p.jsonl");
+    std::fs::write(&f, "{\"prompt\": \"1+1=\", \"answer\": \"2\"}\n{\"prompt\": \"2+2=\"}\n").unwrap();
+    let j = tiny(&t.path().join("r"), |j| {
+        j.data.train = f.display().to_string();
+        j.run.steps = 1;
+    });
+    let e = format!("{:#}", job::run(&j, &JobOptions::default()).unwrap_err());
+    assert!(e.contains("p.jsonl") && e.contains("prompt #2 (in file order)") && e.contains("no \"answer\""), "{e}");
+    // Nothing ran: no metrics were written.
+    assert!(!t.path().join("r").join("metrics.jsonl").exists());
+}

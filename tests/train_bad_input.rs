@@ -122,3 +122,34 @@ fn shipped_configs_parse() {
     assert_eq!((j.rollout.prompts_per_step, j.rollout.samples_per_prompt, j.rollout.max_new_tokens, j.run.steps), (8, 8, 16384, 200));
     assert_eq!((j.optimizer.lr, j.optimizer.weight_decay, j.optimizer.grad_clip), (1e-6, 0.01, 1.0));
 }
+
+/// The RL recipes parse and validate, with the papers' settings: seed 000 §5.5 / App. B.2 (GRPO
+/// and REINFORCE on R1-Distill-7B: 16 × 8, lr 1e-6, no importance correction) and seed 004
+/// App. B.1 (Qwen3-4B-Base: 16 × 16, Adam β = (0.9, 0.98), wd 0.1, NVFP4 sampler and learner,
+/// TIS C = 2, TRIAGE).
+#[test]
+fn shipped_rl_configs_parse_with_the_papers_settings() {
+    let open = |f: &str| {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs").join(f);
+        JobConfig::from_file(&p).unwrap_or_else(|e| panic!("{f}: {e:#}"))
+    };
+    for (f, kind) in [("r1-distill-qwen-7b-grpo.toml", "grpo"), ("r1-distill-qwen-7b-reinforce.toml", "reinforce")] {
+        let j = open(f);
+        assert_eq!(j.objective.kind, kind, "{f}");
+        assert_eq!((j.rollout.prompts_per_step, j.rollout.samples_per_prompt, j.rollout.max_new_tokens), (16, 8, 16384), "{f}");
+        assert_eq!((j.optimizer.lr, j.run.steps), (1e-6, 200), "{f}");
+        assert!(!j.objective.tis_enabled(), "{f}: no importance correction");
+    }
+    let g = open("r1-distill-qwen-7b-grpo.toml");
+    assert_eq!((g.objective.clip_low, g.objective.clip_high), (0.2, 0.28));
+    for f in ["qwen3-4b-base-grpo-triage-nvfp4.toml", "tiny-grpo-triage.toml"] {
+        let j = open(f);
+        assert_eq!(j.objective.kind, "triage", "{f}");
+        assert_eq!((j.optimizer.betas, j.optimizer.weight_decay), ([0.9, 0.98], 0.1), "{f}");
+        assert_eq!((j.objective.clip_low, j.objective.clip_high, j.objective.tis_cap), (0.2, 0.28, 2.0), "{f}");
+        assert_eq!((j.learner.precision.as_str(), j.engine.recipe.as_str()), ("nvfp4", "nvfp4"), "{f}");
+        assert!(j.objective.tis_enabled(), "{f}: TIS on");
+    }
+    let q = open("qwen3-4b-base-grpo-triage-nvfp4.toml");
+    assert_eq!((q.rollout.prompts_per_step, q.rollout.samples_per_prompt, q.rollout.max_new_tokens), (16, 16, 16384));
+}

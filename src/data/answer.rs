@@ -150,9 +150,26 @@ pub fn reward(response: &str, reference: &str) -> f32 {
     }
 }
 
+/// The reward of a rollout with a reference answer: 0 when the response was cut at the length
+/// limit (its answer is incomplete, whatever it contains), else [`reward`].
+pub fn rollout_reward(truncated: bool, response: &str, reference: &str) -> f32 {
+    if truncated {
+        0.0
+    } else {
+        reward(response, reference)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_response_cut_at_the_length_limit_earns_nothing() {
+        assert_eq!(rollout_reward(false, "so \\boxed{85}", "85"), 1.0);
+        assert_eq!(rollout_reward(true, "so \\boxed{85}", "85"), 0.0);
+        assert_eq!(rollout_reward(false, "so \\boxed{84}", "85"), 0.0);
+    }
 
     #[test]
     fn boxed_extraction() {

@@ -65,6 +65,14 @@ impl Dataset {
         Ok(Dataset::Items { items, seed })
     }
 
+    /// The position (0-based, in file order) of the first prompt without a reference answer.
+    pub fn first_without_answer(&self) -> Option<usize> {
+        match self {
+            Dataset::Arith { .. } => None,
+            Dataset::Items { items, .. } => items.iter().position(|i| i.answer.is_none()),
+        }
+    }
+
     /// The `n` prompts of training step `step` (deterministic: epochs of a Philox-seeded shuffle).
     pub fn train_prompts(&self, step: u64, n: usize) -> Result<Vec<PromptItem>> {
         match self {

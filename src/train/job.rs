@@ -157,7 +157,7 @@ impl Host {
         for r in rollouts.iter_mut() {
             if let (None, Some(text)) = (r.reward, &self.text) {
                 if let Some(ans) = &r.answer {
-                    r.reward = Some(if r.truncated { 0.0 } else { answer::reward(&text.decode(&r.response)?, ans) });
+                    r.reward = Some(answer::rollout_reward(r.truncated, &text.decode(&r.response)?, ans));
                 }
             }
             rewards.extend(r.reward.map(|x| x as f64));
@@ -262,6 +262,21 @@ pub fn start(job: &JobConfig, resume: Option<&Path>, out_dir: &Path) -> Result<(
         (Some(_), None) => None,
         _ => Some(Dataset::open(&job.data.train, text.clone(), job.data.chat, cfg.vocab_size, job.run.seed)?),
     };
+    // RL rewards need every training prompt's answer (checked now, not at the first step).
+    let rl = matches!(job.objective.kind.as_str(), "grpo" | "reinforce" | "triage");
+    if let (true, None, Some(d)) = (rl, &file_rollouts, &data) {
+        if let Some(i) = d.first_without_answer() {
+            bail!(
+                "data.train '{}': prompt #{} (in file order) has no \"answer\": the {} objective rewards the response's last \\boxed{{}} against it",
+                job.data.train,
+                i + 1,
+                job.objective.kind
+            );
+        }
+        if text.is_none() {
+            bail!("the {} objective checks answers in the response text, but the student '{}' has no tokenizer.json", job.objective.kind, job.model.path);
+        }
+    }
     let heldout = match (&job.data.heldout, &data) {
         (Some(h), _) => Dataset::open(h, text.clone(), job.data.chat, cfg.vocab_size, job.run.seed)?.heldout(usize::MAX)?,
         (None, Some(d)) => d.heldout(job.data.heldout_size)?,
