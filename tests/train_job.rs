@@ -137,3 +137,65 @@ fn tiny_job_runs_with_every_rollout_engine() {
         assert_eq!(calibrated, matches!(name, "fp8" | "nvfp4"), "{name}: calibration.json");
     }
 }
+
+/// Runs `base` (a config text) 6 steps straight and 3 + 3 with a resume in between; the master
+/// weights must be identical bit for bit and every metrics line equal but its timings (and the
+/// held-out evaluation that ends the 3-step run).
+fn straight_vs_resumed(t: &TempDir, name: &str, base: &str, edit: &dyn Fn(&mut JobConfig)) {
+    let make = |dir: &str, steps: u64| {
+        let mut j = JobConfig::from_toml(base, "base.toml").unwrap();
+        j.run.out_dir = Some(t.path().join(name).join(dir));
+        j.run.steps = 6;
+        j.eval.every = 0;
+        j.data.heldout_size = 8;
+        j.checkpoint.every = 3;
+        j.checkpoint.keep = 0;
+        j.checkpoint.dtype = "f32".into();
+        j.rollout.prompts_per_step = 4;
+        j.rollout.samples_per_prompt = 4;
+        edit(&mut j);
+        j.validate("test").unwrap();
+        let fixed = j.clone();
+        j.run.steps = steps;
+        (j, fixed)
+    };
+    let (a, _) = make("straight", 6);
+    job::run(&a, &JobOptions::default()).unwrap();
+    let (b3, b6) = make("resumed", 3);
+    job::run(&b3, &JobOptions::default()).unwrap();
+    job::run(&b6, &JobOptions { resume: b6.run.out_dir.clone(), ..Default::default() }).unwrap();
+    let x = master_of(&a.run.out_dir.clone().unwrap().join("checkpoint-000006"), &a);
+    let y = master_of(&b6.run.out_dir.clone().unwrap().join("checkpoint-000006"), &b6);
+    assert!(x.0 == y.0, "{name}: master weights differ after resume");
+    let strip = |mut v: serde_json::Value| {
+        for k in ["time", "tokens_per_s", "updates_per_hour", "utilization", "heldout_kl", "heldout_acc"] {
+            v.as_object_mut().unwrap().remove(k);
+        }
+        v
+    };
+    let ma = lines(&a.run.out_dir.clone().unwrap().join("metrics.jsonl"));
+    let mb = lines(&b6.run.out_dir.clone().unwrap().join("metrics.jsonl"));
+    assert_eq!(ma.len(), mb.len(), "{name}");
+    for (p, q) in ma.into_iter().zip(mb) {
+        assert_eq!(strip(p), strip(q), "{name}: a metrics line differs after resume");
+    }
+}
+
+/// The engines and the monitor keep state across steps that the optimizer state alone does not
+/// hold: a stale engine's ring of older weights (alone and under FP8 quantization), and the RL
+/// monitor's tail threshold τ calibrated over the first steps. A resumed run continues exactly.
+#[test]
+fn resume_is_exact_with_stale_engines_and_the_rl_monitor() {
+    let t = TempDir::new("resume-state");
+    let opd = include_str!("../configs/tiny-opd.toml");
+    straight_vs_resumed(&t, "stale", opd, &|j| j.engine.staleness = 2);
+    straight_vs_resumed(&t, "stale-fp8", opd, &|j| {
+        j.engine.staleness = 1;
+        j.engine.recipe = "fp8".into();
+    });
+    straight_vs_resumed(&t, "noise", opd, &|j| j.engine.noise_sigma = 0.15);
+    straight_vs_resumed(&t, "triage-tau", include_str!("../configs/tiny-grpo-triage.toml"), &|j| j.monitor.healthy_steps = 2);
+    // τ was calibrated before the checkpoint and used after it.
+    let m = lines(&t.path().join("triage-tau").join("resumed").join("metrics.jsonl"));
+    assert!(m[4]["rl"]["tail_tau"].as_f64().is_some(), "{}", m[4]);
+}

@@ -184,6 +184,77 @@ impl RolloutWeights {
         View { w, q: self.quant.as_ref().map(|q| q.layers.as_slice()) }
     }
 
+    /// A stale engine's older versions (every ring slot but the newest, which is the trainer's
+    /// current weights), oldest first, as a safetensors file: what a checkpoint keeps so that a
+    /// resumed run reads the same old weights. None without staleness.
+    pub fn ring_file(&self) -> Result<Option<Vec<u8>>> {
+        if self.spec.staleness == 0 {
+            return Ok(None);
+        }
+        let older = self.ring.len().saturating_sub(1);
+        let mut views = Vec::with_capacity(older);
+        let mut versions = Vec::with_capacity(older);
+        for (i, (v, w)) in self.ring.iter().take(older).enumerate() {
+            let mut flat = Vec::new();
+            w.for_each(|_, t| {
+                flat.extend(t.to_f32_vec()?);
+                Ok(())
+            })?;
+            let bytes = flat.iter().flat_map(|x| x.to_le_bytes()).collect();
+            views.push((format!("slot{i}"), crate::model::weights::OwnedView { dtype: safetensors::Dtype::F32, shape: vec![flat.len()], bytes }));
+            versions.push(v.to_string());
+        }
+        let meta = std::collections::HashMap::from([("versions".to_string(), versions.join(","))]);
+        Ok(Some(safetensors::serialize(views, Some(meta)).map_err(|e| anyhow::anyhow!("serializing the stale ring: {e}"))?))
+    }
+
+    /// Puts a checkpoint's older versions (see [`Self::ring_file`]) back into the ring, in
+    /// place (values are the compute weights' own, so BF16/F16 round-trip exactly through F32).
+    pub fn restore_ring(&mut self, bytes: &[u8], what: &str, trainer: &ModelWeights) -> Result<()> {
+        let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| anyhow::anyhow!("{what}: invalid safetensors file: {e}"))?;
+        let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        let versions: Vec<u64> = meta
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get("versions"))
+            .map(|s| s.split(',').filter(|x| !x.is_empty()).map(|x| x.parse::<u64>()).collect::<Result<Vec<_>, _>>())
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("{what}: bad 'versions' metadata: {e}"))?
+            .unwrap_or_default();
+        let older = self.ring.len().saturating_sub(1);
+        if versions.len() != older {
+            anyhow::bail!("{what}: holds {} older versions, this engine's staleness keeps {older}", versions.len());
+        }
+        for (i, v) in versions.into_iter().enumerate() {
+            let t = st.tensor(&format!("slot{i}")).map_err(|e| anyhow::anyhow!("{what}: slot{i}: {e}"))?;
+            let flat: Vec<f32> = t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let (_, w) = &mut self.ring[i];
+            let mut at = 0;
+            let mut short = false;
+            w.for_each_mut(|_, t| {
+                let n = t.numel();
+                if at + n > flat.len() {
+                    short = true;
+                    return Ok(());
+                }
+                t.write_f32(&flat[at..at + n])?;
+                at += n;
+                Ok(())
+            })?;
+            if short || at != flat.len() {
+                anyhow::bail!("{what}: slot{i} holds {} values, the model has a different size", flat.len());
+            }
+            self.ring[i].0 = v;
+        }
+        // Re-derive the view (noise, quantization) from the restored oldest slot: a sync at the
+        // newest slot's version rotates nothing.
+        let current = self.ring.back().map(|(v, _)| *v).unwrap_or(self.version);
+        let syncs = self.syncs;
+        self.sync(trainer, current)?;
+        self.syncs = syncs;
+        Ok(())
+    }
+
     /// Bytes the engine holds beyond the trainer's weights.
     pub fn extra_bytes(&self) -> usize {
         self.ring.iter().map(|(_, w)| w.size_bytes()).sum::<usize>()

@@ -64,9 +64,15 @@ pub struct OptState {
     pub v: Vec<f32>,
 }
 
-/// Writes checkpoint `step` of `trainer` into `out_dir` (with the gathered optimizer state `o`);
-/// `text_dir` provides the tokenizer files.
-pub fn save(out_dir: &Path, step: u64, trainer: &Trainer, o: &OptState, job: &JobConfig, text_dir: Option<&Path>) -> Result<PathBuf> {
+/// What else a checkpoint holds so a resumed run continues exactly: the RL monitor's state
+/// (`monitor.json`) and a stale engine's older weight versions (`stale_ring.safetensors`).
+pub const MONITOR_FILE: &str = "monitor.json";
+pub const RING_FILE: &str = "stale_ring.safetensors";
+
+/// Writes checkpoint `step` of `trainer` into `out_dir` (with the gathered optimizer state `o`
+/// and the files `extra`, name → bytes); `text_dir` provides the tokenizer files. Everything is
+/// written into a temporary folder that is renamed into place.
+pub fn save(out_dir: &Path, step: u64, trainer: &Trainer, o: &OptState, job: &JobConfig, text_dir: Option<&Path>, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
     let final_dir = out_dir.join(dir_name(step));
     if final_dir.exists() {
         bail!("{} already exists; refusing to overwrite a checkpoint", final_dir.display());
@@ -95,6 +101,9 @@ pub fn save(out_dir: &Path, step: u64, trainer: &Trainer, o: &OptState, job: &Jo
         views.push(("exp_avg_sq".to_string(), f32_view(&o.v)));
     }
     write_safetensors(&tmp.join(OPT_FILE), views, None)?;
+    for (name, bytes) in extra {
+        crate::util::write_atomic(&tmp.join(name), bytes)?;
+    }
     let state = TrainerState {
         format: 1,
         step,

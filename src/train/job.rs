@@ -229,13 +229,21 @@ impl Host {
         Ok(r)
     }
 
-    /// Checkpoint `step`: the optimizer shards gathered, data-parallel rank 0 writes.
-    pub fn checkpoint(&self, step: u64) -> Result<()> {
-        let (job, out, lead) = (self.job.clone(), self.out_dir.clone(), self.lead());
+    /// Checkpoint `step`: the optimizer shards gathered, data-parallel rank 0 writes, with the
+    /// monitor's state and (colocated) the stale engine's older versions.
+    pub fn checkpoint(&self, step: u64, monitor: &Monitor) -> Result<()> {
+        let (job, out, lead, split) = (self.job.clone(), self.out_dir.clone(), self.lead(), self.split());
+        let mon = serde_json::to_vec(monitor.state())?;
         self.pool.run_some(&self.trainers, "checkpoint", move |rank, r| {
             let (master, m, v) = r.trainer.gather_state()?;
             if rank == lead {
-                checkpoint::save(&out, step, &r.trainer, &OptState { master, m, v }, &job, Some(&r.student_dir))?;
+                let mut extra = vec![(checkpoint::MONITOR_FILE, mon.clone())];
+                // Split: the generators' engines are busy and theirs; colocated, every device's
+                // ring is the same.
+                if let (false, Some(ring)) = (split, r.ring_file()?) {
+                    extra.push((checkpoint::RING_FILE, ring));
+                }
+                checkpoint::save(&out, step, &r.trainer, &OptState { master, m, v }, &job, Some(&r.student_dir), &extra)?;
                 checkpoint::prune(&out, job.checkpoint.keep)?;
             }
             Ok(())
@@ -340,6 +348,12 @@ pub fn start(job: &JobConfig, resume: Option<&Path>, out_dir: &Path) -> Result<(
         let st = state.clone();
         pool.run_all("restore", move |_, r| r.trainer.restore(parts.0.clone(), parts.1.clone(), parts.2.clone(), st.optimizer_step, st.version, st.skipped_steps, st.step))?;
         pool.run_all("resync", |_, r| r.resync())?;
+        let ring = ck.join(checkpoint::RING_FILE);
+        if ring.exists() {
+            let bytes = Arc::new(std::fs::read(&ring).with_context(|| format!("cannot read {}", ring.display()))?);
+            let what = ring.display().to_string();
+            pool.run_all("restore", move |_, r| r.restore_ring(&bytes, &what))?;
+        }
         start = state.step;
         tracing::info!("resumed from {} at step {start}", ck.display());
     }
@@ -428,6 +442,13 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
     bar.set_position(start);
     let mut sched = super::schedule::Scheduler::new(&host, start)?;
     let mut monitor = Monitor::new(&job.monitor);
+    if let Some(ck) = &resume {
+        let p = ck.join(checkpoint::MONITOR_FILE);
+        if p.exists() {
+            let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
+            monitor.restore(serde_json::from_str(&text).with_context(|| format!("{}: not a monitor state", p.display()))?);
+        }
+    }
     let mut sum_time = PhaseSeconds::default();
     let t_loop = Instant::now();
     let mut last_step = start;
@@ -522,7 +543,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         bar.inc(1);
         let stopping = opts.stop.as_ref().map(|s| s.load(Ordering::SeqCst)).unwrap_or(false);
         if step == job.run.steps || stopping || (job.checkpoint.every > 0 && step % job.checkpoint.every == 0) {
-            host.checkpoint(step)?;
+            host.checkpoint(step, &monitor)?;
         }
         summary.skipped_steps = m.skipped_steps;
         summary.last = Some(m);

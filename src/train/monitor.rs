@@ -44,14 +44,35 @@ pub struct RlMetrics {
 
 pub struct Monitor {
     cfg: MonitorConfig,
-    tau: Option<f64>,
-    pool: Vec<f64>,
-    steps: u64,
+    state: MonitorState,
+}
+
+/// What a checkpoint keeps of the monitor so that a resumed run calibrates τ (or keeps using
+/// it) exactly as the uninterrupted run does.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+pub struct MonitorState {
+    pub tau: Option<f64>,
+    /// δ values of the healthy window pooled so far (empty once τ is set).
+    pub pool: Vec<f64>,
+    pub steps: u64,
 }
 
 impl Monitor {
     pub fn new(cfg: &MonitorConfig) -> Monitor {
-        Monitor { cfg: cfg.clone(), tau: cfg.tail_tau, pool: Vec::new(), steps: 0 }
+        Monitor { cfg: cfg.clone(), state: MonitorState { tau: cfg.tail_tau, ..Default::default() } }
+    }
+
+    pub fn state(&self) -> &MonitorState {
+        &self.state
+    }
+
+    /// Continues from a checkpoint's state (a fixed `tail_tau` in the config still wins).
+    pub fn restore(&mut self, s: MonitorState) {
+        let fixed = self.cfg.tail_tau;
+        self.state = s;
+        if fixed.is_some() {
+            self.state.tau = fixed;
+        }
     }
 
     /// One step: advantages per response, response lengths, the learner's and the sampler's
@@ -65,22 +86,22 @@ impl Monitor {
             resp.push(Response { advantage: *a, delta: &delta[at..at + n], valid: &valid[at..at + n] });
             at += n;
         }
-        self.steps += 1;
-        if self.tau.is_none() && self.cfg.healthy_steps > 0 {
-            self.pool.extend_from_slice(&delta);
-            if self.steps >= self.cfg.healthy_steps {
-                let mut s = std::mem::take(&mut self.pool);
+        self.state.steps += 1;
+        if self.state.tau.is_none() && self.cfg.healthy_steps > 0 {
+            self.state.pool.extend_from_slice(&delta);
+            if self.state.steps >= self.cfg.healthy_steps {
+                let mut s = std::mem::take(&mut self.state.pool);
                 s.sort_by(f64::total_cmp);
-                self.tau = Some(crate::mismatch::quantile(&s, 0.05));
-                tracing::info!("tail threshold τ = {:.5} (5% quantile of δ over the first {} steps)", self.tau.unwrap_or(f64::NAN), self.steps);
+                self.state.tau = Some(crate::mismatch::quantile(&s, 0.05));
+                tracing::info!("tail threshold τ = {:.5} (5% quantile of δ over the first {} steps)", self.state.tau.unwrap_or(f64::NAN), self.state.steps);
             }
         }
         RlMetrics {
             zero_adv_frac: adv.iter().filter(|a| **a == 0.0).count() as f64 / adv.len().max(1) as f64,
             rho_asym: rho_parts(&resp, false).ratio(),
             rho_asym_len_norm: rho_parts(&resp, true).ratio(),
-            tail_tau: self.tau,
-            tail: self.tau.map(|t| tail_stats(&resp, self.cfg.segment_len, t)),
+            tail_tau: self.state.tau,
+            tail: self.state.tau.map(|t| tail_stats(&resp, self.cfg.segment_len, t)),
             clip_frac: clipped as f64 / delta.len().max(1) as f64,
         }
     }

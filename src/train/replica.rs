@@ -360,6 +360,17 @@ impl Replica {
         rw.sync(&self.trainer.weights, v)
     }
 
+    /// The stale engine's older versions for a checkpoint (None without staleness).
+    pub fn ring_file(&self) -> Result<Option<Vec<u8>>> {
+        self.rw()?.ring_file()
+    }
+
+    /// Puts a checkpoint's older versions back (after the restore and resync).
+    pub fn restore_ring(&mut self, bytes: &[u8], what: &str) -> Result<()> {
+        let rw = self.rw.as_mut().context("the rollout engine is not initialized")?;
+        rw.restore_ring(bytes, what, &self.trainer.weights)
+    }
+
     pub fn rollout_version(&self) -> Result<u64> {
         Ok(self.rw()?.version)
     }
