@@ -25,10 +25,10 @@ pub struct Args {
     pub samples: u32,
     #[arg(long, default_value_t = 777)]
     pub seed: u64,
-    /// Safety margin α of Eq. 6.
+    /// Safety margin α of Eq. 6 (at least 1).
     #[arg(long, default_value_t = 1.5)]
     pub alpha: f64,
-    /// Admission line L (nats/token).
+    /// Admission line L (nats/token, positive).
     #[arg(long, default_value_t = 0.184)]
     pub line: f64,
     #[arg(long, default_value_t = 10000)]
@@ -43,14 +43,32 @@ pub struct Args {
     pub json: bool,
 }
 
+/// The flags' ranges, checked before anything is loaded.
+fn validate(a: &Args) -> Result<()> {
+    if a.prompts == 0 {
+        bail!("--prompts must be at least 1, got 0");
+    }
+    if a.samples == 0 {
+        bail!("--samples must be at least 1, got 0");
+    }
+    if a.reps == 0 {
+        bail!("--reps (bootstrap resamples) must be at least 1, got 0");
+    }
+    if !(a.alpha >= 1.0 && a.alpha.is_finite()) {
+        bail!("--alpha is the safety margin of Eq. 6 and must be a finite number >= 1, got {}", a.alpha);
+    }
+    if !(a.line > 0.0 && a.line.is_finite()) {
+        bail!("--line is the admission line L in nats/token and must be a positive finite number, got {}", a.line);
+    }
+    Ok(())
+}
+
 pub fn run(a: Args) -> Result<()> {
+    validate(&a)?;
     let job = match &a.config {
         Some(p) => JobConfig::from_file(p)?,
         None => JobConfig::from_toml(super::train::TINY_OPD, "built-in configs/tiny-opd.toml")?,
     };
-    if a.prompts == 0 || a.samples == 0 {
-        bail!("--prompts and --samples must be at least 1");
-    }
     let dev = Device::parse(&job.run.device)?;
     let dir = crate::train::tiny::resolve(&job.model.path)?;
     let dtype = match job.model.dtype.as_deref() {

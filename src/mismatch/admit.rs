@@ -40,13 +40,20 @@ pub fn parse_candidate(s: &str, num_layers: usize, noise_seed: u64) -> Result<Ca
     if let Some(sig) = s.strip_prefix("noise=") {
         let sigma: f64 = sig.parse().map_err(|_| anyhow::anyhow!("candidate '{s}': noise=SIGMA needs a number"))?;
         if !(sigma > 0.0 && sigma.is_finite()) {
-            bail!("candidate '{s}': sigma must be positive");
+            bail!("candidate '{s}': noise=SIGMA needs a positive finite sigma, got {sig}");
         }
         let recipe = Recipe::preset("bf16", num_layers, &[], KvScale::Calibrated, Default::default())?;
         return Ok(Candidate { name: s.to_string(), spec: EngineSpec { recipe, noise_sigma: sigma, noise_seed, staleness: 0 } });
     }
     let (body, scale) = match s.split_once('@') {
-        Some((b, sc)) => (b, KvScale::Fixed(sc.parse().map_err(|_| anyhow::anyhow!("candidate '{s}': @KV_SCALE needs a number"))?)),
+        Some((b, sc)) => {
+            let v: f32 = sc.parse().map_err(|_| anyhow::anyhow!("candidate '{s}': @KV_SCALE needs a number, got '{sc}'"))?;
+            // A KV scale divides the cached values: 0, negative, NaN or ∞ give a garbage cache.
+            if !(v > 0.0 && v.is_finite()) {
+                bail!("candidate '{s}': @KV_SCALE must be a positive finite number, got {sc}");
+            }
+            (b, KvScale::Fixed(v))
+        }
         None => (s, KvScale::Calibrated),
     };
     let mut parts = body.split('+');
@@ -67,6 +74,9 @@ pub struct Student<'a> {
 
 /// D̂ of one engine spec against the standard engine on `prompts`.
 pub fn estimate(st: &Student, spec: &EngineSpec, prompts: &[PromptItem], s: &Settings) -> Result<Estimate> {
+    if prompts.is_empty() || s.samples == 0 || s.reps == 0 {
+        bail!("the admission check needs at least one prompt, one sample and one bootstrap resample (got {} prompts, {} samples, {} resamples)", prompts.len(), s.samples, s.reps);
+    }
     let rw = RolloutWeights::new(st.dev, spec, st.cfg, st.w, st.calib, 0)?;
     let ec = EngineConfig { kv_fp8: spec.recipe.kv_layers(), ..Default::default() };
     let mut cand = Engine::new(st.dev, st.cfg, st.w.dtype(), &ec, st.text.clone())?;
@@ -172,4 +182,66 @@ pub fn check(st: &Student, candidates: &[Candidate], prompts: &[PromptItem], s: 
         out.push(Verdict { candidate: c.name.clone(), admit: budget::admit(e.d_hat, s.alpha, s.line), estimate: e, per_layer: pl });
     }
     Ok((floor, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::recipe::Precision::{Fp8, Native};
+
+    #[test]
+    fn candidates_parse_to_the_recipes_they_name() {
+        // fp8 on 4 layers with the first and last layers kept whole: layers 1, 2 are W8A8 with an
+        // FP8 cache at the fixed scale 2; layers 0, 3 are native throughout.
+        let c = parse_candidate("fp8+first-layer+last-layer@2", 4, 9).unwrap();
+        assert_eq!(c.name, "fp8+first-layer+last-layer@2");
+        assert_eq!(c.spec.recipe.kv_scale, KvScale::Fixed(2.0));
+        assert_eq!((c.spec.noise_sigma, c.spec.noise_seed, c.spec.staleness), (0.0, 9, 0));
+        let l = &c.spec.recipe.layers;
+        for i in [0, 3] {
+            assert!(l[i].weight == [Native; 7] && l[i].input == [Native; 7] && !l[i].kv_fp8(), "layer {i}: {:?}", l[i]);
+        }
+        for i in [1, 2] {
+            assert!(l[i].weight == [Fp8; 7] && l[i].input == [Fp8; 7] && l[i].k_fp8 && l[i].v_fp8, "layer {i}: {:?}", l[i]);
+        }
+        // The FP8 cache only, first layer's cache native, calibrated scales.
+        let c = parse_candidate("fp8-kv+first-layer-kv", 3, 0).unwrap();
+        assert_eq!(c.spec.recipe.kv_scale, KvScale::Calibrated);
+        assert_eq!(c.spec.recipe.kv_layers(), vec![(false, false), (true, true), (true, true)]);
+        assert!(!c.spec.recipe.quantizes_weights());
+        // Weight noise: the standard recipe plus σ.
+        let c = parse_candidate("noise=0.15", 3, 5).unwrap();
+        assert!(c.spec.recipe.is_standard() && c.spec.noise_sigma == 0.15 && c.spec.noise_seed == 5);
+        assert!(parse_candidate("bf16", 3, 0).unwrap().spec.recipe.is_standard());
+    }
+
+    #[test]
+    fn bad_candidates_name_the_candidate_and_what_was_expected() {
+        for (s, want) in [
+            ("fp9", "unknown recipe 'fp9'"),
+            ("fp8+first", "unknown keep_bf16 entry 'first'"),
+            ("fp8-kv@", "@KV_SCALE needs a number"),
+            ("fp8-kv@0", "@KV_SCALE must be a positive finite number, got 0"),
+            ("fp8@-0.5", "@KV_SCALE must be a positive finite number"),
+            ("noise=", "noise=SIGMA needs a number"),
+            ("noise=NaN", "positive finite sigma"),
+            ("noise=0", "positive finite sigma, got 0"),
+        ] {
+            let e = format!("{:#}", parse_candidate(s, 4, 0).unwrap_err());
+            assert!(e.contains(&format!("candidate '{s}'")) && e.contains(want), "{s}: {e}");
+        }
+    }
+
+    #[test]
+    fn only_layer_keeps_one_layer_of_the_recipe() {
+        // nvfp4 (W4A4 + FP8 cache) on 3 layers, layer 1 alone: layers 0 and 2 become standard.
+        let r = Recipe::preset("nvfp4", 3, &[], KvScale::Fixed(1.0), Default::default()).unwrap();
+        let o = only_layer(&r, 1);
+        assert_eq!(o.layers[1], r.layers[1]);
+        for i in [0, 2] {
+            assert!(o.layers[i].weight == [Native; 7] && o.layers[i].input == [Native; 7] && !o.layers[i].kv_fp8(), "layer {i}");
+        }
+        assert_eq!(o.kv_layers(), vec![(false, false), (true, true), (false, false)]);
+        assert_eq!(o.kv_scale, KvScale::Fixed(1.0));
+    }
 }
