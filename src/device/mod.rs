@@ -12,7 +12,7 @@ mod tensor;
 
 pub use cpu::CpuDevice;
 pub use cuda::CudaDevice;
-pub use tensor::{CpuFloats, CpuStorage, DType, Storage, Tensor};
+pub use tensor::{bf16_rne, CpuFloats, CpuStorage, DType, Storage, Tensor};
 
 use anyhow::Result;
 

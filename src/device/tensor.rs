@@ -275,7 +275,7 @@ impl Tensor {
                 CpuStorage::F32(v) => v[..data.len()].copy_from_slice(data),
                 CpuStorage::BF16(v) => {
                     for (d, s) in v.iter_mut().zip(data) {
-                        *d = bf16::from_f32(*s);
+                        *d = bf16_rne(*s);
                     }
                 }
                 CpuStorage::F16(v) => {
@@ -387,8 +387,10 @@ impl<'a> CpuFloats<'a> {
         match self {
             CpuFloats::F32(v) => out.copy_from_slice(&v[start..start + n]),
             CpuFloats::BF16(v) => {
+                // The BF16 bits are the f32's high half: a shift that vectorizes (half's
+                // to_f32 also quiets NaNs, one branch per value; NaN stays NaN here too).
                 for (o, x) in out.iter_mut().zip(&v[start..start + n]) {
-                    *o = x.to_f32();
+                    *o = f32::from_bits((x.to_bits() as u32) << 16);
                 }
             }
             CpuFloats::F16(v) => {
@@ -406,6 +408,30 @@ impl<'a> CpuFloats<'a> {
                 debug_assert!(start % 16 == 0 && n % 16 == 0, "NVFP4 reads whole 16-value blocks");
                 crate::quant::nvfp4::dequantize_into(packed, scales, *global, start, out)
             }
+        }
+    }
+}
+
+/// f32 → BF16, round to nearest even, bit-identical to `half::bf16::from_f32` (NaN keeps its sign
+/// and high payload, quieted) but without branches on the value, so loops over it vectorize.
+#[inline(always)]
+pub fn bf16_rne(x: f32) -> bf16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+    let nan = ((b >> 16) | 0x40) as u16;
+    bf16::from_bits(if x.is_nan() { nan } else { rounded })
+}
+
+#[cfg(test)]
+mod bf16_tests {
+    /// Every 2^-12-th f32 bit pattern (all exponents, signs, ties, NaNs, infinities, subnormals)
+    /// plus the exact ties around 1: the branch-free rounding equals half's.
+    #[test]
+    fn bf16_rne_equals_half_everywhere() {
+        let ties = [0x3F80_8000u32, 0x3F81_8000, 0x3F80_7FFF, 0x3F80_8001, 0x7F7F_FFFF, 0x7F80_0001, 0xFF80_0001, 0x0000_8000, 0x8001_8000];
+        for b in (0..=u32::MAX).step_by(4093).chain(ties) {
+            let x = f32::from_bits(b);
+            assert_eq!(super::bf16_rne(x).to_bits(), half::bf16::from_f32(x).to_bits(), "{b:#010x}");
         }
     }
 }

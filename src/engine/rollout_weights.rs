@@ -58,7 +58,7 @@ fn add_offset(dst: &mut crate::device::Tensor, src: &crate::device::Tensor, off:
             let mut buf = [0.0f32; 4096];
             s.read_into(c * 4096, &mut buf[..d.len()]);
             for ((d, o), x) in d.iter_mut().zip(o).zip(&buf) {
-                *d = half::bf16::from_f32(x + o.to_f32());
+                *d = crate::device::bf16_rne(x + f32::from_bits((o.to_bits() as u32) << 16));
             }
         }),
         CpuStorage::F32(d) => d.par_chunks_mut(4096).zip(off.par_chunks(4096)).enumerate().for_each(|(c, (d, o))| {

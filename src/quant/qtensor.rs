@@ -148,19 +148,25 @@ impl QTensor {
                 self.scale = global;
                 let opts = self.opts;
                 let k = self.k;
-                // Rows in parallel, each in pieces of CH values (whole 16-value blocks).
+                // Groups of whole rows in parallel (about CH values a task, so the stack buffer's
+                // set-up is paid once per CH values), each row in pieces of at most CH values
+                // (whole 16-value blocks).
                 let (codes, scales) = match (self.codes.cpu_mut()?, self.block_scales.cpu_mut()?) {
                     (CpuStorage::U8(c), CpuStorage::U8(s)) => (c, s),
                     _ => bail!("quantized codes and scales must be u8"),
                 };
-                codes.par_chunks_mut(k / 2).zip(scales.par_chunks_mut(k / BLOCK)).enumerate().for_each(|(r, (p, s))| {
+                let rows_per = (CH / k).max(1);
+                codes.par_chunks_mut(rows_per * k / 2).zip(scales.par_chunks_mut(rows_per * k / BLOCK)).enumerate().for_each(|(g, (pg, sg))| {
                     let mut buf = [0.0f32; CH];
-                    let mut at = 0;
-                    while at < k {
-                        let len = CH.min(k - at);
-                        src.read_into(r * k + at, &mut buf[..len]);
-                        simd::quantize_nvfp4(&buf[..len], global, &opts, rht.as_ref(), (r * k + at) as u64, &mut p[at / 2..(at + len) / 2], &mut s[at / BLOCK..(at + len) / BLOCK]);
-                        at += len;
+                    for (j, (p, s)) in pg.chunks_mut(k / 2).zip(sg.chunks_mut(k / BLOCK)).enumerate() {
+                        let r = g * rows_per + j;
+                        let mut at = 0;
+                        while at < k {
+                            let len = CH.min(k - at);
+                            src.read_into(r * k + at, &mut buf[..len]);
+                            simd::quantize_nvfp4(&buf[..len], global, &opts, rht.as_ref(), (r * k + at) as u64, &mut p[at / 2..(at + len) / 2], &mut s[at / BLOCK..(at + len) / BLOCK]);
+                            at += len;
+                        }
                     }
                 });
             }
