@@ -160,6 +160,12 @@ impl QTensor {
                     let mut buf = [0.0f32; CH];
                     for (j, (p, s)) in pg.chunks_mut(k / 2).zip(sg.chunks_mut(k / BLOCK)).enumerate() {
                         let r = g * rows_per + j;
+                        // BF16 weights straight into the vector kernel (no f32 staging).
+                        if let (CpuFloats::BF16(v), None, None) = (src, &rht, opts.stochastic) {
+                            if simd::quantize_nvfp4_bf16(&v[r * k..(r + 1) * k], global, p, s).is_some() {
+                                continue;
+                            }
+                        }
                         let mut at = 0;
                         while at < k {
                             let len = CH.min(k - at);

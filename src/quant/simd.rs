@@ -50,11 +50,26 @@ mod avx2 {
     /// so the codes and scale are bit-identical to it. Returns the scale code; writes 8 bytes.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn nvfp4_block(x: &[f32], denom6: f32, global: f32, e4m3: &[f32; 256], packed: &mut [u8]) -> u8 {
-        debug_assert!(x.len() >= BLOCK && packed.len() >= BLOCK / 2);
-        // SAFETY (all loads/stores below): x holds 16 floats and packed 8 bytes (asserted by the
-        // callers' chunking); unaligned intrinsics are used throughout.
-        let a0 = _mm256_loadu_ps(x.as_ptr());
-        let a1 = _mm256_loadu_ps(x.as_ptr().add(8));
+        assert!(x.len() >= BLOCK);
+        // SAFETY: x holds 16 floats (asserted); unaligned loads.
+        let (a0, a1) = (_mm256_loadu_ps(x.as_ptr()), _mm256_loadu_ps(x.as_ptr().add(8)));
+        nvfp4_block_v(a0, a1, denom6, global, e4m3, packed)
+    }
+
+    /// [`nvfp4_block`] reading 16 BF16 values directly (their bits are the f32's high half).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn nvfp4_block_bf16(x: &[half::bf16], denom6: f32, global: f32, e4m3: &[f32; 256], packed: &mut [u8]) -> u8 {
+        assert!(x.len() >= BLOCK);
+        // SAFETY: x holds 16 BF16 values = 32 bytes (asserted); unaligned loads.
+        let p = x.as_ptr() as *const __m128i;
+        let a0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p))));
+        let a1 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(1)))));
+        nvfp4_block_v(a0, a1, denom6, global, e4m3, packed)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn nvfp4_block_v(a0: __m256, a1: __m256, denom6: f32, global: f32, e4m3: &[f32; 256], packed: &mut [u8]) -> u8 {
         let absmask = _mm256_set1_epi32(0x7FFF_FFFF);
         let m = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(a0), absmask), _mm256_and_si256(_mm256_castps_si256(a1), absmask));
         let m = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256::<1>(m));
@@ -83,6 +98,14 @@ mod avx2 {
         bs
     }
 
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn nvfp4_bf16(x: &[half::bf16], global: f32, packed: &mut [u8], scales: &mut [u8]) {
+        let (denom6, e4m3) = (6.0 * global, crate::quant::fp8::e4m3_table());
+        for (b, (chunk, p)) in x.chunks_exact(BLOCK).zip(packed.chunks_exact_mut(BLOCK / 2)).enumerate() {
+            scales[b] = nvfp4_block_bf16(chunk, denom6, global, e4m3, p);
+        }
+    }
+
     /// `fp8::encode_e2m1_fast` on 8 lanes: the magnitude code counts the thresholds below |v|
     /// (comparison masks are −1), the sign bit becomes bit 3.
     #[inline]
@@ -90,13 +113,12 @@ mod avx2 {
     unsafe fn e2m1(v: __m256) -> __m256i {
         let a = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF)));
         let t = |c: __m256| _mm256_castps_si256(c);
-        let mut n = t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(0.25)));
-        n = _mm256_add_epi32(n, t(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(0.75))));
-        n = _mm256_add_epi32(n, t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(1.25))));
-        n = _mm256_add_epi32(n, t(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(1.75))));
-        n = _mm256_add_epi32(n, t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(2.5))));
-        n = _mm256_add_epi32(n, t(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(3.5))));
-        n = _mm256_add_epi32(n, t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(5.0))));
+        let (c1, c2) = (t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(0.25))), t(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(0.75))));
+        let (c3, c4) = (t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(1.25))), t(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(1.75))));
+        let (c5, c6) = (t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(2.5))), t(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(3.5))));
+        let c7 = t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(5.0)));
+        // A sum tree (the counts are −1 per threshold passed).
+        let n = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c1, c2), _mm256_add_epi32(c3, c4)), _mm256_add_epi32(_mm256_add_epi32(c5, c6), c7));
         let code = _mm256_sub_epi32(_mm256_setzero_si256(), n);
         let sign = _mm256_and_si256(_mm256_srli_epi32::<28>(_mm256_castps_si256(v)), _mm256_set1_epi32(8));
         _mm256_or_si256(code, sign)
@@ -198,6 +220,19 @@ fn bits32(x: &[f32]) -> u32 {
     amax_bits32_body(x)
 }
 
+/// `quantize_nvfp4` of BF16 values without the RHT or stochastic rounding, reading them
+/// directly; None when the CPU lacks AVX2 (the caller converts and uses `quantize_nvfp4`).
+pub fn quantize_nvfp4_bf16(x: &[half::bf16], global: f32, packed: &mut [u8], scales: &mut [u8]) -> Option<()> {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: as above.
+        unsafe { avx2::nvfp4_bf16(x, global, packed, scales) };
+        return Some(());
+    }
+    let _ = (x, global, packed, scales);
+    None
+}
+
 /// max |x| over BF16 values: the magnitude bits compared as integers (NaN propagates).
 pub fn amax_bf16(x: &[half::bf16]) -> f32 {
     use rayon::prelude::*;
@@ -245,6 +280,15 @@ mod tests {
             assert_eq!(s1, s2, "block scales (rht {})", signs.is_some());
             let bad = p1.iter().zip(&p2).position(|(a, b)| a != b);
             assert!(bad.is_none(), "codes differ at byte {bad:?} (rht {})", signs.is_some());
+        }
+        // BF16 sources read directly: the same as converting to f32 first.
+        let xb: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let xf: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+        let (mut p1, mut s1) = (vec![0u8; x.len() / 2], vec![0u8; x.len() / BLOCK]);
+        let (mut p2, mut s2) = (p1.clone(), s1.clone());
+        nvfp4::quantize_row(&xf, global, &Nvfp4Opts::default(), None, 0, &mut p1, &mut s1);
+        if quantize_nvfp4_bf16(&xb, global, &mut p2, &mut s2).is_some() {
+            assert_eq!((s1, p1), (s2, p2), "BF16 path");
         }
     }
 }
