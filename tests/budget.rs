@@ -72,3 +72,40 @@ fn delta_level_and_errors() {
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(e.contains("empty.jsonl: no prompts (the file is empty)"), "{e}");
 }
+
+/// `eval --checkpoint RUN/checkpoint-N --reference RUN` with no other flag evaluates exactly as
+/// the run did (its teacher, held-out set, samples, length and seed come from its config): the
+/// run's own last checkpoint reproduces the run's held-out KL, so Δ = 0.
+#[test]
+fn eval_of_a_runs_checkpoint_against_that_run_needs_no_flags() {
+    use colotrain::config::JobConfig;
+    use colotrain::train::job::{self, JobOptions};
+    let t = TempDir::new("eval-ref");
+    let dir = t.path().join("run");
+    let mut j = JobConfig::from_toml(include_str!("../configs/tiny-opd.toml"), "tiny-opd.toml").unwrap();
+    j.run.out_dir = Some(dir.clone());
+    j.run.steps = 2;
+    j.eval.every = 0;
+    j.data.heldout_size = 8;
+    j.rollout.prompts_per_step = 2;
+    j.rollout.samples_per_prompt = 2;
+    j.checkpoint.dtype = "f32".into();
+    j.validate("test").unwrap();
+    let s = job::run(&j, &JobOptions::default()).unwrap();
+    let logged = s.evals.last().unwrap().kl;
+    let ck = dir.join("checkpoint-000002");
+    let out = Command::new(env!("CARGO_BIN_EXE_colotrain"))
+        .args(["eval", "--checkpoint", ck.to_str().unwrap(), "--reference", dir.to_str().unwrap(), "--json"])
+        .output()
+        .unwrap();
+    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{se}");
+    // The human lines, then the JSON object.
+    let at = so.find("\n{").unwrap_or_else(|| panic!("no JSON in: {so}"));
+    let v: serde_json::Value = serde_json::from_str(&so[at + 1..]).unwrap_or_else(|e| panic!("{e}: {so}"));
+    let kl = v["heldout_kl"].as_f64().unwrap();
+    assert!((kl - logged).abs() <= 1e-9 * logged.abs(), "{kl} vs the run's {logged}");
+    assert_eq!(v["problems"].as_u64(), Some(8));
+    let d = v["delta"]["delta"].as_f64().unwrap_or_else(|| panic!("{v}"));
+    assert!(d.abs() <= 1e-9, "Δ = {d}");
+}

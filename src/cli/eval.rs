@@ -17,14 +17,16 @@ pub struct Args {
     /// A checkpoint directory to evaluate.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
+    /// The teacher (default with --reference: the reference run's teacher).
     #[arg(long)]
     pub teacher: Option<PathBuf>,
-    /// Held-out prompts (JSONL with "answer") or builtin:arith.
+    /// Held-out prompts (JSONL with "answer") or builtin:arith (default with --reference: the
+    /// reference run's held-out set).
     #[arg(long)]
     pub heldout: Option<String>,
-    /// Problems drawn for builtin:arith.
-    #[arg(long, default_value_t = 128)]
-    pub heldout_size: usize,
+    /// Problems drawn for builtin:arith [default: 128, or the reference run's].
+    #[arg(long)]
+    pub heldout_size: Option<usize>,
     /// A reference run (directory) to compare with at the same step.
     #[arg(long)]
     pub reference: Option<PathBuf>,
@@ -38,12 +40,15 @@ pub struct Args {
     pub tau: f64,
     #[arg(long, default_value_t = 10000)]
     pub reps: usize,
-    #[arg(long, default_value_t = 4)]
-    pub samples: u32,
-    #[arg(long, default_value_t = 64)]
-    pub max_new_tokens: usize,
-    #[arg(long, default_value_t = 20261101)]
-    pub seed: u64,
+    /// Samples per problem [default: 4, or the reference run's eval.samples_per_prompt].
+    #[arg(long)]
+    pub samples: Option<u32>,
+    /// [default: 64, or the reference run's evaluation length]
+    #[arg(long)]
+    pub max_new_tokens: Option<usize>,
+    /// Sampling seed [default: 20261101, or the reference run's eval.seed].
+    #[arg(long)]
+    pub seed: Option<u64>,
     #[arg(long, default_value = "cpu")]
     pub device: String,
     #[arg(long)]
@@ -60,13 +65,58 @@ pub struct Args {
     pub line: Option<f64>,
 }
 
+/// How a checkpoint is evaluated: the flags given, else (with --reference) what the reference
+/// run evaluated with, so that the two are comparable by default, else the defaults.
+struct Settings {
+    teacher: PathBuf,
+    heldout: String,
+    heldout_size: usize,
+    chat: bool,
+    samples: u32,
+    max_new_tokens: usize,
+    seed: u64,
+}
+
+fn settings(a: &Args) -> Result<Settings> {
+    let job = match &a.reference {
+        Some(r) => {
+            let p = r.join("config.toml");
+            Some(crate::config::JobConfig::from_file(&p).with_context(|| format!("--reference {}: reading its config", r.display()))?)
+        }
+        None => None,
+    };
+    let j = job.as_ref();
+    let teacher = match (&a.teacher, j.and_then(|j| j.teacher.as_ref())) {
+        (Some(t), _) => t.clone(),
+        (None, Some(t)) => PathBuf::from(&t.path),
+        (None, None) => bail!("--teacher DIR is required to measure held-out KL"),
+    };
+    let heldout = match (&a.heldout, j) {
+        (Some(h), _) => h.clone(),
+        (None, Some(j)) => j.data.heldout.clone().unwrap_or_else(|| j.data.train.clone()),
+        (None, None) => bail!("--heldout FILE (or builtin:arith) is required"),
+    };
+    Ok(Settings {
+        teacher,
+        heldout,
+        heldout_size: a.heldout_size.or(j.map(|j| j.data.heldout_size)).unwrap_or(128),
+        chat: j.map(|j| j.data.chat).unwrap_or(false),
+        samples: a.samples.or(j.map(|j| j.eval.samples_per_prompt as u32)).unwrap_or(4),
+        max_new_tokens: a.max_new_tokens.or(j.map(|j| j.eval.max_new_tokens.unwrap_or(j.rollout.max_new_tokens))).unwrap_or(64),
+        seed: a.seed.or(j.map(|j| j.eval.seed)).unwrap_or(20261101),
+    })
+}
+
 pub fn run(a: Args) -> Result<()> {
     if !a.budget.is_empty() {
         return run_budget(&a);
     }
     let ck = a.checkpoint.as_ref().context("give --checkpoint DIR (or --budget RUN... --reference RUN)")?;
-    let tdir = a.teacher.as_ref().context("--teacher DIR is required to measure held-out KL")?;
-    let hspec = a.heldout.as_ref().context("--heldout FILE (or builtin:arith) is required")?;
+    let set = settings(&a)?;
+    let (tdir, hspec) = (&set.teacher, &set.heldout);
+    if set.samples == 0 || set.max_new_tokens == 0 {
+        bail!("--samples and --max-new-tokens must be at least 1");
+    }
     let dev = Device::parse(&a.device)?;
     let dtype = if dev.is_cpu() { DType::F32 } else { DType::BF16 };
     let st = LoadedModel::load(ck, &dev, dtype)?;
@@ -74,7 +124,7 @@ pub fn run(a: Args) -> Result<()> {
     if st.cfg.vocab_size != te.cfg.vocab_size {
         bail!("student and teacher vocabularies differ ({} vs {})", st.cfg.vocab_size, te.cfg.vocab_size);
     }
-    let prompts = Dataset::open(hspec, st.text.clone(), false, st.cfg.vocab_size, 0)?.heldout(a.heldout_size)?;
+    let prompts = Dataset::open(hspec, st.text.clone(), set.chat, st.cfg.vocab_size, 0)?.heldout(set.heldout_size)?;
     if prompts.is_empty() {
         bail!("{hspec}: no held-out problems");
     }
@@ -88,7 +138,7 @@ pub fn run(a: Args) -> Result<()> {
             .and_then(|v| v["step"].as_u64())
             .unwrap_or(0),
     };
-    let mut r = eval::evaluate(step, (&mut se, &st.weights), Some((&mut tt, &te.weights)), st.text.as_deref(), &prompts, a.samples, a.max_new_tokens, a.seed)?;
+    let mut r = eval::evaluate(step, (&mut se, &st.weights), Some((&mut tt, &te.weights)), st.text.as_deref(), &prompts, set.samples, set.max_new_tokens, set.seed)?;
     let mut out = serde_json::json!({"checkpoint": ck, "step": step, "heldout_kl": r.kl, "accuracy": r.accuracy, "problems": prompts.len()});
     println!("{}: step {step}, held-out KL K = {:.5} nats/token over {} problems, accuracy {:.1}%", ck.display(), r.kl, prompts.len(), r.accuracy * 100.0);
     if let Some(refdir) = &a.reference {
