@@ -31,6 +31,7 @@ const CUTLASS_CFGS: [&str; 2] = ["colotrain_cutlass_sm90", "colotrain_cutlass_sm
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo::rustc-check-cfg=cfg(colotrain_nvtx)");
     for cfg in CUTLASS_CFGS {
         println!("cargo::rustc-check-cfg=cfg({cfg})");
     }
@@ -162,6 +163,20 @@ fn build_cuda() -> Res<()> {
         }
     } else {
         println!("cargo:warning=COLOTRAIN_CUTLASS=0: building without the CUTLASS FP8/NVFP4 GEMMs (emulated paths only)");
+    }
+
+    // NVTX ranges (host code; the headers come with the pinned nvidia-nvtx wheel).
+    let nvtx_h = cuda_root.join("include/nvtx3/nvToolsExt.h");
+    if nvtx_h.exists() {
+        let src = csrc.join("nvtx/nvtx_ranges.cpp");
+        let output = out.join("nvtx_ranges.o");
+        let args: Vec<String> = vec!["-c".into(), "-x".into(), "c++".into(), "-O2".into(), "-Xcompiler".into(), "-fPIC".into(), "-o".into(), output.display().to_string(), src.display().to_string()];
+        let stamp = format!("{version}|{:016x}|{}|{:016x}", hash_file(&nvtx_h)?, args.join(" "), hash_file(&src)?);
+        jobs.push(Job { what: "nvtx_ranges.cpp -> host object".into(), args, output: output.clone(), stamp });
+        objects.push(output);
+        cfgs.push("colotrain_nvtx");
+    } else {
+        println!("cargo:warning={} not found: building without NVTX ranges (install the pinned toolchain, third_party/install_toolchain.sh)", nvtx_h.display());
     }
 
     // CUTLASS objects first: they take minutes each.

@@ -29,6 +29,7 @@ PINS=(
   "nvidia-cuda-crt==13.0.88"
   "nvidia-cuda-cccl==13.0.85"
   "nvidia-cutlass==4.2.0.0"
+  "nvidia-nvtx==13.0.85"
 )
 WANT="$(printf '%s\n' "${PINS[@]}")"
 

@@ -114,10 +114,16 @@ impl EngineArgs {
 }
 
 fn init_logging() {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_env("COLOTRAIN_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ =
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false);
+    let reg = tracing_subscriber::registry().with(filter).with(fmt);
+    // Built with CUDA: every span is also an NVTX range of the same name (Nsight Systems).
+    #[cfg(feature = "cuda")]
+    let reg = reg.with(crate::device::cuda::nvtx::NvtxLayer);
+    let _ = reg.try_init();
 }
 
 /// Runs the command line; returns the process exit code.

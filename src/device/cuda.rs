@@ -38,6 +38,8 @@ pub mod ffi;
 mod hostemu;
 #[path = "cuda/kernels.rs"]
 mod kernels;
+#[path = "cuda/nvtx.rs"]
+pub mod nvtx;
 #[path = "cuda/lowp.rs"]
 pub mod lowp;
 #[path = "cuda/ops.rs"]

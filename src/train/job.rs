@@ -458,16 +458,18 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         let mut time = PhaseSeconds::default();
         // 1. Rollout (the schedule decides how: synchronous, or ahead of training).
         let t0 = Instant::now();
-        let batch = sched.rollouts(&host, step)?;
+        // Each phase is a tracing span (an NVTX range of the same name under CUDA).
+        let phase = |name: &'static str| tracing::info_span!("phase", name);
+        let batch = phase("rollout").in_scope(|| sched.rollouts(&host, step))?;
         let mut rollouts = batch.rollouts;
         time.rollout = t0.elapsed().as_secs_f64();
         // 2. Teacher scoring.
         let t0 = Instant::now();
-        let teacher_util = if job.teacher.is_some() && job.objective.kind == "opd" { Some(host.score_teacher(&mut rollouts)?) } else { None };
+        let teacher_util = if job.teacher.is_some() && job.objective.kind == "opd" { Some(phase("teacher").in_scope(|| host.score_teacher(&mut rollouts))?) } else { None };
         time.teacher = t0.elapsed().as_secs_f64();
         // 3. Rewards.
         let t0 = Instant::now();
-        let reward = host.rewards(&mut rollouts)?;
+        let reward = phase("reward").in_scope(|| host.rewards(&mut rollouts))?;
         time.reward = t0.elapsed().as_secs_f64();
         // 4. Train (data-parallel over the devices).
         let t0 = Instant::now();
@@ -475,11 +477,11 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         let n_rollouts = rollouts.len();
         let truncated = rollouts.iter().filter(|r| r.truncated).count();
         let sampler: Vec<f32> = rollouts.iter().filter(|r| !r.response.is_empty()).flat_map(|r| r.sampler_logprobs.iter().copied()).collect();
-        let (out, train_busy) = host.train(rollouts, step, opts.fault)?;
+        let (out, train_busy) = phase("train").in_scope(|| host.train(rollouts, step, opts.fault))?;
         time.train = t0.elapsed().as_secs_f64();
         // 5. Resync.
         let t0 = Instant::now();
-        sched.resync(&host)?;
+        phase("resync").in_scope(|| sched.resync(&host))?;
         time.resync = t0.elapsed().as_secs_f64();
         time.wait = batch.wait.unwrap_or(time.rollout) + time.teacher;
         time.total = t_step.elapsed().as_secs_f64();
