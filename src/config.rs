@@ -124,6 +124,9 @@ pub struct RolloutConfig {
     pub max_new_tokens: usize,
     pub max_seqs: usize,
     pub max_tokens_per_step: usize,
+    /// Each engine's KV cache (MiB); 0: sized from what the memory plan leaves of the device's
+    /// budget (`run.memory_budget_mb`, or a GPU's free memory), the same capacity in tokens for
+    /// every engine.
     pub kv_cache_mb: usize,
 }
 

@@ -187,3 +187,40 @@ fn a_stop_request_checkpoints_and_returns() {
     assert_eq!(s.steps, 1);
     assert_eq!(checkpoint::list(&dir).unwrap().iter().map(|c| c.0).collect::<Vec<_>>(), vec![1]);
 }
+
+/// rollout.kv_cache_mb = 0: the KV caches get what the plan leaves of run.memory_budget_mb after
+/// the weights, the trainer, the teacher and the engine buffers; the run fits its budget, and
+/// a budget too small for one block, or none on CPU, is refused before any step.
+#[test]
+fn kv_caches_are_sized_from_what_the_plan_leaves() {
+    let t = TempDir::new("plan");
+    // The tiny job holds ~35 MiB before its KV caches (plan line of the other tests).
+    let mut tokens = Vec::new();
+    for (budget, recipe) in [(60usize, "bf16"), (80, "bf16"), (60, "fp8")] {
+        let dir = t.path().join(format!("{recipe}-{budget}"));
+        let j = tiny(&dir, 1, |j| {
+            j.rollout.kv_cache_mb = 0;
+            j.run.memory_budget_mb = Some(budget);
+            j.run.steps = 1;
+            j.engine.recipe = recipe.into();
+        });
+        job::run(&j, &JobOptions::default()).unwrap_or_else(|e| panic!("{recipe}: {e:#}"));
+        let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+        let p = &plan[0];
+        let total: u64 = ["weights", "trainer", "teacher", "engine_buffers", "kv_cache"].iter().map(|k| p[*k].as_u64().unwrap()).sum();
+        assert!(total <= (budget as u64) << 20, "{recipe} {budget}: plan {total} bytes over budget: {p}");
+        // What is left over is less than one block of each cache (KiBs here): under 1%.
+        assert!(total as f64 >= 0.99 * ((budget as u64) << 20) as f64, "{recipe} {budget}: budget left unused: {p}");
+        tokens.push(p["kv_tokens"].as_u64().unwrap());
+    }
+    // More budget, more KV tokens.
+    assert!(tokens[1] > tokens[0], "{tokens:?}");
+    let e = format!("{:#}", job::run(&tiny(&t.path().join("small"), 1, |j| {
+        j.rollout.kv_cache_mb = 0;
+        j.run.memory_budget_mb = Some(20);
+    }), &JobOptions::default()).unwrap_err());
+    assert!(e.contains("the plan does not fit device 0") && e.contains("leave no room for one KV block") && e.contains("20 MiB budget"), "{e}");
+    assert!(!t.path().join("small").join("metrics.jsonl").exists() || std::fs::read_to_string(t.path().join("small").join("metrics.jsonl")).unwrap().is_empty());
+    let e = format!("{:#}", job::run(&tiny(&t.path().join("nobudget"), 1, |j| j.rollout.kv_cache_mb = 0), &JobOptions::default()).unwrap_err());
+    assert!(e.contains("set run.memory_budget_mb"), "{e}");
+}

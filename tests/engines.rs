@@ -265,3 +265,22 @@ fn modelopt_export_loads_back_as_the_same_engine() {
         }
     }
 }
+
+/// The memory plan's estimate of an engine's buffers (before anything is allocated) equals what
+/// the engine then holds, for every kind of engine.
+#[test]
+fn engine_buffer_estimate_equals_the_allocation() {
+    let dev = Device::cpu(2).unwrap();
+    let lm = common::load_fixture("llama_gqa", &dev, DType::BF16);
+    let n = lm.cfg.num_layers;
+    let mut cal = Calibration::new(Calibration::fingerprint(&lm.cfg), n);
+    cal.input_amax = vec![[4.0; 4]; n];
+    cal.k_amax = vec![8.0; n];
+    cal.v_amax = vec![8.0; n];
+    let spec = |r: &str, keep: &[String], noise: f64, stale: usize| EngineSpec { recipe: Recipe::preset(r, n, keep, KvScale::Calibrated, Default::default()).unwrap(), noise_sigma: noise, noise_seed: 1, staleness: stale };
+    let first_last = ["first-layer".to_string(), "last-layer".to_string()];
+    for s in [spec("bf16", &[], 0.0, 0), spec("fp8", &[], 0.0, 0), spec("fp8", &first_last, 0.0, 0), spec("nvfp4", &[], 0.0, 0), spec("bf16", &[], 0.15, 0), spec("bf16", &[], 0.0, 2), spec("nvfp4", &[], 0.1, 1)] {
+        let rw = RolloutWeights::new(&dev, &s, &lm.cfg, &lm.weights, Some(&cal), 0).unwrap();
+        assert_eq!(RolloutWeights::estimate_extra_bytes(&s, &lm.weights), rw.extra_bytes(), "{} noise {} stale {}", s.recipe.name, s.noise_sigma, s.staleness);
+    }
+}

@@ -22,6 +22,9 @@ impl CudaDevice {
     pub fn name(&self) -> String {
         match *self {}
     }
+    pub fn memory(&self) -> (usize, usize, usize, usize) {
+        match *self {}
+    }
     pub fn zeros(&self, _dtype: DType, _shape: &[usize]) -> Result<super::Tensor> {
         match *self {}
     }

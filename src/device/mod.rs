@@ -57,6 +57,15 @@ impl Device {
         anyhow::bail!("device '{spec}': expected 'cpu', 'cpu:<threads>', 'cuda' or 'cuda:<ordinal>'")
     }
 
+    /// The memory this device may use for a run's plan: a CUDA device's allocator budget (from
+    /// its free memory when opened); None on CPU (host memory has no budget of its own).
+    pub fn memory_budget(&self) -> Option<usize> {
+        match self {
+            Device::Cpu(_) => None,
+            Device::Cuda(c) => Some(c.memory().3),
+        }
+    }
+
     pub fn name(&self) -> String {
         match self {
             Device::Cpu(c) => format!("cpu ({} threads)", c.threads()),

@@ -255,6 +255,31 @@ impl RolloutWeights {
         Ok(())
     }
 
+    /// [`Self::extra_bytes`] before anything is allocated (the memory plan sizes the KV cache
+    /// from what is left): the ring's k + 1 copies, the noise copy, the quantized weights.
+    pub fn estimate_extra_bytes(spec: &EngineSpec, w: &ModelWeights) -> usize {
+        use crate::quant::qtensor::{QFormat, QTensor};
+        use crate::quant::recipe::Precision;
+        let copy = w.size_bytes();
+        let ring = if spec.staleness > 0 { (spec.staleness + 1) * copy } else { 0 };
+        let noise = if spec.noise_sigma > 0.0 { copy } else { 0 };
+        let mut quant = 0;
+        if !spec.recipe.is_standard() {
+            for (lr, lw) in spec.recipe.layers.iter().zip(&w.layers) {
+                let dense = [&lw.q_proj, &lw.k_proj, &lw.v_proj, &lw.o_proj, &lw.gate_proj, &lw.up_proj, &lw.down_proj];
+                for (p, t) in lr.weight.iter().zip(dense) {
+                    let f = match p {
+                        Precision::Native => continue,
+                        Precision::Fp8 => QFormat::Fp8,
+                        Precision::Nvfp4 => QFormat::Nvfp4,
+                    };
+                    quant += QTensor::bytes_for(f, t.dim(0), t.dim(1));
+                }
+            }
+        }
+        ring + noise + quant
+    }
+
     /// Bytes the engine holds beyond the trainer's weights.
     pub fn extra_bytes(&self) -> usize {
         self.ring.iter().map(|(_, w)| w.size_bytes()).sum::<usize>()

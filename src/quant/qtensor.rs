@@ -37,6 +37,14 @@ impl QTensor {
         Self::alloc_on(&Device::Cpu(crate::device::CpuDevice::host()), format, rows, k, opts)
     }
 
+    /// Bytes a (rows, K) weight takes in `format` ([`Self::size_bytes`] before allocating).
+    pub fn bytes_for(format: QFormat, rows: usize, k: usize) -> usize {
+        match format {
+            QFormat::Fp8 => rows * k + 4,
+            QFormat::Nvfp4 => rows * k / 2 + rows * k / BLOCK + 4,
+        }
+    }
+
     /// Buffers for a (rows, K) weight on `dev`.
     pub fn alloc_on(dev: &Device, format: QFormat, rows: usize, k: usize, opts: Nvfp4Opts) -> Result<QTensor> {
         let (codes, block_scales) = match format {

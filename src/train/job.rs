@@ -365,6 +365,7 @@ pub fn start(job: &JobConfig, resume: Option<&Path>, out_dir: &Path) -> Result<(
 /// Prints the plan: placement and memory per device, and checks it against the budget.
 fn print_plan(h: &Host) -> Result<()> {
     let plans = h.pool.run_all("plan", |_, r| r.plan())?;
+    crate::util::write_atomic(&h.out_dir.join("plan.json"), serde_json::to_string_pretty(&plans)?.as_bytes())?;
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     let job = &h.job;
     eprintln!(

@@ -14,7 +14,7 @@ use crate::config::JobConfig;
 use crate::device::{DType, Device};
 use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
 use crate::engine::{Completion, Engine, EngineConfig};
-use crate::model::{LoadedModel, ModelWeights};
+use crate::model::{LoadedModel, ModelConfig, ModelWeights};
 use crate::quant::calib::Calibration;
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
@@ -174,6 +174,9 @@ impl Replica {
     pub fn new(rank: usize, dev: Device, s: &Setup, dp: Dp) -> Result<Replica> {
         let job = &s.job;
         let student = load(&job.model, &dev).with_context(|| format!("loading the student '{}'", job.model.path))?;
+        // The memory plan, in order: the weights, the trainer's state (master/Adam shard,
+        // gradients, activation arenas), the teacher, the engine buffers; the KV caches get what
+        // is left when rollout.kv_cache_mb = 0.
         let teacher = match &job.teacher {
             Some(t) if job.objective.kind == "opd" => {
                 let tm = load(t, &dev).with_context(|| format!("loading the teacher '{}'", t.path))?;
@@ -186,22 +189,67 @@ impl Replica {
                         tm.cfg.vocab_size
                     );
                 }
-                let e = Engine::new(&dev, &tm.cfg, tm.weights.dtype(), &s.engine, None)?;
-                Some((tm.weights, e))
+                Some(tm)
             }
             _ => None,
         };
         let cfg = student.cfg.clone();
         let dtype = student.weights.dtype();
-        let std_engine = Engine::new(&dev, &cfg, dtype, &s.engine, student.text.clone())?;
         let standard = s.spec.recipe.is_standard() && s.spec.noise_sigma == 0.0 && s.spec.staleness == 0;
-        let rollout_engine = if standard {
-            None
-        } else {
-            let ec = EngineConfig { kv_fp8: s.spec.recipe.kv_layers(), ..s.engine.clone() };
-            Some(Engine::new(&dev, &cfg, dtype, &ec, student.text.clone())?)
-        };
+        let engine_buffers = RolloutWeights::estimate_extra_bytes(&s.spec, &student.weights);
         let trainer = Trainer::new_dp(&cfg, student.weights, job, dp)?;
+        let rollout_ec = EngineConfig { kv_fp8: s.spec.recipe.kv_layers(), ..s.engine.clone() };
+        let mut std_ec = s.engine.clone();
+        let mut roll_ec = rollout_ec.clone();
+        let mut teacher_ec = s.engine.clone();
+        if s.engine.kv_cache_bytes == 0 {
+            let budget = job.run.memory_budget_mb.map(|m| m << 20).or(dev.memory_budget()).with_context(|| {
+                format!("device {rank} ({}): rollout.kv_cache_mb = 0 sizes the KV caches from what is left of the device's memory, but a CPU device has no budget of its own: set run.memory_budget_mb", dev.name())
+            })?;
+            let used = trainer.weights.size_bytes() + trainer.state_bytes() + teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0) + engine_buffers;
+            // Every engine gets the same capacity in tokens: the rollout engine, the standard one
+            // when it is another (evaluation, calibration) and the teacher's.
+            let bs = s.engine.block_size;
+            let block = |c: &ModelConfig, d: DType, ec: &EngineConfig| {
+                let dt = ec.kv_dtype.unwrap_or(d);
+                let kinds: Vec<(DType, DType)> = (0..c.num_layers)
+                    .map(|l| {
+                        let (k, v) = ec.kv_fp8.get(l).copied().unwrap_or((false, false));
+                        (if k { DType::U8 } else { dt }, if v { DType::U8 } else { dt })
+                    })
+                    .collect();
+                crate::engine::kv_cache::KvCache::block_bytes_layers(c, bs, &kinds)
+            };
+            let per_block = block(&cfg, dtype, &std_ec) + if standard { 0 } else { block(&cfg, dtype, &rollout_ec) } + teacher.as_ref().map(|t| block(&t.cfg, t.weights.dtype(), &teacher_ec)).unwrap_or(0);
+            let left = budget.saturating_sub(used);
+            let blocks = left / per_block.max(1);
+            if blocks == 0 {
+                let mib = |b: usize| b as f64 / (1 << 20) as f64;
+                bail!(
+                    "the plan does not fit device {rank} ({}): weights {:.0} MiB + trainer {:.0} MiB + teacher {:.0} MiB + engine buffers {:.0} MiB = {:.0} MiB of a {:.0} MiB budget leave no room for one KV block ({:.2} MiB); lower objective.micro_batch_tokens, raise run.memory_budget_mb, or add devices",
+                    dev.name(),
+                    mib(trainer.weights.size_bytes()),
+                    mib(trainer.state_bytes()),
+                    mib(teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0)),
+                    mib(engine_buffers),
+                    mib(used),
+                    mib(budget),
+                    mib(per_block)
+                );
+            }
+            for ec in [&mut std_ec, &mut roll_ec, &mut teacher_ec] {
+                ec.kv_blocks = Some(blocks);
+            }
+        }
+        let teacher = match teacher {
+            Some(tm) => {
+                let e = Engine::new(&dev, &tm.cfg, tm.weights.dtype(), &teacher_ec, None)?;
+                Some((tm.weights, e))
+            }
+            None => None,
+        };
+        let std_engine = Engine::new(&dev, &cfg, dtype, &std_ec, student.text.clone())?;
+        let rollout_engine = if standard { None } else { Some(Engine::new(&dev, &cfg, dtype, &roll_ec, student.text.clone())?) };
         Ok(Replica { rank, dev, trainer, std_engine, rollout_engine, rw: None, teacher, student_dir: student.dir })
     }
 
