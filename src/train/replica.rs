@@ -304,13 +304,7 @@ impl Replica {
         let dev = engine.device().clone();
         dev.install(|| -> Result<()> {
             while board.complete() < need {
-                while engine.num_unfinished() < inflight.max(1) {
-                    let next = queue.lock().map_err(|_| anyhow::anyhow!("the rollout queue was poisoned by a failed device"))?.pop_front();
-                    match next {
-                        Some(r) => engine.add(r)?,
-                        None => break,
-                    }
-                }
+                rollout::top_up(engine, queue, inflight)?;
                 if !engine.has_work() {
                     // Nothing queued, nothing running here: the other devices finish the rest.
                     return Ok(());

@@ -71,19 +71,26 @@ pub fn run_queue<'a>(engine: &mut Engine, w: impl Into<View<'a>>, queue: &WorkQu
     dev.install(|| -> Result<Vec<Completion>> {
         let mut out = Vec::new();
         loop {
-            while engine.num_unfinished() < inflight.max(1) {
-                let next = queue.lock().map_err(|_| anyhow::anyhow!("the rollout queue was poisoned by a failed device"))?.pop_front();
-                match next {
-                    Some(r) => engine.add(r)?,
-                    None => break,
-                }
-            }
+            top_up(engine, queue, inflight)?;
             if !engine.has_work() {
                 return Ok(out);
             }
             out.extend(engine.step(w)?);
         }
     })
+}
+
+/// Adds requests from the shared `queue` until `engine` has `inflight` unfinished sequences or
+/// the queue is empty (an idle device takes the next unstarted request).
+pub fn top_up(engine: &mut Engine, queue: &WorkQueue, inflight: usize) -> Result<()> {
+    while engine.num_unfinished() < inflight.max(1) {
+        let next = queue.lock().map_err(|_| anyhow::anyhow!("the rollout queue was poisoned by a failed device"))?.pop_front();
+        match next {
+            Some(r) => engine.add(r)?,
+            None => break,
+        }
+    }
+    Ok(())
 }
 
 /// The rollout of a completion of [`requests`] for `prompts`.
