@@ -179,6 +179,18 @@ pub mod ops {
     ) -> Result<()> {
         match *d {}
     }
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_act_q(
+        d: &CudaDevice,
+        _x: &Tensor,
+        _act: &crate::ops::quantize::ActQuant,
+        _w: &crate::quant::QTensor,
+        _b: Option<&Tensor>,
+        _y: &mut Tensor,
+        _m: usize,
+    ) -> Result<()> {
+        match *d {}
+    }
     pub fn fake_quant_rows(
         d: &CudaDevice,
         _x: &Tensor,

@@ -11,6 +11,7 @@ use crate::ops::attention::{self, AttnMeta};
 use crate::ops::quantize::{self, ActQuant};
 use crate::ops::{elementwise, matmul, norm, rope};
 use crate::quant::calib::Calibration;
+use crate::quant::qtensor::QFormat;
 use crate::quant::QLayer;
 use anyhow::{bail, Result};
 
@@ -219,6 +220,14 @@ fn proj(dev: &Device, x: &Tensor, xq: &mut Tensor, dense: &Tensor, bias: Option<
         Some(q) => (q.w[i].as_ref(), q.act[i]),
         None => (None, ActQuant::None),
     };
+    // Both operands quantized in one format: the W8A8 / W4A4 linear (a real low-precision GEMM
+    // on CUDA, its emulation on CPU).
+    if let Some(wq) = wq {
+        let same = matches!((act, wq.format), (ActQuant::Fp8 { .. }, QFormat::Fp8) | (ActQuant::Nvfp4 { .. }, QFormat::Nvfp4));
+        if same {
+            return matmul::linear_act_q(dev, x, xq, &act, wq, bias, y, m);
+        }
+    }
     let input = if act == ActQuant::None {
         x
     } else {

@@ -45,6 +45,24 @@ pub fn linear(
 /// is decoded exactly (FP8: e4m3·scale; NVFP4: f32(e2m1·bs)·global) block by block inside the
 /// same kernel as [`linear`], so the products equal those of a real FP8/FP4 GEMM and only the
 /// f32 summation order differs.
+/// y[..m] = quant(x[..m])·wqᵀ (+ bias): a quantized engine's linear, the input quantized with
+/// `act` in the weight's format. CPU (the reference, the paper's emulated path): x is
+/// fake-quantized into the scratch `xq` (reshaped to x's row width), then [`linear_q`]. CUDA:
+/// the real W8A8 / W4A4 GEMM on the same codes (`xq` unused); only the FP32 summation order
+/// differs, which the device check bounds.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_act_q(dev: &Device, x: &Tensor, xq: &mut Tensor, act: &crate::ops::quantize::ActQuant, wq: &crate::quant::QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
+    match dev {
+        Device::Cpu(_) => {
+            let k = x.dim(x.shape().len() - 1);
+            xq.reshape(&[xq.numel() / k, k])?;
+            crate::ops::quantize::fake_quant_rows(dev, x, xq, m, act)?;
+            linear_q(dev, xq, wq, bias, y, m)
+        }
+        Device::Cuda(c) => cuda::ops::linear_act_q(c, x, act, wq, bias, y, m),
+    }
+}
+
 pub fn linear_q(dev: &Device, x: &Tensor, wq: &crate::quant::QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
     let (n, k) = (wq.rows, wq.k);
     check_rows(x, m, k, "linear input")?;

@@ -403,6 +403,13 @@ pub(super) fn dequant(d: &CudaDevice, q: &QTensor, out: u64, out_dtype: DType) -
     })
 }
 
+/// `ops::matmul::linear_act_q`'s CUDA twin: the real W8A8 / W4A4 GEMM (`lowp`, CUTLASS or
+/// cuBLASLt where the shape and architecture allow, else the emulated path).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_act_q(d: &CudaDevice, x: &Tensor, act: &crate::ops::quantize::ActQuant, wq: &QTensor, b: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
+    super::lowp::linear_act_q(d, x, act, wq, b, y, m, super::lowp::Path::Auto).map(|_| ())
+}
+
 pub fn linear_q(d: &CudaDevice, x: &Tensor, wq: &QTensor, b: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
     let (n, k) = (wq.rows, wq.k);
     let xp = ptr(d, x, &[DType::F32], "linear input")?;
