@@ -11,9 +11,9 @@
 //!   exact), a BF16 GEMM with FP32 accumulation and alpha = product of the tensor scales: the
 //!   same products as the real kernel. This is the NVFP4 path on Hopper, and the fallback.
 //!
-//! These functions are extensions beyond the stub's API: `ops::linear_q` keeps the CPU twin's
-//! signature (no activation scale) and stays emulated; an engine that knows its ActQuant calls
-//! `linear_act_q` here instead of fake_quant_rows + linear_q. Not yet run on a GPU.
+//! The engine reaches `linear_act_q` through `ops::matmul::linear_act_q` (whose CPU twin is
+//! fake_quant_rows + linear_q); `ops::linear_q` alone (no activation format) stays emulated.
+//! Not yet run on a GPU.
 
 use super::blas::Elem;
 use super::ops::{add_bias, dequant, gemm, i32_of, ptr};
