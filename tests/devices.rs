@@ -189,7 +189,7 @@ fn a_stop_request_checkpoints_and_returns() {
 }
 
 /// rollout.kv_cache_mb = 0: the KV caches get what the plan leaves of run.memory_budget_mb after
-/// the weights, the trainer, the teacher and the engine buffers; the run fits its budget, and
+/// the weights, the trainer, the teacher, the engine buffers and a tenth kept free; and
 /// a budget too small for one block, or none on CPU, is refused before any step.
 #[test]
 fn kv_caches_are_sized_from_what_the_plan_leaves() {
@@ -208,9 +208,11 @@ fn kv_caches_are_sized_from_what_the_plan_leaves() {
         let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
         let p = &plan[0];
         let total: u64 = ["weights", "trainer", "teacher", "engine_buffers", "kv_cache"].iter().map(|k| p[*k].as_u64().unwrap()).sum();
-        assert!(total <= (budget as u64) << 20, "{recipe} {budget}: plan {total} bytes over budget: {p}");
-        // What is left over is less than one block of each cache (KiBs here): under 1%.
-        assert!(total as f64 >= 0.99 * ((budget as u64) << 20) as f64, "{recipe} {budget}: budget left unused: {p}");
+        // A tenth of the budget is kept free for what the plan does not itemize; the KV caches
+        // take the rest but less than one block of each (KiBs here).
+        let share = total as f64 / ((budget as u64) << 20) as f64;
+        assert!(share <= 0.9 + 1e-9, "{recipe} {budget}: plan {total} bytes over 90% of the budget: {p}");
+        assert!(share >= 0.89, "{recipe} {budget}: budget left unused ({share:.3}): {p}");
         tokens.push(p["kv_tokens"].as_u64().unwrap());
     }
     // More budget, more KV tokens.
@@ -223,4 +225,29 @@ fn kv_caches_are_sized_from_what_the_plan_leaves() {
     assert!(!t.path().join("small").join("metrics.jsonl").exists() || std::fs::read_to_string(t.path().join("small").join("metrics.jsonl")).unwrap().is_empty());
     let e = format!("{:#}", job::run(&tiny(&t.path().join("nobudget"), 1, |j| j.rollout.kv_cache_mb = 0), &JobOptions::default()).unwrap_err());
     assert!(e.contains("set run.memory_budget_mb"), "{e}");
+}
+
+/// Split placement with a stale rollout engine (it reads weights one version behind what it
+/// last loaded): its tokens carry the version they were sampled with, so with a staleness
+/// bound of 0 the trainer leaves out every token from step 2 on (sampled from older weights).
+#[test]
+fn split_generators_stamp_tokens_with_the_stale_engines_version() {
+    let t = TempDir::new("split-stale");
+    let dir = t.path().join("r");
+    let j = tiny(&dir, 2, |j| {
+        j.schedule.mode = "async".into();
+        j.schedule.placement = "split".into();
+        j.schedule.rollout_devices = 1;
+        j.schedule.max_staleness = 0;
+        j.engine.staleness = 1;
+        j.run.steps = 3;
+    });
+    job::run(&j, &JobOptions::default()).unwrap();
+    let m = lines(&dir);
+    // Step 1: the ring holds version 0 twice; nothing is stale yet.
+    assert_eq!(m[1]["stale_tokens_masked"].as_u64(), Some(0), "{}", m[1]);
+    for l in &m[2..] {
+        let (masked, gen) = (l["stale_tokens_masked"].as_u64().unwrap(), l["gen_tokens"].as_u64().unwrap());
+        assert!(gen > 0 && masked == gen, "step {}: {masked} of {gen} tokens masked", l["step"]);
+    }
 }

@@ -99,7 +99,9 @@ fn settings(a: &Args) -> Result<Settings> {
     Ok(Settings {
         teacher,
         heldout,
-        heldout_size: a.heldout_size.or(j.map(|j| j.data.heldout_size)).unwrap_or(128),
+        // A run with data.heldout evaluates all of that set; without, data.heldout_size of its
+        // training data's held-out problems (as `train::job::start` does).
+        heldout_size: a.heldout_size.or(j.map(|j| if j.data.heldout.is_some() { usize::MAX } else { j.data.heldout_size })).unwrap_or(128),
         chat: j.map(|j| j.data.chat).unwrap_or(false),
         samples: a.samples.or(j.map(|j| j.eval.samples_per_prompt as u32)).unwrap_or(4),
         max_new_tokens: a.max_new_tokens.or(j.map(|j| j.eval.max_new_tokens.unwrap_or(j.rollout.max_new_tokens))).unwrap_or(64),

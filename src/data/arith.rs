@@ -50,8 +50,9 @@ pub fn train_problems(seed: u64, step: u64, n: usize) -> Vec<Problem> {
 pub fn heldout_problems(n: usize) -> Vec<Problem> {
     let mut s = Stream::new(0x4845_4c44, 0);
     let mut seen = std::collections::HashSet::new();
-    let mut out = Vec::with_capacity(n);
     let pool = (0..NUM_PROBLEMS).filter(|&p| is_heldout(p)).count();
+    // n may be usize::MAX ("all of them", a data.heldout file's rule).
+    let mut out = Vec::with_capacity(n.min(pool));
     while out.len() < n.min(pool) {
         let p = s.below(NUM_PROBLEMS);
         if is_heldout(p) && seen.insert(p) {
@@ -80,5 +81,16 @@ mod tests {
         assert_ne!(train_problems(3, 7, 8), train_problems(3, 8, 8));
         let p = Problem { a: 37, b: 48 };
         assert_eq!((p.prompt().as_str(), p.response().as_str(), p.answer().as_str()), ("37+48=", "\\boxed{85}", "85"));
+    }
+
+    /// "All of them" (usize::MAX, what a data.heldout of builtin:arith asks for) is the whole
+    /// held-out pool: a tenth of the 90 × 90 two-digit problems, each once.
+    #[test]
+    fn all_heldout_problems_is_the_pool() {
+        let all = heldout_problems(usize::MAX);
+        let pool = (0..NUM_PROBLEMS).filter(|&p| is_heldout(p)).count();
+        assert_eq!(all.len(), pool);
+        assert!(pool > 600 && pool < 1000, "{pool}");
+        assert_eq!(all[..100], heldout_problems(100)[..]);
     }
 }

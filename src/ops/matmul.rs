@@ -41,10 +41,6 @@ pub fn linear(
     }
 }
 
-/// y[..m] (m, N) = x[..m] · dequant(wq)ᵀ (+ bias): the emulated low-precision linear. The weight
-/// is decoded exactly (FP8: e4m3·scale; NVFP4: f32(e2m1·bs)·global) block by block inside the
-/// same kernel as [`linear`], so the products equal those of a real FP8/FP4 GEMM and only the
-/// f32 summation order differs.
 /// y[..m] = quant(x[..m])·wqᵀ (+ bias): a quantized engine's linear, the input quantized with
 /// `act` in the weight's format. CPU (the reference, the paper's emulated path): x is
 /// fake-quantized into the scratch `xq` (reshaped to x's row width), then [`linear_q`]. CUDA:
@@ -63,6 +59,10 @@ pub fn linear_act_q(dev: &Device, x: &Tensor, xq: &mut Tensor, act: &crate::ops:
     }
 }
 
+/// y[..m] (m, N) = x[..m] · dequant(wq)ᵀ (+ bias): the emulated low-precision linear. The weight
+/// is decoded exactly (FP8: e4m3·scale; NVFP4: f32(e2m1·bs)·global) block by block inside the
+/// same kernel as [`linear`], so the products equal those of a real FP8/FP4 GEMM and only the
+/// f32 summation order differs.
 pub fn linear_q(dev: &Device, x: &Tensor, wq: &crate::quant::QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
     let (n, k) = (wq.rows, wq.k);
     check_rows(x, m, k, "linear input")?;

@@ -247,7 +247,7 @@ fn run_some_beside_a_long_command_on_another_worker() {
     pool.set_on_failure(move |why| h2.lock().expect("hook").push(why.to_string()));
     let go = Arc::new(AtomicBool::new(false));
     let g2 = go.clone();
-    let long = pool
+    let mut long = pool
         .start_on(0, "generate", move |n| {
             while !g2.load(Ordering::SeqCst) {
                 std::thread::sleep(Duration::from_millis(1));

@@ -183,7 +183,7 @@ impl<S: Send + 'static> WorkerPool<S> {
             let _ = reply_tx.send(r);
         })?;
         let what = format!("worker {rank} ({}) exited without replying in phase '{phase}'", self.workers[rank].name);
-        Ok(Pending { rx: reply_rx, what, hook: self.on_failure.clone() })
+        Ok(Pending { rx: reply_rx, done: None, what, hook: self.on_failure.clone() })
     }
 
     /// Runs `f` on worker `rank` and waits for its result.
@@ -252,19 +252,31 @@ impl<S: Send + 'static> WorkerPool<S> {
 /// The outcome of a command started with [`WorkerPool::start_on`].
 pub struct Pending<R> {
     rx: Receiver<Result<R>>,
+    /// The outcome once collected by `is_done`.
+    done: Option<Result<R>>,
     what: String,
     hook: Option<Hook>,
 }
 
 impl<R> Pending<R> {
-    /// Whether the command has finished (its result is waiting).
-    pub fn is_done(&self) -> bool {
-        !self.rx.is_empty()
+    /// Whether the command has finished, or its worker died without replying.
+    pub fn is_done(&mut self) -> bool {
+        if self.done.is_none() {
+            self.done = match self.rx.try_recv() {
+                Ok(r) => Some(r),
+                Err(channel::TryRecvError::Disconnected) => Some(Err(anyhow!("{}", self.what))),
+                Err(channel::TryRecvError::Empty) => None,
+            };
+        }
+        self.done.is_some()
     }
 
     /// Blocks until the command finishes; its result (errors name the worker and phase).
-    pub fn wait(self) -> Result<R> {
-        let r = self.rx.recv().map_err(|_| anyhow!("{}", self.what)).and_then(|r| r);
+    pub fn wait(mut self) -> Result<R> {
+        let r = match self.done.take() {
+            Some(r) => r,
+            None => self.rx.recv().map_err(|_| anyhow!("{}", self.what)).and_then(|r| r),
+        };
         if let (Err(e), Some(hook)) = (&r, &self.hook) {
             hook(&format!("{e:#}"));
         }

@@ -48,13 +48,35 @@ pub struct Monitor {
 }
 
 /// What a checkpoint keeps of the monitor so that a resumed run calibrates τ (or keeps using
-/// it) exactly as the uninterrupted run does.
+/// it) exactly as the uninterrupted run does. Stored as the f64 bit patterns (JSON numbers
+/// would lose NaNs, which a step with a non-finite loss can put in the pool, and need not
+/// round-trip to the last bit).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+#[serde(from = "MonitorBits", into = "MonitorBits")]
 pub struct MonitorState {
     pub tau: Option<f64>,
     /// δ values of the healthy window pooled so far (empty once τ is set).
     pub pool: Vec<f64>,
     pub steps: u64,
+}
+
+#[derive(Serialize, serde::Deserialize)]
+struct MonitorBits {
+    tau_bits: Option<u64>,
+    pool_bits: Vec<u64>,
+    steps: u64,
+}
+
+impl From<MonitorState> for MonitorBits {
+    fn from(s: MonitorState) -> Self {
+        MonitorBits { tau_bits: s.tau.map(f64::to_bits), pool_bits: s.pool.iter().map(|x| x.to_bits()).collect(), steps: s.steps }
+    }
+}
+
+impl From<MonitorBits> for MonitorState {
+    fn from(b: MonitorBits) -> Self {
+        MonitorState { tau: b.tau_bits.map(f64::from_bits), pool: b.pool_bits.into_iter().map(f64::from_bits).collect(), steps: b.steps }
+    }
 }
 
 impl Monitor {
@@ -110,6 +132,16 @@ impl Monitor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The checkpoint's monitor state round-trips bit for bit, NaNs and all.
+    #[test]
+    fn monitor_state_round_trips_exactly() {
+        let s = MonitorState { tau: Some(-0.1 / 3.0), pool: vec![f64::NAN, -0.0, 1e-300, 0.1 + 0.2, f64::INFINITY], steps: 7 };
+        let back: MonitorState = serde_json::from_str(&serde_json::to_string(&s).unwrap()).unwrap();
+        assert_eq!(back.tau.map(f64::to_bits), s.tau.map(f64::to_bits));
+        assert_eq!(back.pool.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), s.pool.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        assert_eq!(back.steps, 7);
+    }
 
     #[test]
     fn tau_is_calibrated_once_from_the_healthy_window() {

@@ -206,7 +206,12 @@ impl Replica {
             let budget = job.run.memory_budget_mb.map(|m| m << 20).or(dev.memory_budget()).with_context(|| {
                 format!("device {rank} ({}): rollout.kv_cache_mb = 0 sizes the KV caches from what is left of the device's memory, but a CPU device has no budget of its own: set run.memory_budget_mb", dev.name())
             })?;
-            let used = trainer.weights.size_bytes() + trainer.state_bytes() + teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0) + engine_buffers;
+            // What lives on the device: the trainer's state does only on CPU devices (on CUDA the
+            // trainer still runs on the host). A tenth of the budget stays free for what the
+            // plan does not itemize: the engines' forward buffers, the activation arenas' growth,
+            // the allocator's size classes.
+            let trainer_here = if dev.is_cpu() { trainer.state_bytes() } else { 0 };
+            let used = trainer.weights.size_bytes() + trainer_here + teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0) + engine_buffers + budget / 10;
             // Every engine gets the same capacity in tokens: the rollout engine, the standard one
             // when it is another (evaluation, calibration) and the teacher's.
             let bs = s.engine.block_size;
@@ -226,10 +231,10 @@ impl Replica {
             if blocks == 0 {
                 let mib = |b: usize| b as f64 / (1 << 20) as f64;
                 bail!(
-                    "the plan does not fit device {rank} ({}): weights {:.0} MiB + trainer {:.0} MiB + teacher {:.0} MiB + engine buffers {:.0} MiB = {:.0} MiB of a {:.0} MiB budget leave no room for one KV block ({:.2} MiB); lower objective.micro_batch_tokens, raise run.memory_budget_mb, or add devices",
+                    "the plan does not fit device {rank} ({}): weights {:.0} MiB + trainer {:.0} MiB + teacher {:.0} MiB + engine buffers {:.0} MiB + a tenth kept free = {:.0} MiB of a {:.0} MiB budget leave no room for one KV block ({:.2} MiB); raise run.memory_budget_mb, use a smaller teacher or fewer engine copies (staleness, noise), or add devices",
                     dev.name(),
                     mib(trainer.weights.size_bytes()),
-                    mib(trainer.state_bytes()),
+                    mib(trainer_here),
                     mib(teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0)),
                     mib(engine_buffers),
                     mib(used),
@@ -329,6 +334,7 @@ impl Replica {
         let mut teacher = self.teacher.as_mut().filter(|_| link.teacher_temperature.is_some());
         let dev = engine.device().clone();
         engine.set_version(rw.version);
+        let mut loaded = trainer.version;
         dev.install(|| -> Result<()> {
             let mut popped: Vec<crate::engine::Request> = Vec::new();
             // Prompts of requests in flight (for teacher scoring): id -> (tokens, samples left).
@@ -343,10 +349,13 @@ impl Replica {
                         }
                     }
                 }
-                if let Some((v, master)) = link.newer_than(rw.version)? {
+                // `loaded`: the newest published version taken in; the engine stamps tokens with
+                // what its view reads (a stale engine's ring lags `loaded` by its staleness).
+                if let Some((v, master)) = link.newer_than(loaded)? {
                     trainer.load_weights(&master, v)?;
                     rw.sync(&trainer.weights, v)?;
-                    engine.set_version(v);
+                    engine.set_version(rw.version);
+                    loaded = v;
                 }
                 for r in popped.drain(..) {
                     if teacher.is_some() {

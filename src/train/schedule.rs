@@ -11,8 +11,10 @@
 //!   score and train, at the same time. Each generator runs one long command
 //!   (`Replica::generate_forever`) that pulls from the queue and posts to the board; after each
 //!   update the trainers publish their FP32 master, which the generators load in place between
-//!   engine steps. The queue holds this step's and the next k steps' requests, so no token is
-//!   sampled more than k versions before it is trained (the trainer's mask enforces it too).
+//!   engine steps. The queue holds this step's and the next k steps' requests, so tokens are
+//!   mostly within k versions when trained; the trainer's mask is what enforces the bound (a
+//!   version is one optimizer update: several per step with minibatches, and a group that
+//!   completes late is trained late).
 //!
 //! Owns: [`Scheduler`] (prompts in flight, the board, the generators' commands). May call: the
 //! worker pool.
@@ -189,7 +191,7 @@ impl Scheduler {
     /// since the last step.
     fn wait_split(&mut self, h: &Host, need: usize) -> Result<Vec<f64>> {
         while !self.link.board.wait_for(need, Duration::from_millis(20))? {
-            if let Some(i) = self.generators.iter().position(|p| p.is_done()) {
+            if let Some(i) = self.generators.iter_mut().position(|p| p.is_done()) {
                 let p = self.generators.remove(i);
                 p.wait().with_context(|| format!("generator on device {}", h.generators[i]))?;
                 bail!("the generator on device {} stopped before the run ended", h.generators[i]);

@@ -147,10 +147,12 @@ impl Trainer {
         self.n_params
     }
 
-    /// Bytes of this device's trainer state: its FP32 master and Adam shard, gradients (full and
-    /// shard), the all-gather buffer, activations.
+    /// Bytes of this device's trainer state: its FP32 master and Adam shard, gradients (per
+    /// tensor, flat and shard), the all-gather buffer, and the activation arenas as they are now
+    /// (they grow to the largest micro-batch seen).
     pub fn state_bytes(&self) -> usize {
-        4 * (self.opt.master.len() + self.opt.m.len() + self.opt.v.len() + self.flat_grad.len() + self.grad_shard.len() + self.gathered.len())
+        let grads: usize = self.grads.iter().map(|g| g.len()).sum();
+        4 * (self.opt.master.len() + self.opt.m.len() + self.opt.v.len() + grads + self.flat_grad.len() + self.grad_shard.len() + self.gathered.len())
             + self.model.activation_bytes()
     }
 
