@@ -4,47 +4,19 @@
 //! with random coefficients c_i (the form every objective reduces to), T = 0.7.
 //! Criterion: per tensor, ‖g − g_fd‖ / ‖g_fd‖ ≤ 1e-5 over the checked entries.
 
-use colotrain::model::config::{Arch, ModelConfig, Rope, RopeScaling};
+mod common;
+
+use colotrain::model::config::{Arch, ModelConfig};
 use colotrain::model::trainable::{TrainBatch, Trainable};
 use colotrain::model::weights::param_specs;
 use colotrain::rand::Stream;
 
 fn cfg(arch: Arch) -> ModelConfig {
-    let llama = arch == Arch::Llama;
-    ModelConfig {
-        arch,
-        vocab_size: 23,
-        hidden_size: 12,
-        intermediate_size: 20,
-        num_layers: 2,
-        num_heads: if arch == Arch::Qwen3 { 4 } else { 6 },
-        num_kv_heads: 2,
-        head_dim: if arch == Arch::Qwen3 { 6 } else { 2 },
-        rms_norm_eps: 1e-6,
-        rope: if llama {
-            Rope { theta: 10000.0, scaling: RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 4.0 } }
-        } else {
-            Rope { theta: 100.0, scaling: RopeScaling::None }
-        },
-        max_position_embeddings: 64,
-        tie_word_embeddings: arch == Arch::Qwen2,
-        qkv_bias: arch == Arch::Qwen2 || llama,
-        o_bias: llama,
-        mlp_bias: llama,
-        qk_norm: arch == Arch::Qwen3,
-        bos_token_id: None,
-        eos_token_ids: vec![],
-        pad_token_id: None,
-        torch_dtype: None,
-    }
+    common::grad_cfg(arch, 12, 20, 6)
 }
 
 fn batch() -> TrainBatch {
-    let mut b = TrainBatch::default();
-    b.push(&[1, 5, 7], &[2, 9, 11, 4]);
-    b.push(&[3], &[8, 22]);
-    b.push(&[6, 0, 13, 14, 2], &[17]);
-    b
+    common::grad_batch()
 }
 
 fn loss(m: &mut Trainable<f64>, p: &[Vec<f64>], b: &TrainBatch, coef: &[f64], t: f64) -> f64 {

@@ -30,7 +30,9 @@
 //! 3. the check discriminates: on every NVFP4 weight, the STE gradient differs from the dense
 //!    (unquantized) model's gradient at the same master weights by ≥ 5 % in norm, far above (2).
 
-use colotrain::model::config::{Arch, ModelConfig, Rope, RopeScaling};
+mod common;
+
+use colotrain::model::config::{Arch, ModelConfig};
 use colotrain::model::learner_quant::{LearnerQuant, DOWN, GATE, UP};
 use colotrain::model::trainable::{TrainBatch, Trainable};
 use colotrain::model::weights::param_specs;
@@ -42,43 +44,13 @@ const H: f64 = 1e-5;
 const ATOL: f64 = 1e-7;
 const RTOL: f64 = 1e-5;
 
+// NVFP4 blocks are 16 values along the reduction dimension: C and I multiples of 16.
 fn cfg(arch: Arch) -> ModelConfig {
-    let llama = arch == Arch::Llama;
-    ModelConfig {
-        arch,
-        vocab_size: 23,
-        // NVFP4 blocks are 16 values along the reduction dimension: C and I multiples of 16.
-        hidden_size: 16,
-        intermediate_size: 32,
-        num_layers: 2,
-        num_heads: if arch == Arch::Qwen3 { 4 } else { 8 },
-        num_kv_heads: 2,
-        head_dim: if arch == Arch::Qwen3 { 6 } else { 2 },
-        rms_norm_eps: 1e-6,
-        rope: if llama {
-            Rope { theta: 10000.0, scaling: RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 4.0 } }
-        } else {
-            Rope { theta: 100.0, scaling: RopeScaling::None }
-        },
-        max_position_embeddings: 64,
-        tie_word_embeddings: arch == Arch::Qwen2,
-        qkv_bias: arch == Arch::Qwen2 || llama,
-        o_bias: llama,
-        mlp_bias: llama,
-        qk_norm: arch == Arch::Qwen3,
-        bos_token_id: None,
-        eos_token_ids: vec![],
-        pad_token_id: None,
-        torch_dtype: None,
-    }
+    common::grad_cfg(arch, 16, 32, 8)
 }
 
 fn batch() -> TrainBatch {
-    let mut b = TrainBatch::default();
-    b.push(&[1, 5, 7], &[2, 9, 11, 4]);
-    b.push(&[3], &[8, 22]);
-    b.push(&[6, 0, 13, 14, 2], &[17]);
-    b
+    common::grad_batch()
 }
 
 /// The frozen quantization points of the surrogate: c = Q(z₀) − z₀ per quantized weight

@@ -124,3 +124,46 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// A tiny model of `arch` for the f64 gradient checks (hidden `c`, MLP `i`, `heads` query heads
+/// on llama/qwen2, 4 of head_dim 6 on qwen3): every feature of its architecture on (llama:
+/// llama3 RoPE and all biases; qwen2: q/k/v bias and a tied head; qwen3: q/k norm).
+pub fn grad_cfg(arch: colotrain::model::config::Arch, c: usize, i: usize, heads: usize) -> colotrain::model::config::ModelConfig {
+    use colotrain::model::config::{Arch, ModelConfig, Rope, RopeScaling};
+    let llama = arch == Arch::Llama;
+    ModelConfig {
+        arch,
+        vocab_size: 23,
+        hidden_size: c,
+        intermediate_size: i,
+        num_layers: 2,
+        num_heads: if arch == Arch::Qwen3 { 4 } else { heads },
+        num_kv_heads: 2,
+        head_dim: if arch == Arch::Qwen3 { 6 } else { c / heads },
+        rms_norm_eps: 1e-6,
+        rope: if llama {
+            Rope { theta: 10000.0, scaling: RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 4.0 } }
+        } else {
+            Rope { theta: 100.0, scaling: RopeScaling::None }
+        },
+        max_position_embeddings: 64,
+        tie_word_embeddings: arch == Arch::Qwen2,
+        qkv_bias: arch == Arch::Qwen2 || llama,
+        o_bias: llama,
+        mlp_bias: llama,
+        qk_norm: arch == Arch::Qwen3,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+        pad_token_id: None,
+        torch_dtype: None,
+    }
+}
+
+/// Three sequences of uneven prompt and response lengths (vocabulary 23).
+pub fn grad_batch() -> colotrain::model::trainable::TrainBatch {
+    let mut b = colotrain::model::trainable::TrainBatch::default();
+    b.push(&[1, 5, 7], &[2, 9, 11, 4]);
+    b.push(&[3], &[8, 22]);
+    b.push(&[6, 0, 13, 14, 2], &[17]);
+    b
+}
