@@ -125,6 +125,10 @@ fn split_placement_generates_beside_training_within_the_staleness_bound() {
             assert_eq!(u.len(), 2);
             assert!(u.iter().all(|x| x.as_f64().unwrap() > 0.0), "{u:?}");
         }
+        // The generator holds the compute weights alone: no master, moments or gradients.
+        let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+        let (gen, tr) = (plan[0]["trainer"].as_u64().unwrap(), plan[1]["trainer"].as_u64().unwrap());
+        assert!(gen * 10 < tr, "generator trainer state {gen} bytes vs the trainer's {tr}");
         // Five updates happened and were published; the checkpoint resumes.
         assert_eq!(m.last().unwrap()["version"].as_u64(), Some(5));
         let mut j2 = j.clone();

@@ -311,8 +311,8 @@ pub fn start(job: &JobConfig, resume: Option<&Path>, out_dir: &Path) -> Result<(
             Some(t) => crate::device::Device::Cpu(crate::device::CpuDevice::new(t.parse().unwrap_or(1), Some(cores[rank].clone()))?),
             None => crate::device::Device::parse(&names2[rank]).with_context(|| format!("device {rank} of {} ({}) is not available", names2.len(), names2[rank]))?,
         };
-        // A generator keeps a whole copy of the weights and trains nothing: a world of its own.
-        let dp = if rank < gens { Dp::single()? } else { Dp { rank: rank - gens, world: names2.len() - gens, coll: c2.clone() } };
+        // A generator keeps the compute weights alone and trains nothing.
+        let dp = (rank >= gens).then(|| Dp { rank: rank - gens, world: names2.len() - gens, coll: c2.clone() });
         Replica::new(rank, dev, &s2, dp)
     })?;
     // A failed device wakes the others out of their collectives instead of leaving them waiting.

@@ -171,7 +171,9 @@ pub fn load(src: &crate::config::ModelSource, dev: &Device) -> Result<LoadedMode
 }
 
 impl Replica {
-    pub fn new(rank: usize, dev: Device, s: &Setup, dp: Dp) -> Result<Replica> {
+    /// Device `rank`'s replica; `dp: None` for a device that only generates (its trainer holds
+    /// the compute weights alone).
+    pub fn new(rank: usize, dev: Device, s: &Setup, dp: Option<Dp>) -> Result<Replica> {
         let job = &s.job;
         let student = load(&job.model, &dev).with_context(|| format!("loading the student '{}'", job.model.path))?;
         // The memory plan, in order: the weights, the trainer's state (master/Adam shard,
@@ -197,7 +199,10 @@ impl Replica {
         let dtype = student.weights.dtype();
         let standard = s.spec.recipe.is_standard() && s.spec.noise_sigma == 0.0 && s.spec.staleness == 0;
         let engine_buffers = RolloutWeights::estimate_extra_bytes(&s.spec, &student.weights);
-        let trainer = Trainer::new_dp(&cfg, student.weights, job, dp)?;
+        let trainer = match dp {
+            Some(dp) => Trainer::new_dp(&cfg, student.weights, job, dp)?,
+            None => Trainer::weights_only(&cfg, student.weights, job)?,
+        };
         let rollout_ec = EngineConfig { kv_fp8: s.spec.recipe.kv_layers(), ..s.engine.clone() };
         let mut std_ec = s.engine.clone();
         let mut roll_ec = rollout_ec.clone();

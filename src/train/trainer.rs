@@ -63,6 +63,8 @@ pub struct Trainer {
     grad_shard: Vec<f32>, // (P / world) the reduce-scattered sum
     gathered: Vec<f32>,  // (P) all-gathered master weights (world > 1)
     n_params: usize,
+    /// A generator's copy: compute weights only (see [`Trainer::weights_only`]).
+    weights_only: bool,
     pub dp: Dp,
     pub objective: Objective,
     pub agg: LossAgg,
@@ -99,17 +101,30 @@ impl Trainer {
 
     /// Device `dp.rank` of `dp.world` (its optimizer holds its shard only).
     pub fn new_dp(cfg: &ModelConfig, weights: ModelWeights, job: &JobConfig, dp: Dp) -> Result<Trainer> {
+        Self::build(cfg, weights, job, dp, false)
+    }
+
+    /// The compute weights alone, for a device that only generates (a split placement's
+    /// generator): no master copy, optimizer moments or gradients; the weights change only
+    /// through [`Self::load_weights`] and [`Self::restore`].
+    pub fn weights_only(cfg: &ModelConfig, weights: ModelWeights, job: &JobConfig) -> Result<Trainer> {
+        Self::build(cfg, weights, job, Dp::single()?, true)
+    }
+
+    fn build(cfg: &ModelConfig, weights: ModelWeights, job: &JobConfig, dp: Dp, weights_only: bool) -> Result<Trainer> {
         let objective = Objective::from_job(job)?;
         let mut ranges = Vec::new();
         let mut master = Vec::new();
+        let mut n = 0;
         for t in weights.tensors() {
-            let v = t.to_f32_vec()?;
-            ranges.push(master.len()..master.len() + v.len());
-            master.extend_from_slice(&v);
+            ranges.push(n..n + t.numel());
+            n += t.numel();
+            if !weights_only {
+                master.extend_from_slice(&t.to_f32_vec()?);
+            }
         }
-        let grads = ranges.iter().map(|r| vec![0.0; r.len()]).collect();
-        let n = master.len();
-        let shard = dp.shard(n);
+        let grads = ranges.iter().map(|r| vec![0.0; if weights_only { 0 } else { r.len() }]).collect();
+        let shard = if weights_only { 0..0 } else { dp.shard(n) };
         let master = if dp.world == 1 { master } else { master[shard.clone()].to_vec() };
         Ok(Trainer {
             cfg: cfg.clone(),
@@ -118,10 +133,11 @@ impl Trainer {
             opt: Optimizer::new(&job.optimizer, master)?,
             ranges,
             grads,
-            flat_grad: vec![0.0; n],
+            flat_grad: vec![0.0; if weights_only { 0 } else { n }],
             grad_shard: vec![0.0; shard.len()],
             gathered: if dp.world == 1 { Vec::new() } else { vec![0.0; n] },
             n_params: n,
+            weights_only,
             dp,
             objective,
             agg: job.loss_agg()?,
@@ -221,6 +237,9 @@ impl Trainer {
     /// for OPD, rewards for RL, the sampler's top-k for score centering). With several devices,
     /// every device calls this with the same rollouts.
     pub fn step(&mut self, rollouts: &[Rollout]) -> Result<StepOut> {
+        if self.weights_only {
+            bail!("this device only generates (split placement): it holds no optimizer state to train with");
+        }
         let rollouts: Vec<Rollout> = rollouts.iter().filter(|r| !r.response.is_empty()).cloned().collect();
         if rollouts.is_empty() {
             bail!("training step with no response tokens");
@@ -398,6 +417,9 @@ impl Trainer {
     /// The full optimizer state (every device's shard gathered; call on every device):
     /// (master, exp_avg, exp_avg_sq), the moments empty under SGD.
     pub fn gather_state(&mut self) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        if self.weights_only {
+            bail!("this device only generates (split placement): it holds no optimizer state");
+        }
         if self.dp.world == 1 {
             return Ok((self.opt.master.clone(), self.opt.m.clone(), self.opt.v.clone()));
         }
@@ -421,6 +443,11 @@ impl Trainer {
         let n = self.n_params;
         if master.len() != n || (self.opt.kind == super::optimizer::Kind::AdamW && (m.len() != n || v.len() != n)) {
             bail!("checkpoint optimizer state has {} values, the model has {n} parameters", master.len());
+        }
+        if self.weights_only {
+            self.load_weights(&master, version)?;
+            (self.skipped_steps, self.rollout_steps) = (skipped, rollout_steps);
+            return Ok(());
         }
         // Each device keeps its shard; the compute weights come from the whole master.
         let shard = self.dp.shard(n);
