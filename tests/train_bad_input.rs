@@ -113,7 +113,7 @@ fn non_finite_steps_are_skipped_and_counted() {
 
 #[test]
 fn shipped_configs_parse() {
-    for f in ["configs/tiny-opd.toml", "configs/r1-distill-qwen-7b-opd.toml"] {
+    for f in ["configs/tiny-opd.toml", "configs/tiny-opd-split.toml", "configs/r1-distill-qwen-7b-opd.toml"] {
         let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(f);
         let j = JobConfig::from_file(&p).unwrap_or_else(|e| panic!("{f}: {e:#}"));
         assert_eq!(j.objective.kind, "opd");
@@ -121,6 +121,8 @@ fn shipped_configs_parse() {
     let j = JobConfig::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/r1-distill-qwen-7b-opd.toml")).unwrap();
     assert_eq!((j.rollout.prompts_per_step, j.rollout.samples_per_prompt, j.rollout.max_new_tokens, j.run.steps), (8, 8, 16384, 200));
     assert_eq!((j.optimizer.lr, j.optimizer.weight_decay, j.optimizer.grad_clip), (1e-6, 0.01, 1.0));
+    let s = JobConfig::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny-opd-split.toml")).unwrap();
+    assert_eq!((s.schedule.mode.as_str(), s.schedule.placement.as_str(), s.schedule.max_staleness, s.schedule.rollout_devices, s.run.devices), ("async", "split", 4, 1, 2));
 }
 
 /// The RL recipes parse and validate, with the papers' settings: seed 000 §5.5 / App. B.2 (GRPO
