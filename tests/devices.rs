@@ -255,3 +255,32 @@ fn split_generators_stamp_tokens_with_the_stale_engines_version() {
         assert!(gen > 0 && masked == gen, "step {}: {masked} of {gen} tokens masked", l["step"]);
     }
 }
+
+/// Split over three devices (one generator, two data-parallel trainers): the generator holds the
+/// teacher and the engines, the training lead holds the teacher for held-out evaluation, the
+/// other trainer neither; the run trains and evaluates.
+#[test]
+fn split_trainers_hold_only_what_their_role_needs() {
+    let t = TempDir::new("split-roles");
+    let dir = t.path().join("r");
+    let j = tiny(&dir, 3, |j| {
+        j.schedule.mode = "async".into();
+        j.schedule.placement = "split".into();
+        j.schedule.rollout_devices = 1;
+        j.schedule.max_staleness = 1;
+        j.run.steps = 3;
+        j.engine.recipe = "fp8".into();
+    });
+    let s = job::run(&j, &JobOptions::default()).unwrap();
+    assert!(s.evals.last().map(|e| e.kl.is_finite()).unwrap_or(false));
+    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+    let get = |d: usize, k: &str| plan[d][k].as_u64().unwrap();
+    assert!(get(0, "teacher") > 0 && get(1, "teacher") > 0 && get(2, "teacher") == 0, "{plan}");
+    // The generator's FP8 engine has its own cache beside the standard one; trainers only the
+    // standard engine's.
+    assert!(get(0, "kv_cache") > get(2, "kv_cache"), "{plan}");
+    // Every step trained on generated, teacher-scored responses (a trainer without a teacher
+    // would have failed the step had anything been left to score).
+    let m = lines(&dir);
+    assert!(m[1..].iter().all(|l| l["gen_tokens"].as_u64().unwrap() > 0));
+}

@@ -168,6 +168,10 @@ impl Host {
     /// Teacher log-probs for every rollout, scored on the training devices from a shared queue.
     pub fn score_teacher(&self, rollouts: &mut [Rollout]) -> Result<f64> {
         let reqs = rollout::teacher_requests(rollouts, self.job.rollout.temperature);
+        if reqs.is_empty() {
+            // Everything already scored (a split placement's generators score as they go).
+            return Ok(0.0);
+        }
         let q = replica::queue(reqs);
         let inflight = self.job.rollout.max_seqs;
         let t0 = Instant::now();

@@ -179,8 +179,14 @@ impl Replica {
         // The memory plan, in order: the weights, the trainer's state (master/Adam shard,
         // gradients, activation arenas), the teacher, the engine buffers; the KV caches get what
         // is left when rollout.kv_cache_mb = 0.
+        // Split placement: generators sample and teacher-score, trainers only train, and the
+        // training lead evaluates (held-out KL needs the teacher); the other trainers need
+        // neither a teacher nor a rollout engine.
+        let split = job.schedule.placement == "split";
+        let lead_or_all = !split || dp.as_ref().map(|d| d.rank == 0).unwrap_or(true);
+        let generates = !split || dp.is_none();
         let teacher = match &job.teacher {
-            Some(t) if job.objective.kind == "opd" => {
+            Some(t) if job.objective.kind == "opd" && lead_or_all => {
                 let tm = load(t, &dev).with_context(|| format!("loading the teacher '{}'", t.path))?;
                 if tm.cfg.vocab_size != student.cfg.vocab_size {
                     bail!(
@@ -197,7 +203,9 @@ impl Replica {
         };
         let cfg = student.cfg.clone();
         let dtype = student.weights.dtype();
-        let standard = s.spec.recipe.is_standard() && s.spec.noise_sigma == 0.0 && s.spec.staleness == 0;
+        // A separate rollout engine: only where the recipe differs from the standard one and the
+        // device generates.
+        let standard = (s.spec.recipe.is_standard() && s.spec.noise_sigma == 0.0 && s.spec.staleness == 0) || !generates;
         let engine_buffers = RolloutWeights::estimate_extra_bytes(&s.spec, &student.weights);
         let trainer = match dp {
             Some(dp) => Trainer::new_dp(&cfg, student.weights, job, dp)?,
