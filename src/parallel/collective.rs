@@ -3,7 +3,8 @@
 //!
 //! Owns: the [`Collective`] trait, [`shard_range`] (the one definition of who owns which slice of a
 //! flat buffer) and [`InProcess`], the CPU implementation (shared staging slots + an abortable
-//! barrier). The CUDA build will add an NCCL implementation behind the same trait.
+//! barrier). An NCCL implementation belongs behind the same trait once gradients live on the
+//! GPU (the trainer still runs on the host).
 //! May call: std sync primitives. Must not touch: models, tensors, devices or training state.
 
 use anyhow::{anyhow, bail, Result};

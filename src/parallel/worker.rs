@@ -1,8 +1,9 @@
 //! A pool of worker threads, one per device, each owning a state `S` (its model replica, …) and
 //! running commands sent by the orchestrator thread.
 //!
-//! Owns: the worker threads, their command channels, panic capture and poisoning, core pinning,
-//! and [`split_cores`]. May call: crossbeam channels, core_affinity, std threads, tracing.
+//! Owns: the worker threads, their command channels (commands to one, some or all workers, and
+//! long-running ones collected later through [`Pending`]), panic capture and poisoning, core
+//! pinning, and [`split_cores`]. May call: crossbeam channels, core_affinity, std threads, tracing.
 //! Must not touch: models, devices or training; the state `S` is opaque here.
 
 use super::collective::shard_range;

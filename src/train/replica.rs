@@ -1,11 +1,13 @@
 //! One device's share of the job, owned by that device's worker thread: its student replica
-//! (the compute weights the engines read, the trainer with its optimizer shard), its standard
-//! and rollout engines with their quantized/stale/noisy buffers, and its teacher replica. The
-//! orchestrator (`job.rs`) sends it commands; it never sees another device's state except
-//! through the collectives inside `Trainer::step`.
+//! (the compute weights the engines read, the trainer with its optimizer shard — or, on a split
+//! placement's generator, the weights alone), its standard and rollout engines with their
+//! quantized/stale/noisy buffers, and its teacher replica, sized by the memory plan. The
+//! orchestrator (`job.rs`) sends it commands; it sees other devices only through the
+//! collectives inside `Trainer::step` and, for asynchronous schedules, the shared queue, the
+//! [`Board`] of completions and the [`GenLink`] weight mailbox.
 //!
-//! Owns: [`Replica`]. May call: engines, the trainer, rollouts. Must not: write run files other
-//! than the checkpoint rank 0 is asked to write.
+//! Owns: [`Replica`], [`Board`], [`GenLink`]. May call: engines, the trainer, rollouts. Must
+//! not: write run files other than the checkpoint the training lead is asked to write.
 
 use super::dp::Dp;
 use super::rollout::{self, Rollout, WorkQueue};
