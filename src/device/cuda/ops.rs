@@ -514,13 +514,18 @@ pub fn sample(d: &CudaDevice, z: &Tensor, params: &[SampleParams], tokens: &mut 
     })?;
     d.dtoh(&mut tokens[..s], tbuf.ptr)?;
     d.dtoh(&mut logprobs[..s], lbuf.ptr)?;
-    let mut row = Vec::new();
-    for (i, p) in params.iter().enumerate().filter(|(_, p)| !on_device(p, v)) {
-        row.resize(v, 0.0f32);
-        d.dtoh(&mut row, zp + (i * v * 4) as u64)?;
-        let (t, l) = crate::ops::sample::sample_row(&row, p);
-        tokens[i] = t;
-        logprobs[i] = l;
+    // Truncated (top-k / top-p) rows are sampled on the host by the CPU twin: their logits come
+    // over in one copy (one wait, not one per row) and the rows are sampled in parallel.
+    let off: Vec<usize> = (0..s).filter(|&i| !on_device(&params[i], v)).collect();
+    if let (Some(&first), Some(&last)) = (off.first(), off.last()) {
+        use rayon::prelude::*;
+        let mut host = vec![0.0f32; (last - first + 1) * v];
+        d.dtoh(&mut host, zp + (first * v * 4) as u64)?;
+        let drawn: Vec<(u32, f32)> = off.par_iter().map(|&i| crate::ops::sample::sample_row(&host[(i - first) * v..(i - first + 1) * v], &params[i])).collect();
+        for (&i, (t, l)) in off.iter().zip(drawn) {
+            tokens[i] = t;
+            logprobs[i] = l;
+        }
     }
     Ok(())
 }
