@@ -166,6 +166,9 @@ pub mod ops {
     pub fn requantize(d: &CudaDevice, _src: &Tensor, _q: &mut crate::quant::QTensor, _name: &str) -> Result<()> {
         match *d {}
     }
+    pub fn requantize_all(d: &CudaDevice, _items: &mut [(&Tensor, &mut crate::quant::QTensor, &str)]) -> Result<()> {
+        match *d {}
+    }
     pub fn amax_rows(d: &CudaDevice, _x: &Tensor, _m: usize) -> Result<f32> {
         match *d {}
     }

@@ -318,70 +318,85 @@ pub fn amax_rows(d: &CudaDevice, x: &Tensor, m: usize) -> Result<f32> {
 /// from the amax on the device), then the amax comes back to the host for the NaN check and
 /// `q.scale`. One synchronization per tensor.
 pub fn requantize(d: &CudaDevice, src: &Tensor, q: &mut QTensor, name: &str) -> Result<()> {
-    let n = q.rows * q.k;
-    if src.numel() != n {
-        bail!("{name}: quantizing {} values into a buffer of {n}", src.numel());
+    requantize_all(d, &mut [(src, q, name)])
+}
+
+/// Re-quantizes every (source, buffer, name) in place: per tensor an amax kernel and a quantize
+/// kernel that reads that amax on the device, all queued on the stream, then one read-back of
+/// every amax (one wait per resync instead of one per tensor) for the host-side scales.
+pub fn requantize_all(d: &CudaDevice, items: &mut [(&Tensor, &mut QTensor, &str)]) -> Result<()> {
+    if items.is_empty() {
+        return Ok(());
     }
-    let sp = ptr(d, src, FLOATS, name)?;
-    let signs = q.opts.rht.map(nvfp4::rht_signs);
-    let buf = d.scratch(4, "amax")?;
-    d.memset0(buf.ptr, 4)?;
-    d.k_amax(ffi::ct_amax_params {
-        x: sp as *const c_void,
-        dtype: code(src.dtype()),
-        n: n as i64,
-        rht: signs.is_some() as i32,
-        signs: signs.unwrap_or([1.0; 16]),
-        amax_bits: buf.ptr as *mut u32,
-    })?;
-    let codes = ptr(d, &q.codes, &[DType::U8], "quantized codes")?;
-    match q.format {
-        QFormat::Fp8 => d.k_quant_fp8(ffi::ct_quant_fp8_params {
+    let buf = d.scratch(4 * items.len(), "amax")?;
+    d.memset0(buf.ptr, 4 * items.len())?;
+    for (t, (src, q, name)) in items.iter().enumerate() {
+        let n = q.rows * q.k;
+        if src.numel() != n {
+            bail!("{name}: quantizing {} values into a buffer of {n}", src.numel());
+        }
+        let sp = ptr(d, src, FLOATS, name)?;
+        let signs = q.opts.rht.map(nvfp4::rht_signs);
+        let amax = buf.ptr + 4 * t as u64;
+        d.k_amax(ffi::ct_amax_params {
             x: sp as *const c_void,
             dtype: code(src.dtype()),
             n: n as i64,
-            amax_bits: buf.ptr as *const u32,
-            fixed_scale: 0.0,
-            codes: codes as *mut u8,
-            dequant: std::ptr::null_mut(),
-            scale_out: std::ptr::null_mut(),
-        })?,
-        QFormat::Nvfp4 => {
-            let scales = ptr(d, &q.block_scales, &[DType::U8], "block scales")?;
-            d.k_quant_nvfp4(ffi::ct_quant_nvfp4_params {
+            rht: signs.is_some() as i32,
+            signs: signs.unwrap_or([1.0; 16]),
+            amax_bits: amax as *mut u32,
+        })?;
+        let codes = ptr(d, &q.codes, &[DType::U8], "quantized codes")?;
+        match q.format {
+            QFormat::Fp8 => d.k_quant_fp8(ffi::ct_quant_fp8_params {
                 x: sp as *const c_void,
                 dtype: code(src.dtype()),
                 n: n as i64,
-                amax_bits: buf.ptr as *const u32,
-                fixed_global: 0.0,
-                rht: signs.is_some() as i32,
-                signs: signs.unwrap_or([1.0; 16]),
-                stochastic: q.opts.stochastic.is_some() as i32,
-                sr_seed: q.opts.stochastic.unwrap_or(0),
-                packed: codes as *mut u8,
-                scales: scales as *mut u8,
+                amax_bits: amax as *const u32,
+                fixed_scale: 0.0,
+                codes: codes as *mut u8,
                 dequant: std::ptr::null_mut(),
-                global_out: std::ptr::null_mut(),
-            })?
-        }
-    }
-    let mut bits = [0u32; 1];
-    d.dtoh(&mut bits, buf.ptr)?;
-    let amax = f32::from_bits(bits[0]);
-    if !amax.is_finite() {
-        bail!("{name}: cannot quantize a tensor holding NaN or Inf values");
-    }
-    // The same f32 arithmetic as the kernels and as QTensor::requantize_cpu.
-    q.scale = match q.format {
-        QFormat::Fp8 => {
-            if amax > 0.0 {
-                amax / crate::quant::fp8::E4M3.max()
-            } else {
-                1.0
+                scale_out: std::ptr::null_mut(),
+            })?,
+            QFormat::Nvfp4 => {
+                let scales = ptr(d, &q.block_scales, &[DType::U8], "block scales")?;
+                d.k_quant_nvfp4(ffi::ct_quant_nvfp4_params {
+                    x: sp as *const c_void,
+                    dtype: code(src.dtype()),
+                    n: n as i64,
+                    amax_bits: amax as *const u32,
+                    fixed_global: 0.0,
+                    rht: signs.is_some() as i32,
+                    signs: signs.unwrap_or([1.0; 16]),
+                    stochastic: q.opts.stochastic.is_some() as i32,
+                    sr_seed: q.opts.stochastic.unwrap_or(0),
+                    packed: codes as *mut u8,
+                    scales: scales as *mut u8,
+                    dequant: std::ptr::null_mut(),
+                    global_out: std::ptr::null_mut(),
+                })?
             }
         }
-        QFormat::Nvfp4 => nvfp4::global_scale(amax),
-    };
+    }
+    let mut bits = vec![0u32; items.len()];
+    d.dtoh(&mut bits, buf.ptr)?;
+    for ((_, q, name), b) in items.iter_mut().zip(bits) {
+        let amax = f32::from_bits(b);
+        if !amax.is_finite() {
+            bail!("{name}: cannot quantize a tensor holding NaN or Inf values");
+        }
+        // The same f32 arithmetic as the kernels and as QTensor::requantize_cpu.
+        q.scale = match q.format {
+            QFormat::Fp8 => {
+                if amax > 0.0 {
+                    amax / crate::quant::fp8::E4M3.max()
+                } else {
+                    1.0
+                }
+            }
+            QFormat::Nvfp4 => nvfp4::global_scale(amax),
+        };
+    }
     Ok(())
 }
 
