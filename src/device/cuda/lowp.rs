@@ -16,11 +16,11 @@
 //! Not yet run on a GPU.
 
 use super::blas::Elem;
-use super::ops::{add_bias, dequant, gemm, i32_of, ptr};
+use super::ops::{add_bias, dequant, gemm, i32_of, ptr, quant_rows_fixed};
 use super::{ffi, CudaDevice, DevBuf};
 use crate::device::{DType, Tensor};
 use crate::ops::quantize::ActQuant;
-use crate::quant::nvfp4::{self, Nvfp4Opts};
+use crate::quant::nvfp4::Nvfp4Opts;
 use crate::quant::qtensor::{QFormat, QTensor};
 use anyhow::{bail, Result};
 use std::ffi::c_void;
@@ -49,43 +49,16 @@ pub fn quantize_act(d: &CudaDevice, x: &Tensor, m: usize, act: &ActQuant) -> Res
     let n = m * k;
     match *act {
         ActQuant::Fp8 { scale } => {
-            if !(scale > 0.0 && scale.is_finite()) {
-                bail!("FP8 activation scale must be positive and finite, got {scale}");
-            }
             let codes = d.scratch(n, "FP8 activation codes")?;
-            d.k_quant_fp8(ffi::ct_quant_fp8_params {
-                x: xp as *const c_void,
-                dtype: ffi::CT_DTYPE_F32,
-                n: n as i64,
-                amax_bits: std::ptr::null(),
-                fixed_scale: scale,
-                codes: codes.ptr as *mut u8,
-                dequant: std::ptr::null_mut(),
-                scale_out: std::ptr::null_mut(),
-            })?;
+            quant_rows_fixed(d, xp, m, k, act, codes.ptr, 0, 0)?;
             Ok(QAct { codes, scales: None, scale, rows: m, k })
         }
-        ActQuant::Nvfp4 { global, opts } => {
-            if !(global > 0.0 && global.is_finite()) || k % 16 != 0 {
-                bail!("NVFP4 activations need a positive global scale and K % 16 == 0 (global {global}, K = {k})");
+        ActQuant::Nvfp4 { global, .. } => {
+            if k % 16 != 0 {
+                bail!("NVFP4 activations need K % 16 == 0, got K = {k}");
             }
             let (codes, scales) = (d.scratch(n / 2, "NVFP4 activation codes")?, d.scratch(n / 16, "NVFP4 activation scales")?);
-            let signs = opts.rht.map(nvfp4::rht_signs);
-            d.k_quant_nvfp4(ffi::ct_quant_nvfp4_params {
-                x: xp as *const c_void,
-                dtype: ffi::CT_DTYPE_F32,
-                n: n as i64,
-                amax_bits: std::ptr::null(),
-                fixed_global: global,
-                rht: signs.is_some() as i32,
-                signs: signs.unwrap_or([1.0; 16]),
-                stochastic: opts.stochastic.is_some() as i32,
-                sr_seed: opts.stochastic.unwrap_or(0),
-                packed: codes.ptr as *mut u8,
-                scales: scales.ptr as *mut u8,
-                dequant: std::ptr::null_mut(),
-                global_out: std::ptr::null_mut(),
-            })?;
+            quant_rows_fixed(d, xp, m, k, act, codes.ptr, scales.ptr, 0)?;
             Ok(QAct { codes, scales: Some(scales), scale: global, rows: m, k })
         }
         ActQuant::None => bail!("quantize_act: no activation format given"),

@@ -446,9 +446,22 @@ pub fn fake_quant_rows(d: &CudaDevice, x: &Tensor, y: &mut Tensor, m: usize, q: 
     let k = x.dim(x.shape().len() - 1);
     let xp = ptr(d, x, &[DType::F32], "fake_quant input")?;
     let yp = ptr(d, y, &[DType::F32], "fake_quant output")?;
-    let n = m * k;
     match *q {
-        ActQuant::None => d.dtod(yp, xp, n * 4),
+        ActQuant::None => d.dtod(yp, xp, m * k * 4),
+        _ => quant_rows_fixed(d, xp, m, k, q, 0, 0, yp),
+    }
+}
+
+/// Quantizes f32 rows x (m, K) at `xp` with the fixed scale of `q` (FP8: scale; NVFP4: global,
+/// with dynamic block scales, RHT and stochastic rounding as its options), writing whichever of
+/// codes (`codes`), NVFP4 block scales (`scales`) and dequantized values (`dequant`) is non-zero.
+/// The one launch of the quantize kernels for activations (fake_quant_rows, lowp::quantize_act).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn quant_rows_fixed(d: &CudaDevice, xp: u64, m: usize, k: usize, q: &ActQuant, codes: u64, scales: u64, dequant: u64) -> Result<()> {
+    let n = m * k;
+    let out = |p: u64| p as *mut u8;
+    match *q {
+        ActQuant::None => bail!("quantizing activations without a format"),
         ActQuant::Fp8 { scale } => {
             if !(scale > 0.0 && scale.is_finite()) {
                 bail!("FP8 activation scale must be positive and finite, got {scale}");
@@ -459,8 +472,8 @@ pub fn fake_quant_rows(d: &CudaDevice, x: &Tensor, y: &mut Tensor, m: usize, q: 
                 n: n as i64,
                 amax_bits: std::ptr::null(),
                 fixed_scale: scale,
-                codes: std::ptr::null_mut(),
-                dequant: f32p(yp),
+                codes: out(codes),
+                dequant: f32p(dequant),
                 scale_out: std::ptr::null_mut(),
             })
         }
@@ -482,9 +495,9 @@ pub fn fake_quant_rows(d: &CudaDevice, x: &Tensor, y: &mut Tensor, m: usize, q: 
                 signs: signs.unwrap_or([1.0; 16]),
                 stochastic: opts.stochastic.is_some() as i32,
                 sr_seed: opts.stochastic.unwrap_or(0),
-                packed: std::ptr::null_mut(),
-                scales: std::ptr::null_mut(),
-                dequant: f32p(yp),
+                packed: out(codes),
+                scales: out(scales),
+                dequant: f32p(dequant),
                 global_out: std::ptr::null_mut(),
             })
         }
