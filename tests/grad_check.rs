@@ -33,13 +33,7 @@ fn backward_matches_finite_differences_in_f64() {
         let cfg = cfg(arch);
         let specs = param_specs(&cfg);
         let mut rng = Stream::new(42, arch as u64);
-        let mut p: Vec<Vec<f64>> = specs
-            .iter()
-            .map(|(name, shape)| {
-                let n: usize = shape.iter().product();
-                (0..n).map(|_| if name.ends_with("norm.weight") { 1.0 + 0.2 * rng.normal() } else { 0.4 * rng.normal() }).collect()
-            })
-            .collect();
+        let mut p: Vec<Vec<f64>> = common::grad_params(&specs, &mut rng);
         let b = batch();
         let coef: Vec<f64> = (0..b.rows.len()).map(|_| rng.normal()).collect();
         let t = 0.7;

@@ -251,13 +251,7 @@ fn nvfp4_learner_backward_is_the_straight_through_gradient() {
         let cfg = cfg(case.arch);
         let specs = param_specs(&cfg);
         let mut rng = Stream::new(2024, ci as u64);
-        let mut p: Vec<Vec<f64>> = specs
-            .iter()
-            .map(|(name, shape)| {
-                let n: usize = shape.iter().product();
-                (0..n).map(|_| if name.ends_with("norm.weight") { 1.0 + 0.2 * rng.normal() } else { 0.4 * rng.normal() }).collect()
-            })
-            .collect();
+        let mut p: Vec<Vec<f64>> = common::grad_params(&specs, &mut rng);
         let b = batch();
         let coef: Vec<f64> = (0..b.rows.len()).map(|_| rng.normal()).collect();
         let t = 0.7;

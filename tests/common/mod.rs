@@ -167,3 +167,14 @@ pub fn grad_batch() -> colotrain::model::trainable::TrainBatch {
     b.push(&[6, 0, 13, 14, 2], &[17]);
     b
 }
+
+/// Random f64 parameters for `grad_cfg` models: norm weights 1 + 0.2·N(0, 1), the rest 0.4·N(0, 1).
+pub fn grad_params(specs: &[(String, Vec<usize>)], rng: &mut colotrain::rand::Stream) -> Vec<Vec<f64>> {
+    specs
+        .iter()
+        .map(|(name, shape)| {
+            let n: usize = shape.iter().product();
+            (0..n).map(|_| if name.ends_with("norm.weight") { 1.0 + 0.2 * rng.normal() } else { 0.4 * rng.normal() }).collect()
+        })
+        .collect()
+}
