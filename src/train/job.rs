@@ -497,9 +497,11 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             .zip(&train_busy)
             .map(|(g, t)| ((g + t + teacher_util.unwrap_or(0.0) * time.teacher / host.devices() as f64) / time.total.max(1e-9)).min(1.0))
             .collect();
+        // One round trip to the training lead for its counters.
+        let (version, skipped_steps) = host.trainer_counters()?;
         let mut m = StepMetrics {
             step,
-            version: host.trainer_counters()?.0,
+            version,
             gen_tokens,
             tokens_per_s: gen_tokens as f64 / time.rollout.max(1e-9),
             updates_per_hour: done_steps * 3600.0 / t_loop.elapsed().as_secs_f64().max(1e-9),
@@ -523,7 +525,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             time,
             ..Default::default()
         };
-        m.skipped_steps = host.trainer_counters()?.1;
+        m.skipped_steps = skipped_steps;
         m.sampling_logp_difference = LogpDifference { mean: m.mismatch.abs_mean, max: m.mismatch.abs_max };
         let eval_now = evaluate && (step == job.run.steps || (job.eval.every > 0 && step % job.eval.every == 0));
         if eval_now {
