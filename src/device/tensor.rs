@@ -382,6 +382,21 @@ impl<'a> CpuFloats<'a> {
 
     /// Converts `range` to f32 into `out` (same length).
     #[inline]
+    /// The stored bytes of values `start..` (NVFP4: the packed codes from value `start`, its
+    /// scales aside): what a reader of those values will touch first, for prefetching.
+    pub fn bytes_from(&self, start: usize) -> &'a [u8] {
+        fn tail<T: bytemuck::Pod>(v: &[T], start: usize) -> &[u8] {
+            bytemuck::cast_slice(&v[start.min(v.len())..])
+        }
+        match *self {
+            CpuFloats::F32(v) => tail(v, start),
+            CpuFloats::BF16(v) => tail(v, start),
+            CpuFloats::F16(v) => tail(v, start),
+            CpuFloats::Fp8 { codes, .. } => tail(codes, start),
+            CpuFloats::Nvfp4 { packed, .. } => tail(packed, start / 2),
+        }
+    }
+
     pub fn read_into(&self, start: usize, out: &mut [f32]) {
         let n = out.len();
         match self {

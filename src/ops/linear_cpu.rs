@@ -1,215 +1,478 @@
-//! The CPU kernel behind `ops::linear` (y = x · Wᵀ for an nn.Linear weight W (N, K)): a
-//! register-blocked dot-product kernel (3 rows of x × 4 rows of W per tile, 8 f32 lanes along
-//! K, AVX2+FMA when the CPU has them), tiled so that a block of W stays in cache while every
-//! row of x streams past it, parallel over (row block, weight block) tiles.
+//! The CPU kernel behind `ops::linear` (y = x · Wᵀ for an nn.Linear weight W (N, K)).
+//!
+//! Every output element is one sequential fused multiply-add chain over K, from 0:
+//! `acc = fma(x[i][p], w[j][p], acc)` for p = 0, 1, …, K−1. Vector lanes never split K; they
+//! run across rows of x or across rows of W instead, so no horizontal sums are needed:
+//! - each block of 16 weight rows is widened to f32 and packed into a panel, (K, 16), while the
+//!   next block is prefetched (row-major W read 16 rows at a time is 16 streams, which alias in
+//!   L1 when a row is 4 KiB);
+//! - a group of 9–16 rows of x (AVX-512) is transposed once per call, (K, 16), and an
+//!   instruction multiplies one weight, broadcast, with a column of 16 rows (AVX2: 8 rows);
+//! - a group of ≤ 8 rows (AVX-512) instead multiplies one x value, broadcast, with a panel row of
+//!   16 weights, up to 4 rows × 4 panels per register tile: no idle lanes at batch 1.
 //!
 //! Two properties the decoding engine relies on:
-//! - **Batch invariance**: every output element is reduced over K in the same order (8 lane
-//!   partial sums, a fixed horizontal sum, then the K % 8 tail), whatever the number of rows,
-//!   their position in the batch or the tiling. So a sequence's logits do not depend on what
-//!   else is in the batch, and samples are reproducible across batch sizes and arrival orders.
-//! - **No allocation in steady state**: BF16/F16 weight blocks are widened into thread-local
-//!   scratch that is grown once. (The `gemm` crate, used for the large training GEMMs in
-//!   `gemm_cpu`, allocates packing buffers on every call.)
+//! - **Batch invariance**: a lane's arithmetic does not depend on its neighbours, the vector
+//!   width or the tiling (FMA rounds once, lane by lane), so a row's result is bit-identical
+//!   whatever else is in the batch, where it sits, and whether the CPU has AVX-512, AVX2 or
+//!   neither (the portable path runs the same chain with `f32::mul_add`). Logits therefore do
+//!   not depend on batch composition, and samples are reproducible across batch sizes.
+//! - **No allocation in steady state**: the transposed x, widened BF16/F16/FP8/NVFP4 weight rows
+//!   and the panels live in thread-local scratch that [`reserve`] grows once. (The `gemm`
+//!   crate, used for the large training GEMMs in `gemm_cpu`, allocates on every call.)
+//!
+//! Owns: that scratch. May call: rayon, `CpuFloats` decoding. Must not touch: devices, tensors.
 
 use super::gemm_cpu::SendPtr;
 use crate::device::CpuFloats;
 use rayon::prelude::*;
 use std::cell::RefCell;
 
-const MR: usize = 3;
-const NR: usize = 4;
-/// Rows of x per task.
-const MB: usize = 3 * 64;
+/// Row lanes per group of the transposed x block (one AVX-512 register of f32), and weight
+/// rows per packed panel.
+const G: usize = 16;
+/// Rows of x per task (a multiple of G).
+const MB: usize = 12 * G;
+/// Weight rows packed (and kept in cache across the row groups) at a time (a multiple of G);
+/// also how far ahead the next rows are prefetched (one panel ahead, into L2, measured best on
+/// the 2-core Zen 4 VM among 1, 2 and 4 panels and L1/L2/L3 hints).
+const NB: usize = G;
 
 thread_local! {
-    static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The caller's x transposed: (⌈m / G⌉ groups, K, G).
+    static XT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// NB weight rows widened to f32, row-major (BF16/F16/FP8/NVFP4 weights only).
+    static ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// NB weight rows packed: (NB / G panels, K, G).
+    static PANELS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Grows this thread's widening scratch to at least `n` values.
-pub fn reserve(n: usize) {
-    WIDE.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.len() < n {
-            s.resize(n, 0.0);
-        }
-    });
+/// The first `n` values of `s`, grown (once) when it is shorter.
+fn scratch(s: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if s.len() < n {
+        s.resize(n, 0.0);
+    }
+    &mut s[..n]
 }
 
-/// y[i·ldy + j] (+)= Σ_p x[i·k + p] · w[j·k + p] for i < m, j < n.
+/// Grows this thread's scratch for linears of up to `max_rows` rows and reduction dimension
+/// `max_k`.
+pub fn reserve(max_k: usize, max_rows: usize) {
+    XT.with(|s| _ = scratch(&mut s.borrow_mut(), max_rows.next_multiple_of(G) * max_k));
+    ROWS.with(|s| _ = scratch(&mut s.borrow_mut(), NB * max_k));
+    PANELS.with(|s| _ = scratch(&mut s.borrow_mut(), NB * max_k));
+}
+
+/// y[i·ldy + j] (+)= Σ_p x[i·k + p] · w[j·k + p] for i < m, j < n (the sum: one FMA chain over
+/// p = 0..k from 0; `accumulate` adds it to y).
 pub fn linear_nt(m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y: &mut [f32], ldy: usize, accumulate: bool) {
+    linear_isa(Isa::detect(), m, n, k, x, w, y, ldy, accumulate)
+}
+
+/// [`linear_nt`] on a given instruction set (tests check that they all agree bit for bit).
+#[allow(clippy::too_many_arguments)]
+fn linear_isa(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y: &mut [f32], ldy: usize, accumulate: bool) {
     if m == 0 || n == 0 {
         return;
     }
     assert!(x.len() >= m * k, "linear: x too short");
     assert!(w.len() >= n * k, "linear: w too short");
     assert!(y.len() >= (m - 1) * ldy + n, "linear: y too short");
+    if k == 0 {
+        if !accumulate {
+            y.chunks_mut(ldy).take(m).for_each(|r| r[..n].fill(0.0));
+        }
+        return;
+    }
     let threads = rayon::current_num_threads().max(1);
-    // Weight rows per task: enough tasks for every thread, at most 64 rows (a cache-sized block).
-    let nb = (n.div_ceil(threads * 2)).next_multiple_of(NR).clamp(NR, 64);
-    let n_tasks = n.div_ceil(nb);
+    // Weight rows per task: about two tasks per thread (work stealing balances them), whole
+    // panels.
+    let nt = n.div_ceil(threads * 2).next_multiple_of(G);
+    let n_tasks = n.div_ceil(nt);
     let m_tasks = m.div_ceil(MB);
     let yp = SendPtr(y.as_mut_ptr());
-    (0..n_tasks * m_tasks).into_par_iter().for_each(|t| {
-        let (bj, bi) = (t / m_tasks, t % m_tasks);
-        let (j0, i0) = (bj * nb, bi * MB);
-        let (nj, mi) = (nb.min(n - j0), MB.min(m - i0));
-        let run = |wblk: &[f32]| {
-            // SAFETY: tile (i0.., j0..) of y is written by this task only (tasks partition
-            // rows × columns), and the extent was checked above.
-            unsafe { block(mi, nj, k, &x[i0 * k..], wblk, yp.get().add(i0 * ldy + j0), ldy, accumulate) }
-        };
-        match w {
-            CpuFloats::F32(wd) => run(&wd[j0 * k..(j0 + nj) * k]),
-            _ => WIDE.with(|s| {
-                let mut s = s.borrow_mut();
-                if s.len() < nj * k {
-                    s.resize(nj * k, 0.0);
-                }
-                w.read_into(j0 * k, &mut s[..nj * k]);
-                run(&s[..nj * k]);
-            }),
+    // x transposed once, by the calling thread, into its scratch; the tasks only read it.
+    let run = |xt: &mut [f32]| {
+        // (With AVX-512 a single group of ≤ 8 rows reads x row-major; see `block`.)
+        if !(isa == Isa::Avx512 && m <= 8) {
+            transpose(&x[..m * k], m, k, xt);
         }
+        let xt = &*xt;
+        (0..n_tasks * m_tasks).into_par_iter().for_each(|t| {
+            let (bj, bi) = (t / m_tasks, t % m_tasks);
+            let (j0, i0) = (bj * nt, bi * MB);
+            let (nj, mi) = (nt.min(n - j0), MB.min(m - i0));
+            let xb = &xt[i0 * k..(i0 + mi.div_ceil(G) * G) * k];
+            PANELS.with(|pn| {
+                let mut pn = pn.borrow_mut();
+                let mut jb = j0;
+                while jb < j0 + nj {
+                    let nbj = NB.min(j0 + nj - jb);
+                    let panels = scratch(&mut pn, nbj.div_ceil(G) * G * k);
+                    match w {
+                        CpuFloats::F32(wd) => pack(isa, &wd[jb * k..(jb + nbj) * k], nbj, k, panels),
+                        _ => ROWS.with(|r| {
+                            let mut r = r.borrow_mut();
+                            let rows = scratch(&mut r, nbj * k);
+                            w.read_into(jb * k, rows);
+                            pack(isa, rows, nbj, k, panels);
+                        }),
+                    }
+                    // While this block computes, the next NB rows (this task's or the next
+                    // one's) are prefetched, one cache line per step of the FMA loop.
+                    let ahead = w.bytes_from(((jb + NB) * k).min(n * k));
+                    let ahead = &ahead[..ahead.len().min(NB * k * 4)];
+                    // SAFETY: rows i0..i0+mi × columns jb..jb+nbj of y are written by this task
+                    // only (tasks partition rows × columns, sub-blocks partition the task's
+                    // columns), and the extent of y was checked above.
+                    unsafe { block(isa, mi, nbj, k, &x[i0 * k..(i0 + mi) * k], xb, panels, ahead, yp.get().add(i0 * ldy + jb), ldy, accumulate) }
+                    jb += nbj;
+                }
+            })
+        });
+    };
+    let need = m.div_ceil(G) * G * k;
+    XT.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut xt) => run(scratch(&mut xt, need)),
+        // This thread is already inside a linear (rayon ran another caller's job while it
+        // waited for its own tasks): this call gets its own buffer.
+        Err(_) => run(&mut vec![0.0; need]),
     });
 }
 
-/// # Safety
-/// y must be valid for writes at i·ldy + j for i < m, j < n and not accessed concurrently there.
-unsafe fn block(m: usize, n: usize, k: usize, x: &[f32], w: &[f32], y: *mut f32, ldy: usize, acc: bool) {
-    #[cfg(target_arch = "x86_64")]
-    let fast = std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
-    #[cfg(not(target_arch = "x86_64"))]
-    let fast = false;
-    let mut i = 0;
-    while i < m {
-        let mr = MR.min(m - i);
-        let mut j = 0;
-        while j < n {
-            let nr = NR.min(n - j);
-            let (xp, wp, yp) = (x.as_ptr().add(i * k), w.as_ptr().add(j * k), y.add(i * ldy + j));
-            if fast {
-                #[cfg(target_arch = "x86_64")]
-                avx::tile_dispatch(mr, nr, k, xp, wp, yp, ldy, acc);
-            } else {
-                portable::tile(mr, nr, k, xp, wp, yp, ldy, acc);
-            }
-            j += nr;
+/// xt (groups, k, G) ← the rows of x (rows, k); lanes past the last row are zero.
+fn transpose(x: &[f32], rows: usize, k: usize, xt: &mut [f32]) {
+    for (g, dst) in xt.chunks_exact_mut(G * k).enumerate() {
+        let live = G.min(rows - g * G);
+        if live < G {
+            dst.fill(0.0);
         }
-        i += mr;
+        for l in 0..live {
+            let src = &x[(g * G + l) * k..(g * G + l + 1) * k];
+            for (p, v) in src.iter().enumerate() {
+                dst[p * G + l] = *v;
+            }
+        }
+    }
+}
+
+/// dst (panels, k, G) ← w (n, k) row-major: dst[q][p][c] = w[q·G + c][p] (columns of a last,
+/// partial panel are left as they were: the kernels never read them).
+fn pack(isa: Isa, w: &[f32], n: usize, k: usize, dst: &mut [f32]) {
+    for (q, d) in dst.chunks_exact_mut(G * k).enumerate() {
+        let cols = G.min(n - q * G);
+        let src = &w[q * G * k..(q * G + cols) * k];
+        let mut p0 = 0;
+        #[cfg(target_arch = "x86_64")]
+        if isa != Isa::Portable && cols == G {
+            // SAFETY: AVX2 is present (isa), src holds G rows of k and d (k, G).
+            unsafe { avx2::pack_panel(src, k, d) };
+            p0 = k / 8 * 8;
+        }
+        for c in 0..cols {
+            for p in p0..k {
+                d[p * G + c] = src[c * k + p];
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Isa {
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+impl Isa {
+    fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+            if avx2 && std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512vl") {
+                return Isa::Avx512;
+            }
+            if avx2 {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+}
+
+/// y (m, n; row stride ldy) (+)= the rows of xt (transposed, zero-padded) · Wᵀ, W packed in
+/// panels.
+///
+/// # Safety
+/// y must be valid for writes at i·ldy + j for i < m, j < n and not accessed concurrently
+/// there; xt must hold m.div_ceil(G) groups of (k, G) and w n.div_ceil(G) panels of (k, G).
+#[allow(clippy::too_many_arguments)]
+unsafe fn block(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], xt: &[f32], w: &[f32], ahead: &[u8], y: *mut f32, ldy: usize, acc: bool) {
+    assert!(x.len() >= m * k && xt.len() >= m.div_ceil(G) * G * k && w.len() >= n.div_ceil(G) * G * k);
+    for g in 0..m.div_ceil(G) {
+        let rows = G.min(m - g * G);
+        let (xg, yg) = (xt.as_ptr().add(g * G * k), y.add(g * G * ldy));
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 && rows <= 8 {
+            // Few rows: lanes over the 16 columns of a panel instead (no idle lanes), x
+            // broadcast from its row-major rows; up to 4 rows × 4 panels per register tile.
+            let panels = n.div_ceil(G);
+            for q0 in (0..panels).step_by(4) {
+                let np = 4.min(panels - q0);
+                let pf = if g == 0 { Prefetch::lines(ahead, q0 * k, np * k) } else { Prefetch::NONE };
+                for r0 in (0..rows).step_by(4) {
+                    let pf = if r0 == 0 { pf } else { Prefetch::NONE };
+                    let (xr, wq, yr) = (x.as_ptr().add((g * G + r0) * k), w.as_ptr().add(q0 * G * k), yg.add(r0 * ldy + q0 * G));
+                    avx512::cols_dispatch(4.min(rows - r0), np, n - q0 * G, k, xr, wq, pf, yr, ldy, acc);
+                }
+            }
+            continue;
+        }
+        for q in 0..n.div_ceil(G) {
+            let c = G.min(n - q * G);
+            let (wq, yq) = (w.as_ptr().add(q * G * k), yg.add(q * G));
+            // Cache lines q·k.. of `ahead`, one per step p, during the first row group only.
+            let pf = if g == 0 { Prefetch::lines(ahead, q * k, k) } else { Prefetch::NONE };
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 if rows > 8 => avx512::tile16_dispatch(c, rows, k, xg, wq, pf, yq, ldy, acc),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 | Isa::Avx2 => {
+                    // 8 lanes × 8 columns at a time (16 ymm registers).
+                    for h in 0..rows.div_ceil(8) {
+                        for c0 in (0..c).step_by(8) {
+                            let (x8, y8) = (xg.add(8 * h), yq.add(8 * h * ldy + c0));
+                            avx2::tile8_dispatch(8.min(c - c0), 8.min(rows - 8 * h), k, x8, wq.add(c0), pf, y8, ldy, acc);
+                        }
+                    }
+                }
+                _ => portable::tile(rows, c, k, xg, wq, yq, ldy, acc),
+            }
+        }
+    }
+}
+
+/// Up to `n` cache lines, one per FMA step, to prefetch while a tile computes.
+#[derive(Clone, Copy)]
+struct Prefetch {
+    base: *const u8,
+    n: usize,
+}
+
+impl Prefetch {
+    const NONE: Prefetch = Prefetch { base: std::ptr::null(), n: 0 };
+
+    /// Lines first..first+n of `bytes` (fewer where it ends).
+    fn lines(bytes: &[u8], first: usize, n: usize) -> Prefetch {
+        let have = bytes.len().div_ceil(64);
+        if first >= have {
+            return Prefetch::NONE;
+        }
+        // SAFETY: first < the number of (partial) lines, so the offset is inside `bytes`.
+        Prefetch { base: unsafe { bytes.as_ptr().add(first * 64) }, n: n.min(have - first) }
+    }
+
+    /// Prefetches line `p` (if there is one) into L2; a hint, never a fault.
+    #[inline(always)]
+    fn line(self, p: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if p < self.n {
+            // SAFETY: prefetching is a hint that cannot fault; the address is inside the slice
+            // given to `lines` (p < n lines from its start).
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(self.base.add(p * 64) as *const i8) }
+        }
+    }
+}
+
+/// Writes lane l < rows of column c of `t` to y[l·ldy + c].
+///
+/// # Safety
+/// As [`block`], for rows × C.
+#[inline(always)]
+unsafe fn store<const C: usize, const L: usize>(t: &[[f32; L]; C], rows: usize, y: *mut f32, ldy: usize, accumulate: bool) {
+    for (c, col) in t.iter().enumerate() {
+        for (l, v) in col.iter().enumerate().take(rows) {
+            let o = y.add(l * ldy + c);
+            *o = if accumulate { *o + *v } else { *v };
+        }
+    }
+}
+
+/// Expands to a match over the tile width, calling `$f::<C> $args`.
+macro_rules! by_width {
+    ($c:expr, $f:ident, $args:tt, [$($n:literal)*]) => {
+        match $c {
+            $($n => $f::<$n> $args,)*
+            _ => unreachable!("tile width"),
+        }
+    };
+}
+
+/// A register tile: C columns of a panel × the lanes of one x column,
+/// `acc[c] = fma(x[.., p], broadcast w[p][c], acc[c])` for p = 0..k, then stored.
+macro_rules! tile_fn {
+    ($name:ident, $feat:literal, $vec:ty, $lanes:literal, $zero:ident, $load:ident, $set1:ident, $fma:ident, $storeu:ident) => {
+        #[target_feature(enable = $feat)]
+        unsafe fn $name<const C: usize>(rows: usize, k: usize, xg: *const f32, w: *const f32, pf: super::Prefetch, y: *mut f32, ldy: usize, a: bool) {
+            let mut acc: [$vec; C] = [$zero(); C];
+            for p in 0..k {
+                pf.line(p);
+                let xv = $load(xg.add(p * G));
+                let wp = w.add(p * G);
+                for (c, r) in acc.iter_mut().enumerate() {
+                    *r = $fma(xv, $set1(*wp.add(c)), *r);
+                }
+            }
+            let mut t = [[0.0f32; $lanes]; C];
+            for (c, r) in acc.iter().enumerate() {
+                $storeu(t[c].as_mut_ptr(), *r);
+            }
+            super::store(&t, rows, y, ldy, a);
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Prefetch, G};
+    use std::arch::x86_64::*;
+
+    tile_fn!(tile16, "avx512f", __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps);
+
+    /// R rows of x (row-major, stride k) × P panels, lanes over each panel's 16 columns:
+    /// acc[r][q] = fma(broadcast x[r][p], w panel q row p, acc[r][q]) for p = 0..k; the columns
+    /// from `ncols` on (a last, partial panel) are not stored.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn col_tile<const R: usize, const P: usize>(ncols: usize, k: usize, x: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        for p in 0..k {
+            for i in 0..P {
+                pf.line(p * P + i);
+            }
+            let wv: [__m512; P] = std::array::from_fn(|q| _mm512_loadu_ps(w.add(q * G * k + p * G)));
+            for (r, ar) in acc.iter_mut().enumerate() {
+                let xv = _mm512_set1_ps(*x.add(r * k + p));
+                for (q, aq) in ar.iter_mut().enumerate() {
+                    *aq = _mm512_fmadd_ps(xv, wv[q], *aq);
+                }
+            }
+        }
+        let mut t = [0.0f32; 16];
+        for (r, ar) in acc.iter().enumerate() {
+            for (q, aq) in ar.iter().enumerate() {
+                _mm512_storeu_ps(t.as_mut_ptr(), *aq);
+                for (l, v) in t.iter().enumerate().take(ncols.saturating_sub(q * G)) {
+                    let o = y.add(r * ldy + q * G + l);
+                    *o = if a { *o + *v } else { *v };
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`super::block`] for `r` ≤ 4 rows and `p` ≤ 4 panels holding `cols` columns; the
+    /// CPU has AVX-512F.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn cols_dispatch(r: usize, p: usize, cols: usize, k: usize, x: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
+        let args = (cols, k, x, w, pf, y, ldy, a);
+        macro_rules! go {
+            ($($r:literal $p:literal),*) => {
+                match (r, p) {
+                    $(($r, $p) => col_tile::<$r, $p>(args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7),)*
+                    _ => unreachable!("column tile"),
+                }
+            };
+        }
+        go!(1 1, 1 2, 1 3, 1 4, 2 1, 2 2, 2 3, 2 4, 3 1, 3 2, 3 3, 3 4, 4 1, 4 2, 4 3, 4 4)
+    }
+
+    /// # Safety
+    /// As [`super::block`] for one row group and one panel of `c` ≤ 16 columns; AVX-512F/VL.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn tile16_dispatch(c: usize, rows: usize, k: usize, xg: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
+        by_width!(c, tile16, (rows, k, xg, w, pf, y, ldy, a), [1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16])
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx {
+mod avx2 {
+    use super::{Prefetch, G};
     use std::arch::x86_64::*;
 
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps(v, 1);
-        let s = _mm_add_ps(lo, hi); // (l0+l4, l1+l5, l2+l6, l3+l7)
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s)); // (s0+s2, s1+s3, ..)
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1)); // (s0+s2)+(s1+s3)
-        _mm_cvtss_f32(s)
-    }
+    tile_fn!(tile8, "avx2,fma", __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_storeu_ps);
 
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile<const R: usize, const C: usize>(
-        k: usize,
-        x: *const f32,
-        w: *const f32,
-        y: *mut f32,
-        ldy: usize,
-        accumulate: bool,
-    ) {
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
-        let kv = k / 8 * 8;
-        let mut p = 0;
-        while p < kv {
-            let mut wv = [_mm256_setzero_ps(); C];
-            for (j, v) in wv.iter_mut().enumerate() {
-                *v = _mm256_loadu_ps(w.add(j * k + p));
-            }
-            for (i, a) in acc.iter_mut().enumerate() {
-                let xv = _mm256_loadu_ps(x.add(i * k + p));
-                for j in 0..C {
-                    a[j] = _mm256_fmadd_ps(xv, wv[j], a[j]);
-                }
-            }
-            p += 8;
-        }
-        for (i, a) in acc.iter().enumerate() {
-            for (j, v) in a.iter().enumerate() {
-                let mut s = hsum(*v);
-                for q in kv..k {
-                    s = (*x.add(i * k + q)).mul_add(*w.add(j * k + q), s);
-                }
-                let o = y.add(i * ldy + j);
-                *o = if accumulate { *o + s } else { s };
-            }
-        }
-    }
-
-    /// Every (rows, cols) variant performs the identical per-element arithmetic.
+    /// # Safety
+    /// As [`super::block`] for 8 lanes of one row group and `c` ≤ 8 columns of a panel; AVX2+FMA.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn tile_dispatch(
-        mr: usize,
-        nr: usize,
-        k: usize,
-        x: *const f32,
-        w: *const f32,
-        y: *mut f32,
-        ldy: usize,
-        a: bool,
-    ) {
-        match (mr, nr) {
-            (3, 4) => tile::<3, 4>(k, x, w, y, ldy, a),
-            (3, 3) => tile::<3, 3>(k, x, w, y, ldy, a),
-            (3, 2) => tile::<3, 2>(k, x, w, y, ldy, a),
-            (3, 1) => tile::<3, 1>(k, x, w, y, ldy, a),
-            (2, 4) => tile::<2, 4>(k, x, w, y, ldy, a),
-            (2, 3) => tile::<2, 3>(k, x, w, y, ldy, a),
-            (2, 2) => tile::<2, 2>(k, x, w, y, ldy, a),
-            (2, 1) => tile::<2, 1>(k, x, w, y, ldy, a),
-            (1, 4) => tile::<1, 4>(k, x, w, y, ldy, a),
-            (1, 3) => tile::<1, 3>(k, x, w, y, ldy, a),
-            (1, 2) => tile::<1, 2>(k, x, w, y, ldy, a),
-            _ => tile::<1, 1>(k, x, w, y, ldy, a),
+    pub unsafe fn tile8_dispatch(c: usize, rows: usize, k: usize, xg: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
+        by_width!(c, tile8, (rows, k, xg, w, pf, y, ldy, a), [1 2 3 4 5 6 7 8])
+    }
+
+    /// d (k, G) ← 16 rows of src (16, k), p < k / 8 · 8: 8 × 8 transposes in registers.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; src holds 16 rows of k values and d k · G values.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn pack_panel(src: &[f32], k: usize, d: &mut [f32]) {
+        assert!(src.len() >= G * k && d.len() >= G * k);
+        let (s, o) = (src.as_ptr(), d.as_mut_ptr());
+        for c0 in [0, 8] {
+            let mut p = 0;
+            while p + 8 <= k {
+                let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(s.add((c0 + i) * k + p)));
+                let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+                let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+                let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+                let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+                let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+                let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+                let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+                let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+                let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                // Column j of the 8 × 8 block: x[c0..c0+8][p + j].
+                let cols = [
+                    _mm256_permute2f128_ps::<0x20>(u0, u4),
+                    _mm256_permute2f128_ps::<0x20>(u1, u5),
+                    _mm256_permute2f128_ps::<0x20>(u2, u6),
+                    _mm256_permute2f128_ps::<0x20>(u3, u7),
+                    _mm256_permute2f128_ps::<0x31>(u0, u4),
+                    _mm256_permute2f128_ps::<0x31>(u1, u5),
+                    _mm256_permute2f128_ps::<0x31>(u2, u6),
+                    _mm256_permute2f128_ps::<0x31>(u3, u7),
+                ];
+                for (j, v) in cols.iter().enumerate() {
+                    _mm256_storeu_ps(o.add((p + j) * G + c0), *v);
+                }
+                p += 8;
+            }
         }
     }
 }
 
 mod portable {
-    /// The same reduction order as the AVX path (8 lanes, pairwise horizontal sum, tail), in
-    /// plain Rust for CPUs without AVX2/FMA.
+    use super::G;
+
+    /// The same FMA chain per element as the SIMD paths, in plain Rust.
+    ///
+    /// # Safety
+    /// As [`super::block`] for one row group and one panel of `c` columns.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn tile(
-        mr: usize,
-        nr: usize,
-        k: usize,
-        x: *const f32,
-        w: *const f32,
-        y: *mut f32,
-        ldy: usize,
-        accumulate: bool,
-    ) {
-        let kv = k / 8 * 8;
-        for i in 0..mr {
-            for j in 0..nr {
-                let mut l = [0.0f32; 8];
-                let mut p = 0;
-                while p < kv {
-                    for (q, lq) in l.iter_mut().enumerate() {
-                        *lq = (*x.add(i * k + p + q)).mul_add(*w.add(j * k + p + q), *lq);
-                    }
-                    p += 8;
+    pub unsafe fn tile(rows: usize, c: usize, k: usize, xg: *const f32, w: *const f32, y: *mut f32, ldy: usize, accumulate: bool) {
+        for l in 0..rows {
+            for j in 0..c {
+                let mut s = 0.0f32;
+                for p in 0..k {
+                    s = (*xg.add(p * G + l)).mul_add(*w.add(p * G + j), s);
                 }
-                let s4 = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
-                let mut s = (s4[0] + s4[2]) + (s4[1] + s4[3]);
-                for q in kv..k {
-                    s = (*x.add(i * k + q)).mul_add(*w.add(j * k + q), s);
-                }
-                let o = y.add(i * ldy + j);
+                let o = y.add(l * ldy + j);
                 *o = if accumulate { *o + s } else { s };
             }
         }
@@ -226,24 +489,77 @@ mod tests {
         (0..n).map(|_| s.normal() as f32).collect()
     }
 
+    /// Every instruction set this CPU can run (the portable path always).
+    fn isas() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
+    const SHAPES: [(usize, usize, usize); 11] = [
+        (1, 1, 1),
+        (5, 7, 9),
+        (3, 4, 8),
+        (200, 37, 70),
+        (7, 130, 33),
+        (2, 300, 64),
+        (17, 29, 5),
+        (9, 16, 12),
+        (20, 40, 21),
+        (33, 70, 16),
+        (4, 3, 0),
+    ];
+
     #[test]
     fn matches_f64_reference_on_ragged_shapes() {
+        // |y − Σ x·w (f64)| ≤ 4e-5·√k + 1e-5·|ref| (f32 inputs ~N(0,1), sequential f32 FMA chain).
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-        for &(m, n, k) in &[(1, 1, 1), (5, 7, 9), (3, 4, 8), (200, 37, 70), (7, 130, 33), (2, 300, 64)] {
+        for &(m, n, k) in &SHAPES {
             let x = data(m * k, 1);
             let w = data(n * k, 2);
-            let mut y = vec![f32::NAN; m * n];
-            pool.install(|| linear_nt(m, n, k, &x, CpuFloats::F32(&w), &mut y, n, false));
+            for isa in isas() {
+                let mut y = vec![f32::NAN; m * n];
+                pool.install(|| linear_isa(isa, m, n, k, &x, CpuFloats::F32(&w), &mut y, n, false));
+                for i in 0..m {
+                    for j in 0..n {
+                        let r: f64 = (0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum();
+                        let tol = 1e-5 * (k as f64).sqrt() * 4.0;
+                        assert!(
+                            (y[i * n + j] as f64 - r).abs() <= tol + 1e-5 * r.abs(),
+                            "{isa:?} ({m},{n},{k}) [{i},{j}]: {} vs {r}",
+                            y[i * n + j]
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_isa_computes_the_documented_fma_chain_bitwise() {
+        // The spec, written out here: acc = fma(x[i][p], w[j][p], acc) for p = 0..k, from 0.
+        for &(m, n, k) in &SHAPES {
+            let x = data(m * k, 7);
+            let w = data(n * k, 8);
+            let mut spec = vec![0.0f32; m * n];
             for i in 0..m {
                 for j in 0..n {
-                    let r: f64 = (0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum();
-                    let tol = 1e-5 * (k as f64).sqrt() * 4.0;
-                    assert!(
-                        (y[i * n + j] as f64 - r).abs() <= tol + 1e-5 * r.abs(),
-                        "({m},{n},{k}) [{i},{j}]: {} vs {r}",
-                        y[i * n + j]
-                    );
+                    spec[i * n + j] = (0..k).fold(0.0f32, |a, p| x[i * k + p].mul_add(w[j * k + p], a));
                 }
+            }
+            for isa in isas() {
+                let mut y = vec![f32::NAN; m * n];
+                linear_isa(isa, m, n, k, &x, CpuFloats::F32(&w), &mut y, n, false);
+                let bad = y.iter().zip(&spec).position(|(a, b)| a.to_bits() != b.to_bits());
+                assert_eq!(bad, None, "{isa:?} ({m},{n},{k}) differs from the FMA chain");
             }
         }
     }
@@ -252,14 +568,36 @@ mod tests {
     fn rows_are_batch_invariant_bitwise() {
         let (n, k) = (77, 45);
         let w = data(n * k, 3);
-        let xs = data(50 * k, 4);
+        let xs = data(250 * k, 4);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        let mut all = vec![0.0; 50 * n];
-        pool.install(|| linear_nt(50, n, k, &xs, CpuFloats::F32(&w), &mut all, n, false));
-        for (start, len) in [(0, 1), (13, 1), (10, 7), (49, 1), (4, 40)] {
+        let mut all = vec![0.0; 250 * n];
+        pool.install(|| linear_nt(250, n, k, &xs, CpuFloats::F32(&w), &mut all, n, false));
+        for (start, len) in [(0, 1), (13, 1), (10, 7), (49, 1), (4, 40), (190, 60), (3, 9)] {
             let mut part = vec![0.0; len * n];
             pool.install(|| linear_nt(len, n, k, &xs[start * k..], CpuFloats::F32(&w), &mut part, n, false));
             assert_eq!(part, all[start * n..(start + len) * n].to_vec(), "rows {start}..+{len}");
+        }
+    }
+
+    #[test]
+    fn strided_output_and_accumulate() {
+        // ldy > n leaves the gap untouched; accumulate adds the same sum once more.
+        let (m, n, k, ldy) = (11, 21, 30, 25);
+        let x = data(m * k, 9);
+        let w = data(n * k, 10);
+        let mut y = vec![-7.0f32; m * ldy];
+        linear_nt(m, n, k, &x, CpuFloats::F32(&w), &mut y, ldy, false);
+        let first = y.clone();
+        linear_nt(m, n, k, &x, CpuFloats::F32(&w), &mut y, ldy, true);
+        for i in 0..m {
+            for j in 0..ldy {
+                let (a, b) = (first[i * ldy + j], y[i * ldy + j]);
+                if j < n {
+                    assert_eq!(b, a + a, "[{i},{j}]");
+                } else {
+                    assert_eq!((a, b), (-7.0, -7.0), "gap [{i},{j}] was written");
+                }
+            }
         }
     }
 
@@ -273,10 +611,5 @@ mod tests {
         linear_nt(m, n, k, &x, CpuFloats::BF16(&wb), &mut a, n, false);
         linear_nt(m, n, k, &x, CpuFloats::F32(&wf), &mut b, n, false);
         assert_eq!(a, b);
-        // accumulate adds exactly once more
-        linear_nt(m, n, k, &x, CpuFloats::F32(&wf), &mut b, n, true);
-        for (p, q) in a.iter().zip(&b) {
-            assert_eq!(*q, *p + *p);
-        }
     }
 }

@@ -39,8 +39,10 @@ pub(crate) fn rows_per_task(cols: usize) -> usize {
 /// Largest per-thread scratch the CPU ops will need for a model (see [`reserve_scratch`]).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ScratchSizes {
-    /// Largest reduction dimension K of a linear (widened BF16/F16 weight blocks: 64 × K).
+    /// Largest reduction dimension K of a linear (transposed input and widened weight blocks).
     pub max_k: usize,
+    /// Most rows of one linear's input (the transposed input block: rows × K).
+    pub max_rows: usize,
     /// Query heads per KV head and head dimension (attention).
     pub attn_groups: usize,
     pub head_dim: usize,
@@ -52,7 +54,7 @@ pub struct ScratchSizes {
 pub fn reserve_scratch(dev: &crate::device::Device, s: ScratchSizes) {
     if let crate::device::Device::Cpu(c) = dev {
         c.broadcast(|| {
-            linear_cpu::reserve(64 * s.max_k);
+            linear_cpu::reserve(s.max_k, s.max_rows);
             attention::reserve(s.attn_groups * attention::KCHUNK + 2 * s.attn_groups + s.head_dim);
             sample::reserve(s.vocab);
         });
