@@ -267,7 +267,6 @@ impl Engine {
             dev,
             crate::ops::ScratchSizes {
                 max_k: cfg.hidden_size.max(cfg.intermediate_size).max(cfg.q_dim()),
-                max_rows: ec.max_tokens_per_step.max(ec.logits_rows),
                 attn_groups: cfg.num_heads / cfg.num_kv_heads,
                 head_dim: cfg.head_dim,
                 vocab: cfg.vocab_size,

@@ -39,7 +39,7 @@ const MB: usize = 12 * G;
 const NB: usize = G;
 
 thread_local! {
-    /// The caller's x transposed: (⌈m / G⌉ groups, K, G).
+    /// The caller's x transposed, MB rows at a time: (MB / G groups, K, G).
     static XT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// NB weight rows widened to f32, row-major (BF16/F16/FP8/NVFP4 weights only).
     static ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -55,10 +55,9 @@ fn scratch(s: &mut Vec<f32>, n: usize) -> &mut [f32] {
     &mut s[..n]
 }
 
-/// Grows this thread's scratch for linears of up to `max_rows` rows and reduction dimension
-/// `max_k`.
-pub fn reserve(max_k: usize, max_rows: usize) {
-    XT.with(|s| _ = scratch(&mut s.borrow_mut(), max_rows.next_multiple_of(G) * max_k));
+/// Grows this thread's scratch for linears with reduction dimension up to `max_k`.
+pub fn reserve(max_k: usize) {
+    XT.with(|s| _ = scratch(&mut s.borrow_mut(), MB * max_k));
     ROWS.with(|s| _ = scratch(&mut s.borrow_mut(), NB * max_k));
     PANELS.with(|s| _ = scratch(&mut s.borrow_mut(), NB * max_k));
 }
@@ -84,12 +83,23 @@ fn linear_isa(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y
         }
         return;
     }
+    // MB rows at a time (bounds the transposed copy; W is re-read per chunk only when there is
+    // enough work per weight to hide it).
+    for i0 in (0..m).step_by(MB) {
+        let mc = MB.min(m - i0);
+        chunk(isa, mc, n, k, &x[i0 * k..(i0 + mc) * k], w, &mut y[i0 * ldy..], ldy, accumulate);
+    }
+}
+
+/// [`linear_isa`] for m ≤ MB rows.
+#[allow(clippy::too_many_arguments)]
+fn chunk(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y: &mut [f32], ldy: usize, accumulate: bool) {
+    debug_assert!(m <= MB);
     let threads = rayon::current_num_threads().max(1);
     // Weight rows per task: about two tasks per thread (work stealing balances them), whole
     // panels.
     let nt = n.div_ceil(threads * 2).next_multiple_of(G);
     let n_tasks = n.div_ceil(nt);
-    let m_tasks = m.div_ceil(MB);
     let yp = SendPtr(y.as_mut_ptr());
     // x transposed once, by the calling thread, into its scratch; the tasks only read it.
     let run = |xt: &mut [f32]| {
@@ -98,11 +108,8 @@ fn linear_isa(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y
             transpose(&x[..m * k], m, k, xt);
         }
         let xt = &*xt;
-        (0..n_tasks * m_tasks).into_par_iter().for_each(|t| {
-            let (bj, bi) = (t / m_tasks, t % m_tasks);
-            let (j0, i0) = (bj * nt, bi * MB);
-            let (nj, mi) = (nt.min(n - j0), MB.min(m - i0));
-            let xb = &xt[i0 * k..(i0 + mi.div_ceil(G) * G) * k];
+        (0..n_tasks).into_par_iter().for_each(|t| {
+            let (j0, nj) = (t * nt, nt.min(n - t * nt));
             PANELS.with(|pn| {
                 let mut pn = pn.borrow_mut();
                 let mut jb = j0;
@@ -122,10 +129,10 @@ fn linear_isa(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y
                     // one's) are prefetched, one cache line per step of the FMA loop.
                     let ahead = w.bytes_from(((jb + NB) * k).min(n * k));
                     let ahead = &ahead[..ahead.len().min(NB * k * 4)];
-                    // SAFETY: rows i0..i0+mi × columns jb..jb+nbj of y are written by this task
-                    // only (tasks partition rows × columns, sub-blocks partition the task's
-                    // columns), and the extent of y was checked above.
-                    unsafe { block(isa, mi, nbj, k, &x[i0 * k..(i0 + mi) * k], xb, panels, ahead, yp.get().add(i0 * ldy + jb), ldy, accumulate) }
+                    // SAFETY: columns jb..jb+nbj of y's m rows are written by this task only
+                    // (tasks partition the columns, sub-blocks partition the task's columns),
+                    // and the extent of y was checked in `linear_isa`.
+                    unsafe { block(isa, m, nbj, k, x, xt, panels, ahead, yp.get().add(jb), ldy, accumulate) }
                     jb += nbj;
                 }
             })

@@ -41,8 +41,6 @@ pub(crate) fn rows_per_task(cols: usize) -> usize {
 pub struct ScratchSizes {
     /// Largest reduction dimension K of a linear (transposed input and widened weight blocks).
     pub max_k: usize,
-    /// Most rows of one linear's input (the transposed input block: rows × K).
-    pub max_rows: usize,
     /// Query heads per KV head and head dimension (attention).
     pub attn_groups: usize,
     pub head_dim: usize,
@@ -54,7 +52,7 @@ pub struct ScratchSizes {
 pub fn reserve_scratch(dev: &crate::device::Device, s: ScratchSizes) {
     if let crate::device::Device::Cpu(c) = dev {
         c.broadcast(|| {
-            linear_cpu::reserve(s.max_k, s.max_rows);
+            linear_cpu::reserve(s.max_k);
             attention::reserve(s.attn_groups * attention::KCHUNK + 2 * s.attn_groups + s.head_dim);
             sample::reserve(s.vocab);
         });
