@@ -380,23 +380,24 @@ impl<'a> CpuFloats<'a> {
         self.len() == 0
     }
 
-    /// Converts `range` to f32 into `out` (same length).
-    #[inline]
-    /// The stored bytes of values `start..` (NVFP4: the packed codes from value `start`, its
-    /// scales aside): what a reader of those values will touch first, for prefetching.
-    pub fn bytes_from(&self, start: usize) -> &'a [u8] {
-        fn tail<T: bytemuck::Pod>(v: &[T], start: usize) -> &[u8] {
-            bytemuck::cast_slice(&v[start.min(v.len())..])
+    /// The stored bytes of values `start..start + n` (clipped at the end; NVFP4: the packed codes
+    /// only, not their scales): what a reader of those values touches first, for prefetching.
+    pub fn bytes(&self, start: usize, n: usize) -> &'a [u8] {
+        fn range<T: bytemuck::Pod>(v: &[T], start: usize, n: usize) -> &[u8] {
+            let a = start.min(v.len());
+            bytemuck::cast_slice(&v[a..(a + n).min(v.len())])
         }
         match *self {
-            CpuFloats::F32(v) => tail(v, start),
-            CpuFloats::BF16(v) => tail(v, start),
-            CpuFloats::F16(v) => tail(v, start),
-            CpuFloats::Fp8 { codes, .. } => tail(codes, start),
-            CpuFloats::Nvfp4 { packed, .. } => tail(packed, start / 2),
+            CpuFloats::F32(v) => range(v, start, n),
+            CpuFloats::BF16(v) => range(v, start, n),
+            CpuFloats::F16(v) => range(v, start, n),
+            CpuFloats::Fp8 { codes, .. } => range(codes, start, n),
+            CpuFloats::Nvfp4 { packed, .. } => range(packed, start / 2, n.div_ceil(2)),
         }
     }
 
+    /// Converts `range` to f32 into `out` (same length).
+    #[inline]
     pub fn read_into(&self, start: usize, out: &mut [f32]) {
         let n = out.len();
         match self {
@@ -448,5 +449,25 @@ mod bf16_tests {
             let x = f32::from_bits(b);
             assert_eq!(super::bf16_rne(x).to_bits(), half::bf16::from_f32(x).to_bits(), "{b:#010x}");
         }
+    }
+}
+
+#[cfg(test)]
+mod bytes_tests {
+    use super::CpuFloats;
+
+    #[test]
+    fn bytes_cover_the_range_and_clip_at_the_end() {
+        let f = [1.0f32, 2.0, 3.0, 4.0];
+        let b = CpuFloats::F32(&f).bytes(1, 2);
+        assert_eq!(b, bytemuck::cast_slice::<f32, u8>(&f[1..3]));
+        assert_eq!(CpuFloats::F32(&f).bytes(3, 10).len(), 4);
+        assert!(CpuFloats::F32(&f).bytes(9, 2).is_empty());
+        let h = [half::bf16::ONE; 5];
+        assert_eq!(CpuFloats::BF16(&h).bytes(2, 2).len(), 4);
+        let packed = [0u8; 8];
+        let scales = [0u8; 1];
+        // 16 NVFP4 values from value 4: bytes 2..8 of the packed codes (clipped).
+        assert_eq!(CpuFloats::Nvfp4 { packed: &packed, scales: &scales, global: 1.0 }.bytes(4, 16).len(), 6);
     }
 }

@@ -127,8 +127,7 @@ fn chunk(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y: &mu
                     }
                     // While this block computes, the next NB rows (this task's or the next
                     // one's) are prefetched, one cache line per step of the FMA loop.
-                    let ahead = w.bytes_from(((jb + NB) * k).min(n * k));
-                    let ahead = &ahead[..ahead.len().min(NB * k * 4)];
+                    let ahead = w.bytes((jb + NB) * k, NB * k);
                     // SAFETY: columns jb..jb+nbj of y's m rows are written by this task only
                     // (tasks partition the columns, sub-blocks partition the task's columns),
                     // and the extent of y was checked in `linear_isa`.
@@ -196,7 +195,7 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         {
             let avx2 = std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
-            if avx2 && std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512vl") {
+            if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
                 return Isa::Avx512;
             }
             if avx2 {
@@ -242,9 +241,10 @@ unsafe fn block(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], xt: &[f32], w
             let pf = if g == 0 { Prefetch::lines(ahead, q * k, k) } else { Prefetch::NONE };
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 if rows > 8 => avx512::tile16_dispatch(c, rows, k, xg, wq, pf, yq, ldy, acc),
+                // (rows > 8: smaller groups took the branch above.)
+                Isa::Avx512 => avx512::tile16_dispatch(c, rows, k, xg, wq, pf, yq, ldy, acc),
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 | Isa::Avx2 => {
+                Isa::Avx2 => {
                     // 8 lanes × 8 columns at a time (16 ymm registers).
                     for h in 0..rows.div_ceil(8) {
                         for c0 in (0..c).step_by(8) {
