@@ -116,18 +116,20 @@ fn chunk(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y: &mu
                 while jb < j0 + nj {
                     let nbj = NB.min(j0 + nj - jb);
                     let panels = scratch(&mut pn, nbj.div_ceil(G) * G * k);
+                    // While this block is packed and computed, the next NB rows (this task's or
+                    // the next one's) are prefetched: packing is most of the time at batch 1,
+                    // the FMA loop at large batches.
+                    let ahead = w.bytes((jb + NB) * k, NB * k);
+                    let pf = Prefetch::lines(ahead, 0, ahead.len().div_ceil(64));
                     match w {
-                        CpuFloats::F32(wd) => pack(isa, &wd[jb * k..(jb + nbj) * k], nbj, k, panels),
+                        CpuFloats::F32(wd) => pack(isa, &wd[jb * k..(jb + nbj) * k], nbj, k, panels, pf),
                         _ => ROWS.with(|r| {
                             let mut r = r.borrow_mut();
                             let rows = scratch(&mut r, nbj * k);
                             w.read_into(jb * k, rows);
-                            pack(isa, rows, nbj, k, panels);
+                            pack(isa, rows, nbj, k, panels, pf);
                         }),
                     }
-                    // While this block computes, the next NB rows (this task's or the next
-                    // one's) are prefetched, one cache line per step of the FMA loop.
-                    let ahead = w.bytes((jb + NB) * k, NB * k);
                     // SAFETY: columns jb..jb+nbj of y's m rows are written by this task only
                     // (tasks partition the columns, sub-blocks partition the task's columns),
                     // and the extent of y was checked in `linear_isa`.
@@ -164,7 +166,7 @@ fn transpose(x: &[f32], rows: usize, k: usize, xt: &mut [f32]) {
 
 /// dst (panels, k, G) ← w (n, k) row-major: dst[q][p][c] = w[q·G + c][p] (columns of a last,
 /// partial panel are left as they were: the kernels never read them).
-fn pack(isa: Isa, w: &[f32], n: usize, k: usize, dst: &mut [f32]) {
+fn pack(isa: Isa, w: &[f32], n: usize, k: usize, dst: &mut [f32], pf: Prefetch) {
     for (q, d) in dst.chunks_exact_mut(G * k).enumerate() {
         let cols = G.min(n - q * G);
         let src = &w[q * G * k..(q * G + cols) * k];
@@ -172,7 +174,7 @@ fn pack(isa: Isa, w: &[f32], n: usize, k: usize, dst: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if isa != Isa::Portable && cols == G {
             // SAFETY: AVX2 is present (isa), src holds G rows of k and d (k, G).
-            unsafe { avx2::pack_panel(src, k, d) };
+            unsafe { avx2::pack_panel(src, k, d, pf) };
             p0 = k / 8 * 8;
         }
         for c in 0..cols {
@@ -421,12 +423,18 @@ mod avx2 {
     /// # Safety
     /// The CPU has AVX2; src holds 16 rows of k values and d k · G values.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn pack_panel(src: &[f32], k: usize, d: &mut [f32]) {
+    pub unsafe fn pack_panel(src: &[f32], k: usize, d: &mut [f32], pf: Prefetch) {
         assert!(src.len() >= G * k && d.len() >= G * k);
         let (s, o) = (src.as_ptr(), d.as_mut_ptr());
+        // 2 · k/8 transposes; four lines of `pf` each covers a panel of f32 rows.
+        let mut line = 0;
         for c0 in [0, 8] {
             let mut p = 0;
             while p + 8 <= k {
+                for _ in 0..4 {
+                    pf.line(line);
+                    line += 1;
+                }
                 let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(s.add((c0 + i) * k + p)));
                 let t0 = _mm256_unpacklo_ps(r[0], r[1]);
                 let t1 = _mm256_unpackhi_ps(r[0], r[1]);
