@@ -9,7 +9,7 @@
 //! - a group of 9–16 rows of x (AVX-512) is transposed once per call, (K, 16), and an
 //!   instruction multiplies one weight, broadcast, with a column of 16 rows (AVX2: 8 rows);
 //! - a group of ≤ 8 rows (AVX-512) instead multiplies one x value, broadcast, with a panel row of
-//!   16 weights, up to 4 rows × 4 panels per register tile: no idle lanes at batch 1.
+//!   16 weights, all of them against one panel per register tile: no idle lanes at batch 1.
 //!
 //! Two properties the decoding engine relies on:
 //! - **Batch invariance**: a lane's arithmetic does not depend on its neighbours, the vector
@@ -223,16 +223,11 @@ unsafe fn block(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], xt: &[f32], w
         #[cfg(target_arch = "x86_64")]
         if isa == Isa::Avx512 && rows <= 8 {
             // Few rows: lanes over the 16 columns of a panel instead (no idle lanes), x
-            // broadcast from its row-major rows; up to 4 rows × 4 panels per register tile.
-            let panels = n.div_ceil(G);
-            for q0 in (0..panels).step_by(4) {
-                let np = 4.min(panels - q0);
-                let pf = if g == 0 { Prefetch::lines(ahead, q0 * k, np * k) } else { Prefetch::NONE };
-                for r0 in (0..rows).step_by(4) {
-                    let pf = if r0 == 0 { pf } else { Prefetch::NONE };
-                    let (xr, wq, yr) = (x.as_ptr().add((g * G + r0) * k), w.as_ptr().add(q0 * G * k), yg.add(r0 * ldy + q0 * G));
-                    avx512::cols_dispatch(4.min(rows - r0), np, n - q0 * G, k, xr, wq, pf, yr, ldy, acc);
-                }
+            // broadcast from its row-major rows; all ≤ 8 rows × one panel per register tile.
+            for q in 0..n.div_ceil(G) {
+                let pf = if g == 0 { Prefetch::lines(ahead, q * k, k) } else { Prefetch::NONE };
+                let (xr, wq, yq) = (x.as_ptr().add(g * G * k), w.as_ptr().add(q * G * k), yg.add(q * G));
+                avx512::col_dispatch(rows, G.min(n - q * G), k, xr, wq, pf, yq, ldy, acc);
             }
             continue;
         }
@@ -348,52 +343,36 @@ mod avx512 {
 
     tile_fn!(tile16, "avx512f", __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps);
 
-    /// R rows of x (row-major, stride k) × P panels, lanes over each panel's 16 columns:
-    /// acc[r][q] = fma(broadcast x[r][p], w panel q row p, acc[r][q]) for p = 0..k; the columns
-    /// from `ncols` on (a last, partial panel) are not stored.
+    /// R rows of x (row-major, stride k) × one panel, lanes over its 16 columns:
+    /// acc[r] = fma(broadcast x[r][p], panel row p, acc[r]) for p = 0..k; the columns from
+    /// `ncols` on (a last, partial panel) are not stored.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn col_tile<const R: usize, const P: usize>(ncols: usize, k: usize, x: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
-        let mut acc = [[_mm512_setzero_ps(); P]; R];
+    unsafe fn col_tile<const R: usize>(ncols: usize, k: usize, x: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
+        let mut acc = [_mm512_setzero_ps(); R];
         for p in 0..k {
-            for i in 0..P {
-                pf.line(p * P + i);
-            }
-            let wv: [__m512; P] = std::array::from_fn(|q| _mm512_loadu_ps(w.add(q * G * k + p * G)));
+            pf.line(p);
+            let wv = _mm512_loadu_ps(w.add(p * G));
             for (r, ar) in acc.iter_mut().enumerate() {
-                let xv = _mm512_set1_ps(*x.add(r * k + p));
-                for (q, aq) in ar.iter_mut().enumerate() {
-                    *aq = _mm512_fmadd_ps(xv, wv[q], *aq);
-                }
+                *ar = _mm512_fmadd_ps(_mm512_set1_ps(*x.add(r * k + p)), wv, *ar);
             }
         }
         let mut t = [0.0f32; 16];
         for (r, ar) in acc.iter().enumerate() {
-            for (q, aq) in ar.iter().enumerate() {
-                _mm512_storeu_ps(t.as_mut_ptr(), *aq);
-                for (l, v) in t.iter().enumerate().take(ncols.saturating_sub(q * G)) {
-                    let o = y.add(r * ldy + q * G + l);
-                    *o = if a { *o + *v } else { *v };
-                }
+            _mm512_storeu_ps(t.as_mut_ptr(), *ar);
+            for (l, v) in t.iter().enumerate().take(ncols) {
+                let o = y.add(r * ldy + l);
+                *o = if a { *o + *v } else { *v };
             }
         }
     }
 
     /// # Safety
-    /// As [`super::block`] for `r` ≤ 4 rows and `p` ≤ 4 panels holding `cols` columns; the
-    /// CPU has AVX-512F.
+    /// As [`super::block`] for `r` ≤ 8 rows and one panel holding `cols` ≤ 16 columns; the CPU
+    /// has AVX-512F.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn cols_dispatch(r: usize, p: usize, cols: usize, k: usize, x: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
-        let args = (cols, k, x, w, pf, y, ldy, a);
-        macro_rules! go {
-            ($($r:literal $p:literal),*) => {
-                match (r, p) {
-                    $(($r, $p) => col_tile::<$r, $p>(args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7),)*
-                    _ => unreachable!("column tile"),
-                }
-            };
-        }
-        go!(1 1, 1 2, 1 3, 1 4, 2 1, 2 2, 2 3, 2 4, 3 1, 3 2, 3 3, 3 4, 4 1, 4 2, 4 3, 4 4)
+    pub unsafe fn col_dispatch(r: usize, cols: usize, k: usize, x: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
+        by_width!(r, col_tile, (cols, k, x, w, pf, y, ldy, a), [1 2 3 4 5 6 7 8])
     }
 
     /// # Safety
