@@ -238,6 +238,7 @@ pub fn paged_attention(
 /// Written so that it vectorizes without reassociation, so every CPU gives the same bits.
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let (ta, tb) = (ca.remainder(), cb.remainder());
     let mut l = [0.0f32; 16];

@@ -6,7 +6,7 @@
 //! - each block of 16 weight rows is widened to f32 and packed into a panel, (K, 16), while the
 //!   next block is prefetched (row-major W read 16 rows at a time is 16 streams, which alias in
 //!   L1 when a row is 4 KiB);
-//! - a group of 9–16 rows of x (AVX-512) is transposed once per call, (K, 16), and an
+//! - a group of 9–16 rows of x (AVX-512) is transposed, (K, 16), once per 192-row chunk, and an
 //!   instruction multiplies one weight, broadcast, with a column of 16 rows (AVX2: 8 rows);
 //! - a group of ≤ 8 rows (AVX-512) instead multiplies one x value, broadcast, with a panel row of
 //!   16 weights, all of them against one panel per register tile: no idle lanes at batch 1.
@@ -74,17 +74,20 @@ fn linear_isa(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y
     if m == 0 || n == 0 {
         return;
     }
-    assert!(x.len() >= m * k, "linear: x too short");
-    assert!(w.len() >= n * k, "linear: w too short");
-    assert!(y.len() >= (m - 1) * ldy + n, "linear: y too short");
+    let extent = |a: usize, b: usize| a.checked_mul(b).expect("linear: size overflows usize");
+    assert!(x.len() >= extent(m, k), "linear: x too short");
+    assert!(w.len() >= extent(n, k), "linear: w too short");
+    assert!(y.len() >= extent(m - 1, ldy) + n, "linear: y too short");
+    // Rows of y must not overlap: tasks split y by column, each writing its columns of every row.
+    assert!(m == 1 || ldy >= n, "linear: row stride {ldy} < {n} columns");
     if k == 0 {
         if !accumulate {
-            y.chunks_mut(ldy).take(m).for_each(|r| r[..n].fill(0.0));
+            (0..m).for_each(|i| y[i * ldy..i * ldy + n].fill(0.0));
         }
         return;
     }
-    // MB rows at a time (bounds the transposed copy; W is re-read per chunk only when there is
-    // enough work per weight to hide it).
+    // MB rows at a time: bounds the transposed copy; W is packed again for every chunk, which
+    // costs little next to the 192 rows of FMAs per weight it serves.
     for i0 in (0..m).step_by(MB) {
         let mc = MB.min(m - i0);
         chunk(isa, mc, n, k, &x[i0 * k..(i0 + mc) * k], w, &mut y[i0 * ldy..], ldy, accumulate);
@@ -165,7 +168,8 @@ fn transpose(x: &[f32], rows: usize, k: usize, xt: &mut [f32]) {
 }
 
 /// dst (panels, k, G) ← w (n, k) row-major: dst[q][p][c] = w[q·G + c][p] (columns of a last,
-/// partial panel are left as they were: the kernels never read them).
+/// partial panel are left as they were: the column tile loads them with the rest of the panel
+/// row, but no kernel stores a result computed from them).
 fn pack(isa: Isa, w: &[f32], n: usize, k: usize, dst: &mut [f32], pf: Prefetch) {
     for (q, d) in dst.chunks_exact_mut(G * k).enumerate() {
         let cols = G.min(n - q * G);
@@ -376,7 +380,7 @@ mod avx512 {
     }
 
     /// # Safety
-    /// As [`super::block`] for one row group and one panel of `c` ≤ 16 columns; AVX-512F/VL.
+    /// As [`super::block`] for one row group and one panel of `c` ≤ 16 columns; AVX-512F.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn tile16_dispatch(c: usize, rows: usize, k: usize, xg: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
         by_width!(c, tile16, (rows, k, xg, w, pf, y, ldy, a), [1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16])
@@ -491,7 +495,7 @@ mod tests {
             if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
                 v.push(Isa::Avx2);
             }
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if std::arch::is_x86_feature_detected!("avx512f") && v.contains(&Isa::Avx2) {
                 v.push(Isa::Avx512);
             }
         }
@@ -593,6 +597,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    #[should_panic(expected = "row stride")]
+    fn overlapping_output_rows_are_refused() {
+        // ldy < n with two rows would let two tasks write the same element.
+        let (x, w) = (data(2 * 4, 12), data(8 * 4, 13));
+        let mut y = vec![0.0f32; 16];
+        linear_nt(2, 8, 4, &x, CpuFloats::F32(&w), &mut y, 4, false);
+    }
+
+    #[test]
+    fn empty_reduction_writes_zeros_even_with_a_zero_stride() {
+        let mut y = vec![5.0f32; 3];
+        linear_nt(1, 3, 0, &[], CpuFloats::F32(&[]), &mut y, 0, false);
+        assert_eq!(y, vec![0.0; 3]);
+        let mut y = vec![5.0f32; 7];
+        linear_nt(2, 3, 0, &[], CpuFloats::F32(&[]), &mut y, 4, true);
+        assert_eq!(y, vec![5.0; 7], "accumulate adds nothing");
     }
 
     #[test]
