@@ -238,11 +238,17 @@ mod gpu {
 
     fn check_dense(x: &mut Ctx) -> Result<()> {
         let xin = x.randp(DType::F32, &[M, C], 1.0)?;
-        for (dt, tol) in [(DType::F32, Tol::Close(1e-4, 1e-4)), (DType::BF16, Tol::Close(1e-2, 1e-2)), (DType::F16, Tol::Close(1e-2, 1e-2))] {
+        for (dt, tol) in [
+            (DType::F32, Tol::Close(1e-4, 1e-4)),
+            (DType::BF16, Tol::Close(1e-2, 1e-2)),
+            (DType::F16, Tol::Close(1e-2, 1e-2)),
+        ] {
             let w = x.randp(dt, &[N, C], 1.0 / (C as f32).sqrt())?;
             let b = x.randp(dt, &[N], 0.5)?;
             let mut y = x.out(&[M, N])?;
-            x.both(|d, g| matmul::linear(d, pick(&xin, g), pick(&w, g), Some(pick(&b, g)), pick_mut(&mut y, g), M, false))?;
+            x.both(|d, g| {
+                matmul::linear(d, pick(&xin, g), pick(&w, g), Some(pick(&b, g)), pick_mut(&mut y, g), M, false)
+            })?;
             x.cmp("linear + bias", dt.name(), &y, tol)?;
             let start = x.randn(M * N, 1.0);
             y.c.write_f32(&start)?;
@@ -326,7 +332,8 @@ mod gpu {
                 position: 100 + i as u32,
             })
             .collect();
-        let (mut tc, mut lc, mut tg, mut lg) = (vec![0u32; rows], vec![0f32; rows], vec![u32::MAX; rows], vec![f32::NAN; rows]);
+        let (mut tc, mut lc, mut tg, mut lg) =
+            (vec![0u32; rows], vec![0f32; rows], vec![u32::MAX; rows], vec![f32::NAN; rows]);
         sample::sample(&x.cpu, &zs.c, &params, &mut tc, &mut lc)?;
         sample::sample(&x.gpu, &zs.g, &params, &mut tg, &mut lg)?;
         let f = |v: &[u32]| v.iter().map(|&t| t as f32).collect::<Vec<_>>();
@@ -335,7 +342,15 @@ mod gpu {
         Ok(())
     }
 
-    fn attn_meta(x: &Ctx, dev: &Device, bs: usize, max_blocks: usize, seqs: &[(u32, u32)], tables: &[u32], slots: &[u32]) -> Result<AttnMeta> {
+    fn attn_meta(
+        x: &Ctx,
+        dev: &Device,
+        bs: usize,
+        max_blocks: usize,
+        seqs: &[(u32, u32)],
+        tables: &[u32],
+        slots: &[u32],
+    ) -> Result<AttnMeta> {
         let up = |shape: &[usize], v: Vec<u32>| -> Result<Tensor> {
             let h = Tensor::from_u32_host(shape, v)?;
             if dev.is_cpu() {
@@ -376,7 +391,10 @@ mod gpu {
                 slots.push(tables[s * maxb + p as usize / bs] * bs as u32 + p % bs as u32);
             }
         }
-        let (mc, mg) = (attn_meta(x, &x.cpu, bs, maxb, &seqs, &tables, &slots)?, attn_meta(x, &x.gpu, bs, maxb, &seqs, &tables, &slots)?);
+        let (mc, mg) = (
+            attn_meta(x, &x.cpu, bs, maxb, &seqs, &tables, &slots)?,
+            attn_meta(x, &x.gpu, bs, maxb, &seqs, &tables, &slots)?,
+        );
         let t = mc.num_tokens;
         let shape = [nb, hkv, bs, d];
         let nval = nb * hkv * bs * d;
@@ -385,7 +403,10 @@ mod gpu {
         for dt in [DType::F32, DType::BF16, DType::U8] {
             let (ks, vs) = if dt == DType::U8 { (0.02f32, 0.03f32) } else { (1.0, 1.0) };
             let (mut kc, mut vc) = if dt == DType::U8 {
-                let codes: Vec<u8> = (0..nval).map(|_| x.rng.below(255) as u8).map(|c| if c & 0x7F == 0x7F { c - 1 } else { c }).collect();
+                let codes: Vec<u8> = (0..nval)
+                    .map(|_| x.rng.below(255) as u8)
+                    .map(|c| if c & 0x7F == 0x7F { c - 1 } else { c })
+                    .collect();
                 (x.u8s(&shape, &codes)?, x.u8s(&shape, &codes)?)
             } else {
                 (x.randp(dt, &shape, 1.0)?, x.randp(dt, &shape, 1.0)?)
@@ -405,7 +426,17 @@ mod gpu {
             let mut o = x.out(&[t, heads * d])?;
             x.both(|dv, g| {
                 let m = if g { &mg } else { &mc };
-                attention::paged_attention(dv, pick(&q, g), pick(&kc, g), pick(&vc, g), ks, vs, m, pick_mut(&mut o, g), heads)
+                attention::paged_attention(
+                    dv,
+                    pick(&q, g),
+                    pick(&kc, g),
+                    pick(&vc, g),
+                    ks,
+                    vs,
+                    m,
+                    pick_mut(&mut o, g),
+                    heads,
+                )
             })?;
             x.cmp("paged_attention", &format!("{} cache", dt.name()), &o, Tol::Close(1e-5, 1e-4))?;
         }
@@ -462,7 +493,13 @@ mod gpu {
             match lowp::cutlass_nvfp4_sf_bytes(m, n, k) {
                 Some((a, b)) => {
                     let want = [lowp::swizzled_sf_bytes(m, k) as f32, lowp::swizzled_sf_bytes(n, k) as f32];
-                    x.record(&format!("NVFP4 scale layout size m={m} n={n} k={k}"), "bytes", &want, &[a as f32, b as f32], Tol::Exact);
+                    x.record(
+                        &format!("NVFP4 scale layout size m={m} n={n} k={k}"),
+                        "bytes",
+                        &want,
+                        &[a as f32, b as f32],
+                        Tol::Exact,
+                    );
                 }
                 None => x.skip("NVFP4 scale layout size", "bytes", "this build has no sm100 CUTLASS kernels".into()),
             }
@@ -503,7 +540,15 @@ mod gpu {
         Ok(())
     }
 
-    fn qwen2(layers: usize, hidden: usize, heads: usize, kv: usize, inter: usize, vocab: usize, tie: bool) -> Result<crate::model::ModelConfig> {
+    fn qwen2(
+        layers: usize,
+        hidden: usize,
+        heads: usize,
+        kv: usize,
+        inter: usize,
+        vocab: usize,
+        tie: bool,
+    ) -> Result<crate::model::ModelConfig> {
         crate::model::tiny::tiny_config(&crate::model::tiny::TinySpec {
             arch: "qwen2".into(),
             layers,
@@ -525,13 +570,26 @@ mod gpu {
     pub fn run(a: Args) -> Result<()> {
         let cuda = CudaDevice::new(a.device)?;
         let gpu = Device::Cuda(cuda.clone());
-        let mut x = Ctx { cpu: Device::cpu(0)?, gpu, cuda: cuda.clone(), rng: crate::rand::Stream::new(a.seed, 0xDC), checks: Vec::new() };
-        println!("device-check on {} (this binary: kernels for {})", cuda.name(), crate::device::cuda::BUILT_ARCHS.join(", "));
+        let mut x = Ctx {
+            cpu: Device::cpu(0)?,
+            gpu,
+            cuda: cuda.clone(),
+            rng: crate::rand::Stream::new(a.seed, 0xDC),
+            checks: Vec::new(),
+        };
+        println!(
+            "device-check on {} (this binary: kernels for {})",
+            cuda.name(),
+            crate::device::cuda::BUILT_ARCHS.join(", ")
+        );
         check_dense(&mut x).context("dense ops")?;
         check_rows(&mut x).context("row ops")?;
         check_attention(&mut x).context("attention")?;
         check_quant(&mut x).context("quantization")?;
-        println!("\n{:<44} {:<22} {:>8} {:>10} {:>10} {:>18} {:>6}", "op", "dtype", "values", "max|Δ|", "max rel", "tolerance", "result");
+        println!(
+            "\n{:<44} {:<22} {:>8} {:>10} {:>10} {:>18} {:>6}",
+            "op", "dtype", "values", "max|Δ|", "max rel", "tolerance", "result"
+        );
         for c in &x.checks {
             let res = match c.pass {
                 Some(true) => "ok",
@@ -548,36 +606,70 @@ mod gpu {
         if !a.checks_only {
             let mut shapes = vec![("8192^3".to_string(), 8192, 8192, 8192)];
             for m in [64usize, 4096] {
-                for (name, n, k) in [("7B q/o", 3584, 3584), ("7B k/v", 512, 3584), ("7B gate/up", 18944, 3584), ("7B down", 3584, 18944)] {
+                for (name, n, k) in [
+                    ("7B q/o", 3584, 3584),
+                    ("7B k/v", 512, 3584),
+                    ("7B gate/up", 18944, 3584),
+                    ("7B down", 3584, 18944),
+                ] {
                     shapes.push((format!("{name} m={m}"), m, n, k));
                 }
             }
             gemms = bench::gemms(&x.cuda, &shapes, a.iters).context("GEMM timings")?;
-            println!("\n{:<20} {:>6} {:>6} {:>6} {:<7} {:<9} {:>9} {:>8} {:>9} {:>8}", "GEMM", "m", "n", "k", "format", "path", "ms", "TFLOP/s", "vs cuBLASLt", "vs bf16");
+            println!(
+                "\n{:<20} {:>6} {:>6} {:>6} {:<7} {:<9} {:>9} {:>8} {:>9} {:>8}",
+                "GEMM", "m", "n", "k", "format", "path", "ms", "TFLOP/s", "vs cuBLASLt", "vs bf16"
+            );
             for g in &gemms {
                 println!(
                     "{:<20} {:>6} {:>6} {:>6} {:<7} {:<9} {:>9} {:>8} {:>9} {:>8} {}",
-                    g.shape, g.m, g.n, g.k, g.format, g.path, f(g.ms, 3), f(g.tflops, 1), f(g.vs_cublaslt, 2), f(g.vs_bf16, 2), g.note
+                    g.shape,
+                    g.m,
+                    g.n,
+                    g.k,
+                    g.format,
+                    g.path,
+                    f(g.ms, 3),
+                    f(g.tflops, 1),
+                    f(g.vs_cublaslt, 2),
+                    f(g.vs_bf16, 2),
+                    g.note
                 );
             }
             // Qwen2-1.5B's shape: 28 layers, hidden 1536, 12 heads / 2 KV heads, MLP 8960, tied.
             let cfg = qwen2(28, 1536, 12, 2, 8960, 151936, true)?;
             decode = bench::decode(&x.cuda, &cfg, &[1, 64, 256], 1024, a.decode_steps).context("decode timing")?;
-            println!("\n{:<8} {:>8} {:>10} {:>12} {:>14} {:>9}", "decode", "context", "ms/step", "tokens/s", "bound tok/s", "of bound");
+            println!(
+                "\n{:<8} {:>8} {:>10} {:>12} {:>14} {:>9}",
+                "decode", "context", "ms/step", "tokens/s", "bound tok/s", "of bound"
+            );
             for r in &decode {
                 println!(
                     "{:<8} {:>8} {:>10.2} {:>12.0} {:>14.0} {:>8.1}%",
-                    r.batch, r.context, r.ms_per_step, r.tokens_per_s, r.bound_tokens_per_s, 100.0 * r.fraction_of_bound
+                    r.batch,
+                    r.context,
+                    r.ms_per_step,
+                    r.tokens_per_s,
+                    r.bound_tokens_per_s,
+                    100.0 * r.fraction_of_bound
                 );
             }
             // Qwen2.5-7B's shape: 28 layers, hidden 3584, 28 heads / 4 KV heads, MLP 18944.
             let cfg7 = qwen2(28, 3584, 28, 4, 18944, 152064, false)?;
             resync = bench::resync(&x.cuda, &cfg7).context("resync timing")?;
-            println!("\n{:<18} {:>8} {:>10} {:>10} {:>10} {:>8}", "resync recipe", "tensors", "GiB", "ms", "copy ms", "vs copy");
+            println!(
+                "\n{:<18} {:>8} {:>10} {:>10} {:>10} {:>8}",
+                "resync recipe", "tensors", "GiB", "ms", "copy ms", "vs copy"
+            );
             for r in &resync {
                 println!(
                     "{:<18} {:>8} {:>10.2} {:>10.2} {:>10.2} {:>8.2}",
-                    r.recipe, r.tensors, r.weight_bytes as f64 / (1u64 << 30) as f64, r.ms, r.copy_ms, r.vs_copy
+                    r.recipe,
+                    r.tensors,
+                    r.weight_bytes as f64 / (1u64 << 30) as f64,
+                    r.ms,
+                    r.copy_ms,
+                    r.vs_copy
                 );
             }
         }
@@ -592,7 +684,8 @@ mod gpu {
             "resync": resync,
             "memory": {"in_use": in_use, "cached": cached, "peak": peak, "budget": budget},
         });
-        std::fs::write(&a.out, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", a.out.display()))?;
+        std::fs::write(&a.out, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", a.out.display()))?;
         println!("\nreport written to {}", a.out.display());
         if failed > 0 {
             bail!("{failed} of {} op checks failed (see the table above)", x.checks.len());

@@ -38,10 +38,10 @@ pub mod ffi;
 mod hostemu;
 #[path = "cuda/kernels.rs"]
 mod kernels;
-#[path = "cuda/nvtx.rs"]
-pub mod nvtx;
 #[path = "cuda/lowp.rs"]
 pub mod lowp;
+#[path = "cuda/nvtx.rs"]
+pub mod nvtx;
 #[path = "cuda/ops.rs"]
 pub mod ops;
 
@@ -140,7 +140,9 @@ impl CudaDevice {
         }
         // cudarc panics when the driver lacks a symbol of the CUDA 13.0 API it was built for.
         let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
-            .map_err(|_| anyhow!("cuda:{ordinal}: the CUDA driver is older than CUDA 13.0 (a driver symbol is missing)"))?
+            .map_err(|_| {
+                anyhow!("cuda:{ordinal}: the CUDA driver is older than CUDA 13.0 (a driver symbol is missing)")
+            })?
             .map_err(|e| {
                 let count = CudaContext::device_count().unwrap_or(0);
                 anyhow!("cuda:{ordinal}: cannot open the device ({e}); the driver reports {count} CUDA device(s)")
@@ -213,7 +215,12 @@ impl CudaDevice {
     /// Copies a tensor to this device (a host tensor, or another CUDA tensor).
     pub fn upload(&self, t: &Tensor) -> Result<Tensor> {
         let n = t.numel();
-        let s = CudaStorage::alloc(self, t.dtype(), n, &format!("an upload of a {} tensor of shape {:?}", t.dtype().name(), t.shape()))?;
+        let s = CudaStorage::alloc(
+            self,
+            t.dtype(),
+            n,
+            &format!("an upload of a {} tensor of shape {:?}", t.dtype().name(), t.shape()),
+        )?;
         match t.storage() {
             Storage::Cpu(c) => match c {
                 CpuStorage::F32(v) => self.htod(s.ptr, v)?,
@@ -265,7 +272,10 @@ impl CudaDevice {
     // ---- helpers for the submodules ----------------------------------------------------------
 
     fn bind(&self) -> Result<()> {
-        self.inner.ctx.bind_to_thread().map_err(|e| anyhow!("cuda:{}: cannot bind the context: {e}", self.inner.ordinal))
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| anyhow!("cuda:{}: cannot bind the context: {e}", self.inner.ordinal))
     }
 
     fn stream(&self) -> sys::CUstream {
@@ -312,7 +322,8 @@ impl CudaDevice {
             self.bind()?;
             // SAFETY: `src` holds at least size_of_val(dst) bytes; `dst` is borrowed mutably
             // until the synchronization below, which completes the copy.
-            unsafe { dr::memcpy_dtoh_async(dst, src, self.stream()) }.map_err(|e| anyhow!("device-to-host copy: {e}"))?;
+            unsafe { dr::memcpy_dtoh_async(dst, src, self.stream()) }
+                .map_err(|e| anyhow!("device-to-host copy: {e}"))?;
         }
         self.synchronize()
     }
@@ -375,7 +386,14 @@ pub struct CudaStorage {
 
 impl std::fmt::Debug for CudaStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CudaStorage({} x {} on cuda:{} at {:#x})", self.dtype.name(), self.len, self.buf.dev.inner.ordinal, self.ptr)
+        write!(
+            f,
+            "CudaStorage({} x {} on cuda:{} at {:#x})",
+            self.dtype.name(),
+            self.len,
+            self.buf.dev.inner.ordinal,
+            self.ptr
+        )
     }
 }
 

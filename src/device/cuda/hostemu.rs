@@ -26,7 +26,12 @@ fn f32s(b: &[u8]) -> Vec<f32> {
 fn same<T: PartialEq + std::fmt::Debug>(got: &[T], want: &[T], what: &str) {
     let bad = got.iter().zip(want).filter(|(a, b)| a != b).count() + got.len().abs_diff(want.len());
     if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b).or((got.len() != want.len()).then_some(0)) {
-        panic!("{what}: {bad} of {} elements differ; first at {i}: kernel {:?}, CPU {:?}", want.len(), got.get(i), want.get(i));
+        panic!(
+            "{what}: {bad} of {} elements differ; first at {i}: kernel {:?}, CPU {:?}",
+            want.len(),
+            got.get(i),
+            want.get(i)
+        );
     }
 }
 
@@ -56,7 +61,9 @@ fn kernels_match_the_cpu_twins_under_host_emulation() {
             eprintln!("skipped: no C++ compiler ({cxx}: {e})");
             return;
         }
-        Ok(o) if !o.status.success() => panic!("host emulation does not compile:\n{}", String::from_utf8_lossy(&o.stderr)),
+        Ok(o) if !o.status.success() => {
+            panic!("host emulation does not compile:\n{}", String::from_utf8_lossy(&o.stderr))
+        }
         Ok(_) => {}
     }
     // Inputs: normals at several scales, zeros of both signs, exact multiples of 0.25 (E2M1
@@ -86,7 +93,8 @@ fn kernels_match_the_cpu_twins_under_host_emulation() {
     let xb: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
     let signs = nvfp4::rht_signs(77);
     std::fs::write(dir.join("x.bin"), x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()).expect("write x");
-    std::fs::write(dir.join("signs.bin"), signs.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()).expect("write signs");
+    std::fs::write(dir.join("signs.bin"), signs.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
+        .expect("write signs");
     let run = Command::new(&exe).arg(&dir).output().expect("run the host emulation");
     assert!(run.status.success(), "host emulation failed: {}", String::from_utf8_lossy(&run.stderr));
 
@@ -94,9 +102,21 @@ fn kernels_match_the_cpu_twins_under_host_emulation() {
     for (tag, src) in [("f32", CpuFloats::F32(&x)), ("bf16", CpuFloats::BF16(&xb))] {
         let mut q = QTensor::alloc(QFormat::Fp8, rows, 256, Nvfp4Opts::default()).expect("alloc");
         q.requantize_cpu(src, "x").expect("fp8");
-        same(&read(&dir, &format!("fp8_codes_{tag}")), q.codes_bytes().expect("codes"), &format!("FP8 codes from {tag}"));
-        assert_eq!(f32s(&read(&dir, &format!("fp8_scale_{tag}")))[0].to_bits(), q.scale.to_bits(), "FP8 scale from {tag}");
-        same(&bits(&f32s(&read(&dir, &format!("fp8_deq_{tag}")))), &bits(&q.dequantize()), &format!("FP8 dequant from {tag}"));
+        same(
+            &read(&dir, &format!("fp8_codes_{tag}")),
+            q.codes_bytes().expect("codes"),
+            &format!("FP8 codes from {tag}"),
+        );
+        assert_eq!(
+            f32s(&read(&dir, &format!("fp8_scale_{tag}")))[0].to_bits(),
+            q.scale.to_bits(),
+            "FP8 scale from {tag}"
+        );
+        same(
+            &bits(&f32s(&read(&dir, &format!("fp8_deq_{tag}")))),
+            &bits(&q.dequantize()),
+            &format!("FP8 dequant from {tag}"),
+        );
         for v in 0..4 {
             let opts = Nvfp4Opts {
                 rht: (v & 1 == 1).then_some(77),
@@ -105,10 +125,26 @@ fn kernels_match_the_cpu_twins_under_host_emulation() {
             let mut q = QTensor::alloc(QFormat::Nvfp4, rows, 256, opts).expect("alloc");
             q.requantize_cpu(src, "x").expect("nvfp4");
             let t = format!("{v}_{tag}");
-            same(&read(&dir, &format!("nv_packed{t}")), q.codes_bytes().expect("codes"), &format!("NVFP4 codes {opts:?} from {tag}"));
-            same(&read(&dir, &format!("nv_scales{t}")), q.scales_bytes().expect("scales"), &format!("NVFP4 scales {opts:?} from {tag}"));
-            assert_eq!(f32s(&read(&dir, &format!("nv_global{t}")))[0].to_bits(), q.scale.to_bits(), "NVFP4 global {opts:?}");
-            same(&bits(&f32s(&read(&dir, &format!("nv_deq{t}")))), &bits(&q.dequantize()), &format!("NVFP4 dequant {opts:?}"));
+            same(
+                &read(&dir, &format!("nv_packed{t}")),
+                q.codes_bytes().expect("codes"),
+                &format!("NVFP4 codes {opts:?} from {tag}"),
+            );
+            same(
+                &read(&dir, &format!("nv_scales{t}")),
+                q.scales_bytes().expect("scales"),
+                &format!("NVFP4 scales {opts:?} from {tag}"),
+            );
+            assert_eq!(
+                f32s(&read(&dir, &format!("nv_global{t}")))[0].to_bits(),
+                q.scale.to_bits(),
+                "NVFP4 global {opts:?}"
+            );
+            same(
+                &bits(&f32s(&read(&dir, &format!("nv_deq{t}")))),
+                &bits(&q.dequantize()),
+                &format!("NVFP4 dequant {opts:?}"),
+            );
         }
     }
     let cpu = Device::cpu(1).expect("cpu");
@@ -120,7 +156,8 @@ fn kernels_match_the_cpu_twins_under_host_emulation() {
     };
     same(&bits(&f32s(&read(&dir, "fp8_fake"))), &fake(ActQuant::Fp8 { scale: 0.0123 }), "FP8 fake quant");
     for v in 0..4 {
-        let opts = Nvfp4Opts { rht: (v & 1 == 1).then_some(77), stochastic: (v >> 1 == 1).then_some(0x1234_5678_90ab_cdef) };
+        let opts =
+            Nvfp4Opts { rht: (v & 1 == 1).then_some(77), stochastic: (v >> 1 == 1).then_some(0x1234_5678_90ab_cdef) };
         let want = fake(ActQuant::Nvfp4 { global: 0.00321, opts });
         same(&bits(&f32s(&read(&dir, &format!("nv_fake{v}")))), &want, &format!("NVFP4 fake quant {opts:?}"));
     }

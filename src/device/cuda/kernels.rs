@@ -57,7 +57,8 @@ impl Kernels {
         }
         let f = |module: &str, name: &str| -> Result<CudaFunction> {
             let m = modules.get(module).ok_or_else(|| anyhow!("no {arch} cubin of csrc/kernels/{module}.cu"))?;
-            m.load_function(name).with_context(|| format!("kernel {name} missing from csrc/kernels/{module}.cu ({arch})"))
+            m.load_function(name)
+                .with_context(|| format!("kernel {name} missing from csrc/kernels/{module}.cu ({arch})"))
         };
         Ok(Kernels {
             rmsnorm: f("norm_rope", "ct_rmsnorm")?,
@@ -95,7 +96,15 @@ impl CudaDevice {
         want.min(self.inner.sm_count as u64 * 16).max(1) as u32
     }
 
-    fn launch<P: Copy>(&self, f: &CudaFunction, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, p: &P) -> Result<()> {
+    fn launch<P: Copy>(
+        &self,
+        f: &CudaFunction,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        p: &P,
+    ) -> Result<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
@@ -118,8 +127,10 @@ impl CudaDevice {
         // `args` and `p` outlive the call, which copies the parameter. The pointers inside
         // `p` are device allocations kept alive by the caller's tensors until the stream
         // reaches the kernel (freed blocks are only reused by later work on the same stream).
-        unsafe { cudarc::driver::result::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, self.stream(), &mut args) }
-            .map_err(|e| anyhow!("launch of {name} on {} failed: {e}", self.name()))?;
+        unsafe {
+            cudarc::driver::result::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, self.stream(), &mut args)
+        }
+        .map_err(|e| anyhow!("launch of {name} on {} failed: {e}", self.name()))?;
         if self.inner.sync_launches {
             self.synchronize().with_context(|| format!("after {name}"))?;
         }
@@ -183,7 +194,9 @@ impl CudaDevice {
         let d = p.head_dim as usize;
         let smem = (2 * groups * d + groups * ATT_TILE + 3 * groups) * 4;
         if smem > 200 * 1024 {
-            bail!("paged attention: {groups} query heads per KV head of dimension {d} need {smem} bytes of shared memory");
+            bail!(
+                "paged attention: {groups} query heads per KV head of dimension {d} need {smem} bytes of shared memory"
+            );
         }
         let grid = (u32_dim(p.num_tokens as i64, "attention rows")?, p.kv_heads as u32, 1);
         self.launch(&self.inner.kernels.paged_attention, "ct_paged_attention", grid, ATT_THREADS, smem as u32, &p)

@@ -97,14 +97,34 @@ pub(super) fn cast_rows(d: &CudaDevice, x: u64, n: usize, dt: DType) -> Result<s
 
 /// y (m, n) (+)= alpha · x (m, k) · w (n, k)ᵀ through cuBLASLt, w and x of element type `ab`.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn gemm(d: &CudaDevice, ab: Elem, w: u64, x: u64, y: u64, m: usize, n: usize, k: usize, alpha: f32, accumulate: bool, scales: Option<(u64, u64)>) -> Result<()> {
+pub(super) fn gemm(
+    d: &CudaDevice,
+    ab: Elem,
+    w: u64,
+    x: u64,
+    y: u64,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    accumulate: bool,
+    scales: Option<(u64, u64)>,
+) -> Result<()> {
     d.bind()?;
     d.blas().gemm(d.stream(), GemmKey { m, n, k, ab, accumulate }, w, x, y, alpha, scales)
 }
 
 // ---- the ops ----------------------------------------------------------------------------------
 
-pub fn linear(d: &CudaDevice, x: &Tensor, w: &Tensor, b: Option<&Tensor>, y: &mut Tensor, m: usize, acc: bool) -> Result<()> {
+pub fn linear(
+    d: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+    acc: bool,
+) -> Result<()> {
     let (n, k) = (w.dim(0), w.dim(1));
     let xp = ptr(d, x, &[DType::F32], "linear input")?;
     let wp = ptr(d, w, FLOATS, "linear weight")?;
@@ -147,7 +167,15 @@ pub fn rmsnorm(d: &CudaDevice, x: &Tensor, w: &Tensor, eps: f32, y: &mut Tensor,
     norm(d, yp, xp, None, w, eps, m, w.numel())
 }
 
-pub fn add_rmsnorm(d: &CudaDevice, x: &mut Tensor, r: &Tensor, w: &Tensor, eps: f32, y: &mut Tensor, m: usize) -> Result<()> {
+pub fn add_rmsnorm(
+    d: &CudaDevice,
+    x: &mut Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
     let xp = ptr(d, x, &[DType::F32], "add_rmsnorm residual")?;
     let rp = ptr(d, r, &[DType::F32], "add_rmsnorm update")?;
     let yp = ptr(d, y, &[DType::F32], "add_rmsnorm output")?;
@@ -223,10 +251,25 @@ pub fn gather_rows(d: &CudaDevice, s: &Tensor, i: &Tensor, o: &mut Tensor, r: us
 const CACHES: &[DType] = &[DType::F32, DType::BF16, DType::F16, DType::U8];
 
 #[allow(clippy::too_many_arguments)]
-pub fn kv_write(d: &CudaDevice, k: &Tensor, v: &Tensor, kc: &mut Tensor, vc: &mut Tensor, ks: f32, vs: f32, m: &AttnMeta) -> Result<()> {
+pub fn kv_write(
+    d: &CudaDevice,
+    k: &Tensor,
+    v: &Tensor,
+    kc: &mut Tensor,
+    vc: &mut Tensor,
+    ks: f32,
+    vs: f32,
+    m: &AttnMeta,
+) -> Result<()> {
     let (nb, hkv, bs, hd) = cache_dims(kc)?;
     if vc.dtype() != kc.dtype() || vc.shape() != kc.shape() {
-        bail!("kv_write: key cache {} {:?} and value cache {} {:?} differ", kc.dtype().name(), kc.shape(), vc.dtype().name(), vc.shape());
+        bail!(
+            "kv_write: key cache {} {:?} and value cache {} {:?} differ",
+            kc.dtype().name(),
+            kc.shape(),
+            vc.dtype().name(),
+            vc.shape()
+        );
     }
     d.k_kv_write(ffi::ct_kv_write_params {
         k: ptr(d, k, &[DType::F32], "kv_write keys")? as *const f32,
@@ -247,7 +290,17 @@ pub fn kv_write(d: &CudaDevice, k: &Tensor, v: &Tensor, kc: &mut Tensor, vc: &mu
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn paged_attention(d: &CudaDevice, q: &Tensor, kc: &Tensor, vc: &Tensor, ks: f32, vs: f32, m: &AttnMeta, o: &mut Tensor, h: usize) -> Result<()> {
+pub fn paged_attention(
+    d: &CudaDevice,
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    ks: f32,
+    vs: f32,
+    m: &AttnMeta,
+    o: &mut Tensor,
+    h: usize,
+) -> Result<()> {
     let (nb, hkv, bs, hd) = cache_dims(kc)?;
     if vc.dtype() != kc.dtype() || vc.shape() != kc.shape() {
         bail!("paged_attention: key and value caches differ");
@@ -421,7 +474,15 @@ pub(super) fn dequant(d: &CudaDevice, q: &QTensor, out: u64, out_dtype: DType) -
 /// `ops::matmul::linear_act_q`'s CUDA twin: the real W8A8 / W4A4 GEMM (`lowp`, CUTLASS or
 /// cuBLASLt where the shape and architecture allow, else the emulated path).
 #[allow(clippy::too_many_arguments)]
-pub fn linear_act_q(d: &CudaDevice, x: &Tensor, act: &crate::ops::quantize::ActQuant, wq: &QTensor, b: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
+pub fn linear_act_q(
+    d: &CudaDevice,
+    x: &Tensor,
+    act: &crate::ops::quantize::ActQuant,
+    wq: &QTensor,
+    b: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
     super::lowp::linear_act_q(d, x, act, wq, b, y, m, super::lowp::Path::Auto).map(|_| ())
 }
 
@@ -457,7 +518,16 @@ pub fn fake_quant_rows(d: &CudaDevice, x: &Tensor, y: &mut Tensor, m: usize, q: 
 /// codes (`codes`), NVFP4 block scales (`scales`) and dequantized values (`dequant`) is non-zero.
 /// The one launch of the quantize kernels for activations (fake_quant_rows, lowp::quantize_act).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn quant_rows_fixed(d: &CudaDevice, xp: u64, m: usize, k: usize, q: &ActQuant, codes: u64, scales: u64, dequant: u64) -> Result<()> {
+pub(super) fn quant_rows_fixed(
+    d: &CudaDevice,
+    xp: u64,
+    m: usize,
+    k: usize,
+    q: &ActQuant,
+    codes: u64,
+    scales: u64,
+    dequant: u64,
+) -> Result<()> {
     let n = m * k;
     let out = |p: u64| p as *mut u8;
     match *q {
@@ -510,7 +580,13 @@ fn on_device(p: &SampleParams, vocab: usize) -> bool {
     p.temperature == 0.0 || !truncated
 }
 
-pub fn sample(d: &CudaDevice, z: &Tensor, params: &[SampleParams], tokens: &mut [u32], logprobs: &mut [f32]) -> Result<()> {
+pub fn sample(
+    d: &CudaDevice,
+    z: &Tensor,
+    params: &[SampleParams],
+    tokens: &mut [u32],
+    logprobs: &mut [f32],
+) -> Result<()> {
     let s = params.len();
     let v = z.dim(z.shape().len() - 1);
     let zp = ptr(d, z, &[DType::F32], "sample logits")?;
@@ -549,7 +625,10 @@ pub fn sample(d: &CudaDevice, z: &Tensor, params: &[SampleParams], tokens: &mut 
         use rayon::prelude::*;
         let mut host = vec![0.0f32; (last - first + 1) * v];
         d.dtoh(&mut host, zp + (first * v * 4) as u64)?;
-        let drawn: Vec<(u32, f32)> = off.par_iter().map(|&i| crate::ops::sample::sample_row(&host[(i - first) * v..(i - first + 1) * v], &params[i])).collect();
+        let drawn: Vec<(u32, f32)> = off
+            .par_iter()
+            .map(|&i| crate::ops::sample::sample_row(&host[(i - first) * v..(i - first + 1) * v], &params[i]))
+            .collect();
         for (&i, (t, l)) in off.iter().zip(drawn) {
             tokens[i] = t;
             logprobs[i] = l;
