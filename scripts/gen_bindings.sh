@@ -5,7 +5,9 @@
 #
 # The bindings are committed, so neither CI nor a CUDA build needs bindgen or libclang; only
 # whoever edits the header runs this. Needs bindgen-cli 0.72
-# (`cargo install bindgen-cli --version 0.72.1 --locked`) and libclang (Debian: libclang-dev).
+# (`cargo install bindgen-cli --version 0.72.1 --locked`) and libclang (Debian: libclang-dev; or
+# `pip install --target DIR libclang` and LIBCLANG_PATH=DIR/clang/native, with
+# BINDGEN_EXTRA_CLANG_ARGS=-I/usr/lib/gcc/x86_64-linux-gnu/12/include for stddef.h).
 #   scripts/gen_bindings.sh            # or BINDGEN=/path/to/bindgen scripts/gen_bindings.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -11,8 +11,6 @@
 #include "../kernels/norm_rope.cu"
 #include "../kernels/quantize.cu"
 
-float smem[1];  // ct_paged_attention's dynamic shared memory (that kernel is not run here)
-
 static std::string dir;
 static std::vector<uint8_t> rd(const char* name) {
   std::vector<uint8_t> v;

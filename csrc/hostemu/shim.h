@@ -1,22 +1,40 @@
-// shim.h: host emulation of the CUDA built-ins used by the element-wise kernels, so that
-// csrc/kernels/{quantize,attention,norm_rope}.cu compile with a plain C++ compiler and run on
-// one host thread (gridDim = blockDim = 1: every grid-stride loop visits every element). The
-// _rn intrinsics become single IEEE f32 operations (volatile, so never contracted into FMAs);
-// __shfl_xor_sync returns the caller's own value, which is only right for the idempotent max
-// reductions (ct_amax) — kernels that sum across threads are not emulated. Used by the unit
-// test in src/device/cuda/hostemu.rs: it checks the kernels' arithmetic and indexing against
-// the CPU quantizers bit for bit without a GPU; it says nothing about the GPU itself.
+// shim.h: host emulation of the CUDA built-ins used by csrc/kernels, so that the kernels
+// compile with a plain C++ compiler and run on the host. Two ways to run a kernel:
+//   - call it directly: one thread, gridDim = blockDim = 1 (every grid-stride loop visits every
+//     element; shuffles return the caller's value, right only for idempotent max reductions).
+//     main.cpp runs the element-wise kernels this way;
+//   - ct_emu::launch(kernel, grid, block, smem_bytes, params): the real grid shape. Blocks run
+//     one after another; the threads of a block are cooperative fibers (ucontext) on this one
+//     OS thread, switched only at __syncthreads and at the warp exchanges of the shuffles. So
+//     __shared__ memory (static storage here) is private to the running block, atomics need no
+//     locks, runs are deterministic, and a divergent warp (lanes of one warp waiting at
+//     different barriers) is reported instead of hanging. Threads that return leave the
+//     barriers (as exited threads do on the GPU). blocks.cpp runs
+//     the block-level kernels (reductions, sampling, attention) this way.
+// The _rn intrinsics become single IEEE f32 operations (volatile, so never contracted into
+// FMAs); expf/logf/exp/log are the host libm's, which may differ from CUDA's by an ulp. Used by
+// the unit tests in src/device/cuda/hostemu*.rs: they check the kernels' arithmetic, indexing and
+// synchronization against the CPU twins without a GPU; they say nothing about the GPU itself.
 #pragma once
+#include <ucontext.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <vector>
 
 #define __device__
 #define __global__
 #define __forceinline__ inline
-#define __shared__
+#define __shared__ static
 #define __launch_bounds__(...)
+#define __restrict__
+// Dynamic shared memory (common.cuh's CT_DYNAMIC_SMEM on the GPU: extern __shared__ T name[]).
+#define CT_DYNAMIC_SMEM(T, name) T* name = reinterpret_cast<T*>(ct_emu::dyn_smem.data())
 
 struct ct_dim3 {
   unsigned x, y, z;
@@ -35,18 +53,168 @@ inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t __umulhi(uint32_t a, uint32_t b) { return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32); }
-template <class T>
-inline T __shfl_xor_sync(unsigned, T v, int) { return v; }
-inline unsigned atomicMax(uint32_t* p, uint32_t v) { unsigned o = *p; if (v > o) *p = v; return o; }
-inline unsigned atomicCAS(uint32_t* p, uint32_t c, uint32_t v) { unsigned o = *p; if (o == c) *p = v; return o; }
-inline void __syncthreads() {}
 using std::isnan;
 using std::max;
 using std::min;
 using std::signbit;
+
+namespace ct_emu {
+enum State { kRunning, kAtBlockBarrier, kAtWarpBarrier, kDone };
+struct Fiber {
+  ucontext_t ctx;
+  std::vector<char> stack;
+  State state;
+  unsigned tid;
+};
+inline std::vector<Fiber> fibers;        // the threads of the running block (empty: direct call)
+inline size_t current = 0;               // index of the running fiber
+inline ucontext_t scheduler;
+inline std::function<void()> body;       // the kernel call every fiber of the block makes
+inline std::vector<uint64_t> exchange;   // one shuffle slot per thread
+inline std::vector<unsigned char> dyn_smem;
+
+inline void fail(const char* what) {
+  std::fprintf(stderr, "hostemu: %s (block %u,%u thread %u)\n", what, blockIdx.x, blockIdx.y, threadIdx.x);
+  std::exit(5);
+}
+// Parks the running fiber in state s and returns to the scheduler.
+inline void park(State s) {
+  Fiber& f = fibers[current];
+  f.state = s;
+  if (swapcontext(&f.ctx, &scheduler) != 0) fail("swapcontext failed");
+}
+inline void fiber_entry() {
+  body();
+  fibers[current].state = kDone;  // returns to uc_link: the scheduler
+}
+inline void warp_sync() {
+  if (!fibers.empty()) park(kAtWarpBarrier);
+}
+
+// Runs one block to completion: every runnable fiber until it parks or returns, then releases
+// a warp whose live lanes all wait at the warp exchange, else the block barrier once every live
+// thread waits there.
+inline void run_block() {
+  const size_t n = fibers.size();
+  for (;;) {
+    for (size_t i = 0; i < n; i++) {
+      if (fibers[i].state != kRunning) continue;
+      current = i;
+      threadIdx = {fibers[i].tid, 0, 0};
+      if (swapcontext(&scheduler, &fibers[i].ctx) != 0) fail("swapcontext failed");
+    }
+    bool any_live = false, released = false;
+    for (size_t w = 0; w < n; w += 32) {
+      size_t at_warp = 0, live = 0;
+      for (size_t i = w; i < std::min(n, w + 32); i++) {
+        if (fibers[i].state == kDone) continue;
+        live++;
+        at_warp += fibers[i].state == kAtWarpBarrier;
+      }
+      any_live |= live > 0;
+      if (at_warp > 0 && at_warp != live) {
+        threadIdx = {static_cast<unsigned>(w), 0, 0};
+        fail("divergent warp: some lanes at a shuffle, others at __syncthreads");
+      }
+      if (at_warp > 0) {
+        for (size_t i = w; i < std::min(n, w + 32); i++)
+          if (fibers[i].state == kAtWarpBarrier) fibers[i].state = kRunning;
+        released = true;
+      }
+    }
+    if (!any_live) return;
+    if (released) continue;
+    // Every live thread waits at __syncthreads.
+    for (auto& f : fibers)
+      if (f.state == kAtBlockBarrier) f.state = kRunning;
+  }
+}
+
+// kernel<<<grid, block, smem>>>(params) with grid = (gx, gy), block = (bx, 1, 1).
+template <class P>
+void launch(void (*kernel)(P), unsigned gx, unsigned gy, unsigned bx, size_t smem_bytes, const P& params) {
+  constexpr size_t kStack = 64 * 1024;
+  gridDim = {gx, gy, 1};
+  blockDim = {bx, 1, 1};
+  dyn_smem.assign(smem_bytes + 16, 0xFF);  // poisoned: NaN-ish bytes, never zeros
+  exchange.assign(bx, 0);
+  body = [&] { kernel(params); };
+  fibers.assign(bx, Fiber{});
+  for (unsigned t = 0; t < bx; t++) fibers[t].stack.resize(kStack);
+  for (unsigned by = 0; by < gy; by++) {
+    for (unsigned bxi = 0; bxi < gx; bxi++) {
+      blockIdx = {bxi, by, 0};
+      for (unsigned t = 0; t < bx; t++) {
+        Fiber& f = fibers[t];
+        f.tid = t;
+        f.state = kRunning;
+        if (getcontext(&f.ctx) != 0) fail("getcontext failed");
+        f.ctx.uc_stack.ss_sp = f.stack.data();
+        f.ctx.uc_stack.ss_size = f.stack.size();
+        f.ctx.uc_link = &scheduler;
+        makecontext(&f.ctx, fiber_entry, 0);
+      }
+      run_block();
+    }
+  }
+  fibers.clear();
+  blockIdx = {0, 0, 0};
+  threadIdx = {0, 0, 0};
+  blockDim = {1, 1, 1};
+  gridDim = {1, 1, 1};
+}
+}  // namespace ct_emu
+
+inline void __syncthreads() {
+  if (!ct_emu::fibers.empty()) ct_emu::park(ct_emu::kAtBlockBarrier);
+}
+inline void __syncwarp(unsigned = 0xffffffffu) { ct_emu::warp_sync(); }
+
+// The value of lane `src` of the caller's warp: write, exchange, read, exchange (so no lane
+// overwrites its slot before every lane has read).
+template <class T>
+inline T ct_emu_shfl(T v, unsigned src_lane) {
+  static_assert(sizeof(T) <= 8, "shuffle of a value wider than 8 bytes");
+  if (ct_emu::fibers.empty()) return v;
+  const unsigned base = threadIdx.x & ~31u;
+  std::memcpy(&ct_emu::exchange[threadIdx.x], &v, sizeof(T));
+  ct_emu::warp_sync();
+  T r;
+  std::memcpy(&r, &ct_emu::exchange[base + (src_lane & 31u)], sizeof(T));
+  ct_emu::warp_sync();
+  return r;
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int o) { return ct_emu_shfl(v, (threadIdx.x & 31u) ^ static_cast<unsigned>(o)); }
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) { return ct_emu_shfl(v, static_cast<unsigned>(src)); }
+template <class T>
+inline T __shfl_up_sync(unsigned, T v, unsigned d) {
+  const unsigned lane = threadIdx.x & 31u;
+  const T r = ct_emu_shfl(v, lane >= d ? lane - d : lane);
+  return lane >= d ? r : v;
+}
+inline unsigned __ballot_sync(unsigned, int pred) {
+  if (ct_emu::fibers.empty()) return pred ? 1u : 0u;
+  const unsigned base = threadIdx.x & ~31u;
+  ct_emu::exchange[threadIdx.x] = pred ? 1 : 0;
+  ct_emu::warp_sync();
+  unsigned m = 0;
+  for (unsigned l = 0; l < 32 && base + l < ct_emu::exchange.size(); l++) m |= static_cast<unsigned>(ct_emu::exchange[base + l] & 1) << l;
+  ct_emu::warp_sync();
+  return m;
+}
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+
+// Fibers switch only at barriers, so plain read-modify-writes are atomic here.
+inline unsigned atomicMax(uint32_t* p, uint32_t v) { unsigned o = *p; if (v > o) *p = v; return o; }
+inline unsigned atomicMin(unsigned* p, unsigned v) { unsigned o = *p; if (v < o) *p = v; return o; }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p = o + v; return o; }
+inline unsigned atomicCAS(uint32_t* p, uint32_t c, uint32_t v) { unsigned o = *p; if (o == c) *p = v; return o; }
 
 // BF16 by bits (round to nearest even, NaN kept quiet); F16 is not emulated.
 struct __nv_bfloat16 {

@@ -195,16 +195,22 @@ typedef struct ct_logprob_params {
   uint32_t* err;
 } ct_logprob_params;
 
-/* One row of a sampling call. on_device = 0: the row is truncated (top-k / top-p) and sampled
- * on the host by the CPU twin; the kernel skips it. */
+/* One row of a sampling call. truncated = 0: greedy or no top-k / top-p, drawn by ct_sample;
+ * truncated = 1: drawn by ct_sample_topk (which skips the others, and ct_sample these). */
 typedef struct ct_sample_row {
   uint64_t seed;
   uint64_t request;
   float temperature; /* 0: greedy */
   uint32_t sample;
   uint32_t position;
-  uint32_t on_device;
+  uint32_t truncated;
+  uint32_t top_k; /* 0: off */
+  float top_p;    /* 1: off */
 } ct_sample_row;
+
+/* Candidates ct_sample_topk sorts per row: rows that need more (top_k above it, or a top-p
+ * prefix longer than it) get host_rows[row] = 1 and are drawn on the host by the CPU twin. */
+#define CT_TOPK_CAP 2048
 
 typedef struct ct_sample_params {
   const float* logits;
@@ -213,6 +219,7 @@ typedef struct ct_sample_params {
   int32_t vocab;
   uint32_t* tokens;
   float* logprobs;
+  uint32_t* host_rows; /* ct_sample_topk: 1 = left to the host, 0 = drawn (truncated rows only) */
 } ct_sample_params;
 
 /* *amax_bits = max over i < n of the |x| bit pattern (atomicMax; the caller zeroes it first).

@@ -52,7 +52,7 @@ extern "C" __global__ void ct_kv_write(ct_kv_write_params p) {
 // grid (num_tokens, kv_heads), block 128 threads (4 warps). Dynamic shared memory:
 //   q (groups * D) | acc (groups * D) | scores (groups * TILE) | m, l, corr (3 * groups) floats.
 extern "C" __global__ void __launch_bounds__(CT_ATT_THREADS) ct_paged_attention(ct_attention_params p) {
-  extern __shared__ float smem[];
+  CT_DYNAMIC_SMEM(float, smem);
   const int t = blockIdx.x, kvh = blockIdx.y;
   const int D = p.head_dim, groups = p.heads / p.kv_heads;
   float* sq = smem;

@@ -16,6 +16,11 @@
 
 #define CT_WARP 32
 
+// Dynamic shared memory of a kernel (the host emulation defines its own).
+#ifndef CT_DYNAMIC_SMEM
+#define CT_DYNAMIC_SMEM(T, name) extern __shared__ T name[]
+#endif
+
 __device__ __forceinline__ float ct_load(const void* p, int dtype, int64_t i) {
   switch (dtype) {
     case CT_DTYPE_BF16:

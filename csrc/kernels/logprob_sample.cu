@@ -1,7 +1,6 @@
 // logprob_sample.cu: fused log-softmax + gather, and token sampling.
 // CPU twins: src/ops/logprob.rs (log_softmax_gather, row_log_normalizer) and src/ops/sample.rs
-// (sample_row, greedy and untruncated rows only; rows with top-k / top-p are sampled on the
-// host by the CPU twin itself, see src/device/cuda/ops.rs).
+// (sample_row, greedy and untruncated rows only; rows with top-k / top-p are sample_topk.cu's).
 // Same order of operations as the CPU: scale by 1/T in f32, the max in f32, weights
 // expf(z/T - max) summed in double, log-prob = (z_y/T - max) - log(sum); sampling draws the same
 // Philox uniform (key = seed, counter = (position, sample, request lo, request hi)) and walks
@@ -10,33 +9,7 @@
 // chunks (not strictly left to right), and CUDA's expf may differ from the host's by an ulp.
 // So the drawn token equals the CPU's unless u falls within rounding distance of a CDF
 // boundary. Not yet run on a GPU.
-#include "common.cuh"
-
-#define CT_ROW_THREADS 1024
-
-struct RowStats {
-  float mx;
-  double sum;
-};
-
-// max_j z_j / T and sum_j exp(z_j / T - max) in double, over one row, all threads of the block.
-// chunk_sums (if not null, CT_ROW_THREADS entries) receives each thread's partial sum over its
-// contiguous chunk [tid * chunk, (tid + 1) * chunk).
-__device__ RowStats ct_row_stats(const float* z, int vocab, float temperature, double* chunk_sums) {
-  __shared__ float fscratch[32];
-  __shared__ double dscratch[32];
-  const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
-  const int begin = threadIdx.x * chunk;
-  const int end = min(vocab, begin + chunk);
-  float mx = -INFINITY;
-  for (int i = begin; i < end; i++) mx = fmaxf(mx, __fdiv_rn(z[i], temperature));
-  mx = ct_block_max(mx, fscratch);
-  double s = 0.0;
-  for (int i = begin; i < end; i++) s += static_cast<double>(expf(__fsub_rn(__fdiv_rn(z[i], temperature), mx)));
-  if (chunk_sums) chunk_sums[threadIdx.x] = s;
-  s = ct_block_sum_f64(s, dscratch);
-  return RowStats{mx, s};
-}
+#include "row_stats.cuh"
 
 // One block of CT_ROW_THREADS threads per row.
 extern "C" __global__ void __launch_bounds__(CT_ROW_THREADS) ct_log_softmax_gather(ct_logprob_params p) {
@@ -75,7 +48,7 @@ extern "C" __global__ void __launch_bounds__(CT_ROW_THREADS) ct_sample(ct_sample
   const int row = blockIdx.x;
   if (row >= p.rows) return;
   const ct_sample_row sp = p.params[row];
-  if (!sp.on_device) return;
+  if (sp.truncated) return;  // ct_sample_topk's row
   const float* z = p.logits + static_cast<int64_t>(row) * p.vocab;
   const int V = p.vocab;
   const int tid = threadIdx.x, lane = tid % CT_WARP, warp = tid / CT_WARP;

@@ -318,14 +318,15 @@ mod gpu {
         let mut lp = x.out(&[9])?;
         x.both(|d, g| logprob::log_softmax_gather(d, pick(&z, g), pick(&t, g), 0.7, pick_mut(&mut lp, g), 9))?;
         x.cmp("log_softmax_gather", "f32", &lp, Tol::Close(1e-5, 1e-6))?;
-        // Sampling: greedy, untruncated (GPU kernel) and top-k / top-p rows (host twin).
-        let rows = 16;
+        // Sampling: greedy and untruncated rows (ct_sample), top-k / top-p rows (ct_sample_topk;
+        // a top-p prefix longer than its CT_TOPK_CAP candidates goes to the host twin).
+        let rows = 24;
         let zs = x.randp(DType::F32, &[rows, v], 3.0)?;
         let params: Vec<SampleParams> = (0..rows)
             .map(|i| SampleParams {
-                temperature: [0.0, 1.0, 0.7, 1.0][i / 4],
-                top_k: if i / 4 == 2 { 40 } else { 0 },
-                top_p: if i / 4 == 3 { 0.9 } else { 1.0 },
+                temperature: [0.0, 1.0, 0.7, 1.0, 0.8, 1.0][i / 4],
+                top_k: [0, 0, 40, 0, 7, 0][i / 4],
+                top_p: [1.0, 1.0, 1.0, 0.9, 0.5, 0.999][i / 4],
                 seed: 11,
                 request: i as u64,
                 sample: (i % 2) as u32,
@@ -395,6 +396,13 @@ mod gpu {
             attn_meta(x, &x.cpu, bs, maxb, &seqs, &tables, &slots)?,
             attn_meta(x, &x.gpu, bs, maxb, &seqs, &tables, &slots)?,
         );
+        // Sequence 1's decode row alone: few rows per sequence, so ct_paged_attention runs (the
+        // whole batch, mostly prefill rows, runs ct_prefill_attention).
+        let (dec, dec_tables) = ([(1u32, 40u32)], &tables[maxb..2 * maxb]);
+        let (dc, dg) = (
+            attn_meta(x, &x.cpu, bs, maxb, &dec, dec_tables, &slots[5..6])?,
+            attn_meta(x, &x.gpu, bs, maxb, &dec, dec_tables, &slots[5..6])?,
+        );
         let t = mc.num_tokens;
         let shape = [nb, hkv, bs, d];
         let nval = nb * hkv * bs * d;
@@ -438,7 +446,23 @@ mod gpu {
                     heads,
                 )
             })?;
-            x.cmp("paged_attention", &format!("{} cache", dt.name()), &o, Tol::Close(1e-5, 1e-4))?;
+            x.cmp("attention, prefill kernel", &format!("{} cache", dt.name()), &o, Tol::Close(1e-5, 1e-4))?;
+            let mut o1 = x.out(&[1, heads * d])?;
+            x.both(|dv, g| {
+                let m = if g { &dg } else { &dc };
+                attention::paged_attention(
+                    dv,
+                    pick(&q, g),
+                    pick(&kc, g),
+                    pick(&vc, g),
+                    ks,
+                    vs,
+                    m,
+                    pick_mut(&mut o1, g),
+                    heads,
+                )
+            })?;
+            x.cmp("attention, decode kernel", &format!("{} cache", dt.name()), &o1, Tol::Close(1e-5, 1e-4))?;
         }
         Ok(())
     }

@@ -36,6 +36,9 @@ pub mod ffi;
 #[cfg(test)]
 #[path = "cuda/hostemu.rs"]
 mod hostemu;
+#[cfg(test)]
+#[path = "cuda/hostemu_blocks.rs"]
+mod hostemu_blocks;
 #[path = "cuda/kernels.rs"]
 mod kernels;
 #[path = "cuda/lowp.rs"]

@@ -11,14 +11,14 @@ use crate::ops::quantize::ActQuant;
 use crate::quant::fp8::E4M3;
 use crate::quant::nvfp4::{self, Nvfp4Opts};
 use crate::quant::qtensor::{QFormat, QTensor};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn read(dir: &Path, name: &str) -> Vec<u8> {
+pub(super) fn read(dir: &Path, name: &str) -> Vec<u8> {
     std::fs::read(dir.join(name)).unwrap_or_else(|e| panic!("host emulation output {name}: {e}"))
 }
 
-fn f32s(b: &[u8]) -> Vec<f32> {
+pub(super) fn f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
@@ -35,37 +35,43 @@ fn same<T: PartialEq + std::fmt::Debug>(got: &[T], want: &[T], what: &str) {
     }
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-#[test]
-fn kernels_match_the_cpu_twins_under_host_emulation() {
+/// Compiles csrc/hostemu/`program` with the shim into `out_dir`. None (after a message) when
+/// there is no C++ compiler; panics with the compiler's output when the program does not compile.
+pub(super) fn compile(program: &str, out_dir: &Path) -> Option<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let dir = std::env::temp_dir().join(format!("colotrain-hostemu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let exe = dir.join("emu");
+    let exe = out_dir.join(program.trim_end_matches(".cpp"));
     let emu = root.join("csrc/hostemu");
     let built = Command::new(&cxx)
         .args(["-std=c++17", "-O2", "-ffp-contract=off", "-include"])
         .arg(emu.join("shim.h"))
         .arg(format!("-I{}", emu.join("include").display()))
         .arg(format!("-I{}", root.join("csrc/include").display()))
-        .arg(emu.join("main.cpp"))
+        .arg(emu.join(program))
         .arg("-o")
         .arg(&exe)
         .output();
     match built {
         Err(e) => {
             eprintln!("skipped: no C++ compiler ({cxx}: {e})");
-            return;
+            None
         }
         Ok(o) if !o.status.success() => {
-            panic!("host emulation does not compile:\n{}", String::from_utf8_lossy(&o.stderr))
+            panic!("host emulation {program} does not compile:\n{}", String::from_utf8_lossy(&o.stderr))
         }
-        Ok(_) => {}
+        Ok(_) => Some(exe),
     }
+}
+
+pub(super) fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn kernels_match_the_cpu_twins_under_host_emulation() {
+    let dir = std::env::temp_dir().join(format!("colotrain-hostemu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let Some(exe) = compile("main.cpp", &dir) else { return };
     // Inputs: normals at several scales, zeros of both signs, exact multiples of 0.25 (E2M1
     // ties after scaling), tiny values (E4M3 subnormals), outliers.
     let n = 64 * 256;

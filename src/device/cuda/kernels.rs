@@ -12,11 +12,21 @@ use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::Ptx;
 use std::sync::Arc;
 
-/// Threads per block of the row kernels of logprob_sample.cu (CT_ROW_THREADS).
+/// Threads per block of the row kernels of logprob_sample.cu and sample_topk.cu (CT_ROW_THREADS).
 pub(super) const ROW_THREADS: u32 = 1024;
 /// Threads per block of paged attention and its key tile (CT_ATT_TILE).
 pub(super) const ATT_THREADS: u32 = 128;
 pub(super) const ATT_TILE: usize = 32;
+/// Threads per block of ct_prefill_attention and keys per shared tile (CT_PF_THREADS, CT_PF_KEYS).
+pub(super) const PF_THREADS: u32 = 128;
+pub(super) const PF_KEYS: usize = 32;
+
+/// (query rows per tile, query vectors held in shared memory) of ct_prefill_attention: the
+/// device functions ct_pf_rows and max(ct_pf_qv, groups) of attention_prefill.cu.
+pub(super) fn prefill_shape(head_dim: usize, groups: usize) -> (usize, usize) {
+    let qv = if head_dim > 128 { 32 } else { 64 };
+    ((qv / groups.max(1)).max(1), qv.max(groups))
+}
 const ELEMENTWISE_THREADS: u32 = 256;
 const NORM_THREADS: u32 = 256;
 
@@ -32,8 +42,10 @@ pub(super) struct Kernels {
     fill_normal: CudaFunction,
     kv_write: CudaFunction,
     paged_attention: CudaFunction,
+    prefill_attention: CudaFunction,
     log_softmax_gather: CudaFunction,
     sample: CudaFunction,
+    sample_topk: CudaFunction,
     amax: CudaFunction,
     quant_fp8: CudaFunction,
     quant_nvfp4: CudaFunction,
@@ -72,8 +84,10 @@ impl Kernels {
             fill_normal: f("elementwise", "ct_fill_normal")?,
             kv_write: f("attention", "ct_kv_write")?,
             paged_attention: f("attention", "ct_paged_attention")?,
+            prefill_attention: f("attention_prefill", "ct_prefill_attention")?,
             log_softmax_gather: f("logprob_sample", "ct_log_softmax_gather")?,
             sample: f("logprob_sample", "ct_sample")?,
+            sample_topk: f("sample_topk", "ct_sample_topk")?,
             amax: f("quantize", "ct_amax")?,
             quant_fp8: f("quantize", "ct_quant_fp8")?,
             quant_nvfp4: f("quantize", "ct_quant_nvfp4")?,
@@ -202,6 +216,22 @@ impl CudaDevice {
         self.launch(&self.inner.kernels.paged_attention, "ct_paged_attention", grid, ATT_THREADS, smem as u32, &p)
     }
 
+    pub(super) fn k_prefill_attention(&self, p: ffi::ct_attention_params) -> Result<()> {
+        if p.kv_heads <= 0 || p.heads % p.kv_heads != 0 {
+            bail!("prefill attention: {} query heads not a multiple of {} KV heads", p.heads, p.kv_heads);
+        }
+        let (groups, d) = ((p.heads / p.kv_heads) as usize, p.head_dim as usize);
+        let (rows, qv) = prefill_shape(d, groups);
+        let smem = (2 * qv * d + PF_KEYS * (d + 1) + PF_KEYS * d + qv * PF_KEYS + 3 * qv) * 4;
+        if smem > 200 * 1024 {
+            bail!("prefill attention: {groups} query heads per KV head of dimension {d} need {smem} bytes of shared memory");
+        }
+        // At most num_tokens / rows + num_seqs tiles (each sequence's last tile may be partial).
+        let tiles = p.num_tokens as i64 / rows as i64 + p.num_seqs as i64;
+        let grid = (u32_dim(tiles, "prefill attention tiles")?, p.kv_heads as u32, 1);
+        self.launch(&self.inner.kernels.prefill_attention, "ct_prefill_attention", grid, PF_THREADS, smem as u32, &p)
+    }
+
     pub(super) fn k_log_softmax_gather(&self, p: ffi::ct_logprob_params) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "log-prob rows")?, 1, 1);
         self.launch(&self.inner.kernels.log_softmax_gather, "ct_log_softmax_gather", grid, ROW_THREADS, 0, &p)
@@ -210,6 +240,11 @@ impl CudaDevice {
     pub(super) fn k_sample(&self, p: ffi::ct_sample_params) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "sampled rows")?, 1, 1);
         self.launch(&self.inner.kernels.sample, "ct_sample", grid, ROW_THREADS, 0, &p)
+    }
+
+    pub(super) fn k_sample_topk(&self, p: ffi::ct_sample_params) -> Result<()> {
+        let grid = (u32_dim(p.rows as i64, "sampling rows")?, 1, 1);
+        self.launch(&self.inner.kernels.sample_topk, "ct_sample_topk", grid, ROW_THREADS, 0, &p)
     }
 
     pub(super) fn k_amax(&self, p: ffi::ct_amax_params) -> Result<()> {

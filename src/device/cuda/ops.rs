@@ -10,8 +10,9 @@
 //! low-precision linear: the weight is decoded to its unit values (e4m3, or q·bs for NVFP4,
 //! exact in BF16) and the tensor scale becomes the GEMM's alpha; the real W8A8 / W4A4 GEMMs
 //! need the activation scale, which this signature does not carry (see `lowp::linear_w8a8`).
-//! `sample` draws greedy and untruncated rows on the GPU; rows with top-k / top-p are copied to
-//! the host and drawn by the CPU twin itself (`crate::ops::sample::sample_row`), so they match
+//! `sample` draws greedy and untruncated rows with ct_sample and rows with top-k / top-p with
+//! ct_sample_topk; the few rows that kernel leaves (see CT_TOPK_CAP) are copied to the host and
+//! drawn by the CPU twin itself (`crate::ops::sample::sample_row`), so they match
 //! the CPU exactly but cost a device-to-host copy of their logits.
 
 use super::blas::{Elem, GemmKey};
@@ -308,7 +309,7 @@ pub fn paged_attention(
     if m.num_tokens == 0 {
         return Ok(());
     }
-    d.k_paged_attention(ffi::ct_attention_params {
+    let p = ffi::ct_attention_params {
         q: ptr(d, q, &[DType::F32], "attention queries")? as *const f32,
         k_cache: ptr(d, kc, CACHES, "key cache")? as *const c_void,
         v_cache: ptr(d, vc, CACHES, "value cache")? as *const c_void,
@@ -329,7 +330,14 @@ pub fn paged_attention(
         softmax_scale: 1.0 / (hd as f32).sqrt(),
         out: f32p(ptr(d, o, &[DType::F32], "attention output")?),
         err: err_word(d),
-    })
+    };
+    // Mostly prefill rows: the flash-style kernel (shares each key tile across a tile of rows);
+    // mostly decode rows: one block per row. Both give every row the same result to rounding.
+    if m.num_tokens >= 2 * m.num_seqs {
+        d.k_prefill_attention(p)
+    } else {
+        d.k_paged_attention(p)
+    }
 }
 
 pub fn log_softmax_gather(d: &CudaDevice, z: &Tensor, y: &Tensor, t: f32, o: &mut Tensor, m: usize) -> Result<()> {
@@ -574,10 +582,25 @@ pub(super) fn quant_rows_fixed(
     }
 }
 
-/// Whether the GPU kernel draws this row (greedy, or no top-k / top-p truncation).
-fn on_device(p: &SampleParams, vocab: usize) -> bool {
-    let truncated = (p.top_k > 0 && (p.top_k as usize) < vocab) || p.top_p < 1.0;
-    p.temperature == 0.0 || !truncated
+/// Whether a row is truncated (top-k or top-p at a positive temperature): ct_sample_topk draws
+/// it; ct_sample draws the others (greedy or the whole distribution).
+pub(super) fn truncated(p: &SampleParams, vocab: usize) -> bool {
+    let cut = (p.top_k > 0 && (p.top_k as usize) < vocab) || p.top_p < 1.0;
+    p.temperature > 0.0 && cut
+}
+
+/// The kernel's view of one row's sampling parameters.
+pub(super) fn sample_row_params(p: &SampleParams, vocab: usize) -> ffi::ct_sample_row {
+    ffi::ct_sample_row {
+        seed: p.seed,
+        request: p.request,
+        temperature: p.temperature,
+        sample: p.sample,
+        position: p.position,
+        truncated: truncated(p, vocab) as u32,
+        top_k: p.top_k,
+        top_p: p.top_p,
+    }
 }
 
 pub fn sample(
@@ -593,34 +616,37 @@ pub fn sample(
     if s == 0 {
         return Ok(());
     }
-    let rows: Vec<ffi::ct_sample_row> = params
-        .iter()
-        .map(|p| ffi::ct_sample_row {
-            seed: p.seed,
-            request: p.request,
-            temperature: p.temperature,
-            sample: p.sample,
-            position: p.position,
-            on_device: on_device(p, v) as u32,
-        })
-        .collect();
+    let rows: Vec<ffi::ct_sample_row> = params.iter().map(|p| sample_row_params(p, v)).collect();
     let pbuf = d.scratch(std::mem::size_of_val(rows.as_slice()), "sampling parameters")?;
     let tbuf = d.scratch(s * 4, "sampled tokens")?;
     let lbuf = d.scratch(s * 4, "sampled log-probs")?;
+    let hbuf = d.scratch(s * 4, "rows left to the host")?;
     d.htod(pbuf.ptr, &rows)?;
-    d.k_sample(ffi::ct_sample_params {
+    let kp = ffi::ct_sample_params {
         logits: zp as *const f32,
         params: pbuf.ptr as *const ffi::ct_sample_row,
         rows: i32_of(s, "rows")?,
         vocab: i32_of(v, "vocabulary")?,
         tokens: tbuf.ptr as *mut u32,
         logprobs: f32p(lbuf.ptr),
-    })?;
+        host_rows: hbuf.ptr as *mut u32,
+    };
+    d.k_sample(kp)?;
+    let any_truncated = rows.iter().any(|r| r.truncated != 0);
+    if any_truncated {
+        d.k_sample_topk(kp)?;
+    }
     d.dtoh(&mut tokens[..s], tbuf.ptr)?;
     d.dtoh(&mut logprobs[..s], lbuf.ptr)?;
-    // Truncated (top-k / top-p) rows are sampled on the host by the CPU twin: their logits come
-    // over in one copy (one wait, not one per row) and the rows are sampled in parallel.
-    let off: Vec<usize> = (0..s).filter(|&i| !on_device(&params[i], v)).collect();
+    if !any_truncated {
+        return Ok(());
+    }
+    // Rows the top-k kernel left (top_k above CT_TOPK_CAP, or a top-p prefix longer than its
+    // sorted candidates) are drawn on the host by the CPU twin: their logits come over in one
+    // copy and the rows are sampled in parallel.
+    let mut host_rows = vec![0u32; s];
+    d.dtoh(&mut host_rows, hbuf.ptr)?;
+    let off: Vec<usize> = (0..s).filter(|&i| rows[i].truncated != 0 && host_rows[i] != 0).collect();
     if let (Some(&first), Some(&last)) = (off.first(), off.last()) {
         use rayon::prelude::*;
         let mut host = vec![0.0f32; (last - first + 1) * v];

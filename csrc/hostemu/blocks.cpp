@@ -1,0 +1,144 @@
+// blocks.cpp: runs the block-level kernels of csrc/kernels (block reductions, scans, sorts,
+// shared memory) on the host with ct_emu::launch (see shim.h), with the launch shapes of
+// src/device/cuda/kernels.rs, over inputs that src/device/cuda/hostemu_blocks.rs writes into the
+// folder argv[2]; outputs go to the same folder. Modes (argv[1]):
+//   sample     dims.bin (i32 rows, vocab; f32 temperature of the scoring pass), logits.bin
+//              (rows, vocab) f32, params.bin (rows) ct_sample_row, targets.bin (rows) u32
+//              -> tokens.bin, logprobs.bin, host_rows.bin (ct_sample + ct_sample_topk),
+//                 scores.bin (ct_log_softmax_gather)
+//   attention  dims.bin (i32 heads, kv_heads, head_dim, block_size, num_blocks, num_seqs,
+//              max_blocks, rows, dtype; f32 scale, k_scale, v_scale), q.bin, k_cache.bin,
+//              v_cache.bin, block_tables.bin, q_start.bin, ctx_len.bin -> out.bin
+//              (ct_paged_attention), out_prefill.bin (ct_prefill_attention), err.bin
+//   rmsnorm    dims.bin (i32 rows, cols; f32 eps), x.bin, r.bin (rows, cols), w.bin (cols)
+//              -> y.bin, x_out.bin (ct_rmsnorm with the residual add)
+// Build: c++ -std=c++17 -O2 -ffp-contract=off -include shim.h -Iinclude -I../include blocks.cpp
+#include <string>
+#include <vector>
+
+#include "../kernels/attention.cu"
+#include "../kernels/attention_prefill.cu"
+#include "../kernels/logprob_sample.cu"
+#include "../kernels/norm_rope.cu"
+#include "../kernels/sample_topk.cu"
+
+static std::string dir;
+static std::vector<uint8_t> rd(const char* name) {
+  std::vector<uint8_t> v;
+  FILE* f = std::fopen((dir + "/" + name).c_str(), "rb");
+  if (!f) {
+    std::fprintf(stderr, "blocks: cannot open %s/%s\n", dir.c_str(), name);
+    std::exit(3);
+  }
+  std::fseek(f, 0, SEEK_END);
+  v.resize(static_cast<size_t>(std::ftell(f)));
+  std::fseek(f, 0, SEEK_SET);
+  if (std::fread(v.data(), 1, v.size(), f) != v.size()) std::exit(3);
+  std::fclose(f);
+  return v;
+}
+template <class T>
+static std::vector<T> rd_as(const char* name) {
+  const std::vector<uint8_t> b = rd(name);
+  std::vector<T> v(b.size() / sizeof(T));
+  std::memcpy(v.data(), b.data(), v.size() * sizeof(T));
+  return v;
+}
+static void wr(const char* name, const void* d, size_t n) {
+  FILE* f = std::fopen((dir + "/" + name).c_str(), "wb");
+  if (!f || std::fwrite(d, 1, n, f) != n) std::exit(4);
+  std::fclose(f);
+}
+static int32_t dim_i(const std::vector<uint8_t>& d, int i) {
+  int32_t v;
+  std::memcpy(&v, d.data() + 4 * i, 4);
+  return v;
+}
+static float dim_f(const std::vector<uint8_t>& d, int i) {
+  float v;
+  std::memcpy(&v, d.data() + 4 * i, 4);
+  return v;
+}
+
+static void sample() {
+  const std::vector<uint8_t> d = rd("dims.bin");
+  const int rows = dim_i(d, 0), vocab = dim_i(d, 1);
+  const float score_t = dim_f(d, 2);
+  const std::vector<float> logits = rd_as<float>("logits.bin");
+  const std::vector<ct_sample_row> params = rd_as<ct_sample_row>("params.bin");
+  const std::vector<uint32_t> targets = rd_as<uint32_t>("targets.bin");
+  if (logits.size() != static_cast<size_t>(rows) * vocab || params.size() != static_cast<size_t>(rows)) std::exit(3);
+  std::vector<uint32_t> tokens(rows, 0xDEADBEEFu), host_rows(rows, 7);
+  std::vector<float> lps(rows, NAN), scores(rows, NAN);
+  ct_sample_params sp{};
+  sp.logits = logits.data(), sp.params = params.data(), sp.rows = rows, sp.vocab = vocab;
+  sp.tokens = tokens.data(), sp.logprobs = lps.data(), sp.host_rows = host_rows.data();
+  ct_emu::launch(ct_sample, rows, 1, CT_ROW_THREADS, 0, sp);
+  ct_emu::launch(ct_sample_topk, rows, 1, CT_ROW_THREADS, 0, sp);
+  uint32_t err = 0;
+  ct_logprob_params lp{};
+  lp.logits = logits.data(), lp.targets = targets.data(), lp.out = scores.data(), lp.rows = rows;
+  lp.vocab = vocab, lp.temperature = score_t, lp.err = &err;
+  ct_emu::launch(ct_log_softmax_gather, rows, 1, CT_ROW_THREADS, 0, lp);
+  wr("tokens.bin", tokens.data(), 4 * tokens.size());
+  wr("logprobs.bin", lps.data(), 4 * lps.size());
+  wr("host_rows.bin", host_rows.data(), 4 * host_rows.size());
+  wr("scores.bin", scores.data(), 4 * scores.size());
+}
+
+static void attention() {
+  const std::vector<uint8_t> d = rd("dims.bin");
+  ct_attention_params p{};
+  p.heads = dim_i(d, 0), p.kv_heads = dim_i(d, 1), p.head_dim = dim_i(d, 2), p.block_size = dim_i(d, 3);
+  p.num_blocks = dim_i(d, 4), p.num_seqs = dim_i(d, 5), p.max_blocks = dim_i(d, 6);
+  const int rows = dim_i(d, 7);
+  p.dtype = dim_i(d, 8), p.softmax_scale = dim_f(d, 9), p.k_scale = dim_f(d, 10), p.v_scale = dim_f(d, 11);
+  const std::vector<float> q = rd_as<float>("q.bin");
+  const std::vector<uint8_t> kc = rd("k_cache.bin"), vc = rd("v_cache.bin");
+  const std::vector<uint32_t> tables = rd_as<uint32_t>("block_tables.bin"), qs = rd_as<uint32_t>("q_start.bin"),
+                              ctx = rd_as<uint32_t>("ctx_len.bin");
+  std::vector<float> out(static_cast<size_t>(rows) * p.heads * p.head_dim, NAN);
+  uint32_t err = 0;
+  p.q = q.data(), p.k_cache = kc.data(), p.v_cache = vc.data(), p.block_tables = tables.data();
+  p.q_start = qs.data(), p.ctx_len = ctx.data(), p.out = out.data(), p.err = &err, p.num_tokens = rows;
+  // kernels.rs k_paged_attention: grid (rows, kv_heads), CT_ATT_THREADS threads, this much
+  // dynamic shared memory.
+  const int groups = p.heads / p.kv_heads;
+  const size_t smem = 4 * static_cast<size_t>(2 * groups * p.head_dim + groups * CT_ATT_TILE + 3 * groups);
+  ct_emu::launch(ct_paged_attention, rows, p.kv_heads, CT_ATT_THREADS, smem, p);
+  wr("out.bin", out.data(), 4 * out.size());
+  // kernels.rs k_prefill_attention: grid (rows / R + num_seqs, kv_heads), CT_PF_THREADS threads.
+  std::vector<float> out2(out.size(), NAN);
+  p.out = out2.data();
+  const int D = p.head_dim, R = std::max(1, (D > 128 ? 32 : 64) / groups), qv = std::max(D > 128 ? 32 : 64, groups);
+  const size_t smem2 = 4 * static_cast<size_t>(2 * qv * D + CT_PF_KEYS * (D + 1) + CT_PF_KEYS * D + qv * CT_PF_KEYS + 3 * qv);
+  ct_emu::launch(ct_prefill_attention, rows / R + p.num_seqs, p.kv_heads, CT_PF_THREADS, smem2, p);
+  wr("out_prefill.bin", out2.data(), 4 * out2.size());
+  wr("err.bin", &err, 4);
+}
+
+static void rmsnorm() {
+  const std::vector<uint8_t> d = rd("dims.bin");
+  const int rows = dim_i(d, 0), cols = dim_i(d, 1);
+  std::vector<float> x = rd_as<float>("x.bin");
+  const std::vector<float> r = rd_as<float>("r.bin"), w = rd_as<float>("w.bin");
+  std::vector<float> y(x.size(), NAN);
+  ct_rmsnorm_params p{};
+  p.x = x.data(), p.r = r.data(), p.y = y.data(), p.w = w.data(), p.w_dtype = CT_DTYPE_F32;
+  p.rows = rows, p.cols = cols, p.eps = dim_f(d, 2);
+  ct_emu::launch(ct_rmsnorm, rows, 1, 256, 0, p);  // kernels.rs NORM_THREADS
+  wr("y.bin", y.data(), 4 * y.size());
+  wr("x_out.bin", x.data(), 4 * x.size());
+}
+
+int main(int argc, char** argv) {
+  if (argc < 3) return 2;
+  dir = argv[2];
+  const std::string mode = argv[1];
+  if (mode == "sample") sample();
+  else if (mode == "attention") attention();
+  else if (mode == "rmsnorm") rmsnorm();
+  else return 2;
+  std::printf("ok %s\n", mode.c_str());
+  return 0;
+}

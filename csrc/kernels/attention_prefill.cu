@@ -1,0 +1,146 @@
+// attention_prefill.cu: flash-style causal attention for prefill rows over the paged caches,
+// with the parameters and results of ct_paged_attention (attention.cu). One block per (tile of
+// up to R query rows of one sequence, KV head). Each key / value tile of the sequence is
+// loaded into shared memory once and used by all R rows x G query heads of the block, where
+// ct_paged_attention reloads it for every row. So a prefill of T rows reads each cached key
+// about T / R times, not T times.
+//   R = max(1, QV / G) with QV = 64 query vectors per block (32 when head_dim > 128);
+//   grid.x = num_tokens / R + num_seqs, an upper bound on the tiles; block b finds its
+//   (sequence, first row) by walking q_start, and blocks past the last tile exit.
+// CPU twin: src/ops/attention.rs paged_attention, to rounding. This kernel differs from it in:
+//   - online softmax in f32 over tiles of CT_PF_KEYS keys (CPU: KCHUNK);
+//   - dot products summed in d order by one thread.
+// CUDA cores only (no tensor-core MMA yet). Not yet run on a GPU; src/device/cuda/hostemu_blocks.rs
+// runs it under host emulation against the CPU twin.
+#include "common.cuh"
+
+#define CT_PF_THREADS 128  // blockDim.x (PF_THREADS in kernels.rs)
+#define CT_PF_KEYS 32      // keys per shared-memory tile (PF_KEYS in kernels.rs)
+
+// Query vectors per block and rows per tile; kernels.rs prefill_shape computes the same.
+__device__ __forceinline__ int ct_pf_qv(int head_dim) { return head_dim > 128 ? 32 : 64; }
+__device__ __forceinline__ int ct_pf_rows(int head_dim, int groups) { return max(1, ct_pf_qv(head_dim) / groups); }
+
+// Dynamic shared memory (floats), QVm = max(QV, groups), KD = head_dim + 1 (padded key rows):
+//   q (QVm * D) | acc (QVm * D) | k (KEYS * KD) | v (KEYS * D) | p (QVm * KEYS) | m, l, corr (3 * QVm)
+extern "C" __global__ void __launch_bounds__(CT_PF_THREADS) ct_prefill_attention(ct_attention_params p) {
+  CT_DYNAMIC_SMEM(float, smem);
+  __shared__ int tile_seq, tile_row0;
+  const int D = p.head_dim, G = p.heads / p.kv_heads, kvh = blockIdx.y;
+  const int R = ct_pf_rows(D, G), QVm = max(ct_pf_qv(D), G), KD = D + 1;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    int b = blockIdx.x, seq = -1, row0 = 0;
+    for (int s = 0; s < p.num_seqs; s++) {
+      const int q_len = static_cast<int>(p.q_start[s + 1]) - static_cast<int>(p.q_start[s]);
+      const int tiles = q_len > 0 ? (q_len + R - 1) / R : 0;
+      if (b < tiles) {
+        seq = s;
+        row0 = static_cast<int>(p.q_start[s]) + b * R;
+        break;
+      }
+      b -= tiles;
+    }
+    tile_seq = seq;
+    tile_row0 = row0;
+  }
+  __syncthreads();
+  const int s = tile_seq, row0 = tile_row0;
+  if (s < 0) return;
+  float* sq = smem;
+  float* acc = sq + QVm * D;
+  float* sk = acc + QVm * D;
+  float* sv = sk + CT_PF_KEYS * KD;
+  float* sp = sv + CT_PF_KEYS * D;
+  float* mrun = sp + QVm * CT_PF_KEYS;
+  float* lrun = mrun + QVm;
+  float* corr = lrun + QVm;
+
+  const int64_t q0 = p.q_start[s], q_len = static_cast<int64_t>(p.q_start[s + 1]) - q0;
+  const int nq = static_cast<int>(min(static_cast<int64_t>(R), q0 + q_len - row0));  // rows of this tile
+  const int nv = nq * G;                                                               // query vectors
+  const int64_t ctx = p.ctx_len[s];
+  const int64_t pos0 = ctx - q_len + (row0 - q0);  // position of the tile's first row
+  const int64_t n_keys = pos0 + nq;                // keys 0 .. position of its last row
+  const int64_t row_stride = static_cast<int64_t>(p.heads) * D;
+  if (pos0 < 0 || n_keys > static_cast<int64_t>(p.max_blocks) * p.block_size) {
+    if (tid == 0) ct_set_error(p.err, CT_ERR_ATTN_META);
+    for (int i = tid; i < nv * D; i += blockDim.x) {
+      const int v = i / D, r = v / G, g = v % G;
+      p.out[(row0 + r) * row_stride + static_cast<int64_t>(kvh * G + g) * D + i % D] = __uint_as_float(0x7FC00000u);
+    }
+    return;
+  }
+  const uint32_t* table = p.block_tables + static_cast<int64_t>(s) * p.max_blocks;
+  for (int i = tid; i < nv * D; i += blockDim.x) {
+    const int v = i / D, r = v / G, g = v % G;
+    sq[i] = p.q[(row0 + r) * row_stride + static_cast<int64_t>(kvh * G + g) * D + i % D];
+    acc[i] = 0.0f;
+  }
+  for (int v = tid; v < nv; v += blockDim.x) {
+    mrun[v] = -INFINITY;
+    lrun[v] = 0.0f;
+  }
+
+  for (int64_t j0 = 0; j0 < n_keys; j0 += CT_PF_KEYS) {
+    const int jn = static_cast<int>(n_keys - j0 < CT_PF_KEYS ? n_keys - j0 : CT_PF_KEYS);
+    __syncthreads();  // the previous tile's readers are done (and q, m, l are written)
+    for (int i = tid; i < jn * D; i += blockDim.x) {
+      const int j = i / D, d = i % D;
+      const int64_t key = j0 + j;
+      const uint32_t blk = table[key / p.block_size];
+      float kv = __uint_as_float(0x7FC00000u), vv = kv;
+      if (blk < static_cast<uint32_t>(p.num_blocks)) {
+        const int64_t at = ((static_cast<int64_t>(blk) * p.kv_heads + kvh) * p.block_size + key % p.block_size) * D + d;
+        kv = p.dtype == CT_DTYPE_U8 ? __fmul_rn(ct_e4m3_decode(static_cast<const uint8_t*>(p.k_cache)[at]), p.k_scale) : ct_load(p.k_cache, p.dtype, at);
+        vv = p.dtype == CT_DTYPE_U8 ? __fmul_rn(ct_e4m3_decode(static_cast<const uint8_t*>(p.v_cache)[at]), p.v_scale) : ct_load(p.v_cache, p.dtype, at);
+      } else if (d == 0) {
+        ct_set_error(p.err, CT_ERR_ATTN_META);
+      }
+      sk[j * KD + d] = kv;
+      sv[j * D + d] = vv;
+    }
+    __syncthreads();
+    // Scores, causal: query vector v (row r) sees keys up to its position pos0 + r.
+    for (int i = tid; i < nv * jn; i += blockDim.x) {
+      const int v = i / jn, j = i % jn;
+      float sc = -INFINITY;
+      if (j0 + j <= pos0 + v / G) {
+        float dot = 0.0f;
+        for (int d = 0; d < D; d++) dot += sq[v * D + d] * sk[j * KD + d];
+        sc = dot * p.softmax_scale;
+      }
+      sp[v * CT_PF_KEYS + j] = sc;
+    }
+    __syncthreads();
+    // Online softmax update, one thread per query vector; masked keys get weight 0.
+    for (int v = tid; v < nv; v += blockDim.x) {
+      float tile_max = -INFINITY;
+      for (int j = 0; j < jn; j++) tile_max = fmaxf(tile_max, sp[v * CT_PF_KEYS + j]);
+      const float m_new = fmaxf(mrun[v], tile_max);  // finite: key 0 is in every row's window
+      const float c = expf(mrun[v] - m_new);
+      float l = lrun[v] * c;
+      for (int j = 0; j < jn; j++) {
+        const float e = expf(sp[v * CT_PF_KEYS + j] - m_new);
+        sp[v * CT_PF_KEYS + j] = e;
+        l += e;
+      }
+      mrun[v] = m_new;
+      lrun[v] = l;
+      corr[v] = c;
+    }
+    __syncthreads();
+    // acc = acc * corr + P . V, threads over (v, d).
+    for (int i = tid; i < nv * D; i += blockDim.x) {
+      const int v = i / D, d = i % D;
+      float a = acc[i] * corr[v];
+      for (int j = 0; j < jn; j++) a += sp[v * CT_PF_KEYS + j] * sv[j * D + d];
+      acc[i] = a;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < nv * D; i += blockDim.x) {
+    const int v = i / D, r = v / G, g = v % G;
+    p.out[(row0 + r) * row_stride + static_cast<int64_t>(kvh * G + g) * D + i % D] = acc[i] / lrun[v];
+  }
+}
