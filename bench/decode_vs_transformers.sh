@@ -4,12 +4,14 @@
 # batch sizes 1, 8 and 32, 128 new tokens (greedy, EOS ignored), the same thread count.
 #
 # Usage: bench/decode_vs_transformers.sh            (PYTHON=python with torch + transformers)
-# Env:   PYTHON (default python3), THREADS (default 2), NEW (default 128), OUT (default runs/bench-decode)
+# Env:   PYTHON (default python3), THREADS (default 2), NEW (default 128), OUT (default runs/bench-decode),
+#        REPS (default 3: best of REPS runs per cell; these VMs are noisy)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 THREADS=${THREADS:-2}
 NEW=${NEW:-128}
+REPS=${REPS:-3}
 OUT=${OUT:-runs/bench-decode}
 BIN=target/release/colotrain
 cargo build --release --quiet
@@ -31,16 +33,16 @@ PY
 printf '%-6s %14s %14s %8s\n' batch colotrain_tok/s hf_tok/s ratio | tee "$OUT/table.txt"
 for B in 1 8 32; do
   P=$OUT/prompts-$B.jsonl
-  # colotrain: the engine's own timer (prefill + decode, model load excluded), best of 2.
+  # colotrain: the engine's own timer (prefill + decode, model load excluded), best of REPS.
   best=0
-  for _ in 1 2; do
+  for _ in $(seq "$REPS"); do
     line=$($BIN generate --model "$MODEL" --prompts "$P" --temperature 0 --ignore-eos \
       --max-new-tokens "$NEW" --device "cpu:$THREADS" --out "$OUT/gen-$B.jsonl" 2>&1 | grep '^generated')
     tps=$(echo "$line" | sed -E 's/.*\(([0-9.]+) tokens\/s\).*/\1/')
     best=$($PY -c "print(max($best, $tps))")
   done
   hf=0
-  for _ in 1 2; do
+  for _ in $(seq "$REPS"); do
     t=$($PY bench/hf_generate.py --model "$MODEL" --prompts "$P" --max-new-tokens "$NEW" --threads "$THREADS" | $PY -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_s"])')
     hf=$($PY -c "print(max($hf, $t))")
   done

@@ -6,11 +6,14 @@
 //   - ct_emu::launch(kernel, grid, block, smem_bytes, params): the real grid shape. Blocks run
 //     one after another; the threads of a block are cooperative fibers (ucontext) on this one
 //     OS thread, switched only at __syncthreads and at the warp exchanges of the shuffles. So
-//     __shared__ memory (static storage here) is private to the running block, atomics need no
-//     locks, runs are deterministic, and a divergent warp (lanes of one warp waiting at
-//     different barriers) is reported instead of hanging. Threads that return leave the
-//     barriers (as exited threads do on the GPU). blocks.cpp runs
-//     the block-level kernels (reductions, sampling, attention) this way.
+//     __shared__ memory (static storage here) serves the running block, atomics need no locks
+//     and runs are deterministic. Threads run between barriers in the order ct_emu::schedule
+//     picks (by index, reversed, shuffled): blocks.cpp runs every kernel under all three and
+//     requires the same bytes, which exposes shared-memory races. Reported instead of hanging
+//     or passing: lanes of a warp waiting at different shuffles or barriers, a shuffle with
+//     exited lanes, threads at different __syncthreads, writes past the dynamic shared memory
+//     and stack overflows. Threads that return leave the barriers (as exited threads do on
+//     the GPU). blocks.cpp runs the block-level kernels (reductions, sampling, attention).
 // The _rn intrinsics become single IEEE f32 operations (volatile, so never contracted into
 // FMAs); expf/logf/exp/log are the host libm's, which may differ from CUDA's by an ulp. Used by
 // the unit tests in src/device/cuda/hostemu*.rs: they check the kernels' arithmetic, indexing and
@@ -56,6 +59,7 @@ inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int32_t i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline uint32_t __umulhi(uint32_t a, uint32_t b) { return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32); }
 using std::isnan;
 using std::max;
@@ -69,6 +73,7 @@ struct Fiber {
   std::vector<char> stack;
   State state;
   unsigned tid;
+  uint64_t shuffles, barriers;  // warp exchanges and __syncthreads passed so far
 };
 inline std::vector<Fiber> fibers;        // the threads of the running block (empty: direct call)
 inline size_t current = 0;               // index of the running fiber
@@ -76,6 +81,13 @@ inline ucontext_t scheduler;
 inline std::function<void()> body;       // the kernel call every fiber of the block makes
 inline std::vector<uint64_t> exchange;   // one shuffle slot per thread
 inline std::vector<unsigned char> dyn_smem;
+// Order in which runnable threads run between barriers: 0 by thread index, 1 reversed, 2 a
+// shuffle seeded by the block and the launch. A race on shared memory (a read not separated
+// from another thread's write by a barrier) shows up as outputs that differ between orders.
+inline int schedule = 0;
+inline uint64_t launches = 0;
+constexpr size_t kCanary = 256;          // bytes checked after every block, past the dynamic
+constexpr unsigned char kCanaryByte = 0xA5;  // shared memory and at the far end of each stack
 
 inline void fail(const char* what) {
   std::fprintf(stderr, "hostemu: %s (block %u,%u thread %u)\n", what, blockIdx.x, blockIdx.y, threadIdx.x);
@@ -92,16 +104,19 @@ inline void fiber_entry() {
   fibers[current].state = kDone;  // returns to uc_link: the scheduler
 }
 inline void warp_sync() {
-  if (!fibers.empty()) park(kAtWarpBarrier);
+  if (fibers.empty()) return;
+  fibers[current].shuffles++;
+  park(kAtWarpBarrier);
 }
 
-// Runs one block to completion: every runnable fiber until it parks or returns, then releases
-// a warp whose live lanes all wait at the warp exchange, else the block barrier once every live
-// thread waits there.
-inline void run_block() {
+// Runs one block to completion: every runnable fiber (in `order`) until it parks or returns,
+// then releases each warp whose lanes all wait at the same warp exchange, else the block
+// barrier once every live thread waits at the same __syncthreads. Fails on a warp whose lanes
+// wait at different exchanges or barriers, or exchange while some of its lanes have exited.
+inline void run_block(const std::vector<size_t>& order) {
   const size_t n = fibers.size();
   for (;;) {
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i : order) {
       if (fibers[i].state != kRunning) continue;
       current = i;
       threadIdx = {fibers[i].tid, 0, 0};
@@ -109,56 +124,88 @@ inline void run_block() {
     }
     bool any_live = false, released = false;
     for (size_t w = 0; w < n; w += 32) {
+      const size_t end = std::min(n, w + 32);
       size_t at_warp = 0, live = 0;
-      for (size_t i = w; i < std::min(n, w + 32); i++) {
+      for (size_t i = w; i < end; i++) {
         if (fibers[i].state == kDone) continue;
         live++;
         at_warp += fibers[i].state == kAtWarpBarrier;
       }
       any_live |= live > 0;
-      if (at_warp > 0 && at_warp != live) {
-        threadIdx = {static_cast<unsigned>(w), 0, 0};
-        fail("divergent warp: some lanes at a shuffle, others at __syncthreads");
+      if (at_warp == 0) continue;
+      threadIdx = {static_cast<unsigned>(w), 0, 0};
+      if (at_warp != live) fail("divergent warp: some lanes at a shuffle, others at __syncthreads");
+      if (live != end - w) fail("warp shuffle while some lanes of the warp have exited");
+      for (size_t i = w; i < end; i++) {
+        if (fibers[i].shuffles != fibers[w].shuffles) fail("divergent warp: lanes at different shuffles");
+        fibers[i].state = kRunning;
       }
-      if (at_warp > 0) {
-        for (size_t i = w; i < std::min(n, w + 32); i++)
-          if (fibers[i].state == kAtWarpBarrier) fibers[i].state = kRunning;
-        released = true;
-      }
+      released = true;
     }
     if (!any_live) return;
     if (released) continue;
-    // Every live thread waits at __syncthreads.
-    for (auto& f : fibers)
-      if (f.state == kAtBlockBarrier) f.state = kRunning;
+    // Every live thread waits at __syncthreads: the same one?
+    uint64_t seq = 0;
+    bool first = true;
+    for (auto& f : fibers) {
+      if (f.state != kAtBlockBarrier) continue;
+      if (first) seq = f.barriers, first = false;
+      if (f.barriers != seq) {
+        threadIdx = {f.tid, 0, 0};
+        fail("threads wait at different __syncthreads");
+      }
+      f.state = kRunning;
+    }
   }
 }
 
-// kernel<<<grid, block, smem>>>(params) with grid = (gx, gy), block = (bx, 1, 1).
+inline bool canary_intact(const unsigned char* p) {
+  for (size_t i = 0; i < kCanary; i++)
+    if (p[i] != kCanaryByte) return false;
+  return true;
+}
+
+// kernel<<<grid, block, smem>>>(params) with grid = (gx, gy), block = (bx, 1, 1), under
+// `schedule`. Dynamic shared memory is poisoned (0xFF bytes: NaN floats) before every block;
+// static __shared__ arrays are plain statics, neither poisoned nor private to a launch.
 template <class P>
 void launch(void (*kernel)(P), unsigned gx, unsigned gy, unsigned bx, size_t smem_bytes, const P& params) {
   constexpr size_t kStack = 64 * 1024;
   gridDim = {gx, gy, 1};
   blockDim = {bx, 1, 1};
-  dyn_smem.assign(smem_bytes + 16, 0xFF);  // poisoned: NaN-ish bytes, never zeros
+  dyn_smem.assign(smem_bytes + kCanary, kCanaryByte);
   exchange.assign(bx, 0);
   body = [&] { kernel(params); };
   fibers.assign(bx, Fiber{});
-  for (unsigned t = 0; t < bx; t++) fibers[t].stack.resize(kStack);
+  for (unsigned t = 0; t < bx; t++) fibers[t].stack.assign(kStack, kCanaryByte);
+  std::vector<size_t> order(bx);
+  uint64_t rng = 0x9E3779B97F4A7C15ull * (++launches);
   for (unsigned by = 0; by < gy; by++) {
     for (unsigned bxi = 0; bxi < gx; bxi++) {
       blockIdx = {bxi, by, 0};
+      std::memset(dyn_smem.data(), 0xFF, smem_bytes);
+      for (unsigned t = 0; t < bx; t++) order[t] = schedule == 1 ? bx - 1 - t : t;
+      if (schedule == 2) {
+        for (unsigned t = bx - 1; t > 0; t--) {
+          rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+          std::swap(order[t], order[(rng >> 33) % (t + 1)]);
+        }
+      }
       for (unsigned t = 0; t < bx; t++) {
         Fiber& f = fibers[t];
         f.tid = t;
         f.state = kRunning;
+        f.shuffles = f.barriers = 0;
         if (getcontext(&f.ctx) != 0) fail("getcontext failed");
         f.ctx.uc_stack.ss_sp = f.stack.data();
         f.ctx.uc_stack.ss_size = f.stack.size();
         f.ctx.uc_link = &scheduler;
         makecontext(&f.ctx, fiber_entry, 0);
       }
-      run_block();
+      run_block(order);
+      if (!canary_intact(dyn_smem.data() + smem_bytes)) fail("write past the dynamic shared memory");
+      for (auto& f : fibers)
+        if (!canary_intact(reinterpret_cast<unsigned char*>(f.stack.data()))) fail("a thread overflowed its 64 KiB stack");
     }
   }
   fibers.clear();
@@ -170,7 +217,9 @@ void launch(void (*kernel)(P), unsigned gx, unsigned gy, unsigned bx, size_t sme
 }  // namespace ct_emu
 
 inline void __syncthreads() {
-  if (!ct_emu::fibers.empty()) ct_emu::park(ct_emu::kAtBlockBarrier);
+  if (ct_emu::fibers.empty()) return;
+  ct_emu::fibers[ct_emu::current].barriers++;
+  ct_emu::park(ct_emu::kAtBlockBarrier);
 }
 inline void __syncwarp(unsigned = 0xffffffffu) { ct_emu::warp_sync(); }
 

@@ -9,20 +9,23 @@
 //   (sequence, first row) by walking q_start, and blocks past the last tile exit.
 // CPU twin: src/ops/attention.rs paged_attention, to rounding. This kernel differs from it in:
 //   - online softmax in f32 over tiles of CT_PF_KEYS keys (CPU: KCHUNK);
-//   - dot products summed in d order by one thread.
+//   - dot products summed in d order by one thread;
+//   - a tile whose first row has no valid position (ctx_len < q_len) is all NaN (the decode
+//     kernel NaNs only the bad rows); both raise CT_ERR_ATTN_META.
 // CUDA cores only (no tensor-core MMA yet). Not yet run on a GPU; src/device/cuda/hostemu_blocks.rs
 // runs it under host emulation against the CPU twin.
 #include "common.cuh"
 
 #define CT_PF_THREADS 128  // blockDim.x (PF_THREADS in kernels.rs)
 #define CT_PF_KEYS 32      // keys per shared-memory tile (PF_KEYS in kernels.rs)
+#define CT_PF_PS (CT_PF_KEYS + 1)  // row stride of the score tile (padded: no bank conflicts)
 
 // Query vectors per block and rows per tile; kernels.rs prefill_shape computes the same.
 __device__ __forceinline__ int ct_pf_qv(int head_dim) { return head_dim > 128 ? 32 : 64; }
 __device__ __forceinline__ int ct_pf_rows(int head_dim, int groups) { return max(1, ct_pf_qv(head_dim) / groups); }
 
 // Dynamic shared memory (floats), QVm = max(QV, groups), KD = head_dim + 1 (padded key rows):
-//   q (QVm * D) | acc (QVm * D) | k (KEYS * KD) | v (KEYS * D) | p (QVm * KEYS) | m, l, corr (3 * QVm)
+//   q (QVm * D) | acc (QVm * D) | k (KEYS * KD) | v (KEYS * D) | p (QVm * (KEYS + 1)) | m, l, corr (3 * QVm)
 extern "C" __global__ void __launch_bounds__(CT_PF_THREADS) ct_prefill_attention(ct_attention_params p) {
   CT_DYNAMIC_SMEM(float, smem);
   __shared__ int tile_seq, tile_row0;
@@ -52,7 +55,7 @@ extern "C" __global__ void __launch_bounds__(CT_PF_THREADS) ct_prefill_attention
   float* sk = acc + QVm * D;
   float* sv = sk + CT_PF_KEYS * KD;
   float* sp = sv + CT_PF_KEYS * D;
-  float* mrun = sp + QVm * CT_PF_KEYS;
+  float* mrun = sp + QVm * CT_PF_PS;
   float* lrun = mrun + QVm;
   float* corr = lrun + QVm;
 
@@ -110,19 +113,19 @@ extern "C" __global__ void __launch_bounds__(CT_PF_THREADS) ct_prefill_attention
         for (int d = 0; d < D; d++) dot += sq[v * D + d] * sk[j * KD + d];
         sc = dot * p.softmax_scale;
       }
-      sp[v * CT_PF_KEYS + j] = sc;
+      sp[v * CT_PF_PS + j] = sc;
     }
     __syncthreads();
     // Online softmax update, one thread per query vector; masked keys get weight 0.
     for (int v = tid; v < nv; v += blockDim.x) {
       float tile_max = -INFINITY;
-      for (int j = 0; j < jn; j++) tile_max = fmaxf(tile_max, sp[v * CT_PF_KEYS + j]);
+      for (int j = 0; j < jn; j++) tile_max = fmaxf(tile_max, sp[v * CT_PF_PS + j]);
       const float m_new = fmaxf(mrun[v], tile_max);  // finite: key 0 is in every row's window
       const float c = expf(mrun[v] - m_new);
       float l = lrun[v] * c;
       for (int j = 0; j < jn; j++) {
-        const float e = expf(sp[v * CT_PF_KEYS + j] - m_new);
-        sp[v * CT_PF_KEYS + j] = e;
+        const float e = expf(sp[v * CT_PF_PS + j] - m_new);
+        sp[v * CT_PF_PS + j] = e;
         l += e;
       }
       mrun[v] = m_new;
@@ -134,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(CT_PF_THREADS) ct_prefill_attention
     for (int i = tid; i < nv * D; i += blockDim.x) {
       const int v = i / D, d = i % D;
       float a = acc[i] * corr[v];
-      for (int j = 0; j < jn; j++) a += sp[v * CT_PF_KEYS + j] * sv[j * D + d];
+      for (int j = 0; j < jn; j++) a += sp[v * CT_PF_PS + j] * sv[j * D + d];
       acc[i] = a;
     }
   }

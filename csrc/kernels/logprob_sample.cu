@@ -1,14 +1,16 @@
 // logprob_sample.cu: fused log-softmax + gather, and token sampling.
 // CPU twins: src/ops/logprob.rs (log_softmax_gather, row_log_normalizer) and src/ops/sample.rs
 // (sample_row, greedy and untruncated rows only; rows with top-k / top-p are sample_topk.cu's).
-// Same order of operations as the CPU: scale by 1/T in f32, the max in f32, weights
-// expf(z/T - max) summed in double, log-prob = (z_y/T - max) - log(sum); sampling draws the same
-// Philox uniform (key = seed, counter = (position, sample, request lo, request hi)) and walks
-// the CDF in token-id order with the CPU's `acc > u * exp(log(sum))` rule. Two differences,
-// both at the rounding level: the double sum is reduced per thread chunk and then across
-// chunks (not strictly left to right), and CUDA's expf may differ from the host's by an ulp.
-// So the drawn token equals the CPU's unless u falls within rounding distance of a CDF
-// boundary. Not yet run on a GPU.
+// Same order of operations as the CPU:
+//   - scale by 1/T in f32, the max in f32;
+//   - weights ct_exp_f32(z/T - max) (the CPU's exp_f32, bit for bit), summed in double;
+//   - log-prob = (z_y/T - max) - log(sum);
+//   - sampling draws the same Philox uniform (key = seed, counter = (position, sample, request
+//     lo, request hi)) and walks the CDF in token-id order with the CPU's
+//     `acc > u * exp(log(sum))` rule.
+// One difference, at the rounding level: the double sum is reduced per thread chunk and then
+// across chunks (not in the CPU's 16-lane order). So the drawn token equals the CPU's unless u
+// falls within rounding distance of a CDF boundary. Not yet run on a GPU.
 #include "row_stats.cuh"
 
 // One block of CT_ROW_THREADS threads per row.
@@ -124,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(CT_ROW_THREADS) ct_sample(ct_sample
     double acc = excl;
     int last_nonzero = -1;
     for (int i = begin; i < end; i++) {
-      const double w = static_cast<double>(expf(__fsub_rn(__fdiv_rn(z[i], T), st.mx)));
+      const double w = static_cast<double>(ct_exp_f32(__fsub_rn(__fdiv_rn(z[i], T), st.mx)));
       if (w > 0.0) last_nonzero = i;
       acc += w;
       if (acc > target) {
@@ -140,7 +142,7 @@ extern "C" __global__ void __launch_bounds__(CT_ROW_THREADS) ct_sample(ct_sample
     // the CPU's fallback).
     int last = -1;
     for (int i = begin; i < end; i++) {
-      if (expf(__fsub_rn(__fdiv_rn(z[i], T), st.mx)) > 0.0f) last = i;
+      if (ct_exp_f32(__fsub_rn(__fdiv_rn(z[i], T), st.mx)) > 0.0f) last = i;
     }
     for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
     if (lane == 0) best_i[warp] = last;

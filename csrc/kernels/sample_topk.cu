@@ -14,11 +14,9 @@
 //      - the inverse CDF over that prefix, with u from Philox.
 //      A prefix that needs more than the N sorted candidates (possible only without top-k)
 //      leaves the row to the host.
-// Each weight is computed with the same f32 operations as the CPU (expf(z/T - max), widened to
-// double) and summed in the same order. Two things differ:
-//   - the whole-row sum (used only without top-k) is reduced per chunk and then across chunks;
-//   - CUDA's expf may differ from the host's by an ulp.
-// So the drawn token equals the CPU's unless u or top_p lies within rounding distance of a
+// Each weight is the CPU's, bit for bit (ct_exp_f32(z/T - max), widened to double), and the
+// candidates' weights are summed in the CPU's order. One thing differs: the whole-row sum (used
+// only without top-k) is reduced per chunk and then across chunks. So the drawn token equals the CPU's unless u or top_p lies within rounding distance of a
 // boundary. Not yet run on a GPU; src/device/cuda/hostemu_blocks.rs runs it under host
 // emulation against the CPU twin.
 #include "row_stats.cuh"
@@ -59,7 +57,7 @@ __device__ __forceinline__ int ct_cand_id(unsigned long long c) {
 
 extern "C" __global__ void __launch_bounds__(CT_ROW_THREADS) ct_sample_topk(ct_sample_params p) {
   __shared__ unsigned long long cand[CT_TOPK_CAP];  // (N) sorted candidates, best first
-  __shared__ float wts[CT_TOPK_CAP];                // (N) expf(z/T - max) of each candidate
+  __shared__ float wts[CT_TOPK_CAP];                // (N) exp(z/T - max) of each candidate
   __shared__ uint32_t hist[256];
   __shared__ uint32_t scratch[32];
   __shared__ uint32_t sel_prefix, sel_remaining;
@@ -151,7 +149,7 @@ extern "C" __global__ void __launch_bounds__(CT_ROW_THREADS) ct_sample_topk(ct_s
       __syncthreads();
     }
   }
-  for (int j = tid; j < N; j += blockDim.x) wts[j] = expf(__fsub_rn(__fdiv_rn(z[ct_cand_id(cand[j])], T), st.mx));
+  for (int j = tid; j < N; j += blockDim.x) wts[j] = ct_exp_f32(__fsub_rn(__fdiv_rn(z[ct_cand_id(cand[j])], T), st.mx));
   __syncthreads();
 
   // 3. The CPU's walk (sample.rs), on one thread.

@@ -2,19 +2,22 @@
 //! materializing the normalized distribution. This is the quantity the trainer recomputes and
 //! the engine reports: `log_softmax(z / T)[y] = z_y/T − max − log Σ_j exp(z_j/T − max)`.
 
-use super::{check_rows, rows_per_task};
+use super::{check_rows, rows_per_task, softmax_cpu};
 use crate::device::{cuda, Device, Tensor};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-/// Max and log of the normalizer of a row of temperature-scaled logits: returns (max, ln Σ exp(z/T − max)).
-/// Sums in f64 so that the value does not depend on the summation order beyond f32 rounding of
-/// each term. The one definition used by scoring, sampling and training.
+/// Max and log of the normalizer of a row of temperature-scaled logits: returns (max, ln Σ exp(z/T − max)),
+/// with max = max_i z_i / T (IEEE division, NaN ignored), each term `softmax_cpu::exp_f32` and
+/// the sum in f64 over 16 lanes joined by a fixed tree (see `softmax_cpu`), so the value is the
+/// same bits on every CPU and does not depend on the summation order beyond f32 rounding of
+/// each term. Scoring and sampling use this one definition (the GPU twins the same exp in
+/// row_stats.cuh, summed in another order); the trainer's log-softmax (grad/lm_head.rs) agrees
+/// with it to rounding.
 #[inline]
 pub fn row_log_normalizer(z: &[f32], temperature: f32) -> (f32, f64) {
-    let mx = z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b / temperature));
-    let s: f64 = z.iter().map(|&x| ((x / temperature) - mx).exp() as f64).sum();
-    (mx, s.ln())
+    let mx = softmax_cpu::scaled_max(z, temperature);
+    (mx, softmax_cpu::sum_exp_shifted(z, temperature, mx).ln())
 }
 
 /// out[i] = log_softmax(logits[i] / T)[targets[i]] for i < m; logits (m, V), targets (m) u32.

@@ -17,6 +17,7 @@ pub mod norm;
 pub mod quantize;
 pub mod rope;
 pub mod sample;
+pub mod softmax_cpu;
 
 use crate::device::Tensor;
 use anyhow::{bail, Result};

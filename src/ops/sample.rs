@@ -15,6 +15,7 @@
 //! over the vocabulary in token-id order.
 
 use super::logprob::row_log_normalizer;
+use super::softmax_cpu;
 use crate::device::{cuda, Device, Tensor};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
@@ -48,19 +49,25 @@ impl SampleParams {
 }
 
 thread_local! {
-    static IDX: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// Candidate ids of a truncated row, and their weights in the same order.
+    static IDX: RefCell<(Vec<u32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Grows this thread's candidate-index scratch to at least `n` entries.
+/// Grows this thread's candidate scratch to at least `n` entries.
 pub fn reserve(n: usize) {
     IDX.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.capacity() < n {
-            let len = s.len();
-            s.reserve(n - len);
+        let (idx, w) = &mut *s.borrow_mut();
+        if idx.capacity() < n {
+            idx.reserve(n - idx.len());
+        }
+        if w.capacity() < n {
+            w.reserve(n - w.len());
         }
     });
 }
+
+/// Values per block of weights computed at once by the vector exp (a stack buffer).
+const WBLOCK: usize = 256;
 
 /// Draws tokens[i], logprobs[i] from row i of logits (S, V) with params[i].
 pub fn sample(
@@ -111,28 +118,32 @@ pub fn sample_row(z: &[f32], p: &SampleParams) -> (u32, f32) {
     let t = p.temperature;
     let u = crate::rand::sampling_uniform(p.seed, p.request, p.sample, p.position);
     let (mx, lse_full) = row_log_normalizer(z, t);
-    let w = |i: usize| ((z[i] / t) - mx).exp() as f64;
+    // Weight of token i: exp_f32(z_i / T − max), the terms of row_log_normalizer's sum.
     let truncate_k = p.top_k > 0 && (p.top_k as usize) < v;
     if !truncate_k && p.top_p >= 1.0 {
         let total = lse_full.exp();
         let target = u * total;
         let mut acc = 0.0f64;
         let mut last_nonzero = 0usize;
-        for i in 0..v {
-            let wi = w(i);
-            if wi > 0.0 {
-                last_nonzero = i;
-            }
-            acc += wi;
-            if acc > target {
-                return (i as u32, ((z[i] / t - mx) as f64 - lse_full) as f32);
+        let mut w = [0.0f32; WBLOCK];
+        for (b, zb) in z.chunks(WBLOCK).enumerate() {
+            softmax_cpu::exp_shifted(zb, t, mx, &mut w);
+            for (j, &wi) in w[..zb.len()].iter().enumerate() {
+                let (i, wi) = (b * WBLOCK + j, wi as f64);
+                if wi > 0.0 {
+                    last_nonzero = i;
+                }
+                acc += wi;
+                if acc > target {
+                    return (i as u32, ((z[i] / t - mx) as f64 - lse_full) as f32);
+                }
             }
         }
         let i = last_nonzero;
         return (i as u32, ((z[i] / t - mx) as f64 - lse_full) as f32);
     }
-    IDX.with(|idx| {
-        let mut idx = idx.borrow_mut();
+    IDX.with(|scratch| {
+        let (idx, wts) = &mut *scratch.borrow_mut();
         idx.clear();
         idx.extend(0..v as u32);
         // Descending score, ties by ascending id: a total order, so the kept set is unique.
@@ -147,13 +158,13 @@ pub fn sample_row(z: &[f32], p: &SampleParams) -> (u32, f32) {
                 idx.select_nth_unstable_by(n - 1, cmp);
             }
             idx[..n].sort_unstable_by(cmp);
-            let cand_total: f64 =
-                if truncate_k { idx[..k].iter().map(|&i| w(i as usize)).sum() } else { lse_full.exp() };
+            weights_of(z, &idx[..n], t, mx, wts);
+            let cand_total: f64 = if truncate_k { wts[..k].iter().map(|&w| w as f64).sum() } else { lse_full.exp() };
             let goal = p.top_p as f64 * cand_total;
             kept_sum = 0.0;
             let mut found = None;
-            for (j, &i) in idx[..n].iter().enumerate() {
-                kept_sum += w(i as usize);
+            for (j, &w) in wts[..n].iter().enumerate() {
+                kept_sum += w as f64;
                 if kept_sum >= goal || (p.top_p >= 1.0 && j + 1 == n) {
                     found = Some(j + 1);
                     break;
@@ -175,8 +186,8 @@ pub fn sample_row(z: &[f32], p: &SampleParams) -> (u32, f32) {
         let target = u * kept_sum;
         let mut acc = 0.0f64;
         let mut pick = idx[0] as usize;
-        for &i in &idx[..kept] {
-            let wi = w(i as usize);
+        for (&i, &w) in idx[..kept].iter().zip(&wts[..kept]) {
+            let wi = w as f64;
             if wi > 0.0 {
                 pick = i as usize;
             }
@@ -188,6 +199,19 @@ pub fn sample_row(z: &[f32], p: &SampleParams) -> (u32, f32) {
         }
         (pick as u32, ((z[pick] / t - mx) as f64 - kept_sum.ln()) as f32)
     })
+}
+
+/// wts[j] = exp_f32(z[ids[j]] / T − mx) for j < ids.len() (wts resized), by blocks through the
+/// vector exp.
+fn weights_of(z: &[f32], ids: &[u32], t: f32, mx: f32, wts: &mut Vec<f32>) {
+    wts.resize(ids.len(), 0.0);
+    let mut g = [0.0f32; WBLOCK];
+    for (ib, wb) in ids.chunks(WBLOCK).zip(wts.chunks_mut(WBLOCK)) {
+        for (x, &i) in g.iter_mut().zip(ib) {
+            *x = z[i as usize];
+        }
+        softmax_cpu::exp_shifted(&g[..ib.len()], t, mx, wb);
+    }
 }
 
 #[cfg(test)]

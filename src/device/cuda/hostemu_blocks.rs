@@ -9,7 +9,8 @@
 //!   - ct_paged_attention and ct_prefill_attention against `ops::attention::paged_attention`
 //!     (f32, BF16 and FP8 caches, GQA, prefill and decode rows, several sequences, several row
 //!     and key tiles);
-//!   - ct_rmsnorm (with the residual add) against `ops::norm::add_rmsnorm`.
+//!   - ct_rmsnorm (with the residual add) against `ops::norm::add_rmsnorm`;
+//!   - ct_exp_f32 against `ops::softmax_cpu::exp_f32`, bit for bit.
 //!
 //! Host libm and CUDA's expf / logf may differ by an ulp and the emulation contracts nothing into
 //! FMAs, so this checks arithmetic, indexing and synchronization, not the GPU: the device check
@@ -30,7 +31,9 @@ fn setup(test: &str) -> Option<(PathBuf, PathBuf)> {
         .get_or_init(|| {
             let dir = std::env::temp_dir().join(format!("colotrain-hostemu-blocks-{}", std::process::id()));
             std::fs::create_dir_all(&dir).expect("temp dir");
-            compile("blocks.cpp", &dir)
+            let exe = compile("blocks.cpp", &dir);
+            assert!(exe.is_some() || std::env::var_os("CI").is_none(), "CI needs a C++ compiler for the host emulation");
+            exe
         })
         .clone()?;
     let dir = std::env::temp_dir().join(format!("colotrain-hostemu-{test}-{}", std::process::id()));
@@ -55,23 +58,35 @@ fn u32s(b: &[u8]) -> Vec<u32> {
     b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
-/// |a − b| ≤ atol + rtol·|ref|, per element, naming the first violation.
+/// |a − b| ≤ atol + rtol·|ref| per element (a NaN or infinite reference needs the same), naming
+/// the first violation.
 fn close(got: &[f32], want: &[f32], atol: f32, rtol: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
-        assert!((a - b).abs() <= atol + rtol * b.abs(), "{what}[{i}]: kernel {a}, CPU {b} (atol {atol}, rtol {rtol})");
+        let ok = if b.is_nan() {
+            a.is_nan()
+        } else if b.is_infinite() {
+            a == b
+        } else {
+            (a - b).abs() <= atol + rtol * b.abs()
+        };
+        assert!(ok, "{what}[{i}]: kernel {a}, CPU {b} (atol {atol}, rtol {rtol})");
     }
 }
 
-/// How many tokens the CPU's top-k / top-p keeps, by brute force in f64 (the test's own
-/// reference for which rows must be left to the host).
+/// How many tokens the CPU's top-k / top-p keeps: its weights (exp_f32(z/T − max)) summed in
+/// f64 in sorted order, by a plain full sort (the test's own reference for which rows must be
+/// left to the host).
 fn kept_count(z: &[f32], p: &SampleParams) -> usize {
+    use crate::ops::softmax_cpu::{exp_f32, scaled_max};
     let mut idx: Vec<usize> = (0..z.len()).collect();
     idx.sort_by(|&a, &b| z[b].total_cmp(&z[a]).then(a.cmp(&b)));
-    let mx = z.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64 / p.temperature as f64));
-    let w: Vec<f64> = idx.iter().map(|&i| (z[i] as f64 / p.temperature as f64 - mx).exp()).collect();
-    let k = if p.top_k > 0 { (p.top_k as usize).min(z.len()) } else { z.len() };
-    let goal = p.top_p as f64 * w[..k].iter().sum::<f64>();
+    let mx = scaled_max(z, p.temperature);
+    let w: Vec<f64> = idx.iter().map(|&i| exp_f32(z[i] / p.temperature - mx) as f64).collect();
+    let truncate_k = p.top_k > 0 && (p.top_k as usize) < z.len();
+    let k = if truncate_k { p.top_k as usize } else { z.len() };
+    let total = if truncate_k { w[..k].iter().sum::<f64>() } else { row_log_normalizer(z, p.temperature).1.exp() };
+    let goal = p.top_p as f64 * total;
     let mut acc = 0.0;
     for (j, wi) in w[..k].iter().enumerate() {
         acc += wi;
@@ -103,18 +118,27 @@ fn check_sampling(vocab: usize, seed: u64) {
         (1.3, 7, 0.5),
         (1.0, vocab as u32, 0.9),
     ];
-    // Logit kinds: peaked (std 4), flat (std 0.3), and quarter steps (many exact ties).
+    // Logit kinds: peaked (std 4), flat (std 0.3), quarter steps (many exact ties), 70% masked
+    // to −inf, all equal, and a row with a NaN and a +inf.
     let mut s = crate::rand::Stream::new(seed, 3);
     let mut z = Vec::new();
     let mut params = Vec::new();
     for (c, &(temperature, top_k, top_p)) in configs.iter().enumerate() {
-        for kind in 0..3 {
-            for _ in 0..vocab {
+        // The special kinds (3..6) only for greedy, untruncated, top-1, top-k, top-p and both.
+        let kinds = if [0, 1, 3, 5, 8, 11].contains(&c) { 6 } else { 3 };
+        for kind in 0..kinds {
+            for i in 0..vocab {
                 let g = s.normal() as f32;
                 z.push(match kind {
                     0 => 4.0 * g,
                     1 => 0.3 * g,
-                    _ => (g * 4.0).round() * 0.25,
+                    2 => (g * 4.0).round() * 0.25,
+                    3 if s.uniform() < 0.7 && i != 2 => f32::NEG_INFINITY,
+                    3 => 2.0 * g,
+                    4 => 1.5,
+                    _ if i == 5 => f32::NAN,
+                    _ if i == 9 => f32::INFINITY,
+                    _ => g,
                 });
             }
             let r = params.len() as u64;
@@ -177,7 +201,7 @@ fn check_sampling(vocab: usize, seed: u64) {
         // Log-probs: f64 sums in another order, then rounded to f32.
         close(&lps[i..i + 1], &[l], 1e-6, 1e-6, &format!("{what}: log-prob"));
     }
-    assert!(kernel_truncated >= 20, "only {kernel_truncated} truncated rows were drawn by ct_sample_topk");
+    assert!(kernel_truncated >= 30, "only {kernel_truncated} truncated rows were drawn by ct_sample_topk");
     assert!(vocab <= cap || left >= 3, "a vocabulary above the cap must leave the top_k > cap rows to the host");
     let want: Vec<f32> = (0..rows)
         .map(|i| {
@@ -196,18 +220,22 @@ fn sampling_kernels_match_the_cpu_twin_below_the_candidate_cap() {
 }
 
 #[test]
+fn sampling_kernels_match_the_cpu_twin_below_the_warp_width() {
+    check_sampling(20, 3);
+}
+
+#[test]
 fn sampling_kernels_match_the_cpu_twin_above_the_candidate_cap() {
     check_sampling(3001, 2);
 }
 
-/// Paged attention over caches of `dtype` (code of colotrain_kernels.h) against the CPU twin:
-/// GQA (3 query heads per KV head), head_dim 40 (not a multiple of the warp), block size 4 with
-/// shuffled block tables, and sequences that prefill with and without history and decode.
-fn check_attention(dtype: i32) {
+/// Both attention kernels over caches of `dtype` (code of colotrain_kernels.h) against the CPU
+/// twin: `heads` query heads over `hkv` KV heads of dimension `d`, cache blocks of `bs` with
+/// shuffled block tables, sequences that prefill with and without history and decode.
+fn check_attention(dtype: i32, heads: usize, hkv: usize, d: usize, bs: usize) {
     use crate::device::{CpuStorage, DType, Device, Storage, Tensor};
     use crate::ops::attention::{paged_attention, AttnMeta};
-    let Some((exe, dir)) = setup(&format!("attention-{dtype}")) else { return };
-    let (heads, hkv, d, bs) = (6usize, 2usize, 40usize, 4usize);
+    let Some((exe, dir)) = setup(&format!("attention-{dtype}-{heads}-{hkv}-{d}-{bs}")) else { return };
     // (rows this step, context): prefill with and without history, decode, and a prefill of
     // three row tiles of the flash-style kernel (21 rows each here) over two key tiles.
     let seqs: [(u32, u32); 5] = [(5, 9), (1, 37), (1, 1), (12, 12), (50, 60)];
@@ -266,6 +294,10 @@ fn check_attention(dtype: i32) {
     let mut dims = le(&[heads, hkv, d, bs, nb, seqs.len(), max_blocks, rows].map(|x| x as i32), i32::to_le_bytes);
     dims.extend(dtype.to_le_bytes());
     dims.extend(le(&[sm, ks, vs], f32::to_le_bytes));
+    // The launch shapes kernels.rs computes.
+    let groups = heads / hkv;
+    let (pf_grid, pf_smem) = super::kernels::prefill_launch(rows, seqs.len(), groups, d);
+    dims.extend(le(&[super::kernels::paged_attention_smem(groups, d), pf_grid, pf_smem].map(|x| x as i32), i32::to_le_bytes));
     put(&dir, "dims.bin", dims);
     put(&dir, "q.bin", le(&q, f32::to_le_bytes));
     put(&dir, "k_cache.bin", kb);
@@ -308,19 +340,30 @@ fn check_attention(dtype: i32) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+// GQA with 3 query heads per KV head, head_dim 40 (not a multiple of the warp), 4-token blocks:
+// 21 rows per prefill tile, so the 50-row prefill spans three tiles and two key tiles.
 #[test]
-fn paged_attention_matches_the_cpu_twin_f32_cache() {
-    check_attention(ffi::CT_DTYPE_F32);
+fn attention_kernels_match_the_cpu_twin_f32_cache() {
+    check_attention(ffi::CT_DTYPE_F32, 6, 2, 40, 4);
 }
 
 #[test]
-fn paged_attention_matches_the_cpu_twin_bf16_cache() {
-    check_attention(ffi::CT_DTYPE_BF16);
+fn attention_kernels_match_the_cpu_twin_bf16_cache() {
+    check_attention(ffi::CT_DTYPE_BF16, 6, 2, 40, 4);
 }
 
 #[test]
-fn paged_attention_matches_the_cpu_twin_fp8_cache() {
-    check_attention(ffi::CT_DTYPE_U8);
+fn attention_kernels_match_the_cpu_twin_fp8_cache() {
+    check_attention(ffi::CT_DTYPE_U8, 6, 2, 40, 4);
+}
+
+// The other launch shapes: 8 heads per KV head at head_dim 128 (8 rows per tile); head_dim 256
+// without GQA (32 query vectors, 32 rows per tile); 48 heads per KV head (one row per tile).
+#[test]
+fn attention_kernels_match_the_cpu_twin_at_other_shapes() {
+    check_attention(ffi::CT_DTYPE_F32, 8, 1, 128, 16);
+    check_attention(ffi::CT_DTYPE_F32, 4, 4, 256, 8);
+    check_attention(ffi::CT_DTYPE_BF16, 48, 1, 64, 16);
 }
 
 #[test]
@@ -352,5 +395,24 @@ fn rmsnorm_with_residual_matches_the_cpu_twin() {
         "residual stream"
     );
     close(&f32s(&read(&dir, "y.bin")), yt.f32s().expect("y"), 1e-6, 2e-6, "rmsnorm output");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_kernels_exp_is_the_cpus_bit_for_bit() {
+    let Some((exe, dir)) = setup("exp") else { return };
+    let mut s = crate::rand::Stream::new(8, 8);
+    let mut x: Vec<f32> = (0..100_000).map(|_| (-110.0 + 200.0 * s.uniform()) as f32).collect();
+    x.extend((0..20_000).map(|_| (-2.0 * s.uniform()) as f32));
+    let edges = [0.0f32, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 88.72283, 88.722_84, -104.0, -103.9, -87.34, f32::MIN_POSITIVE];
+    x.extend(edges);
+    put(&dir, "x.bin", le(&x, f32::to_le_bytes));
+    run(&exe, "exp", &dir);
+    let y = f32s(&read(&dir, "y.bin"));
+    assert_eq!(y.len(), x.len());
+    for (i, (&a, &xi)) in y.iter().zip(&x).enumerate() {
+        let want = crate::ops::softmax_cpu::exp_f32(xi);
+        assert!(a.to_bits() == want.to_bits() || (a.is_nan() && want.is_nan()), "exp({xi}) [{i}]: kernel {a:e}, CPU {want:e}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -27,6 +27,20 @@ pub(super) fn prefill_shape(head_dim: usize, groups: usize) -> (usize, usize) {
     let qv = if head_dim > 128 { 32 } else { 64 };
     ((qv / groups.max(1)).max(1), qv.max(groups))
 }
+
+/// Bytes of dynamic shared memory of ct_paged_attention (its layout comment in attention.cu).
+pub(super) fn paged_attention_smem(groups: usize, head_dim: usize) -> usize {
+    (2 * groups * head_dim + groups * ATT_TILE + 3 * groups) * 4
+}
+
+/// (grid.x, bytes of dynamic shared memory) of ct_prefill_attention (its layout comment in
+/// attention_prefill.cu). grid.x bounds the tiles: each sequence's last tile may be partial.
+pub(super) fn prefill_launch(num_tokens: usize, num_seqs: usize, groups: usize, head_dim: usize) -> (usize, usize) {
+    let (rows, qv) = prefill_shape(head_dim, groups);
+    let smem = (2 * qv * head_dim + PF_KEYS * (head_dim + 1) + PF_KEYS * head_dim + qv * (PF_KEYS + 1) + 3 * qv) * 4;
+    (num_tokens / rows + num_seqs, smem)
+}
+
 const ELEMENTWISE_THREADS: u32 = 256;
 const NORM_THREADS: u32 = 256;
 
@@ -206,7 +220,7 @@ impl CudaDevice {
         }
         let groups = (p.heads / p.kv_heads) as usize;
         let d = p.head_dim as usize;
-        let smem = (2 * groups * d + groups * ATT_TILE + 3 * groups) * 4;
+        let smem = paged_attention_smem(groups, d);
         if smem > 200 * 1024 {
             bail!(
                 "paged attention: {groups} query heads per KV head of dimension {d} need {smem} bytes of shared memory"
@@ -221,14 +235,11 @@ impl CudaDevice {
             bail!("prefill attention: {} query heads not a multiple of {} KV heads", p.heads, p.kv_heads);
         }
         let (groups, d) = ((p.heads / p.kv_heads) as usize, p.head_dim as usize);
-        let (rows, qv) = prefill_shape(d, groups);
-        let smem = (2 * qv * d + PF_KEYS * (d + 1) + PF_KEYS * d + qv * PF_KEYS + 3 * qv) * 4;
+        let (tiles, smem) = prefill_launch(p.num_tokens.max(0) as usize, p.num_seqs.max(0) as usize, groups, d);
         if smem > 200 * 1024 {
             bail!("prefill attention: {groups} query heads per KV head of dimension {d} need {smem} bytes of shared memory");
         }
-        // At most num_tokens / rows + num_seqs tiles (each sequence's last tile may be partial).
-        let tiles = p.num_tokens as i64 / rows as i64 + p.num_seqs as i64;
-        let grid = (u32_dim(tiles, "prefill attention tiles")?, p.kv_heads as u32, 1);
+        let grid = (u32_dim(tiles as i64, "prefill attention tiles")?, p.kv_heads as u32, 1);
         self.launch(&self.inner.kernels.prefill_attention, "ct_prefill_attention", grid, PF_THREADS, smem as u32, &p)
     }
 

@@ -1,0 +1,417 @@
+//! The CPU kernels behind a row's softmax statistics: the f32 exponential [`exp_f32`], the
+//! scaled maximum max_i z_i / T, the weights exp(z_i / T − max) and their f64 sum. Scoring,
+//! sampling and the engine's log-probs all go through these (via
+//! `logprob::row_log_normalizer` and `sample::sample_row`), so the engine's numbers come from
+//! one definition.
+//!
+//! Every result is bit-identical on AVX-512, AVX2 + FMA and the portable path:
+//! - [`exp_f32`] is one fixed sequence of f32 operations, and each vector lane runs exactly that
+//!   sequence. There are no table lookups, and every multiply-add is one fused operation.
+//! - z / T is an IEEE division in every path, and the maximum ignores NaN in every path.
+//! - the sum has 16 f64 lanes: lane j adds the terms i ≡ j (mod 16) in increasing i; then a fixed
+//!   pairwise tree joins them (0..8 + 8..16, then 4, 2, 1). Vector f64 adds round like scalar
+//!   ones.
+//!
+//! Owns no state. May call: std::arch. Must not touch: devices, tensors, rayon.
+
+/// Largest x whose exp is finite in f32 (above it: +inf).
+const EXP_HI: f32 = 88.722_83;
+/// Below this, exp(x) rounds to 0 in f32 (the polynomial is evaluated at the clamp).
+const EXP_LO: f32 = -104.0;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+/// ln 2 split so that n · LN2_HI is exact for |n| ≤ 2^9.
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Minimax coefficients of (exp(r) − 1 − r) / r² on |r| ≤ ln2 / 2 (Cephes expf), highest first,
+/// as f32 (the last one is exactly 1/2).
+const P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
+
+/// e^x in f32, within 2 ulp of the true value for normal results; subnormal results are rounded
+/// once; +inf above 88.72, 0 far below, NaN for NaN. The reference: every vector path below runs
+/// these operations in this order.
+#[inline]
+pub fn exp_f32(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    if x > EXP_HI {
+        return f32::INFINITY;
+    }
+    let xc = x.max(EXP_LO);
+    let n = (xc * LOG2E).round_ties_even();
+    let r = (-n).mul_add(LN2_HI, xc);
+    let r = (-n).mul_add(LN2_LO, r);
+    let mut p = P[0];
+    for &c in &P[1..] {
+        p = p.mul_add(r, c);
+    }
+    let y = p.mul_add(r * r, r) + 1.0;
+    // y · 2^n as two exact power-of-two scalings, so a subnormal result is rounded once.
+    let ni = n as i32;
+    let a = ni >> 1;
+    let b = ni - a;
+    y * f32::from_bits(((a + 127) as u32) << 23) * f32::from_bits(((b + 127) as u32) << 23)
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Isa {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+fn isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            return Isa::Avx2;
+        }
+    }
+    Isa::Portable
+}
+
+/// max_i z_i / T, ignoring NaN (−inf for an empty or all-NaN row).
+pub fn scaled_max(z: &[f32], t: f32) -> f32 {
+    scaled_max_with(isa(), z, t)
+}
+
+/// out[i] = exp_f32(z[i] / T − mx), i < z.len() (out at least as long).
+pub fn exp_shifted(z: &[f32], t: f32, mx: f32, out: &mut [f32]) {
+    exp_shifted_with(isa(), z, t, mx, &mut out[..z.len()]);
+}
+
+/// Σ_i exp_f32(z_i / T − mx) as f64, in the 16-lane order of the module comment.
+pub fn sum_exp_shifted(z: &[f32], t: f32, mx: f32) -> f64 {
+    sum_exp_shifted_with(isa(), z, t, mx)
+}
+
+fn scaled_max_with(isa: Isa, z: &[f32], t: f32) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa()` returned Avx512 / Avx2 only after detecting those features.
+        Isa::Avx512 => unsafe { x86::max512(z, t) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { x86::max256(z, t) },
+        Isa::Portable => z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b / t)),
+    }
+}
+
+fn exp_shifted_with(isa: Isa, z: &[f32], t: f32, mx: f32, out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: features detected by `isa()`; `out` has z.len() elements (checked by slicing).
+        Isa::Avx512 => unsafe { x86::exp512(z, t, mx, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { x86::exp256(z, t, mx, out) },
+        Isa::Portable => {
+            for (o, &x) in out.iter_mut().zip(z) {
+                *o = exp_f32(x / t - mx);
+            }
+        }
+    }
+}
+
+/// The fixed tree over the 16 lanes.
+fn join(mut l: [f64; 16]) -> f64 {
+    let mut w = 8;
+    while w > 0 {
+        for j in 0..w {
+            l[j] += l[j + w];
+        }
+        w /= 2;
+    }
+    l[0]
+}
+
+fn sum_exp_shifted_with(isa: Isa, z: &[f32], t: f32, mx: f32) -> f64 {
+    let body = z.len() / 16 * 16;
+    let mut lanes = [0.0f64; 16];
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: features detected by `isa()`; the kernel reads z[..body] only.
+        Isa::Avx512 => unsafe { x86::sum512(&z[..body], t, mx, &mut lanes) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { x86::sum256(&z[..body], t, mx, &mut lanes) },
+        Isa::Portable => {
+            for c in z[..body].chunks_exact(16) {
+                for (l, &x) in lanes.iter_mut().zip(c) {
+                    *l += exp_f32(x / t - mx) as f64;
+                }
+            }
+        }
+    }
+    for (j, &x) in z[body..].iter().enumerate() {
+        lanes[j] += exp_f32(x / t - mx) as f64;
+    }
+    join(lanes)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! The vector twins of `exp_f32` and the row passes. Each takes slices whose lengths its
+    //! caller checked; tails shorter than a vector run the scalar `exp_f32`.
+    use super::{exp_f32, EXP_HI, EXP_LO, LN2_HI, LN2_LO, LOG2E, P};
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn exp16(x: __m512) -> __m512 {
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+        let over = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(EXP_HI));
+        // max(x, lo) with x first: a NaN x yields lo here and is restored at the end.
+        let xc = _mm512_max_ps(x, _mm512_set1_ps(EXP_LO));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+        let mut p = _mm512_set1_ps(P[0]);
+        for &c in &P[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0));
+        let ni = _mm512_cvtps_epi32(n);
+        let a = _mm512_srai_epi32::<1>(ni);
+        let b = _mm512_sub_epi32(ni, a);
+        let bias = _mm512_set1_epi32(127);
+        let sa = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(a, bias)));
+        let sb = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(b, bias)));
+        let res = _mm512_mul_ps(_mm512_mul_ps(y, sa), sb);
+        let res = _mm512_mask_mov_ps(res, over, _mm512_set1_ps(f32::INFINITY));
+        _mm512_mask_mov_ps(res, nan, x)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp8(x: __m256) -> __m256 {
+        let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
+        let over = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(EXP_HI));
+        let xc = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), xc);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+        let mut p = _mm256_set1_ps(P[0]);
+        for &c in &P[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
+        let ni = _mm256_cvtps_epi32(n);
+        let a = _mm256_srai_epi32::<1>(ni);
+        let b = _mm256_sub_epi32(ni, a);
+        let bias = _mm256_set1_epi32(127);
+        let sa = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(a, bias)));
+        let sb = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(b, bias)));
+        let res = _mm256_mul_ps(_mm256_mul_ps(y, sa), sb);
+        let res = _mm256_blendv_ps(res, _mm256_set1_ps(f32::INFINITY), over);
+        _mm256_blendv_ps(res, x, nan)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn max512(z: &[f32], t: f32) -> f32 {
+        let tv = _mm512_set1_ps(t);
+        let mut acc = _mm512_set1_ps(f32::NEG_INFINITY);
+        let chunks = z.chunks_exact(16);
+        let tail = chunks.remainder();
+        for c in chunks {
+            // SAFETY: `c` has 16 elements.
+            let x = _mm512_div_ps(unsafe { _mm512_loadu_ps(c.as_ptr()) }, tv);
+            acc = _mm512_max_ps(x, acc); // a NaN x yields acc
+        }
+        let mut l = [0.0f32; 16];
+        // SAFETY: `l` has 16 elements.
+        unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc) };
+        tail.iter().fold(l.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)), |a, &b| a.max(b / t))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn max256(z: &[f32], t: f32) -> f32 {
+        let tv = _mm256_set1_ps(t);
+        let mut acc = _mm256_set1_ps(f32::NEG_INFINITY);
+        let chunks = z.chunks_exact(8);
+        let tail = chunks.remainder();
+        for c in chunks {
+            // SAFETY: `c` has 8 elements.
+            let x = _mm256_div_ps(unsafe { _mm256_loadu_ps(c.as_ptr()) }, tv);
+            acc = _mm256_max_ps(x, acc);
+        }
+        let mut l = [0.0f32; 8];
+        // SAFETY: `l` has 8 elements.
+        unsafe { _mm256_storeu_ps(l.as_mut_ptr(), acc) };
+        tail.iter().fold(l.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)), |a, &b| a.max(b / t))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn exp512(z: &[f32], t: f32, mx: f32, out: &mut [f32]) {
+        let (tv, mv) = (_mm512_set1_ps(t), _mm512_set1_ps(mx));
+        let n = z.len() / 16 * 16;
+        for (c, o) in z[..n].chunks_exact(16).zip(out[..n].chunks_exact_mut(16)) {
+            // SAFETY: `c` and `o` have 16 elements.
+            unsafe {
+                let x = _mm512_sub_ps(_mm512_div_ps(_mm512_loadu_ps(c.as_ptr()), tv), mv);
+                _mm512_storeu_ps(o.as_mut_ptr(), exp16(x));
+            }
+        }
+        for (o, &x) in out[n..].iter_mut().zip(&z[n..]) {
+            *o = exp_f32(x / t - mx);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn exp256(z: &[f32], t: f32, mx: f32, out: &mut [f32]) {
+        let (tv, mv) = (_mm256_set1_ps(t), _mm256_set1_ps(mx));
+        let n = z.len() / 8 * 8;
+        for (c, o) in z[..n].chunks_exact(8).zip(out[..n].chunks_exact_mut(8)) {
+            // SAFETY: `c` and `o` have 8 elements.
+            unsafe {
+                let x = _mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(c.as_ptr()), tv), mv);
+                _mm256_storeu_ps(o.as_mut_ptr(), exp8(x));
+            }
+        }
+        for (o, &x) in out[n..].iter_mut().zip(&z[n..]) {
+            *o = exp_f32(x / t - mx);
+        }
+    }
+
+    /// lanes[j] += Σ over the 16-chunks of z of exp(z[16c + j] / T − mx); z.len() % 16 == 0.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn sum512(z: &[f32], t: f32, mx: f32, lanes: &mut [f64; 16]) {
+        let (tv, mv) = (_mm512_set1_ps(t), _mm512_set1_ps(mx));
+        // SAFETY: `lanes` has 16 f64.
+        let (mut lo, mut hi) = unsafe { (_mm512_loadu_pd(lanes.as_ptr()), _mm512_loadu_pd(lanes.as_ptr().add(8))) };
+        for c in z.chunks_exact(16) {
+            // SAFETY: `c` has 16 elements.
+            let e = exp16(_mm512_sub_ps(_mm512_div_ps(unsafe { _mm512_loadu_ps(c.as_ptr()) }, tv), mv));
+            lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+            hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)))));
+        }
+        // SAFETY: as above.
+        unsafe {
+            _mm512_storeu_pd(lanes.as_mut_ptr(), lo);
+            _mm512_storeu_pd(lanes.as_mut_ptr().add(8), hi);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn sum256(z: &[f32], t: f32, mx: f32, lanes: &mut [f64; 16]) {
+        let (tv, mv) = (_mm256_set1_ps(t), _mm256_set1_ps(mx));
+        let p = lanes.as_mut_ptr();
+        // SAFETY: `lanes` has 16 f64: four groups of 4.
+        let mut acc = unsafe { [_mm256_loadu_pd(p), _mm256_loadu_pd(p.add(4)), _mm256_loadu_pd(p.add(8)), _mm256_loadu_pd(p.add(12))] };
+        for c in z.chunks_exact(16) {
+            for half in 0..2 {
+                // SAFETY: `c` has 16 elements; each half is 8.
+                let e = exp8(_mm256_sub_ps(_mm256_div_ps(unsafe { _mm256_loadu_ps(c.as_ptr().add(8 * half)) }, tv), mv));
+                acc[2 * half] = _mm256_add_pd(acc[2 * half], _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+                acc[2 * half + 1] = _mm256_add_pd(acc[2 * half + 1], _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(e)));
+            }
+        }
+        for (g, a) in acc.iter().enumerate() {
+            // SAFETY: 4 f64 at offset 4g < 16.
+            unsafe { _mm256_storeu_pd(p.add(4 * g), *a) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn isas() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2);
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    v.push(Isa::Avx512);
+                }
+            }
+        }
+        v
+    }
+
+    /// Units in the last place between a and the f64 reference b (for normal results).
+    fn ulps(a: f32, b: f64) -> f64 {
+        let ulp = (b.abs() as f32).max(f32::MIN_POSITIVE);
+        let ulp = f32::from_bits(ulp.to_bits() + 1) - ulp;
+        (a as f64 - b).abs() / ulp as f64
+    }
+
+    #[test]
+    fn exp_is_within_2_ulp_of_f64_and_handles_the_edges() {
+        let mut worst = 0.0f64;
+        let mut s = crate::rand::Stream::new(5, 5);
+        for i in 0..200_000 {
+            let x = if i < 100_000 { -87.0 + 175.0 * s.uniform() as f32 } else { -20.0 * s.uniform() as f32 };
+            let want = (x as f64).exp();
+            if want < f32::MIN_POSITIVE as f64 || want > f32::MAX as f64 {
+                continue;
+            }
+            worst = worst.max(ulps(exp_f32(x), want));
+        }
+        assert!(worst <= 2.0, "worst error {worst} ulp");
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert_eq!(exp_f32(-0.0), 1.0);
+        assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_f32(-200.0), 0.0);
+        assert_eq!(exp_f32(89.0), f32::INFINITY);
+        assert_eq!(exp_f32(f32::INFINITY), f32::INFINITY);
+        assert!(exp_f32(f32::NAN).is_nan());
+        assert!(exp_f32(88.7).is_finite());
+        // Subnormal results: one rounding of the true value (within 1 subnormal step + 2 ulp of
+        // the polynomial's relative error).
+        for x in [-88.0f32, -95.5, -100.0, -103.0] {
+            let want = (x as f64).exp();
+            let step = f32::from_bits(1) as f64;
+            assert!((exp_f32(x) as f64 - want).abs() <= step + 4.0 * f32::EPSILON as f64 * want, "exp({x})");
+        }
+    }
+
+    #[test]
+    fn every_isa_gives_the_same_bits() {
+        let mut s = crate::rand::Stream::new(6, 6);
+        for n in [0usize, 1, 7, 15, 16, 17, 33, 1000, 32000 + 5] {
+            let mut z: Vec<f32> = (0..n).map(|_| (6.0 * s.normal()) as f32).collect();
+            if n > 20 {
+                z[3] = f32::NAN;
+                z[9] = -1e30;
+                z[12] = -0.0;
+            }
+            for t in [1.0f32, 0.7] {
+                let ref_max = scaled_max_with(Isa::Portable, &z, t);
+                let ref_sum = sum_exp_shifted_with(Isa::Portable, &z, t, ref_max);
+                let mut ref_w = vec![0.0f32; n];
+                exp_shifted_with(Isa::Portable, &z, t, ref_max, &mut ref_w);
+                for isa in isas() {
+                    assert_eq!(scaled_max_with(isa, &z, t).to_bits(), ref_max.to_bits(), "{isa:?} max n={n}");
+                    assert_eq!(sum_exp_shifted_with(isa, &z, t, ref_max).to_bits(), ref_sum.to_bits(), "{isa:?} sum n={n}");
+                    let mut w = vec![1.0f32; n];
+                    exp_shifted_with(isa, &z, t, ref_max, &mut w);
+                    let same = w.iter().zip(&ref_w).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{isa:?} weights n={n}");
+                }
+                // The portable path is the written-out definition.
+                let mut lanes = [0.0f64; 16];
+                for (i, &x) in z.iter().enumerate() {
+                    lanes[i % 16] += exp_f32(x / t - ref_max) as f64;
+                }
+                let mut w = 8;
+                while w > 0 {
+                    for j in 0..w {
+                        lanes[j] += lanes[j + w];
+                    }
+                    w /= 2;
+                }
+                assert_eq!(ref_sum.to_bits(), lanes[0].to_bits(), "definition n={n}");
+                let m = z.iter().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, |a, &b| if b / t > a { b / t } else { a });
+                assert_eq!(ref_max, m, "max n={n}");
+            }
+        }
+    }
+}
