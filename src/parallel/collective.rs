@@ -2,9 +2,9 @@
 //! all-reduce and broadcast over N ranks, one thread per rank.
 //!
 //! Owns: the [`Collective`] trait, [`shard_range`] (the one definition of who owns which slice of a
-//! flat buffer) and [`InProcess`], the CPU implementation (shared staging slots + an abortable
-//! barrier). An NCCL implementation belongs behind the same trait once gradients live on the
-//! GPU (the trainer still runs on the host).
+//! flat buffer) and its mapping onto NCCL's equal chunks ([`padded_chunk`], [`pad_shards`],
+//! [`unpad_shards`]), and [`InProcess`], the CPU implementation (shared staging slots + an
+//! abortable barrier). The NCCL implementation is `super::nccl` (feature `cuda`).
 //! May call: std sync primitives. Must not touch: models, tensors, devices or training state.
 
 use anyhow::{anyhow, bail, Result};
@@ -37,6 +37,32 @@ pub fn shard_range(total: usize, world: usize, rank: usize) -> Range<usize> {
     let start = rank * base + rank.min(extra);
     let len = base + usize::from(rank < extra);
     start.min(total)..(start + len).min(total)
+}
+
+/// NCCL's reduce-scatter and all-gather give every rank an equal chunk; [`shard_range`] shards
+/// differ by up to one element. The chunk that holds every shard: ⌈total / world⌉ (≥ 1).
+pub fn padded_chunk(total: usize, world: usize) -> usize {
+    total.div_ceil(world.max(1)).max(1)
+}
+
+/// staged (world · chunk) = rank r's shard_range of `full` at r · chunk, zeros after it.
+pub fn pad_shards(full: &[f32], world: usize, chunk: usize, staged: &mut Vec<f32>) {
+    staged.clear();
+    staged.resize(world * chunk, 0.0);
+    for r in 0..world {
+        let sh = shard_range(full.len(), world, r);
+        staged[r * chunk..r * chunk + sh.len()].copy_from_slice(&full[sh]);
+    }
+}
+
+/// The inverse of [`pad_shards`]: full[shard_range(r)] = staged[r · chunk ..] for every rank.
+pub fn unpad_shards(staged: &[f32], world: usize, chunk: usize, full: &mut [f32]) {
+    let total = full.len();
+    for r in 0..world {
+        let sh = shard_range(total, world, r);
+        let n = sh.len();
+        full[sh].copy_from_slice(&staged[r * chunk..r * chunk + n]);
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -1,7 +1,7 @@
 //! Parallel primitives for running one model replica per device inside one process.
 //!
-//! Owns: collectives between ranks ([`Collective`], the in-process [`InProcess`]; the CUDA build
-//! will add NCCL behind the same trait) and the worker threads that own per-device state
+//! Owns: collectives between ranks ([`Collective`], the in-process [`InProcess`]; with the `cuda`
+//! feature also `nccl::Nccl`, behind the same trait) and the worker threads that own per-device state
 //! ([`WorkerPool`], [`split_cores`]). May call: crossbeam, core_affinity, std threads and sync,
 //! tracing. Must not: know about models, devices, tensors or training; callers put those in the
 //! worker state and the buffers they pass.
@@ -10,6 +10,8 @@
 //! rank that fails or panics wakes the ranks waiting for it in a collective instead of hanging.
 
 pub mod collective;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod worker;
 
 #[cfg(test)]

@@ -390,3 +390,25 @@ fn split_cores_gives_contiguous_shares_and_wraps() {
     assert_eq!(as_ids(split_core_list(&[], 2)), vec![Vec::<usize>::new(), Vec::new()]);
     assert_eq!(split_cores(3).len(), 3);
 }
+
+#[test]
+fn padded_shards_round_trip_and_place_every_shard_at_its_chunk() {
+    use super::collective::{pad_shards, padded_chunk, unpad_shards};
+    for (total, world) in [(0usize, 1usize), (1, 3), (10, 3), (12, 4), (7, 7), (5, 8)] {
+        let c = padded_chunk(total, world);
+        assert!(c >= 1 && c * world >= total, "chunk {c} for {total} over {world}");
+        let full: Vec<f32> = (0..total).map(|i| i as f32 + 0.5).collect();
+        let mut staged = vec![f32::NAN; 3];
+        pad_shards(&full, world, c, &mut staged);
+        assert_eq!(staged.len(), world * c);
+        for r in 0..world {
+            let sh = shard_range(total, world, r);
+            // The shard at the start of its chunk, zeros after it.
+            assert_eq!(&staged[r * c..r * c + sh.len()], &full[sh.clone()], "rank {r} of {world}, total {total}");
+            assert!(staged[r * c + sh.len()..(r + 1) * c].iter().all(|&x| x == 0.0));
+        }
+        let mut back = vec![f32::NAN; total];
+        unpad_shards(&staged, world, c, &mut back);
+        assert_eq!(back, full);
+    }
+}

@@ -104,6 +104,34 @@ pub fn plan_devices(spec: &str, n: usize) -> Result<Vec<String>> {
     Ok((first..first + n).map(|k| format!("cuda:{k}")).collect())
 }
 
+/// The collective of the training devices `names`: in-process (the default: training runs on
+/// the host, so host memory needs no copies), or NCCL across their GPUs with
+/// COLOTRAIN_COLLECTIVE=nccl (feature `cuda`).
+fn collective(names: &[String]) -> Result<Arc<dyn Collective>> {
+    match std::env::var("COLOTRAIN_COLLECTIVE").as_deref() {
+        Err(_) | Ok("") | Ok("inprocess") => Ok(Arc::new(InProcess::new(names.len())?)),
+        Ok("nccl") => {
+            let ords: Vec<usize> = names
+                .iter()
+                .map(|n| n.strip_prefix("cuda:").and_then(|k| k.parse().ok()))
+                .collect::<Option<_>>()
+                .ok_or_else(|| anyhow::anyhow!("COLOTRAIN_COLLECTIVE=nccl needs CUDA training devices, got {names:?}"))?;
+            nccl_group(&ords)
+        }
+        Ok(other) => bail!("COLOTRAIN_COLLECTIVE='{other}': expected 'inprocess' (the default) or 'nccl'"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn nccl_group(ords: &[usize]) -> Result<Arc<dyn Collective>> {
+    Ok(Arc::new(crate::parallel::nccl::Nccl::new(ords)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_group(_ords: &[usize]) -> Result<Arc<dyn Collective>> {
+    bail!("COLOTRAIN_COLLECTIVE=nccl: this binary was built without --features cuda")
+}
+
 /// The rollout sampling settings of a job.
 pub fn sampling_of(job: &JobConfig) -> SamplingConfig {
     SamplingConfig {
@@ -306,8 +334,7 @@ pub fn start(job: &JobConfig, resume: Option<&Path>, out_dir: &Path) -> Result<(
     }
     let spec = job.engine.spec(cfg.num_layers).context("[engine]")?;
     let setup = Arc::new(Setup { job: job.clone(), spec, engine: engine_config(job) });
-    let inproc = Arc::new(InProcess::new(n - gens)?);
-    let coll: Arc<dyn Collective> = inproc.clone();
+    let coll = collective(&names[gens..])?;
     let cores = if job.run.device.starts_with("cpu") { crate::parallel::split_cores(n) } else { vec![Vec::new(); n] };
     let (s2, c2, names2) = (setup.clone(), coll.clone(), names.clone());
     let mut pool = WorkerPool::spawn(names.clone(), cores.clone(), move |rank| {
@@ -320,7 +347,7 @@ pub fn start(job: &JobConfig, resume: Option<&Path>, out_dir: &Path) -> Result<(
         Replica::new(rank, dev, &s2, dp)
     })?;
     // A failed device wakes the others out of their collectives instead of leaving them waiting.
-    let abort = inproc.clone();
+    let abort = coll.clone();
     pool.set_on_failure(move |why| abort.abort(why));
     let calib = if setup.spec.recipe.needs_calibration() {
         let saved = out_dir.join("calibration.json");
