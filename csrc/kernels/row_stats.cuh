@@ -45,7 +45,7 @@ __device__ inline RowStats ct_row_stats(const float* z, int vocab, float tempera
   const int end = min(vocab, begin + chunk);
   float mx = -INFINITY;
   for (int i = begin; i < end; i++) mx = fmaxf(mx, __fdiv_rn(z[i], temperature));
-  mx = ct_block_max(mx, fscratch);
+  mx = __fadd_rn(0.0f, ct_block_max(mx, fscratch));  // a zero maximum is +0, as on the CPU
   double s = 0.0;
   for (int i = begin; i < end; i++) s += static_cast<double>(ct_exp_f32(__fsub_rn(__fdiv_rn(z[i], temperature), mx)));
   if (chunk_sums) chunk_sums[threadIdx.x] = s;

@@ -75,7 +75,8 @@ fn isa() -> Isa {
     Isa::Portable
 }
 
-/// max_i z_i / T, ignoring NaN (−inf for an empty or all-NaN row).
+/// max_i z_i / T, ignoring NaN (−inf for an empty or all-NaN row); a zero maximum is +0 (the
+/// paths would otherwise pick −0 or +0 by position).
 pub fn scaled_max(z: &[f32], t: f32) -> f32 {
     scaled_max_with(isa(), z, t)
 }
@@ -91,7 +92,7 @@ pub fn sum_exp_shifted(z: &[f32], t: f32, mx: f32) -> f64 {
 }
 
 fn scaled_max_with(isa: Isa, z: &[f32], t: f32) -> f32 {
-    match isa {
+    0.0 + match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa()` returned Avx512 / Avx2 only after detecting those features.
         Isa::Avx512 => unsafe { x86::max512(z, t) },
@@ -371,6 +372,18 @@ mod tests {
             let step = f32::from_bits(1) as f64;
             assert!((exp_f32(x) as f64 - want).abs() <= step + 4.0 * f32::EPSILON as f64 * want, "exp({x})");
         }
+    }
+
+    #[test]
+    fn a_zero_maximum_is_positive_on_every_isa() {
+        let mut z = vec![-1.0f32; 40];
+        z[1] = -0.0;
+        z[16] = 0.0;
+        for isa in isas() {
+            assert_eq!(scaled_max_with(isa, &z, 1.0).to_bits(), 0.0f32.to_bits(), "{isa:?}");
+        }
+        z[16] = -2.0;
+        assert_eq!(scaled_max(&z, 1.0).to_bits(), 0.0f32.to_bits(), "a lone -0 maximum");
     }
 
     #[test]

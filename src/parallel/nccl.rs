@@ -12,10 +12,14 @@
 //! - **Mismatched calls fail instead of hanging or corrupting.** A ledger records each call's
 //!   (operation, length) by sequence number; a rank whose k-th call differs from another
 //!   rank's aborts the group. NCCL itself would wait forever or mix buffers.
-//! - **Abort wakes everyone.** A rank waits for its stream by polling an event and the abort
-//!   flag, not by blocking in the driver, so `abort` wakes ranks stuck behind a dead peer. The
-//!   communicators are aborted (ncclCommAbort) when the group is dropped, which also stops
-//!   NCCL kernels still waiting on the GPU.
+//! - **All ranks enter NCCL, or none.** Each rank validates and stages its data, then meets the
+//!   others at a host gate (an `InProcess` rendezvous) before the NCCL call. A rank that fails
+//!   before the gate aborts the group, and the others leave the gate with an error instead of
+//!   waiting inside NCCL for it. Any error of any call aborts the group, as the trait promises.
+//! - **Abort wakes everyone.** After the NCCL call a rank waits for its stream by polling an
+//!   event and the abort flag, not by blocking in the driver, so `abort` wakes ranks stuck
+//!   behind a dead peer. The communicators are aborted (ncclCommAbort) when the group is
+//!   dropped, which also stops NCCL kernels still waiting on the GPU.
 //!
 //! Sums run in NCCL's order (ring or tree), not rank order: results agree with `InProcess` to
 //! rounding, not bit for bit, beyond 2 ranks. Not yet run on a GPU (no multi-GPU machine here).
@@ -24,9 +28,9 @@
 //! Owns: the communicators, per-rank streams and staging buffers. May call: cudarc (driver,
 //! nccl). Must not touch: models, tensors, training state, the `CudaDevice` allocator.
 
-use super::collective::{pad_shards, padded_chunk, shard_range, unpad_shards, Collective};
+use super::collective::{pad_shards, padded_chunk, shard_range, unpad_shards, Collective, InProcess};
 use anyhow::{anyhow, bail, Context, Result};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result as nr, sys as ns};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -62,8 +66,13 @@ pub struct Nccl {
     ranks: Vec<Mutex<Rank>>,
     aborted: AtomicBool,
     reason: Mutex<Option<String>>,
-    /// (operation, length) of the k-th call, as the first rank to make it recorded it.
-    ledger: Mutex<Vec<(Op, usize)>>,
+    /// (call number, operation, length) of the last two calls, as the first rank to make each
+    /// recorded it. Two slots suffice: no rank passes call k's gate before every rank has
+    /// checked in for call k, so the ranks are never more than one call apart.
+    ledger: Mutex<[Option<(usize, Op, usize)>; 2]>,
+    /// The host rendezvous before every NCCL call: all ranks have validated and staged their
+    /// data, or none enters NCCL (a rank that failed aborts it, which wakes the others).
+    gate: InProcess,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -109,7 +118,13 @@ impl Nccl {
                 }
             }
         }
-        Ok(Nccl { ranks, aborted: AtomicBool::new(false), reason: Mutex::new(None), ledger: Mutex::new(Vec::new()) })
+        Ok(Nccl {
+            ranks,
+            aborted: AtomicBool::new(false),
+            reason: Mutex::new(None),
+            ledger: Mutex::new([None, None]),
+            gate: InProcess::new(n)?,
+        })
     }
 
     fn aborted_error(&self) -> anyhow::Error {
@@ -131,16 +146,19 @@ impl Nccl {
         let mut st = lock(m);
         let k = st.calls;
         st.calls += 1;
-        let mut ledger = lock(&self.ledger);
-        if ledger.len() == k {
-            ledger.push((op, len));
-        } else if let Some(&(o, l)) = ledger.get(k) {
-            if (o, l) != (op, len) {
-                drop(ledger);
-                return Err(self.fail(format!("collective mismatch at call {k}: rank {rank} called {op:?} of {len} values, another rank {o:?} of {l}")));
+        let mismatch = {
+            let mut ledger = lock(&self.ledger);
+            match ledger[k % 2] {
+                Some((seq, o, l)) if seq == k => ((o, l) != (op, len)).then_some((o, l)),
+                _ => {
+                    ledger[k % 2] = Some((k, op, len));
+                    None
+                }
             }
+        };
+        if let Some((o, l)) = mismatch {
+            return Err(self.fail(format!("collective mismatch at call {k}: rank {rank} called {op:?} of {len} values, another rank {o:?} of {l}")));
         }
-        drop(ledger);
         st.stream.context().bind_to_thread().map_err(|e| anyhow!("rank {rank}: {e}"))?;
         Ok(st)
     }
@@ -160,6 +178,21 @@ impl Nccl {
             nap = (nap * 2).min(Duration::from_millis(1));
         }
     }
+
+    /// Blocks until every rank is ready to enter the NCCL call (or the group is aborted).
+    fn rendezvous(&self, rank: usize) -> Result<()> {
+        self.gate.all_reduce_sum_f64(rank, 0.0).map(|_| ()).map_err(|_| self.aborted_error())
+    }
+
+    /// Runs one collective's body; any error aborts the group (the trait's contract), so no
+    /// peer is left waiting in NCCL or at the gate.
+    fn guarded<T>(&self, body: impl FnOnce() -> Result<T>) -> Result<T> {
+        let out = body();
+        if let Err(e) = &out {
+            self.abort(&format!("{e:#}"));
+        }
+        out
+    }
 }
 
 fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(s: &Arc<CudaStream>, buf: &mut CudaSlice<T>, n: usize) -> Result<()> {
@@ -175,121 +208,154 @@ impl Collective for Nccl {
     }
 
     fn reduce_scatter_sum(&self, rank: usize, send: &[f32], recv: &mut [f32]) -> Result<()> {
-        let world = self.world();
-        let mut st = self.enter(rank, Op::ReduceScatter, send.len())?;
-        let sh = shard_range(send.len(), world, rank);
-        if recv.len() != sh.len() {
-            return Err(self.fail(format!("reduce_scatter_sum: rank {rank} passed {} receive values for its shard of {}", recv.len(), sh.len())));
-        }
-        let c = padded_chunk(send.len(), world);
-        let r = &mut *st;
-        pad_shards(send, world, c, &mut r.staged);
-        ensure(&r.stream, &mut r.send, world * c)?;
-        ensure(&r.stream, &mut r.recv, c)?;
-        r.stream.memcpy_htod(&r.staged[..], &mut r.send.slice_mut(..world * c)).map_err(|e| anyhow!("{e}"))?;
-        let (sp, rp) = (raw(&r.send, &r.stream), raw_mut(&mut r.recv, &r.stream));
-        // SAFETY: send holds world·c f32 and recv c f32 on this rank's GPU; the stream is this
-        // rank's and its context is current.
-        unsafe { nr::reduce_scatter(sp, rp, c, ns::ncclDataType_t::ncclFloat32, ns::ncclRedOp_t::ncclSum, r.comm, cu(&r.stream)) }
-            .map_err(|e| anyhow!("ncclReduceScatter: {e:?}"))?;
-        self.wait(r)?;
-        r.stream.memcpy_dtoh(&r.recv.slice(..sh.len()), recv).map_err(|e| anyhow!("{e}"))?;
-        Ok(())
+        self.guarded(|| {
+            let world = self.world();
+            let mut st = self.enter(rank, Op::ReduceScatter, send.len())?;
+            let sh = shard_range(send.len(), world, rank);
+            if recv.len() != sh.len() {
+                bail!("reduce_scatter_sum: rank {rank} passed {} receive values for its shard of {}", recv.len(), sh.len());
+            }
+            let c = padded_chunk(send.len(), world);
+            let r = &mut *st;
+            pad_shards(send, world, c, &mut r.staged);
+            ensure(&r.stream, &mut r.send, world * c)?;
+            ensure(&r.stream, &mut r.recv, c)?;
+            r.stream.memcpy_htod(&r.staged[..], &mut r.send.slice_mut(..world * c)).map_err(|e| anyhow!("{e}"))?;
+            self.rendezvous(rank)?;
+            {
+                let (sp, _gs) = r.send.device_ptr(&r.stream);
+                let (rp, _gr) = r.recv.device_ptr_mut(&r.stream);
+                // SAFETY: send holds world·c f32 and recv c f32 on this rank's GPU; the stream is
+                // this rank's and its context is current; the guards outlive the call.
+                unsafe { nr::reduce_scatter(sp as _, rp as _, c, ns::ncclDataType_t::ncclFloat32, ns::ncclRedOp_t::ncclSum, r.comm, cu(&r.stream)) }
+                    .map_err(|e| anyhow!("ncclReduceScatter: {e:?}"))?;
+            }
+            self.wait(r)?;
+            r.stream.memcpy_dtoh(&r.recv.slice(..sh.len()), recv).map_err(|e| anyhow!("{e}"))?;
+            Ok(())
+        })
     }
 
     fn all_gather(&self, rank: usize, shard: &[f32], out: &mut [f32]) -> Result<()> {
-        let world = self.world();
-        let mut st = self.enter(rank, Op::AllGather, out.len())?;
-        let sh = shard_range(out.len(), world, rank);
-        if shard.len() != sh.len() {
-            return Err(self.fail(format!("all_gather: rank {rank} contributed {} values for its shard of {}", shard.len(), sh.len())));
-        }
-        let c = padded_chunk(out.len(), world);
-        let r = &mut *st;
-        r.staged.clear();
-        r.staged.extend_from_slice(shard);
-        r.staged.resize(c, 0.0);
-        ensure(&r.stream, &mut r.send, c)?;
-        ensure(&r.stream, &mut r.recv, world * c)?;
-        r.stream.memcpy_htod(&r.staged[..], &mut r.send.slice_mut(..c)).map_err(|e| anyhow!("{e}"))?;
-        let (sp, rp) = (raw(&r.send, &r.stream), raw_mut(&mut r.recv, &r.stream));
-        // SAFETY: send holds c and recv world·c f32 on this rank's GPU (see reduce_scatter_sum).
-        unsafe { nr::all_gather(sp, rp, c, ns::ncclDataType_t::ncclFloat32, r.comm, cu(&r.stream)) }
-            .map_err(|e| anyhow!("ncclAllGather: {e:?}"))?;
-        self.wait(r)?;
-        r.staged.resize(world * c, 0.0);
-        r.stream.memcpy_dtoh(&r.recv.slice(..world * c), &mut r.staged[..]).map_err(|e| anyhow!("{e}"))?;
-        unpad_shards(&r.staged, world, c, out);
-        Ok(())
+        self.guarded(|| {
+            let world = self.world();
+            let mut st = self.enter(rank, Op::AllGather, out.len())?;
+            let sh = shard_range(out.len(), world, rank);
+            if shard.len() != sh.len() {
+                bail!("all_gather: rank {rank} contributed {} values for its shard of {}", shard.len(), sh.len());
+            }
+            let c = padded_chunk(out.len(), world);
+            let r = &mut *st;
+            r.staged.clear();
+            r.staged.extend_from_slice(shard);
+            r.staged.resize(c, 0.0);
+            ensure(&r.stream, &mut r.send, c)?;
+            ensure(&r.stream, &mut r.recv, world * c)?;
+            r.stream.memcpy_htod(&r.staged[..], &mut r.send.slice_mut(..c)).map_err(|e| anyhow!("{e}"))?;
+            self.rendezvous(rank)?;
+            {
+                let (sp, _gs) = r.send.device_ptr(&r.stream);
+                let (rp, _gr) = r.recv.device_ptr_mut(&r.stream);
+                // SAFETY: send holds c and recv world·c f32 on this rank's GPU (see reduce_scatter_sum).
+                unsafe { nr::all_gather(sp as _, rp as _, c, ns::ncclDataType_t::ncclFloat32, r.comm, cu(&r.stream)) }
+                    .map_err(|e| anyhow!("ncclAllGather: {e:?}"))?;
+            }
+            self.wait(r)?;
+            r.staged.resize(world * c, 0.0);
+            r.stream.memcpy_dtoh(&r.recv.slice(..world * c), &mut r.staged[..]).map_err(|e| anyhow!("{e}"))?;
+            unpad_shards(&r.staged, world, c, out);
+            Ok(())
+        })
     }
 
     fn all_reduce_sum_f64(&self, rank: usize, x: f64) -> Result<f64> {
-        let mut st = self.enter(rank, Op::AllReduceF64, 1)?;
-        let r = &mut *st;
-        r.stream.memcpy_htod(&[x][..], &mut r.scalar).map_err(|e| anyhow!("{e}"))?;
-        let p = raw_mut(&mut r.scalar, &r.stream);
-        // SAFETY: in-place all-reduce of one f64 on this rank's GPU.
-        unsafe { nr::all_reduce(p as *const _, p, 1, ns::ncclDataType_t::ncclFloat64, ns::ncclRedOp_t::ncclSum, r.comm, cu(&r.stream)) }
-            .map_err(|e| anyhow!("ncclAllReduce: {e:?}"))?;
-        self.wait(r)?;
-        let mut out = [0.0f64];
-        r.stream.memcpy_dtoh(&r.scalar, &mut out[..]).map_err(|e| anyhow!("{e}"))?;
-        Ok(out[0])
+        self.guarded(|| {
+            let mut st = self.enter(rank, Op::AllReduceF64, 1)?;
+            let r = &mut *st;
+            r.stream.memcpy_htod(&[x][..], &mut r.scalar).map_err(|e| anyhow!("{e}"))?;
+            self.rendezvous(rank)?;
+            {
+                let (p, _g) = r.scalar.device_ptr_mut(&r.stream);
+                // SAFETY: in-place all-reduce of one f64 on this rank's GPU.
+                unsafe { nr::all_reduce(p as _, p as _, 1, ns::ncclDataType_t::ncclFloat64, ns::ncclRedOp_t::ncclSum, r.comm, cu(&r.stream)) }
+                    .map_err(|e| anyhow!("ncclAllReduce: {e:?}"))?;
+            }
+            self.wait(r)?;
+            let mut out = [0.0f64];
+            r.stream.memcpy_dtoh(&r.scalar, &mut out[..]).map_err(|e| anyhow!("{e}"))?;
+            Ok(out[0])
+        })
     }
 
     fn broadcast(&self, rank: usize, root: usize, buf: &mut Vec<f32>) -> Result<()> {
-        let world = self.world();
-        if root >= world {
-            return Err(self.fail(format!("broadcast from rank {root} in a group of {world}")));
-        }
-        let mut st = self.enter(rank, Op::Broadcast, root)?;
-        let r = &mut *st;
-        // The length first, so every rank can size its buffer.
-        r.stream.memcpy_htod(&[buf.len() as u64][..], &mut r.len).map_err(|e| anyhow!("{e}"))?;
-        let lp = raw_mut(&mut r.len, &r.stream);
-        // SAFETY: in-place broadcast of one u64 on this rank's GPU.
-        unsafe { nr::broadcast(lp as *const _, lp, 1, ns::ncclDataType_t::ncclUint64, root as i32, r.comm, cu(&r.stream)) }
-            .map_err(|e| anyhow!("ncclBroadcast (length): {e:?}"))?;
-        self.wait(r)?;
-        let mut n = [0u64];
-        r.stream.memcpy_dtoh(&r.len, &mut n[..]).map_err(|e| anyhow!("{e}"))?;
-        let n = usize::try_from(n[0]).context("broadcast length")?;
-        buf.resize(n, 0.0);
-        if n == 0 {
-            return Ok(());
-        }
-        ensure(&r.stream, &mut r.send, n)?;
-        if rank == root {
-            r.stream.memcpy_htod(&buf[..], &mut r.send.slice_mut(..n)).map_err(|e| anyhow!("{e}"))?;
-        }
-        let p = raw_mut(&mut r.send, &r.stream);
-        // SAFETY: in-place broadcast of n f32 (send holds at least n) on this rank's GPU.
-        unsafe { nr::broadcast(p as *const _, p, n, ns::ncclDataType_t::ncclFloat32, root as i32, r.comm, cu(&r.stream)) }
-            .map_err(|e| anyhow!("ncclBroadcast: {e:?}"))?;
-        self.wait(r)?;
-        r.stream.memcpy_dtoh(&r.send.slice(..n), &mut buf[..]).map_err(|e| anyhow!("{e}"))?;
-        Ok(())
+        self.guarded(|| {
+            let world = self.world();
+            if root >= world {
+                bail!("broadcast from rank {root} in a group of {world}");
+            }
+            let mut st = self.enter(rank, Op::Broadcast, root)?;
+            let r = &mut *st;
+            // The length first, so every rank can size its buffer.
+            r.stream.memcpy_htod(&[buf.len() as u64][..], &mut r.len).map_err(|e| anyhow!("{e}"))?;
+            self.rendezvous(rank)?;
+            {
+                let (lp, _g) = r.len.device_ptr_mut(&r.stream);
+                // SAFETY: in-place broadcast of one u64 on this rank's GPU.
+                unsafe { nr::broadcast(lp as _, lp as _, 1, ns::ncclDataType_t::ncclUint64, root as i32, r.comm, cu(&r.stream)) }
+                    .map_err(|e| anyhow!("ncclBroadcast (length): {e:?}"))?;
+            }
+            self.wait(r)?;
+            let mut n = [0u64];
+            r.stream.memcpy_dtoh(&r.len, &mut n[..]).map_err(|e| anyhow!("{e}"))?;
+            let n = usize::try_from(n[0]).context("broadcast length")?;
+            buf.resize(n, 0.0);
+            if n == 0 {
+                return Ok(()); // every rank read the same n
+            }
+            ensure(&r.stream, &mut r.send, n)?;
+            if rank == root {
+                r.stream.memcpy_htod(&buf[..], &mut r.send.slice_mut(..n)).map_err(|e| anyhow!("{e}"))?;
+            }
+            self.rendezvous(rank)?;
+            {
+                let (p, _g) = r.send.device_ptr_mut(&r.stream);
+                // SAFETY: in-place broadcast of n f32 (send holds at least n) on this rank's GPU.
+                unsafe { nr::broadcast(p as _, p as _, n, ns::ncclDataType_t::ncclFloat32, root as i32, r.comm, cu(&r.stream)) }
+                    .map_err(|e| anyhow!("ncclBroadcast: {e:?}"))?;
+            }
+            self.wait(r)?;
+            r.stream.memcpy_dtoh(&r.send.slice(..n), &mut buf[..]).map_err(|e| anyhow!("{e}"))?;
+            Ok(())
+        })
     }
 
     fn abort(&self, reason: &str) {
-        let mut why = lock(&self.reason);
-        if why.is_none() {
-            *why = Some(reason.to_string());
+        {
+            let mut why = lock(&self.reason);
+            if why.is_none() {
+                *why = Some(reason.to_string());
+            }
         }
         self.aborted.store(true, Ordering::Release);
+        self.gate.abort(reason);
     }
 }
 
 impl Drop for Nccl {
     fn drop(&mut self) {
         let aborted = self.aborted.load(Ordering::Acquire);
+        // Destroying a communicator may wait for its peers (newer NCCL): destroy all of them in
+        // one group. An aborted group may have NCCL kernels waiting for a dead peer: abort
+        // stops them, where destroy would wait for them.
+        let grouped = !aborted && nr::group_start().is_ok();
         for m in &self.ranks {
             let r = lock(m);
             let _ = r.stream.context().bind_to_thread();
-            // SAFETY: the handle came from ncclCommInitAll and nothing uses it after this. An
-            // aborted group may have NCCL kernels waiting for a dead peer: abort stops them,
-            // where destroy would wait for them.
+            // SAFETY: the handle came from ncclCommInitAll and nothing uses it after this.
             let _ = unsafe { if aborted { nr::comm_abort(r.comm) } else { nr::comm_destroy(r.comm) } };
+        }
+        if grouped {
+            let _ = nr::group_end();
         }
     }
 }
@@ -298,28 +364,33 @@ fn cu(s: &CudaStream) -> ns::cudaStream_t {
     s.cu_stream() as ns::cudaStream_t
 }
 
-fn raw<T>(b: &CudaSlice<T>, s: &CudaStream) -> *const std::ffi::c_void {
-    use cudarc::driver::DevicePtr;
-    let (p, _sync) = b.device_ptr(s);
-    p as *const std::ffi::c_void
-}
-
-fn raw_mut<T>(b: &mut CudaSlice<T>, s: &CudaStream) -> *mut std::ffi::c_void {
-    use cudarc::driver::DevicePtrMut;
-    let (p, _sync) = b.device_ptr_mut(s);
-    p as *mut std::ffi::c_void
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::parallel::InProcess;
 
-    /// What one rank got from each collective: (reduce-scatter, all-gather, all-reduce, broadcast).
-    type Got = (Vec<f32>, Vec<f32>, f64, Vec<f32>);
+    /// What one rank got from each collective: (reduce-scatter, all-gather, all-reduce, broadcast) per round.
+    type Got = Vec<(Vec<f32>, Vec<f32>, f64, Vec<f32>)>;
 
-    /// Every collective against `InProcess` on 2 GPUs (a sum of two values is exact in either
-    /// order, so the results must be identical). Skipped without 2 GPUs and libnccl.
+    /// Runs f(rank) on 2 threads, failing (not hanging) after 60 s.
+    fn on_two<T: Send + 'static>(f: impl Fn(usize) -> T + Send + Sync + 'static) -> Vec<T> {
+        let f = Arc::new(f);
+        let (tx, rx) = std::sync::mpsc::channel();
+        for rank in 0..2 {
+            let (f, tx) = (f.clone(), tx.clone());
+            std::thread::spawn(move || {
+                let _ = tx.send((rank, f(rank)));
+            });
+        }
+        let mut got: Vec<(usize, T)> = (0..2).map(|_| rx.recv_timeout(Duration::from_secs(60)).expect("a rank hung or panicked")).collect();
+        got.sort_by_key(|g| g.0);
+        got.into_iter().map(|g| g.1).collect()
+    }
+
+    /// Every collective against `InProcess` on 2 GPUs, over rounds of growing and shrinking
+    /// sizes (a total below the world size, an empty broadcast, both roots): a sum of two values
+    /// is exact in either order, so the results must be identical. Then a mismatched call must
+    /// fail on both ranks, not hang. Skipped without 2 GPUs and libnccl.
     #[test]
     fn nccl_matches_in_process_on_two_gpus() {
         // SAFETY: only try to dlopen the libraries.
@@ -332,43 +403,30 @@ mod tests {
         let nccl: Arc<dyn Collective> = Arc::new(Nccl::new(&[0, 1]).expect("NCCL group"));
         let inproc: Arc<dyn Collective> = Arc::new(InProcess::new(2).expect("group"));
         let run = |c: Arc<dyn Collective>| -> Vec<Got> {
-            let hs: Vec<_> = (0..2)
-                .map(|rank| {
-                    let c = c.clone();
-                    std::thread::spawn(move || {
-                        let total = 1001;
-                        let send: Vec<f32> = (0..total).map(|i| (i * (rank + 3)) as f32 * 0.37).collect();
-                        let mut rs = vec![0.0; shard_range(total, 2, rank).len()];
-                        c.reduce_scatter_sum(rank, &send, &mut rs).expect("reduce_scatter");
-                        let mut ag = vec![0.0; total];
-                        c.all_gather(rank, &rs, &mut ag).expect("all_gather");
-                        let s = c.all_reduce_sum_f64(rank, 1.5 + rank as f64).expect("all_reduce");
-                        let mut b = if rank == 1 { vec![2.0, 3.0, 5.0] } else { Vec::new() };
-                        c.broadcast(rank, 1, &mut b).expect("broadcast");
-                        (rs, ag, s, b)
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+            on_two(move |rank| {
+                let mut rounds = Vec::new();
+                for (total, root, blen) in [(1001usize, 1usize, 3usize), (1, 0, 0), (40_000, 0, 5000), (7, 1, 1)] {
+                    let send: Vec<f32> = (0..total).map(|i| (i * (rank + 3)) as f32 * 0.37).collect();
+                    let mut rs = vec![0.0; shard_range(total, 2, rank).len()];
+                    c.reduce_scatter_sum(rank, &send, &mut rs).expect("reduce_scatter");
+                    let mut ag = vec![0.0; total];
+                    c.all_gather(rank, &rs, &mut ag).expect("all_gather");
+                    let s = c.all_reduce_sum_f64(rank, 1.5 + rank as f64).expect("all_reduce");
+                    let mut b: Vec<f32> = if rank == root { (0..blen).map(|i| i as f32 - 2.5).collect() } else { vec![9.0; 4] };
+                    c.broadcast(rank, root, &mut b).expect("broadcast");
+                    rounds.push((rs, ag, s, b));
+                }
+                rounds
+            })
         };
         let (a, b) = (run(nccl.clone()), run(inproc));
-        for (x, y) in a.iter().zip(&b) {
-            assert_eq!(x.0, y.0, "reduce_scatter");
-            assert_eq!(x.1, y.1, "all_gather");
-            assert_eq!(x.2, y.2, "all_reduce");
-            assert_eq!(x.3, y.3, "broadcast");
-        }
-        // A mismatched call fails on both ranks instead of hanging.
-        let hs: Vec<_> = (0..2)
-            .map(|rank| {
-                let c = nccl.clone();
-                std::thread::spawn(move || c.all_reduce_sum_f64(rank, 1.0).map(|_| ()).and_then(|_| {
-                    let mut out = vec![0.0; 10 + rank];
-                    c.all_gather(rank, &[], &mut out)
-                }))
-            })
-            .collect();
-        let errs: Vec<bool> = hs.into_iter().map(|h| h.join().expect("rank thread").is_err()).collect();
+        assert_eq!(a, b, "NCCL and in-process results");
+        // Same operation, different lengths: the ledger catches it before NCCL is entered.
+        let errs = on_two(move |rank| {
+            let total = 10 + rank;
+            let mut out = vec![0.0; total];
+            nccl.all_gather(rank, &vec![1.0; shard_range(total, 2, rank).len()], &mut out).is_err()
+        });
         assert_eq!(errs, vec![true, true]);
     }
 }
