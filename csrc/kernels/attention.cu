@@ -116,21 +116,7 @@ extern "C" __global__ void __launch_bounds__(CT_ATT_THREADS) ct_paged_attention(
     }
     __syncthreads();
     // Online softmax update, one thread per query head of the group.
-    for (int g = tid; g < groups; g += blockDim.x) {
-      float tile_max = -INFINITY;
-      for (int j = 0; j < jn; j++) tile_max = fmaxf(tile_max, scores[g * CT_ATT_TILE + j]);
-      const float m_new = fmaxf(mrun[g], tile_max);
-      const float c = expf(mrun[g] - m_new);
-      float l = lrun[g] * c;
-      for (int j = 0; j < jn; j++) {
-        const float e = expf(scores[g * CT_ATT_TILE + j] - m_new);
-        scores[g * CT_ATT_TILE + j] = e;
-        l += e;
-      }
-      mrun[g] = m_new;
-      lrun[g] = l;
-      corr[g] = c;
-    }
+    for (int g = tid; g < groups; g += blockDim.x) corr[g] = ct_online_softmax(scores + g * CT_ATT_TILE, jn, &mrun[g], &lrun[g]);
     __syncthreads();
     // acc = acc * corr + P . V, threads over (g, d).
     for (int i = tid; i < groups * D; i += blockDim.x) {

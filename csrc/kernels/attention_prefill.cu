@@ -117,21 +117,8 @@ extern "C" __global__ void __launch_bounds__(CT_PF_THREADS) ct_prefill_attention
     }
     __syncthreads();
     // Online softmax update, one thread per query vector; masked keys get weight 0.
-    for (int v = tid; v < nv; v += blockDim.x) {
-      float tile_max = -INFINITY;
-      for (int j = 0; j < jn; j++) tile_max = fmaxf(tile_max, sp[v * CT_PF_PS + j]);
-      const float m_new = fmaxf(mrun[v], tile_max);  // finite: key 0 is in every row's window
-      const float c = expf(mrun[v] - m_new);
-      float l = lrun[v] * c;
-      for (int j = 0; j < jn; j++) {
-        const float e = expf(sp[v * CT_PF_PS + j] - m_new);
-        sp[v * CT_PF_PS + j] = e;
-        l += e;
-      }
-      mrun[v] = m_new;
-      lrun[v] = l;
-      corr[v] = c;
-    }
+    // The first tile holds key 0, in every row's window: the running max is finite from then on.
+    for (int v = tid; v < nv; v += blockDim.x) corr[v] = ct_online_softmax(sp + v * CT_PF_PS, jn, &mrun[v], &lrun[v]);
     __syncthreads();
     // acc = acc * corr + P . V, threads over (v, d).
     for (int i = tid; i < nv * D; i += blockDim.x) {

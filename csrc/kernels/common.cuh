@@ -102,6 +102,27 @@ __device__ __forceinline__ float ct_block_max(float v, float* scratch) {
   return ct_warp_max(t);
 }
 
+// ---- attention ---------------------------------------------------------------------------
+
+// One online-softmax step of one query over a tile of jn scores (flash-style): the running max
+// *m and sum *l absorb the tile, the scores become their weights exp(s - m_new), and the
+// returned factor rescales the running output. Masked scores are -inf and get weight 0.
+__device__ __forceinline__ float ct_online_softmax(float* scores, int jn, float* m, float* l) {
+  float tile_max = -INFINITY;
+  for (int j = 0; j < jn; j++) tile_max = fmaxf(tile_max, scores[j]);
+  const float m_new = fmaxf(*m, tile_max);
+  const float c = expf(*m - m_new);
+  float sum = *l * c;
+  for (int j = 0; j < jn; j++) {
+    const float e = expf(scores[j] - m_new);
+    scores[j] = e;
+    sum += e;
+  }
+  *m = m_new;
+  *l = sum;
+  return c;
+}
+
 // ---- FP8 E4M3 (fn: bias 7, max 448) ---------------------------------------------------------
 
 // The value of an E4M3 code (0x7F / 0xFF: NaN), exact.

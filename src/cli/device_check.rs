@@ -431,38 +431,17 @@ mod gpu {
                 x.cmp("kv_write (keys)", dt.name(), &kc, Tol::Exact)?;
                 x.cmp("kv_write (values)", dt.name(), &vc, Tol::Exact)?;
             }
-            let mut o = x.out(&[t, heads * d])?;
-            x.both(|dv, g| {
-                let m = if g { &mg } else { &mc };
-                attention::paged_attention(
-                    dv,
-                    pick(&q, g),
-                    pick(&kc, g),
-                    pick(&vc, g),
-                    ks,
-                    vs,
-                    m,
-                    pick_mut(&mut o, g),
-                    heads,
-                )
-            })?;
-            x.cmp("attention, prefill kernel", &format!("{} cache", dt.name()), &o, Tol::Close(1e-5, 1e-4))?;
-            let mut o1 = x.out(&[1, heads * d])?;
-            x.both(|dv, g| {
-                let m = if g { &dg } else { &dc };
-                attention::paged_attention(
-                    dv,
-                    pick(&q, g),
-                    pick(&kc, g),
-                    pick(&vc, g),
-                    ks,
-                    vs,
-                    m,
-                    pick_mut(&mut o1, g),
-                    heads,
-                )
-            })?;
-            x.cmp("attention, decode kernel", &format!("{} cache", dt.name()), &o1, Tol::Close(1e-5, 1e-4))?;
+            // The whole batch (mostly prefill rows: ct_prefill_attention), then the decode row
+            // alone (ct_paged_attention).
+            for (what, rows, (m_c, m_g)) in [("prefill", t, (&mc, &mg)), ("decode", 1, (&dc, &dg))] {
+                let mut o = x.out(&[rows, heads * d])?;
+                x.both(|dv, g| {
+                    let m = if g { m_g } else { m_c };
+                    let (qq, kk, vv) = (pick(&q, g), pick(&kc, g), pick(&vc, g));
+                    attention::paged_attention(dv, qq, kk, vv, ks, vs, m, pick_mut(&mut o, g), heads)
+                })?;
+                x.cmp(&format!("attention, {what} kernel"), &format!("{} cache", dt.name()), &o, Tol::Close(1e-5, 1e-4))?;
+            }
         }
         Ok(())
     }
