@@ -3,10 +3,10 @@
 // CPU twins: src/ops/attention.rs kv_write (bit-exact: the same f32 division and E4M3 / BF16 /
 // F16 rounding) and paged_attention (the same online softmax in f32, but keys are processed in
 // tiles of CT_ATT_TILE and dot products are reduced across a warp, so results agree to
-// rounding). Prefill is this same kernel over the freshly written cache (no separate flash
-// kernel yet): one block per (query row, KV head), so long prefills are O(T^2) with no reuse
-// of K/V tiles across rows, and batch-1 decode uses only kv_heads blocks (no split-K yet).
-// Not yet run on a GPU.
+// rounding). One block per (query row, KV head): the decode kernel. Batches that are mostly
+// prefill rows run attention_prefill.cu instead, which shares K/V tiles across rows (ops.rs
+// picks). Batch-1 decode uses only kv_heads blocks (no split-K yet). Not yet run on a GPU;
+// src/device/cuda/hostemu_blocks.rs runs it under host emulation against the CPU twin.
 #include "common.cuh"
 
 #define CT_ATT_TILE 32

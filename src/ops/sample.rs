@@ -106,13 +106,10 @@ pub fn sample(
 pub fn sample_row(z: &[f32], p: &SampleParams) -> (u32, f32) {
     let v = z.len();
     if p.temperature == 0.0 {
-        let mut best = 0usize;
-        for (i, &x) in z.iter().enumerate() {
-            if x > z[best] {
-                best = i;
-            }
-        }
+        // The first maximum (`x > z[best]` scanning up from 0): the first element equal to the
+        // row's max (which ignores NaN; −0 == +0), or 0 when z[0] is NaN (nothing beats it).
         let (mx, lse) = row_log_normalizer(z, 1.0);
+        let best = if z[0].is_nan() { 0 } else { z.iter().position(|&x| x == mx).unwrap_or(0) };
         return (best as u32, ((z[best] - mx) as f64 - lse) as f32);
     }
     let t = p.temperature;
@@ -272,6 +269,39 @@ mod tests {
         assert_eq!(t, 1);
         let lse = z.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
         assert!((lp as f64 - (2.0 - lse)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn greedy_is_the_first_maximum_of_the_plain_scan_on_edge_rows() {
+        let scan = |z: &[f32]| {
+            let mut best = 0usize;
+            for (i, &x) in z.iter().enumerate() {
+                if x > z[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        };
+        let nan = f32::NAN;
+        let rows: [&[f32]; 8] = [
+            &[0.5, 2.0, 2.0, -1.0],
+            &[nan, 3.0, 1.0],
+            &[1.0, nan, 3.0, 3.0],
+            &[-0.0, 0.0, -1.0],
+            &[0.0, -0.0, -1.0],
+            &[f32::NEG_INFINITY; 5],
+            &[-3.0, f32::INFINITY, 1.0, f32::INFINITY],
+            &[nan, nan],
+        ];
+        let sp = SampleParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, request: 0, sample: 0, position: 0 };
+        for z in rows {
+            assert_eq!(sample_row(z, &sp).0, scan(z), "{z:?}");
+        }
+        let mut s = crate::rand::Stream::new(12, 1);
+        for _ in 0..50 {
+            let z: Vec<f32> = (0..1000).map(|_| (s.normal() * 2.0).round() as f32).collect();
+            assert_eq!(sample_row(&z, &sp).0, scan(&z));
+        }
     }
 
     #[test]
