@@ -6,10 +6,10 @@
 //   - ct_emu::launch(kernel, grid, block, smem_bytes, params): the real grid shape. Blocks run
 //     one after another; the threads of a block are cooperative fibers (ucontext) on this one
 //     OS thread, switched only at __syncthreads and at the warp exchanges of the shuffles. So
-//     __shared__ memory (static storage here) serves the running block, atomics need no locks
-//     and runs are deterministic. Threads run between barriers in the order ct_emu::schedule
-//     picks (by index, reversed, shuffled): blocks.cpp runs every kernel under all three and
-//     requires the same bytes, which exposes shared-memory races. Reported instead of hanging
+//     shared memory (static storage here, poisoned for every block) serves the running block,
+//     atomics need no locks and runs are deterministic. Threads run between barriers in the
+//     order ct_emu::schedule picks (by index, reversed, shuffled): blocks.cpp runs every kernel
+//     under all three and requires the same bytes, which exposes shared-memory races. Reported instead of hanging
 //     or passing: lanes of a warp waiting at different shuffles or barriers, a shuffle with
 //     exited lanes, threads at different __syncthreads, writes past the dynamic shared memory
 //     and stack overflows. Threads that return leave the barriers (as exited threads do on
@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <vector>
 
 #define __device__
@@ -36,8 +37,16 @@
 #define __shared__ static
 #define __launch_bounds__(...)
 #define __restrict__
-// Dynamic shared memory (common.cuh's CT_DYNAMIC_SMEM on the GPU: extern __shared__ T name[]).
+// Shared memory (common.cuh's CT_DYNAMIC_SMEM / CT_SHARED / CT_SHARED_VAR on the GPU): dynamic
+// shared memory is one buffer poisoned before every block; a static array or scalar is a plain
+// static, poisoned by the first thread of each block that reaches its declaration.
 #define CT_DYNAMIC_SMEM(T, name) T* name = reinterpret_cast<T*>(ct_emu::dyn_smem.data())
+#define CT_SHARED(T, name, n) \
+  static T name[n];           \
+  ct_emu::poison_static(name, sizeof(name))
+#define CT_SHARED_VAR(T, name) \
+  static T name;               \
+  ct_emu::poison_static(&name, sizeof(name))
 
 struct ct_dim3 {
   unsigned x, y, z;
@@ -86,6 +95,25 @@ inline std::vector<unsigned char> dyn_smem;
 // from another thread's write by a barrier) shows up as outputs that differ between orders.
 inline int schedule = 0;
 inline uint64_t launches = 0;
+inline uint64_t block_serial = 0;  // counts blocks run, from 1
+inline std::map<const void*, uint64_t> poisoned_in;  // static shared array -> block that poisoned it
+
+// Fills shared memory with the 32-bit word 0x7FA5A5A5: a NaN as f32, a huge number as i32 / u32
+// (never 0 or -1, the usual initial values), about 1e306 as f64.
+inline void poison(void* p, size_t n) {
+  const uint32_t word = 0x7FA5A5A5u;
+  unsigned char* b = static_cast<unsigned char*>(p);
+  for (size_t i = 0; i < n; i++) b[i] = static_cast<unsigned char>(word >> (8 * (i % 4)));
+}
+// Poisons a static shared array once per block: the first thread to reach its declaration in a
+// block does it, before any thread of the block can write it.
+inline void poison_static(void* p, size_t n) {
+  uint64_t& b = poisoned_in[p];
+  if (b != block_serial) {
+    poison(p, n);
+    b = block_serial;
+  }
+}
 constexpr size_t kCanary = 256;          // bytes checked after every block, past the dynamic
 constexpr unsigned char kCanaryByte = 0xA5;  // shared memory and at the far end of each stack
 
@@ -166,8 +194,8 @@ inline bool canary_intact(const unsigned char* p) {
 }
 
 // kernel<<<grid, block, smem>>>(params) with grid = (gx, gy), block = (bx, 1, 1), under
-// `schedule`. Dynamic shared memory is poisoned (0xFF bytes: NaN floats) before every block;
-// static __shared__ arrays are plain statics, neither poisoned nor private to a launch.
+// `schedule`. Shared memory is poisoned (see poison) for every block: dynamic shared memory
+// before it starts, static arrays at their declaration (see poison_static).
 template <class P>
 void launch(void (*kernel)(P), unsigned gx, unsigned gy, unsigned bx, size_t smem_bytes, const P& params) {
   constexpr size_t kStack = 64 * 1024;
@@ -183,7 +211,8 @@ void launch(void (*kernel)(P), unsigned gx, unsigned gy, unsigned bx, size_t sme
   for (unsigned by = 0; by < gy; by++) {
     for (unsigned bxi = 0; bxi < gx; bxi++) {
       blockIdx = {bxi, by, 0};
-      std::memset(dyn_smem.data(), 0xFF, smem_bytes);
+      block_serial++;
+      poison(dyn_smem.data(), smem_bytes);
       for (unsigned t = 0; t < bx; t++) order[t] = schedule == 1 ? bx - 1 - t : t;
       if (schedule == 2) {
         for (unsigned t = bx - 1; t > 0; t--) {

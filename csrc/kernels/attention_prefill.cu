@@ -28,7 +28,8 @@ __device__ __forceinline__ int ct_pf_rows(int head_dim, int groups) { return max
 //   q (QVm * D) | acc (QVm * D) | k (KEYS * KD) | v (KEYS * D) | p (QVm * (KEYS + 1)) | m, l, corr (3 * QVm)
 extern "C" __global__ void __launch_bounds__(CT_PF_THREADS) ct_prefill_attention(ct_attention_params p) {
   CT_DYNAMIC_SMEM(float, smem);
-  __shared__ int tile_seq, tile_row0;
+  CT_SHARED_VAR(int, tile_seq);
+  CT_SHARED_VAR(int, tile_row0);
   const int D = p.head_dim, G = p.heads / p.kv_heads, kvh = blockIdx.y;
   const int R = ct_pf_rows(D, G), QVm = max(ct_pf_qv(D), G), KD = D + 1;
   const int tid = threadIdx.x;

@@ -16,9 +16,12 @@
 
 #define CT_WARP 32
 
-// Dynamic shared memory of a kernel (the host emulation defines its own).
+// Shared memory of a kernel: dynamic, a static array, a static scalar. The host emulation
+// defines its own (it poisons the static ones before each block's first use).
 #ifndef CT_DYNAMIC_SMEM
 #define CT_DYNAMIC_SMEM(T, name) extern __shared__ T name[]
+#define CT_SHARED(T, name, n) __shared__ T name[n]
+#define CT_SHARED_VAR(T, name) __shared__ T name
 #endif
 
 __device__ __forceinline__ float ct_load(const void* p, int dtype, int64_t i) {

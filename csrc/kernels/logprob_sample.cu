@@ -43,10 +43,10 @@ __device__ __forceinline__ bool ct_better(float v, int i, float bv, int bi) {
 
 // One block of CT_ROW_THREADS threads per row.
 extern "C" __global__ void __launch_bounds__(CT_ROW_THREADS) ct_sample(ct_sample_params p) {
-  __shared__ double chunk_sums[CT_ROW_THREADS];
-  __shared__ float best_v[32];
-  __shared__ int best_i[32];
-  __shared__ int pick;
+  CT_SHARED(double, chunk_sums, CT_ROW_THREADS);
+  CT_SHARED(float, best_v, 32);
+  CT_SHARED(int, best_i, 32);
+  CT_SHARED_VAR(int, pick);
   const int row = blockIdx.x;
   if (row >= p.rows) return;
   const ct_sample_row sp = p.params[row];

@@ -11,7 +11,7 @@
 
 // One block per row; blockDim.x (256, NORM_THREADS in kernels.rs) threads stride over the columns.
 extern "C" __global__ void __launch_bounds__(256) ct_rmsnorm(ct_rmsnorm_params p) {
-  __shared__ float scratch[32];
+  CT_SHARED(float, scratch, 32);
   const int row = blockIdx.x;
   if (row >= p.rows) return;
   float* x = p.x + static_cast<int64_t>(row) * p.cols;

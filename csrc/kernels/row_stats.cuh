@@ -38,8 +38,8 @@ struct RowStats {
 // chunk_sums (if not null, CT_ROW_THREADS entries) receives each thread's partial sum over its
 // contiguous chunk [tid * chunk, (tid + 1) * chunk).
 __device__ inline RowStats ct_row_stats(const float* z, int vocab, float temperature, double* chunk_sums) {
-  __shared__ float fscratch[32];
-  __shared__ double dscratch[32];
+  CT_SHARED(float, fscratch, 32);
+  CT_SHARED(double, dscratch, 32);
   const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
   const int begin = threadIdx.x * chunk;
   const int end = min(vocab, begin + chunk);

@@ -56,11 +56,12 @@ __device__ __forceinline__ int ct_cand_id(unsigned long long c) {
 }
 
 extern "C" __global__ void __launch_bounds__(CT_ROW_THREADS) ct_sample_topk(ct_sample_params p) {
-  __shared__ unsigned long long cand[CT_TOPK_CAP];  // (N) sorted candidates, best first
-  __shared__ float wts[CT_TOPK_CAP];                // (N) exp(z/T - max) of each candidate
-  __shared__ uint32_t hist[256];
-  __shared__ uint32_t scratch[32];
-  __shared__ uint32_t sel_prefix, sel_remaining;
+  CT_SHARED(unsigned long long, cand, CT_TOPK_CAP);  // (N) sorted candidates, best first
+  CT_SHARED(float, wts, CT_TOPK_CAP);                // (N) exp(z/T - max) of each candidate
+  CT_SHARED(uint32_t, hist, 256);
+  CT_SHARED(uint32_t, scratch, 32);
+  CT_SHARED_VAR(uint32_t, sel_prefix);
+  CT_SHARED_VAR(uint32_t, sel_remaining);
   const int row = blockIdx.x;
   if (row >= p.rows) return;
   const ct_sample_row sp = p.params[row];

@@ -1,7 +1,7 @@
 //! Tests that need no GPU: the block-level kernels of csrc/kernels run under the host emulation
 //! of csrc/hostemu (blocks.cpp, with the real launch shapes; the threads of a block are fibers,
-//! so __syncthreads, warp shuffles and shared memory are exercised) and are compared with their
-//! CPU twins:
+//! so __syncthreads, warp shuffles and shared memory, poisoned for every block, are exercised)
+//! and are compared with their CPU twins:
 //!   - ct_sample + ct_sample_topk against `ops::sample::sample_row`: greedy, untruncated, top-k,
 //!     top-p and both, logits with many exact ties, vocabularies below and above CT_TOPK_CAP,
 //!     rows the kernel must leave to the host;
@@ -43,7 +43,7 @@ fn setup(test: &str) -> Option<(PathBuf, PathBuf)> {
 
 fn run(exe: &Path, mode: &str, dir: &Path) {
     let out = Command::new(exe).arg(mode).arg(dir).output().expect("run the host emulation");
-    assert!(out.status.success(), "host emulation {mode} failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "host emulation {mode} failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr));
 }
 
 fn put(dir: &Path, name: &str, bytes: Vec<u8>) {
