@@ -24,6 +24,7 @@
 //! Owns: that scratch. May call: rayon, `CpuFloats` decoding. Must not touch: devices, tensors.
 
 use super::gemm_cpu::SendPtr;
+use super::isa::Isa;
 use crate::device::CpuFloats;
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -186,29 +187,6 @@ fn pack(isa: Isa, w: &[f32], n: usize, k: usize, dst: &mut [f32], pf: Prefetch) 
                 d[p * G + c] = src[c * k + p];
             }
         }
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Isa {
-    Avx512,
-    Avx2,
-    Portable,
-}
-
-impl Isa {
-    fn detect() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let avx2 = std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
-            if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if avx2 {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Portable
     }
 }
 
@@ -487,21 +465,6 @@ mod tests {
         (0..n).map(|_| s.normal() as f32).collect()
     }
 
-    /// Every instruction set this CPU can run (the portable path always).
-    fn isas() -> Vec<Isa> {
-        let mut v = vec![Isa::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                v.push(Isa::Avx2);
-            }
-            if std::arch::is_x86_feature_detected!("avx512f") && v.contains(&Isa::Avx2) {
-                v.push(Isa::Avx512);
-            }
-        }
-        v
-    }
-
     const SHAPES: [(usize, usize, usize); 11] = [
         (1, 1, 1),
         (5, 7, 9),
@@ -523,7 +486,7 @@ mod tests {
         for &(m, n, k) in &SHAPES {
             let x = data(m * k, 1);
             let w = data(n * k, 2);
-            for isa in isas() {
+            for isa in Isa::available() {
                 let mut y = vec![f32::NAN; m * n];
                 pool.install(|| linear_isa(isa, m, n, k, &x, CpuFloats::F32(&w), &mut y, n, false));
                 for i in 0..m {
@@ -553,7 +516,7 @@ mod tests {
                     spec[i * n + j] = (0..k).fold(0.0f32, |a, p| x[i * k + p].mul_add(w[j * k + p], a));
                 }
             }
-            for isa in isas() {
+            for isa in Isa::available() {
                 let mut y = vec![f32::NAN; m * n];
                 linear_isa(isa, m, n, k, &x, CpuFloats::F32(&w), &mut y, n, false);
                 let bad = y.iter().zip(&spec).position(|(a, b)| a.to_bits() != b.to_bits());

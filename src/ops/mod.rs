@@ -10,6 +10,7 @@ pub mod attention;
 pub mod elementwise;
 pub mod grad;
 pub mod gemm_cpu;
+mod isa;
 pub mod linear_cpu;
 pub mod logprob;
 pub mod matmul;

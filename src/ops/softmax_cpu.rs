@@ -12,7 +12,9 @@
 //!   pairwise tree joins them (0..8 + 8..16, then 4, 2, 1). Vector f64 adds round like scalar
 //!   ones.
 //!
-//! Owns no state. May call: std::arch. Must not touch: devices, tensors, rayon.
+//! Owns no state. May call: std::arch (through `super::isa`). Must not touch: devices, tensors, rayon.
+
+use super::isa::Isa;
 
 /// Largest x whose exp is finite in f32 (above it: +inf).
 const EXP_HI: f32 = 88.722_83;
@@ -53,65 +55,43 @@ pub fn exp_f32(x: f32) -> f32 {
     y * f32::from_bits(((a + 127) as u32) << 23) * f32::from_bits(((b + 127) as u32) << 23)
 }
 
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum Isa {
-    Portable,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-fn isa() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            return Isa::Avx2;
-        }
-    }
-    Isa::Portable
-}
-
 /// max_i z_i / T, ignoring NaN (−inf for an empty or all-NaN row); a zero maximum is +0 (the
 /// paths would otherwise pick −0 or +0 by position).
 pub fn scaled_max(z: &[f32], t: f32) -> f32 {
-    scaled_max_with(isa(), z, t)
+    scaled_max_with(Isa::detect(), z, t)
 }
 
 /// out[i] = exp_f32(z[i] / T − mx), i < z.len() (out at least as long).
 pub fn exp_shifted(z: &[f32], t: f32, mx: f32, out: &mut [f32]) {
-    exp_shifted_with(isa(), z, t, mx, &mut out[..z.len()]);
+    exp_shifted_with(Isa::detect(), z, t, mx, &mut out[..z.len()]);
 }
 
 /// Σ_i exp_f32(z_i / T − mx) as f64, in the 16-lane order of the module comment.
 pub fn sum_exp_shifted(z: &[f32], t: f32, mx: f32) -> f64 {
-    sum_exp_shifted_with(isa(), z, t, mx)
+    sum_exp_shifted_with(Isa::detect(), z, t, mx)
 }
 
 fn scaled_max_with(isa: Isa, z: &[f32], t: f32) -> f32 {
     0.0 + match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa()` returned Avx512 / Avx2 only after detecting those features.
+        // SAFETY: `Isa::detect()` returned Avx512 / Avx2 only after detecting those features.
         Isa::Avx512 => unsafe { x86::max512(z, t) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2 => unsafe { x86::max256(z, t) },
-        Isa::Portable => z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b / t)),
+        _ => z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b / t)),
     }
 }
 
 fn exp_shifted_with(isa: Isa, z: &[f32], t: f32, mx: f32, out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: features detected by `isa()`; `out` has z.len() elements (checked by slicing).
+        // SAFETY: features detected by `Isa::detect()`; `out` has z.len() elements (checked by slicing).
         Isa::Avx512 => unsafe { x86::exp512(z, t, mx, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2 => unsafe { x86::exp256(z, t, mx, out) },
-        Isa::Portable => {
+        _ => {
             for (o, &x) in out.iter_mut().zip(z) {
                 *o = exp_f32(x / t - mx);
             }
@@ -136,12 +116,12 @@ fn sum_exp_shifted_with(isa: Isa, z: &[f32], t: f32, mx: f32) -> f64 {
     let mut lanes = [0.0f64; 16];
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: features detected by `isa()`; the kernel reads z[..body] only.
+        // SAFETY: features detected by `Isa::detect()`; the kernel reads z[..body] only.
         Isa::Avx512 => unsafe { x86::sum512(&z[..body], t, mx, &mut lanes) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2 => unsafe { x86::sum256(&z[..body], t, mx, &mut lanes) },
-        Isa::Portable => {
+        _ => {
             for c in z[..body].chunks_exact(16) {
                 for (l, &x) in lanes.iter_mut().zip(c) {
                     *l += exp_f32(x / t - mx) as f64;
@@ -323,20 +303,6 @@ mod x86 {
 mod tests {
     use super::*;
 
-    fn isas() -> Vec<Isa> {
-        let mut v = vec![Isa::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                v.push(Isa::Avx2);
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    v.push(Isa::Avx512);
-                }
-            }
-        }
-        v
-    }
-
     /// Units in the last place between a and the f64 reference b (for normal results).
     fn ulps(a: f32, b: f64) -> f64 {
         let ulp = (b.abs() as f32).max(f32::MIN_POSITIVE);
@@ -379,7 +345,7 @@ mod tests {
         let mut z = vec![-1.0f32; 40];
         z[1] = -0.0;
         z[16] = 0.0;
-        for isa in isas() {
+        for isa in Isa::available() {
             assert_eq!(scaled_max_with(isa, &z, 1.0).to_bits(), 0.0f32.to_bits(), "{isa:?}");
         }
         z[16] = -2.0;
@@ -401,7 +367,7 @@ mod tests {
                 let ref_sum = sum_exp_shifted_with(Isa::Portable, &z, t, ref_max);
                 let mut ref_w = vec![0.0f32; n];
                 exp_shifted_with(Isa::Portable, &z, t, ref_max, &mut ref_w);
-                for isa in isas() {
+                for isa in Isa::available() {
                     assert_eq!(scaled_max_with(isa, &z, t).to_bits(), ref_max.to_bits(), "{isa:?} max n={n}");
                     assert_eq!(sum_exp_shifted_with(isa, &z, t, ref_max).to_bits(), ref_sum.to_bits(), "{isa:?} sum n={n}");
                     let mut w = vec![1.0f32; n];
