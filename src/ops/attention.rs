@@ -191,8 +191,9 @@ pub fn paged_attention(
                                 }
                             }
                             for g in 0..groups {
-                                let blk_max =
-                                    scores[g * KCHUNK..g * KCHUNK + jn].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                                let blk_max = scores[g * KCHUNK..g * KCHUNK + jn]
+                                    .iter()
+                                    .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
                                 let m_new = mx[g].max(blk_max);
                                 let corr = (mx[g] - m_new).exp();
                                 if corr != 1.0 {

@@ -71,7 +71,17 @@ pub fn linear_nt(m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y: &mut 
 
 /// [`linear_nt`] on a given instruction set (tests check that they all agree bit for bit).
 #[allow(clippy::too_many_arguments)]
-fn linear_isa(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y: &mut [f32], ldy: usize, accumulate: bool) {
+fn linear_isa(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    x: &[f32],
+    w: CpuFloats,
+    y: &mut [f32],
+    ldy: usize,
+    accumulate: bool,
+) {
     if m == 0 || n == 0 {
         return;
     }
@@ -197,7 +207,19 @@ fn pack(isa: Isa, w: &[f32], n: usize, k: usize, dst: &mut [f32], pf: Prefetch) 
 /// y must be valid for writes at i·ldy + j for i < m, j < n and not accessed concurrently
 /// there; xt must hold m.div_ceil(G) groups of (k, G) and w n.div_ceil(G) panels of (k, G).
 #[allow(clippy::too_many_arguments)]
-unsafe fn block(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], xt: &[f32], w: &[f32], ahead: &[u8], y: *mut f32, ldy: usize, acc: bool) {
+unsafe fn block(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    x: &[f32],
+    xt: &[f32],
+    w: &[f32],
+    ahead: &[u8],
+    y: *mut f32,
+    ldy: usize,
+    acc: bool,
+) {
     assert!(x.len() >= m * k && xt.len() >= m.div_ceil(G) * G * k && w.len() >= n.div_ceil(G) * G * k);
     for g in 0..m.div_ceil(G) {
         let rows = G.min(m - g * G);
@@ -228,7 +250,17 @@ unsafe fn block(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], xt: &[f32], w
                     for h in 0..rows.div_ceil(8) {
                         for c0 in (0..c).step_by(8) {
                             let (x8, y8) = (xg.add(8 * h), yq.add(8 * h * ldy + c0));
-                            avx2::tile8_dispatch(8.min(c - c0), 8.min(rows - 8 * h), k, x8, wq.add(c0), pf, y8, ldy, acc);
+                            avx2::tile8_dispatch(
+                                8.min(c - c0),
+                                8.min(rows - 8 * h),
+                                k,
+                                x8,
+                                wq.add(c0),
+                                pf,
+                                y8,
+                                ldy,
+                                acc,
+                            );
                         }
                     }
                 }
@@ -265,7 +297,9 @@ impl Prefetch {
         if p < self.n {
             // SAFETY: prefetching is a hint that cannot fault; the address is inside the slice
             // given to `lines` (p < n lines from its start).
-            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(self.base.add(p * 64) as *const i8) }
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(self.base.add(p * 64) as *const i8)
+            }
         }
     }
 }
@@ -275,7 +309,13 @@ impl Prefetch {
 /// # Safety
 /// As [`block`], for rows × C.
 #[inline(always)]
-unsafe fn store<const C: usize, const L: usize>(t: &[[f32; L]; C], rows: usize, y: *mut f32, ldy: usize, accumulate: bool) {
+unsafe fn store<const C: usize, const L: usize>(
+    t: &[[f32; L]; C],
+    rows: usize,
+    y: *mut f32,
+    ldy: usize,
+    accumulate: bool,
+) {
     for (c, col) in t.iter().enumerate() {
         for (l, v) in col.iter().enumerate().take(rows) {
             let o = y.add(l * ldy + c);
@@ -299,7 +339,16 @@ macro_rules! by_width {
 macro_rules! tile_fn {
     ($name:ident, $feat:literal, $vec:ty, $lanes:literal, $zero:ident, $load:ident, $set1:ident, $fma:ident, $storeu:ident) => {
         #[target_feature(enable = $feat)]
-        unsafe fn $name<const C: usize>(rows: usize, k: usize, xg: *const f32, w: *const f32, pf: super::Prefetch, y: *mut f32, ldy: usize, a: bool) {
+        unsafe fn $name<const C: usize>(
+            rows: usize,
+            k: usize,
+            xg: *const f32,
+            w: *const f32,
+            pf: super::Prefetch,
+            y: *mut f32,
+            ldy: usize,
+            a: bool,
+        ) {
             let mut acc: [$vec; C] = [$zero(); C];
             for p in 0..k {
                 pf.line(p);
@@ -323,14 +372,33 @@ mod avx512 {
     use super::{Prefetch, G};
     use std::arch::x86_64::*;
 
-    tile_fn!(tile16, "avx512f", __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps);
+    tile_fn!(
+        tile16,
+        "avx512f",
+        __m512,
+        16,
+        _mm512_setzero_ps,
+        _mm512_loadu_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_storeu_ps
+    );
 
     /// R rows of x (row-major, stride k) × one panel, lanes over its 16 columns:
     /// acc[r] = fma(broadcast x[r][p], panel row p, acc[r]) for p = 0..k; the columns from
     /// `ncols` on (a last, partial panel) are not stored.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn col_tile<const R: usize>(ncols: usize, k: usize, x: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
+    unsafe fn col_tile<const R: usize>(
+        ncols: usize,
+        k: usize,
+        x: *const f32,
+        w: *const f32,
+        pf: Prefetch,
+        y: *mut f32,
+        ldy: usize,
+        a: bool,
+    ) {
         let mut acc = [_mm512_setzero_ps(); R];
         for p in 0..k {
             pf.line(p);
@@ -353,14 +421,34 @@ mod avx512 {
     /// As [`super::block`] for `r` ≤ 8 rows and one panel holding `cols` ≤ 16 columns; the CPU
     /// has AVX-512F.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn col_dispatch(r: usize, cols: usize, k: usize, x: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
+    pub unsafe fn col_dispatch(
+        r: usize,
+        cols: usize,
+        k: usize,
+        x: *const f32,
+        w: *const f32,
+        pf: Prefetch,
+        y: *mut f32,
+        ldy: usize,
+        a: bool,
+    ) {
         by_width!(r, col_tile, (cols, k, x, w, pf, y, ldy, a), [1 2 3 4 5 6 7 8])
     }
 
     /// # Safety
     /// As [`super::block`] for one row group and one panel of `c` ≤ 16 columns; AVX-512F.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn tile16_dispatch(c: usize, rows: usize, k: usize, xg: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
+    pub unsafe fn tile16_dispatch(
+        c: usize,
+        rows: usize,
+        k: usize,
+        xg: *const f32,
+        w: *const f32,
+        pf: Prefetch,
+        y: *mut f32,
+        ldy: usize,
+        a: bool,
+    ) {
         by_width!(c, tile16, (rows, k, xg, w, pf, y, ldy, a), [1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16])
     }
 }
@@ -370,12 +458,32 @@ mod avx2 {
     use super::{Prefetch, G};
     use std::arch::x86_64::*;
 
-    tile_fn!(tile8, "avx2,fma", __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_storeu_ps);
+    tile_fn!(
+        tile8,
+        "avx2,fma",
+        __m256,
+        8,
+        _mm256_setzero_ps,
+        _mm256_loadu_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_storeu_ps
+    );
 
     /// # Safety
     /// As [`super::block`] for 8 lanes of one row group and `c` ≤ 8 columns of a panel; AVX2+FMA.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn tile8_dispatch(c: usize, rows: usize, k: usize, xg: *const f32, w: *const f32, pf: Prefetch, y: *mut f32, ldy: usize, a: bool) {
+    pub unsafe fn tile8_dispatch(
+        c: usize,
+        rows: usize,
+        k: usize,
+        xg: *const f32,
+        w: *const f32,
+        pf: Prefetch,
+        y: *mut f32,
+        ldy: usize,
+        a: bool,
+    ) {
         by_width!(c, tile8, (rows, k, xg, w, pf, y, ldy, a), [1 2 3 4 5 6 7 8])
     }
 
@@ -441,7 +549,16 @@ mod portable {
     /// # Safety
     /// As [`super::block`] for one row group and one panel of `c` columns.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn tile(rows: usize, c: usize, k: usize, xg: *const f32, w: *const f32, y: *mut f32, ldy: usize, accumulate: bool) {
+    pub unsafe fn tile(
+        rows: usize,
+        c: usize,
+        k: usize,
+        xg: *const f32,
+        w: *const f32,
+        y: *mut f32,
+        ldy: usize,
+        accumulate: bool,
+    ) {
         for l in 0..rows {
             for j in 0..c {
                 let mut s = 0.0f32;
