@@ -5,6 +5,7 @@
 //! Softmax(q·kᵀ/√D) in f32; grouped-query attention maps query head h to KV head h / (H/Hkv).
 
 use super::check_rows;
+use super::isa::Isa;
 use crate::device::{cuda, CpuStorage, Device, Tensor};
 use anyhow::{bail, Result};
 use half::{bf16, f16};
@@ -151,81 +152,11 @@ pub fn paged_attention(
             let bt = meta.block_tables.u32s()?;
             let (kc, vc) = (Kv::of(k_cache, k_scale)?, Kv::of(v_cache, v_scale)?);
             let os = out.f32s_mut()?;
-            let groups = heads / hkv;
-            let scale = 1.0 / (d as f32).sqrt();
-            let maxb = meta.max_blocks;
+            let job = Rows { qs, qst, ctx, bt, kc, vc, hkv, bs, d, groups: heads / hkv, heads, maxb: meta.max_blocks };
+            let isa = Isa::detect();
             dv.install(|| {
-                os[..t_rows * heads * d].par_chunks_mut(groups * d).enumerate().for_each(|(item, o)| {
-                    let (t, kvh) = (item / hkv, item % hkv);
-                    // Sequence of row t: last s with q_start[s] <= t.
-                    let s = qst.partition_point(|&x| x as usize <= t) - 1;
-                    let q_len = (qst[s + 1] - qst[s]) as usize;
-                    let pos = ctx[s] as usize - q_len + (t - qst[s] as usize);
-                    let n = pos + 1;
-                    let table = &bt[s * maxb..(s + 1) * maxb];
-                    let slot = |j: usize| ((table[j / bs] as usize * hkv + kvh) * bs + j % bs) * d;
-                    let qrow = &qs[t * heads * d + kvh * groups * d..t * heads * d + (kvh + 1) * groups * d];
-                    SCRATCH.with(|sc| {
-                        let mut sc = sc.borrow_mut();
-                        // Layout: scores (groups × KCHUNK) | running max (groups) | sum (groups) | one K/V row (d).
-                        let need = groups * KCHUNK + 2 * groups + d;
-                        if sc.len() < need {
-                            sc.resize(need, 0.0);
-                        }
-                        let (scores, rest) = sc.split_at_mut(groups * KCHUNK);
-                        let (mx, rest) = rest.split_at_mut(groups);
-                        let (sum, rest) = rest.split_at_mut(groups);
-                        let kr = &mut rest[..d];
-                        mx.fill(f32::NEG_INFINITY);
-                        sum.fill(0.0);
-                        o.fill(0.0);
-                        // Online softmax over the keys, KCHUNK at a time (flash-style):
-                        // rescale the running sum and output when the running max grows.
-                        let mut j0 = 0;
-                        while j0 < n {
-                            let jn = KCHUNK.min(n - j0);
-                            for j in 0..jn {
-                                let kr = kc.row(slot(j0 + j), kr);
-                                for g in 0..groups {
-                                    scores[g * KCHUNK + j] = dot(&qrow[g * d..(g + 1) * d], kr) * scale;
-                                }
-                            }
-                            for g in 0..groups {
-                                let blk_max = scores[g * KCHUNK..g * KCHUNK + jn]
-                                    .iter()
-                                    .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                                let m_new = mx[g].max(blk_max);
-                                let corr = (mx[g] - m_new).exp();
-                                if corr != 1.0 {
-                                    sum[g] *= corr;
-                                    for a in o[g * d..(g + 1) * d].iter_mut() {
-                                        *a *= corr;
-                                    }
-                                }
-                                mx[g] = m_new;
-                                for x in scores[g * KCHUNK..g * KCHUNK + jn].iter_mut() {
-                                    *x = (*x - m_new).exp();
-                                    sum[g] += *x;
-                                }
-                            }
-                            for j in 0..jn {
-                                let vr = vc.row(slot(j0 + j), kr);
-                                for g in 0..groups {
-                                    let p = scores[g * KCHUNK + j];
-                                    for (a, b) in o[g * d..(g + 1) * d].iter_mut().zip(vr.iter()) {
-                                        *a += p * b;
-                                    }
-                                }
-                            }
-                            j0 += jn;
-                        }
-                        for g in 0..groups {
-                            let inv = 1.0 / sum[g];
-                            for a in o[g * d..(g + 1) * d].iter_mut() {
-                                *a *= inv;
-                            }
-                        }
-                    });
+                os[..t_rows * heads * d].par_chunks_mut(job.groups * d).enumerate().for_each(|(item, o)| {
+                    SCRATCH.with(|sc| job.run(isa, item, o, &mut sc.borrow_mut()));
                 })
             });
             Ok(())
@@ -234,10 +165,133 @@ pub fn paged_attention(
     }
 }
 
+/// The read-only inputs of one CPU attention call; [`Rows::run`] computes one work item: one
+/// query row × one KV head (its `groups` query heads).
+struct Rows<'a> {
+    qs: &'a [f32],  // (T, H·D)
+    qst: &'a [u32], // (S+1)
+    ctx: &'a [u32], // (S)
+    bt: &'a [u32],  // (S, maxb)
+    kc: Kv<'a>,
+    vc: Kv<'a>,
+    hkv: usize,
+    bs: usize,
+    d: usize,
+    groups: usize,
+    heads: usize,
+    maxb: usize,
+}
+
+impl Rows<'_> {
+    /// o (groups·D) ← attention of work item `item` (row item / Hkv, KV head item % Hkv), on the
+    /// widest vector unit the CPU has. Every instruction set computes the same bits: the body
+    /// is written without reassociation (Rust never fuses a·b + c), so wider vectors only run
+    /// the same lanes side by side.
+    fn run(&self, isa: Isa, item: usize, o: &mut [f32], sc: &mut Vec<f32>) {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::detect()` returned Avx512 / Avx2 only after detecting those features.
+            Isa::Avx512 => unsafe { self.run512(item, o, sc) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Isa::Avx2 => unsafe { self.run256(item, o, sc) },
+            _ => self.item(item, o, sc, dot),
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2")]
+    unsafe fn run512(&self, item: usize, o: &mut [f32], sc: &mut Vec<f32>) {
+        // SAFETY: this function runs only where AVX-512F was detected.
+        self.item(item, o, sc, |a, b| unsafe { x86::dot512(a, b) })
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn run256(&self, item: usize, o: &mut [f32], sc: &mut Vec<f32>) {
+        // SAFETY: this function runs only where AVX2 was detected.
+        self.item(item, o, sc, |a, b| unsafe { x86::dot256(a, b) })
+    }
+
+    /// The work item, in portable Rust (inlined into each instruction-set wrapper), with that
+    /// instruction set's [`dot`].
+    #[inline(always)]
+    fn item(&self, item: usize, o: &mut [f32], sc: &mut Vec<f32>, dot: impl Fn(&[f32], &[f32]) -> f32) {
+        let Rows { qs, qst, ctx, bt, kc, vc, hkv, bs, d, groups, heads, maxb } = *self;
+        let scale = 1.0 / (d as f32).sqrt();
+        let (t, kvh) = (item / hkv, item % hkv);
+        // Sequence of row t: last s with q_start[s] <= t.
+        let s = qst.partition_point(|&x| x as usize <= t) - 1;
+        let q_len = (qst[s + 1] - qst[s]) as usize;
+        let pos = ctx[s] as usize - q_len + (t - qst[s] as usize);
+        let n = pos + 1;
+        let table = &bt[s * maxb..(s + 1) * maxb];
+        let slot = |j: usize| ((table[j / bs] as usize * hkv + kvh) * bs + j % bs) * d;
+        let qrow = &qs[t * heads * d + kvh * groups * d..t * heads * d + (kvh + 1) * groups * d];
+        // Layout: scores (groups × KCHUNK) | running max (groups) | sum (groups) | one K/V row (d).
+        let need = groups * KCHUNK + 2 * groups + d;
+        if sc.len() < need {
+            sc.resize(need, 0.0);
+        }
+        let (scores, rest) = sc.split_at_mut(groups * KCHUNK);
+        let (mx, rest) = rest.split_at_mut(groups);
+        let (sum, rest) = rest.split_at_mut(groups);
+        let kr = &mut rest[..d];
+        mx.fill(f32::NEG_INFINITY);
+        sum.fill(0.0);
+        o.fill(0.0);
+        // Online softmax over the keys, KCHUNK at a time (flash-style): rescale the running sum
+        // and output when the running max grows.
+        let mut j0 = 0;
+        while j0 < n {
+            let jn = KCHUNK.min(n - j0);
+            for j in 0..jn {
+                let kr = kc.row(slot(j0 + j), kr);
+                for g in 0..groups {
+                    scores[g * KCHUNK + j] = dot(&qrow[g * d..(g + 1) * d], kr) * scale;
+                }
+            }
+            for g in 0..groups {
+                let blk_max = scores[g * KCHUNK..g * KCHUNK + jn].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                let m_new = mx[g].max(blk_max);
+                let corr = (mx[g] - m_new).exp();
+                if corr != 1.0 {
+                    sum[g] *= corr;
+                    for a in o[g * d..(g + 1) * d].iter_mut() {
+                        *a *= corr;
+                    }
+                }
+                mx[g] = m_new;
+                for x in scores[g * KCHUNK..g * KCHUNK + jn].iter_mut() {
+                    *x = (*x - m_new).exp();
+                    sum[g] += *x;
+                }
+            }
+            for j in 0..jn {
+                let vr = vc.row(slot(j0 + j), kr);
+                for g in 0..groups {
+                    let p = scores[g * KCHUNK + j];
+                    for (a, b) in o[g * d..(g + 1) * d].iter_mut().zip(vr.iter()) {
+                        *a += p * b;
+                    }
+                }
+            }
+            j0 += jn;
+        }
+        for g in 0..groups {
+            let inv = 1.0 / sum[g];
+            for a in o[g * d..(g + 1) * d].iter_mut() {
+                *a *= inv;
+            }
+        }
+    }
+}
+
 /// Σ a[i]·b[i] (each product rounded, then added) in one fixed order: 16 lane sums over
 /// i ≡ l (mod 16), halved pairwise (l + 8, then + 4, + 2, + 1), then the tail past the last 16.
-/// Written so that it vectorizes without reassociation, so every CPU gives the same bits.
-#[inline]
+/// Written so that it vectorizes without reassociation, so every CPU gives the same bits;
+/// `x86::dot512` / `dot256` are the same order in intrinsics (the compiler vectorizes this
+/// loop only 2–4 wide).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
@@ -256,6 +310,56 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         w /= 2;
     }
     ta.iter().zip(tb).fold(l[0], |s, (x, y)| s + x * y)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// [`super::dot`] with the 16 lane sums in one zmm register.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; a and b have the same length.
+    #[target_feature(enable = "avx512f,avx2")]
+    pub unsafe fn dot512(a: &[f32], b: &[f32]) -> f32 {
+        let (n, pa, pb) = (a.len().min(b.len()), a.as_ptr(), b.as_ptr());
+        let full = n / 16 * 16;
+        let mut l = _mm512_setzero_ps();
+        for i in (0..full).step_by(16) {
+            l = _mm512_add_ps(l, _mm512_mul_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i))));
+        }
+        // Lanes l + 8 (the high half onto the low), then halve the 8 as dot256 does.
+        let h8 = _mm256_add_ps(
+            _mm512_castps512_ps256(l),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(l))),
+        );
+        finish(h8, a, b, full, n)
+    }
+
+    /// [`super::dot`] with lanes 0..8 and 8..16 in two ymm registers.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; a and b have the same length.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn dot256(a: &[f32], b: &[f32]) -> f32 {
+        let (n, pa, pb) = (a.len().min(b.len()), a.as_ptr(), b.as_ptr());
+        let full = n / 16 * 16;
+        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for i in (0..full).step_by(16) {
+            lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i))));
+            hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8))));
+        }
+        finish(_mm256_add_ps(lo, hi), a, b, full, n)
+    }
+
+    /// h8 (lanes l + l + 8, l < 8) → + 4, + 2, + 1, then the tail a[full..n]·b[full..n] in order.
+    #[inline(always)]
+    unsafe fn finish(h8: __m256, a: &[f32], b: &[f32], full: usize, n: usize) -> f32 {
+        let h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps::<1>(h8));
+        let h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+        let h1 = _mm_add_ss(h2, _mm_shuffle_ps::<1>(h2, h2));
+        a[full..n].iter().zip(&b[full..n]).fold(_mm_cvtss_f32(h1), |s, (x, y)| s + x * y)
+    }
 }
 
 /// A read-only view of a CPU cache tensor.
@@ -279,7 +383,7 @@ impl<'a> Kv<'a> {
     }
     /// The cache row of `out.len()` values at `at` as f32: the cache itself when it is f32,
     /// else decoded into `out`.
-    #[inline]
+    #[inline(always)]
     fn row<'s>(&'s self, at: usize, out: &'s mut [f32]) -> &'s [f32] {
         let n = out.len();
         match self {
@@ -313,10 +417,21 @@ mod tests {
     #[test]
     fn dot_is_the_documented_order_and_near_f64() {
         let mut s = crate::rand::Stream::new(11, 0);
-        for n in [0usize, 1, 15, 16, 17, 64, 100] {
+        for n in [0usize, 1, 15, 16, 17, 31, 64, 100, 128, 257] {
             let a: Vec<f32> = (0..n).map(|_| s.normal() as f32).collect();
             let b: Vec<f32> = (0..n).map(|_| s.normal() as f32).collect();
             let got = dot(&a, &b);
+            // The intrinsic versions give the same bits.
+            #[cfg(target_arch = "x86_64")]
+            for isa in crate::ops::isa::Isa::available() {
+                // SAFETY: `available` lists only detected instruction sets.
+                let v = match isa {
+                    crate::ops::isa::Isa::Avx512 => unsafe { super::x86::dot512(&a, &b) },
+                    crate::ops::isa::Isa::Avx2 => unsafe { super::x86::dot256(&a, &b) },
+                    crate::ops::isa::Isa::Portable => dot(&a, &b),
+                };
+                assert_eq!(v.to_bits(), got.to_bits(), "{isa:?}, n = {n}");
+            }
             // The order, spelled out: lane sums, then lanes l and l + 8, + 4, + 2, + 1, then the tail.
             let full = n / 16 * 16;
             let mut lane = [0.0f32; 16];
