@@ -62,7 +62,8 @@ fn one_two_and_three_devices_train_the_same_weights_on_the_same_samples() {
     let (_, m1, w1) = &results[0];
     for (j, m, w) in &results[1..] {
         for (a, b) in m.iter().zip(m1).skip(1) {
-            // The same tokens: lengths, rewards and the sampler's mismatch statistics agree.
+            // The same tokens (the digest of every response's ids), lengths and rewards.
+            assert_eq!(a["samples_digest"], b["samples_digest"], "devices {}: step {}", j.run.devices, a["step"]);
             assert_eq!(a["gen_tokens"], b["gen_tokens"], "devices {}", j.run.devices);
             assert_eq!(a["reward"], b["reward"]);
             let (la, lb) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
@@ -88,12 +89,25 @@ fn async_schedule_trains_only_tokens_within_the_staleness_bound() {
         job::run(&j, &JobOptions::default()).unwrap();
         let m = lines(&t.path().join(format!("k{k}")));
         let lags: Vec<u64> = m[1..].iter().map(|l| l["max_lag"].as_u64().unwrap()).collect();
+        let ages: Vec<u64> = m[1..].iter().map(|l| l["max_token_age"].as_u64().unwrap()).collect();
+        let masked: Vec<u64> = m[1..].iter().map(|l| l["stale_tokens_masked"].as_u64().unwrap()).collect();
+        eprintln!("k = {k}: trained lags {lags:?}, token ages {ages:?}, masked {masked:?}");
         assert!(lags.iter().all(|&l| l <= k), "k = {k}: lags {lags:?}");
+        // Tokens older than k exist exactly when some were masked; the trained lag never
+        // exceeds the oldest token.
+        for ((&lag, &age), &n) in lags.iter().zip(&ages).zip(&masked) {
+            assert!(lag <= age && (age > k) == (n > 0), "k = {k}: lag {lag}, age {age}, masked {n}");
+        }
+        if k == 0 {
+            // The queue holds only this step's requests: nothing runs ahead, nothing is stale.
+            assert!(ages.iter().all(|&a| a == 0), "k = 0: ages {ages:?}");
+        } else {
+            // Generation ran ahead of training: sequences interrupted by an update resumed
+            // under the new weights, so some step saw tokens from an older version.
+            assert!(ages.iter().any(|&a| a >= 1), "k = {k}: generation never ran ahead: ages {ages:?}");
+        }
         // Every step trains on one step's worth of complete groups.
         assert!(m[1..].iter().all(|l| l["gen_tokens"].as_u64().unwrap() > 0));
-        if k == 0 {
-            assert!(lags.iter().all(|&l| l == 0));
-        }
     }
 }
 

@@ -227,3 +227,35 @@ pub fn write_tiny_text_files(dir: &Path) -> Result<()> {
     crate::util::write_atomic(&dir.join("generation_config.json"), serde_json::to_string_pretty(&gc)?.as_bytes())?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn special_ids_come_from_generation_config_then_config_then_tokenizer_config() {
+        let dir = std::env::temp_dir().join(format!("ct-special-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        write_tiny_text_files(&dir).unwrap();
+        // config.json's ids differ from generation_config.json's (256 / [258, 256] / 256).
+        let cfg = crate::model::ModelConfig::from_json_str(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":1,
+                "num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300,"bos_token_id":257,"eos_token_id":259}"#,
+            "config.json",
+        )
+        .unwrap();
+        let t = TextTools::load(&dir, &cfg).unwrap();
+        assert_eq!((t.bos_id, t.eos_ids.clone(), t.pad_id), (Some(256), vec![258, 256], Some(256)));
+        // Without generation_config.json: config.json's ids, and no pad id.
+        std::fs::remove_file(dir.join("generation_config.json")).unwrap();
+        let t = TextTools::load(&dir, &cfg).unwrap();
+        assert_eq!((t.bos_id, t.eos_ids.clone(), t.pad_id), (Some(257), vec![259], None));
+        // Without either: tokenizer_config.json's eos_token "<|im_end|>" looked up in the
+        // vocabulary (bos_token is null there).
+        let bare = crate::model::ModelConfig { bos_token_id: None, eos_token_ids: vec![], ..cfg };
+        let t = TextTools::load(&dir, &bare).unwrap();
+        let im_end = t.tokenizer.token_to_id("<|im_end|>").unwrap();
+        assert_eq!((t.bos_id, t.eos_ids.clone()), (None, vec![im_end]));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -508,6 +508,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         let gen_tokens: usize = rollouts.iter().map(|r| r.response.len()).sum();
         let n_rollouts = rollouts.len();
         let truncated = rollouts.iter().filter(|r| r.truncated).count();
+        let samples_digest = rollout::digest(&rollouts);
         let sampler: Vec<f32> = rollouts.iter().filter(|r| !r.response.is_empty()).flat_map(|r| r.sampler_logprobs.iter().copied()).collect();
         let (out, train_busy) = phase("train").in_scope(|| host.train(rollouts, step, opts.fault))?;
         time.train = t0.elapsed().as_secs_f64();
@@ -549,6 +550,8 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
             utilization,
             max_lag: out.max_lag,
             stale_tokens_masked: out.max_lag.map(|_| out.masked),
+            max_token_age: out.max_age,
+            samples_digest,
             time,
             ..Default::default()
         };

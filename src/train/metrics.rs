@@ -79,6 +79,13 @@ pub struct StepMetrics {
     pub max_lag: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stale_tokens_masked: Option<usize>,
+    /// Asynchronous schedule: the largest version lag of any token of the batch, trained or
+    /// not (how far generation ran ahead; above `max_lag` only when tokens were masked).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_token_age: Option<u64>,
+    /// FNV-1a of the batch's responses (prompt id, sample, tokens; in that order), hex: equal
+    /// digests mean the same samples, whatever the devices or the schedule's timing.
+    pub samples_digest: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub heldout_kl: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -183,6 +183,35 @@ pub fn score_teacher(engine: &mut Engine, w: &ModelWeights, rollouts: &mut [Roll
     Ok(())
 }
 
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a, 64-bit: `h` carried on over `bytes`.
+fn fnv1a(mut h: u64, bytes: &[u8]) -> u64 {
+    for b in bytes {
+        h = (h ^ *b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// FNV-1a (64-bit) of the responses, in (prompt id, sample) order: per response its prompt
+/// id, sample index, length and tokens, little-endian. Equal for the same samples whatever the
+/// order the devices finished them in.
+pub fn digest(rollouts: &[Rollout]) -> String {
+    let mut order: Vec<&Rollout> = rollouts.iter().collect();
+    order.sort_by_key(|r| (r.prompt_id, r.sample));
+    let mut h = FNV_OFFSET;
+    let mut eat = |bytes: &[u8]| h = fnv1a(h, bytes);
+    for r in order {
+        eat(&r.prompt_id.to_le_bytes());
+        eat(&r.sample.to_le_bytes());
+        eat(&(r.response.len() as u64).to_le_bytes());
+        for t in &r.response {
+            eat(&t.to_le_bytes());
+        }
+    }
+    format!("{h:016x}")
+}
+
 fn floats(v: Option<&Value>, key: &str, ctx: &dyn Fn() -> String) -> Result<Option<Vec<f32>>> {
     let Some(v) = v.filter(|v| !v.is_null()) else { return Ok(None) };
     let arr = v.as_array().with_context(|| format!("{}: '{key}' must be a list of numbers", ctx()))?;
@@ -296,4 +325,36 @@ pub fn read_file(path: &Path, vocab: usize) -> Result<Vec<Rollout>> {
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rollout(prompt_id: u64, sample: u32, response: Vec<u32>) -> Rollout {
+        Rollout { prompt_id, sample, response, ..Default::default() }
+    }
+
+    #[test]
+    fn fnv1a_matches_the_published_test_vectors() {
+        // From the FNV reference (isthe.com/chongo/tech/comp/fnv): FNV-1a 64 of "", "a", "foobar".
+        assert_eq!(fnv1a(FNV_OFFSET, b""), 0xcbf29ce484222325);
+        assert_eq!(fnv1a(FNV_OFFSET, b"a"), 0xaf63dc4c8601ec8c);
+        assert_eq!(fnv1a(FNV_OFFSET, b"foobar"), 0x85944171f73967e8);
+    }
+
+    #[test]
+    fn digest_ignores_arrival_order_and_sees_every_token() {
+        let a = vec![rollout(1, 0, vec![5, 6, 7]), rollout(0, 1, vec![9]), rollout(0, 0, vec![])];
+        let d = digest(&a);
+        assert_eq!(d.len(), 16);
+        let mut b = a.clone();
+        b.reverse();
+        assert_eq!(digest(&b), d, "order of completion");
+        b[2].response[2] = 8; // (1, 0): [5, 6, 8]
+        assert_ne!(digest(&b), d, "one token changed");
+        // Moving a token across a response boundary changes it too (lengths are hashed).
+        let c = vec![rollout(1, 0, vec![5, 6]), rollout(0, 1, vec![7, 9]), rollout(0, 0, vec![])];
+        assert_ne!(digest(&c), d);
+    }
 }

@@ -95,10 +95,12 @@ pub struct StepInputs {
     /// Score centering: k, ids (tokens·k) and the normalized probabilities q̃ (tokens·k).
     pub center: Option<(usize, Vec<u32>, Vec<f32>)>,
     /// Asynchronous schedules: tokens trained (false: sampled more than k versions ago), how
-    /// many were left out, and the largest version lag among the trained ones.
+    /// many were left out, the largest version lag among the trained ones, and the largest
+    /// among all (trained or not: how far generation ran ahead of training).
     pub mask: Option<Vec<bool>>,
     pub masked: usize,
     pub max_lag: u64,
+    pub max_age: u64,
 }
 
 impl StepInputs {
@@ -111,6 +113,7 @@ impl StepInputs {
                 for t in 0..r.response.len() {
                     let v = r.token_versions.get(t).map(|&v| v as u64).unwrap_or(r.version);
                     let lag = now.saturating_sub(v);
+                    s.max_age = s.max_age.max(lag);
                     let keep = lag <= k;
                     if keep {
                         s.max_lag = s.max_lag.max(lag);
@@ -190,4 +193,36 @@ impl StepInputs {
 pub fn minibatches(n: usize, parts: usize) -> Vec<Range<usize>> {
     let parts = parts.clamp(1, n.max(1));
     (0..parts).map(|i| (i * n / parts)..((i + 1) * n / parts)).filter(|r| !r.is_empty()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staleness_mask_keeps_tokens_at_most_k_versions_old() {
+        // Trainer at version 5, bound k = 1. Response a: all sampled at version 5 (lag 0);
+        // response b: interrupted by two updates, tokens at versions 2, 2, 4, 5 (lags 3, 3, 1, 0);
+        // response c: no per-token versions, the response's own version 3 (lag 2).
+        let r = |version: u64, n: usize, token_versions: Vec<u32>| Rollout {
+            response: vec![1; n],
+            sampler_logprobs: vec![-1.0; n],
+            version,
+            token_versions,
+            ..Default::default()
+        };
+        let rollouts = [r(5, 2, vec![]), r(2, 4, vec![2, 2, 4, 5]), r(3, 3, vec![])];
+        let s = StepInputs::build(&rollouts, &Objective::Sft, false, Some((5, 1))).unwrap();
+        let want = [true, true, false, false, true, true, false, false, false];
+        assert_eq!(s.mask.as_deref(), Some(&want[..]));
+        assert_eq!(s.masked, 5);
+        assert_eq!((s.max_lag, s.max_age), (1, 3));
+        // k = 3 keeps everything; the lags are the same.
+        let s = StepInputs::build(&rollouts, &Objective::Sft, false, Some((5, 3))).unwrap();
+        assert!(s.mask.as_ref().unwrap().iter().all(|&k| k));
+        assert_eq!((s.masked, s.max_lag, s.max_age), (0, 3, 3));
+        // Synchronous: no mask at all.
+        let s = StepInputs::build(&rollouts, &Objective::Sft, false, None).unwrap();
+        assert!(s.mask.is_none() && s.masked == 0);
+    }
 }

@@ -45,9 +45,11 @@ pub struct StepOut {
     pub seq_lens: Vec<usize>,
     /// TRIAGE's statistics of the step's first pass over its minibatches (summed).
     pub triage: Option<TriageStats>,
-    /// Asynchronous schedules: tokens left out as too stale, the largest lag trained on.
+    /// Asynchronous schedules: tokens left out as too stale, the largest lag trained on, the
+    /// largest lag of any token.
     pub masked: usize,
     pub max_lag: Option<u64>,
+    pub max_age: Option<u64>,
 }
 
 pub struct Trainer {
@@ -259,6 +261,7 @@ impl Trainer {
             seq_lens: inp.seq_lens.clone(),
             masked: inp.masked,
             max_lag: inp.mask.is_some().then_some(inp.max_lag),
+            max_age: inp.mask.is_some().then_some(inp.max_age),
             ..Default::default()
         };
         let parts = minibatches(rollouts.len(), self.minibatches);
