@@ -77,6 +77,33 @@ fn one_two_and_three_devices_train_the_same_weights_on_the_same_samples() {
     }
 }
 
+/// BF16 compute weights: the devices all-gather BF16 (each rounds its own shard of the FP32
+/// master), so after training every compute weight is exactly bf16(master) at its own position
+/// (a shard placed at the wrong offset, or rounded differently, breaks the equality).
+#[test]
+fn bf16_weights_are_gathered_as_the_rounded_master() {
+    let t = TempDir::new("bf16");
+    for n in [1, 3] {
+        let dir = t.path().join(format!("n{n}"));
+        let j = tiny(&dir, n, |j| {
+            j.model.dtype = Some("bf16".into());
+            j.run.steps = 2;
+        });
+        job::run(&j, &JobOptions::default()).unwrap();
+        let ck = checkpoint::resolve(&dir).unwrap();
+        let master = checkpoint::load(&ck, &j).unwrap().1;
+        // The checkpoint's model is the lead device's compute weights, saved as f32.
+        let dev = colotrain::device::Device::cpu(1).unwrap();
+        let saved = colotrain::model::LoadedModel::load(&ck, &dev, colotrain::device::DType::F32).unwrap();
+        let compute: Vec<f32> = saved.weights.tensors().iter().flat_map(|t| t.to_f32_vec().unwrap()).collect();
+        assert_eq!(compute.len(), master.len());
+        let bad = compute.iter().zip(&master).position(|(c, m)| c.to_bits() != colotrain::device::bf16_rne(*m).to_f32().to_bits());
+        assert_eq!(bad, None, "devices {n}: compute weight differs from bf16(master)");
+        // Training moved the weights off their BF16 start.
+        assert!(master.iter().any(|m| colotrain::device::bf16_rne(*m).to_f32() != *m), "devices {n}");
+    }
+}
+
 #[test]
 fn async_schedule_trains_only_tokens_within_the_staleness_bound() {
     let t = TempDir::new("async");

@@ -20,6 +20,35 @@ pub trait Collective: Send + Sync {
     fn reduce_scatter_sum(&self, rank: usize, send: &[f32], recv: &mut [f32]) -> Result<()>;
     /// Every rank contributes its shard; every rank receives the full concatenation (in rank order).
     fn all_gather(&self, rank: usize, shard: &[f32], out: &mut [f32]) -> Result<()>;
+    /// [`Collective::all_gather`] of 16-bit values (BF16 weights: half the bytes of the FP32
+    /// master). Rank r's shard must be `shard_range(out.len(), world, r)`. The values travel
+    /// two to an f32 word through `all_gather`, which only moves bytes (no arithmetic touches
+    /// them, so every bit pattern, NaNs included, arrives as sent); the word counts per rank,
+    /// ⌈shard / 2⌉, are themselves a `shard_range` split, as `all_gather` requires.
+    fn all_gather_u16(&self, rank: usize, shard: &[u16], out: &mut [u16]) -> Result<()> {
+        let (world, total) = (self.world(), out.len());
+        let own = shard_range(total, world, rank);
+        if shard.len() != own.len() {
+            let msg = format!("all_gather_u16: rank {rank} contributed {} values for its shard of {}", shard.len(), own.len());
+            self.abort(&msg);
+            bail!("{msg}");
+        }
+        let words: Vec<f32> =
+            shard.chunks(2).map(|p| f32::from_bits(p[0] as u32 | (p.get(1).copied().unwrap_or(0) as u32) << 16)).collect();
+        let counts: Vec<usize> = (0..world).map(|r| shard_range(total, world, r).len().div_ceil(2)).collect();
+        let mut gathered = vec![0.0f32; counts.iter().sum()];
+        self.all_gather(rank, &words, &mut gathered)?;
+        let mut at = 0;
+        for (r, n) in counts.iter().enumerate() {
+            let dst = &mut out[shard_range(total, world, r)];
+            for (i, o) in dst.iter_mut().enumerate() {
+                let w = gathered[at + i / 2].to_bits();
+                *o = if i % 2 == 0 { w as u16 } else { (w >> 16) as u16 };
+            }
+            at += n;
+        }
+        Ok(())
+    }
     /// Sum of one f64 per rank (e.g. squared gradient norms), returned to every rank.
     fn all_reduce_sum_f64(&self, rank: usize, x: f64) -> Result<f64>;
     /// Everyone gets rank `root`'s vector of f32 (resized to match).

@@ -91,6 +91,39 @@ fn all_gather_reassembles_and_scalars_reduce() {
     }
 }
 
+#[test]
+fn all_gather_u16_moves_every_bit_pattern() {
+    // Odd and even shard lengths, and values that are NaNs (quiet and signalling), infinities,
+    // subnormals and ±0 once read as BF16 or as the halves of an f32 word.
+    for world in 1..=4 {
+        for total in [1usize, 2, 7, 10, 13] {
+            let full: Vec<u16> = (0..total).map(|i| [0x7FC1, 0xFF81, 0x7F80, 0x0001, 0x8000, 0x3F80, 0x0000][i % 7] ^ (i as u16 * 0x0100 & 0x0F00)).collect();
+            let src = full.clone();
+            let got = on_ranks(world, move |r, c| {
+                let mut out = vec![0xAAAAu16; total];
+                c.all_gather_u16(r, &src[shard_range(total, world, r)], &mut out).map(|_| out)
+            });
+            for (r, out) in got.into_iter().enumerate() {
+                assert_eq!(out.expect("all_gather_u16"), full, "world {world} total {total} rank {r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn all_gather_u16_with_a_wrong_shard_fails_on_every_rank() {
+    let got = on_ranks(3, |r, c| {
+        let mut out = vec![0u16; 8];
+        // Rank 1 sends one value too many (its shard of 8 over 3 ranks is 3).
+        let shard = vec![1u16; shard_range(8, 3, r).len() + usize::from(r == 1)];
+        c.all_gather_u16(r, &shard, &mut out).map_err(|e| format!("{e:#}"))
+    });
+    for (r, res) in got.iter().enumerate() {
+        let e = res.as_ref().expect_err("must fail");
+        assert!(e.contains("rank 1 contributed 4 values for its shard of 3"), "rank {r}: {e}");
+    }
+}
+
 fn noisy(seed: u64, n: usize) -> Vec<f32> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..n)

@@ -73,7 +73,7 @@ impl Scheduler {
         if !h.split() {
             return h.resync();
         }
-        let (v, master) = h.pool.run_on(h.lead(), "publish", |r| Ok((r.trainer.version, Arc::new(r.trainer.full_master().to_vec()))))?;
+        let (v, master) = h.pool.run_on(h.lead(), "publish", |r| Ok((r.trainer.version, Arc::new(r.trainer.full_weights()))))?;
         self.link.publish(v, master)
     }
 

@@ -2,7 +2,8 @@
 //! statistics → objective coefficients → fused loss pass + backward → optimizer update on the
 //! FP32 master → in-place rewrite of the compute weights (the store the engine reads). With
 //! several devices every device runs this same step on its share (see `dp.rs`): the optimizer
-//! holds this device's ZeRO-1 shard and the weights are all-gathered after each update.
+//! holds this device's ZeRO-1 shard and the weights are all-gathered after each update (in BF16
+//! when the compute weights are BF16, else the FP32 master).
 //!
 //! Owns: one device's compute weights, the trainable model, its optimizer shard and gradients.
 
@@ -10,6 +11,7 @@ use super::optimizer::{Optimizer, StepInfo};
 use super::rollout::Rollout;
 use crate::config::{JobConfig, LossAgg};
 use crate::model::trainable::{TrainBatch, Trainable};
+use crate::device::{bf16_rne, DType};
 use crate::model::{ModelConfig, ModelWeights};
 use super::dp::{sum_triage, Dp};
 use super::optimizer::sum_sq;
@@ -63,7 +65,7 @@ pub struct Trainer {
     grads: Vec<Vec<f32>>,
     flat_grad: Vec<f32>, // (P) this device's gradient, every parameter
     grad_shard: Vec<f32>, // (P / world) the reduce-scattered sum
-    gathered: Vec<f32>,  // (P) all-gathered master weights (world > 1)
+    gathered: Gathered,  // (P) all-gathered weights (world > 1)
     n_params: usize,
     /// A generator's copy: compute weights only (see [`Trainer::weights_only`]).
     weights_only: bool,
@@ -128,6 +130,7 @@ impl Trainer {
         let grads = ranges.iter().map(|r| vec![0.0; if weights_only { 0 } else { r.len() }]).collect();
         let shard = if weights_only { 0..0 } else { dp.shard(n) };
         let master = if dp.world == 1 { master } else { master[shard.clone()].to_vec() };
+        let gathered = Gathered::new(&weights, if dp.world == 1 || weights_only { 0 } else { n });
         Ok(Trainer {
             cfg: cfg.clone(),
             weights,
@@ -137,7 +140,7 @@ impl Trainer {
             grads,
             flat_grad: vec![0.0; if weights_only { 0 } else { n }],
             grad_shard: vec![0.0; shard.len()],
-            gathered: if dp.world == 1 { Vec::new() } else { vec![0.0; n] },
+            gathered,
             n_params: n,
             weights_only,
             dp,
@@ -170,7 +173,8 @@ impl Trainer {
     /// (they grow to the largest micro-batch seen).
     pub fn state_bytes(&self) -> usize {
         let grads: usize = self.grads.iter().map(|g| g.len()).sum();
-        4 * (self.opt.master.len() + self.opt.m.len() + self.opt.v.len() + grads + self.flat_grad.len() + self.grad_shard.len() + self.gathered.len())
+        4 * (self.opt.master.len() + self.opt.m.len() + self.opt.v.len() + grads + self.flat_grad.len() + self.grad_shard.len())
+            + self.gathered.bytes()
             + self.model.activation_bytes()
     }
 
@@ -375,7 +379,15 @@ impl Trainer {
         };
         if !info.skipped {
             if self.dp.world > 1 {
-                self.dp.coll.all_gather(self.dp.rank, &self.opt.master, &mut self.gathered)?;
+                let (coll, rank) = (&self.dp.coll, self.dp.rank);
+                match &mut self.gathered {
+                    Gathered::F32(full) => coll.all_gather(rank, &self.opt.master, full)?,
+                    Gathered::Bf16 { full, shard } => {
+                        shard.clear();
+                        shard.extend(self.opt.master.iter().map(|&x| bf16_rne(x).to_bits()));
+                        coll.all_gather_u16(rank, shard, full)?;
+                    }
+                }
             }
             self.write_compute_weights()?;
         }
@@ -383,24 +395,33 @@ impl Trainer {
     }
 
     /// Rewrites the compute weights in place from the FP32 master (rounded to their dtype): this
-    /// device's own master with one device, the all-gathered one with several.
+    /// device's own master with one device, the all-gathered weights with several.
     pub fn write_compute_weights(&mut self) -> Result<()> {
-        // Fields, not full_master(): the weights are borrowed mutably beside it.
-        let full = if self.dp.world == 1 { &self.opt.master } else { &self.gathered };
+        let mut wide = Vec::new();
         for (t, r) in self.weights.tensors_mut().into_iter().zip(&self.ranges) {
-            t.write_f32(&full[r.clone()])?;
+            match (self.dp.world, &self.gathered) {
+                (1, _) => t.write_f32(&self.opt.master[r.clone()])?,
+                (_, Gathered::F32(full)) => t.write_f32(&full[r.clone()])?,
+                // BF16 widened to f32 is exact, and rounding it back to BF16 gives the same bits.
+                (_, Gathered::Bf16 { full, .. }) => {
+                    wide.clear();
+                    wide.extend(full[r.clone()].iter().map(|&b| f32::from_bits((b as u32) << 16)));
+                    t.write_f32(&wide)?;
+                }
+            }
         }
         Ok(())
     }
 
-    /// The whole FP32 master as of the last update: this device's own with one device, the
-    /// all-gathered one with several (what the trainers publish to a split placement's
-    /// generators).
-    pub fn full_master(&self) -> &[f32] {
-        if self.dp.world == 1 {
-            &self.opt.master
-        } else {
-            &self.gathered
+    /// The whole model as of the last update, as f32 (what the trainers publish to a split
+    /// placement's generators): this device's FP32 master with one device, the all-gathered
+    /// weights with several (the FP32 master, or its BF16 rounding when the compute weights
+    /// are BF16: the same compute weights once a generator rounds it).
+    pub fn full_weights(&self) -> Vec<f32> {
+        match (self.dp.world, &self.gathered) {
+            (1, _) => self.opt.master.clone(),
+            (_, Gathered::F32(full)) => full.clone(),
+            (_, Gathered::Bf16 { full, .. }) => full.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect(),
         }
     }
 
@@ -455,7 +476,12 @@ impl Trainer {
         // Each device keeps its shard; the compute weights come from the whole master.
         let shard = self.dp.shard(n);
         if self.dp.world > 1 {
-            self.gathered.copy_from_slice(&master);
+            match &mut self.gathered {
+                Gathered::F32(full) => full.copy_from_slice(&master),
+                Gathered::Bf16 { full, .. } => {
+                    full.iter_mut().zip(&master).for_each(|(o, &x)| *o = bf16_rne(x).to_bits());
+                }
+            }
         }
         self.opt.master = master[shard.clone()].to_vec();
         if self.opt.kind == super::optimizer::Kind::AdamW {
@@ -467,6 +493,35 @@ impl Trainer {
         self.skipped_steps = skipped;
         self.rollout_steps = rollout_steps;
         self.write_compute_weights()
+    }
+}
+
+/// The all-gather buffer of a data-parallel trainer (ZeRO-1): the whole model after each
+/// update, in the compute weights' precision. BF16 compute weights gather BF16 (half the bytes
+/// and memory of the FP32 master; each device rounds its own shard, which is what writing the
+/// FP32 master into BF16 tensors would do); any other dtype gathers the FP32 master.
+enum Gathered {
+    F32(Vec<f32>),
+    /// `shard`: this device's rounded shard, reused across updates.
+    Bf16 { full: Vec<u16>, shard: Vec<u16> },
+}
+
+impl Gathered {
+    /// For `n` parameters (0: a single device or a generator, nothing gathered).
+    fn new(weights: &ModelWeights, n: usize) -> Gathered {
+        let all_bf16 = weights.tensors().iter().all(|t| t.dtype() == DType::BF16);
+        if all_bf16 && n > 0 {
+            Gathered::Bf16 { full: vec![0; n], shard: Vec::new() }
+        } else {
+            Gathered::F32(vec![0.0; n])
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Gathered::F32(v) => 4 * v.len(),
+            Gathered::Bf16 { full, shard } => 2 * (full.len() + shard.capacity()),
+        }
     }
 }
 
