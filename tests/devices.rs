@@ -272,6 +272,29 @@ fn kv_caches_are_sized_from_what_the_plan_leaves() {
     assert!(e.contains("set run.memory_budget_mb"), "{e}");
 }
 
+/// Fixed KV caches (rollout.kv_cache_mb) are checked against the budget before anything is
+/// allocated: too large a cache is refused naming the device, the sizes and the knob; one that
+/// fits runs.
+#[test]
+fn fixed_kv_caches_over_the_budget_are_refused_before_any_step() {
+    let t = TempDir::new("plan-fixed");
+    let dir = t.path().join("over");
+    let e = format!("{:#}", job::run(&tiny(&dir, 1, |j| {
+        // (The tiny job holds ~35 MiB before its caches, which Engine::new caps at what its
+        // sequences can use: a few MiB here.)
+        j.rollout.kv_cache_mb = 64;
+        j.run.memory_budget_mb = Some(30);
+    }), &JobOptions::default()).unwrap_err());
+    assert!(e.contains("the plan does not fit device 0") && e.contains("KV caches") && e.contains("rollout.kv_cache_mb = 64 each") && e.contains("30 MiB budget (run.memory_budget_mb)"), "{e}");
+    assert!(!dir.join("metrics.jsonl").exists() || std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap().is_empty());
+    let dir = t.path().join("fits");
+    job::run(&tiny(&dir, 1, |j| {
+        j.rollout.kv_cache_mb = 2;
+        j.run.memory_budget_mb = Some(60);
+        j.run.steps = 1;
+    }), &JobOptions::default()).unwrap();
+}
+
 /// Split placement with a stale rollout engine (it reads weights one version behind what it
 /// last loaded): its tokens carry the version they were sampled with, so with a staleness
 /// bound of 0 the trainer leaves out every token from step 2 on (sampled from older weights).

@@ -217,41 +217,55 @@ impl Replica {
         let mut std_ec = s.engine.clone();
         let mut roll_ec = rollout_ec.clone();
         let mut teacher_ec = s.engine.clone();
+        // What lives on the device before its KV caches: the trainer's state does only on CPU
+        // devices (on CUDA the trainer still runs on the host).
+        let trainer_here = if dev.is_cpu() { trainer.state_bytes() } else { 0 };
+        let teacher_bytes = teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0);
+        let used = trainer.weights.size_bytes() + trainer_here + teacher_bytes + engine_buffers;
+        let budget = job.run.memory_budget_mb.map(|m| m << 20).or(dev.memory_budget());
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        let parts = format!(
+            "weights {:.0} MiB + trainer {:.0} MiB + teacher {:.0} MiB + engine buffers {:.0} MiB",
+            mib(trainer.weights.size_bytes()),
+            mib(trainer_here),
+            mib(teacher_bytes),
+            mib(engine_buffers)
+        );
+        // The engines on this device (the rollout engine, the standard one when it is another,
+        // the teacher's) and their KV block sizes.
+        let bs = s.engine.block_size;
+        let block = |c: &ModelConfig, d: DType, ec: &EngineConfig| {
+            let dt = ec.kv_dtype.unwrap_or(d);
+            let kinds: Vec<(DType, DType)> = (0..c.num_layers)
+                .map(|l| {
+                    let (k, v) = ec.kv_fp8.get(l).copied().unwrap_or((false, false));
+                    (if k { DType::U8 } else { dt }, if v { DType::U8 } else { dt })
+                })
+                .collect();
+            crate::engine::kv_cache::KvCache::block_bytes_layers(c, bs, &kinds)
+        };
+        let mut engines = vec![(block(&cfg, dtype, &std_ec), &cfg)];
+        if !standard {
+            engines.push((block(&cfg, dtype, &rollout_ec), &cfg));
+        }
+        if let Some(t) = &teacher {
+            engines.push((block(&t.cfg, t.weights.dtype(), &teacher_ec), &t.cfg));
+        }
         if s.engine.kv_cache_bytes == 0 {
-            let budget = job.run.memory_budget_mb.map(|m| m << 20).or(dev.memory_budget()).with_context(|| {
+            let budget = budget.with_context(|| {
                 format!("device {rank} ({}): rollout.kv_cache_mb = 0 sizes the KV caches from what is left of the device's memory, but a CPU device has no budget of its own: set run.memory_budget_mb", dev.name())
             })?;
-            // What lives on the device: the trainer's state does only on CPU devices (on CUDA the
-            // trainer still runs on the host). A tenth of the budget stays free for what the
-            // plan does not itemize: the engines' forward buffers, the activation arenas' growth,
-            // the allocator's size classes.
-            let trainer_here = if dev.is_cpu() { trainer.state_bytes() } else { 0 };
-            let used = trainer.weights.size_bytes() + trainer_here + teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0) + engine_buffers + budget / 10;
-            // Every engine gets the same capacity in tokens: the rollout engine, the standard one
-            // when it is another (evaluation, calibration) and the teacher's.
-            let bs = s.engine.block_size;
-            let block = |c: &ModelConfig, d: DType, ec: &EngineConfig| {
-                let dt = ec.kv_dtype.unwrap_or(d);
-                let kinds: Vec<(DType, DType)> = (0..c.num_layers)
-                    .map(|l| {
-                        let (k, v) = ec.kv_fp8.get(l).copied().unwrap_or((false, false));
-                        (if k { DType::U8 } else { dt }, if v { DType::U8 } else { dt })
-                    })
-                    .collect();
-                crate::engine::kv_cache::KvCache::block_bytes_layers(c, bs, &kinds)
-            };
-            let per_block = block(&cfg, dtype, &std_ec) + if standard { 0 } else { block(&cfg, dtype, &rollout_ec) } + teacher.as_ref().map(|t| block(&t.cfg, t.weights.dtype(), &teacher_ec)).unwrap_or(0);
+            // A tenth of the budget stays free for what the plan does not itemize: the engines'
+            // forward buffers, the activation arenas' growth, the allocator's size classes.
+            let used = used + budget / 10;
+            // Every engine gets the same capacity in tokens.
+            let per_block: usize = engines.iter().map(|(b, _)| b).sum();
             let left = budget.saturating_sub(used);
             let blocks = left / per_block.max(1);
             if blocks == 0 {
-                let mib = |b: usize| b as f64 / (1 << 20) as f64;
                 bail!(
-                    "the plan does not fit device {rank} ({}): weights {:.0} MiB + trainer {:.0} MiB + teacher {:.0} MiB + engine buffers {:.0} MiB + a tenth kept free = {:.0} MiB of a {:.0} MiB budget leave no room for one KV block ({:.2} MiB); raise run.memory_budget_mb, use a smaller teacher or fewer engine copies (staleness, noise), or add devices",
+                    "the plan does not fit device {rank} ({}): {parts} + a tenth kept free = {:.0} MiB of a {:.0} MiB budget leave no room for one KV block ({:.2} MiB); raise run.memory_budget_mb, use a smaller teacher or fewer engine copies (staleness, noise), or add devices",
                     dev.name(),
-                    mib(trainer.weights.size_bytes()),
-                    mib(trainer_here),
-                    mib(teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0)),
-                    mib(engine_buffers),
                     mib(used),
                     mib(budget),
                     mib(per_block)
@@ -259,6 +273,29 @@ impl Replica {
             }
             for ec in [&mut std_ec, &mut roll_ec, &mut teacher_ec] {
                 ec.kv_blocks = Some(blocks);
+            }
+        } else if let Some(budget) = budget {
+            // Fixed caches (rollout.kv_cache_mb per engine): check them against the budget
+            // before allocating anything, with the blocks each engine will take (`Engine::new`
+            // caps them at what its sequences can use).
+            let kv: usize = engines
+                .iter()
+                .map(|&(b, c)| {
+                    let useful = s.engine.max_seqs * s.engine.max_model_len.unwrap_or(c.max_position_embeddings).div_ceil(bs);
+                    (s.engine.kv_cache_bytes / b.max(1)).clamp(1, useful.max(1)) * b
+                })
+                .sum();
+            if used + kv > budget {
+                bail!(
+                    "the plan does not fit device {rank} ({}): {parts} + KV caches {:.0} MiB ({} engine(s), rollout.kv_cache_mb = {} each) = {:.0} MiB, over its {:.0} MiB budget ({}); lower rollout.kv_cache_mb, or set it to 0 to size the caches from what is left",
+                    dev.name(),
+                    mib(kv),
+                    engines.len(),
+                    s.engine.kv_cache_bytes >> 20,
+                    mib(used + kv),
+                    mib(budget),
+                    if job.run.memory_budget_mb.is_some() { "run.memory_budget_mb" } else { "the device's memory" }
+                );
             }
         }
         let teacher = match teacher {
