@@ -205,12 +205,13 @@ fn more_cpu_devices_than_cores_is_refused() {
 #[test]
 fn a_device_failure_mid_step_stops_cleanly() {
     let t = TempDir::new("fault");
-    for panic in [false, true] {
-        let dir = t.path().join(format!("p{panic}"));
+    let cases = [("train", false), ("train", true), ("rollout", false), ("teacher", true), ("resync", false), ("resync", true)];
+    for (phase, panic) in cases {
+        let dir = t.path().join(format!("{phase}-{panic}"));
         let j = tiny(&dir, 2, |j| j.checkpoint.every = 2);
-        let opts = JobOptions { fault: Some(Fault { step: 3, rank: 1, panic }), ..Default::default() };
+        let opts = JobOptions { fault: Some(Fault { step: 3, rank: 1, panic, phase }), ..Default::default() };
         let e = format!("{:#}", job::run(&j, &opts).unwrap_err());
-        assert!(e.contains("worker 1 (cpu:1)") && e.contains("phase 'train'"), "{e}");
+        assert!(e.contains("worker 1 (cpu:1)") && e.contains(&format!("phase '{phase}'")), "{e}");
         assert!(e.contains(if panic { "panicked" } else { "injected device error" }), "{e}");
         // The checkpoint of step 2 is intact and resumable; nothing of step 3 was written.
         let cks = checkpoint::list(&dir).unwrap();
@@ -231,6 +232,34 @@ fn a_stop_request_checkpoints_and_returns() {
     let s = job::run(&j, &JobOptions { stop: Some(stop), ..Default::default() }).unwrap();
     assert_eq!(s.steps, 1);
     assert_eq!(checkpoint::list(&dir).unwrap().iter().map(|c| c.0).collect::<Vec<_>>(), vec![1]);
+}
+
+/// A stop request arriving mid-run (from another thread, as Ctrl-C's handler does) lets the
+/// running step finish, checkpoints it, and the run resumes from there.
+#[test]
+fn a_stop_request_mid_run_checkpoints_the_step_it_interrupted() {
+    let t = TempDir::new("stop-mid");
+    let dir = t.path().join("r");
+    let j = tiny(&dir, 1, |j| j.run.steps = 60);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (flag, metrics) = (Arc::clone(&stop), dir.join("metrics.jsonl"));
+    // Pull the flag once two steps are logged (metrics.jsonl: a header line, then one per step).
+    let watcher = std::thread::spawn(move || {
+        let t0 = std::time::Instant::now();
+        while std::fs::read_to_string(&metrics).map(|s| s.lines().count()).unwrap_or(0) < 3 {
+            assert!(t0.elapsed().as_secs() < 120, "the run never logged two steps");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    let s = job::run(&j, &JobOptions { stop: Some(stop), ..Default::default() }).unwrap();
+    watcher.join().unwrap();
+    assert!((2..60).contains(&s.steps), "stopped after {} steps", s.steps);
+    assert_eq!(checkpoint::list(&dir).unwrap().iter().map(|c| c.0).max(), Some(s.steps));
+    assert_eq!(lines(&dir).len() as u64, s.steps + 1, "one metrics line per finished step");
+    let j2 = JobConfig { run: colotrain::config::RunConfig { steps: s.steps + 2, ..j.run.clone() }, ..j.clone() };
+    let r = job::run(&j2, &JobOptions { resume: Some(dir.clone()), ..Default::default() }).unwrap();
+    assert_eq!(r.steps, s.steps + 2);
 }
 
 /// rollout.kv_cache_mb = 0: the KV caches get what the plan leaves of run.memory_budget_mb after

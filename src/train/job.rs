@@ -37,8 +37,8 @@ pub struct JobOptions {
     pub progress: bool,
     /// Set (e.g. by Ctrl-C) to finish the current step, write a checkpoint and stop.
     pub stop: Option<Arc<AtomicBool>>,
-    /// Fault injection for tests of the failure paths: device `rank` fails (or panics) in the
-    /// training phase of `step`.
+    /// Fault injection for tests of the failure paths: device `rank` fails (or panics) in one
+    /// phase of `step`.
     pub fault: Option<Fault>,
 }
 
@@ -47,6 +47,23 @@ pub struct Fault {
     pub step: u64,
     pub rank: usize,
     pub panic: bool,
+    /// "rollout" (colocated schedules), "teacher", "train" or "resync".
+    pub phase: &'static str,
+}
+
+impl Fault {
+    /// Fails (or panics) when `f` names this phase, step and device.
+    pub fn check(f: Option<Fault>, phase: &str, step: u64, rank: usize) -> Result<()> {
+        match f {
+            Some(f) if f.phase == phase && f.step == step && f.rank == rank => {
+                if f.panic {
+                    panic!("injected panic at step {step}");
+                }
+                bail!("injected device error at step {step}")
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 pub fn engine_config(job: &JobConfig) -> EngineConfig {
@@ -161,6 +178,9 @@ pub struct Host {
     /// the first `schedule.rollout_devices`, split). Trainer `trainers[i]` is data-parallel rank i.
     pub trainers: Vec<usize>,
     pub generators: Vec<usize>,
+    /// Tests: the fault to inject, and the step running now (which phases compare with it).
+    pub fault: Option<Fault>,
+    pub step: std::sync::atomic::AtomicU64,
 }
 
 impl Host {
@@ -203,7 +223,9 @@ impl Host {
         let q = replica::queue(reqs);
         let inflight = self.job.rollout.max_seqs;
         let t0 = Instant::now();
-        let parts = self.pool.run_some(&self.trainers, "teacher", move |_, r| {
+        let (fault, step) = (self.fault, self.step.load(Ordering::Relaxed));
+        let parts = self.pool.run_some(&self.trainers, "teacher", move |rank, r| {
+            Fault::check(fault, "teacher", step, rank)?;
             let t = Instant::now();
             Ok((r.score(&q, inflight)?, t.elapsed().as_secs_f64()))
         })?;
@@ -214,16 +236,12 @@ impl Host {
 
     /// The training step on every training device (the same rollouts everywhere); data-parallel
     /// rank 0's report and every device's seconds busy (0 for generators).
-    pub fn train(&self, rollouts: Vec<Rollout>, step: u64, fault: Option<Fault>) -> Result<(StepOut, Vec<f64>)> {
+    pub fn train(&self, rollouts: Vec<Rollout>, step: u64) -> Result<(StepOut, Vec<f64>)> {
         let rs = Arc::new(rollouts);
+        let fault = self.fault;
         let parts = self.pool.run_some(&self.trainers, "train", move |rank, r| {
             let t = Instant::now();
-            if let Some(f) = fault.filter(|f| f.step == step && f.rank == rank) {
-                if f.panic {
-                    panic!("injected panic at step {step}");
-                }
-                bail!("injected device error at step {step}");
-            }
+            Fault::check(fault, "train", step, rank)?;
             let out = r.train(&rs)?;
             Ok((out, t.elapsed().as_secs_f64()))
         })?;
@@ -238,7 +256,13 @@ impl Host {
     /// The colocated engines' in-place resync (a split placement publishes instead, see
     /// `schedule.rs`).
     pub fn resync(&self) -> Result<()> {
-        self.pool.run_all("resync", |_, r| r.resync()).map(|_| ())
+        let (fault, step) = (self.fault, self.step.load(Ordering::Relaxed));
+        self.pool
+            .run_all("resync", move |rank, r| {
+                Fault::check(fault, "resync", step, rank)?;
+                r.resync()
+            })
+            .map(|_| ())
     }
 
     /// The training lead's counters: (weight version, skipped steps).
@@ -389,7 +413,7 @@ pub fn start(job: &JobConfig, resume: Option<&Path>, out_dir: &Path) -> Result<(
         tracing::info!("resumed from {} at step {start}", ck.display());
     }
     let (trainers, generators) = if gens > 0 { ((gens..n).collect(), (0..gens).collect()) } else { ((0..n).collect(), (0..n).collect()) };
-    let host = Host { job: Arc::new(job.clone()), pool, coll, text, cfg, data, file_rollouts, heldout: Arc::new(heldout), out_dir: out_dir.to_path_buf(), trainers, generators };
+    let host = Host { job: Arc::new(job.clone()), pool, coll, text, cfg, data, file_rollouts, heldout: Arc::new(heldout), out_dir: out_dir.to_path_buf(), trainers, generators, fault: None, step: Default::default() };
     Ok((host, start))
 }
 
@@ -454,7 +478,8 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         }
     };
     std::fs::create_dir_all(out_dir.join("eval")).with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let (host, start) = start(job, resume.as_deref(), &out_dir)?;
+    let (mut host, start) = start(job, resume.as_deref(), &out_dir)?;
+    host.fault = opts.fault;
     if resume.is_some() {
         truncate_metrics(&metrics_path, start)?;
     }
@@ -486,6 +511,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
     let mut last_step = start;
     for step in start + 1..=job.run.steps {
         let _span = tracing::info_span!("step", step).entered();
+        host.step.store(step, Ordering::Relaxed);
         let t_step = Instant::now();
         let mut time = PhaseSeconds::default();
         // 1. Rollout (the schedule decides how: synchronous, or ahead of training).
@@ -510,7 +536,7 @@ pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
         let truncated = rollouts.iter().filter(|r| r.truncated).count();
         let samples_digest = rollout::digest(&rollouts);
         let sampler: Vec<f32> = rollouts.iter().filter(|r| !r.response.is_empty()).flat_map(|r| r.sampler_logprobs.iter().copied()).collect();
-        let (out, train_busy) = phase("train").in_scope(|| host.train(rollouts, step, opts.fault))?;
+        let (out, train_busy) = phase("train").in_scope(|| host.train(rollouts, step))?;
         time.train = t0.elapsed().as_secs_f64();
         // 5. Resync.
         let t0 = Instant::now();

@@ -151,7 +151,9 @@ impl Scheduler {
         if !self.asynchronous {
             self.enqueue(h, step)?;
             let q = self.link.queue.clone();
-            let parts = h.pool.run_all("rollout", move |_, r| {
+            let fault = h.fault;
+            let parts = h.pool.run_all("rollout", move |rank, r| {
+                super::job::Fault::check(fault, "rollout", step, rank)?;
                 let t = Instant::now();
                 Ok((r.generate(&q, inflight)?, t.elapsed().as_secs_f64()))
             })?;
@@ -172,7 +174,9 @@ impl Scheduler {
             self.wait_split(h, need)?
         } else {
             let (q, b) = (self.link.queue.clone(), self.link.board.clone());
-            h.pool.run_all("rollout", move |_, r| {
+            let fault = h.fault;
+            h.pool.run_all("rollout", move |rank, r| {
+                super::job::Fault::check(fault, "rollout", step, rank)?;
                 let t = Instant::now();
                 r.generate_until(&q, &b, need, inflight)?;
                 Ok(t.elapsed().as_secs_f64())
