@@ -62,8 +62,11 @@ pub fn run(a: Args) -> Result<()> {
         bail!("--temperature must be a finite number >= 0, got {}", a.temperature);
     }
     let (dev, dtype) = a.device.open()?;
-    let lm = LoadedModel::load(&a.model, &dev, dtype)?;
+    let mut lm = LoadedModel::load(&a.model, &dev, dtype)?;
     let prompts = read_prompts(&a.prompts, lm.cfg.vocab_size)?;
+    if lm.quant.is_none() && !a.engine.no_pack {
+        lm.pack_for_decode()?;
+    }
     let sampling = Arc::new(SamplingConfig {
         temperature: a.temperature,
         top_p: a.top_p,

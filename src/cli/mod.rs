@@ -100,6 +100,10 @@ pub struct EngineArgs {
     /// KV cache memory in MiB.
     #[arg(long, default_value_t = 512)]
     pub kv_cache_mb: usize,
+    /// CPU: keep the linears row-major only, instead of also packing a copy once for decoding
+    /// (saves the copy's memory, the size of the linear weights; decodes slower, same outputs).
+    #[arg(long)]
+    pub no_pack: bool,
 }
 
 impl EngineArgs {

@@ -27,8 +27,11 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let (dev, dtype) = a.device.open()?;
-    let lm = LoadedModel::load(&a.model, &dev, dtype)?;
+    let mut lm = LoadedModel::load(&a.model, &dev, dtype)?;
     let lines = crate::util::read_jsonl(&a.input)?;
+    if lm.quant.is_none() && !a.engine.no_pack {
+        lm.pack_for_decode()?;
+    }
     if lines.is_empty() {
         bail!("{}: no sequences (the file is empty)", a.input.display());
     }

@@ -62,4 +62,15 @@ impl LoadedModel {
         }
         Ok(LoadedModel { dir: dir.to_path_buf(), cfg, weights, text, quant })
     }
+
+    /// For engines whose weights stay fixed (`generate`, `score`): packs the CPU linears once
+    /// ([`ModelWeights::pack_panels`]; the same outputs, bit for bit, without per-step packing)
+    /// and says what it cost.
+    pub fn pack_for_decode(&mut self) -> Result<()> {
+        if self.weights.pack_panels()? {
+            let bytes: usize = self.weights.panels().map(|p| p.layers.iter().flatten().chain([&p.head]).map(|x| x.size_bytes()).sum()).unwrap_or(0);
+            tracing::info!("packed the linears for decoding: {:.1} MiB", bytes as f64 / (1 << 20) as f64);
+        }
+        Ok(())
+    }
 }

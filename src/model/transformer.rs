@@ -8,6 +8,7 @@ use super::config::ModelConfig;
 use super::weights::ModelWeights;
 use crate::device::{DType, Device, Tensor};
 use crate::ops::attention::{self, AttnMeta};
+use crate::ops::linear_panels::Panels;
 use crate::ops::quantize::{self, ActQuant};
 use crate::ops::{elementwise, matmul, norm, rope};
 use crate::quant::calib::Calibration;
@@ -158,6 +159,8 @@ impl Transformer {
         }
         let eps = cfg.rms_norm_eps as f32;
         let (h, hkv) = (cfg.num_heads, cfg.num_kv_heads);
+        // Linear i of layer l packed once (generate / score), if it was.
+        let pan = |l: usize, i: usize| w.panels().map(|p| &p.layers[l][i]);
         elementwise::embedding(dev, &w.embed_tokens, &b.ids, &mut b.x, m)?;
         rope::rope_table(dev, &b.positions, &self.inv_freq, &mut b.cos, &mut b.sin, m)?;
         for (l, (lw, cache)) in w.layers.iter().zip(kv.iter_mut()).enumerate() {
@@ -169,9 +172,9 @@ impl Transformer {
                 norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.input_layernorm, eps, &mut b.h, m)?;
             }
             observe(dev, &mut b.observe, l, 0, &b.h, m)?;
-            proj(dev, &b.h, &mut b.xq, &lw.q_proj, lw.q_bias.as_ref(), ql, 0, &mut b.q, m)?;
-            proj(dev, &b.h, &mut b.xq, &lw.k_proj, lw.k_bias.as_ref(), ql, 1, &mut b.k, m)?;
-            proj(dev, &b.h, &mut b.xq, &lw.v_proj, lw.v_bias.as_ref(), ql, 2, &mut b.v, m)?;
+            proj(dev, &b.h, &mut b.xq, &lw.q_proj, pan(l, 0), lw.q_bias.as_ref(), ql, 0, &mut b.q, m)?;
+            proj(dev, &b.h, &mut b.xq, &lw.k_proj, pan(l, 1), lw.k_bias.as_ref(), ql, 1, &mut b.k, m)?;
+            proj(dev, &b.h, &mut b.xq, &lw.v_proj, pan(l, 2), lw.v_bias.as_ref(), ql, 2, &mut b.v, m)?;
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
                 norm::head_rmsnorm(dev, &mut b.q, qn, eps, m, h)?;
                 norm::head_rmsnorm(dev, &mut b.k, kn, eps, m, hkv)?;
@@ -186,15 +189,15 @@ impl Transformer {
             attention::kv_write(dev, &b.k, &b.v, &mut cache.k, &mut cache.v, ks, vs, &b.meta)?;
             attention::paged_attention(dev, &b.q, &cache.k, &cache.v, ks, vs, &b.meta, &mut b.att, h)?;
             observe(dev, &mut b.observe, l, 1, &b.att, m)?;
-            proj(dev, &b.att, &mut b.xq, &lw.o_proj, lw.o_bias.as_ref(), ql, 3, &mut b.o, m)?;
+            proj(dev, &b.att, &mut b.xq, &lw.o_proj, pan(l, 3), lw.o_bias.as_ref(), ql, 3, &mut b.o, m)?;
             // MLP block.
             norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.post_attention_layernorm, eps, &mut b.h, m)?;
             observe(dev, &mut b.observe, l, 2, &b.h, m)?;
-            proj(dev, &b.h, &mut b.xq, &lw.gate_proj, lw.gate_bias.as_ref(), ql, 4, &mut b.gate, m)?;
-            proj(dev, &b.h, &mut b.xq, &lw.up_proj, lw.up_bias.as_ref(), ql, 5, &mut b.up, m)?;
+            proj(dev, &b.h, &mut b.xq, &lw.gate_proj, pan(l, 4), lw.gate_bias.as_ref(), ql, 4, &mut b.gate, m)?;
+            proj(dev, &b.h, &mut b.xq, &lw.up_proj, pan(l, 5), lw.up_bias.as_ref(), ql, 5, &mut b.up, m)?;
             elementwise::swiglu(dev, &b.gate, &b.up, &mut b.act, m)?;
             observe(dev, &mut b.observe, l, 3, &b.act, m)?;
-            proj(dev, &b.act, &mut b.xq, &lw.down_proj, lw.down_bias.as_ref(), ql, 6, &mut b.o, m)?;
+            proj(dev, &b.act, &mut b.xq, &lw.down_proj, pan(l, 6), lw.down_bias.as_ref(), ql, 6, &mut b.o, m)?;
         }
         Ok(())
     }
@@ -209,13 +212,13 @@ impl Transformer {
         elementwise::gather_rows(dev, &b.x, &b.sel, &mut b.xs, r)?;
         elementwise::gather_rows(dev, &b.o, &b.sel, &mut b.os, r)?;
         norm::add_rmsnorm(dev, &mut b.xs, &b.os, &w.norm, eps, &mut b.hn, r)?;
-        matmul::linear(dev, &b.hn, w.head(), None, &mut b.logits, r, false)
+        matmul::linear_packed(dev, &b.hn, w.head(), w.panels().map(|p| &p.head), None, &mut b.logits, r, false)
     }
 }
 
 /// One projection: dense, or with a quantized weight and/or a fake-quantized input.
 #[allow(clippy::too_many_arguments)]
-fn proj(dev: &Device, x: &Tensor, xq: &mut Tensor, dense: &Tensor, bias: Option<&Tensor>, q: Option<&QLayer>, i: usize, y: &mut Tensor, m: usize) -> Result<()> {
+fn proj(dev: &Device, x: &Tensor, xq: &mut Tensor, dense: &Tensor, panels: Option<&Panels>, bias: Option<&Tensor>, q: Option<&QLayer>, i: usize, y: &mut Tensor, m: usize) -> Result<()> {
     let (wq, act) = match q {
         Some(q) => (q.w[i].as_ref(), q.act[i]),
         None => (None, ActQuant::None),
@@ -239,7 +242,7 @@ fn proj(dev: &Device, x: &Tensor, xq: &mut Tensor, dense: &Tensor, bias: Option<
     };
     match wq {
         Some(wq) => matmul::linear_q(dev, input, wq, bias, y, m),
-        None => matmul::linear(dev, input, dense, bias, y, m, false),
+        None => matmul::linear_packed(dev, input, dense, panels, bias, y, m, false),
     }
 }
 

@@ -6,6 +6,7 @@
 
 use super::config::ModelConfig;
 use crate::device::{CpuStorage, DType, Device, Tensor};
+use crate::ops::linear_panels::Panels;
 use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
 use safetensors::{tensor::TensorView, Dtype as StDtype, SafeTensors};
@@ -41,6 +42,22 @@ pub struct ModelWeights {
     pub layers: Vec<LayerWeights>,
     pub norm: Tensor,            // (C)
     pub lm_head: Option<Tensor>, // (V, C); None when tied to embed_tokens
+    /// The linears packed once for decoding ([`ModelWeights::pack_panels`]); dropped by every
+    /// mutable access to the tensors, so it never outlives the values it copies.
+    panels: Option<Box<DecodePanels>>,
+}
+
+/// Every linear weight of a model as [`Panels`]: per layer the seven projections in the
+/// forward's order (q, k, v, o, gate, up, down), and the LM head.
+pub struct DecodePanels {
+    pub layers: Vec<[Panels; 7]>,
+    pub head: Panels,
+}
+
+impl std::fmt::Debug for DecodePanels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DecodePanels({} layers + head)", self.layers.len())
+    }
 }
 
 /// Name and shape of every parameter, in model order, with the HF tensor names.
@@ -133,7 +150,7 @@ impl ModelWeights {
         }
         let norm = next();
         let lm_head = if cfg.tie_word_embeddings { None } else { Some(next()) };
-        Ok(ModelWeights { embed_tokens, layers, norm, lm_head })
+        Ok(ModelWeights { embed_tokens, layers, norm, lm_head, panels: None })
     }
 
     /// Every parameter in [`param_specs`] order.
@@ -152,8 +169,9 @@ impl ModelWeights {
         v
     }
 
-    /// Every parameter in [`param_specs`] order, mutably.
+    /// Every parameter in [`param_specs`] order, mutably (drops the packed panels).
     pub fn tensors_mut(&mut self) -> Vec<&mut Tensor> {
+        self.panels = None;
         let mut v = vec![&mut self.embed_tokens];
         for l in &mut self.layers {
             v.push(&mut l.input_layernorm);
@@ -174,6 +192,7 @@ impl ModelWeights {
 
     /// Visits every parameter in [`param_specs`] order, mutably, without allocating.
     pub fn for_each_mut(&mut self, mut f: impl FnMut(usize, &mut Tensor) -> Result<()>) -> Result<()> {
+        self.panels = None;
         let mut i = 0;
         let mut visit = |t: &mut Tensor| -> Result<()> {
             f(i, t)?;
@@ -286,6 +305,7 @@ impl ModelWeights {
         if src.layers.len() != self.layers.len() || src.lm_head.is_some() != self.lm_head.is_some() {
             bail!("copy_from: weights of different layouts");
         }
+        self.panels = None;
         self.embed_tokens.copy_from(&src.embed_tokens)?;
         for (d, s) in self.layers.iter_mut().zip(&src.layers) {
             for (a, b) in [
@@ -324,6 +344,41 @@ impl ModelWeights {
             a.copy_from(b)?;
         }
         Ok(())
+    }
+
+    /// Packs every linear once into [`Panels`] for an engine whose weights will not change
+    /// (`generate`, `score`): the CPU linears then skip their per-call packing, with the same
+    /// bits. Costs a copy of the linears (their own dtype). Returns false, packing nothing,
+    /// unless every linear is an F32/BF16/F16 tensor in host memory. Any later mutable access
+    /// to the tensors drops the panels.
+    pub fn pack_panels(&mut self) -> Result<bool> {
+        let pack = |t: &Tensor| -> Result<Option<Panels>> {
+            let float = matches!(t.cpu(), Ok(CpuStorage::F32(_) | CpuStorage::BF16(_) | CpuStorage::F16(_)));
+            if !float || t.shape().len() != 2 {
+                return Ok(None);
+            }
+            Ok(Panels::pack(crate::device::CpuFloats::of(t)?, t.dim(0), t.dim(1)))
+        };
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let ps: Vec<Panels> = [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj]
+                .into_iter()
+                .map(pack)
+                .collect::<Result<Option<Vec<_>>>>()?
+                .unwrap_or_default();
+            match <[Panels; 7]>::try_from(ps) {
+                Ok(a) => layers.push(a),
+                Err(_) => return Ok(false),
+            }
+        }
+        let Some(head) = pack(self.head())? else { return Ok(false) };
+        self.panels = Some(Box::new(DecodePanels { layers, head }));
+        Ok(true)
+    }
+
+    /// The packed linears, if [`ModelWeights::pack_panels`] made them and nothing changed since.
+    pub fn panels(&self) -> Option<&DecodePanels> {
+        self.panels.as_deref()
     }
 
     /// The LM head matrix (V, C): `lm_head` or, when tied, the embedding table.

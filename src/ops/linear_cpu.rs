@@ -5,7 +5,8 @@
 //! run across rows of x or across rows of W instead, so no horizontal sums are needed:
 //! - each block of 16 weight rows is widened to f32 and packed into a panel, (K, 16), while the
 //!   next block is prefetched (row-major W read 16 rows at a time is 16 streams, which alias in
-//!   L1 when a row is 4 KiB);
+//!   L1 when a row is 4 KiB); or, for weights that do not change, the panels were packed once
+//!   (`linear_panels::Panels`, [`linear_nt_panels`]) and are read as one stream;
 //! - a group of 9–16 rows of x (AVX-512) is transposed, (K, 16), once per 192-row chunk, and an
 //!   instruction multiplies one weight, broadcast, with a column of 16 rows (AVX2: 8 rows);
 //! - a group of ≤ 8 rows (AVX-512) instead multiplies one x value, broadcast, with a panel row of
@@ -25,19 +26,22 @@
 
 use super::gemm_cpu::SendPtr;
 use super::isa::Isa;
+use super::linear_panels::Panels;
 use crate::device::CpuFloats;
 use rayon::prelude::*;
 use std::cell::RefCell;
 
 /// Row lanes per group of the transposed x block (one AVX-512 register of f32), and weight
 /// rows per packed panel.
-const G: usize = 16;
+pub(super) const G: usize = 16;
 /// Rows of x per task (a multiple of G).
 const MB: usize = 12 * G;
 /// Weight rows packed (and kept in cache across the row groups) at a time (a multiple of G);
 /// also how far ahead the next rows are prefetched (one panel ahead, into L2, measured best on
 /// the 2-core Zen 4 VM among 1, 2 and 4 panels and L1/L2/L3 hints).
 const NB: usize = G;
+// Pre-packed weights are read one panel per block.
+const _: () = assert!(NB == G);
 
 thread_local! {
     /// The caller's x transposed, MB rows at a time: (MB / G groups, K, G).
@@ -66,7 +70,22 @@ pub fn reserve(max_k: usize) {
 /// y[i·ldy + j] (+)= Σ_p x[i·k + p] · w[j·k + p] for i < m, j < n (the sum: one FMA chain over
 /// p = 0..k from 0; `accumulate` adds it to y).
 pub fn linear_nt(m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y: &mut [f32], ldy: usize, accumulate: bool) {
-    linear_isa(Isa::detect(), m, n, k, x, w, y, ldy, accumulate)
+    linear_isa(Isa::detect(), m, n, k, x, Src::Rows(w), y, ldy, accumulate)
+}
+
+/// [`linear_nt`] with W given as [`Panels`] (packed once): the same bits, no per-call packing.
+pub fn linear_nt_panels(m: usize, x: &[f32], w: &Panels, y: &mut [f32], ldy: usize, accumulate: bool) {
+    let (n, k) = w.dims();
+    linear_isa(Isa::detect(), m, n, k, x, Src::Panels(w), y, ldy, accumulate)
+}
+
+/// Where a call's weight panels come from.
+#[derive(Clone, Copy)]
+enum Src<'a> {
+    /// The row-major weight, packed block by block as the call goes.
+    Rows(CpuFloats<'a>),
+    /// Packed before the call.
+    Panels(&'a Panels),
 }
 
 /// [`linear_nt`] on a given instruction set (tests check that they all agree bit for bit).
@@ -77,7 +96,7 @@ fn linear_isa(
     n: usize,
     k: usize,
     x: &[f32],
-    w: CpuFloats,
+    w: Src,
     y: &mut [f32],
     ldy: usize,
     accumulate: bool,
@@ -87,7 +106,9 @@ fn linear_isa(
     }
     let extent = |a: usize, b: usize| a.checked_mul(b).expect("linear: size overflows usize");
     assert!(x.len() >= extent(m, k), "linear: x too short");
-    assert!(w.len() >= extent(n, k), "linear: w too short");
+    if let Src::Rows(w) = w {
+        assert!(w.len() >= extent(n, k), "linear: w too short");
+    }
     assert!(y.len() >= extent(m - 1, ldy) + n, "linear: y too short");
     // Rows of y must not overlap: tasks split y by column, each writing its columns of every row.
     assert!(m == 1 || ldy >= n, "linear: row stride {ldy} < {n} columns");
@@ -107,7 +128,7 @@ fn linear_isa(
 
 /// [`linear_isa`] for m ≤ MB rows.
 #[allow(clippy::too_many_arguments)]
-fn chunk(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y: &mut [f32], ldy: usize, accumulate: bool) {
+fn chunk(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: Src, y: &mut [f32], ldy: usize, accumulate: bool) {
     debug_assert!(m <= MB);
     let threads = rayon::current_num_threads().max(1);
     // Weight rows per task: about two tasks per thread (work stealing balances them), whole
@@ -129,21 +150,28 @@ fn chunk(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y: &mu
                 let mut jb = j0;
                 while jb < j0 + nj {
                     let nbj = NB.min(j0 + nj - jb);
-                    let panels = scratch(&mut pn, nbj.div_ceil(G) * G * k);
                     // While this block is packed and computed, the next NB rows (this task's or
                     // the next one's) are prefetched: packing is most of the time at batch 1,
                     // the FMA loop at large batches.
-                    let ahead = w.bytes((jb + NB) * k, NB * k);
-                    let pf = Prefetch::lines(ahead, 0, ahead.len().div_ceil(64));
-                    match w {
-                        CpuFloats::F32(wd) => pack(isa, &wd[jb * k..(jb + nbj) * k], nbj, k, panels, pf),
-                        _ => ROWS.with(|r| {
-                            let mut r = r.borrow_mut();
-                            let rows = scratch(&mut r, nbj * k);
-                            w.read_into(jb * k, rows);
-                            pack(isa, rows, nbj, k, panels, pf);
-                        }),
-                    }
+                    let (panels, ahead): (&[f32], &[u8]) = match w {
+                        Src::Rows(w) => {
+                            let panels = scratch(&mut pn, nbj.div_ceil(G) * G * k);
+                            let ahead = w.bytes((jb + NB) * k, NB * k);
+                            let pf = Prefetch::lines(ahead, 0, ahead.len().div_ceil(64));
+                            match w {
+                                CpuFloats::F32(wd) => pack(isa, &wd[jb * k..(jb + nbj) * k], nbj, k, panels, pf),
+                                _ => ROWS.with(|r| {
+                                    let mut r = r.borrow_mut();
+                                    let rows = scratch(&mut r, nbj * k);
+                                    w.read_into(jb * k, rows);
+                                    pack(isa, rows, nbj, k, panels, pf);
+                                }),
+                            }
+                            (panels, ahead)
+                        }
+                        // (NB = G: a block is one panel.)
+                        Src::Panels(p) => (p.panel(jb / G, &mut pn), p.bytes(jb / G + 1)),
+                    };
                     // SAFETY: columns jb..jb+nbj of y's m rows are written by this task only
                     // (tasks partition the columns, sub-blocks partition the task's columns),
                     // and the extent of y was checked in `linear_isa`.
@@ -678,7 +706,7 @@ mod tests {
             let w = data(n * k, 2);
             for isa in Isa::available() {
                 let mut y = vec![f32::NAN; m * n];
-                pool.install(|| linear_isa(isa, m, n, k, &x, CpuFloats::F32(&w), &mut y, n, false));
+                pool.install(|| linear_isa(isa, m, n, k, &x, Src::Rows(CpuFloats::F32(&w)), &mut y, n, false));
                 for i in 0..m {
                     for j in 0..n {
                         let r: f64 = (0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum();
@@ -708,7 +736,7 @@ mod tests {
             }
             for isa in Isa::available() {
                 let mut y = vec![f32::NAN; m * n];
-                linear_isa(isa, m, n, k, &x, CpuFloats::F32(&w), &mut y, n, false);
+                linear_isa(isa, m, n, k, &x, Src::Rows(CpuFloats::F32(&w)), &mut y, n, false);
                 let bad = y.iter().zip(&spec).position(|(a, b)| a.to_bits() != b.to_bits());
                 assert_eq!(bad, None, "{isa:?} ({m},{n},{k}) differs from the FMA chain");
             }
@@ -770,6 +798,33 @@ mod tests {
         let mut y = vec![5.0f32; 7];
         linear_nt(2, 3, 0, &[], CpuFloats::F32(&[]), &mut y, 4, true);
         assert_eq!(y, vec![5.0; 7], "accumulate adds nothing");
+    }
+
+    #[test]
+    fn prepacked_panels_give_the_row_major_bits() {
+        // Every shape, instruction set and stored dtype; strided output and accumulate too.
+        for &(m, n, k) in &SHAPES {
+            let x = data(m * k, 14);
+            let wf = data(n * k, 15);
+            let wb: Vec<bf16> = wf.iter().map(|v| bf16::from_f32(*v)).collect();
+            let wh: Vec<half::f16> = wf.iter().map(|v| half::f16::from_f32(*v)).collect();
+            for w in [CpuFloats::F32(&wf), CpuFloats::BF16(&wb), CpuFloats::F16(&wh)] {
+                let p = Panels::pack(w, n, k).expect("float weights pack");
+                assert_eq!(p.dims(), (n, k));
+                for isa in Isa::available() {
+                    let ldy = n + 3;
+                    let (mut a, mut b) = (vec![0.5f32; m * ldy], vec![0.5f32; m * ldy]);
+                    for acc in [false, true] {
+                        linear_isa(isa, m, n, k, &x, Src::Rows(w), &mut a, ldy, acc);
+                        linear_isa(isa, m, n, k, &x, Src::Panels(&p), &mut b, ldy, acc);
+                        let bad = a.iter().zip(&b).position(|(u, v)| u.to_bits() != v.to_bits());
+                        assert_eq!(bad, None, "{isa:?} ({m},{n},{k}) accumulate {acc}");
+                    }
+                }
+            }
+        }
+        let codes = vec![0u8; 64];
+        assert!(Panels::pack(CpuFloats::Fp8 { codes: &codes, scale: 1.0 }, 4, 16).is_none(), "FP8 codes stay row-major");
     }
 
     #[test]

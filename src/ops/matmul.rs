@@ -1,8 +1,9 @@
 //! Linear layers: `y = x · Wᵀ (+ b)` for an nn.Linear weight W (N, K).
 
+use super::linear_panels::Panels;
 use super::{check_rows, linear_cpu};
 use crate::device::{cuda, CpuFloats, Device, Tensor};
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 /// y[..m] (m, N) = x[..m] (m, K) · wᵀ, w (N, K), plus `bias` (N) when given; `accumulate` adds to y.
 pub fn linear(
@@ -14,7 +15,28 @@ pub fn linear(
     m: usize,
     accumulate: bool,
 ) -> Result<()> {
+    linear_packed(dev, x, w, None, bias, y, m, accumulate)
+}
+
+/// [`linear`], reading W from `panels` (the same weight packed once, see
+/// `ModelWeights::pack_panels`) where given: the same bits on CPU; CUDA ignores them.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_packed(
+    dev: &Device,
+    x: &Tensor,
+    w: &Tensor,
+    panels: Option<&Panels>,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+    accumulate: bool,
+) -> Result<()> {
     let (n, k) = (w.dim(0), w.dim(1));
+    if let Some(p) = panels {
+        if p.dims() != (n, k) {
+            bail!("linear: packed panels of {:?} for a weight of ({n}, {k})", p.dims());
+        }
+    }
     check_rows(x, m, k, "linear input")?;
     check_rows(y, m, n, "linear output")?;
     if let Some(b) = bias {
@@ -26,7 +48,10 @@ pub fn linear(
             let bf = bias.map(CpuFloats::of).transpose()?;
             let ys = y.f32s_mut()?;
             c.install(|| {
-                linear_cpu::linear_nt(m, n, k, xs, wf, ys, n, accumulate);
+                match panels {
+                    Some(p) => linear_cpu::linear_nt_panels(m, xs, p, ys, n, accumulate),
+                    None => linear_cpu::linear_nt(m, n, k, xs, wf, ys, n, accumulate),
+                }
                 if let Some(b) = bf {
                     for row in ys[..m * n].chunks_exact_mut(n) {
                         for (j, v) in row.iter_mut().enumerate() {

@@ -12,6 +12,7 @@ pub mod grad;
 pub mod gemm_cpu;
 mod isa;
 pub mod linear_cpu;
+pub mod linear_panels;
 pub mod logprob;
 pub mod matmul;
 pub mod norm;
