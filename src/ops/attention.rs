@@ -195,7 +195,7 @@ impl Rows<'_> {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
             Isa::Avx2 => unsafe { self.run256(item, o, sc) },
-            _ => self.item(item, o, sc, dot),
+            _ => self.item(item, o, sc, dots, pv),
         }
     }
 
@@ -203,20 +203,34 @@ impl Rows<'_> {
     #[target_feature(enable = "avx512f,avx2")]
     unsafe fn run512(&self, item: usize, o: &mut [f32], sc: &mut Vec<f32>) {
         // SAFETY: this function runs only where AVX-512F was detected.
-        self.item(item, o, sc, |a, b| unsafe { x86::dot512(a, b) })
+        self.item(item, o, sc, |q, k, at, n, out| unsafe { x86::dots512(q, k, at, n, out) }, |o, p, at, v| unsafe { x86::pv512(o, p, at, v) })
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
     unsafe fn run256(&self, item: usize, o: &mut [f32], sc: &mut Vec<f32>) {
         // SAFETY: this function runs only where AVX2 was detected.
-        self.item(item, o, sc, |a, b| unsafe { x86::dot256(a, b) })
+        let dots = |q: &[f32], k: &[f32], at: &[usize; KCHUNK], n: usize, out: &mut [f32]| {
+            for (o, &a) in out.iter_mut().zip(&at[..n]) {
+                // SAFETY: as above.
+                *o = unsafe { x86::dot256(q, &k[a..a + q.len()]) };
+            }
+        };
+        self.item(item, o, sc, dots, |o, p, at, v| unsafe { x86::pv256(o, p, at, v) })
     }
 
     /// The work item, in portable Rust (inlined into each instruction-set wrapper), with that
-    /// instruction set's [`dot`].
+    /// instruction set's [`dots`] and [`pv`].
     #[inline(always)]
-    fn item(&self, item: usize, o: &mut [f32], sc: &mut Vec<f32>, dot: impl Fn(&[f32], &[f32]) -> f32) {
+    #[allow(clippy::type_complexity)]
+    fn item(
+        &self,
+        item: usize,
+        o: &mut [f32],
+        sc: &mut Vec<f32>,
+        dots: impl Fn(&[f32], &[f32], &[usize; KCHUNK], usize, &mut [f32]),
+        pv: impl Fn(&mut [f32], &[f32], &[usize; KCHUNK], &[f32]),
+    ) {
         let Rows { qs, qst, ctx, bt, kc, vc, hkv, bs, d, groups, heads, maxb } = *self;
         let scale = 1.0 / (d as f32).sqrt();
         let (t, kvh) = (item / hkv, item % hkv);
@@ -228,15 +242,16 @@ impl Rows<'_> {
         let table = &bt[s * maxb..(s + 1) * maxb];
         let slot = |j: usize| ((table[j / bs] as usize * hkv + kvh) * bs + j % bs) * d;
         let qrow = &qs[t * heads * d + kvh * groups * d..t * heads * d + (kvh + 1) * groups * d];
-        // Layout: scores (groups × KCHUNK) | running max (groups) | sum (groups) | one K/V row (d).
-        let need = groups * KCHUNK + 2 * groups + d;
+        // Layout: scores (groups × KCHUNK) | running max (groups) | sum (groups) | the chunk's
+        // K rows, then V rows (KCHUNK × d each; used for caches that are not f32 only).
+        let need = groups * KCHUNK + 2 * groups + 2 * KCHUNK * d;
         if sc.len() < need {
             sc.resize(need, 0.0);
         }
         let (scores, rest) = sc.split_at_mut(groups * KCHUNK);
         let (mx, rest) = rest.split_at_mut(groups);
         let (sum, rest) = rest.split_at_mut(groups);
-        let kr = &mut rest[..d];
+        let (ks, vs) = rest.split_at_mut(KCHUNK * d);
         mx.fill(f32::NEG_INFINITY);
         sum.fill(0.0);
         o.fill(0.0);
@@ -245,10 +260,19 @@ impl Rows<'_> {
         let mut j0 = 0;
         while j0 < n {
             let jn = KCHUNK.min(n - j0);
-            for j in 0..jn {
-                let kr = kc.row(slot(j0 + j), kr);
-                for g in 0..groups {
-                    scores[g * KCHUNK + j] = dot(&qrow[g * d..(g + 1) * d], kr) * scale;
+            let slots: [usize; KCHUNK] = std::array::from_fn(|j| if j < jn { slot(j0 + j) } else { 0 });
+            // The next chunk's rows live in other cache blocks (no hardware stream finds them):
+            // ask for them now, while this chunk computes.
+            for j in j0 + KCHUNK..n.min(j0 + 2 * KCHUNK) {
+                kc.prefetch(slot(j), d);
+                vc.prefetch(slot(j), d);
+            }
+            let (kbase, koff) = kc.rows(slots, jn, d, ks);
+            for g in 0..groups {
+                let sg = &mut scores[g * KCHUNK..g * KCHUNK + jn];
+                dots(&qrow[g * d..(g + 1) * d], kbase, &koff, jn, sg);
+                for x in sg.iter_mut() {
+                    *x *= scale;
                 }
             }
             for g in 0..groups {
@@ -267,14 +291,11 @@ impl Rows<'_> {
                     sum[g] += *x;
                 }
             }
-            for j in 0..jn {
-                let vr = vc.row(slot(j0 + j), kr);
-                for g in 0..groups {
-                    let p = scores[g * KCHUNK + j];
-                    for (a, b) in o[g * d..(g + 1) * d].iter_mut().zip(vr.iter()) {
-                        *a += p * b;
-                    }
-                }
+            // o[g] += p[g][j] · v_j for j in order, 16 dimensions at a time held in a register
+            // across the chunk's keys (the same additions, in the same order, as key by key).
+            let (vbase, voff) = vc.rows(slots, jn, d, vs);
+            for g in 0..groups {
+                pv(&mut o[g * d..(g + 1) * d], &scores[g * KCHUNK..g * KCHUNK + jn], &voff, vbase);
             }
             j0 += jn;
         }
@@ -287,10 +308,30 @@ impl Rows<'_> {
     }
 }
 
+/// out[j] = [`dot`](q, k_j) for j < n, k_j = kbase[koff[j]..][..q.len()]. `x86::dots512` is the
+/// same for 16 keys at once.
+fn dots(q: &[f32], kbase: &[f32], koff: &[usize; KCHUNK], n: usize, out: &mut [f32]) {
+    for (o, &a) in out.iter_mut().zip(&koff[..n]) {
+        *o = dot(q, &kbase[a..a + q.len()]);
+    }
+}
+
+/// o += p[j] · v_j for the chunk's keys j < p.len() in order, v_j = vbase[voff[j]..][..o.len()]:
+/// per element the additions of key-by-key accumulation, in its order. `x86::pv512` / `pv256`
+/// are the same with the sums held in registers across the keys.
+fn pv(o: &mut [f32], p: &[f32], voff: &[usize; KCHUNK], vbase: &[f32]) {
+    let d = o.len();
+    for (&pj, &at) in p.iter().zip(voff) {
+        for (a, v) in o.iter_mut().zip(&vbase[at..at + d]) {
+            *a += pj * v;
+        }
+    }
+}
+
 /// Σ a[i]·b[i] (each product rounded, then added) in one fixed order: 16 lane sums over
 /// i ≡ l (mod 16), halved pairwise (l + 8, then + 4, + 2, + 1), then the tail past the last 16.
 /// Written so that it vectorizes without reassociation, so every CPU gives the same bits;
-/// `x86::dot512` / `dot256` are the same order in intrinsics (the compiler vectorizes this
+/// `x86::dot256` (and `dots512`, 16 keys at once) are the same order in intrinsics (the compiler vectorizes this
 /// loop only 2–4 wide).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
@@ -316,26 +357,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// [`super::dot`] with the 16 lane sums in one zmm register.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512F; a and b have the same length.
-    #[target_feature(enable = "avx512f,avx2")]
-    pub unsafe fn dot512(a: &[f32], b: &[f32]) -> f32 {
-        let (n, pa, pb) = (a.len().min(b.len()), a.as_ptr(), b.as_ptr());
-        let full = n / 16 * 16;
-        let mut l = _mm512_setzero_ps();
-        for i in (0..full).step_by(16) {
-            l = _mm512_add_ps(l, _mm512_mul_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i))));
-        }
-        // Lanes l + 8 (the high half onto the low), then halve the 8 as dot256 does.
-        let h8 = _mm256_add_ps(
-            _mm512_castps512_ps256(l),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(l))),
-        );
-        finish(h8, a, b, full, n)
-    }
-
     /// [`super::dot`] with lanes 0..8 and 8..16 in two ymm registers.
     ///
     /// # Safety
@@ -350,6 +371,137 @@ mod x86 {
             hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8))));
         }
         finish(_mm256_add_ps(lo, hi), a, b, full, n)
+    }
+
+    /// [`super::dots`] for up to 16 keys at once: each key's 16 lane sums in its own register
+    /// (16 independent chains instead of one), then the halving tree of [`super::dot`] run on
+    /// all 16 together: lanes l + 8, + 4, + 2, + 1 are the same additions, brought side by side
+    /// by shuffles; then each key's tail past the last 16, in order.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; every k_j holds q.len() values; out holds n ≤ 16.
+    #[target_feature(enable = "avx512f,avx2")]
+    pub unsafe fn dots512(q: &[f32], kbase: &[f32], koff: &[usize; super::KCHUNK], n: usize, out: &mut [f32]) {
+        const _: () = assert!(super::KCHUNK == 16);
+        let (d, n) = (q.len(), n.min(16).min(out.len()));
+        for &at in &koff[..n] {
+            assert!(at + d <= kbase.len(), "dots512: key row out of range");
+        }
+        let full = d / 16 * 16;
+        let (qp, kp) = (q.as_ptr(), kbase.as_ptr());
+        let mut l = [_mm512_setzero_ps(); 16];
+        for c in (0..full).step_by(16) {
+            let qc = _mm512_loadu_ps(qp.add(c));
+            for (j, lj) in l.iter_mut().enumerate().take(n) {
+                *lj = _mm512_add_ps(*lj, _mm512_mul_ps(qc, _mm512_loadu_ps(kp.add(koff[j] + c))));
+            }
+        }
+        // Lanes i + 8: keys 2a and 2a + 1 side by side (their 256-bit halves).
+        let s1: [__m512; 8] = std::array::from_fn(|a| {
+            let (x, y) = (l[2 * a], l[2 * a + 1]);
+            _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xEE>(x, y))
+        });
+        // + 4: keys 4b..4b + 4, one per 128-bit lane.
+        let s2: [__m512; 4] = std::array::from_fn(|b| {
+            let (x, y) = (s1[2 * b], s1[2 * b + 1]);
+            _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xDD>(x, y))
+        });
+        // + 2: in 128-bit lane k, keys 8c + k and 8c + 4 + k, two values each.
+        let s3: [__m512; 2] = std::array::from_fn(|c| {
+            let (x, y) = (s2[2 * c], s2[2 * c + 1]);
+            _mm512_add_ps(_mm512_shuffle_ps::<0x44>(x, y), _mm512_shuffle_ps::<0xEE>(x, y))
+        });
+        // + 1: position 4k + e holds key 4e + k.
+        let s4 = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(s3[0], s3[1]), _mm512_shuffle_ps::<0xDD>(s3[0], s3[1]));
+        let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        let mut r = [0.0f32; 16];
+        _mm512_storeu_ps(r.as_mut_ptr(), _mm512_permutexvar_ps(idx, s4));
+        for (j, o) in out.iter_mut().enumerate().take(n) {
+            let k = &kbase[koff[j]..koff[j] + d];
+            *o = q[full..].iter().zip(&k[full..]).fold(r[j], |s, (x, y)| s + x * y);
+        }
+    }
+
+    /// [`super::pv`]: 64 (then 16) dimensions of o in 4 (1) zmm registers across the keys.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; every v_j holds o.len() values.
+    #[target_feature(enable = "avx512f,avx2")]
+    pub unsafe fn pv512(o: &mut [f32], p: &[f32], voff: &[usize; super::KCHUNK], vbase: &[f32]) {
+        let (d, n) = (o.len(), p.len().min(super::KCHUNK));
+        for &at in &voff[..n] {
+            assert!(at + d <= vbase.len(), "pv512: value row out of range");
+        }
+        let (op, vp) = (o.as_mut_ptr(), vbase.as_ptr());
+        let mut b = 0;
+        while b + 64 <= d {
+            let mut acc: [__m512; 4] = std::array::from_fn(|i| _mm512_loadu_ps(op.add(b + 16 * i)));
+            for j in 0..n {
+                let pj = _mm512_set1_ps(p[j]);
+                let v = vp.add(voff[j] + b);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(pj, _mm512_loadu_ps(v.add(16 * i))));
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(op.add(b + 16 * i), *a);
+            }
+            b += 64;
+        }
+        while b + 16 <= d {
+            let mut a = _mm512_loadu_ps(op.add(b));
+            for j in 0..n {
+                a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(vp.add(voff[j] + b))));
+            }
+            _mm512_storeu_ps(op.add(b), a);
+            b += 16;
+        }
+        for (i, a) in o.iter_mut().enumerate().skip(b) {
+            for j in 0..n {
+                *a += p[j] * vbase[voff[j] + i];
+            }
+        }
+    }
+
+    /// [`super::pv`] with 8 ymm registers (64 dimensions), then 1 (8), then scalars.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; every v_j holds o.len() values.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn pv256(o: &mut [f32], p: &[f32], voff: &[usize; super::KCHUNK], vbase: &[f32]) {
+        let (d, n) = (o.len(), p.len().min(super::KCHUNK));
+        for &at in &voff[..n] {
+            assert!(at + d <= vbase.len(), "pv256: value row out of range");
+        }
+        let (op, vp) = (o.as_mut_ptr(), vbase.as_ptr());
+        let mut b = 0;
+        while b + 64 <= d {
+            let mut acc: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(op.add(b + 8 * i)));
+            for j in 0..n {
+                let pj = _mm256_set1_ps(p[j]);
+                let v = vp.add(voff[j] + b);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(pj, _mm256_loadu_ps(v.add(8 * i))));
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(op.add(b + 8 * i), *a);
+            }
+            b += 64;
+        }
+        while b + 8 <= d {
+            let mut a = _mm256_loadu_ps(op.add(b));
+            for j in 0..n {
+                a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vp.add(voff[j] + b))));
+            }
+            _mm256_storeu_ps(op.add(b), a);
+            b += 8;
+        }
+        for (i, a) in o.iter_mut().enumerate().skip(b) {
+            for j in 0..n {
+                *a += p[j] * vbase[voff[j] + i];
+            }
+        }
     }
 
     /// h8 (lanes l + l + 8, l < 8) → + 4, + 2, + 1, then the tail a[full..n]·b[full..n] in order.
@@ -383,6 +535,37 @@ impl<'a> Kv<'a> {
     }
     /// The cache row of `out.len()` values at `at` as f32: the cache itself when it is f32,
     /// else decoded into `out`.
+    /// A hint to bring the row of `d` values at `at` into cache (never faults; no-op off x86).
+    #[inline(always)]
+    fn prefetch(&self, at: usize, d: usize) {
+        let bytes: &[u8] = match self {
+            Kv::F32(v) => bytemuck::cast_slice(&v[at.min(v.len())..(at + d).min(v.len())]),
+            Kv::BF16(v) => bytemuck::cast_slice(&v[at.min(v.len())..(at + d).min(v.len())]),
+            Kv::F16(v) => bytemuck::cast_slice(&v[at.min(v.len())..(at + d).min(v.len())]),
+            Kv::Fp8(v, ..) => &v[at.min(v.len())..(at + d).min(v.len())],
+        };
+        #[cfg(target_arch = "x86_64")]
+        for line in bytes.chunks(64) {
+            // SAFETY: a prefetch is a hint that cannot fault; the address is inside `bytes`.
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr() as *const i8) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = bytes;
+    }
+
+    /// The `n` rows (of `d` values) at offsets `at` as f32: (values, each row's offset in them)
+    /// — the cache itself when it is f32, else decoded into `out` (n × d).
+    #[inline(always)]
+    fn rows<'s>(&'s self, at: [usize; KCHUNK], n: usize, d: usize, out: &'s mut [f32]) -> (&'s [f32], [usize; KCHUNK]) {
+        if let Kv::F32(v) = self {
+            return (v, at);
+        }
+        for (j, &a) in at.iter().enumerate().take(n) {
+            self.row(a, &mut out[j * d..(j + 1) * d]);
+        }
+        (out, std::array::from_fn(|j| j * d))
+    }
+
     #[inline(always)]
     fn row<'s>(&'s self, at: usize, out: &'s mut [f32]) -> &'s [f32] {
         let n = out.len();
@@ -426,7 +609,11 @@ mod tests {
             for isa in crate::ops::isa::Isa::available() {
                 // SAFETY: `available` lists only detected instruction sets.
                 let v = match isa {
-                    crate::ops::isa::Isa::Avx512 => unsafe { super::x86::dot512(&a, &b) },
+                    crate::ops::isa::Isa::Avx512 => {
+                        let mut out = [0.0f32; 1];
+                        unsafe { super::x86::dots512(&a, &b, &[0; super::KCHUNK], 1, &mut out) };
+                        out[0]
+                    }
                     crate::ops::isa::Isa::Avx2 => unsafe { super::x86::dot256(&a, &b) },
                     crate::ops::isa::Isa::Portable => dot(&a, &b),
                 };
@@ -450,6 +637,68 @@ mod tests {
             let r: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             let mag: f64 = a.iter().zip(&b).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum();
             assert!((got as f64 - r).abs() <= 1e-6 + 1e-5 * mag, "n = {n}: {got} vs {r}");
+        }
+    }
+
+    #[test]
+    fn sixteen_keys_at_once_are_sixteen_dots_bitwise() {
+        if !crate::ops::isa::Isa::available().contains(&crate::ops::isa::Isa::Avx512) {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        let mut s = crate::rand::Stream::new(12, 0);
+        for d in [0usize, 1, 15, 16, 17, 40, 64, 100, 128] {
+            // Keys at scattered offsets of one buffer (as cache slots are), some overlapping.
+            let base: Vec<f32> = (0..40 * d.max(1) + 7).map(|_| s.normal() as f32).collect();
+            let q: Vec<f32> = (0..d).map(|_| s.normal() as f32).collect();
+            let koff: [usize; super::KCHUNK] = std::array::from_fn(|j| (j * 37 * d.max(1) / 16 + j) % (39 * d.max(1)));
+            for n in [1usize, 5, 16] {
+                let mut got = [f32::NAN; 16];
+                // SAFETY: AVX-512 detected above; every row koff[j]..+d lies inside `base`.
+                unsafe { super::x86::dots512(&q, &base, &koff, n, &mut got[..n]) };
+                for j in 0..n {
+                    let want = dot(&q, &base[koff[j]..koff[j] + d]);
+                    assert_eq!(got[j].to_bits(), want.to_bits(), "d {d} n {n} key {j}");
+                }
+                assert!(got[n..].iter().all(|x| x.is_nan()), "wrote past n");
+            }
+        }
+    }
+
+    #[test]
+    fn register_blocked_value_sums_equal_key_by_key_bitwise() {
+        use crate::ops::isa::Isa;
+        let mut s = crate::rand::Stream::new(13, 0);
+        for d in [1usize, 8, 15, 16, 40, 64, 72, 128, 200] {
+            let base: Vec<f32> = (0..20 * d + 3).map(|_| s.normal() as f32).collect();
+            let voff: [usize; super::KCHUNK] = std::array::from_fn(|j| (j * 5 * d / 4 + 3) % (18 * d));
+            for n in [1usize, 7, 16] {
+                let p: Vec<f32> = (0..n).map(|_| s.normal().abs() as f32).collect();
+                let start: Vec<f32> = (0..d).map(|_| s.normal() as f32).collect();
+                let mut want = start.clone();
+                super::pv(&mut want, &p, &voff, &base);
+                for isa in Isa::available() {
+                    let mut got = start.clone();
+                    match isa {
+                        // SAFETY: `available` lists only detected instruction sets; rows lie in `base`.
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx512 => unsafe { super::x86::pv512(&mut got, &p, &voff, &base) },
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx2 => unsafe { super::x86::pv256(&mut got, &p, &voff, &base) },
+                        _ => super::pv(&mut got, &p, &voff, &base),
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{isa:?} d {d} n {n}");
+                }
+                // And the spec, written out: per element, key by key.
+                for i in 0..d {
+                    let mut a = start[i];
+                    for j in 0..n {
+                        a += p[j] * base[voff[j] + i];
+                    }
+                    assert_eq!(a.to_bits(), want[i].to_bits());
+                }
+            }
         }
     }
 }
