@@ -1,13 +1,17 @@
 // main.cpp: runs the element-wise kernels of csrc/kernels on the host (see shim.h) over the
 // inputs in the folder given as argv[1] (x.bin: f32 values, a multiple of 256; signs.bin: the
-// 16 RHT signs) and writes their outputs there, for src/device/cuda/hostemu.rs to compare with
+// 16 RHT signs; ids.bin: u32 row ids, some out of range; pos.bin: u32 positions) and writes
+// their outputs there, for src/device/cuda/hostemu.rs to compare with
 // the CPU quantizers. Build: c++ -std=c++17 -O2 -ffp-contract=off -include shim.h -Iinclude
 // -I../include main.cpp (the test does this).
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "../kernels/attention.cu"
+#include "../kernels/elementwise.cu"
 #include "../kernels/norm_rope.cu"
 #include "../kernels/quantize.cu"
 
@@ -121,6 +125,75 @@ int main(int argc, char** argv) {
   wr("rope", xr.data(), 4 * n);
   wr("rope_cos", cs.data(), 4 * rows * 32);
   wr("rope_sin", sn.data(), 4 * rows * 32);
+  // Rows of x as a table (n / 64 rows of 64): embedding (f32 and BF16 tables), gather_rows,
+  // the bias add (f32 and BF16 biases: the first 64 values), casts, swiglu, the RoPE table.
+  std::vector<uint8_t> idr = rd("ids.bin"), posr = rd("pos.bin");
+  if (idr.empty() || posr.empty()) return 4;
+  const uint32_t* ids = reinterpret_cast<const uint32_t*>(idr.data());
+  const int32_t nid = static_cast<int32_t>(idr.size() / 4), vocab = static_cast<int32_t>(n / 64);
+  for (int t = 0; t < 2; t++) {
+    std::vector<float> out(static_cast<size_t>(nid) * 64);
+    uint32_t err = 0;
+    ct_embedding_params e{};
+    e.table = t == 0 ? static_cast<const void*>(x) : static_cast<const void*>(xb.data());
+    e.dtype = t == 0 ? CT_DTYPE_F32 : CT_DTYPE_BF16, e.vocab = vocab, e.ids = ids, e.out = out.data();
+    e.rows = nid, e.cols = 64, e.err = &err;
+    ct_embedding(e);
+    wr(t == 0 ? "emb_f32" : "emb_bf16", out.data(), 4 * out.size());
+    wr(t == 0 ? "emb_err_f32" : "emb_err_bf16", &err, 4);
+  }
+  {
+    std::vector<float> out(static_cast<size_t>(nid) * 64);
+    uint32_t err = 0;
+    ct_gather_rows_params g{};
+    g.src = x, g.idx = ids, g.dst = out.data(), g.rows = nid, g.cols = 64, g.src_rows = vocab, g.err = &err;
+    ct_gather_rows(g);
+    wr("gather", out.data(), 4 * out.size());
+    wr("gather_err", &err, 4);
+  }
+  for (int t = 0; t < 2; t++) {
+    std::vector<float> y(x, x + n);
+    ct_add_bias_params b{};
+    b.y = y.data(), b.bias = t == 0 ? static_cast<const void*>(x) : static_cast<const void*>(xb.data());
+    b.dtype = t == 0 ? CT_DTYPE_F32 : CT_DTYPE_BF16, b.rows = vocab, b.cols = 64;
+    ct_add_bias(b);
+    wr(t == 0 ? "bias_f32" : "bias_bf16", y.data(), 4 * n);
+  }
+  for (int t = 0; t < 2; t++) {
+    std::vector<uint16_t> y(n);
+    ct_cast_params c{};
+    c.x = x, c.y = y.data(), c.dtype = t == 0 ? CT_DTYPE_BF16 : CT_DTYPE_F16, c.n = n;
+    ct_cast(c);
+    wr(t == 0 ? "cast_bf16" : "cast_f16", y.data(), 2 * n);
+  }
+  {  // F16 over a sweep of f32 bit patterns (the shim's conversion stands in for the GPU's)
+    std::vector<uint8_t> sw = rd("sweep.bin");
+    const int64_t ns = static_cast<int64_t>(sw.size() / 4);
+    std::vector<uint16_t> y(ns);
+    ct_cast_params c{};
+    c.x = reinterpret_cast<const float*>(sw.data()), c.y = y.data(), c.dtype = CT_DTYPE_F16, c.n = ns;
+    ct_cast(c);
+    wr("cast_f16_sweep", y.data(), 2 * ns);
+  }
+  {
+    std::vector<float> up(x, x + n), out(n);
+    std::reverse(up.begin(), up.end());
+    ct_swiglu_params w{};
+    w.gate = x, w.up = up.data(), w.out = out.data(), w.n = n;
+    ct_swiglu(w);
+    wr("swiglu", out.data(), 4 * n);
+  }
+  {
+    const uint32_t* pos = reinterpret_cast<const uint32_t*>(posr.data());
+    const int32_t np = static_cast<int32_t>(posr.size() / 4), half = 32;
+    std::vector<float> inv(half), cs2(static_cast<size_t>(np) * half), sn2(cs2.size());
+    for (int i = 0; i < half; i++) inv[i] = std::fabs(x[200 + i]) + 1e-6f;
+    ct_rope_table_params rt{};
+    rt.pos = pos, rt.inv_freq = inv.data(), rt.cos = cs2.data(), rt.sin = sn2.data(), rt.rows = np, rt.half = half;
+    ct_rope_table(rt);
+    wr("rt_cos", cs2.data(), 4 * cs2.size());
+    wr("rt_sin", sn2.data(), 4 * sn2.size());
+  }
   std::printf("ok %lld\n", static_cast<long long>(n));
   return 0;
 }

@@ -294,7 +294,7 @@ inline unsigned atomicMin(unsigned* p, unsigned v) { unsigned o = *p; if (v < o)
 inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p = o + v; return o; }
 inline unsigned atomicCAS(uint32_t* p, uint32_t c, uint32_t v) { unsigned o = *p; if (o == c) *p = v; return o; }
 
-// BF16 by bits (round to nearest even, NaN kept quiet); F16 is not emulated.
+// BF16 and F16 by bits (round to nearest even, NaN kept quiet).
 struct __nv_bfloat16 {
   uint16_t b;
 };
@@ -308,5 +308,28 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return {static_cast<uint16_t>(u >> 16)};
 }
-inline float __half2float(__half) { return NAN; }
-inline __half __float2half_rn(float) { return {0x7e00}; }
+// IEEE binary16, round to nearest even (subnormals included; NaN stays NaN, quiet, sign kept).
+inline float __half2float(__half h) {
+  const uint32_t sign = static_cast<uint32_t>(h.b & 0x8000u) << 16, e = (h.b >> 10) & 0x1fu, m = h.b & 0x3ffu;
+  if (e == 0x1f) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+  if (e != 0) return __uint_as_float(sign | ((e + 112) << 23) | (m << 13));
+  const float mag = static_cast<float>(m) * 5.9604644775390625e-8f;  // m · 2^-24, exact
+  return sign ? -mag : mag;
+}
+inline __half __float2half_rn(float f) {
+  const uint32_t u = __float_as_uint(f), a = u & 0x7fffffffu;
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  if (a > 0x7f800000u) return {static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu))};
+  if (a >= 0x477ff000u) return {static_cast<uint16_t>(sign | 0x7c00u)};  // >= 65520: infinity
+  uint32_t r, rem, half_ulp;
+  if (a >= 0x38800000u) {  // normal: rebias the exponent, keep 10 mantissa bits
+    r = (a - (112u << 23)) >> 13, rem = a & 0x1fffu, half_ulp = 0x1000u;
+  } else if (a >= 0x33000000u) {  // subnormal: (mantissa with its leading 1) · 2^(e - 126) units of 2^-24
+    const uint32_t e = a >> 23, mant = (a & 0x7fffffu) | 0x800000u, k = 126 - e;
+    r = mant >> k, rem = mant & ((1u << k) - 1), half_ulp = 1u << (k - 1);
+  } else {
+    return {sign};  // below 2^-25 (or exactly it, a tie to the even 0)
+  }
+  if (rem > half_ulp || (rem == half_ulp && (r & 1u))) r++;
+  return {static_cast<uint16_t>(sign | r)};
+}

@@ -3,7 +3,8 @@
 //! of csrc/hostemu (single thread, `_rn` intrinsics as plain IEEE f32 operations) and their
 //! outputs compared bit for bit with the CPU twins: FP8 and NVFP4 quantization (plain, RHT,
 //! stochastic rounding, both; from f32 and BF16), dequantization, fake quantization, FP8 / BF16
-//! KV writes and RoPE. This checks the kernels' arithmetic and indexing, not the GPU: the
+//! KV writes, RoPE and its table, embedding, gather_rows, the bias add, the BF16/F16 casts and
+//! SwiGLU. This checks the kernels' arithmetic and indexing, not the GPU: the
 //! device check does that on hardware. Skipped (with a message) when no C++ compiler is found.
 
 use crate::device::{CpuFloats, Device, Tensor};
@@ -101,6 +102,19 @@ fn kernels_match_the_cpu_twins_under_host_emulation() {
     std::fs::write(dir.join("x.bin"), x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()).expect("write x");
     std::fs::write(dir.join("signs.bin"), signs.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())
         .expect("write signs");
+    // Row ids into the n / 64 rows of x (one out of range, repeats), and RoPE positions.
+    let vocab = (n / 64) as u32;
+    let ids: Vec<u32> = vec![0, vocab - 1, 3, vocab + 5, 17, 3, 200, 64];
+    let pos: Vec<u32> = vec![0, 1, 7, 1000, 4095, 65535, 131071, 999_999];
+    let le = |v: &[u32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    std::fs::write(dir.join("ids.bin"), le(&ids)).expect("write ids");
+    std::fs::write(dir.join("pos.bin"), le(&pos)).expect("write positions");
+    // Every 4093rd f32 bit pattern but NaNs (their payloads are the GPU's business), and the
+    // F16 rounding boundaries: the largest finite value, the overflow tie, the subnormal ties.
+    let mut sweep: Vec<u32> = (0..=u32::MAX).step_by(4093).filter(|b| !f32::from_bits(*b).is_nan()).collect();
+    sweep.extend([0x477fe000, 0x477fefff, 0x477ff000, 0x33000000, 0x33000001, 0x33400000, 0x387fe000, 0x387ff000, 0x38800000]);
+    sweep.extend(sweep.clone().iter().map(|b| b ^ 0x8000_0000));
+    std::fs::write(dir.join("sweep.bin"), le(&sweep)).expect("write sweep");
     let run = Command::new(&exe).arg(&dir).output().expect("run the host emulation");
     assert!(run.status.success(), "host emulation failed: {}", String::from_utf8_lossy(&run.stderr));
 
@@ -178,5 +192,65 @@ fn kernels_match_the_cpu_twins_under_host_emulation() {
     let st = Tensor::from_f32_host(crate::device::DType::F32, &[hr, 32], &sn).expect("sin");
     crate::ops::rope::rope(&cpu, &mut xr, &ct, &st, hr, 1).expect("rope");
     same(&bits(&f32s(&read(&dir, "rope"))), &bits(&xr.to_f32_vec().expect("read")), "RoPE");
+    rows_and_activations(&dir, &x, &xb, &ids, &pos);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// ct_embedding, ct_gather_rows, ct_add_bias, ct_cast, ct_swiglu and ct_rope_table against
+/// `ops::elementwise`, the bias loop of `ops::matmul::linear`, half's conversions and
+/// `ops::rope::rope_table`, bit for bit; an out-of-range id sets the error word and a NaN row
+/// (the CPU twins refuse it before writing, so they run on the valid ids).
+fn rows_and_activations(dir: &Path, x: &[f32], xb: &[half::bf16], ids: &[u32], pos: &[u32]) {
+    use crate::device::DType;
+    use crate::ops::{elementwise, rope};
+    let cpu = Device::cpu(1).expect("cpu");
+    let (n, c) = (x.len(), 64);
+    let v = n / c;
+    let good: Vec<u32> = ids.iter().copied().filter(|&i| (i as usize) < v).collect();
+    let bad = ids.iter().position(|&i| i as usize >= v).expect("one id out of range");
+    let ids_t = Tensor::from_u32_host(&[good.len()], good.clone()).expect("ids");
+    // The kernel's rows for the valid ids, in order, and its row for the bad one.
+    let split = |got: &[f32]| -> (Vec<u32>, Vec<f32>) {
+        let rows: Vec<&[f32]> = got.chunks_exact(c).collect();
+        let valid: Vec<f32> = rows.iter().enumerate().filter(|(i, _)| *i != bad).flat_map(|(_, r)| r.iter().copied()).collect();
+        (bits(&valid), rows[bad].to_vec())
+    };
+    for (tag, dt) in [("f32", DType::F32), ("bf16", DType::BF16)] {
+        let table = Tensor::from_f32_host(dt, &[v, c], x).expect("table");
+        let mut out = Tensor::cpu_zeros(DType::F32, &[good.len(), c]);
+        elementwise::embedding(&cpu, &table, &ids_t, &mut out, good.len()).expect("embedding");
+        let (valid, bad_row) = split(&f32s(&read(dir, &format!("emb_{tag}"))));
+        same(&valid, &bits(&out.to_f32_vec().expect("read")), &format!("embedding, {tag} table"));
+        assert!(bad_row.iter().all(|z| z.is_nan()), "embedding {tag}: the out-of-range row is NaN");
+        assert_eq!(f32s(&read(dir, &format!("emb_err_{tag}")))[0].to_bits(), 1, "CT_ERR_TOKEN_ID");
+    }
+    let src = Tensor::from_f32_host(DType::F32, &[v, c], x).expect("src");
+    let mut dst = Tensor::cpu_zeros(DType::F32, &[good.len(), c]);
+    elementwise::gather_rows(&cpu, &src, &ids_t, &mut dst, good.len()).expect("gather_rows");
+    let (valid, bad_row) = split(&f32s(&read(dir, "gather")));
+    same(&valid, &bits(&dst.to_f32_vec().expect("read")), "gather_rows");
+    assert!(bad_row.iter().all(|z| z.is_nan()));
+    assert_eq!(f32s(&read(dir, "gather_err"))[0].to_bits(), 2, "CT_ERR_GATHER_ROW");
+    // y += b[col], b = the first 64 values (as f32, then as BF16 widened).
+    let want_f32: Vec<f32> = x.iter().enumerate().map(|(i, y)| y + x[i % c]).collect();
+    let want_bf16: Vec<f32> = x.iter().enumerate().map(|(i, y)| y + xb[i % c].to_f32()).collect();
+    same(&bits(&f32s(&read(dir, "bias_f32"))), &bits(&want_f32), "bias add, f32 bias");
+    same(&bits(&f32s(&read(dir, "bias_bf16"))), &bits(&want_bf16), "bias add, BF16 bias");
+    let u16s = |b: Vec<u8>| b.chunks_exact(2).map(|p| u16::from_le_bytes([p[0], p[1]])).collect::<Vec<u16>>();
+    same(&u16s(read(dir, "cast_bf16")), &xb.iter().map(|b| b.to_bits()).collect::<Vec<_>>(), "cast to BF16");
+    same(&u16s(read(dir, "cast_f16")), &x.iter().map(|f| half::f16::from_f32(*f).to_bits()).collect::<Vec<_>>(), "cast to F16");
+    let sweep: Vec<f32> = read(dir, "sweep.bin").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    same(&u16s(read(dir, "cast_f16_sweep")), &sweep.iter().map(|f| half::f16::from_f32(*f).to_bits()).collect::<Vec<_>>(), "cast to F16, bit-pattern sweep");
+    let up: Vec<f32> = x.iter().rev().copied().collect();
+    let (g, u) = (Tensor::from_f32_host(DType::F32, &[v, c], x).expect("gate"), Tensor::from_f32_host(DType::F32, &[v, c], &up).expect("up"));
+    let mut o = Tensor::cpu_zeros(DType::F32, &[v, c]);
+    elementwise::swiglu(&cpu, &g, &u, &mut o, v).expect("swiglu");
+    same(&bits(&f32s(&read(dir, "swiglu"))), &bits(&o.to_f32_vec().expect("read")), "swiglu");
+    let inv: Vec<f32> = (0..32).map(|i| x[200 + i].abs() + 1e-6).collect();
+    let (pt, ft) = (Tensor::from_u32_host(&[pos.len()], pos.to_vec()).expect("pos"), Tensor::from_f32_host(DType::F32, &[32], &inv).expect("inv"));
+    let (mut cs, mut sn) = (Tensor::cpu_zeros(DType::F32, &[pos.len(), 32]), Tensor::cpu_zeros(DType::F32, &[pos.len(), 32]));
+    rope::rope_table(&cpu, &pt, &ft, &mut cs, &mut sn, pos.len()).expect("rope table");
+    same(&bits(&f32s(&read(dir, "rt_cos"))), &bits(&cs.to_f32_vec().expect("read")), "RoPE table cos");
+    same(&bits(&f32s(&read(dir, "rt_sin"))), &bits(&sn.to_f32_vec().expect("read")), "RoPE table sin");
+}
+
