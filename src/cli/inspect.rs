@@ -53,6 +53,15 @@ pub fn run(a: Args) -> Result<()> {
         gib(n as f64 * 4.0),
         gib(n as f64 * (2.0 + 4.0 * 4.0))
     );
+    // generate / score on CPU: the linears (projections and the LM head) packed once, in the
+    // weights' dtype, beside the weights (--no-pack skips it).
+    let linears = cfg.num_layers * (cfg.hidden_size * (2 * cfg.q_dim() + 2 * cfg.kv_dim()) + 3 * cfg.hidden_size * cfg.intermediate_size)
+        + cfg.vocab_size * cfg.hidden_size;
+    println!(
+        "decode copy  CPU generate/score pack the linears once: +{:.3} GiB in bf16, +{:.3} GiB in f32 (--no-pack: none)",
+        gib(linears as f64 * 2.0),
+        gib(linears as f64 * 4.0)
+    );
     let per_tok = KvCache::block_bytes(&cfg, 1, crate::device::DType::BF16);
     println!(
         "KV cache     {} KiB per token in bf16 ({:.3} GiB for one {}-token sequence)",
