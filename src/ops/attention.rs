@@ -110,6 +110,13 @@ thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Values of a thread's attention scratch for `groups` query heads per KV head of `d`:
+/// scores (groups × KCHUNK) | running max (groups) | sum (groups) | the chunk's K rows, then V
+/// rows (KCHUNK × d each; used for caches that are not f32 only).
+pub fn scratch_len(groups: usize, d: usize) -> usize {
+    groups * KCHUNK + 2 * groups + 2 * KCHUNK * d
+}
+
 /// Grows this thread's attention scratch to at least `n` values.
 pub fn reserve(n: usize) {
     SCRATCH.with(|s| {
@@ -242,9 +249,7 @@ impl Rows<'_> {
         let table = &bt[s * maxb..(s + 1) * maxb];
         let slot = |j: usize| ((table[j / bs] as usize * hkv + kvh) * bs + j % bs) * d;
         let qrow = &qs[t * heads * d + kvh * groups * d..t * heads * d + (kvh + 1) * groups * d];
-        // Layout: scores (groups × KCHUNK) | running max (groups) | sum (groups) | the chunk's
-        // K rows, then V rows (KCHUNK × d each; used for caches that are not f32 only).
-        let need = groups * KCHUNK + 2 * groups + 2 * KCHUNK * d;
+        let need = scratch_len(groups, d);
         if sc.len() < need {
             sc.resize(need, 0.0);
         }
@@ -533,8 +538,6 @@ impl<'a> Kv<'a> {
             _ => bail!("KV cache storage must be f32, bf16, f16 or FP8 (u8)"),
         })
     }
-    /// The cache row of `out.len()` values at `at` as f32: the cache itself when it is f32,
-    /// else decoded into `out`.
     /// A hint to bring the row of `d` values at `at` into cache (never faults; no-op off x86).
     #[inline(always)]
     fn prefetch(&self, at: usize, d: usize) {
@@ -566,6 +569,8 @@ impl<'a> Kv<'a> {
         (out, std::array::from_fn(|j| j * d))
     }
 
+    /// The cache row of `out.len()` values at `at` as f32: the cache itself when it is f32,
+    /// else decoded into `out`.
     #[inline(always)]
     fn row<'s>(&'s self, at: usize, out: &'s mut [f32]) -> &'s [f32] {
         let n = out.len();

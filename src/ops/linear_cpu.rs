@@ -140,7 +140,7 @@ fn chunk(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: Src, y: &mut [f32
     let run = |xt: &mut [f32]| {
         // (With AVX-512 a single group of ≤ 8 rows reads x row-major; see `block`.)
         if !(isa == Isa::Avx512 && m <= 8) {
-            transpose(&x[..m * k], m, k, xt);
+            transpose(isa, &x[..m * k], m, k, xt);
         }
         let xt = &*xt;
         (0..n_tasks).into_par_iter().for_each(|t| {
@@ -190,17 +190,26 @@ fn chunk(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: Src, y: &mut [f32
     });
 }
 
-/// xt (groups, k, G) ← the rows of x (rows, k); lanes past the last row are zero.
-fn transpose(x: &[f32], rows: usize, k: usize, xt: &mut [f32]) {
+/// xt (groups, k, G) ← the rows of x (rows, k); lanes past the last row are zero. (The calling
+/// thread does this alone before the tasks start: with AVX-512, 16 × 16 blocks are transposed
+/// in registers.)
+fn transpose(isa: Isa, x: &[f32], rows: usize, k: usize, xt: &mut [f32]) {
     for (g, dst) in xt.chunks_exact_mut(G * k).enumerate() {
         let live = G.min(rows - g * G);
+        let src = &x[g * G * k..(g * G + live) * k];
+        let mut p0 = 0;
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 {
+            // SAFETY: AVX-512F is present (isa); src holds live rows of k, dst (k, G).
+            unsafe { avx512::transpose_group(src, live, k, dst) };
+            p0 = k / G * G;
+        }
         if live < G {
-            dst.fill(0.0);
+            dst[p0 * G..].fill(0.0);
         }
         for l in 0..live {
-            let src = &x[(g * G + l) * k..(g * G + l + 1) * k];
-            for (p, v) in src.iter().enumerate() {
-                dst[p * G + l] = *v;
+            for p in p0..k {
+                dst[p * G + l] = src[l * k + p];
             }
         }
     }
@@ -430,6 +439,23 @@ mod avx512 {
             _mm512_storeu_ps(o, if a { _mm512_add_ps(_mm512_loadu_ps(o), *v) } else { *v });
         }
         true
+    }
+
+    /// dst[p·16 + l] = src[l·k + p] for l < live (0 for l ≥ live), p < k / 16 · 16.
+    ///
+    /// # Safety
+    /// AVX-512F; src holds live ≤ 16 rows of k values and dst k · 16.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn transpose_group(src: &[f32], live: usize, k: usize, dst: &mut [f32]) {
+        assert!(live <= G && src.len() >= live * k && dst.len() >= G * k);
+        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+        for p0 in (0..k / G * G).step_by(G) {
+            let v: [__m512; 16] =
+                std::array::from_fn(|l| if l < live { _mm512_loadu_ps(s.add(l * k + p0)) } else { _mm512_setzero_ps() });
+            for (i, r) in transpose16(&v).iter().enumerate() {
+                _mm512_storeu_ps(d.add((p0 + i) * G), *r);
+            }
+        }
     }
 
     /// w[j][i] = v[i][j] for 16 vectors of 16 lanes.
@@ -674,168 +700,5 @@ mod portable {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use half::bf16;
-
-    fn data(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = crate::rand::Stream::new(seed, 0);
-        (0..n).map(|_| s.normal() as f32).collect()
-    }
-
-    const SHAPES: [(usize, usize, usize); 11] = [
-        (1, 1, 1),
-        (5, 7, 9),
-        (3, 4, 8),
-        (200, 37, 70),
-        (7, 130, 33),
-        (2, 300, 64),
-        (17, 29, 5),
-        (9, 16, 12),
-        (20, 40, 21),
-        (33, 70, 16),
-        (4, 3, 0),
-    ];
-
-    #[test]
-    fn matches_f64_reference_on_ragged_shapes() {
-        // |y − Σ x·w (f64)| ≤ 4e-5·√k + 1e-5·|ref| (f32 inputs ~N(0,1), sequential f32 FMA chain).
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-        for &(m, n, k) in &SHAPES {
-            let x = data(m * k, 1);
-            let w = data(n * k, 2);
-            for isa in Isa::available() {
-                let mut y = vec![f32::NAN; m * n];
-                pool.install(|| linear_isa(isa, m, n, k, &x, Src::Rows(CpuFloats::F32(&w)), &mut y, n, false));
-                for i in 0..m {
-                    for j in 0..n {
-                        let r: f64 = (0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum();
-                        let tol = 1e-5 * (k as f64).sqrt() * 4.0;
-                        assert!(
-                            (y[i * n + j] as f64 - r).abs() <= tol + 1e-5 * r.abs(),
-                            "{isa:?} ({m},{n},{k}) [{i},{j}]: {} vs {r}",
-                            y[i * n + j]
-                        );
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn every_isa_computes_the_documented_fma_chain_bitwise() {
-        // The spec, written out here: acc = fma(x[i][p], w[j][p], acc) for p = 0..k, from 0.
-        for &(m, n, k) in &SHAPES {
-            let x = data(m * k, 7);
-            let w = data(n * k, 8);
-            let mut spec = vec![0.0f32; m * n];
-            for i in 0..m {
-                for j in 0..n {
-                    spec[i * n + j] = (0..k).fold(0.0f32, |a, p| x[i * k + p].mul_add(w[j * k + p], a));
-                }
-            }
-            for isa in Isa::available() {
-                let mut y = vec![f32::NAN; m * n];
-                linear_isa(isa, m, n, k, &x, Src::Rows(CpuFloats::F32(&w)), &mut y, n, false);
-                let bad = y.iter().zip(&spec).position(|(a, b)| a.to_bits() != b.to_bits());
-                assert_eq!(bad, None, "{isa:?} ({m},{n},{k}) differs from the FMA chain");
-            }
-        }
-    }
-
-    #[test]
-    fn rows_are_batch_invariant_bitwise() {
-        let (n, k) = (77, 45);
-        let w = data(n * k, 3);
-        let xs = data(250 * k, 4);
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        let mut all = vec![0.0; 250 * n];
-        pool.install(|| linear_nt(250, n, k, &xs, CpuFloats::F32(&w), &mut all, n, false));
-        for (start, len) in [(0, 1), (13, 1), (10, 7), (49, 1), (4, 40), (190, 60), (3, 9)] {
-            let mut part = vec![0.0; len * n];
-            pool.install(|| linear_nt(len, n, k, &xs[start * k..], CpuFloats::F32(&w), &mut part, n, false));
-            assert_eq!(part, all[start * n..(start + len) * n].to_vec(), "rows {start}..+{len}");
-        }
-    }
-
-    #[test]
-    fn strided_output_and_accumulate() {
-        // ldy > n leaves the gap untouched; accumulate adds the same sum once more.
-        for (m, n, k, ldy) in [(11, 21, 30, 25), (35, 48, 19, 53)] {
-            let x = data(m * k, 9);
-            let w = data(n * k, 10);
-            let mut y = vec![-7.0f32; m * ldy];
-            linear_nt(m, n, k, &x, CpuFloats::F32(&w), &mut y, ldy, false);
-            let first = y.clone();
-            linear_nt(m, n, k, &x, CpuFloats::F32(&w), &mut y, ldy, true);
-            for i in 0..m {
-                for j in 0..ldy {
-                    let (a, b) = (first[i * ldy + j], y[i * ldy + j]);
-                    if j < n {
-                        assert_eq!(b, a + a, "[{i},{j}]");
-                    } else {
-                        assert_eq!((a, b), (-7.0, -7.0), "gap [{i},{j}] was written");
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    #[should_panic(expected = "row stride")]
-    fn overlapping_output_rows_are_refused() {
-        // ldy < n with two rows would let two tasks write the same element.
-        let (x, w) = (data(2 * 4, 12), data(8 * 4, 13));
-        let mut y = vec![0.0f32; 16];
-        linear_nt(2, 8, 4, &x, CpuFloats::F32(&w), &mut y, 4, false);
-    }
-
-    #[test]
-    fn empty_reduction_writes_zeros_even_with_a_zero_stride() {
-        let mut y = vec![5.0f32; 3];
-        linear_nt(1, 3, 0, &[], CpuFloats::F32(&[]), &mut y, 0, false);
-        assert_eq!(y, vec![0.0; 3]);
-        let mut y = vec![5.0f32; 7];
-        linear_nt(2, 3, 0, &[], CpuFloats::F32(&[]), &mut y, 4, true);
-        assert_eq!(y, vec![5.0; 7], "accumulate adds nothing");
-    }
-
-    #[test]
-    fn prepacked_panels_give_the_row_major_bits() {
-        // Every shape, instruction set and stored dtype; strided output and accumulate too.
-        for &(m, n, k) in &SHAPES {
-            let x = data(m * k, 14);
-            let wf = data(n * k, 15);
-            let wb: Vec<bf16> = wf.iter().map(|v| bf16::from_f32(*v)).collect();
-            let wh: Vec<half::f16> = wf.iter().map(|v| half::f16::from_f32(*v)).collect();
-            for w in [CpuFloats::F32(&wf), CpuFloats::BF16(&wb), CpuFloats::F16(&wh)] {
-                let p = Panels::pack(w, n, k).expect("float weights pack");
-                assert_eq!(p.dims(), (n, k));
-                for isa in Isa::available() {
-                    let ldy = n + 3;
-                    let (mut a, mut b) = (vec![0.5f32; m * ldy], vec![0.5f32; m * ldy]);
-                    for acc in [false, true] {
-                        linear_isa(isa, m, n, k, &x, Src::Rows(w), &mut a, ldy, acc);
-                        linear_isa(isa, m, n, k, &x, Src::Panels(&p), &mut b, ldy, acc);
-                        let bad = a.iter().zip(&b).position(|(u, v)| u.to_bits() != v.to_bits());
-                        assert_eq!(bad, None, "{isa:?} ({m},{n},{k}) accumulate {acc}");
-                    }
-                }
-            }
-        }
-        let codes = vec![0u8; 64];
-        assert!(Panels::pack(CpuFloats::Fp8 { codes: &codes, scale: 1.0 }, 4, 16).is_none(), "FP8 codes stay row-major");
-    }
-
-    #[test]
-    fn bf16_weights_equal_widened_f32() {
-        let (m, n, k) = (9, 70, 40);
-        let x = data(m * k, 5);
-        let wb: Vec<bf16> = data(n * k, 6).into_iter().map(bf16::from_f32).collect();
-        let wf: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
-        let (mut a, mut b) = (vec![0.0; m * n], vec![0.0; m * n]);
-        linear_nt(m, n, k, &x, CpuFloats::BF16(&wb), &mut a, n, false);
-        linear_nt(m, n, k, &x, CpuFloats::F32(&wf), &mut b, n, false);
-        assert_eq!(a, b);
-    }
-}
+#[path = "linear_cpu_tests.rs"]
+mod tests;

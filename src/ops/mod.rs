@@ -56,7 +56,7 @@ pub fn reserve_scratch(dev: &crate::device::Device, s: ScratchSizes) {
     if let crate::device::Device::Cpu(c) = dev {
         c.broadcast(|| {
             linear_cpu::reserve(s.max_k);
-            attention::reserve(s.attn_groups * attention::KCHUNK + 2 * s.attn_groups + s.head_dim);
+            attention::reserve(attention::scratch_len(s.attn_groups, s.head_dim));
             sample::reserve(s.vocab);
         });
     }

@@ -47,7 +47,8 @@ pub struct Fault {
     pub step: u64,
     pub rank: usize,
     pub panic: bool,
-    /// "rollout" (colocated schedules), "teacher", "train" or "resync".
+    /// "rollout" (colocated schedules that generate: not file rollouts or SFT on reference
+    /// answers), "teacher", "train" or "resync" (colocated; a split placement publishes instead).
     pub phase: &'static str,
 }
 
@@ -216,14 +217,18 @@ impl Host {
     /// Teacher log-probs for every rollout, scored on the training devices from a shared queue.
     pub fn score_teacher(&self, rollouts: &mut [Rollout]) -> Result<f64> {
         let reqs = rollout::teacher_requests(rollouts, self.job.rollout.temperature);
+        let (fault, step) = (self.fault, self.step.load(Ordering::Relaxed));
         if reqs.is_empty() {
+            if fault.is_some() {
+                // (Tests: the fault still fires on its device, named like any other.)
+                self.pool.run_some(&self.trainers, "teacher", move |rank, _| Fault::check(fault, "teacher", step, rank))?;
+            }
             // Everything already scored (a split placement's generators score as they go).
             return Ok(0.0);
         }
         let q = replica::queue(reqs);
         let inflight = self.job.rollout.max_seqs;
         let t0 = Instant::now();
-        let (fault, step) = (self.fault, self.step.load(Ordering::Relaxed));
         let parts = self.pool.run_some(&self.trainers, "teacher", move |rank, r| {
             Fault::check(fault, "teacher", step, rank)?;
             let t = Instant::now();

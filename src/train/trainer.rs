@@ -130,7 +130,7 @@ impl Trainer {
         let grads = ranges.iter().map(|r| vec![0.0; if weights_only { 0 } else { r.len() }]).collect();
         let shard = if weights_only { 0..0 } else { dp.shard(n) };
         let master = if dp.world == 1 { master } else { master[shard.clone()].to_vec() };
-        let gathered = Gathered::new(&weights, if dp.world == 1 || weights_only { 0 } else { n });
+        let gathered = Gathered::new(&weights, if dp.world == 1 || weights_only { 0 } else { n }, shard.len());
         Ok(Trainer {
             cfg: cfg.clone(),
             weights,
@@ -507,11 +507,12 @@ enum Gathered {
 }
 
 impl Gathered {
-    /// For `n` parameters (0: a single device or a generator, nothing gathered).
-    fn new(weights: &ModelWeights, n: usize) -> Gathered {
+    /// For `n` parameters of which this device owns `shard` (n = 0: a single device or a
+    /// generator, nothing gathered).
+    fn new(weights: &ModelWeights, n: usize, shard: usize) -> Gathered {
         let all_bf16 = weights.tensors().iter().all(|t| t.dtype() == DType::BF16);
         if all_bf16 && n > 0 {
-            Gathered::Bf16 { full: vec![0; n], shard: Vec::new() }
+            Gathered::Bf16 { full: vec![0; n], shard: Vec::with_capacity(shard) }
         } else {
             Gathered::F32(vec![0.0; n])
         }
