@@ -401,21 +401,26 @@ mod x86 {
                 *lj = _mm512_add_ps(*lj, _mm512_mul_ps(qc, _mm512_loadu_ps(kp.add(koff[j] + c))));
             }
         }
+        // (Loops, not array::from_fn: a closure does not inherit this function's target
+        // features, and its intrinsics would stay out-of-line calls.)
         // Lanes i + 8: keys 2a and 2a + 1 side by side (their 256-bit halves).
-        let s1: [__m512; 8] = std::array::from_fn(|a| {
+        let mut s1 = [_mm512_setzero_ps(); 8];
+        for (a, s) in s1.iter_mut().enumerate() {
             let (x, y) = (l[2 * a], l[2 * a + 1]);
-            _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xEE>(x, y))
-        });
+            *s = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(x, y), _mm512_shuffle_f32x4::<0xEE>(x, y));
+        }
         // + 4: keys 4b..4b + 4, one per 128-bit lane.
-        let s2: [__m512; 4] = std::array::from_fn(|b| {
+        let mut s2 = [_mm512_setzero_ps(); 4];
+        for (b, s) in s2.iter_mut().enumerate() {
             let (x, y) = (s1[2 * b], s1[2 * b + 1]);
-            _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xDD>(x, y))
-        });
+            *s = _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(x, y), _mm512_shuffle_f32x4::<0xDD>(x, y));
+        }
         // + 2: in 128-bit lane k, keys 8c + k and 8c + 4 + k, two values each.
-        let s3: [__m512; 2] = std::array::from_fn(|c| {
+        let mut s3 = [_mm512_setzero_ps(); 2];
+        for (c, s) in s3.iter_mut().enumerate() {
             let (x, y) = (s2[2 * c], s2[2 * c + 1]);
-            _mm512_add_ps(_mm512_shuffle_ps::<0x44>(x, y), _mm512_shuffle_ps::<0xEE>(x, y))
-        });
+            *s = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(x, y), _mm512_shuffle_ps::<0xEE>(x, y));
+        }
         // + 1: position 4k + e holds key 4e + k.
         let s4 = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(s3[0], s3[1]), _mm512_shuffle_ps::<0xDD>(s3[0], s3[1]));
         let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -440,7 +445,10 @@ mod x86 {
         let (op, vp) = (o.as_mut_ptr(), vbase.as_ptr());
         let mut b = 0;
         while b + 64 <= d {
-            let mut acc: [__m512; 4] = std::array::from_fn(|i| _mm512_loadu_ps(op.add(b + 16 * i)));
+            let mut acc = [_mm512_setzero_ps(); 4];
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(op.add(b + 16 * i));
+            }
             for j in 0..n {
                 let pj = _mm512_set1_ps(p[j]);
                 let v = vp.add(voff[j] + b);
@@ -481,7 +489,10 @@ mod x86 {
         let (op, vp) = (o.as_mut_ptr(), vbase.as_ptr());
         let mut b = 0;
         while b + 64 <= d {
-            let mut acc: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(op.add(b + 8 * i)));
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(op.add(b + 8 * i));
+            }
             for j in 0..n {
                 let pj = _mm256_set1_ps(p[j]);
                 let v = vp.add(voff[j] + b);

@@ -450,8 +450,12 @@ mod avx512 {
         assert!(live <= G && src.len() >= live * k && dst.len() >= G * k);
         let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
         for p0 in (0..k / G * G).step_by(G) {
-            let v: [__m512; 16] =
-                std::array::from_fn(|l| if l < live { _mm512_loadu_ps(s.add(l * k + p0)) } else { _mm512_setzero_ps() });
+            // (Loops, not array::from_fn: a closure does not inherit this function's target
+            // features, and its intrinsics would stay out-of-line calls.)
+            let mut v = [_mm512_setzero_ps(); 16];
+            for (l, r) in v.iter_mut().enumerate().take(live) {
+                *r = _mm512_loadu_ps(s.add(l * k + p0));
+            }
             for (i, r) in transpose16(&v).iter().enumerate() {
                 _mm512_storeu_ps(d.add((p0 + i) * G), *r);
             }
@@ -459,23 +463,24 @@ mod avx512 {
     }
 
     /// w[j][i] = v[i][j] for 16 vectors of 16 lanes.
-    #[inline(always)]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
     unsafe fn transpose16(v: &[__m512; 16]) -> [__m512; 16] {
         // Pairs of vectors interleaved (within 128-bit lanes), then pairs of pairs: u[4b + e]
-        // holds, in 128-bit lane q, v[4b..4b + 4][4q + e].
-        let t: [__m512; 16] = std::array::from_fn(|i| {
-            let (a, b) = (v[i & !1], v[i | 1]);
-            if i % 2 == 0 {
-                _mm512_unpacklo_ps(a, b)
-            } else {
-                _mm512_unpackhi_ps(a, b)
+        // holds, in 128-bit lane q, v[4b..4b + 4][4q + e]. (Loops, not closures: see above.)
+        let mut t = [_mm512_setzero_ps(); 16];
+        for i in (0..16).step_by(2) {
+            t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+            t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+        }
+        let mut u = [_mm512_setzero_ps(); 16];
+        for b in 0..4 {
+            for h in 0..2 {
+                let (x, y) = (_mm512_castps_pd(t[4 * b + h]), _mm512_castps_pd(t[4 * b + 2 + h]));
+                u[4 * b + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+                u[4 * b + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
             }
-        });
-        let u: [__m512; 16] = std::array::from_fn(|i| {
-            let (b, e) = (i / 4, i % 4);
-            let (x, y) = (_mm512_castps_pd(t[4 * b + e / 2]), _mm512_castps_pd(t[4 * b + 2 + e / 2]));
-            _mm512_castpd_ps(if e % 2 == 0 { _mm512_unpacklo_pd(x, y) } else { _mm512_unpackhi_pd(x, y) })
-        });
+        }
         // Then a 4 × 4 transpose of 128-bit lanes for each e: w[4q + e] lane b = u[4b + e] lane q.
         let mut w = [_mm512_setzero_ps(); 16];
         for e in 0..4 {
@@ -631,7 +636,11 @@ mod avx2 {
                     pf.line(line);
                     line += 1;
                 }
-                let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(s.add((c0 + i) * k + p)));
+                // (A loop, not array::from_fn: a closure would not inherit the target features.)
+                let mut r = [_mm256_setzero_ps(); 8];
+                for (i, v) in r.iter_mut().enumerate() {
+                    *v = _mm256_loadu_ps(s.add((c0 + i) * k + p));
+                }
                 let t0 = _mm256_unpacklo_ps(r[0], r[1]);
                 let t1 = _mm256_unpackhi_ps(r[0], r[1]);
                 let t2 = _mm256_unpacklo_ps(r[2], r[3]);
