@@ -491,6 +491,19 @@ impl CudaStorage {
 #[cfg(test)]
 mod tests {
     #[test]
+    fn asking_for_more_gpus_than_are_visible_is_refused_up_front() {
+        let visible = (0..64).take_while(|&k| super::CudaDevice::new(k).is_ok()).count();
+        match crate::train::job::plan_devices("cuda", 2) {
+            Ok(names) => assert!(visible >= 2 && names == ["cuda:0", "cuda:1"], "{names:?} with {visible} visible"),
+            Err(e) => {
+                let m = format!("{e:#}");
+                assert!(visible < 2, "{m}");
+                assert!(m.contains("run.devices = 2 GPUs from cuda:0") && m.contains(&format!("but {visible} visible")) && m.contains("cuda:1 cannot be opened"), "{m}");
+            }
+        }
+    }
+
+    #[test]
     fn opening_a_device_without_a_gpu_is_a_clear_error() {
         match super::CudaDevice::new(0) {
             // A machine with a GPU (and a matching cubin) opens it.

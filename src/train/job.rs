@@ -113,11 +113,24 @@ pub fn plan_devices(spec: &str, n: usize) -> Result<Vec<String>> {
             None => bail!("run.device '{spec}': expected cpu, cpu:<threads>, cuda or cuda:<ordinal>"),
         },
     };
-    // All visible GPUs (CUDA_VISIBLE_DEVICES decides what is visible) unless N is given.
+    // All visible GPUs (CUDA_VISIBLE_DEVICES decides what is visible) unless N is given; N more
+    // than are visible is refused here, naming what is. (Built without CUDA, opening the first
+    // device later says so.)
+    let visible = || (first..first + 64).take_while(|&k| crate::device::Device::cuda(k).is_ok()).count();
     let n = if n > 0 {
+        if cfg!(feature = "cuda") {
+            if let Err(e) = crate::device::Device::cuda(first + n - 1) {
+                bail!(
+                    "run.devices = {n} GPUs from cuda:{first}, but {} visible from there (CUDA_VISIBLE_DEVICES={}): cuda:{} cannot be opened: {e:#}",
+                    visible(),
+                    std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into()),
+                    first + n - 1
+                );
+            }
+        }
         n
     } else {
-        (first..first + 64).take_while(|&k| crate::device::Device::cuda(k).is_ok()).count().max(1)
+        visible().max(1)
     };
     Ok((first..first + n).map(|k| format!("cuda:{k}")).collect())
 }
