@@ -10,6 +10,7 @@ use crate::device::{DType, Device, Tensor};
 use crate::ops::attention::{self, AttnMeta};
 use crate::ops::linear_panels::Panels;
 use crate::ops::quantize::{self, ActQuant};
+use crate::ops::matmul::Proj;
 use crate::ops::{elementwise, matmul, norm, rope};
 use crate::quant::calib::Calibration;
 use crate::quant::qtensor::QFormat;
@@ -172,9 +173,23 @@ impl Transformer {
                 norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.input_layernorm, eps, &mut b.h, m)?;
             }
             observe(dev, &mut b.observe, l, 0, &b.h, m)?;
-            proj(dev, &b.h, &mut b.xq, &lw.q_proj, pan(l, 0), lw.q_bias.as_ref(), ql, 0, &mut b.q, m)?;
-            proj(dev, &b.h, &mut b.xq, &lw.k_proj, pan(l, 1), lw.k_bias.as_ref(), ql, 1, &mut b.k, m)?;
-            proj(dev, &b.h, &mut b.xq, &lw.v_proj, pan(l, 2), lw.v_bias.as_ref(), ql, 2, &mut b.v, m)?;
+            // Unquantized: the three projections of one input in one call (x transposed once).
+            if ql.is_none() {
+                matmul::linears(
+                    dev,
+                    &b.h,
+                    [
+                        Proj { w: &lw.q_proj, panels: pan(l, 0), bias: lw.q_bias.as_ref(), y: &mut b.q },
+                        Proj { w: &lw.k_proj, panels: pan(l, 1), bias: lw.k_bias.as_ref(), y: &mut b.k },
+                        Proj { w: &lw.v_proj, panels: pan(l, 2), bias: lw.v_bias.as_ref(), y: &mut b.v },
+                    ],
+                    m,
+                )?;
+            } else {
+                proj(dev, &b.h, &mut b.xq, &lw.q_proj, pan(l, 0), lw.q_bias.as_ref(), ql, 0, &mut b.q, m)?;
+                proj(dev, &b.h, &mut b.xq, &lw.k_proj, pan(l, 1), lw.k_bias.as_ref(), ql, 1, &mut b.k, m)?;
+                proj(dev, &b.h, &mut b.xq, &lw.v_proj, pan(l, 2), lw.v_bias.as_ref(), ql, 2, &mut b.v, m)?;
+            }
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
                 norm::head_rmsnorm(dev, &mut b.q, qn, eps, m, h)?;
                 norm::head_rmsnorm(dev, &mut b.k, kn, eps, m, hkv)?;
@@ -193,8 +208,20 @@ impl Transformer {
             // MLP block.
             norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.post_attention_layernorm, eps, &mut b.h, m)?;
             observe(dev, &mut b.observe, l, 2, &b.h, m)?;
-            proj(dev, &b.h, &mut b.xq, &lw.gate_proj, pan(l, 4), lw.gate_bias.as_ref(), ql, 4, &mut b.gate, m)?;
-            proj(dev, &b.h, &mut b.xq, &lw.up_proj, pan(l, 5), lw.up_bias.as_ref(), ql, 5, &mut b.up, m)?;
+            if ql.is_none() {
+                matmul::linears(
+                    dev,
+                    &b.h,
+                    [
+                        Proj { w: &lw.gate_proj, panels: pan(l, 4), bias: lw.gate_bias.as_ref(), y: &mut b.gate },
+                        Proj { w: &lw.up_proj, panels: pan(l, 5), bias: lw.up_bias.as_ref(), y: &mut b.up },
+                    ],
+                    m,
+                )?;
+            } else {
+                proj(dev, &b.h, &mut b.xq, &lw.gate_proj, pan(l, 4), lw.gate_bias.as_ref(), ql, 4, &mut b.gate, m)?;
+                proj(dev, &b.h, &mut b.xq, &lw.up_proj, pan(l, 5), lw.up_bias.as_ref(), ql, 5, &mut b.up, m)?;
+            }
             elementwise::swiglu(dev, &b.gate, &b.up, &mut b.act, m)?;
             observe(dev, &mut b.observe, l, 3, &b.act, m)?;
             proj(dev, &b.act, &mut b.xq, &lw.down_proj, pan(l, 6), lw.down_bias.as_ref(), ql, 6, &mut b.o, m)?;

@@ -10,7 +10,10 @@
 //! - a group of 9–16 rows of x (AVX-512) is transposed, (K, 16), once per 192-row chunk, and an
 //!   instruction multiplies one weight, broadcast, with a column of 16 rows (AVX2: 8 rows);
 //! - a group of ≤ 8 rows (AVX-512) instead multiplies one x value, broadcast, with a panel row of
-//!   16 weights, all of them against one panel per register tile: no idle lanes at batch 1.
+//!   16 weights, all of them against one panel per register tile: no idle lanes at batch 1;
+//! - several linears of one input (q/k/v, gate/up) run as one call, [`linear_many`]: one
+//!   transpose of x, one parallel region, and each block's bias added by the task that computed
+//!   it, while the block is in cache.
 //!
 //! Two properties the decoding engine relies on:
 //! - **Batch invariance**: a lane's arithmetic does not depend on its neighbours, the vector
@@ -70,13 +73,50 @@ pub fn reserve(max_k: usize) {
 /// y[i·ldy + j] (+)= Σ_p x[i·k + p] · w[j·k + p] for i < m, j < n (the sum: one FMA chain over
 /// p = 0..k from 0; `accumulate` adds it to y).
 pub fn linear_nt(m: usize, n: usize, k: usize, x: &[f32], w: CpuFloats, y: &mut [f32], ldy: usize, accumulate: bool) {
-    linear_isa(Isa::detect(), m, n, k, x, Src::Rows(w), y, ldy, accumulate)
+    linear_isa(Isa::detect(), m, k, x, &mut [Job::rows(w, n, y, ldy, accumulate)])
 }
 
 /// [`linear_nt`] with W given as [`Panels`] (packed once): the same bits, no per-call packing.
 pub fn linear_nt_panels(m: usize, x: &[f32], w: &Panels, y: &mut [f32], ldy: usize, accumulate: bool) {
-    let (n, k) = w.dims();
-    linear_isa(Isa::detect(), m, n, k, x, Src::Panels(w), y, ldy, accumulate)
+    linear_isa(Isa::detect(), m, w.dims().1, x, &mut [Job::panels(w, y, ldy, accumulate)])
+}
+
+/// Several linears of one input x (m, k), each with its own weight and output, in one
+/// parallel region with x transposed once (q/k/v, gate/up). Every output has the bits that
+/// [`linear_nt`] (then `+ bias`, rounded once more) gives it alone. At most [`MAX_JOBS`].
+pub fn linear_many(m: usize, k: usize, x: &[f32], jobs: &mut [Job]) {
+    linear_isa(Isa::detect(), m, k, x, jobs)
+}
+
+/// The most linears one [`linear_many`] call runs.
+pub const MAX_JOBS: usize = 4;
+
+/// One linear of a [`linear_many`] call: its weight (N, K) and output y (m rows of stride ldy).
+pub struct Job<'a> {
+    w: Src<'a>,
+    n: usize,
+    y: &'a mut [f32],
+    ldy: usize,
+    accumulate: bool,
+    /// (N) added to each output row after the sum (and after `accumulate`'s addition).
+    bias: Option<&'a [f32]>,
+}
+
+impl<'a> Job<'a> {
+    /// W row-major (n, k), packed block by block as the call goes.
+    pub fn rows(w: CpuFloats<'a>, n: usize, y: &'a mut [f32], ldy: usize, accumulate: bool) -> Job<'a> {
+        Job { w: Src::Rows(w), n, y, ldy, accumulate, bias: None }
+    }
+
+    /// W packed once.
+    pub fn panels(w: &'a Panels, y: &'a mut [f32], ldy: usize, accumulate: bool) -> Job<'a> {
+        Job { w: Src::Panels(w), n: w.dims().0, y, ldy, accumulate, bias: None }
+    }
+
+    /// y[i][j] = (the linear's value) + bias[j]: the bits of adding the bias afterwards.
+    pub fn with_bias(self, bias: Option<&'a [f32]>) -> Job<'a> {
+        Job { bias, ..self }
+    }
 }
 
 /// Where a call's weight panels come from.
@@ -88,54 +128,70 @@ enum Src<'a> {
     Panels(&'a Panels),
 }
 
-/// [`linear_nt`] on a given instruction set (tests check that they all agree bit for bit).
-#[allow(clippy::too_many_arguments)]
-fn linear_isa(
-    isa: Isa,
-    m: usize,
-    n: usize,
-    k: usize,
-    x: &[f32],
-    w: Src,
-    y: &mut [f32],
-    ldy: usize,
-    accumulate: bool,
-) {
-    if m == 0 || n == 0 {
+/// [`linear_many`] on a given instruction set (tests check that they all agree bit for bit).
+fn linear_isa(isa: Isa, m: usize, k: usize, x: &[f32], jobs: &mut [Job]) {
+    assert!(jobs.len() <= MAX_JOBS, "linear: {} linears in one call (at most {MAX_JOBS})", jobs.len());
+    if m == 0 {
         return;
     }
     let extent = |a: usize, b: usize| a.checked_mul(b).expect("linear: size overflows usize");
     assert!(x.len() >= extent(m, k), "linear: x too short");
-    if let Src::Rows(w) = w {
-        assert!(w.len() >= extent(n, k), "linear: w too short");
-    }
-    assert!(y.len() >= extent(m - 1, ldy) + n, "linear: y too short");
-    // Rows of y must not overlap: tasks split y by column, each writing its columns of every row.
-    assert!(m == 1 || ldy >= n, "linear: row stride {ldy} < {n} columns");
-    if k == 0 {
-        if !accumulate {
-            (0..m).for_each(|i| y[i * ldy..i * ldy + n].fill(0.0));
+    for j in jobs.iter_mut() {
+        if j.n == 0 {
+            continue;
         }
+        match j.w {
+            Src::Rows(w) => assert!(w.len() >= extent(j.n, k), "linear: w too short"),
+            Src::Panels(p) => assert_eq!(p.dims(), (j.n, k), "linear: panels of another shape"),
+        }
+        assert!(j.y.len() >= extent(m - 1, j.ldy) + j.n, "linear: y too short");
+        // Rows of y must not overlap: tasks split y by column, each writing its columns of every row.
+        assert!(m == 1 || j.ldy >= j.n, "linear: row stride {} < {} columns", j.ldy, j.n);
+        if let Some(b) = j.bias {
+            assert!(b.len() >= j.n, "linear: bias too short");
+        }
+        if k == 0 {
+            for i in 0..m {
+                let row = &mut j.y[i * j.ldy..i * j.ldy + j.n];
+                if !j.accumulate {
+                    row.fill(0.0);
+                }
+                if let Some(b) = j.bias {
+                    row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+                }
+            }
+        }
+    }
+    if k == 0 {
         return;
     }
     // MB rows at a time: bounds the transposed copy; W is packed again for every chunk, which
     // costs little next to the 192 rows of FMAs per weight it serves.
     for i0 in (0..m).step_by(MB) {
         let mc = MB.min(m - i0);
-        chunk(isa, mc, n, k, &x[i0 * k..(i0 + mc) * k], w, &mut y[i0 * ldy..], ldy, accumulate);
+        chunk(isa, mc, i0, k, &x[i0 * k..(i0 + mc) * k], jobs);
     }
 }
 
-/// [`linear_isa`] for m ≤ MB rows.
-#[allow(clippy::too_many_arguments)]
-fn chunk(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: Src, y: &mut [f32], ldy: usize, accumulate: bool) {
+/// [`linear_isa`] for the m ≤ MB rows from row i0 of every output.
+fn chunk(isa: Isa, m: usize, i0: usize, k: usize, x: &[f32], jobs: &mut [Job]) {
     debug_assert!(m <= MB);
     let threads = rayon::current_num_threads().max(1);
-    // Weight rows per task: about two tasks per thread (work stealing balances them), whole
-    // panels.
-    let nt = n.div_ceil(threads * 2).next_multiple_of(G);
-    let n_tasks = n.div_ceil(nt);
-    let yp = SendPtr(y.as_mut_ptr());
+    // Weight rows per task: about two tasks per thread over all the jobs' panels (work stealing
+    // balances them), whole panels; a task stays within one job.
+    let panels: usize = jobs.iter().map(|j| j.n.div_ceil(G)).sum();
+    let nt = panels.div_ceil(threads * 2).max(1) * G;
+    // Tasks t in first[j]..first[j + 1] belong to job j.
+    let mut first = [0usize; MAX_JOBS + 1];
+    let mut yp = [SendPtr(std::ptr::null_mut::<f32>()); MAX_JOBS];
+    for (i, j) in jobs.iter_mut().enumerate() {
+        first[i + 1] = first[i] + j.n.div_ceil(nt);
+        if j.n > 0 {
+            yp[i] = SendPtr(j.y[i0 * j.ldy..].as_mut_ptr());
+        }
+    }
+    let n_tasks = first[jobs.len()];
+    let jobs = &*jobs;
     // x transposed once, by the calling thread, into its scratch; the tasks only read it.
     let run = |xt: &mut [f32]| {
         // (With AVX-512 a single group of ≤ 8 rows reads x row-major; see `block`.)
@@ -144,7 +200,11 @@ fn chunk(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: Src, y: &mut [f32
         }
         let xt = &*xt;
         (0..n_tasks).into_par_iter().for_each(|t| {
-            let (j0, nj) = (t * nt, nt.min(n - t * nt));
+            let ji = first[1..=jobs.len()].partition_point(|&f| f <= t);
+            let job = &jobs[ji];
+            let (n, w, ldy) = (job.n, job.w, job.ldy);
+            let j0 = (t - first[ji]) * nt;
+            let nj = nt.min(n - j0);
             PANELS.with(|pn| {
                 let mut pn = pn.borrow_mut();
                 let mut jb = j0;
@@ -172,10 +232,17 @@ fn chunk(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: Src, y: &mut [f32
                         // (NB = G: a block is one panel.)
                         Src::Panels(p) => (p.panel(jb / G, &mut pn), p.bytes(jb / G + 1)),
                     };
-                    // SAFETY: columns jb..jb+nbj of y's m rows are written by this task only
-                    // (tasks partition the columns, sub-blocks partition the task's columns),
-                    // and the extent of y was checked in `linear_isa`.
-                    unsafe { block(isa, m, nbj, k, x, xt, panels, ahead, yp.get().add(jb), ldy, accumulate) }
+                    // SAFETY: columns jb..jb+nbj of this job's y, m rows from i0, are written by
+                    // this task only (tasks partition each job's columns, sub-blocks partition
+                    // the task's columns; jobs have distinct outputs, borrowed mutably), and
+                    // the extent of y was checked in `linear_isa`.
+                    unsafe {
+                        let y = yp[ji].get().add(jb);
+                        block(isa, m, nbj, k, x, xt, panels, ahead, y, ldy, job.accumulate);
+                        if let Some(b) = job.bias {
+                            add_bias(m, &b[jb..jb + nbj], y, ldy);
+                        }
+                    }
                     jb += nbj;
                 }
             })
@@ -188,6 +255,17 @@ fn chunk(isa: Isa, m: usize, n: usize, k: usize, x: &[f32], w: Src, y: &mut [f32
         // waited for its own tasks): this call gets its own buffer.
         Err(_) => run(&mut vec![0.0; need]),
     });
+}
+
+/// y[i·ldy + j] += b[j] for i < m, j < b.len() (while the block is still in cache).
+///
+/// # Safety
+/// As [`block`] for m × b.len().
+unsafe fn add_bias(m: usize, b: &[f32], y: *mut f32, ldy: usize) {
+    for i in 0..m {
+        let row = std::slice::from_raw_parts_mut(y.add(i * ldy), b.len());
+        row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+    }
 }
 
 /// xt (groups, k, G) ← the rows of x (rows, k); lanes past the last row are zero. (The calling

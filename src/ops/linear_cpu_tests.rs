@@ -33,7 +33,7 @@ fn matches_f64_reference_on_ragged_shapes() {
         let w = data(n * k, 2);
         for isa in Isa::available() {
             let mut y = vec![f32::NAN; m * n];
-            pool.install(|| linear_isa(isa, m, n, k, &x, Src::Rows(CpuFloats::F32(&w)), &mut y, n, false));
+            pool.install(|| linear_isa(isa, m, k, &x, &mut [Job::rows(CpuFloats::F32(&w), n, &mut y, n, false)]));
             for i in 0..m {
                 for j in 0..n {
                     let r: f64 = (0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum();
@@ -63,7 +63,7 @@ fn every_isa_computes_the_documented_fma_chain_bitwise() {
         }
         for isa in Isa::available() {
             let mut y = vec![f32::NAN; m * n];
-            linear_isa(isa, m, n, k, &x, Src::Rows(CpuFloats::F32(&w)), &mut y, n, false);
+            linear_isa(isa, m, k, &x, &mut [Job::rows(CpuFloats::F32(&w), n, &mut y, n, false)]);
             let bad = y.iter().zip(&spec).position(|(a, b)| a.to_bits() != b.to_bits());
             assert_eq!(bad, None, "{isa:?} ({m},{n},{k}) differs from the FMA chain");
         }
@@ -167,8 +167,8 @@ fn prepacked_panels_give_the_row_major_bits() {
                 let ldy = n + 3;
                 let (mut a, mut b) = (vec![0.5f32; m * ldy], vec![0.5f32; m * ldy]);
                 for acc in [false, true] {
-                    linear_isa(isa, m, n, k, &x, Src::Rows(w), &mut a, ldy, acc);
-                    linear_isa(isa, m, n, k, &x, Src::Panels(&p), &mut b, ldy, acc);
+                    linear_isa(isa, m, k, &x, &mut [Job::rows(w, n, &mut a, ldy, acc)]);
+                    linear_isa(isa, m, k, &x, &mut [Job::panels(&p, &mut b, ldy, acc)]);
                     let bad = a.iter().zip(&b).position(|(u, v)| u.to_bits() != v.to_bits());
                     assert_eq!(bad, None, "{isa:?} ({m},{n},{k}) accumulate {acc}");
                 }
@@ -189,4 +189,58 @@ fn bf16_weights_equal_widened_f32() {
     linear_nt(m, n, k, &x, CpuFloats::BF16(&wb), &mut a, n, false);
     linear_nt(m, n, k, &x, CpuFloats::F32(&wf), &mut b, n, false);
     assert_eq!(a, b);
+}
+
+#[test]
+fn many_linears_in_one_call_equal_each_alone_plus_bias() {
+    // q/k/v-like: one x, three weights (row-major f32, packed once, row-major BF16), strided and
+    // accumulated outputs, biases; each output must equal its own `linear_nt` followed by
+    // y += bias, bit for bit, on every ISA and for every row count (ragged groups, > MB rows).
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    let k = 40;
+    let dims = [(37usize, 40usize), (16, 19), (5, 5)]; // (n, ldy)
+    for m in [1, 7, 9, 16, 33, 200] {
+        let x = data(m * k, 21);
+        let ws: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, &(n, _))| data(n * k, 30 + i as u64)).collect();
+        let wb: Vec<bf16> = ws[2].iter().map(|&v| bf16::from_f32(v)).collect();
+        let bias: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, &(n, _))| data(n, 40 + i as u64)).collect();
+        let p1 = Panels::pack(CpuFloats::F32(&ws[1]), dims[1].0, k).unwrap();
+        let init: Vec<Vec<f32>> = dims.iter().enumerate().map(|(i, &(_, ldy))| data(m * ldy, 50 + i as u64)).collect();
+        // Reference: one call each, then the bias added afterwards.
+        let mut want = init.clone();
+        let srcs = [CpuFloats::F32(&ws[0]), CpuFloats::F32(&ws[1]), CpuFloats::BF16(&wb)];
+        let acc = [false, true, false];
+        for (i, &(n, ldy)) in dims.iter().enumerate() {
+            pool.install(|| linear_nt(m, n, k, &x, srcs[i], &mut want[i], ldy, acc[i]));
+            for r in 0..m {
+                for j in 0..n {
+                    want[i][r * ldy + j] += bias[i][j];
+                }
+            }
+        }
+        for isa in Isa::available() {
+            let mut got = init.clone();
+            let [g0, g1, g2] = &mut got[..] else { unreachable!() };
+            let mut jobs = [
+                Job::rows(srcs[0], dims[0].0, g0, dims[0].1, acc[0]).with_bias(Some(&bias[0])),
+                Job::panels(&p1, g1, dims[1].1, acc[1]).with_bias(Some(&bias[1])),
+                Job::rows(srcs[2], dims[2].0, g2, dims[2].1, acc[2]).with_bias(Some(&bias[2])),
+            ];
+            pool.install(|| linear_isa(isa, m, k, &x, &mut jobs));
+            for i in 0..3 {
+                let same = got[i].iter().zip(&want[i]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{isa:?} m={m}: output {i} differs from its own call + bias");
+            }
+        }
+    }
+}
+
+#[test]
+fn empty_reduction_with_bias_gives_the_bias() {
+    // k = 0: the sum is 0, so y = bias (or y + bias when accumulating).
+    let (b, mut y) = ([1.5f32, -2.0, 0.25], vec![10.0f32; 6]);
+    linear_many(2, 0, &[], &mut [Job::rows(CpuFloats::F32(&[]), 3, &mut y, 3, true).with_bias(Some(&b))]);
+    assert_eq!(y, [11.5, 8.0, 10.25, 11.5, 8.0, 10.25]);
+    linear_many(2, 0, &[], &mut [Job::rows(CpuFloats::F32(&[]), 3, &mut y, 3, false).with_bias(Some(&b))]);
+    assert_eq!(y, [1.5, -2.0, 0.25, 1.5, -2.0, 0.25]);
 }

@@ -31,39 +31,109 @@ pub fn linear_packed(
     m: usize,
     accumulate: bool,
 ) -> Result<()> {
-    let (n, k) = (w.dim(0), w.dim(1));
-    if let Some(p) = panels {
-        if p.dims() != (n, k) {
-            bail!("linear: packed panels of {:?} for a weight of ({n}, {k})", p.dims());
+    linears_acc(dev, x, [Proj { w, panels, bias, y }], m, accumulate)
+}
+
+/// One projection of [`linears`]: y = x · wᵀ (+ bias), w (N, K), its panels when packed.
+pub struct Proj<'a> {
+    pub w: &'a Tensor,
+    pub panels: Option<&'a Panels>,
+    pub bias: Option<&'a Tensor>,
+    pub y: &'a mut Tensor,
+}
+
+/// Several projections of one input (q/k/v, gate/up): y_i[..m] = x[..m] · w_iᵀ (+ b_i), each
+/// with the bits of its own [`linear_packed`]. On CPU they run as one parallel region with x
+/// transposed once; CUDA runs them one after another.
+pub fn linears<const J: usize>(dev: &Device, x: &Tensor, projs: [Proj<'_>; J], m: usize) -> Result<()> {
+    linears_acc(dev, x, projs, m, false)
+}
+
+fn linears_acc<const J: usize>(dev: &Device, x: &Tensor, projs: [Proj<'_>; J], m: usize, accumulate: bool) -> Result<()> {
+    const { assert!(J <= linear_cpu::MAX_JOBS) };
+    let k = x.dim(x.shape().len() - 1);
+    for p in &projs {
+        let (n, kw) = (p.w.dim(0), p.w.dim(1));
+        if let Some(pn) = p.panels {
+            if pn.dims() != (n, kw) {
+                bail!("linear: packed panels of {:?} for a weight of ({n}, {kw})", pn.dims());
+            }
         }
-    }
-    check_rows(x, m, k, "linear input")?;
-    check_rows(y, m, n, "linear output")?;
-    if let Some(b) = bias {
-        check_rows(b, 1, n, "linear bias")?;
+        check_rows(x, m, kw, "linear input")?;
+        check_rows(p.y, m, n, "linear output")?;
+        if let Some(b) = p.bias {
+            check_rows(b, 1, n, "linear bias")?;
+        }
     }
     match dev {
         Device::Cpu(c) => {
-            let (xs, wf) = (x.f32s()?, CpuFloats::of(w)?);
-            let bf = bias.map(CpuFloats::of).transpose()?;
-            let ys = y.f32s_mut()?;
-            c.install(|| {
-                match panels {
-                    Some(p) => linear_cpu::linear_nt_panels(m, xs, p, ys, n, accumulate),
-                    None => linear_cpu::linear_nt(m, n, k, xs, wf, ys, n, accumulate),
-                }
-                if let Some(b) = bf {
-                    for row in ys[..m * n].chunks_exact_mut(n) {
-                        for (j, v) in row.iter_mut().enumerate() {
-                            *v += b.get(j);
-                        }
-                    }
-                }
+            let xs = x.f32s()?;
+            let mut bias = [None; J];
+            for (b, p) in bias.iter_mut().zip(&projs) {
+                *b = p.bias.map(CpuFloats::of).transpose()?;
+            }
+            let ws = projs.each_ref().map(|p| CpuFloats::of(p.w));
+            if let Some(Err(e)) = ws.iter().find(|w| w.is_err()) {
+                bail!("linear weight: {e:#}");
+            }
+            let ys = projs.map(|p| (p.w.dim(0), p.panels, p.y.f32s_mut()));
+            if let Some((_, _, Err(e))) = ys.iter().find(|y| y.2.is_err()) {
+                bail!("linear output: {e:#}");
+            }
+            with_f32_biases(bias, |bias| {
+                let mut i = 0;
+                let mut jobs = ys.map(|(n, panels, y)| {
+                    let (w, b) = (ws[i].as_ref().ok().copied(), bias[i]);
+                    i += 1;
+                    // (Errors were reported above; an empty job would do nothing.)
+                    let y: &mut [f32] = y.unwrap_or_default();
+                    let job = match (panels, w) {
+                        (Some(p), _) => linear_cpu::Job::panels(p, y, n, accumulate),
+                        (None, Some(w)) => linear_cpu::Job::rows(w, n, y, n, accumulate),
+                        (None, None) => linear_cpu::Job::rows(CpuFloats::F32(&[]), 0, y, n, accumulate),
+                    };
+                    job.with_bias(b)
+                });
+                c.install(|| linear_cpu::linear_many(m, k, xs, &mut jobs));
             });
             Ok(())
         }
-        Device::Cuda(c) => cuda::ops::linear(c, x, w, bias, y, m, accumulate),
+        Device::Cuda(c) => {
+            for p in projs {
+                cuda::ops::linear(c, x, p.w, p.bias, p.y, m, accumulate)?;
+            }
+            Ok(())
+        }
     }
+}
+
+thread_local! {
+    /// BF16/F16 biases widened for one call (grown once to the model's largest).
+    static BIAS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with the biases as f32: borrowed when they are f32, else widened into this thread's
+/// scratch.
+fn with_f32_biases<const J: usize, R>(bias: [Option<CpuFloats>; J], f: impl FnOnce([Option<&[f32]>; J]) -> R) -> R {
+    let wide: usize = bias.iter().flatten().filter(|b| !matches!(b, CpuFloats::F32(_))).map(|b| b.len()).sum();
+    BIAS.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.len() < wide {
+            s.resize(wide, 0.0);
+        }
+        let mut rest: &mut [f32] = &mut s[..wide];
+        let out = bias.map(|b| match b {
+            None => None,
+            Some(CpuFloats::F32(v)) => Some(v),
+            Some(b) => {
+                let (mine, tail) = std::mem::take(&mut rest).split_at_mut(b.len());
+                b.read_into(0, mine);
+                rest = tail;
+                Some(&*mine)
+            }
+        });
+        f(out)
+    })
 }
 
 /// y[..m] = quant(x[..m])·wqᵀ (+ bias): a quantized engine's linear, the input quantized with
@@ -98,18 +168,70 @@ pub fn linear_q(dev: &Device, x: &Tensor, wq: &crate::quant::QTensor, bias: Opti
             let bf = bias.map(CpuFloats::of).transpose()?;
             let wv = wq.view()?;
             let ys = y.f32s_mut()?;
-            c.install(|| {
-                linear_cpu::linear_nt(m, n, k, xs, wv, ys, n, false);
-                if let Some(b) = bf {
-                    for row in ys[..m * n].chunks_exact_mut(n) {
-                        for (j, v) in row.iter_mut().enumerate() {
-                            *v += b.get(j);
-                        }
-                    }
-                }
+            with_f32_biases([bf], |[b]| {
+                let mut jobs = [linear_cpu::Job::rows(wv, n, ys, n, false).with_bias(b)];
+                c.install(|| linear_cpu::linear_many(m, k, xs, &mut jobs))
             });
             Ok(())
         }
         Device::Cuda(c) => cuda::ops::linear_q(c, x, wq, bias, y, m),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::DType;
+
+    fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = crate::rand::Stream::new(seed, 0);
+        (0..n).map(|_| s.normal() as f32).collect()
+    }
+
+    #[test]
+    fn fused_projections_equal_the_kernel_then_the_bias() {
+        // BF16 and F32 weights and biases (the BF16 bias widened into scratch), one packed once:
+        // each output of `linears` equals linear_nt alone followed by y += f32(bias), bitwise.
+        let dev = Device::cpu(2).unwrap();
+        let (m, k) = (11, 24);
+        let x = dev.from_f32(DType::F32, &[m, k], &data(m * k, 1)).unwrap();
+        let shapes = [(24, DType::BF16), (8, DType::F32), (13, DType::BF16)];
+        let ws: Vec<Tensor> =
+            shapes.iter().enumerate().map(|(i, &(n, dt))| dev.from_f32(dt, &[n, k], &data(n * k, 10 + i as u64)).unwrap()).collect();
+        let bs: Vec<Tensor> =
+            shapes.iter().enumerate().map(|(i, &(n, dt))| dev.from_f32(dt, &[n], &data(n, 20 + i as u64)).unwrap()).collect();
+        let p1 = Panels::pack(CpuFloats::of(&ws[1]).unwrap(), 8, k).unwrap();
+        let mut ys: Vec<Tensor> = shapes.iter().map(|&(n, _)| dev.zeros(DType::F32, &[m, n]).unwrap()).collect();
+        let [y0, y1, y2] = &mut ys[..] else { unreachable!() };
+        let projs = [
+            Proj { w: &ws[0], panels: None, bias: Some(&bs[0]), y: y0 },
+            Proj { w: &ws[1], panels: Some(&p1), bias: Some(&bs[1]), y: y1 },
+            Proj { w: &ws[2], panels: None, bias: Some(&bs[2]), y: y2 },
+        ];
+        linears(&dev, &x, projs, m).unwrap();
+        let xs = x.to_f32_vec().unwrap();
+        for (i, &(n, _)) in shapes.iter().enumerate() {
+            let mut want = vec![0.0f32; m * n];
+            linear_cpu::linear_nt(m, n, k, &xs, CpuFloats::of(&ws[i]).unwrap(), &mut want, n, false);
+            let b = bs[i].to_f32_vec().unwrap();
+            for r in 0..m {
+                for j in 0..n {
+                    want[r * n + j] += b[j];
+                }
+            }
+            let got = ys[i].to_f32_vec().unwrap();
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "projection {i}");
+        }
+    }
+
+    #[test]
+    fn a_misshapen_projection_is_an_error() {
+        let dev = Device::cpu(1).unwrap();
+        let x = dev.zeros(DType::F32, &[2, 4]).unwrap();
+        let w = dev.zeros(DType::F32, &[3, 4]).unwrap();
+        let b = dev.zeros(DType::F32, &[5]).unwrap();
+        let mut y = dev.zeros(DType::F32, &[2, 3]).unwrap();
+        let e = linears(&dev, &x, [Proj { w: &w, panels: None, bias: Some(&b), y: &mut y }], 2).unwrap_err();
+        assert!(format!("{e:#}").contains("bias"), "{e:#}");
     }
 }
