@@ -4,6 +4,7 @@
 //   - ct_e2m1_encode / ct_e2m1_sr       <- src/quant/fp8.rs encode_e2m1_fast, nvfp4.rs sr_e2m1
 //   - ct_rht16                          <- src/quant/nvfp4.rs rht_block
 //   - ct_philox / ct_uniform_f64        <- src/rand.rs philox4x32_10, uniform_f64
+//   - ct_exp_f32                        <- src/ops/softmax_cpu.rs exp_f32 (softmax, SwiGLU)
 // Bit-exactness needs the same f32 operations in the same order, so these use the _rn
 // intrinsics, which nvcc never contracts into FMAs. Not yet run on a GPU.
 #pragma once
@@ -105,6 +106,27 @@ __device__ __forceinline__ float ct_block_max(float v, float* scratch) {
   return ct_warp_max(t);
 }
 
+// src/ops/softmax_cpu.rs exp_f32, bit for bit: the same f32 operations in the same order, the
+// multiply-adds fused (__fmaf_rn), the constants spelled as there.
+__device__ __forceinline__ float ct_exp_f32(float x) {
+  if (isnan(x)) return x;
+  if (x > 88.72283f) return INFINITY;
+  const float xc = fmaxf(x, -104.0f);
+  const float n = rintf(__fmul_rn(xc, 1.44269504088896340736f));
+  float r = __fmaf_rn(-n, 0.6933594f, xc);
+  r = __fmaf_rn(-n, -2.1219444e-4f, r);
+  float p = 1.9875691e-4f;
+  p = __fmaf_rn(p, r, 1.3981999e-3f);
+  p = __fmaf_rn(p, r, 8.333452e-3f);
+  p = __fmaf_rn(p, r, 4.1665796e-2f);
+  p = __fmaf_rn(p, r, 1.6666665e-1f);
+  p = __fmaf_rn(p, r, 0.5f);
+  const float y = __fadd_rn(__fmaf_rn(p, __fmul_rn(r, r), r), 1.0f);
+  const int ni = static_cast<int>(n);
+  const int a = ni >> 1, b = ni - a;
+  return __fmul_rn(__fmul_rn(y, __int_as_float((a + 127) << 23)), __int_as_float((b + 127) << 23));
+}
+
 // ---- attention ---------------------------------------------------------------------------
 
 // One online-softmax step of one query over a tile of jn scores (flash-style): the running max
@@ -114,10 +136,10 @@ __device__ __forceinline__ float ct_online_softmax(float* scores, int jn, float*
   float tile_max = -INFINITY;
   for (int j = 0; j < jn; j++) tile_max = fmaxf(tile_max, scores[j]);
   const float m_new = fmaxf(*m, tile_max);
-  const float c = expf(*m - m_new);
+  const float c = ct_exp_f32(__fsub_rn(*m, m_new));
   float sum = *l * c;
   for (int j = 0; j < jn; j++) {
-    const float e = expf(scores[j] - m_new);
+    const float e = ct_exp_f32(__fsub_rn(scores[j], m_new));
     scores[j] = e;
     sum += e;
   }

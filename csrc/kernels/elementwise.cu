@@ -22,12 +22,11 @@ extern "C" __global__ void ct_embedding(ct_embedding_params p) {
   }
 }
 
-// silu(g) * u with silu(g) = g / (1 + exp(-g)) (the CPU's formula; expf may differ from the
-// host's by an ulp).
+// silu(g) * u with silu(g) = g / (1 + exp(-g)), exp being ct_exp_f32: the CPU's bits.
 extern "C" __global__ void ct_swiglu(ct_swiglu_params p) {
   CT_GRID_LOOP(i, p.n) {
     const float g = p.gate[i];
-    const float s = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+    const float s = __fdiv_rn(g, __fadd_rn(1.0f, ct_exp_f32(-g)));
     p.out[i] = __fmul_rn(s, p.up[i]);
   }
 }

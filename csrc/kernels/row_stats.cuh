@@ -1,31 +1,10 @@
 // row_stats.cuh: the statistics of one row of logits that scoring and both sampling kernels
 // share: max_j z_j / T and the normalizer sum_j exp(z_j / T - max) in double (CPU twin:
 // src/ops/logprob.rs row_log_normalizer; the sum is reduced per thread chunk and then across
-// chunks, not in the CPU's 16-lane order), the exponential itself, and the float -> orderable
-// key map of the top-k kernel.
+// chunks, not in the CPU's 16-lane order; the exponential is common.cuh's ct_exp_f32), and
+// the float -> orderable key map of the top-k kernel.
 #pragma once
 #include "common.cuh"
-
-// src/ops/softmax_cpu.rs exp_f32, bit for bit: the same f32 operations in the same order, the
-// multiply-adds fused (__fmaf_rn), the constants spelled as there.
-__device__ __forceinline__ float ct_exp_f32(float x) {
-  if (isnan(x)) return x;
-  if (x > 88.72283f) return INFINITY;
-  const float xc = fmaxf(x, -104.0f);
-  const float n = rintf(__fmul_rn(xc, 1.44269504088896340736f));
-  float r = __fmaf_rn(-n, 0.6933594f, xc);
-  r = __fmaf_rn(-n, -2.1219444e-4f, r);
-  float p = 1.9875691e-4f;
-  p = __fmaf_rn(p, r, 1.3981999e-3f);
-  p = __fmaf_rn(p, r, 8.333452e-3f);
-  p = __fmaf_rn(p, r, 4.1665796e-2f);
-  p = __fmaf_rn(p, r, 1.6666665e-1f);
-  p = __fmaf_rn(p, r, 0.5f);
-  const float y = __fadd_rn(__fmaf_rn(p, __fmul_rn(r, r), r), 1.0f);
-  const int ni = static_cast<int>(n);
-  const int a = ni >> 1, b = ni - a;
-  return __fmul_rn(__fmul_rn(y, __int_as_float((a + 127) << 23)), __int_as_float((b + 127) << 23));
-}
 
 #define CT_ROW_THREADS 1024
 

@@ -6,6 +6,7 @@
 
 use super::check_rows;
 use super::isa::Isa;
+use super::softmax_cpu::{exp_f32, exp_sub_with};
 use crate::device::{cuda, CpuStorage, Device, Tensor};
 use anyhow::{bail, Result};
 use half::{bf16, f16};
@@ -202,7 +203,7 @@ impl Rows<'_> {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
             Isa::Avx2 => unsafe { self.run256(item, o, sc) },
-            _ => self.item(item, o, sc, dots, pv),
+            _ => self.item(Isa::Portable, item, o, sc, dots, pv),
         }
     }
 
@@ -210,7 +211,7 @@ impl Rows<'_> {
     #[target_feature(enable = "avx512f,avx2")]
     unsafe fn run512(&self, item: usize, o: &mut [f32], sc: &mut Vec<f32>) {
         // SAFETY: this function runs only where AVX-512F was detected.
-        self.item(item, o, sc, |q, k, at, n, out| unsafe { x86::dots512(q, k, at, n, out) }, |o, p, at, v| unsafe { x86::pv512(o, p, at, v) })
+        self.item(Isa::Avx512, item, o, sc, |q, k, at, n, out| unsafe { x86::dots512(q, k, at, n, out) }, |o, p, at, v| unsafe { x86::pv512(o, p, at, v) })
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -223,7 +224,7 @@ impl Rows<'_> {
                 *o = unsafe { x86::dot256(q, &k[a..a + q.len()]) };
             }
         };
-        self.item(item, o, sc, dots, |o, p, at, v| unsafe { x86::pv256(o, p, at, v) })
+        self.item(Isa::Avx2, item, o, sc, dots, |o, p, at, v| unsafe { x86::pv256(o, p, at, v) })
     }
 
     /// The work item, in portable Rust (inlined into each instruction-set wrapper), with that
@@ -232,6 +233,7 @@ impl Rows<'_> {
     #[allow(clippy::type_complexity)]
     fn item(
         &self,
+        isa: Isa,
         item: usize,
         o: &mut [f32],
         sc: &mut Vec<f32>,
@@ -283,7 +285,7 @@ impl Rows<'_> {
             for g in 0..groups {
                 let blk_max = scores[g * KCHUNK..g * KCHUNK + jn].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
                 let m_new = mx[g].max(blk_max);
-                let corr = (mx[g] - m_new).exp();
+                let corr = exp_f32(mx[g] - m_new);
                 if corr != 1.0 {
                     sum[g] *= corr;
                     for a in o[g * d..(g + 1) * d].iter_mut() {
@@ -291,8 +293,9 @@ impl Rows<'_> {
                     }
                 }
                 mx[g] = m_new;
-                for x in scores[g * KCHUNK..g * KCHUNK + jn].iter_mut() {
-                    *x = (*x - m_new).exp();
+                let sg = &mut scores[g * KCHUNK..g * KCHUNK + jn];
+                exp_sub_with(isa, sg, m_new);
+                for x in sg.iter() {
                     sum[g] += *x;
                 }
             }

@@ -1,6 +1,6 @@
 //! Row-wise data movement and activations: embedding lookup, SwiGLU, row gather.
 
-use super::{check_rows, rows_per_task};
+use super::{check_rows, rows_per_task, softmax_cpu};
 use crate::device::{cuda, CpuFloats, Device, Tensor};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
@@ -29,24 +29,21 @@ pub fn embedding(dev: &Device, table: &Tensor, ids: &Tensor, out: &mut Tensor, m
     }
 }
 
-/// out[..m] (m, I) = silu(gate) ⊙ up, silu(g) = g·sigmoid(g).
+/// out[..m] (m, I) = silu(gate) ⊙ up, silu(g) = g / (1 + exp(−g)) with the crate's own exp
+/// (`softmax_cpu::silu`: the same bits on every ISA and C library).
 pub fn swiglu(dev: &Device, gate: &Tensor, up: &Tensor, out: &mut Tensor, m: usize) -> Result<()> {
     let i = gate.dim(gate.shape().len() - 1);
     check_rows(up, m, i, "swiglu up")?;
     check_rows(out, m, i, "swiglu output")?;
     match dev {
         Device::Cpu(d) => {
-            let (g, u, o) = (gate.f32s()?, up.f32s()?, out.f32s_mut()?);
+            let (g, u, o, isa) = (gate.f32s()?, up.f32s()?, out.f32s_mut()?, super::isa::Isa::detect());
             d.install(|| {
                 o[..m * i]
                     .par_chunks_mut(i)
                     .zip(g[..m * i].par_chunks(i).zip(u[..m * i].par_chunks(i)))
                     .with_min_len(rows_per_task(i))
-                    .for_each(|(o, (g, u))| {
-                        for j in 0..o.len() {
-                            o[j] = silu(g[j]) * u[j];
-                        }
-                    })
+                    .for_each(|(o, (g, u))| softmax_cpu::silu_mul_with(isa, g, u, o))
             });
             Ok(())
         }
@@ -54,10 +51,6 @@ pub fn swiglu(dev: &Device, gate: &Tensor, up: &Tensor, out: &mut Tensor, m: usi
     }
 }
 
-#[inline]
-pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
 
 /// dst[..r] (r, C) = src[idx[i]] for idx (r) u32 rows of src (n, C).
 pub fn gather_rows(dev: &Device, src: &Tensor, idx: &Tensor, dst: &mut Tensor, r: usize) -> Result<()> {

@@ -2,7 +2,8 @@
 //! scaled maximum max_i z_i / T, the weights exp(z_i / T − max) and their f64 sum. Scoring,
 //! sampling and the engine's log-probs all go through these (via
 //! `logprob::row_log_normalizer` and `sample::sample_row`), so the engine's numbers come from
-//! one definition.
+//! one definition. The engine's attention weights and SwiGLU gate use the same exponential
+//! ([`exp_sub_with`], [`silu_mul_with`]), so decode results do not depend on the C library's expf.
 //!
 //! Every result is bit-identical on AVX-512, AVX2 + FMA and the portable path:
 //! - [`exp_f32`] is one fixed sequence of f32 operations, and each vector lane runs exactly that
@@ -99,6 +100,43 @@ fn exp_shifted_with(isa: Isa, z: &[f32], t: f32, mx: f32, out: &mut [f32]) {
     }
 }
 
+/// x[i] = exp_f32(x[i] − m) in place (attention's chunk weights), the same bits on every ISA.
+pub(crate) fn exp_sub_with(isa: Isa, x: &mut [f32], m: f32) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: features detected by `Isa::detect()`.
+        Isa::Avx512 => unsafe { x86::exp_sub512(x, m) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { x86::exp_sub256(x, m) },
+        _ => x.iter_mut().for_each(|v| *v = exp_f32(*v - m)),
+    }
+}
+
+/// silu(g) = g / (1 + exp_f32(−g)): the engine's SwiGLU gate (`elementwise::swiglu`).
+#[inline]
+pub fn silu(g: f32) -> f32 {
+    g / (1.0 + exp_f32(-g))
+}
+
+/// o[i] = silu(g[i]) · u[i], the same bits on every ISA (o, g, u of one length).
+pub(crate) fn silu_mul_with(isa: Isa, g: &[f32], u: &[f32], o: &mut [f32]) {
+    let n = o.len();
+    let (g, u) = (&g[..n], &u[..n]);
+    let done = match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: features detected by `Isa::detect()`; the slices have n elements.
+        Isa::Avx512 => unsafe { x86::silu_mul512(g, u, o) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { x86::silu_mul256(g, u, o) },
+        _ => 0,
+    };
+    for i in done..n {
+        o[i] = silu(g[i]) * u[i];
+    }
+}
+
 /// The fixed tree over the 16 lanes.
 fn join(mut l: [f64; 16]) -> f64 {
     let mut w = 8;
@@ -191,6 +229,66 @@ mod x86 {
         let res = _mm256_mul_ps(_mm256_mul_ps(y, sa), sb);
         let res = _mm256_blendv_ps(res, _mm256_set1_ps(f32::INFINITY), over);
         _mm256_blendv_ps(res, x, nan)
+    }
+
+    /// x[i] = exp(x[i] − m), 16 lanes at a time, the tail masked.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn exp_sub512(x: &mut [f32], m: f32) {
+        let mv = _mm512_set1_ps(m);
+        for c in x.chunks_mut(16) {
+            let k: __mmask16 = if c.len() == 16 { 0xFFFF } else { (1u16 << c.len()) - 1 };
+            // SAFETY: the mask covers c.len() ≤ 16 elements of c.
+            unsafe {
+                let v = _mm512_maskz_loadu_ps(k, c.as_ptr());
+                _mm512_mask_storeu_ps(c.as_mut_ptr(), k, exp16(_mm512_sub_ps(v, mv)));
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn exp_sub256(x: &mut [f32], m: f32) {
+        let mv = _mm256_set1_ps(m);
+        let n = x.len() / 8 * 8;
+        for c in x[..n].chunks_exact_mut(8) {
+            // SAFETY: `c` has 8 elements.
+            unsafe { _mm256_storeu_ps(c.as_mut_ptr(), exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mv))) };
+        }
+        for v in &mut x[n..] {
+            *v = exp_f32(*v - m);
+        }
+    }
+
+    /// o = silu(g)·u for the first n / 16 · 16 elements; returns how many.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn silu_mul512(g: &[f32], u: &[f32], o: &mut [f32]) -> usize {
+        let n = o.len().min(g.len()).min(u.len()) / 16 * 16;
+        let (one, sign) = (_mm512_set1_ps(1.0), _mm512_set1_epi32(i32::MIN));
+        for i in (0..n).step_by(16) {
+            // SAFETY: i + 16 ≤ n ≤ every length.
+            unsafe {
+                let gv = _mm512_loadu_ps(g.as_ptr().add(i));
+                // −g flips the sign bit, as scalar negation does.
+                let neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), sign));
+                let s = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(neg)));
+                _mm512_storeu_ps(o.as_mut_ptr().add(i), _mm512_mul_ps(s, _mm512_loadu_ps(u.as_ptr().add(i))));
+            }
+        }
+        n
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn silu_mul256(g: &[f32], u: &[f32], o: &mut [f32]) -> usize {
+        let n = o.len().min(g.len()).min(u.len()) / 8 * 8;
+        let (one, sign) = (_mm256_set1_ps(1.0), _mm256_set1_ps(-0.0));
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 ≤ n ≤ every length.
+            unsafe {
+                let gv = _mm256_loadu_ps(g.as_ptr().add(i));
+                let s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign))));
+                _mm256_storeu_ps(o.as_mut_ptr().add(i), _mm256_mul_ps(s, _mm256_loadu_ps(u.as_ptr().add(i))));
+            }
+        }
+        n
     }
 
     #[target_feature(enable = "avx512f")]
@@ -390,6 +488,49 @@ mod tests {
                 assert_eq!(ref_sum.to_bits(), lanes[0].to_bits(), "definition n={n}");
                 let m = z.iter().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, |a, &b| if b / t > a { b / t } else { a });
                 assert_eq!(ref_max, m, "max n={n}");
+            }
+        }
+    }
+
+    #[test]
+    fn silu_matches_f64_and_every_isa_gives_its_bits() {
+        // |silu(g) − g/(1+e^−g) (f64)| ≤ 1e-30 + 4 ulp·|ref| (exp_f32 is within 2 ulp; one add,
+        // one division round once each); the vector paths equal the scalar definition bit for
+        // bit, edges included (±0, ±inf, NaN, huge |g|), for every tail length.
+        let mut s = crate::rand::Stream::new(8, 8);
+        let mut g: Vec<f32> = (0..1000).map(|_| (8.0 * s.normal()) as f32).collect();
+        g.extend([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 100.0, -100.0, 1e-30, -1e-30, 88.0, -88.0]);
+        let u: Vec<f32> = (0..g.len()).map(|i| if i % 3 == 0 { 1.0 } else { s.normal() as f32 }).collect();
+        for &x in &g[..1000] {
+            let want = x as f64 / (1.0 + (-(x as f64)).exp());
+            let tol = 1e-30 + 4.0 * f32::EPSILON as f64 * want.abs();
+            assert!((silu(x) as f64 - want).abs() <= tol, "silu({x}) = {} vs {want}", silu(x));
+        }
+        assert_eq!(silu(f32::INFINITY), f32::INFINITY);
+        assert!(silu(-100.0) <= 0.0 && silu(-100.0) > -1e-40, "silu(−100) = −100·e^−100 ≈ −3.7e-42");
+        assert_eq!(silu(0.0), 0.0);
+        for n in [0usize, 1, 7, 8, 15, 16, 17, 31, g.len()] {
+            let want: Vec<f32> = (0..n).map(|i| silu(g[i]) * u[i]).collect();
+            for isa in Isa::available() {
+                let mut o = vec![f32::NAN; n];
+                silu_mul_with(isa, &g[..n], &u[..n], &mut o);
+                let same = o.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{isa:?} n={n}");
+            }
+        }
+    }
+
+    #[test]
+    fn shifted_exp_in_place_is_the_scalar_definition_on_every_isa() {
+        let mut s = crate::rand::Stream::new(9, 9);
+        for n in 0..=40 {
+            let x: Vec<f32> = (0..n).map(|_| (5.0 * s.normal()) as f32).collect();
+            let m = 1.25f32;
+            let want: Vec<f32> = x.iter().map(|&v| exp_f32(v - m)).collect();
+            for isa in Isa::available() {
+                let mut y = x.clone();
+                exp_sub_with(isa, &mut y, m);
+                assert!(y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} n={n}");
             }
         }
     }
