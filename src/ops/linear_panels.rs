@@ -30,7 +30,11 @@ impl Panels {
     /// their scales are blocked along k in row-major order).
     pub fn pack(w: CpuFloats, n: usize, k: usize) -> Option<Panels> {
         fn permute<T: Copy + Default>(v: &[T], n: usize, k: usize) -> Vec<T> {
-            let mut d = vec![T::default(); n.div_ceil(G) * G * k];
+            // Reserved (an untouched mapping at these sizes), advised, then filled.
+            let len = n.div_ceil(G) * G * k;
+            let mut d = Vec::with_capacity(len);
+            crate::util::advise_huge_pages(d.as_ptr(), len * std::mem::size_of::<T>());
+            d.resize(len, T::default());
             if k == 0 {
                 return d;
             }
