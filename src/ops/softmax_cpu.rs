@@ -231,6 +231,28 @@ mod x86 {
         _mm256_blendv_ps(res, x, nan)
     }
 
+    /// x / T, skipping the division at T = 1 (x / 1 is x, bit for bit: greedy decoding's
+    /// log-probs and scoring run at T = 1, and a vector division costs more than the exp).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn div16(x: __m512, tv: __m512, t: f32) -> __m512 {
+        if t == 1.0 {
+            x
+        } else {
+            _mm512_div_ps(x, tv)
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn div8(x: __m256, tv: __m256, t: f32) -> __m256 {
+        if t == 1.0 {
+            x
+        } else {
+            _mm256_div_ps(x, tv)
+        }
+    }
+
     /// x[i] = exp(x[i] − m), 16 lanes at a time, the tail masked.
     #[target_feature(enable = "avx512f")]
     pub(super) fn exp_sub512(x: &mut [f32], m: f32) {
@@ -299,7 +321,7 @@ mod x86 {
         let tail = chunks.remainder();
         for c in chunks {
             // SAFETY: `c` has 16 elements.
-            let x = _mm512_div_ps(unsafe { _mm512_loadu_ps(c.as_ptr()) }, tv);
+            let x = div16(unsafe { _mm512_loadu_ps(c.as_ptr()) }, tv, t);
             acc = _mm512_max_ps(x, acc); // a NaN x yields acc
         }
         let mut l = [0.0f32; 16];
@@ -316,7 +338,7 @@ mod x86 {
         let tail = chunks.remainder();
         for c in chunks {
             // SAFETY: `c` has 8 elements.
-            let x = _mm256_div_ps(unsafe { _mm256_loadu_ps(c.as_ptr()) }, tv);
+            let x = div8(unsafe { _mm256_loadu_ps(c.as_ptr()) }, tv, t);
             acc = _mm256_max_ps(x, acc);
         }
         let mut l = [0.0f32; 8];
@@ -332,7 +354,7 @@ mod x86 {
         for (c, o) in z[..n].chunks_exact(16).zip(out[..n].chunks_exact_mut(16)) {
             // SAFETY: `c` and `o` have 16 elements.
             unsafe {
-                let x = _mm512_sub_ps(_mm512_div_ps(_mm512_loadu_ps(c.as_ptr()), tv), mv);
+                let x = _mm512_sub_ps(div16(_mm512_loadu_ps(c.as_ptr()), tv, t), mv);
                 _mm512_storeu_ps(o.as_mut_ptr(), exp16(x));
             }
         }
@@ -348,7 +370,7 @@ mod x86 {
         for (c, o) in z[..n].chunks_exact(8).zip(out[..n].chunks_exact_mut(8)) {
             // SAFETY: `c` and `o` have 8 elements.
             unsafe {
-                let x = _mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(c.as_ptr()), tv), mv);
+                let x = _mm256_sub_ps(div8(_mm256_loadu_ps(c.as_ptr()), tv, t), mv);
                 _mm256_storeu_ps(o.as_mut_ptr(), exp8(x));
             }
         }
@@ -365,7 +387,7 @@ mod x86 {
         let (mut lo, mut hi) = unsafe { (_mm512_loadu_pd(lanes.as_ptr()), _mm512_loadu_pd(lanes.as_ptr().add(8))) };
         for c in z.chunks_exact(16) {
             // SAFETY: `c` has 16 elements.
-            let e = exp16(_mm512_sub_ps(_mm512_div_ps(unsafe { _mm512_loadu_ps(c.as_ptr()) }, tv), mv));
+            let e = exp16(_mm512_sub_ps(div16(unsafe { _mm512_loadu_ps(c.as_ptr()) }, tv, t), mv));
             lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
             hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)))));
         }
@@ -385,7 +407,7 @@ mod x86 {
         for c in z.chunks_exact(16) {
             for half in 0..2 {
                 // SAFETY: `c` has 16 elements; each half is 8.
-                let e = exp8(_mm256_sub_ps(_mm256_div_ps(unsafe { _mm256_loadu_ps(c.as_ptr().add(8 * half)) }, tv), mv));
+                let e = exp8(_mm256_sub_ps(div8(unsafe { _mm256_loadu_ps(c.as_ptr().add(8 * half)) }, tv, t), mv));
                 acc[2 * half] = _mm256_add_pd(acc[2 * half], _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
                 acc[2 * half + 1] = _mm256_add_pd(acc[2 * half + 1], _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(e)));
             }
