@@ -163,7 +163,13 @@ pub fn paged_attention(
             let job = Rows { qs, qst, ctx, bt, kc, vc, hkv, bs, d, groups: heads / hkv, heads, maxb: meta.max_blocks };
             let isa = Isa::detect();
             dv.install(|| {
+                let items = t_rows * hkv;
                 os[..t_rows * heads * d].par_chunks_mut(job.groups * d).enumerate().for_each(|(item, o)| {
+                    // A thread usually takes the next item next: its first keys and values
+                    // (in other cache blocks, which no hardware stream finds) are asked for now.
+                    if item + 1 < items {
+                        job.prefetch_first(item + 1);
+                    }
                     SCRATCH.with(|sc| job.run(isa, item, o, &mut sc.borrow_mut()));
                 })
             });
@@ -191,6 +197,20 @@ struct Rows<'a> {
 }
 
 impl Rows<'_> {
+    /// Prefetches the first KCHUNK key and value rows of work item `item` (a hint).
+    fn prefetch_first(&self, item: usize) {
+        let (t, kvh) = (item / self.hkv, item % self.hkv);
+        let s = self.qst.partition_point(|&x| x as usize <= t) - 1;
+        let q_len = (self.qst[s + 1] - self.qst[s]) as usize;
+        let n = self.ctx[s] as usize - q_len + (t - self.qst[s] as usize) + 1;
+        let table = &self.bt[s * self.maxb..(s + 1) * self.maxb];
+        for j in 0..n.min(KCHUNK) {
+            let at = ((table[j / self.bs] as usize * self.hkv + kvh) * self.bs + j % self.bs) * self.d;
+            self.kc.prefetch(at, self.d);
+            self.vc.prefetch(at, self.d);
+        }
+    }
+
     /// o (groups·D) ← attention of work item `item` (row item / Hkv, KV head item % Hkv), on the
     /// widest vector unit the CPU has. Every instruction set computes the same bits: the body
     /// is written without reassociation (Rust never fuses a·b + c), so wider vectors only run
@@ -564,7 +584,7 @@ impl<'a> Kv<'a> {
         #[cfg(target_arch = "x86_64")]
         for line in bytes.chunks(64) {
             // SAFETY: a prefetch is a hint that cannot fault; the address is inside `bytes`.
-            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr() as *const i8) }
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line.as_ptr() as *const i8) }
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = bytes;
