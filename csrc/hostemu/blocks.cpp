@@ -14,7 +14,7 @@
 //              (ct_paged_attention), out_prefill.bin (ct_prefill_attention), err.bin
 //   rmsnorm    dims.bin (i32 rows, cols; f32 eps), x.bin, r.bin (rows, cols), w.bin (cols)
 //              -> y.bin, x_out.bin (ct_rmsnorm with the residual add)
-//   exp        x.bin f32 -> y.bin = ct_exp_f32(x) (row_stats.cuh)
+//   exp        x.bin f32 -> y.bin = ct_exp_f32(x) (common.cuh)
 // Build: c++ -std=c++17 -O2 -ffp-contract=off -include shim.h -Iinclude -I../include blocks.cpp
 #include <string>
 #include <vector>

@@ -50,8 +50,7 @@ pub fn linears<const J: usize>(dev: &Device, x: &Tensor, projs: [Proj<'_>; J], m
 }
 
 fn linears_acc<const J: usize>(dev: &Device, x: &Tensor, projs: [Proj<'_>; J], m: usize, accumulate: bool) -> Result<()> {
-    const { assert!(J <= linear_cpu::MAX_JOBS) };
-    let k = x.dim(x.shape().len() - 1);
+    const { assert!(J >= 1 && J <= linear_cpu::MAX_JOBS) };
     for p in &projs {
         let (n, kw) = (p.w.dim(0), p.w.dim(1));
         if let Some(pn) = p.panels {
@@ -65,6 +64,8 @@ fn linears_acc<const J: usize>(dev: &Device, x: &Tensor, projs: [Proj<'_>; J], m
             check_rows(b, 1, n, "linear bias")?;
         }
     }
+    // (Every projection's K equals x's row width: checked above.)
+    let k = projs[0].w.dim(1);
     match dev {
         Device::Cpu(c) => {
             let xs = x.f32s()?;
@@ -116,8 +117,21 @@ thread_local! {
 /// scratch.
 fn with_f32_biases<const J: usize, R>(bias: [Option<CpuFloats>; J], f: impl FnOnce([Option<&[f32]>; J]) -> R) -> R {
     let wide: usize = bias.iter().flatten().filter(|b| !matches!(b, CpuFloats::F32(_))).map(|b| b.len()).sum();
-    BIAS.with(|s| {
-        let mut s = s.borrow_mut();
+    if wide == 0 {
+        return f(bias.map(|b| match b {
+            Some(CpuFloats::F32(v)) => Some(v),
+            _ => None,
+        }));
+    }
+    BIAS.with(|cell| {
+        let mut held = cell.try_borrow_mut();
+        let mut own = Vec::new();
+        // Borrowed already: this thread is inside another caller's linear (rayon ran that
+        // caller's job while it waited for its own tasks); this call gets its own buffer.
+        let s: &mut Vec<f32> = match held.as_deref_mut() {
+            Ok(s) => s,
+            Err(_) => &mut own,
+        };
         if s.len() < wide {
             s.resize(wide, 0.0);
         }
@@ -222,6 +236,25 @@ mod tests {
             let got = ys[i].to_f32_vec().unwrap();
             assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "projection {i}");
         }
+    }
+
+    #[test]
+    fn a_nested_call_with_the_bias_scratch_in_use_gets_its_own() {
+        // As when rayon runs another caller's linear on a thread waiting inside one: the
+        // thread's widened-bias scratch is borrowed; the nested call must still be right.
+        let dev = Device::cpu(1).unwrap();
+        let (m, k, n) = (3, 8, 5);
+        let x = dev.from_f32(DType::F32, &[m, k], &data(m * k, 1)).unwrap();
+        let w = dev.from_f32(DType::F32, &[n, k], &data(n * k, 2)).unwrap();
+        let b = dev.from_f32(DType::BF16, &[n], &data(n, 3)).unwrap();
+        let mut want = dev.zeros(DType::F32, &[m, n]).unwrap();
+        linear(&dev, &x, &w, Some(&b), &mut want, m, false).unwrap();
+        let mut got = dev.zeros(DType::F32, &[m, n]).unwrap();
+        BIAS.with(|c| {
+            let _held = c.borrow_mut();
+            linear(&dev, &x, &w, Some(&b), &mut got, m, false).unwrap();
+        });
+        assert_eq!(got.to_f32_vec().unwrap(), want.to_f32_vec().unwrap());
     }
 
     #[test]
