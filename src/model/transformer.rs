@@ -73,7 +73,15 @@ impl ForwardBuffers {
         block_size: usize,
     ) -> Result<ForwardBuffers> {
         let (c, i, q, kv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
-        let f = |shape: &[usize]| dev.zeros(DType::F32, shape);
+        // CPU activations are written once here, so that the first step (the prefill, where
+        // time to first token is measured) does not pay their page faults.
+        let f = |shape: &[usize]| -> Result<Tensor> {
+            let mut t = dev.zeros(DType::F32, shape)?;
+            if let Ok(v) = t.f32s_mut() {
+                v.fill(0.0);
+            }
+            Ok(t)
+        };
         let u = |n: usize| dev.zeros(DType::U32, &[n]);
         Ok(ForwardBuffers {
             cap,
