@@ -533,6 +533,17 @@ mod avx512 {
             // (Loops, not array::from_fn: a closure does not inherit this function's target
             // features, and its intrinsics would stay out-of-line calls.)
             let mut v = [_mm512_setzero_ps(); 16];
+            if live == G {
+                // A constant trip count keeps v in registers (a runtime one spilled it to the
+                // stack, zeroed, every block).
+                for (l, r) in v.iter_mut().enumerate() {
+                    *r = _mm512_loadu_ps(s.add(l * k + p0));
+                }
+                for (i, r) in transpose16(&v).iter().enumerate() {
+                    _mm512_storeu_ps(d.add((p0 + i) * G), *r);
+                }
+                continue;
+            }
             for (l, r) in v.iter_mut().enumerate().take(live) {
                 *r = _mm512_loadu_ps(s.add(l * k + p0));
             }
