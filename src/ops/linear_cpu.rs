@@ -25,11 +25,13 @@
 //!   and the panels live in thread-local scratch that [`reserve`] grows once. (The `gemm`
 //!   crate, used for the large training GEMMs in `gemm_cpu`, allocates on every call.)
 //!
-//! Owns: that scratch. May call: rayon, `CpuFloats` decoding. Must not touch: devices, tensors.
+//! Owns: that scratch. May call: rayon, `CpuFloats` decoding, `prefetch`. Must not touch: devices,
+//! tensors.
 
 use super::gemm_cpu::SendPtr;
 use super::isa::Isa;
 use super::linear_panels::Panels;
+use super::prefetch::Prefetch;
 use crate::device::CpuFloats;
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -382,40 +384,6 @@ unsafe fn block(
                     }
                 }
                 _ => portable::tile(rows, c, k, xg, wq, yq, ldy, acc),
-            }
-        }
-    }
-}
-
-/// Up to `n` cache lines, one per FMA step, to prefetch while a tile computes.
-#[derive(Clone, Copy)]
-struct Prefetch {
-    base: *const u8,
-    n: usize,
-}
-
-impl Prefetch {
-    const NONE: Prefetch = Prefetch { base: std::ptr::null(), n: 0 };
-
-    /// Lines first..first+n of `bytes` (fewer where it ends).
-    fn lines(bytes: &[u8], first: usize, n: usize) -> Prefetch {
-        let have = bytes.len().div_ceil(64);
-        if first >= have {
-            return Prefetch::NONE;
-        }
-        // SAFETY: first < the number of (partial) lines, so the offset is inside `bytes`.
-        Prefetch { base: unsafe { bytes.as_ptr().add(first * 64) }, n: n.min(have - first) }
-    }
-
-    /// Prefetches line `p` (if there is one) into L2; a hint, never a fault.
-    #[inline(always)]
-    fn line(self, p: usize) {
-        #[cfg(target_arch = "x86_64")]
-        if p < self.n {
-            // SAFETY: prefetching is a hint that cannot fault; the address is inside the slice
-            // given to `lines` (p < n lines from its start).
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(self.base.add(p * 64) as *const i8)
             }
         }
     }

@@ -16,6 +16,7 @@ pub mod linear_panels;
 pub mod logprob;
 pub mod matmul;
 pub mod norm;
+mod prefetch;
 pub mod quantize;
 pub mod rope;
 pub mod sample;
