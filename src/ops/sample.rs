@@ -109,7 +109,7 @@ pub fn sample_row(z: &[f32], p: &SampleParams) -> (u32, f32) {
         // The first maximum (`x > z[best]` scanning up from 0): the first element equal to the
         // row's max (which ignores NaN; −0 == +0), or 0 when z[0] is NaN (nothing beats it).
         let (mx, lse) = row_log_normalizer(z, 1.0);
-        let best = if z[0].is_nan() { 0 } else { z.iter().position(|&x| x == mx).unwrap_or(0) };
+        let best = if z[0].is_nan() { 0 } else { softmax_cpu::first_equal(z, mx).unwrap_or(0) };
         return (best as u32, ((z[best] - mx) as f64 - lse) as f32);
     }
     let t = p.temperature;

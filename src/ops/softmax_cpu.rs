@@ -62,6 +62,21 @@ pub fn scaled_max(z: &[f32], t: f32) -> f32 {
     scaled_max_with(Isa::detect(), z, t)
 }
 
+/// The first i with z[i] == v (IEEE equality: −0 == +0, NaN equals nothing), 16 at a time
+/// (greedy decoding's argmax, once the row's max is known).
+pub fn first_equal(z: &[f32], v: f32) -> Option<usize> {
+    first_equal_with(Isa::detect(), z, v)
+}
+
+fn first_equal_with(isa: Isa, z: &[f32], v: f32) -> Option<usize> {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::detect()` returned Avx512 only after detecting AVX-512F.
+        Isa::Avx512 => unsafe { x86::first_equal512(z, v) },
+        _ => z.iter().position(|&x| x == v),
+    }
+}
+
 /// out[i] = exp_f32(z[i] / T − mx), i < z.len() (out at least as long).
 pub fn exp_shifted(z: &[f32], t: f32, mx: f32, out: &mut [f32]) {
     exp_shifted_with(Isa::detect(), z, t, mx, &mut out[..z.len()]);
@@ -251,6 +266,21 @@ mod x86 {
         } else {
             _mm256_div_ps(x, tv)
         }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn first_equal512(z: &[f32], v: f32) -> Option<usize> {
+        let vv = _mm512_set1_ps(v);
+        let chunks = z.chunks_exact(16);
+        let tail = chunks.remainder();
+        for (c, x) in chunks.enumerate() {
+            // SAFETY: `x` has 16 elements.
+            let hit = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(unsafe { _mm512_loadu_ps(x.as_ptr()) }, vv);
+            if hit != 0 {
+                return Some(16 * c + hit.trailing_zeros() as usize);
+            }
+        }
+        tail.iter().position(|&x| x == v).map(|i| z.len() - tail.len() + i)
     }
 
     /// x[i] = exp(x[i] − m), 16 lanes at a time, the tail masked.
@@ -553,6 +583,26 @@ mod tests {
                 let mut y = x.clone();
                 exp_sub_with(isa, &mut y, m);
                 assert!(y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} n={n}");
+            }
+        }
+    }
+
+    #[test]
+    fn first_equal_is_position_on_every_isa() {
+        let mut s = crate::rand::Stream::new(10, 10);
+        for n in [0usize, 1, 15, 16, 17, 33, 1000] {
+            let mut z: Vec<f32> = (0..n).map(|_| s.normal() as f32).collect();
+            if n > 20 {
+                z[5] = f32::NAN;
+                z[n - 3] = -0.0;
+                z[n - 1] = 0.0;
+            }
+            let probes: Vec<f32> = z.iter().copied().chain([0.0, -0.0, f32::NAN, 9.0]).collect();
+            for &v in &probes {
+                let want = z.iter().position(|&x| x == v);
+                for isa in Isa::available() {
+                    assert_eq!(first_equal_with(isa, &z, v), want, "{isa:?} n={n} v={v}");
+                }
             }
         }
     }
