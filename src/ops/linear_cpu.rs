@@ -34,7 +34,8 @@ use super::linear_panels::Panels;
 use super::prefetch::Prefetch;
 use crate::device::CpuFloats;
 use rayon::prelude::*;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Row lanes per group of the transposed x block (one AVX-512 register of f32), and weight
 /// rows per packed panel.
@@ -49,13 +50,18 @@ const NB: usize = G;
 const _: () = assert!(NB == G);
 
 thread_local! {
-    /// The caller's x transposed, MB rows at a time: (MB / G groups, K, G).
+    /// The call's x transposed, MB rows at a time: (MB / G groups, K, G); each thread has its own.
     static XT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// NB weight rows widened to f32, row-major (BF16/F16/FP8/NVFP4 weights only).
     static ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// NB weight rows packed: (NB / G panels, K, G).
     static PANELS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The call (a [`CALLS`] number) whose x `XT` holds.
+    static XT_CALL: Cell<u64> = const { Cell::new(u64::MAX) };
 }
+
+/// Numbers each chunk of each linear call (tags the transposed x in `XT`).
+static CALLS: AtomicU64 = AtomicU64::new(0);
 
 /// The first `n` values of `s`, grown (once) when it is shorter.
 fn scratch(s: &mut Vec<f32>, n: usize) -> &mut [f32] {
@@ -196,69 +202,90 @@ fn chunk(isa: Isa, m: usize, i0: usize, k: usize, x: &[f32], jobs: &mut [Job]) {
     }
     let n_tasks = first[jobs.len()];
     let jobs = &*jobs;
-    // x transposed once, by the calling thread, into its scratch; the tasks only read it.
-    let run = |xt: &mut [f32]| {
-        // (With AVX-512 a single group of ≤ 8 rows reads x row-major; see `block`.)
-        if !(isa == Isa::Avx512 && m <= 8) {
-            transpose(isa, &x[..m * k], m, k, xt);
-        }
-        let xt = &*xt;
-        (0..n_tasks).into_par_iter().for_each(|t| {
-            let ji = first[1..=jobs.len()].partition_point(|&f| f <= t);
-            let job = &jobs[ji];
-            let (n, w, ldy) = (job.n, job.w, job.ldy);
-            let j0 = (t - first[ji]) * nt;
-            let nj = nt.min(n - j0);
-            PANELS.with(|pn| {
-                let mut pn = pn.borrow_mut();
-                let mut jb = j0;
-                while jb < j0 + nj {
-                    let nbj = NB.min(j0 + nj - jb);
-                    // While this block is packed and computed, the next NB rows (this task's or
-                    // the next one's) are prefetched: packing is most of the time at batch 1,
-                    // the FMA loop at large batches.
-                    let (panels, ahead): (&[f32], &[u8]) = match w {
-                        Src::Rows(w) => {
-                            let panels = scratch(&mut pn, nbj.div_ceil(G) * G * k);
-                            let ahead = w.bytes((jb + NB) * k, NB * k);
-                            let pf = Prefetch::lines(ahead, 0, ahead.len().div_ceil(64));
-                            match w {
-                                CpuFloats::F32(wd) => pack(isa, &wd[jb * k..(jb + nbj) * k], nbj, k, panels, pf),
-                                _ => ROWS.with(|r| {
-                                    let mut r = r.borrow_mut();
-                                    let rows = scratch(&mut r, nbj * k);
-                                    w.read_into(jb * k, rows);
-                                    pack(isa, rows, nbj, k, panels, pf);
-                                }),
-                            }
-                            (panels, ahead)
-                        }
-                        // (NB = G: a block is one panel.)
-                        Src::Panels(p) => (p.panel(jb / G, &mut pn), p.bytes(jb / G + 1)),
-                    };
-                    // SAFETY: columns jb..jb+nbj of this job's y, m rows from i0, are written by
-                    // this task only (tasks partition each job's columns, sub-blocks partition
-                    // the task's columns; jobs have distinct outputs, borrowed mutably), and
-                    // the extent of y was checked in `linear_isa`.
-                    unsafe {
-                        let y = yp[ji].get().add(jb);
-                        block(isa, m, nbj, k, x, xt, panels, ahead, y, ldy, job.accumulate);
-                        if let Some(b) = job.bias {
-                            add_bias(m, &b[jb..jb + nbj], y, ldy);
-                        }
-                    }
-                    jb += nbj;
-                }
-            })
-        });
-    };
+    // Each thread transposes x into its own scratch before its first task of this call (the
+    // tag says which call's x it holds). One transpose on the calling thread, before the
+    // tasks, had the other threads wait for it, and its copy, written by one core, then read by
+    // all: 6.7 µs of each 80 µs q/k/v call at batch 32 (19 µs at K = 1024), measured.
+    // (With AVX-512 a single group of ≤ 8 rows reads x row-major; see `block`.)
+    let transposed = !(isa == Isa::Avx512 && m <= 8);
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
     let need = m.div_ceil(G) * G * k;
-    XT.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut xt) => run(scratch(&mut xt, need)),
-        // This thread is already inside a linear (rayon ran another caller's job while it
-        // waited for its own tasks): this call gets its own buffer.
-        Err(_) => run(&mut vec![0.0; need]),
+    (0..n_tasks).into_par_iter().for_each(|t| {
+        let run = |xt: &[f32]| {
+            let ji = first[1..=jobs.len()].partition_point(|&f| f <= t);
+            let j0 = (t - first[ji]) * nt;
+            // SAFETY: tasks partition each job's columns (see `task`).
+            unsafe { task(isa, m, k, x, xt, &jobs[ji], yp[ji], j0, nt.min(jobs[ji].n - j0)) }
+        };
+        if !transposed {
+            return run(&[]);
+        }
+        XT.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut xt) => {
+                let xt = scratch(&mut xt, need);
+                if XT_CALL.get() != call {
+                    transpose(isa, &x[..m * k], m, k, xt);
+                    XT_CALL.set(call);
+                }
+                run(xt)
+            }
+            // (A task never runs inside another on one thread; should one ever, it gets its own.)
+            Err(_) => {
+                let mut xt = vec![0.0; need];
+                transpose(isa, &x[..m * k], m, k, &mut xt);
+                run(&xt)
+            }
+        })
     });
+}
+
+/// Columns j0..j0 + nj of `job`'s output, m rows from `y` (the row i0 of the chunk): block by
+/// block, packed (or read pre-packed) and computed while the next block is prefetched.
+///
+/// # Safety
+/// No other task writes these columns of these rows (tasks partition each job's columns; jobs
+/// have distinct outputs, borrowed mutably); `linear_isa` checked the extents.
+#[allow(clippy::too_many_arguments)]
+unsafe fn task(isa: Isa, m: usize, k: usize, x: &[f32], xt: &[f32], job: &Job, y: SendPtr<f32>, j0: usize, nj: usize) {
+    let (w, ldy) = (job.w, job.ldy);
+    PANELS.with(|pn| {
+        let mut pn = pn.borrow_mut();
+        let mut jb = j0;
+        while jb < j0 + nj {
+            let nbj = NB.min(j0 + nj - jb);
+            // While this block is packed and computed, the next NB rows (this task's or the next
+            // one's) are prefetched: packing is most of the time at batch 1, the FMA loop at
+            // large batches.
+            let (panels, ahead): (&[f32], &[u8]) = match w {
+                Src::Rows(w) => {
+                    let panels = scratch(&mut pn, nbj.div_ceil(G) * G * k);
+                    let ahead = w.bytes((jb + NB) * k, NB * k);
+                    let pf = Prefetch::lines(ahead, 0, ahead.len().div_ceil(64));
+                    match w {
+                        CpuFloats::F32(wd) => pack(isa, &wd[jb * k..(jb + nbj) * k], nbj, k, panels, pf),
+                        _ => ROWS.with(|r| {
+                            let mut r = r.borrow_mut();
+                            let rows = scratch(&mut r, nbj * k);
+                            w.read_into(jb * k, rows);
+                            pack(isa, rows, nbj, k, panels, pf);
+                        }),
+                    }
+                    (panels, ahead)
+                }
+                // (NB = G: a block is one panel.)
+                Src::Panels(p) => (p.panel(jb / G, &mut pn), p.bytes(jb / G + 1)),
+            };
+            // SAFETY: as this function's (sub-blocks partition the task's columns).
+            unsafe {
+                let y = y.get().add(jb);
+                block(isa, m, nbj, k, x, xt, panels, ahead, y, ldy, job.accumulate);
+                if let Some(b) = job.bias {
+                    add_bias(m, &b[jb..jb + nbj], y, ldy);
+                }
+            }
+            jb += nbj;
+        }
+    })
 }
 
 /// y[i·ldy + j] += b[j] for i < m, j < b.len() (while the block is still in cache).
@@ -272,9 +299,9 @@ unsafe fn add_bias(m: usize, b: &[f32], y: *mut f32, ldy: usize) {
     }
 }
 
-/// xt (groups, k, G) ← the rows of x (rows, k); lanes past the last row are zero. (The calling
-/// thread does this alone before the tasks start: with AVX-512, 16 × 16 blocks are transposed
-/// in registers.)
+/// xt (groups, k, G) ← the rows of x (rows, k); lanes past the last row are zero. (Each thread
+/// does this before its first task of a call: with AVX-512, 16 × 16 blocks are transposed in
+/// registers.)
 fn transpose(isa: Isa, x: &[f32], rows: usize, k: usize, xt: &mut [f32]) {
     for (g, dst) in xt.chunks_exact_mut(G * k).enumerate() {
         let live = G.min(rows - g * G);
@@ -324,7 +351,8 @@ fn pack(isa: Isa, w: &[f32], n: usize, k: usize, dst: &mut [f32], pf: Prefetch) 
 ///
 /// # Safety
 /// y must be valid for writes at i·ldy + j for i < m, j < n and not accessed concurrently
-/// there; xt must hold m.div_ceil(G) groups of (k, G) and w n.div_ceil(G) panels of (k, G).
+/// there; xt must hold m.div_ceil(G) groups of (k, G) (except with AVX-512 and m ≤ 8) and w
+/// n.div_ceil(G) panels of (k, G).
 #[allow(clippy::too_many_arguments)]
 unsafe fn block(
     isa: Isa,
@@ -339,7 +367,9 @@ unsafe fn block(
     ldy: usize,
     acc: bool,
 ) {
-    assert!(x.len() >= m * k && xt.len() >= m.div_ceil(G) * G * k && w.len() >= n.div_ceil(G) * G * k);
+    // (AVX-512 with ≤ 8 rows reads x, not xt, which is then empty.)
+    let xt_read = !(isa == Isa::Avx512 && m <= 8);
+    assert!(x.len() >= m * k && (!xt_read || xt.len() >= m.div_ceil(G) * G * k) && w.len() >= n.div_ceil(G) * G * k);
     for g in 0..m.div_ceil(G) {
         let rows = G.min(m - g * G);
         let (xg, yg) = (xt.as_ptr().add(g * G * k), y.add(g * G * ldy));
