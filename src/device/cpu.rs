@@ -4,12 +4,29 @@
 //! each use their own share of the cores. May call: rayon, core_affinity.
 
 use anyhow::Result;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
+
+/// Idle polls a hot worker spins through before it polls with `sched_yield` in between, and
+/// those (~1 µs each) before it polls every 100 µs.
+const SPINS: u32 = 256;
+const YIELDS: u32 = 2000;
+
+/// Sets its flag when dropped: ends [`CpuDevice::install_hot`]'s pollers.
+struct Release(Arc<AtomicBool>);
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
 
 #[derive(Clone)]
 pub struct CpuDevice {
     pool: Arc<rayon::ThreadPool>,
     threads: usize,
+    /// [`CpuDevice::install_hot`]'s pollers still running on this pool.
+    pollers: Arc<AtomicUsize>,
 }
 
 impl std::fmt::Debug for CpuDevice {
@@ -33,7 +50,7 @@ impl CpuDevice {
         }
         let pool =
             b.build().map_err(|e| anyhow::anyhow!("cannot start a CPU thread pool of {threads} threads: {e}"))?;
-        Ok(CpuDevice { pool: Arc::new(pool), threads })
+        Ok(CpuDevice { pool: Arc::new(pool), threads, pollers: Arc::default() })
     }
 
     /// A one-thread device for host-side buffers (quantized tensors built on the host).
@@ -50,8 +67,92 @@ impl CpuDevice {
         self.pool.install(f)
     }
 
+    /// [`CpuDevice::install`] for a decode loop: while `f` runs, the pool's other threads poll
+    /// for work instead of going to sleep. An idle rayon worker sleeps after ~33 rounds of
+    /// `sched_yield` (~30 µs here), and waking it costs ~20–30 µs; a decode step's serial
+    /// stretches (the KV write, norms, sampling bookkeeping) are about that long, so each
+    /// linear after one paid a wake-up. Idle polls spin briefly, then `sched_yield` (so an
+    /// oversubscribed machine still runs others), then, after ~1 ms idle, sleep 100 µs each.
+    pub fn install_hot<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        if self.threads < 2 {
+            return self.install(f);
+        }
+        self.pool.install(|| {
+            let me = rayon::current_thread_index();
+            let done = Arc::new(AtomicBool::new(false));
+            let (flag, pollers) = (done.clone(), self.pollers.clone());
+            self.pool.spawn_broadcast(move |ctx| {
+                // (This thread runs `f`: it finds this job only while waiting inside `f`.)
+                if Some(ctx.index()) == me {
+                    return;
+                }
+                pollers.fetch_add(1, Ordering::SeqCst);
+                let mut idle = 0u32;
+                while !flag.load(Ordering::Acquire) {
+                    if let Some(rayon::Yield::Executed) = rayon::yield_now() {
+                        idle = 0;
+                        continue;
+                    }
+                    idle = idle.saturating_add(1);
+                    if idle < SPINS {
+                        std::hint::spin_loop();
+                    } else if idle < SPINS + YIELDS {
+                        std::thread::yield_now();
+                    } else {
+                        // Idle for a millisecond or more (the loop waits on something else):
+                        // stop burning the core.
+                        std::thread::sleep(std::time::Duration::from_micros(100));
+                    }
+                }
+                pollers.fetch_sub(1, Ordering::SeqCst);
+            });
+            // Released however `f` ends (a panic included).
+            let _release = Release(done);
+            f()
+        })
+    }
+
     /// Runs `f` once on every thread of the pool (used to size thread-local scratch up front).
     pub fn broadcast(&self, f: impl Fn() + Sync) {
         self.pool.broadcast(|_| f());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rayon::prelude::*;
+    use std::time::{Duration, Instant};
+
+    /// Waits (up to 5 s) until no poller runs on `dev`.
+    fn pollers_gone(dev: &CpuDevice) -> bool {
+        let t = Instant::now();
+        while dev.pollers.load(Ordering::SeqCst) > 0 {
+            if t.elapsed() > Duration::from_secs(5) {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    #[test]
+    fn hot_install_runs_parallel_work_and_releases_its_pollers() {
+        let dev = CpuDevice::new(3, None).expect("pool");
+        for round in 0..3u64 {
+            let sum = dev.install_hot(|| (0..100_000u64).into_par_iter().map(|i| i * round).sum::<u64>());
+            assert_eq!(sum, round * (100_000 * 99_999 / 2));
+        }
+        assert!(pollers_gone(&dev), "install_hot left pollers running");
+        // A panic inside still ends them, and the pool goes on working.
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            dev.install_hot(|| {
+                (0..64).into_par_iter().for_each(|i| assert!(i < 1000));
+                panic!("inside");
+            })
+        }));
+        assert!(caught.is_err());
+        assert!(pollers_gone(&dev), "a panic left pollers running");
+        assert_eq!(dev.install(|| (0..10u32).into_par_iter().sum::<u32>()), 45);
     }
 }

@@ -108,6 +108,15 @@ impl Device {
         }
     }
 
+    /// [`Device::install`] for a decode loop: the CPU pool's idle threads poll instead of
+    /// sleeping until `f` returns (see [`CpuDevice::install_hot`]).
+    pub fn install_hot<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match self {
+            Device::Cpu(c) => c.install_hot(f),
+            Device::Cuda(_) => f(),
+        }
+    }
+
     /// Waits for all queued work on this device.
     pub fn synchronize(&self) -> Result<()> {
         match self {

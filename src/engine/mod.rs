@@ -652,7 +652,7 @@ impl Engine {
     ) -> Result<Vec<Completion>> {
         let w: View<'a> = w.into();
         let dev = self.dev.clone();
-        let mut out = dev.install(|| -> Result<Vec<Completion>> {
+        let mut out = dev.install_hot(|| -> Result<Vec<Completion>> {
             let mut out = Vec::new();
             while self.has_work() {
                 for c in self.step(w)? {
