@@ -204,11 +204,12 @@ impl Rows<'_> {
         let q_len = (self.qst[s + 1] - self.qst[s]) as usize;
         let n = self.ctx[s] as usize - q_len + (t - self.qst[s] as usize) + 1;
         let table = &self.bt[s * self.maxb..(s + 1) * self.maxb];
-        for j in 0..n.min(KCHUNK) {
-            let at = ((table[j / self.bs] as usize * self.hkv + kvh) * self.bs + j % self.bs) * self.d;
-            self.kc.prefetch(at, self.d);
-            self.vc.prefetch(at, self.d);
+        let mut at = [0usize; KCHUNK];
+        for (j, a) in at.iter_mut().enumerate().take(n) {
+            *a = ((table[j / self.bs] as usize * self.hkv + kvh) * self.bs + j % self.bs) * self.d;
         }
+        self.kc.prefetch_rows(&at[..n.min(KCHUNK)], self.d);
+        self.vc.prefetch_rows(&at[..n.min(KCHUNK)], self.d);
     }
 
     /// o (groups·D) ← attention of work item `item` (row item / Hkv, KV head item % Hkv), on the
@@ -269,7 +270,18 @@ impl Rows<'_> {
         let pos = ctx[s] as usize - q_len + (t - qst[s] as usize);
         let n = pos + 1;
         let table = &bt[s * maxb..(s + 1) * maxb];
-        let slot = |j: usize| ((table[j / bs] as usize * hkv + kvh) * bs + j % bs) * d;
+        // The cache offsets of keys j0..j0 + out.len(): block table[j / bs], row j % bs, walked
+        // with one division per chunk.
+        let slots_from = |j0: usize, out: &mut [usize]| {
+            let (mut b, mut r) = (j0 / bs, j0 % bs);
+            for o in out {
+                *o = ((table[b] as usize * hkv + kvh) * bs + r) * d;
+                r += 1;
+                if r == bs {
+                    (b, r) = (b + 1, 0);
+                }
+            }
+        };
         let qrow = &qs[t * heads * d + kvh * groups * d..t * heads * d + (kvh + 1) * groups * d];
         let need = scratch_len(groups, d);
         if sc.len() < need {
@@ -285,15 +297,17 @@ impl Rows<'_> {
         // Online softmax over the keys, KCHUNK at a time (flash-style): rescale the running sum
         // and output when the running max grows.
         let mut j0 = 0;
+        let mut next = [0usize; KCHUNK];
+        slots_from(0, &mut next[..KCHUNK.min(n)]);
         while j0 < n {
             let jn = KCHUNK.min(n - j0);
-            let slots: [usize; KCHUNK] = std::array::from_fn(|j| if j < jn { slot(j0 + j) } else { 0 });
+            let slots = next;
             // The next chunk's rows live in other cache blocks (no hardware stream finds them):
             // ask for them now, while this chunk computes.
-            for j in j0 + KCHUNK..n.min(j0 + 2 * KCHUNK) {
-                kc.prefetch(slot(j), d);
-                vc.prefetch(slot(j), d);
-            }
+            let nn = KCHUNK.min(n.saturating_sub(j0 + KCHUNK));
+            slots_from(j0 + KCHUNK, &mut next[..nn]);
+            kc.prefetch_rows(&next[..nn], d);
+            vc.prefetch_rows(&next[..nn], d);
             let (kbase, koff) = kc.rows(slots, jn, d, ks);
             for g in 0..groups {
                 let sg = &mut scores[g * KCHUNK..g * KCHUNK + jn];
@@ -315,9 +329,8 @@ impl Rows<'_> {
                 mx[g] = m_new;
                 let sg = &mut scores[g * KCHUNK..g * KCHUNK + jn];
                 exp_sub_with(isa, sg, m_new);
-                for x in sg.iter() {
-                    sum[g] += *x;
-                }
+                // (In a local: through the slice, every addition was also a store.)
+                sum[g] = sg.iter().fold(sum[g], |a, x| a + x);
             }
             // o[g] += p[g][j] · v_j for j in order, 16 dimensions at a time held in a register
             // across the chunk's keys (the same additions, in the same order, as key by key).
@@ -572,22 +585,28 @@ impl<'a> Kv<'a> {
             _ => bail!("KV cache storage must be f32, bf16, f16 or FP8 (u8)"),
         })
     }
-    /// A hint to bring the row of `d` values at `at` into cache (never faults; no-op off x86).
+    /// A hint to bring the rows of `d` values at offsets `at` into L2 (never faults; no-op off
+    /// x86).
     #[inline(always)]
-    fn prefetch(&self, at: usize, d: usize) {
-        let bytes: &[u8] = match self {
-            Kv::F32(v) => bytemuck::cast_slice(&v[at.min(v.len())..(at + d).min(v.len())]),
-            Kv::BF16(v) => bytemuck::cast_slice(&v[at.min(v.len())..(at + d).min(v.len())]),
-            Kv::F16(v) => bytemuck::cast_slice(&v[at.min(v.len())..(at + d).min(v.len())]),
-            Kv::Fp8(v, ..) => &v[at.min(v.len())..(at + d).min(v.len())],
+    fn prefetch_rows(&self, at: &[usize], d: usize) {
+        let (bytes, size): (&[u8], usize) = match self {
+            Kv::F32(v) => (bytemuck::cast_slice(v), 4),
+            Kv::BF16(v) => (bytemuck::cast_slice(v), 2),
+            Kv::F16(v) => (bytemuck::cast_slice(v), 2),
+            Kv::Fp8(v, ..) => (v, 1),
         };
         #[cfg(target_arch = "x86_64")]
-        for line in bytes.chunks(64) {
-            // SAFETY: a prefetch is a hint that cannot fault; the address is inside `bytes`.
-            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line.as_ptr() as *const i8) }
+        for &a in at {
+            let (start, end) = ((a * size).min(bytes.len()), ((a + d) * size).min(bytes.len()));
+            for line in (start..end).step_by(64) {
+                // SAFETY: a prefetch is a hint that cannot fault; the address is inside `bytes`.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(bytes.as_ptr().add(line) as *const i8)
+                }
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = bytes;
+        let _ = (bytes, at, d);
     }
 
     /// The `n` rows (of `d` values) at offsets `at` as f32: (values, each row's offset in them)
