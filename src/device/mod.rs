@@ -85,6 +85,16 @@ impl Device {
         }
     }
 
+    /// [`Device::zeros`] for a long-lived buffer the hot loop writes bit by bit (the KV cache):
+    /// on the CPU its pages are committed now ([`Tensor::cpu_zeros_committed`]); device memory
+    /// is backed when allocated anyway.
+    pub fn zeros_committed(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        match self {
+            Device::Cpu(_) => Ok(Tensor::cpu_zeros_committed(dtype, shape)),
+            Device::Cuda(c) => c.zeros(dtype, shape),
+        }
+    }
+
     /// Copies a host f32 slice into a new tensor of `dtype` on this device (rounding to nearest
     /// even when `dtype` is BF16/F16).
     pub fn from_f32(&self, dtype: DType, shape: &[usize], data: &[f32]) -> Result<Tensor> {

@@ -49,7 +49,9 @@ impl KvCache {
                     bail!("KV cache dtype {} is not supported (f32, bf16, f16, or u8 for FP8)", d.name());
                 }
             }
-            layers.push(KvLayer { k: dev.zeros(kd, &shape)?, v: dev.zeros(vd, &shape)?, k_scale: 1.0, v_scale: 1.0 });
+            // Committed now: the decode loop neither faults pages in nor walks 4 KiB page tables.
+            let (k, v) = (dev.zeros_committed(kd, &shape)?, dev.zeros_committed(vd, &shape)?);
+            layers.push(KvLayer { k, v, k_scale: 1.0, v_scale: 1.0 });
         }
         let dtype = dtypes[0].0;
         // Pop from the end: hand out low block ids first.
