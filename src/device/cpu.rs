@@ -8,16 +8,21 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Idle polls a hot worker spins through before it polls with `sched_yield` in between, and
-/// those (~1 µs each) before it polls every 100 µs.
+/// those (~1 µs or more each) before it polls every 100 µs.
 const SPINS: u32 = 256;
 const YIELDS: u32 = 2000;
 
-/// Sets its flag when dropped: ends [`CpuDevice::install_hot`]'s pollers.
-struct Release(Arc<AtomicBool>);
+/// Dropped when [`CpuDevice::install_hot`]'s closure ends: stops its pollers, and the pool is
+/// no longer hot.
+struct Release {
+    done: Arc<AtomicBool>,
+    hot: Arc<AtomicBool>,
+}
 
 impl Drop for Release {
     fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
+        self.done.store(true, Ordering::Release);
+        self.hot.store(false, Ordering::Release);
     }
 }
 
@@ -27,6 +32,8 @@ pub struct CpuDevice {
     threads: usize,
     /// [`CpuDevice::install_hot`]'s pollers still running on this pool.
     pollers: Arc<AtomicUsize>,
+    /// An `install_hot` runs on this pool (at most one at a time).
+    hot: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for CpuDevice {
@@ -50,7 +57,7 @@ impl CpuDevice {
         }
         let pool =
             b.build().map_err(|e| anyhow::anyhow!("cannot start a CPU thread pool of {threads} threads: {e}"))?;
-        Ok(CpuDevice { pool: Arc::new(pool), threads, pollers: Arc::default() })
+        Ok(CpuDevice { pool: Arc::new(pool), threads, pollers: Arc::default(), hot: Arc::default() })
     }
 
     /// A one-thread device for host-side buffers (quantized tensors built on the host).
@@ -72,17 +79,23 @@ impl CpuDevice {
     /// `sched_yield` (~30 µs here), and waking it costs ~20–30 µs; a decode step's serial
     /// stretches (the KV write, norms, sampling bookkeeping) are about that long, so each
     /// linear after one paid a wake-up. Idle polls spin briefly, then `sched_yield` (so an
-    /// oversubscribed machine still runs others), then, after ~1 ms idle, sleep 100 µs each.
+    /// oversubscribed machine still runs others), then, after a few ms idle, sleep 100 µs each.
+    ///
+    /// One hot section per pool at a time: a poller may start on a thread that waits inside
+    /// another job, which then resumes only when the section ends; two sections could each
+    /// hold the other's waiting job. A call while the pool is hot (nested or from another
+    /// thread) is a plain `install`. Other users of the pool during a section may be slowed
+    /// that way; the engine's loop is the pool's only user while it runs.
     pub fn install_hot<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        if self.threads < 2 {
+        if self.threads < 2 || self.hot.swap(true, Ordering::AcqRel) {
             return self.install(f);
         }
-        self.pool.install(|| {
+        let release = Release { done: Arc::new(AtomicBool::new(false)), hot: self.hot.clone() };
+        self.pool.install(move || {
             let me = rayon::current_thread_index();
-            let done = Arc::new(AtomicBool::new(false));
-            let (flag, pollers) = (done.clone(), self.pollers.clone());
+            let (flag, pollers) = (release.done.clone(), self.pollers.clone());
             self.pool.spawn_broadcast(move |ctx| {
-                // (This thread runs `f`: it finds this job only while waiting inside `f`.)
+                // (This thread runs `f`; it finds this job while waiting inside `f`, or after.)
                 if Some(ctx.index()) == me {
                     return;
                 }
@@ -99,15 +112,15 @@ impl CpuDevice {
                     } else if idle < SPINS + YIELDS {
                         std::thread::yield_now();
                     } else {
-                        // Idle for a millisecond or more (the loop waits on something else):
-                        // stop burning the core.
+                        // Idle for milliseconds (the loop waits on something else): stop
+                        // burning the core.
                         std::thread::sleep(std::time::Duration::from_micros(100));
                     }
                 }
                 pollers.fetch_sub(1, Ordering::SeqCst);
             });
             // Released however `f` ends (a panic included).
-            let _release = Release(done);
+            let _release = release;
             f()
         })
     }
@@ -144,6 +157,12 @@ mod tests {
             assert_eq!(sum, round * (100_000 * 99_999 / 2));
         }
         assert!(pollers_gone(&dev), "install_hot left pollers running");
+        // Nested: a plain install inside (one hot section per pool), and not hot afterwards.
+        let nested = dev.install_hot(|| {
+            assert!(dev.hot.load(Ordering::SeqCst));
+            dev.install_hot(|| (0..1000u32).into_par_iter().sum::<u32>())
+        });
+        assert_eq!((nested, dev.hot.load(Ordering::SeqCst)), (499_500, false));
         // A panic inside still ends them, and the pool goes on working.
         let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             dev.install_hot(|| {
@@ -153,6 +172,7 @@ mod tests {
         }));
         assert!(caught.is_err());
         assert!(pollers_gone(&dev), "a panic left pollers running");
+        assert!(!dev.hot.load(Ordering::SeqCst), "a panic left the pool hot");
         assert_eq!(dev.install(|| (0..10u32).into_par_iter().sum::<u32>()), 45);
     }
 }
