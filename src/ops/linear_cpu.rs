@@ -62,6 +62,9 @@ thread_local! {
 
 /// Numbers each chunk of each linear call (tags the transposed x in `XT`).
 static CALLS: AtomicU64 = AtomicU64::new(0);
+/// Largest transposed x (bytes) that each thread makes for itself; a larger one is made once,
+/// in parallel, and shared (each thread's own copy of a 192 × 11008 chunk would be 8 MiB).
+const PRIVATE_XT_BYTES: usize = 256 << 10;
 
 /// The first `n` values of `s`, grown (once) when it is shorter.
 fn scratch(s: &mut Vec<f32>, n: usize) -> &mut [f32] {
@@ -202,38 +205,57 @@ fn chunk(isa: Isa, m: usize, i0: usize, k: usize, x: &[f32], jobs: &mut [Job]) {
     }
     let n_tasks = first[jobs.len()];
     let jobs = &*jobs;
-    // Each thread transposes x into its own scratch before its first task of this call (the
-    // tag says which call's x it holds). One transpose on the calling thread, before the
-    // tasks, had the other threads wait for it, and its copy, written by one core, then read by
-    // all: 6.7 µs of each 80 µs q/k/v call at batch 32 (19 µs at K = 1024), measured.
     // (With AVX-512 a single group of ≤ 8 rows reads x row-major; see `block`.)
     let transposed = !(isa == Isa::Avx512 && m <= 8);
-    let call = CALLS.fetch_add(1, Ordering::Relaxed);
     let need = m.div_ceil(G) * G * k;
-    (0..n_tasks).into_par_iter().for_each(|t| {
-        let run = |xt: &[f32]| {
-            let ji = first[1..=jobs.len()].partition_point(|&f| f <= t);
-            let j0 = (t - first[ji]) * nt;
-            // SAFETY: tasks partition each job's columns (see `task`).
-            unsafe { task(isa, m, k, x, xt, &jobs[ji], yp[ji], j0, nt.min(jobs[ji].n - j0)) }
+    let run = |t: usize, xt: &[f32]| {
+        let ji = first[1..=jobs.len()].partition_point(|&f| f <= t);
+        let j0 = (t - first[ji]) * nt;
+        // SAFETY: tasks partition each job's columns (see `task`).
+        unsafe { task(isa, m, k, x, xt, &jobs[ji], yp[ji], j0, nt.min(jobs[ji].n - j0)) }
+    };
+    if !transposed {
+        return (0..n_tasks).into_par_iter().for_each(|t| run(t, &[]));
+    }
+    if need * 4 > PRIVATE_XT_BYTES {
+        // A large x (the prefill's chunks) is transposed once, its row groups in parallel, into
+        // the calling thread's scratch, which every task then reads.
+        let shared = |xt: &mut [f32]| {
+            xt.par_chunks_exact_mut(G * k).enumerate().for_each(|(g, dst)| transpose_group(isa, x, m, k, g, dst));
+            let xt = &*xt;
+            (0..n_tasks).into_par_iter().for_each(|t| run(t, xt));
         };
-        if !transposed {
-            return run(&[]);
-        }
+        return XT.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut xt) => {
+                XT_CALL.set(u64::MAX);
+                shared(scratch(&mut xt, need))
+            }
+            // This thread is inside another linear's shared transpose (rayon ran this call's
+            // job while that call waited for its tasks): this call gets its own buffer.
+            Err(_) => shared(&mut vec![0.0; need]),
+        });
+    }
+    // A small x (decode) is transposed by each thread into its own scratch before its first
+    // task of this call (the tag says which call's x it holds). One transpose on the calling
+    // thread had the others wait, and its copy, written by one core, was then read by all:
+    // 6.7 µs of each 80 µs q/k/v call at batch 32 (19 µs at K = 1024), measured.
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    (0..n_tasks).into_par_iter().for_each(|t| {
         XT.with(|cell| match cell.try_borrow_mut() {
             Ok(mut xt) => {
                 let xt = scratch(&mut xt, need);
                 if XT_CALL.get() != call {
+                    XT_CALL.set(u64::MAX);
                     transpose(isa, &x[..m * k], m, k, xt);
                     XT_CALL.set(call);
                 }
-                run(xt)
+                run(t, xt)
             }
-            // (A task never runs inside another on one thread; should one ever, it gets its own.)
+            // (Only inside another linear's shared transpose, as above.)
             Err(_) => {
                 let mut xt = vec![0.0; need];
                 transpose(isa, &x[..m * k], m, k, &mut xt);
-                run(&xt)
+                run(t, &xt)
             }
         })
     });
@@ -299,27 +321,30 @@ unsafe fn add_bias(m: usize, b: &[f32], y: *mut f32, ldy: usize) {
     }
 }
 
-/// xt (groups, k, G) ← the rows of x (rows, k); lanes past the last row are zero. (Each thread
-/// does this before its first task of a call: with AVX-512, 16 × 16 blocks are transposed in
-/// registers.)
+/// xt (groups, k, G) ← the rows of x (rows, k); lanes past the last row are zero.
 fn transpose(isa: Isa, x: &[f32], rows: usize, k: usize, xt: &mut [f32]) {
     for (g, dst) in xt.chunks_exact_mut(G * k).enumerate() {
-        let live = G.min(rows - g * G);
-        let src = &x[g * G * k..(g * G + live) * k];
-        let mut p0 = 0;
-        #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx512 {
-            // SAFETY: AVX-512F is present (isa); src holds live rows of k, dst (k, G).
-            unsafe { avx512::transpose_group(src, live, k, dst) };
-            p0 = k / G * G;
-        }
-        if live < G {
-            dst[p0 * G..].fill(0.0);
-        }
-        for l in 0..live {
-            for p in p0..k {
-                dst[p * G + l] = src[l * k + p];
-            }
+        transpose_group(isa, x, rows, k, g, dst);
+    }
+}
+
+/// Group g of [`transpose`], dst (k, G) (with AVX-512, 16 × 16 blocks transposed in registers).
+fn transpose_group(isa: Isa, x: &[f32], rows: usize, k: usize, g: usize, dst: &mut [f32]) {
+    let live = G.min(rows - g * G);
+    let src = &x[g * G * k..(g * G + live) * k];
+    let mut p0 = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: AVX-512F is present (isa); src holds live rows of k, dst (k, G).
+        unsafe { avx512::transpose_group(src, live, k, dst) };
+        p0 = k / G * G;
+    }
+    if live < G {
+        dst[p0 * G..].fill(0.0);
+    }
+    for l in 0..live {
+        for p in p0..k {
+            dst[p * G + l] = src[l * k + p];
         }
     }
 }
@@ -674,97 +699,7 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{Prefetch, G};
-    use std::arch::x86_64::*;
-
-    tile_fn!(
-        tile8,
-        "avx2,fma",
-        __m256,
-        8,
-        _mm256_setzero_ps,
-        _mm256_loadu_ps,
-        _mm256_set1_ps,
-        _mm256_fmadd_ps,
-        _mm256_storeu_ps,
-        |_: &[__m256; C], _, _, _, _| false
-    );
-
-    /// # Safety
-    /// As [`super::block`] for 8 lanes of one row group and `c` ≤ 8 columns of a panel; AVX2+FMA.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn tile8_dispatch(
-        c: usize,
-        rows: usize,
-        k: usize,
-        xg: *const f32,
-        w: *const f32,
-        pf: Prefetch,
-        y: *mut f32,
-        ldy: usize,
-        a: bool,
-    ) {
-        by_width!(c, tile8, (rows, k, xg, w, pf, y, ldy, a), [1 2 3 4 5 6 7 8])
-    }
-
-    /// d (k, G) ← 16 rows of src (16, k), p < k / 8 · 8: 8 × 8 transposes in registers.
-    ///
-    /// # Safety
-    /// The CPU has AVX2; src holds 16 rows of k values and d k · G values.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn pack_panel(src: &[f32], k: usize, d: &mut [f32], pf: Prefetch) {
-        assert!(src.len() >= G * k && d.len() >= G * k);
-        let (s, o) = (src.as_ptr(), d.as_mut_ptr());
-        // 2 · k/8 transposes; four lines of `pf` each covers a panel of f32 rows.
-        let mut line = 0;
-        for c0 in [0, 8] {
-            let mut p = 0;
-            while p + 8 <= k {
-                for _ in 0..4 {
-                    pf.line(line);
-                    line += 1;
-                }
-                // (A loop, not array::from_fn: a closure would not inherit the target features.)
-                let mut r = [_mm256_setzero_ps(); 8];
-                for (i, v) in r.iter_mut().enumerate() {
-                    *v = _mm256_loadu_ps(s.add((c0 + i) * k + p));
-                }
-                let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-                let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-                let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-                let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-                let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-                let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-                let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-                let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-                let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-                let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-                let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-                let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-                let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-                let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-                let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-                let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-                // Column j of the 8 × 8 block: x[c0..c0+8][p + j].
-                let cols = [
-                    _mm256_permute2f128_ps::<0x20>(u0, u4),
-                    _mm256_permute2f128_ps::<0x20>(u1, u5),
-                    _mm256_permute2f128_ps::<0x20>(u2, u6),
-                    _mm256_permute2f128_ps::<0x20>(u3, u7),
-                    _mm256_permute2f128_ps::<0x31>(u0, u4),
-                    _mm256_permute2f128_ps::<0x31>(u1, u5),
-                    _mm256_permute2f128_ps::<0x31>(u2, u6),
-                    _mm256_permute2f128_ps::<0x31>(u3, u7),
-                ];
-                for (j, v) in cols.iter().enumerate() {
-                    _mm256_storeu_ps(o.add((p + j) * G + c0), *v);
-                }
-                p += 8;
-            }
-        }
-    }
-}
+mod avx2;
 
 mod portable {
     use super::G;

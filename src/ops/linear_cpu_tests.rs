@@ -10,7 +10,7 @@ fn data(n: usize, seed: u64) -> Vec<f32> {
     (0..n).map(|_| s.normal() as f32).collect()
 }
 
-const SHAPES: [(usize, usize, usize); 11] = [
+const SHAPES: [(usize, usize, usize); 12] = [
     (1, 1, 1),
     (5, 7, 9),
     (3, 4, 8),
@@ -22,6 +22,8 @@ const SHAPES: [(usize, usize, usize); 11] = [
     (20, 40, 21),
     (33, 70, 16),
     (4, 3, 0),
+    // A first chunk (192 rows) whose transposed x is over PRIVATE_XT_BYTES: shared.
+    (200, 37, 400),
 ];
 
 #[test]
@@ -72,16 +74,21 @@ fn every_isa_computes_the_documented_fma_chain_bitwise() {
 
 #[test]
 fn rows_are_batch_invariant_bitwise() {
-    let (n, k) = (77, 45);
-    let w = data(n * k, 3);
-    let xs = data(250 * k, 4);
+    // At k = 400 the 250-row call's first chunk shares one transposed x (over
+    // PRIVATE_XT_BYTES) while the smaller calls transpose per thread.
+    const _: () = assert!(192 * 400 * 4 > PRIVATE_XT_BYTES && 64 * 400 * 4 <= PRIVATE_XT_BYTES);
+    let n = 77;
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-    let mut all = vec![0.0; 250 * n];
-    pool.install(|| linear_nt(250, n, k, &xs, CpuFloats::F32(&w), &mut all, n, false));
-    for (start, len) in [(0, 1), (13, 1), (10, 7), (49, 1), (4, 40), (190, 60), (3, 9)] {
-        let mut part = vec![0.0; len * n];
-        pool.install(|| linear_nt(len, n, k, &xs[start * k..], CpuFloats::F32(&w), &mut part, n, false));
-        assert_eq!(part, all[start * n..(start + len) * n].to_vec(), "rows {start}..+{len}");
+    for k in [45, 400] {
+        let w = data(n * k, 3);
+        let xs = data(250 * k, 4);
+        let mut all = vec![0.0; 250 * n];
+        pool.install(|| linear_nt(250, n, k, &xs, CpuFloats::F32(&w), &mut all, n, false));
+        for (start, len) in [(0, 1), (13, 1), (10, 7), (49, 1), (4, 40), (190, 60), (3, 9)] {
+            let mut part = vec![0.0; len * n];
+            pool.install(|| linear_nt(len, n, k, &xs[start * k..], CpuFloats::F32(&w), &mut part, n, false));
+            assert_eq!(part, all[start * n..(start + len) * n].to_vec(), "k {k}, rows {start}..+{len}");
+        }
     }
 }
 
