@@ -86,8 +86,8 @@ impl Device {
     }
 
     /// [`Device::zeros`] for a long-lived buffer the hot loop writes bit by bit (the KV cache):
-    /// on the CPU its pages are committed now ([`Tensor::cpu_zeros_committed`]); device memory
-    /// is backed when allocated anyway.
+    /// on the CPU its pages are committed now ([`Tensor::cpu_zeros_committed`]), so the whole
+    /// buffer is resident from the start; device memory is backed when allocated anyway.
     pub fn zeros_committed(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
         match self {
             Device::Cpu(_) => Ok(Tensor::cpu_zeros_committed(dtype, shape)),
