@@ -205,11 +205,25 @@ impl Rows<'_> {
         let n = self.ctx[s] as usize - q_len + (t - self.qst[s] as usize) + 1;
         let table = &self.bt[s * self.maxb..(s + 1) * self.maxb];
         let mut at = [0usize; KCHUNK];
-        for (j, a) in at.iter_mut().enumerate().take(n) {
-            *a = ((table[j / self.bs] as usize * self.hkv + kvh) * self.bs + j % self.bs) * self.d;
+        let at = &mut at[..n.min(KCHUNK)];
+        self.offsets(table, kvh, 0, at);
+        self.kc.prefetch_rows(at, self.d);
+        self.vc.prefetch_rows(at, self.d);
+    }
+
+    /// out[i] ← the cache offset of key j0 + i of KV head `kvh` in a sequence with block table
+    /// `table`: block table[j / bs], row j % bs, walked with one division per call.
+    #[inline(always)]
+    fn offsets(&self, table: &[u32], kvh: usize, j0: usize, out: &mut [usize]) {
+        let (hkv, bs, d) = (self.hkv, self.bs, self.d);
+        let (mut b, mut r) = (j0 / bs, j0 % bs);
+        for o in out {
+            *o = ((table[b] as usize * hkv + kvh) * bs + r) * d;
+            r += 1;
+            if r == bs {
+                (b, r) = (b + 1, 0);
+            }
         }
-        self.kc.prefetch_rows(&at[..n.min(KCHUNK)], self.d);
-        self.vc.prefetch_rows(&at[..n.min(KCHUNK)], self.d);
     }
 
     /// o (groups·D) ← attention of work item `item` (row item / Hkv, KV head item % Hkv), on the
@@ -261,7 +275,7 @@ impl Rows<'_> {
         dots: impl Fn(&[f32], &[f32], &[usize; KCHUNK], usize, &mut [f32]),
         pv: impl Fn(&mut [f32], &[f32], &[usize; KCHUNK], &[f32]),
     ) {
-        let Rows { qs, qst, ctx, bt, kc, vc, hkv, bs, d, groups, heads, maxb } = *self;
+        let Rows { qs, qst, ctx, bt, kc, vc, hkv, bs: _, d, groups, heads, maxb } = *self;
         let scale = 1.0 / (d as f32).sqrt();
         let (t, kvh) = (item / hkv, item % hkv);
         // Sequence of row t: last s with q_start[s] <= t.
@@ -270,18 +284,7 @@ impl Rows<'_> {
         let pos = ctx[s] as usize - q_len + (t - qst[s] as usize);
         let n = pos + 1;
         let table = &bt[s * maxb..(s + 1) * maxb];
-        // The cache offsets of keys j0..j0 + out.len(): block table[j / bs], row j % bs, walked
-        // with one division per chunk.
-        let slots_from = |j0: usize, out: &mut [usize]| {
-            let (mut b, mut r) = (j0 / bs, j0 % bs);
-            for o in out {
-                *o = ((table[b] as usize * hkv + kvh) * bs + r) * d;
-                r += 1;
-                if r == bs {
-                    (b, r) = (b + 1, 0);
-                }
-            }
-        };
+        let slots_from = |j0: usize, out: &mut [usize]| self.offsets(table, kvh, j0, out);
         let qrow = &qs[t * heads * d + kvh * groups * d..t * heads * d + (kvh + 1) * groups * d];
         let need = scratch_len(groups, d);
         if sc.len() < need {
