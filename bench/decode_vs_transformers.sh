@@ -5,7 +5,7 @@
 #
 # Usage: bench/decode_vs_transformers.sh            (PYTHON=python with torch + transformers)
 # Env:   PYTHON (default python3), THREADS (default 2), NEW (default 128), OUT (default runs/bench-decode),
-#        REPS (default 3: best of REPS runs per cell; these VMs are noisy)
+#        REPS (default 3: best of REPS runs per cell, the two sides alternating; these VMs are noisy)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -30,22 +30,24 @@ for b in (1, 8, 32):
         for _ in range(b):
             f.write(json.dumps({"tokens": [random.randrange(32, 127) for _ in range(16)]}) + "\n")
 PY
-printf '%-6s %14s %14s %8s\n' batch colotrain_tok/s hf_tok/s ratio | tee "$OUT/table.txt"
+printf '%-6s %14s %14s %8s %8s\n' batch colotrain_tok/s hf_tok/s ratio paired | tee "$OUT/table.txt"
 for B in 1 8 32; do
   P=$OUT/prompts-$B.jsonl
-  # colotrain: the engine's own timer (prefill + decode, model load excluded), best of REPS.
-  best=0
+  # Each rep runs colotrain, then transformers, so that both sides of a pair see the same state
+  # of this noisy machine. colotrain: the engine's own timer (prefill + decode, model load
+  # excluded); transformers: generate() alone, after a warm-up (bench/hf_generate.py).
+  ours=() theirs=()
   for _ in $(seq "$REPS"); do
     line=$($BIN generate --model "$MODEL" --prompts "$P" --temperature 0 --ignore-eos \
       --max-new-tokens "$NEW" --device "cpu:$THREADS" --out "$OUT/gen-$B.jsonl" 2>&1 | grep '^generated')
-    tps=$(echo "$line" | sed -E 's/.*\(([0-9.]+) tokens\/s\).*/\1/')
-    best=$($PY -c "print(max($best, $tps))")
+    ours+=("$(echo "$line" | sed -E 's/.*\(([0-9.]+) tokens\/s\).*/\1/')")
+    theirs+=("$($PY bench/hf_generate.py --model "$MODEL" --prompts "$P" --max-new-tokens "$NEW" --threads "$THREADS" | $PY -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_s"])')")
   done
-  hf=0
-  for _ in $(seq "$REPS"); do
-    t=$($PY bench/hf_generate.py --model "$MODEL" --prompts "$P" --max-new-tokens "$NEW" --threads "$THREADS" | $PY -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_s"])')
-    hf=$($PY -c "print(max($hf, $t))")
-  done
-  ratio=$($PY -c "print(f'{$best / $hf:.2f}')")
-  printf '%-6s %14.1f %14.1f %8s\n' "$B" "$best" "$hf" "$ratio" | tee -a "$OUT/table.txt"
+  # ratio: best of REPS over best of REPS; paired: the median of the REPS per-pair ratios.
+  $PY - "$B" "${ours[*]}" "${theirs[*]}" <<'PY' | tee -a "$OUT/table.txt"
+import statistics, sys
+b, ours, theirs = sys.argv[1], [float(x) for x in sys.argv[2].split()], [float(x) for x in sys.argv[3].split()]
+paired = statistics.median(o / t for o, t in zip(ours, theirs))
+print(f"{b:<6} {max(ours):14.1f} {max(theirs):14.1f} {max(ours) / max(theirs):8.2f} {paired:8.2f}")
+PY
 done
