@@ -81,9 +81,10 @@ impl CpuDevice {
     /// linear after one paid a wake-up. Idle polls spin briefly, then `sched_yield` (so an
     /// oversubscribed machine still runs others), then, after a few ms idle, sleep 100 µs each.
     ///
-    /// One hot section per pool at a time: a poller may start on a thread that waits inside
-    /// another job, which then resumes only when the section ends; two sections could each
-    /// hold the other's waiting job. A call while the pool is hot (nested or from another
+    /// `f` starts only when every other thread is polling, so no poller starts inside `f`'s
+    /// own work. One hot section per pool at a time: a poller may start on a thread that waits
+    /// inside another job, which then resumes only when the section ends; two sections could
+    /// each hold the other's waiting job. A call while the pool is hot (nested or from another
     /// thread) is a plain `install`. Other users of the pool during a section may be slowed
     /// that way; the engine's loop is the pool's only user while it runs.
     pub fn install_hot<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
@@ -93,13 +94,15 @@ impl CpuDevice {
         let release = Release { done: Arc::new(AtomicBool::new(false)), hot: self.hot.clone() };
         self.pool.install(move || {
             let me = rayon::current_thread_index();
-            let (flag, pollers) = (release.done.clone(), self.pollers.clone());
+            let (flag, pollers, started) = (release.done.clone(), self.pollers.clone(), Arc::new(AtomicUsize::new(0)));
+            let up = started.clone();
             self.pool.spawn_broadcast(move |ctx| {
                 // (This thread runs `f`; it finds this job while waiting inside `f`, or after.)
                 if Some(ctx.index()) == me {
                     return;
                 }
                 pollers.fetch_add(1, Ordering::SeqCst);
+                up.fetch_add(1, Ordering::Release);
                 let mut idle = 0u32;
                 while !flag.load(Ordering::Acquire) {
                     if let Some(rayon::Yield::Executed) = rayon::yield_now() {
@@ -121,6 +124,19 @@ impl CpuDevice {
             });
             // Released however `f` ends (a panic included).
             let _release = release;
+            // `f` starts once every other thread polls: a thread that took its poller later,
+            // while waiting inside a job it had stolen from `f`, would hold that job until the
+            // section ended, and `f` would wait for it forever (a hung `train_job` test).
+            let others = self.threads - usize::from(me.is_some());
+            let mut spins = 0u32;
+            while started.load(Ordering::Acquire) < others {
+                spins = spins.saturating_add(1);
+                if spins < SPINS {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
             f()
         })
     }
@@ -153,7 +169,13 @@ mod tests {
     fn hot_install_runs_parallel_work_and_releases_its_pollers() {
         let dev = CpuDevice::new(3, None).expect("pool");
         for round in 0..3u64 {
-            let sum = dev.install_hot(|| (0..100_000u64).into_par_iter().map(|i| i * round).sum::<u64>());
+            let sum = dev.install_hot(|| {
+                // Every other thread polls before `f` starts (none can start inside its work);
+                // a later round may also count a previous round's poller, not yet gone.
+                let polling = dev.pollers.load(Ordering::SeqCst);
+                assert!(polling == 2 || (round > 0 && polling > 2), "f started with {polling} of 2 pollers");
+                (0..100_000u64).into_par_iter().map(|i| i * round).sum::<u64>()
+            });
             assert_eq!(sum, round * (100_000 * 99_999 / 2));
         }
         assert!(pollers_gone(&dev), "install_hot left pollers running");
@@ -174,5 +196,33 @@ mod tests {
         assert!(pollers_gone(&dev), "a panic left pollers running");
         assert!(!dev.hot.load(Ordering::SeqCst), "a panic left the pool hot");
         assert_eq!(dev.install(|| (0..10u32).into_par_iter().sum::<u32>()), 45);
+    }
+
+    #[test]
+    fn hot_sections_never_run_a_poller_inside_their_own_work() {
+        // A poller that starts inside a job stolen from `f` (a thread that was already looking
+        // for work when the section began) would wait for the section's end while `f` waits
+        // for that job: a deadlock, which a `train_job` test hit once. Many short sections,
+        // each starting nested parallel work at once, called from outside the pool as the
+        // engine's loop is; a watchdog turns a hang into a failure. (The race is rare: the
+        // deterministic check is the poller count at `f`'s start, in the test above.)
+        let dev = Arc::new(CpuDevice::new(2, None).expect("pool"));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let d = dev.clone();
+        std::thread::spawn(move || {
+            for round in 0..3000u64 {
+                let s = d.install_hot(|| {
+                    (0..64u64).into_par_iter().map(|i| (0..i).into_par_iter().map(|j| j ^ round).sum::<u64>()).sum::<u64>()
+                });
+                let want: u64 = (0..64u64).map(|i| (0..i).map(|j| j ^ round).sum::<u64>()).sum();
+                assert_eq!(s, want);
+                if round % 7 == 0 {
+                    // Let the other thread fall idle (and go to sleep) between some sections.
+                    std::thread::sleep(Duration::from_micros(50 + round % 300));
+                }
+            }
+            let _ = tx.send(());
+        });
+        assert!(rx.recv_timeout(Duration::from_secs(60)).is_ok(), "install_hot deadlocked (or took over 60 s)");
     }
 }
