@@ -247,7 +247,9 @@ impl Transformer {
         elementwise::gather_rows(dev, &b.x, &b.sel, &mut b.xs, r)?;
         elementwise::gather_rows(dev, &b.o, &b.sel, &mut b.os, r)?;
         norm::add_rmsnorm(dev, &mut b.xs, &b.os, &w.norm, eps, &mut b.hn, r)?;
-        matmul::linear_packed(dev, &b.hn, w.head(), w.panels().map(|p| &p.head), None, &mut b.logits, r, false)
+        // (The logits, 4 MB at batch 32, are read once, by sampling or scoring, after the head's
+        // whole weight has streamed through the caches.)
+        matmul::linear_packed_streamed(dev, &b.hn, w.head(), w.panels().map(|p| &p.head), &mut b.logits, r)
     }
 }
 

@@ -251,3 +251,30 @@ fn empty_reduction_with_bias_gives_the_bias() {
     linear_many(2, 0, &[], &mut [Job::rows(CpuFloats::F32(&[]), 3, &mut y, 3, false).with_bias(Some(&b))]);
     assert_eq!(y, [1.5, -2.0, 0.25, 1.5, -2.0, 0.25]);
 }
+
+#[test]
+fn streamed_output_has_the_plain_bits() {
+    // Rows of y on cache lines (a 64-byte aligned start, a stride of 32 floats), so that
+    // AVX-512's full tiles take the non-temporal stores; ragged shapes take the plain ones.
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    for &(m, n, k) in &[(32, 64, 40), (33, 70, 16), (17, 29, 5), (200, 37, 400), (9, 16, 12)] {
+        let (x, w) = (data(m * k, 21), data(n * k, 22));
+        let p = Panels::pack(CpuFloats::F32(&w), n, k).unwrap();
+        let ldy = n.next_multiple_of(32);
+        for isa in Isa::available() {
+            let mut plain = vec![f32::NAN; m * ldy];
+            let mut buf = vec![f32::NAN; m * ldy + 16];
+            let off = buf.as_ptr().align_offset(64);
+            let streamed = &mut buf[off..off + m * ldy];
+            pool.install(|| {
+                linear_isa(isa, m, k, &x, &mut [Job::panels(&p, &mut plain, ldy, false)]);
+                linear_isa(isa, m, k, &x, &mut [Job::panels(&p, streamed, ldy, false).streamed()]);
+            });
+            for i in 0..m {
+                let (a, b) = (&plain[i * ldy..i * ldy + n], &streamed[i * ldy..i * ldy + n]);
+                assert!(a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} ({m},{n},{k}) row {i}");
+                assert!(streamed[i * ldy + n..(i + 1) * ldy].iter().all(|v| v.is_nan()), "{isa:?}: wrote past column {n}");
+            }
+        }
+    }
+}

@@ -31,7 +31,21 @@ pub fn linear_packed(
     m: usize,
     accumulate: bool,
 ) -> Result<()> {
-    linears_acc(dev, x, [Proj { w, panels, bias, y }], m, accumulate)
+    linears_acc(dev, x, [Proj { w, panels, bias, y }], m, accumulate, false)
+}
+
+/// [`linear_packed`] (no bias) for an output written once, read once later, and too large to
+/// stay in cache: the LM head's logits. On CPU its rows skip the caches where they can (see
+/// `linear_cpu::Job::streamed`), the same bits; CUDA runs [`linear_packed`].
+pub fn linear_packed_streamed(
+    dev: &Device,
+    x: &Tensor,
+    w: &Tensor,
+    panels: Option<&Panels>,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
+    linears_acc(dev, x, [Proj { w, panels, bias: None, y }], m, false, true)
 }
 
 /// One projection of [`linears`]: y = x · wᵀ (+ bias), w (N, K), its panels when packed.
@@ -46,10 +60,17 @@ pub struct Proj<'a> {
 /// with the bits of its own [`linear_packed`]. On CPU they run as one parallel region with x
 /// transposed once; CUDA runs them one after another.
 pub fn linears<const J: usize>(dev: &Device, x: &Tensor, projs: [Proj<'_>; J], m: usize) -> Result<()> {
-    linears_acc(dev, x, projs, m, false)
+    linears_acc(dev, x, projs, m, false, false)
 }
 
-fn linears_acc<const J: usize>(dev: &Device, x: &Tensor, projs: [Proj<'_>; J], m: usize, accumulate: bool) -> Result<()> {
+fn linears_acc<const J: usize>(
+    dev: &Device,
+    x: &Tensor,
+    projs: [Proj<'_>; J],
+    m: usize,
+    accumulate: bool,
+    stream: bool,
+) -> Result<()> {
     const { assert!(J >= 1 && J <= linear_cpu::MAX_JOBS) };
     for p in &projs {
         let (n, kw) = (p.w.dim(0), p.w.dim(1));
@@ -93,7 +114,12 @@ fn linears_acc<const J: usize>(dev: &Device, x: &Tensor, projs: [Proj<'_>; J], m
                         (None, Some(w)) => linear_cpu::Job::rows(w, n, y, n, accumulate),
                         (None, None) => linear_cpu::Job::rows(CpuFloats::F32(&[]), 0, y, n, accumulate),
                     };
-                    job.with_bias(b)
+                    let job = job.with_bias(b);
+                    if stream {
+                        job.streamed()
+                    } else {
+                        job
+                    }
                 });
                 c.install(|| linear_cpu::linear_many(m, k, xs, &mut jobs));
             });

@@ -1,7 +1,7 @@
 //! The AVX2 + FMA kernels of `linear_cpu`: the 8-lane register tile and the panel packing.
 //! Owns nothing. May call: std::arch. Must not touch: anything else.
 
-use super::{Prefetch, G};
+use super::{Out, Prefetch, G};
 use std::arch::x86_64::*;
 
 tile_fn!(
@@ -29,7 +29,7 @@ pub unsafe fn tile8_dispatch(
     pf: Prefetch,
     y: *mut f32,
     ldy: usize,
-    a: bool,
+    a: Out,
 ) {
     by_width!(c, tile8, (rows, k, xg, w, pf, y, ldy, a), [1 2 3 4 5 6 7 8])
 }
