@@ -12,6 +12,19 @@ use std::sync::Arc;
 const SPINS: u32 = 256;
 const YIELDS: u32 = 2000;
 
+/// The `idle`-th empty round of a wait in [`CpuDevice::install_hot`]: spin, then
+/// `sched_yield`, then (idle for milliseconds: the wait is on something else) sleep 100 µs so
+/// as not to burn the core.
+fn back_off(idle: u32) {
+    if idle < SPINS {
+        std::hint::spin_loop();
+    } else if idle < SPINS + YIELDS {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+}
+
 /// Dropped when [`CpuDevice::install_hot`]'s closure ends: stops its pollers, and the pool is
 /// no longer hot.
 struct Release {
@@ -110,15 +123,7 @@ impl CpuDevice {
                         continue;
                     }
                     idle = idle.saturating_add(1);
-                    if idle < SPINS {
-                        std::hint::spin_loop();
-                    } else if idle < SPINS + YIELDS {
-                        std::thread::yield_now();
-                    } else {
-                        // Idle for milliseconds (the loop waits on something else): stop
-                        // burning the core.
-                        std::thread::sleep(std::time::Duration::from_micros(100));
-                    }
+                    back_off(idle);
                 }
                 pollers.fetch_sub(1, Ordering::SeqCst);
             });
@@ -128,14 +133,10 @@ impl CpuDevice {
             // while waiting inside a job it had stolen from `f`, would hold that job until the
             // section ended, and `f` would wait for it forever (a hung `train_job` test).
             let others = self.threads - usize::from(me.is_some());
-            let mut spins = 0u32;
+            let mut idle = 0u32;
             while started.load(Ordering::Acquire) < others {
-                spins = spins.saturating_add(1);
-                if spins < SPINS {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
+                idle = idle.saturating_add(1);
+                back_off(idle);
             }
             f()
         })
@@ -212,7 +213,10 @@ mod tests {
         std::thread::spawn(move || {
             for round in 0..3000u64 {
                 let s = d.install_hot(|| {
-                    (0..64u64).into_par_iter().map(|i| (0..i).into_par_iter().map(|j| j ^ round).sum::<u64>()).sum::<u64>()
+                    (0..64u64)
+                        .into_par_iter()
+                        .map(|i| (0..i).into_par_iter().map(|j| j ^ round).sum::<u64>())
+                        .sum::<u64>()
                 });
                 let want: u64 = (0..64u64).map(|i| (0..i).map(|j| j ^ round).sum::<u64>()).sum();
                 assert_eq!(s, want);
