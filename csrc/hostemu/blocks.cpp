@@ -21,8 +21,10 @@
 
 #include "../kernels/attention.cu"
 #include "../kernels/attention_prefill.cu"
-#include "../kernels/logprob_sample.cu"
-#include "../kernels/norm_rope.cu"
+#include "../kernels/logprob.cu"
+#include "../kernels/sample.cu"
+#include "../kernels/norm.cu"
+#include "../kernels/rope.cu"
 #include "../kernels/sample_topk.cu"
 
 static std::string dir;

@@ -12,7 +12,8 @@
 
 #include "../kernels/attention.cu"
 #include "../kernels/elementwise.cu"
-#include "../kernels/norm_rope.cu"
+#include "../kernels/norm.cu"
+#include "../kernels/rope.cu"
 #include "../kernels/quantize.cu"
 
 static std::string dir;

@@ -65,12 +65,15 @@ pub fn run(a: Args) -> Result<()> {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::Args;
-    use crate::device::cuda::{bench, lowp, CudaDevice};
+    use crate::cli::device_bench as bench;
+    use crate::device::cuda::CudaDevice;
+    use crate::ops::linear::cuda_lowp as lowp;
     use crate::device::{CpuStorage, DType, Device, Storage, Tensor};
     use crate::ops::attention::AttnMeta;
     use crate::ops::quantize::ActQuant;
     use crate::ops::sample::SampleParams;
-    use crate::ops::{attention, elementwise, logprob, matmul, norm, quantize, rope, sample};
+    use crate::ops::linear as matmul;
+    use crate::ops::{attention, elementwise, logprob, norm, quantize, rope, sample};
     use crate::quant::nvfp4::Nvfp4Opts;
     use crate::quant::qtensor::{QFormat, QTensor};
     use anyhow::{bail, Context, Result};
@@ -483,8 +486,8 @@ mod gpu {
                 qg.codes = x.u8s(&[qg.codes.numel()], &vec![0xA5; qg.codes.numel()])?.g;
                 qg.block_scales = x.u8s(&[qg.block_scales.numel()], &vec![0xA5; qg.block_scales.numel()])?.g;
                 qg.scale = f32::NAN;
-                qc.requantize(&x.cpu, &w.c, "w")?;
-                qg.requantize(&x.gpu, &w.g, "w")?;
+                quantize::requantize(&x.cpu, &w.c, &mut qc, "w")?;
+                quantize::requantize(&x.gpu, &w.g, &mut qg, "w")?;
                 let label = format!("{name} from {}", src_dt.name());
                 x.cmp_bytes(&format!("requantize codes {label}"), &qc.codes, &qg.codes)?;
                 if fmt == QFormat::Nvfp4 {

@@ -6,6 +6,8 @@
 mod admit;
 mod bench;
 mod breakdown;
+#[cfg(feature = "cuda")]
+mod device_bench;
 mod device_check;
 mod eval;
 mod generate;

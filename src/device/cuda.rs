@@ -26,27 +26,17 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 #[path = "cuda/alloc.rs"]
 mod alloc;
-#[path = "cuda/bench.rs"]
-pub mod bench;
+#[path = "cuda/args.rs"]
+pub mod args;
 #[path = "cuda/blas.rs"]
 mod blas;
 #[allow(non_camel_case_types, non_upper_case_globals, non_snake_case)]
 #[path = "cuda/ffi.rs"]
 pub mod ffi;
-#[cfg(test)]
-#[path = "cuda/hostemu.rs"]
-mod hostemu;
-#[cfg(test)]
-#[path = "cuda/hostemu_blocks.rs"]
-mod hostemu_blocks;
 #[path = "cuda/kernels.rs"]
-mod kernels;
-#[path = "cuda/lowp.rs"]
-pub mod lowp;
+pub mod kernels;
 #[path = "cuda/nvtx.rs"]
 pub mod nvtx;
-#[path = "cuda/ops.rs"]
-pub mod ops;
 
 /// One embedded cubin (build.rs writes the list).
 pub struct Cubin {
@@ -60,6 +50,7 @@ mod embedded {
     include!(concat!(env!("OUT_DIR"), "/cuda_kernels.rs"));
 }
 /// The architectures this binary carries kernels for (COLOTRAIN_CUDA_ARCHS at build time).
+pub use blas::Elem;
 pub use embedded::BUILT_ARCHS;
 use embedded::CUBINS;
 
@@ -272,16 +263,23 @@ impl CudaDevice {
         Ok(start.elapsed_ms(&end).map_err(|e| anyhow!("{e}"))? as f64)
     }
 
-    // ---- helpers for the submodules ----------------------------------------------------------
+    // ---- what the op rooms' CUDA twins build on ---------------------------------------------
 
-    fn bind(&self) -> Result<()> {
+    /// The device address of the error word that kernels set on a bad index.
+    pub fn err_word(&self) -> u64 {
+        self.inner.err_word
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
         self.inner
             .ctx
             .bind_to_thread()
             .map_err(|e| anyhow!("cuda:{}: cannot bind the context: {e}", self.inner.ordinal))
     }
 
-    fn stream(&self) -> sys::CUstream {
+    /// The device's one stream: every launch and copy of this device is ordered on it.
+    pub fn stream(&self) -> sys::CUstream {
         self.inner.stream.cu_stream()
     }
 
@@ -294,13 +292,14 @@ impl CudaDevice {
     }
 
     /// Scratch device memory, returned to the cache when dropped.
-    fn scratch(&self, bytes: usize, what: &str) -> Result<DevBuf> {
+    pub fn scratch(&self, bytes: usize, what: &str) -> Result<DevBuf> {
         let drv = DriverOps { ctx: &self.inner.ctx, stream: &self.inner.stream };
         let (ptr, class) = self.allocator().alloc(&drv, bytes, what)?;
         Ok(DevBuf { ptr, class, dev: self.clone() })
     }
 
-    fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
+    /// Zeroes `bytes` at `ptr`, queued on the stream.
+    pub fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
@@ -309,7 +308,8 @@ impl CudaDevice {
         unsafe { dr::memset_d8_async(ptr, 0, bytes, self.stream()) }.map_err(|e| anyhow!("memset: {e}"))
     }
 
-    fn htod<T>(&self, dst: u64, src: &[T]) -> Result<()> {
+    /// Copies `src` to `dst`, queued on the stream (the host data is staged before return).
+    pub fn htod<T>(&self, dst: u64, src: &[T]) -> Result<()> {
         if src.is_empty() {
             return Ok(());
         }
@@ -320,7 +320,7 @@ impl CudaDevice {
     }
 
     /// Copies to the host and waits; reports kernel-recorded errors (a synchronization point).
-    fn dtoh<T>(&self, dst: &mut [T], src: u64) -> Result<()> {
+    pub fn dtoh<T>(&self, dst: &mut [T], src: u64) -> Result<()> {
         if !dst.is_empty() {
             self.bind()?;
             // SAFETY: `src` holds at least size_of_val(dst) bytes; `dst` is borrowed mutably
@@ -331,7 +331,8 @@ impl CudaDevice {
         self.synchronize()
     }
 
-    fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+    /// Copies `bytes` from `src` to `dst` on the device, queued on the stream.
+    pub fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
@@ -367,8 +368,9 @@ fn describe_error(code: u32) -> String {
 }
 
 /// Device memory that returns to the allocator's cache when dropped.
-struct DevBuf {
-    ptr: u64,
+pub struct DevBuf {
+    /// The device address.
+    pub ptr: u64,
     class: usize,
     dev: CudaDevice,
 }
@@ -408,6 +410,11 @@ impl CudaStorage {
 
     fn dev(&self) -> &CudaDevice {
         &self.buf.dev
+    }
+
+    /// The ordinal of the device this storage lives on.
+    pub fn ordinal(&self) -> usize {
+        self.buf.dev.inner.ordinal
     }
 
     pub fn dtype(&self) -> DType {
@@ -490,19 +497,6 @@ impl CudaStorage {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn asking_for_more_gpus_than_are_visible_is_refused_up_front() {
-        let visible = (0..64).take_while(|&k| super::CudaDevice::new(k).is_ok()).count();
-        match crate::train::job::plan_devices("cuda", 2) {
-            Ok(names) => assert!(visible >= 2 && names == ["cuda:0", "cuda:1"], "{names:?} with {visible} visible"),
-            Err(e) => {
-                let m = format!("{e:#}");
-                assert!(visible < 2, "{m}");
-                assert!(m.contains("run.devices = 2 GPUs from cuda:0") && m.contains(&format!("but {visible} visible")) && m.contains("cuda:1 cannot be opened"), "{m}");
-            }
-        }
-    }
-
     #[test]
     fn opening_a_device_without_a_gpu_is_a_clear_error() {
         match super::CudaDevice::new(0) {

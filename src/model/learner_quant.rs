@@ -10,7 +10,7 @@
 //! Owns: [`LearnerQuant`]. May call: `crate::quant::nvfp4`. Must not: touch weights in place
 //! (quantized copies live in the trainable model's arenas).
 
-use crate::ops::grad::Real;
+use crate::ops::real::Real;
 use crate::quant::nvfp4::{self, Nvfp4Opts, BLOCK};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
@@ -49,7 +49,7 @@ impl LearnerQuant {
         self.linears[linear]
     }
 
-    /// out = Q(w) for a weight (rows, k), as the engine's `QTensor::requantize` rounds it.
+    /// out = Q(w) for a weight (rows, k), as the engine's `ops::quantize::requantize` rounds it.
     pub fn weight<T: Real>(&self, w: &[T], k: usize, out: &mut Vec<T>) -> Result<()> {
         let mut x: Vec<f32> = w.iter().map(|v| Real::to_f64(*v) as f32).collect();
         let signs = self.opts.rht.map(nvfp4::rht_signs);
@@ -131,7 +131,7 @@ mod tests {
             let mut qw = Vec::new();
             lq.weight(&w, k, &mut qw).unwrap();
             let mut qt = QTensor::alloc(QFormat::Nvfp4, rows, k, opts).unwrap();
-            qt.requantize(&dev, &dev.from_f32(DType::F32, &[rows, k], &w).unwrap(), "w").unwrap();
+            crate::ops::quantize::requantize(&dev, &dev.from_f32(DType::F32, &[rows, k], &w).unwrap(), &mut qt, "w").unwrap();
             let engine_w = qt.dequantize(); // rotated domain under the RHT
             let mut qx = x.clone();
             lq.act(0, GATE, &mut qx, k).unwrap();

@@ -3,13 +3,19 @@
 //! of the LM head, and the explicit backward of every layer into gradients in parameter order.
 //! Generic over the element type (f32 to train, f64 for finite-difference checks).
 //!
-//! Owns: [`Trainable`] (RoPE frequencies, activation arenas). May call: `crate::ops::grad`.
+//! Owns: [`Trainable`] (RoPE frequencies, activation arenas). May call: the training twins of `crate::ops` (`ops::<op>::grad`).
 //! Must not: own weights or optimizer state (the trainer passes parameter slices in).
 
 use super::config::ModelConfig;
 use super::learner_quant::{LearnerQuant, DOWN, GATE, UP};
 use super::weights::param_specs;
-use crate::ops::grad::{activation as act, attention, lm_head, matmul as mm, norm, rope, Real};
+use crate::ops::attention::grad as attention;
+use crate::ops::elementwise::grad as act;
+use crate::ops::linear::grad as mm;
+use crate::ops::lm_head::grad as lm_head;
+use crate::ops::norm::grad as norm;
+use crate::ops::real::Real;
+use crate::ops::rope::grad as rope;
 use anyhow::{bail, Result};
 use std::collections::HashMap;
 

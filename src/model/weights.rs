@@ -6,7 +6,7 @@
 
 use super::config::ModelConfig;
 use crate::device::{CpuStorage, DType, Device, Tensor};
-use crate::ops::linear_panels::Panels;
+use crate::ops::linear::Panels;
 use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
 use safetensors::{tensor::TensorView, Dtype as StDtype, SafeTensors};

@@ -1,6 +1,6 @@
 //! Objectives: token statistics → one coefficient c_t per response token, such that the
 //! loss gradient is Σ_t −c_t·∇log p_θ(y_t) (the logits gradient −c_t·(e_y − softmax(z/T))/T is
-//! then produced by the fused LM-head pass, `ops::grad::lm_head::grad`). An objective is a cheap
+//! then produced by the fused LM-head pass, `ops::lm_head::grad::grad`). An objective is a cheap
 //! pass over the step's tokens; it never sees logits.
 //!
 //! Owns: the aggregation weights and each objective's coefficients and reported loss. May call

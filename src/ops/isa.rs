@@ -1,4 +1,4 @@
-//! Which vector instruction set the CPU kernels run on (`linear_cpu`, `softmax_cpu`): one
+//! Which vector instruction set the CPU kernels run on (`linear::kernel`, `vecmath`): one
 //! definition of the detection, so the kernels agree on what "AVX2" means (AVX2 with FMA) and
 //! their tests cover the same set.
 //!

@@ -1,29 +1,76 @@
-//! Ops: one public function per op, taking a [`Device`] and tensors, dispatching to a CPU twin
-//! (in this directory) or a CUDA twin (`crate::device::cuda::ops`) with the same signature.
+//! Ops: one room per op family, one public function per op, taking a [`Device`] and tensors and
+//! dispatching to a CPU twin or a CUDA twin with the same signature.
+//!
+//! A room `ops/<op>/` holds `mod.rs` (the public signatures, shape comments, argument checks
+//! and the dispatch by device, plus the op's parameter types), `cpu.rs` (the reference twin),
+//! `cuda.rs` (the CUDA twin: buffers and the typed launcher call of csrc/kernels/<op>.cu, no
+//! arithmetic of its own; feature `cuda`), `grad.rs` (the training twin: forward with saved
+//! state and backward, generic over [`real::Real`]) and `tests.rs` (run on every device of the
+//! build through [`test_device!`]). Beside the rooms: the CPU helpers the twins share
+//! (`vecmath`: the vector exp / max / sums; `isa`, `prefetch`) and `real` (the training
+//! element types).
 //!
 //! Conventions (llm.c style): buffers are allocated once at their maximum size and ops take the
 //! number of active rows `m` explicitly; every tensor's logical shape is written next to it.
-//! CPU activations are f32; weights may be f32, bf16 or f16. Owns no state. May call
-//! `crate::device`. Must not: allocate in steady state (scratch is thread-local and reused).
+//! CPU activations are f32; weights may be f32, bf16 or f16. Owns no state. May call:
+//! `crate::device`, `crate::quant`, `crate::rand`. Must not: allocate in steady state (CPU
+//! scratch is thread-local and reused), know about models.
+
+use crate::device::{Device, Tensor};
+use anyhow::{bail, Result};
+
+/// The CUDA arm of a dispatch: `on_cuda!(d => cuda::op(d, …))`. Without the `cuda` feature the
+/// CUDA device type is uninhabited and the arm is `match *d {}`, so no room needs a stub of
+/// its CUDA twin.
+#[cfg(feature = "cuda")]
+macro_rules! on_cuda {
+    ($d:ident => $e:expr) => {
+        $e
+    };
+}
+#[cfg(not(feature = "cuda"))]
+macro_rules! on_cuda {
+    ($d:ident => $e:expr) => {
+        match *$d {}
+    };
+}
+
+/// One op test on every device of the build, in the spirit of candle's `test_device!`:
+/// `test_device!(check, check_cpu, check_cuda)` defines the test `check_cpu` running
+/// `check(&Device)` on a 2-thread CPU device and, with the `cuda` feature, `check_cuda` on
+/// `cuda:0` (which fails on a machine without a GPU: run those where there is one).
+#[cfg(test)]
+macro_rules! test_device {
+    ($f:ident, $cpu:ident, $cuda:ident) => {
+        #[test]
+        fn $cpu() {
+            let dev = crate::device::Device::cpu(2).expect("a CPU device");
+            $f(&dev)
+        }
+        #[cfg(feature = "cuda")]
+        #[test]
+        fn $cuda() {
+            let dev = crate::device::Device::cuda(0).expect("cuda:0");
+            $f(&dev)
+        }
+    };
+}
 
 pub mod attention;
 pub mod elementwise;
-pub mod grad;
-pub mod gemm_cpu;
+#[cfg(all(test, feature = "cuda"))]
+mod hostemu;
 mod isa;
-pub mod linear_cpu;
-pub mod linear_panels;
+pub mod linear;
+pub mod lm_head;
 pub mod logprob;
-pub mod matmul;
 pub mod norm;
 mod prefetch;
 pub mod quantize;
+pub mod real;
 pub mod rope;
 pub mod sample;
-pub mod softmax_cpu;
-
-use crate::device::Tensor;
-use anyhow::{bail, Result};
+pub mod vecmath;
 
 /// Checks that `t` holds at least `rows` rows of `cols` values (its last dimension is `cols`).
 pub(crate) fn check_rows(t: &Tensor, rows: usize, cols: usize, what: &str) -> Result<()> {
@@ -53,10 +100,10 @@ pub struct ScratchSizes {
 }
 
 /// Grows every CPU pool thread's scratch to `s` now, so that later steps never allocate.
-pub fn reserve_scratch(dev: &crate::device::Device, s: ScratchSizes) {
-    if let crate::device::Device::Cpu(c) = dev {
+pub fn reserve_scratch(dev: &Device, s: ScratchSizes) {
+    if let Device::Cpu(c) = dev {
         c.broadcast(|| {
-            linear_cpu::reserve(s.max_k);
+            linear::kernel::reserve(s.max_k);
             attention::reserve(attention::scratch_len(s.attn_groups, s.head_dim));
             sample::reserve(s.vocab);
         });

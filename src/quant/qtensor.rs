@@ -86,17 +86,6 @@ impl QTensor {
         }
     }
 
-    /// Re-quantizes from the weight tensor `src` (same device), in place.
-    pub fn requantize(&mut self, dev: &Device, src: &Tensor, name: &str) -> Result<()> {
-        match dev {
-            Device::Cpu(c) => {
-                let s = CpuFloats::of(src)?;
-                c.install(|| self.requantize_cpu(s, name))
-            }
-            Device::Cuda(c) => crate::device::cuda::ops::requantize(c, src, self, name),
-        }
-    }
-
     /// Re-quantizes from `src` (rows·K values) in place: one parallel pass for the amax, one
     /// that encodes (reading BF16/F16 sources directly, through small stack buffers). Fails,
     /// naming `name`, if `src` holds a non-finite value. Allocates nothing.

@@ -93,28 +93,26 @@ impl QuantState {
     /// Re-quantizes every quantized weight in place from `w` (fused amax + quantize).
     pub fn sync(&mut self, dev: &Device, w: &ModelWeights) -> Result<()> {
         let names = &self.names;
-        match dev {
+        if dev.is_cpu() {
+            // Tensor by tensor, allocating nothing.
+            for (l, (ql, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
+                for (i, q) in ql.w.iter_mut().enumerate() {
+                    if let Some(q) = q {
+                        crate::ops::quantize::requantize(dev, dense(lw, i), q, &names[l][i])?;
+                    }
+                }
+            }
+        } else {
             // One queue of kernels and one read-back of the scales for the whole model.
-            Device::Cuda(c) => {
-                let mut items: Vec<(&crate::device::Tensor, &mut QTensor, &str)> = Vec::new();
-                for (l, (ql, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
-                    for (i, q) in ql.w.iter_mut().enumerate() {
-                        if let Some(q) = q {
-                            items.push((dense(lw, i), q, names[l][i].as_str()));
-                        }
-                    }
-                }
-                crate::device::cuda::ops::requantize_all(c, &mut items)?;
-            }
-            Device::Cpu(_) => {
-                for (l, (ql, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
-                    for (i, q) in ql.w.iter_mut().enumerate() {
-                        if let Some(q) = q {
-                            q.requantize(dev, dense(lw, i), &names[l][i])?;
-                        }
+            let mut items: Vec<(&crate::device::Tensor, &mut QTensor, &str)> = Vec::new();
+            for (l, (ql, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
+                for (i, q) in ql.w.iter_mut().enumerate() {
+                    if let Some(q) = q {
+                        items.push((dense(lw, i), q, names[l][i].as_str()));
                     }
                 }
             }
+            crate::ops::quantize::requantize_all(dev, &mut items)?;
         }
         self.syncs += 1;
         Ok(())

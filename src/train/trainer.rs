@@ -19,7 +19,7 @@ use super::step_inputs::{evaluate, minibatches, Objective, StepInputs};
 use crate::model::learner_quant::LearnerQuant;
 use crate::objective::triage::TriageStats;
 use crate::objective::TokenStats;
-use crate::ops::grad::lm_head::Center;
+use crate::ops::lm_head::grad::Center;
 use anyhow::{bail, Result};
 use std::borrow::Cow;
 use std::ops::Range;

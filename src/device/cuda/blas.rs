@@ -18,7 +18,7 @@ const OP_N: i32 = 0;
 const OP_T: i32 = 1;
 
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub(super) enum Elem {
+pub enum Elem {
     F32,
     BF16,
     F16,
@@ -213,5 +213,27 @@ impl Drop for Blas {
         }
         // SAFETY: the handle was created in `new` and is destroyed once.
         let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+impl super::CudaDevice {
+    /// y (m, n) f32 (+)= alpha · x (m, k) · w (n, k)ᵀ through cuBLASLt, w and x of element type
+    /// `ab` (device addresses); `scales`: NVFP4's (weight, activation) block-scale buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        ab: Elem,
+        w: u64,
+        x: u64,
+        y: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        accumulate: bool,
+        scales: Option<(u64, u64)>,
+    ) -> Result<()> {
+        self.bind()?;
+        self.blas().gemm(self.stream(), GemmKey { m, n, k, ab, accumulate }, w, x, y, alpha, scales)
     }
 }

@@ -12,30 +12,30 @@ use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::Ptx;
 use std::sync::Arc;
 
-/// Threads per block of the row kernels of logprob_sample.cu and sample_topk.cu (CT_ROW_THREADS).
-pub(super) const ROW_THREADS: u32 = 1024;
+/// Threads per block of the row kernels of logprob.cu, sample.cu and sample_topk.cu (CT_ROW_THREADS).
+pub const ROW_THREADS: u32 = 1024;
 /// Threads per block of paged attention and its key tile (CT_ATT_TILE).
-pub(super) const ATT_THREADS: u32 = 128;
-pub(super) const ATT_TILE: usize = 32;
+pub const ATT_THREADS: u32 = 128;
+pub const ATT_TILE: usize = 32;
 /// Threads per block of ct_prefill_attention and keys per shared tile (CT_PF_THREADS, CT_PF_KEYS).
-pub(super) const PF_THREADS: u32 = 128;
-pub(super) const PF_KEYS: usize = 32;
+pub const PF_THREADS: u32 = 128;
+pub const PF_KEYS: usize = 32;
 
 /// (query rows per tile, query vectors held in shared memory) of ct_prefill_attention: the
 /// device functions ct_pf_rows and max(ct_pf_qv, groups) of attention_prefill.cu.
-pub(super) fn prefill_shape(head_dim: usize, groups: usize) -> (usize, usize) {
+pub fn prefill_shape(head_dim: usize, groups: usize) -> (usize, usize) {
     let qv = if head_dim > 128 { 32 } else { 64 };
     ((qv / groups.max(1)).max(1), qv.max(groups))
 }
 
 /// Bytes of dynamic shared memory of ct_paged_attention (its layout comment in attention.cu).
-pub(super) fn paged_attention_smem(groups: usize, head_dim: usize) -> usize {
+pub fn paged_attention_smem(groups: usize, head_dim: usize) -> usize {
     (2 * groups * head_dim + groups * ATT_TILE + 3 * groups) * 4
 }
 
 /// (grid.x, bytes of dynamic shared memory) of ct_prefill_attention (its layout comment in
 /// attention_prefill.cu). grid.x bounds the tiles: each sequence's last tile may be partial.
-pub(super) fn prefill_launch(num_tokens: usize, num_seqs: usize, groups: usize, head_dim: usize) -> (usize, usize) {
+pub fn prefill_launch(num_tokens: usize, num_seqs: usize, groups: usize, head_dim: usize) -> (usize, usize) {
     let (rows, qv) = prefill_shape(head_dim, groups);
     let smem = (2 * qv * head_dim + PF_KEYS * (head_dim + 1) + PF_KEYS * head_dim + qv * (PF_KEYS + 1) + 3 * qv) * 4;
     (num_tokens / rows + num_seqs, smem)
@@ -87,9 +87,9 @@ impl Kernels {
                 .with_context(|| format!("kernel {name} missing from csrc/kernels/{module}.cu ({arch})"))
         };
         Ok(Kernels {
-            rmsnorm: f("norm_rope", "ct_rmsnorm")?,
-            rope_table: f("norm_rope", "ct_rope_table")?,
-            rope: f("norm_rope", "ct_rope")?,
+            rmsnorm: f("norm", "ct_rmsnorm")?,
+            rope_table: f("rope", "ct_rope_table")?,
+            rope: f("rope", "ct_rope")?,
             embedding: f("elementwise", "ct_embedding")?,
             swiglu: f("elementwise", "ct_swiglu")?,
             gather_rows: f("elementwise", "ct_gather_rows")?,
@@ -99,8 +99,8 @@ impl Kernels {
             kv_write: f("attention", "ct_kv_write")?,
             paged_attention: f("attention", "ct_paged_attention")?,
             prefill_attention: f("attention_prefill", "ct_prefill_attention")?,
-            log_softmax_gather: f("logprob_sample", "ct_log_softmax_gather")?,
-            sample: f("logprob_sample", "ct_sample")?,
+            log_softmax_gather: f("logprob", "ct_log_softmax_gather")?,
+            sample: f("sample", "ct_sample")?,
             sample_topk: f("sample_topk", "ct_sample_topk")?,
             amax: f("quantize", "ct_amax")?,
             quant_fp8: f("quantize", "ct_quant_fp8")?,
@@ -165,56 +165,56 @@ impl CudaDevice {
         Ok(())
     }
 
-    pub(super) fn k_rmsnorm(&self, p: ffi::ct_rmsnorm_params) -> Result<()> {
+    pub fn k_rmsnorm(&self, p: ffi::ct_rmsnorm_params) -> Result<()> {
         self.launch(&self.inner.kernels.rmsnorm, "ct_rmsnorm", (p.rows as u32, 1, 1), NORM_THREADS, 0, &p)
     }
 
-    pub(super) fn k_rope_table(&self, p: ffi::ct_rope_table_params) -> Result<()> {
+    pub fn k_rope_table(&self, p: ffi::ct_rope_table_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.half as i64, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.rope_table, "ct_rope_table", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_rope(&self, p: ffi::ct_rope_params) -> Result<()> {
+    pub fn k_rope(&self, p: ffi::ct_rope_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.heads as i64 * p.half as i64, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.rope, "ct_rope", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_embedding(&self, p: ffi::ct_embedding_params) -> Result<()> {
+    pub fn k_embedding(&self, p: ffi::ct_embedding_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.embedding, "ct_embedding", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_swiglu(&self, p: ffi::ct_swiglu_params) -> Result<()> {
+    pub fn k_swiglu(&self, p: ffi::ct_swiglu_params) -> Result<()> {
         let g = self.stride_grid(p.n, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.swiglu, "ct_swiglu", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_gather_rows(&self, p: ffi::ct_gather_rows_params) -> Result<()> {
+    pub fn k_gather_rows(&self, p: ffi::ct_gather_rows_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.gather_rows, "ct_gather_rows", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_add_bias(&self, p: ffi::ct_add_bias_params) -> Result<()> {
+    pub fn k_add_bias(&self, p: ffi::ct_add_bias_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.add_bias, "ct_add_bias", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_cast(&self, p: ffi::ct_cast_params) -> Result<()> {
+    pub fn k_cast(&self, p: ffi::ct_cast_params) -> Result<()> {
         let g = self.stride_grid(p.n, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.cast, "ct_cast", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_fill_normal(&self, p: ffi::ct_fill_normal_params) -> Result<()> {
+    pub fn k_fill_normal(&self, p: ffi::ct_fill_normal_params) -> Result<()> {
         let g = self.stride_grid((p.n + 1) / 2, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.fill_normal, "ct_fill_normal", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_kv_write(&self, p: ffi::ct_kv_write_params) -> Result<()> {
+    pub fn k_kv_write(&self, p: ffi::ct_kv_write_params) -> Result<()> {
         let g = self.stride_grid(p.tokens as i64 * p.kv_heads as i64 * p.head_dim as i64, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.kv_write, "ct_kv_write", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_paged_attention(&self, p: ffi::ct_attention_params) -> Result<()> {
+    pub fn k_paged_attention(&self, p: ffi::ct_attention_params) -> Result<()> {
         if p.kv_heads <= 0 || p.heads % p.kv_heads != 0 {
             bail!("paged attention: {} query heads not a multiple of {} KV heads", p.heads, p.kv_heads);
         }
@@ -230,7 +230,7 @@ impl CudaDevice {
         self.launch(&self.inner.kernels.paged_attention, "ct_paged_attention", grid, ATT_THREADS, smem as u32, &p)
     }
 
-    pub(super) fn k_prefill_attention(&self, p: ffi::ct_attention_params) -> Result<()> {
+    pub fn k_prefill_attention(&self, p: ffi::ct_attention_params) -> Result<()> {
         if p.kv_heads <= 0 || p.heads % p.kv_heads != 0 {
             bail!("prefill attention: {} query heads not a multiple of {} KV heads", p.heads, p.kv_heads);
         }
@@ -243,33 +243,33 @@ impl CudaDevice {
         self.launch(&self.inner.kernels.prefill_attention, "ct_prefill_attention", grid, PF_THREADS, smem as u32, &p)
     }
 
-    pub(super) fn k_log_softmax_gather(&self, p: ffi::ct_logprob_params) -> Result<()> {
+    pub fn k_log_softmax_gather(&self, p: ffi::ct_logprob_params) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "log-prob rows")?, 1, 1);
         self.launch(&self.inner.kernels.log_softmax_gather, "ct_log_softmax_gather", grid, ROW_THREADS, 0, &p)
     }
 
-    pub(super) fn k_sample(&self, p: ffi::ct_sample_params) -> Result<()> {
+    pub fn k_sample(&self, p: ffi::ct_sample_params) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "sampled rows")?, 1, 1);
         self.launch(&self.inner.kernels.sample, "ct_sample", grid, ROW_THREADS, 0, &p)
     }
 
-    pub(super) fn k_sample_topk(&self, p: ffi::ct_sample_params) -> Result<()> {
+    pub fn k_sample_topk(&self, p: ffi::ct_sample_params) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "sampling rows")?, 1, 1);
         self.launch(&self.inner.kernels.sample_topk, "ct_sample_topk", grid, ROW_THREADS, 0, &p)
     }
 
-    pub(super) fn k_amax(&self, p: ffi::ct_amax_params) -> Result<()> {
+    pub fn k_amax(&self, p: ffi::ct_amax_params) -> Result<()> {
         let items = if p.rht != 0 { p.n / 16 } else { p.n };
         let g = self.stride_grid(items, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.amax, "ct_amax", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_quant_fp8(&self, p: ffi::ct_quant_fp8_params) -> Result<()> {
+    pub fn k_quant_fp8(&self, p: ffi::ct_quant_fp8_params) -> Result<()> {
         let g = self.stride_grid(p.n, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.quant_fp8, "ct_quant_fp8", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_quant_nvfp4(&self, p: ffi::ct_quant_nvfp4_params) -> Result<()> {
+    pub fn k_quant_nvfp4(&self, p: ffi::ct_quant_nvfp4_params) -> Result<()> {
         if p.n % 16 != 0 {
             bail!("NVFP4 quantization of {} values: not a multiple of 16", p.n);
         }
@@ -277,13 +277,13 @@ impl CudaDevice {
         self.launch(&self.inner.kernels.quant_nvfp4, "ct_quant_nvfp4", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_dequant(&self, p: ffi::ct_dequant_params) -> Result<()> {
+    pub fn k_dequant(&self, p: ffi::ct_dequant_params) -> Result<()> {
         let items = if p.format == ffi::CT_FORMAT_NVFP4 { p.n / 16 } else { p.n };
         let g = self.stride_grid(items, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.dequant, "ct_dequant", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
-    pub(super) fn k_swizzle_sf(&self, p: ffi::ct_swizzle_sf_params) -> Result<()> {
+    pub fn k_swizzle_sf(&self, p: ffi::ct_swizzle_sf_params) -> Result<()> {
         let g = self.stride_grid(p.padded_rows as i64 * p.padded_cols as i64, ELEMENTWISE_THREADS);
         self.launch(&self.inner.kernels.swizzle_sf, "ct_swizzle_sf", (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }

@@ -1,0 +1,294 @@
+//! The timing half of `colotrain device-check` (the op-by-op comparison lives in
+//! src/cli/device_check.rs): GEMMs per format and path against cuBLASLt, decode throughput of a
+//! random 1.5B-shaped model against the memory-bandwidth bound, and the in-place resync of a
+//! 7B-shaped model's linears per recipe against a device copy of the same bytes. Inputs are
+//! random (device Philox normals), never zeros. Device time by CUDA events, or wall time around
+//! a synchronized loop where host work is part of the cost. Not yet run on a GPU.
+
+use crate::device::cuda::args::ptr;
+use crate::device::cuda::{CudaDevice, Elem};
+use crate::ops::elementwise::fill_normal;
+use crate::ops::linear::cuda_lowp::{self as lowp, Path};
+use crate::device::{DType, Device, Tensor};
+use crate::ops::quantize::ActQuant;
+use crate::quant::nvfp4::Nvfp4Opts;
+use crate::quant::qtensor::{QFormat, QTensor};
+use anyhow::Result;
+use serde::Serialize;
+use std::time::Instant;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct GemmRow {
+    pub shape: String,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub format: String,
+    pub path: String,
+    pub ms: Option<f64>,
+    pub tflops: Option<f64>,
+    /// Time of cuBLASLt in the same format divided by this row's time (> 1: faster).
+    pub vs_cublaslt: Option<f64>,
+    /// Time of the BF16 cuBLASLt GEMM of the same shape divided by this row's time.
+    pub vs_bf16: Option<f64>,
+    pub note: String,
+}
+
+fn random(d: &CudaDevice, dtype: DType, shape: &[usize], seed: u64, std: f32) -> Result<Tensor> {
+    let mut t = d.zeros(dtype, shape)?;
+    fill_normal(d, &mut t, seed, 0, 0.0, std)?;
+    Ok(t)
+}
+
+/// Mean device milliseconds of `f` over `iters` calls, after two warm-up calls.
+fn time_ms(d: &CudaDevice, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    f()?;
+    let total = d.time_ms(|| {
+        for _ in 0..iters {
+            f()?;
+        }
+        Ok(())
+    })?;
+    Ok(total / iters as f64)
+}
+
+/// BF16 (cuBLASLt), FP8 and NVFP4 (CUTLASS, cuBLASLt, emulated) GEMMs at each (label, m, n, k).
+pub fn gemms(d: &CudaDevice, shapes: &[(String, usize, usize, usize)], iters: usize) -> Result<Vec<GemmRow>> {
+    let mut rows = Vec::new();
+    for (si, (label, m, n, k)) in shapes.iter().enumerate() {
+        let (m, n, k) = (*m, *n, *k);
+        let flops = 2.0 * m as f64 * n as f64 * k as f64;
+        let w = random(d, DType::BF16, &[n, k], 100 + si as u64, 1.0 / (k as f32).sqrt())?;
+        let x = random(d, DType::F32, &[m, k], 200 + si as u64, 1.0)?;
+        let xb = random(d, DType::BF16, &[m, k], 200 + si as u64, 1.0)?;
+        let y = d.zeros(DType::F32, &[m, n])?;
+        let (wp, xbp, yp) = (ptr(d, &w, &[DType::BF16], "w")?, ptr(d, &xb, &[DType::BF16], "x")?, ptr(d, &y, &[DType::F32], "y")?);
+        let mut bf16_ms = None;
+        let mut row = |format: &str, path: &str, ms: Result<f64>, base: Option<f64>| {
+            let (ms, note) = match ms {
+                Ok(t) => (Some(t), String::new()),
+                Err(e) => (None, format!("{e:#}")),
+            };
+            rows.push(GemmRow {
+                shape: label.clone(),
+                m,
+                n,
+                k,
+                format: format.into(),
+                path: path.into(),
+                ms,
+                tflops: ms.map(|t| flops / (t * 1e-3) / 1e12),
+                vs_cublaslt: match (base, ms) {
+                    (Some(b), Some(t)) => Some(b / t),
+                    _ => None,
+                },
+                vs_bf16: match (bf16_ms, ms) {
+                    (Some(b), Some(t)) => Some(b / t),
+                    _ => None,
+                },
+                note,
+            });
+            if format == "bf16" {
+                bf16_ms = ms;
+            }
+            ms
+        };
+        row("bf16", "cublaslt", time_ms(d, iters, || d.gemm(Elem::BF16, wp, xbp, yp, m, n, k, 1.0, false, None)), None);
+        // Activation scales from the input's amax, as a calibration pass would set them.
+        let amax = crate::ops::quantize::amax(d, ptr(d, &x, &[DType::F32], "x")?, DType::F32, m * k, None)?;
+        for (format, act) in [
+            (QFormat::Fp8, ActQuant::Fp8 { scale: amax / 448.0 }),
+            (QFormat::Nvfp4, ActQuant::Nvfp4 { global: amax / 2688.0, opts: Nvfp4Opts::default() }),
+        ] {
+            let name = if format == QFormat::Fp8 { "fp8" } else { "nvfp4" };
+            let mut wq = QTensor::alloc_on(&Device::Cuda(d.clone()), format, n, k, Nvfp4Opts::default())?;
+            crate::ops::quantize::requantize(&Device::Cuda(d.clone()), &w, &mut wq, "bench weight")?;
+            let qa = lowp::quantize_act(d, &x, m, &act)?;
+            let base = row(name, "cublaslt", time_ms(d, iters, || lowp::gemm_q(d, &qa, &wq, yp, Path::CublasLt).map(|_| ())), None);
+            if lowp::cutlass_supports(d, format, n, k) {
+                row(name, "cutlass", time_ms(d, iters, || lowp::gemm_q(d, &qa, &wq, yp, Path::Cutlass).map(|_| ())), base);
+            } else {
+                row(name, "cutlass", Err(anyhow::anyhow!("no CUTLASS kernel for this GPU / shape in this build")), None);
+            }
+            row(name, "emulated", time_ms(d, iters, || lowp::gemm_q(d, &qa, &wq, yp, Path::Emulated).map(|_| ())), base);
+        }
+    }
+    Ok(rows)
+}
+
+/// Device-to-device copy bandwidth in bytes/s (read + write counted), over `bytes`.
+pub fn copy_bandwidth(d: &CudaDevice, bytes: usize) -> Result<f64> {
+    let a = d.scratch(bytes, "bandwidth source")?;
+    let b = d.scratch(bytes, "bandwidth target")?;
+    d.memset0(a.ptr, bytes)?;
+    let ms = time_ms(d, 10, || d.dtod(b.ptr, a.ptr, bytes))?;
+    Ok(2.0 * bytes as f64 / (ms * 1e-3))
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodeRow {
+    pub batch: usize,
+    pub context: usize,
+    pub ms_per_step: f64,
+    pub tokens_per_s: f64,
+    /// Weights + KV cache read per step at the measured copy bandwidth.
+    pub bound_tokens_per_s: f64,
+    pub fraction_of_bound: f64,
+}
+
+/// Decode steps of a random BF16 model of `cfg` at each batch size, every sequence at
+/// `context` cached tokens: forward, LM head and sampling (T = 1), as the engine runs them.
+pub fn decode(d: &CudaDevice, cfg: &crate::model::ModelConfig, batches: &[usize], context: usize, steps: usize) -> Result<Vec<DecodeRow>> {
+    use crate::model::transformer::{ForwardBuffers, KvLayer, Transformer};
+    let dev = Device::Cuda(d.clone());
+    let mut tensors = Vec::new();
+    for (i, (name, shape)) in crate::model::weights::param_specs(cfg).into_iter().enumerate() {
+        let mut t = d.zeros(DType::BF16, &shape)?;
+        let (mean, std) = if name.ends_with("norm.weight") {
+            (1.0, 0.0)
+        } else if name.ends_with(".bias") {
+            (0.0, 0.0)
+        } else {
+            (0.0, 0.02)
+        };
+        fill_normal(d, &mut t, 7, i as u64, mean, std)?;
+        tensors.push(t);
+    }
+    let w = crate::model::ModelWeights::from_ordered(cfg, tensors)?;
+    let tf = Transformer::new(&dev, cfg.clone())?;
+    let bw = copy_bandwidth(d, 2 << 30)?;
+    let bs = 16usize;
+    let mut out = Vec::new();
+    for &batch in batches {
+        let per_seq = (context + steps + 3).div_ceil(bs);
+        let nb = per_seq * batch;
+        let mut kv = Vec::new();
+        for l in 0..cfg.num_layers {
+            let shape = [nb, cfg.num_kv_heads, bs, cfg.head_dim];
+            let (mut k, mut v) = (d.zeros(DType::BF16, &shape)?, d.zeros(DType::BF16, &shape)?);
+            fill_normal(d, &mut k, 8, 2 * l as u64, 0.0, 1.0)?;
+            fill_normal(d, &mut v, 8, 2 * l as u64 + 1, 0.0, 1.0)?;
+            kv.push(KvLayer { k, v, k_scale: 1.0, v_scale: 1.0 });
+        }
+        let mut b = ForwardBuffers::new(&dev, cfg, batch, batch, batch, per_seq, bs)?;
+        let tables: Vec<u32> = (0..nb as u32).collect();
+        b.meta.block_tables.write_u32(&tables)?;
+        b.meta.q_start.write_u32(&(0..=batch as u32).collect::<Vec<_>>())?;
+        b.sel.write_u32(&(0..batch as u32).collect::<Vec<_>>())?;
+        b.meta.num_seqs = batch;
+        b.meta.num_tokens = batch;
+        let mut tokens = vec![0u32; batch];
+        let mut lps = vec![0f32; batch];
+        let mut step = |pos: usize, b: &mut ForwardBuffers, kv: &mut [KvLayer]| -> Result<()> {
+            let ids: Vec<u32> = (0..batch).map(|s| ((s * 7919 + pos * 104729) % cfg.vocab_size) as u32).collect();
+            b.ids.write_u32(&ids)?;
+            b.positions.write_u32(&vec![pos as u32; batch])?;
+            b.meta.ctx_len.write_u32(&vec![pos as u32 + 1; batch])?;
+            let slots: Vec<u32> = (0..batch).map(|s| (s * per_seq * bs + pos) as u32).collect();
+            b.meta.slot_mapping.write_u32(&slots)?;
+            tf.forward(&dev, &w, None, b, kv)?;
+            tf.logits(&dev, &w, b, batch)?;
+            let params: Vec<crate::ops::sample::SampleParams> = (0..batch)
+                .map(|s| crate::ops::sample::SampleParams {
+                    temperature: 1.0,
+                    top_k: 0,
+                    top_p: 1.0,
+                    seed: 1,
+                    request: s as u64,
+                    sample: 0,
+                    position: pos as u32,
+                })
+                .collect();
+            crate::ops::sample::sample(&dev, &b.logits, &params, &mut tokens, &mut lps)
+        };
+        step(context, &mut b, &mut kv)?;
+        step(context + 1, &mut b, &mut kv)?;
+        d.synchronize()?;
+        let t0 = Instant::now();
+        for s in 0..steps {
+            step(context + 2 + s, &mut b, &mut kv)?;
+        }
+        d.synchronize()?;
+        let secs = t0.elapsed().as_secs_f64() / steps as f64;
+        // Bytes per step: every weight except the embedding table (only `batch` rows of it are
+        // read; a tied head reads it whole), the KV cache of every sequence, and the new KV.
+        let head_tied = cfg.tie_word_embeddings;
+        let emb = (cfg.vocab_size * cfg.hidden_size * 2) as f64;
+        let weights = w.size_bytes() as f64 - if head_tied { 0.0 } else { emb };
+        let kv_bytes = (batch * (context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2) as f64;
+        let bound = batch as f64 / ((weights + kv_bytes) / bw);
+        let tps = batch as f64 / secs;
+        out.push(DecodeRow {
+            batch,
+            context,
+            ms_per_step: secs * 1e3,
+            tokens_per_s: tps,
+            bound_tokens_per_s: bound,
+            fraction_of_bound: tps / bound,
+        });
+    }
+    Ok(out)
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ResyncRow {
+    pub recipe: String,
+    pub tensors: usize,
+    pub weight_bytes: usize,
+    pub ms: f64,
+    pub copy_ms: f64,
+    pub vs_copy: f64,
+}
+
+/// One in-place resync of every linear of a 7B-shaped model (BF16 weights on the device) per
+/// recipe, against a device copy of the same BF16 bytes. `bf16` is the zero-copy engine.
+pub fn resync(d: &CudaDevice, cfg: &crate::model::ModelConfig) -> Result<Vec<ResyncRow>> {
+    let dev = Device::Cuda(d.clone());
+    let shapes: Vec<(String, Vec<usize>)> = crate::model::weights::param_specs(cfg)
+        .into_iter()
+        .filter(|(n, s)| n.contains(".layers.") && n.ends_with("proj.weight") && s.len() == 2)
+        .collect();
+    let mut weights = Vec::new();
+    for (i, (_, shape)) in shapes.iter().enumerate() {
+        weights.push(random(d, DType::BF16, shape, 300 + i as u64, 0.02)?);
+    }
+    let bytes: usize = weights.iter().map(|t| t.size_bytes()).sum();
+    let mut copies: Vec<Tensor> = weights.iter().map(|t| d.zeros(DType::BF16, t.shape())).collect::<Result<_>>()?;
+    let copy_ms = {
+        let mut run = || -> Result<()> {
+            for (c, w) in copies.iter_mut().zip(&weights) {
+                c.copy_from(w)?;
+            }
+            Ok(())
+        };
+        run()?;
+        d.time_ms(run)?
+    };
+    let mut rows = vec![ResyncRow { recipe: "bf16 (zero-copy)".into(), tensors: weights.len(), weight_bytes: bytes, ms: 0.0, copy_ms, vs_copy: 0.0 }];
+    drop(copies);
+    let recipes = [
+        ("fp8", QFormat::Fp8, Nvfp4Opts::default()),
+        ("nvfp4", QFormat::Nvfp4, Nvfp4Opts::default()),
+        ("nvfp4+rht+sr", QFormat::Nvfp4, Nvfp4Opts { rht: Some(5), stochastic: Some(6) }),
+    ];
+    for (recipe, format, opts) in recipes {
+        let mut qs: Vec<QTensor> =
+            shapes.iter().map(|(_, s)| QTensor::alloc_on(&dev, format, s[0], s[1], opts)).collect::<Result<_>>()?;
+        let mut run = || -> Result<()> {
+            for ((name, _), (q, w)) in shapes.iter().zip(qs.iter_mut().zip(&weights)) {
+                crate::ops::quantize::requantize(&dev, w, q, name)?;
+            }
+            Ok(())
+        };
+        run()?;
+        d.synchronize()?;
+        // Wall time: the per-tensor amax read-back (a host synchronization) is part of the cost.
+        let t0 = Instant::now();
+        run()?;
+        d.synchronize()?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        rows.push(ResyncRow { recipe: recipe.into(), tensors: qs.len(), weight_bytes: bytes, ms, copy_ms, vs_copy: ms / copy_ms });
+    }
+    Ok(rows)
+}

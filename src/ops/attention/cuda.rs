@@ -1,0 +1,101 @@
+//! Paged attention's CUDA twin: ct_kv_write, and ct_paged_attention (mostly decode rows, one
+//! block per row) or ct_prefill_attention (mostly prefill rows, key tiles shared across a tile
+//! of rows); both equal the CPU twin to rounding. Not yet run on a GPU.
+
+use super::{cache_dims, AttnMeta};
+use crate::device::cuda::args::{code, err_word, f32p, i32_of, ptr, u32p, vp};
+use crate::device::cuda::{ffi, CudaDevice};
+use crate::device::{DType, Tensor};
+use anyhow::{bail, Result};
+use std::ffi::c_void;
+
+const CACHES: &[DType] = &[DType::F32, DType::BF16, DType::F16, DType::U8];
+
+#[allow(clippy::too_many_arguments)]
+pub fn kv_write(
+    d: &CudaDevice,
+    k: &Tensor,
+    v: &Tensor,
+    kc: &mut Tensor,
+    vc: &mut Tensor,
+    ks: f32,
+    vs: f32,
+    m: &AttnMeta,
+) -> Result<()> {
+    let (nb, hkv, bs, hd) = cache_dims(kc)?;
+    if vc.dtype() != kc.dtype() || vc.shape() != kc.shape() {
+        bail!(
+            "kv_write: key cache {} {:?} and value cache {} {:?} differ",
+            kc.dtype().name(),
+            kc.shape(),
+            vc.dtype().name(),
+            vc.shape()
+        );
+    }
+    d.k_kv_write(ffi::ct_kv_write_params {
+        k: ptr(d, k, &[DType::F32], "kv_write keys")? as *const f32,
+        v: ptr(d, v, &[DType::F32], "kv_write values")? as *const f32,
+        k_cache: vp(ptr(d, kc, CACHES, "key cache")?),
+        v_cache: vp(ptr(d, vc, CACHES, "value cache")?),
+        dtype: code(kc.dtype()),
+        k_scale: ks,
+        v_scale: vs,
+        slots: u32p(ptr(d, &m.slot_mapping, &[DType::U32], "slot mapping")?),
+        tokens: i32_of(m.num_tokens, "tokens")?,
+        kv_heads: i32_of(hkv, "KV heads")?,
+        block_size: i32_of(bs, "block size")?,
+        head_dim: i32_of(hd, "head dimension")?,
+        num_blocks: i32_of(nb, "cache blocks")?,
+        err: err_word(d),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    d: &CudaDevice,
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    ks: f32,
+    vs: f32,
+    m: &AttnMeta,
+    o: &mut Tensor,
+    h: usize,
+) -> Result<()> {
+    let (nb, hkv, bs, hd) = cache_dims(kc)?;
+    if vc.dtype() != kc.dtype() || vc.shape() != kc.shape() {
+        bail!("paged_attention: key and value caches differ");
+    }
+    if m.num_tokens == 0 {
+        return Ok(());
+    }
+    let p = ffi::ct_attention_params {
+        q: ptr(d, q, &[DType::F32], "attention queries")? as *const f32,
+        k_cache: ptr(d, kc, CACHES, "key cache")? as *const c_void,
+        v_cache: ptr(d, vc, CACHES, "value cache")? as *const c_void,
+        dtype: code(kc.dtype()),
+        k_scale: ks,
+        v_scale: vs,
+        q_start: u32p(ptr(d, &m.q_start, &[DType::U32], "q_start")?),
+        ctx_len: u32p(ptr(d, &m.ctx_len, &[DType::U32], "ctx_len")?),
+        block_tables: u32p(ptr(d, &m.block_tables, &[DType::U32], "block tables")?),
+        num_seqs: i32_of(m.num_seqs, "sequences")?,
+        num_tokens: i32_of(m.num_tokens, "tokens")?,
+        max_blocks: i32_of(m.max_blocks, "blocks per sequence")?,
+        block_size: i32_of(bs, "block size")?,
+        num_blocks: i32_of(nb, "cache blocks")?,
+        heads: i32_of(h, "heads")?,
+        kv_heads: i32_of(hkv, "KV heads")?,
+        head_dim: i32_of(hd, "head dimension")?,
+        softmax_scale: 1.0 / (hd as f32).sqrt(),
+        out: f32p(ptr(d, o, &[DType::F32], "attention output")?),
+        err: err_word(d),
+    };
+    // Mostly prefill rows: the flash-style kernel (shares each key tile across a tile of rows);
+    // mostly decode rows: one block per row. Both give every row the same result to rounding.
+    if m.num_tokens >= 2 * m.num_seqs {
+        d.k_prefill_attention(p)
+    } else {
+        d.k_paged_attention(p)
+    }
+}

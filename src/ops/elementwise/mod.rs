@@ -1,0 +1,62 @@
+//! Row-wise data movement and activations: embedding lookup, SwiGLU, row gather, max |x|.
+//!
+//! Owns: the public signatures, their checks and the dispatch; the CPU twin (`cpu.rs`), the
+//! CUDA twin (`cuda.rs`, kernels csrc/kernels/elementwise.cu and quantize.cu's ct_amax), the
+//! training twin (`grad.rs`: SwiGLU, embedding, adds). May call: `crate::device`. Must not:
+//! allocate.
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod grad;
+#[cfg(test)]
+mod tests;
+
+#[cfg(feature = "cuda")]
+pub use cuda::fill_normal;
+
+use super::check_rows;
+use crate::device::{Device, Tensor};
+use anyhow::Result;
+
+/// out[..m] (m, C) = table[ids[i]] for table (V, C), ids (m) u32. Ids are validated by callers
+/// (token ids out of vocabulary are rejected at input parsing); an out-of-range id here is an error.
+pub fn embedding(dev: &Device, table: &Tensor, ids: &Tensor, out: &mut Tensor, m: usize) -> Result<()> {
+    check_rows(out, m, table.dim(1), "embedding output")?;
+    match dev {
+        Device::Cpu(d) => cpu::embedding(d, table, ids, out, m),
+        Device::Cuda(d) => on_cuda!(d => cuda::embedding(d, table, ids, out, m)),
+    }
+}
+
+/// out[..m] (m, I) = silu(gate) ⊙ up, silu(g) = g / (1 + exp(−g)) with the crate's own exp
+/// (`vecmath::silu`: the same bits on every ISA and C library).
+pub fn swiglu(dev: &Device, gate: &Tensor, up: &Tensor, out: &mut Tensor, m: usize) -> Result<()> {
+    let i = gate.dim(gate.shape().len() - 1);
+    check_rows(up, m, i, "swiglu up")?;
+    check_rows(out, m, i, "swiglu output")?;
+    match dev {
+        Device::Cpu(d) => cpu::swiglu(d, gate, up, out, m),
+        Device::Cuda(d) => on_cuda!(d => cuda::swiglu(d, gate, up, out, m)),
+    }
+}
+
+/// dst[..r] (r, C) = src[idx[i]] for idx (r) u32 rows of src (n, C).
+pub fn gather_rows(dev: &Device, src: &Tensor, idx: &Tensor, dst: &mut Tensor, r: usize) -> Result<()> {
+    let c = src.dim(src.shape().len() - 1);
+    check_rows(dst, r, c, "gather_rows output")?;
+    match dev {
+        Device::Cpu(d) => cpu::gather_rows(d, src, idx, dst, r),
+        Device::Cuda(d) => on_cuda!(d => cuda::gather_rows(d, src, idx, dst, r)),
+    }
+}
+
+/// max |x| over the first m rows of x (rows, C), propagating NaN.
+pub fn amax_rows(dev: &Device, x: &Tensor, m: usize) -> Result<f32> {
+    let c = x.dim(x.shape().len() - 1);
+    check_rows(x, m, c, "amax input")?;
+    match dev {
+        Device::Cpu(d) => cpu::amax_rows(d, x, m),
+        Device::Cuda(d) => on_cuda!(d => cuda::amax_rows(d, x, m)),
+    }
+}

@@ -1,0 +1,78 @@
+//! The CUDA twin of the linears: BF16 / F16 weights take their input rows rounded to the same
+//! dtype in a scratch buffer and run a cuBLASLt GEMM with FP32 accumulation (F32 weights: an
+//! FP32 GEMM, never TF32); `linear_q` is the emulated low-precision linear (the weight decoded
+//! to its unit values, exact in BF16, the tensor scale as the GEMM's alpha). Not yet run on a
+//! GPU.
+
+use crate::device::cuda::args::{code, f32p, i32_of, ptr, vp, FLOATS};
+use crate::device::cuda::{ffi, CudaDevice, DevBuf, Elem};
+use crate::device::{DType, Tensor};
+use crate::ops::quantize::dequant;
+use crate::quant::qtensor::QTensor;
+use anyhow::Result;
+
+/// y (rows, cols) += bias.
+pub fn add_bias(d: &CudaDevice, y: u64, bias: &Tensor, rows: usize, cols: usize) -> Result<()> {
+    let b = ptr(d, bias, FLOATS, "linear bias")?;
+    d.k_add_bias(ffi::ct_add_bias_params {
+        y: f32p(y),
+        bias: vp(b),
+        dtype: code(bias.dtype()),
+        rows: i32_of(rows, "bias rows")?,
+        cols: i32_of(cols, "bias columns")?,
+    })
+}
+
+/// x (n f32) rounded to `dt` (BF16 / F16) into a new scratch buffer.
+pub fn cast_rows(d: &CudaDevice, x: u64, n: usize, dt: DType) -> Result<DevBuf> {
+    let buf = d.scratch(n * 2, "GEMM input rows")?;
+    d.k_cast(ffi::ct_cast_params { x: f32p(x), y: vp(buf.ptr), dtype: code(dt), n: n as i64 })?;
+    Ok(buf)
+}
+
+pub fn linear(
+    d: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+    acc: bool,
+) -> Result<()> {
+    let (n, k) = (w.dim(0), w.dim(1));
+    let xp = ptr(d, x, &[DType::F32], "linear input")?;
+    let wp = ptr(d, w, FLOATS, "linear weight")?;
+    let yp = ptr(d, y, &[DType::F32], "linear output")?;
+    if m == 0 {
+        return Ok(());
+    }
+    match w.dtype() {
+        DType::F32 => d.gemm(Elem::F32, wp, xp, yp, m, n, k, 1.0, acc, None)?,
+        dt => {
+            let xh = cast_rows(d, xp, m * k, dt)?;
+            let e = if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
+            d.gemm(e, wp, xh.ptr, yp, m, n, k, 1.0, acc, None)?;
+        }
+    }
+    match b {
+        Some(b) => add_bias(d, yp, b, m, n),
+        None => Ok(()),
+    }
+}
+
+pub fn linear_q(d: &CudaDevice, x: &Tensor, wq: &QTensor, b: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
+    let (n, k) = (wq.rows, wq.k);
+    let xp = ptr(d, x, &[DType::F32], "linear input")?;
+    let yp = ptr(d, y, &[DType::F32], "linear output")?;
+    if m == 0 {
+        return Ok(());
+    }
+    let w = d.scratch(n * k * 2, "decoded weight")?;
+    dequant(d, wq, w.ptr, DType::BF16)?;
+    let xh = cast_rows(d, xp, m * k, DType::BF16)?;
+    d.gemm(Elem::BF16, w.ptr, xh.ptr, yp, m, n, k, wq.scale, false, None)?;
+    match b {
+        Some(b) => add_bias(d, yp, b, m, n),
+        None => Ok(()),
+    }
+}

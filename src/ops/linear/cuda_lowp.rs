@@ -1,0 +1,244 @@
+//! Real low-precision linears: FP8 W8A8 and NVFP4 W4A4, with the activations quantized on the
+//! device exactly as the CPU engine fake-quantizes them (`crate::ops::quantize`), so the GEMM
+//! sees the same codes as the CPU's emulation and only the FP32 summation order differs.
+//!
+//! Paths, chosen per call (`Path::Auto`) or forced (the device check times each):
+//! - `Cutlass`: csrc/cutlass: FP8 on sm_90a (TMA warp-specialized WGMMA) and sm_100a / sm_103a
+//!   (tcgen05); NVFP4 block-scaled on sm_100a / sm_103a. Needs the kernel's alignment (FP8:
+//!   K % 16, NVFP4: K % 32, and N % 4 for the f32 output) and a build with CUTLASS.
+//! - `CublasLt`: the library's FP8 / block-scaled NVFP4 GEMMs (the baseline).
+//! - `Emulated`: decode both operands to their unit values in BF16 (e4m3, or q·bs for NVFP4:
+//!   exact), a BF16 GEMM with FP32 accumulation and alpha = product of the tensor scales: the
+//!   same products as the real kernel. This is the NVFP4 path on Hopper, and the fallback.
+//!
+//! The engine reaches `linear_act_q` through `ops::linear::linear_act_q` (whose CPU twin is
+//! fake_quant_rows + linear_q); `ops::linear_q` alone (no activation format) stays emulated.
+//! Not yet run on a GPU.
+
+use super::cuda::add_bias;
+use crate::device::cuda::args::{i32_of, ptr};
+use crate::device::cuda::{ffi, CudaDevice, DevBuf, Elem};
+use crate::device::{DType, Tensor};
+use crate::ops::quantize::{dequant, quant_rows_fixed, ActQuant};
+use crate::quant::nvfp4::Nvfp4Opts;
+use crate::quant::qtensor::{QFormat, QTensor};
+use anyhow::{bail, Result};
+use std::ffi::c_void;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    Auto,
+    Cutlass,
+    CublasLt,
+    Emulated,
+}
+
+/// Activation rows quantized on the device: codes (and NVFP4 block scales) with their scale.
+pub struct QAct {
+    codes: DevBuf,
+    scales: Option<DevBuf>,
+    scale: f32,
+    rows: usize,
+    k: usize,
+}
+
+/// Quantizes x[..m] (m, K) f32 with a fixed scale: FP8 (scale) or NVFP4 (global, opts).
+pub fn quantize_act(d: &CudaDevice, x: &Tensor, m: usize, act: &ActQuant) -> Result<QAct> {
+    let k = x.dim(x.shape().len() - 1);
+    let xp = ptr(d, x, &[DType::F32], "activation rows")?;
+    let n = m * k;
+    match *act {
+        ActQuant::Fp8 { scale } => {
+            let codes = d.scratch(n, "FP8 activation codes")?;
+            quant_rows_fixed(d, xp, m, k, act, codes.ptr, 0, 0)?;
+            Ok(QAct { codes, scales: None, scale, rows: m, k })
+        }
+        ActQuant::Nvfp4 { global, .. } => {
+            if k % 16 != 0 {
+                bail!("NVFP4 activations need K % 16 == 0, got K = {k}");
+            }
+            let (codes, scales) = (d.scratch(n / 2, "NVFP4 activation codes")?, d.scratch(n / 16, "NVFP4 activation scales")?);
+            quant_rows_fixed(d, xp, m, k, act, codes.ptr, scales.ptr, 0)?;
+            Ok(QAct { codes, scales: Some(scales), scale: global, rows: m, k })
+        }
+        ActQuant::None => bail!("quantize_act: no activation format given"),
+    }
+}
+
+/// y[..m] (m, N) = quant(x) · wqᵀ (+ bias) through a real low-precision GEMM (the activation
+/// format must match the weight's: FP8 with FP8, NVFP4 with NVFP4). Returns the path taken.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_act_q(d: &CudaDevice, x: &Tensor, act: &ActQuant, wq: &QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize, path: Path) -> Result<Path> {
+    match (act, wq.format) {
+        (ActQuant::Fp8 { .. }, QFormat::Fp8) | (ActQuant::Nvfp4 { .. }, QFormat::Nvfp4) => {}
+        _ => bail!("linear_act_q: activation format {act:?} does not match a {:?} weight", wq.format),
+    }
+    if x.dim(x.shape().len() - 1) != wq.k {
+        bail!("linear_act_q: input rows of {} values for a weight with K = {}", x.dim(x.shape().len() - 1), wq.k);
+    }
+    let yp = ptr(d, y, &[DType::F32], "linear output")?;
+    crate::ops::check_rows(y, m, wq.rows, "linear output")?;
+    if m == 0 {
+        return Ok(path);
+    }
+    let qa = quantize_act(d, x, m, act)?;
+    let taken = gemm_q(d, &qa, wq, yp, path)?;
+    if let Some(b) = bias {
+        add_bias(d, yp, b, m, wq.rows)?;
+    }
+    Ok(taken)
+}
+
+/// The W8A8 linear of an FP8 engine: activations quantized with the calibrated scale.
+pub fn linear_w8a8(d: &CudaDevice, x: &Tensor, act_scale: f32, wq: &QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<Path> {
+    linear_act_q(d, x, &ActQuant::Fp8 { scale: act_scale }, wq, bias, y, m, Path::Auto)
+}
+
+/// The W4A4 linear of an NVFP4 engine: activations with the calibrated global scale, dynamic
+/// block scales, and the recipe's RHT / stochastic rounding options.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_w4a4(d: &CudaDevice, x: &Tensor, act_global: f32, opts: Nvfp4Opts, wq: &QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<Path> {
+    linear_act_q(d, x, &ActQuant::Nvfp4 { global: act_global, opts }, wq, bias, y, m, Path::Auto)
+}
+
+/// Bytes of one operand's tiled NVFP4 scales: rows padded to 128, K/16 columns padded to 4.
+pub fn swizzled_sf_bytes(rows: usize, k: usize) -> usize {
+    rows.div_ceil(128) * 128 * (k / 16).div_ceil(4) * 4
+}
+
+fn swizzle(d: &CudaDevice, src: u64, rows: usize, k: usize) -> Result<DevBuf> {
+    let (pr, pc) = (rows.div_ceil(128) * 128, (k / 16).div_ceil(4) * 4);
+    let buf = d.scratch(pr * pc, "tiled NVFP4 scales")?;
+    d.k_swizzle_sf(ffi::ct_swizzle_sf_params {
+        src: src as *const u8,
+        dst: buf.ptr as *mut u8,
+        rows: i32_of(rows, "scale rows")?,
+        sf_cols: i32_of(k / 16, "scale columns")?,
+        padded_rows: i32_of(pr, "scale rows")?,
+        padded_cols: i32_of(pc, "scale columns")?,
+    })?;
+    Ok(buf)
+}
+
+type Launcher = unsafe extern "C" fn(*const ffi::ct_gemm_lp_args, *mut c_void, *mut usize, *mut c_void) -> i32;
+
+/// The CUTLASS launcher for this GPU and format, if this build has one.
+fn cutlass_launcher(d: &CudaDevice, format: QFormat) -> Option<Launcher> {
+    match (format, d.compute_capability().0) {
+        #[cfg(colotrain_cutlass_sm90)]
+        (QFormat::Fp8, 9) => Some(ffi::ct_fp8_gemm_sm90a as Launcher),
+        #[cfg(colotrain_cutlass_sm100)]
+        (QFormat::Fp8, 10) => Some(ffi::ct_fp8_gemm_sm100a as Launcher),
+        #[cfg(colotrain_cutlass_sm100)]
+        (QFormat::Nvfp4, 10) => Some(ffi::ct_nvfp4_gemm_sm100a as Launcher),
+        _ => None,
+    }
+}
+
+/// Whether a CUTLASS kernel exists here for `format` and suits the shape.
+pub fn cutlass_supports(d: &CudaDevice, format: QFormat, n: usize, k: usize) -> bool {
+    let k_align = if format == QFormat::Fp8 { 16 } else { 32 };
+    cutlass_launcher(d, format).is_some() && k % k_align == 0 && n % 4 == 0
+}
+
+/// Runs a CUTLASS launcher: workspace query, then the GEMM on the device's stream. Ok(false)
+/// when the kernel rejects the shape.
+fn run_cutlass(d: &CudaDevice, f: Launcher, args: &ffi::ct_gemm_lp_args) -> Result<bool> {
+    d.bind()?;
+    let mut ws_bytes = 0usize;
+    // SAFETY: query mode (workspace_bytes non-null): the launcher only reads `args`.
+    let rc = unsafe { f(args, std::ptr::null_mut(), &mut ws_bytes, std::ptr::null_mut()) };
+    if rc != 0 {
+        bail!("CUTLASS workspace query failed with status {rc}");
+    }
+    let ws = d.scratch(ws_bytes, "CUTLASS workspace")?;
+    let ws_ptr = if ws_bytes == 0 { std::ptr::null_mut() } else { ws.ptr as *mut c_void };
+    // SAFETY: `args` points at device buffers of the shapes it states (checked by the callers),
+    // the workspace has the size CUTLASS asked for, and the stream is this device's, whose
+    // context is current on this thread (the CUDA runtime inside the launcher adopts it).
+    let rc = unsafe { f(args, ws_ptr, std::ptr::null_mut(), d.stream() as *mut c_void) };
+    match rc {
+        0 => Ok(true),
+        -1 => Ok(false),
+        s => bail!("CUTLASS GEMM m={} n={} k={} failed with cutlass::Status {s}", args.m, args.n, args.k),
+    }
+}
+
+/// y (m, n) = a · wᵀ for quantized activations and weights, on `path`.
+pub fn gemm_q(d: &CudaDevice, a: &QAct, w: &QTensor, y: u64, path: Path) -> Result<Path> {
+    let (m, n, k) = (a.rows, w.rows, w.k);
+    if a.k != k {
+        bail!("low-precision GEMM: activations of K = {} for a weight of K = {k}", a.k);
+    }
+    let alpha = a.scale * w.scale;
+    let wc = ptr(d, &w.codes, &[DType::U8], "weight codes")?;
+    let ws = if w.format == QFormat::Nvfp4 { ptr(d, &w.block_scales, &[DType::U8], "weight block scales")? } else { 0 };
+    let want_cutlass = matches!(path, Path::Auto | Path::Cutlass);
+    if want_cutlass && cutlass_supports(d, w.format, n, k) {
+        if let Some(f) = cutlass_launcher(d, w.format) {
+            let (sa, sw) = match (&a.scales, w.format) {
+                (Some(s), QFormat::Nvfp4) => (Some(swizzle(d, s.ptr, m, k)?), Some(swizzle(d, ws, n, k)?)),
+                _ => (None, None),
+            };
+            let args = ffi::ct_gemm_lp_args {
+                a: a.codes.ptr as *const c_void,
+                b: wc as *const c_void,
+                sfa: sa.as_ref().map(|b| b.ptr as *const c_void).unwrap_or(std::ptr::null()),
+                sfb: sw.as_ref().map(|b| b.ptr as *const c_void).unwrap_or(std::ptr::null()),
+                d: y as *mut f32,
+                m: i32_of(m, "GEMM rows")?,
+                n: i32_of(n, "GEMM columns")?,
+                k: i32_of(k, "GEMM depth")?,
+                alpha,
+            };
+            if run_cutlass(d, f, &args)? {
+                return Ok(Path::Cutlass);
+            }
+        }
+    }
+    if path == Path::Cutlass {
+        bail!("no CUTLASS {:?} GEMM for {} with n={n} k={k} in this build", w.format, d.name());
+    }
+    if path == Path::CublasLt {
+        return match w.format {
+            QFormat::Fp8 => d.gemm(Elem::E4M3, wc, a.codes.ptr, y, m, n, k, alpha, false, None).map(|_| Path::CublasLt),
+            QFormat::Nvfp4 => {
+                let sa = a.scales.as_ref().map(|s| s.ptr).unwrap_or(0);
+                let (tsa, tsw) = (swizzle(d, sa, m, k)?, swizzle(d, ws, n, k)?);
+                d.gemm(Elem::E2M1, wc, a.codes.ptr, y, m, n, k, alpha, false, Some((tsw.ptr, tsa.ptr))).map(|_| Path::CublasLt)
+            }
+        };
+    }
+    // Emulated: unit values in BF16 (exact), FP32 accumulation, alpha = product of the scales.
+    let wb = d.scratch(n * k * 2, "decoded weight")?;
+    dequant(d, w, wb.ptr, DType::BF16)?;
+    let ab = d.scratch(m * k * 2, "decoded activations")?;
+    d.k_dequant(ffi::ct_dequant_params {
+        codes: a.codes.ptr as *const u8,
+        scales: a.scales.as_ref().map(|s| s.ptr as *const u8).unwrap_or(std::ptr::null()),
+        format: if w.format == QFormat::Fp8 { ffi::CT_FORMAT_FP8 } else { ffi::CT_FORMAT_NVFP4 },
+        n: (m * k) as i64,
+        scale: a.scale,
+        out: ab.ptr as *mut c_void,
+        out_dtype: ffi::CT_DTYPE_BF16,
+    })?;
+    d.gemm(Elem::BF16, wb.ptr, ab.ptr, y, m, n, k, alpha, false, None)?;
+    Ok(Path::Emulated)
+}
+
+/// The sizes of CUTLASS's scale tensors for an (m, n, k) NVFP4 problem, when this build has
+/// the sm100 kernels (the device check compares them with [`swizzled_sf_bytes`]).
+pub fn cutlass_nvfp4_sf_bytes(m: usize, n: usize, k: usize) -> Option<(usize, usize)> {
+    #[cfg(colotrain_cutlass_sm100)]
+    {
+        let (mut a, mut b) = (0usize, 0usize);
+        // SAFETY: host-only arithmetic on the layout; writes the two sizes.
+        unsafe { ffi::ct_nvfp4_sf_bytes_sm100a(m as i32, n as i32, k as i32, &mut a, &mut b) };
+        Some((a, b))
+    }
+    #[cfg(not(colotrain_cutlass_sm100))]
+    {
+        let _ = (m, n, k);
+        None
+    }
+}

@@ -1,0 +1,155 @@
+//! Linear layers: `y = x · Wᵀ (+ b)` for an nn.Linear weight W (N, K), in full precision and on
+//! quantized weights (the emulated low-precision linear, and the real W8A8 / W4A4 GEMMs).
+//!
+//! Owns: [`Proj`], the public signatures, their checks and the dispatch. The CPU side: the
+//! register-blocked kernel (`kernel.rs`, per-ISA tiles in `kernel/`), weights packed once into
+//! panels (`panels.rs`), the tensor glue (`cpu.rs`), the training GEMMs (`gemm.rs` over the
+//! `gemm` crate; `grad.rs`: forward and backward of a linear). The CUDA side: cuBLASLt
+//! (`cuda.rs`), CUTLASS FP8 / NVFP4 or emulation (`cuda_lowp.rs`, csrc/cutlass/). May call:
+//! `crate::device`, `crate::quant`, `super::quantize`. Must not: allocate in steady state.
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_lowp;
+pub mod gemm;
+pub mod grad;
+pub mod kernel;
+pub mod panels;
+#[cfg(test)]
+mod tests;
+
+pub use panels::Panels;
+
+use super::check_rows;
+use super::quantize::ActQuant;
+use crate::device::{Device, Tensor};
+use crate::quant::qtensor::QTensor;
+use anyhow::{bail, Result};
+
+/// y[..m] (m, N) = x[..m] (m, K) · wᵀ, w (N, K), plus `bias` (N) when given; `accumulate` adds to y.
+pub fn linear(
+    dev: &Device,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+    accumulate: bool,
+) -> Result<()> {
+    linear_packed(dev, x, w, None, bias, y, m, accumulate)
+}
+
+/// [`linear`], reading W from `panels` (the same weight packed once, see
+/// `ModelWeights::pack_panels`) where given: the same bits on CPU; CUDA ignores them.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_packed(
+    dev: &Device,
+    x: &Tensor,
+    w: &Tensor,
+    panels: Option<&Panels>,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+    accumulate: bool,
+) -> Result<()> {
+    linears_acc(dev, x, [Proj { w, panels, bias, y }], m, accumulate, false)
+}
+
+/// [`linear_packed`] (no bias) for an output written once, read once later, and too large to
+/// stay in cache: the LM head's logits. On CPU its rows skip the caches where they can (see
+/// `kernel::Job::streamed`), the same bits; CUDA runs [`linear_packed`].
+pub fn linear_packed_streamed(
+    dev: &Device,
+    x: &Tensor,
+    w: &Tensor,
+    panels: Option<&Panels>,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
+    linears_acc(dev, x, [Proj { w, panels, bias: None, y }], m, false, true)
+}
+
+/// One projection of [`linears`]: y = x · wᵀ (+ bias), w (N, K), its panels when packed.
+pub struct Proj<'a> {
+    pub w: &'a Tensor,
+    pub panels: Option<&'a Panels>,
+    pub bias: Option<&'a Tensor>,
+    pub y: &'a mut Tensor,
+}
+
+/// Several projections of one input (q/k/v, gate/up): y_i[..m] = x[..m] · w_iᵀ (+ b_i), each
+/// with the bits of its own [`linear_packed`]. On CPU they run as one parallel region with x
+/// transposed once; CUDA runs them one after another.
+pub fn linears<const J: usize>(dev: &Device, x: &Tensor, projs: [Proj<'_>; J], m: usize) -> Result<()> {
+    linears_acc(dev, x, projs, m, false, false)
+}
+
+fn linears_acc<const J: usize>(
+    dev: &Device,
+    x: &Tensor,
+    projs: [Proj<'_>; J],
+    m: usize,
+    accumulate: bool,
+    stream: bool,
+) -> Result<()> {
+    const { assert!(J >= 1 && J <= kernel::MAX_JOBS) };
+    for p in &projs {
+        let (n, kw) = (p.w.dim(0), p.w.dim(1));
+        if let Some(pn) = p.panels {
+            if pn.dims() != (n, kw) {
+                bail!("linear: packed panels of {:?} for a weight of ({n}, {kw})", pn.dims());
+            }
+        }
+        check_rows(x, m, kw, "linear input")?;
+        check_rows(p.y, m, n, "linear output")?;
+        if let Some(b) = p.bias {
+            check_rows(b, 1, n, "linear bias")?;
+        }
+    }
+    // (Every projection's K equals x's row width: checked above.)
+    let k = projs[0].w.dim(1);
+    match dev {
+        Device::Cpu(c) => cpu::linears(c, x, projs, m, k, accumulate, stream),
+        Device::Cuda(c) => on_cuda!(c => {
+            for p in projs {
+                cuda::linear(c, x, p.w, p.bias, p.y, m, accumulate)?;
+            }
+            Ok(())
+        }),
+    }
+}
+
+/// y[..m] = quant(x[..m])·wqᵀ (+ bias): a quantized engine's linear, the input quantized with
+/// `act` in the weight's format. CPU (the reference, the paper's emulated path): x is
+/// fake-quantized into the scratch `xq` (reshaped to x's row width), then [`linear_q`]. CUDA:
+/// the real W8A8 / W4A4 GEMM on the same codes (`xq` unused); only the FP32 summation order
+/// differs, which the device check bounds.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_act_q(dev: &Device, x: &Tensor, xq: &mut Tensor, act: &ActQuant, wq: &QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
+    match dev {
+        Device::Cpu(_) => {
+            let k = x.dim(x.shape().len() - 1);
+            xq.reshape(&[xq.numel() / k, k])?;
+            super::quantize::fake_quant_rows(dev, x, xq, m, act)?;
+            linear_q(dev, xq, wq, bias, y, m)
+        }
+        Device::Cuda(c) => on_cuda!(c => cuda_lowp::linear_act_q(c, x, act, wq, bias, y, m, cuda_lowp::Path::Auto).map(|_| ())),
+    }
+}
+
+/// y[..m] (m, N) = x[..m] · dequant(wq)ᵀ (+ bias): the emulated low-precision linear. The weight
+/// is decoded exactly (FP8: e4m3·scale; NVFP4: f32(e2m1·bs)·global) block by block inside the
+/// same kernel as [`linear`], so the products equal those of a real FP8/FP4 GEMM and only the
+/// f32 summation order differs.
+pub fn linear_q(dev: &Device, x: &Tensor, wq: &QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
+    let (n, k) = (wq.rows, wq.k);
+    check_rows(x, m, k, "linear input")?;
+    check_rows(y, m, n, "linear output")?;
+    match dev {
+        Device::Cpu(c) => cpu::linear_q(c, x, wq, bias, y, m),
+        Device::Cuda(c) => on_cuda!(c => cuda::linear_q(c, x, wq, bias, y, m)),
+    }
+}
+

@@ -1,0 +1,58 @@
+//! RMSNorm in its three uses: the block norms, the fused residual-add + norm, and the per-head
+//! q/k norm of Qwen3. `y = x / sqrt(mean(x²) + eps) · w`, all in f32 (as transformers does).
+//!
+//! Owns: the public signatures, their shape checks and the dispatch by device; the CPU twin
+//! (`cpu.rs`), the CUDA twin (`cuda.rs`, kernel csrc/kernels/norm.cu) and the training twin
+//! (`grad.rs`: forward saving 1/rms, backward). May call: `crate::device`. Must not: allocate.
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+pub mod grad;
+#[cfg(test)]
+mod tests;
+
+use super::check_rows;
+use crate::device::{Device, Tensor};
+use anyhow::Result;
+
+/// y[..m] (m, C) = rmsnorm(x[..m]) · w, w (C).
+pub fn rmsnorm(dev: &Device, x: &Tensor, w: &Tensor, eps: f32, y: &mut Tensor, m: usize) -> Result<()> {
+    let c = w.numel();
+    check_rows(x, m, c, "rmsnorm input")?;
+    check_rows(y, m, c, "rmsnorm output")?;
+    match dev {
+        Device::Cpu(d) => cpu::rmsnorm(d, x, w, eps, y, m),
+        Device::Cuda(d) => on_cuda!(d => cuda::rmsnorm(d, x, w, eps, y, m)),
+    }
+}
+
+/// The residual stream update fused with the next norm: x[..m] += r[..m]; y = rmsnorm(x) · w.
+pub fn add_rmsnorm(
+    dev: &Device,
+    x: &mut Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
+    let c = w.numel();
+    check_rows(x, m, c, "add_rmsnorm residual")?;
+    check_rows(r, m, c, "add_rmsnorm update")?;
+    check_rows(y, m, c, "add_rmsnorm output")?;
+    match dev {
+        Device::Cpu(d) => cpu::add_rmsnorm(d, x, r, w, eps, y, m),
+        Device::Cuda(d) => on_cuda!(d => cuda::add_rmsnorm(d, x, r, w, eps, y, m)),
+    }
+}
+
+/// Per-head RMSNorm in place: x[..m] (m, heads·D), each head's D values normalized with w (D).
+pub fn head_rmsnorm(dev: &Device, x: &mut Tensor, w: &Tensor, eps: f32, m: usize, heads: usize) -> Result<()> {
+    let d = w.numel();
+    check_rows(x, m, heads * d, "head_rmsnorm input")?;
+    match dev {
+        Device::Cpu(c) => cpu::head_rmsnorm(c, x, w, eps, m, heads),
+        Device::Cuda(c) => on_cuda!(c => cuda::head_rmsnorm(c, x, w, eps, m, heads)),
+    }
+}

@@ -1,0 +1,196 @@
+//! Quantization's CUDA twin: launches of csrc/kernels/quantize.cu (amax, FP8 / NVFP4 encode,
+//! decode), bit-exact with the CPU twin. Not yet run on a GPU.
+
+use super::ActQuant;
+use crate::device::cuda::args::{code, f32p, ptr, vp, FLOATS};
+use crate::device::cuda::{ffi, CudaDevice};
+use crate::device::{DType, Tensor};
+use crate::quant::nvfp4;
+use crate::quant::qtensor::{QFormat, QTensor};
+use anyhow::{bail, Result};
+use std::ffi::c_void;
+
+/// The max |x| bit pattern of n values (with the RHT: of the rotated 16-blocks), as f32.
+pub fn amax(d: &CudaDevice, x: u64, dt: DType, n: usize, rht: Option<&[f32; 16]>) -> Result<f32> {
+    let buf = d.scratch(4, "amax")?;
+    d.memset0(buf.ptr, 4)?;
+    d.k_amax(ffi::ct_amax_params {
+        x: x as *const c_void,
+        dtype: code(dt),
+        n: n as i64,
+        rht: rht.is_some() as i32,
+        signs: rht.copied().unwrap_or([1.0; 16]),
+        amax_bits: buf.ptr as *mut u32,
+    })?;
+    let mut bits = [0u32; 1];
+    d.dtoh(&mut bits, buf.ptr)?;
+    Ok(f32::from_bits(bits[0]))
+}
+
+/// Re-quantizes every (source, buffer, name) in place: per tensor an amax kernel and a quantize
+/// kernel that reads that amax on the device, all queued on the stream, then one read-back of
+/// every amax (one wait per resync instead of one per tensor) for the host-side scales.
+pub fn requantize_all(d: &CudaDevice, items: &mut [(&Tensor, &mut QTensor, &str)]) -> Result<()> {
+    if items.is_empty() {
+        return Ok(());
+    }
+    let buf = d.scratch(4 * items.len(), "amax")?;
+    d.memset0(buf.ptr, 4 * items.len())?;
+    for (t, (src, q, name)) in items.iter().enumerate() {
+        let n = q.rows * q.k;
+        if src.numel() != n {
+            bail!("{name}: quantizing {} values into a buffer of {n}", src.numel());
+        }
+        let sp = ptr(d, src, FLOATS, name)?;
+        let signs = q.opts.rht.map(nvfp4::rht_signs);
+        let amax = buf.ptr + 4 * t as u64;
+        d.k_amax(ffi::ct_amax_params {
+            x: sp as *const c_void,
+            dtype: code(src.dtype()),
+            n: n as i64,
+            rht: signs.is_some() as i32,
+            signs: signs.unwrap_or([1.0; 16]),
+            amax_bits: amax as *mut u32,
+        })?;
+        let codes = ptr(d, &q.codes, &[DType::U8], "quantized codes")?;
+        match q.format {
+            QFormat::Fp8 => d.k_quant_fp8(ffi::ct_quant_fp8_params {
+                x: sp as *const c_void,
+                dtype: code(src.dtype()),
+                n: n as i64,
+                amax_bits: amax as *const u32,
+                fixed_scale: 0.0,
+                codes: codes as *mut u8,
+                dequant: std::ptr::null_mut(),
+                scale_out: std::ptr::null_mut(),
+            })?,
+            QFormat::Nvfp4 => {
+                let scales = ptr(d, &q.block_scales, &[DType::U8], "block scales")?;
+                d.k_quant_nvfp4(ffi::ct_quant_nvfp4_params {
+                    x: sp as *const c_void,
+                    dtype: code(src.dtype()),
+                    n: n as i64,
+                    amax_bits: amax as *const u32,
+                    fixed_global: 0.0,
+                    rht: signs.is_some() as i32,
+                    signs: signs.unwrap_or([1.0; 16]),
+                    stochastic: q.opts.stochastic.is_some() as i32,
+                    sr_seed: q.opts.stochastic.unwrap_or(0),
+                    packed: codes as *mut u8,
+                    scales: scales as *mut u8,
+                    dequant: std::ptr::null_mut(),
+                    global_out: std::ptr::null_mut(),
+                })?
+            }
+        }
+    }
+    let mut bits = vec![0u32; items.len()];
+    d.dtoh(&mut bits, buf.ptr)?;
+    for ((_, q, name), b) in items.iter_mut().zip(bits) {
+        let amax = f32::from_bits(b);
+        if !amax.is_finite() {
+            bail!("{name}: cannot quantize a tensor holding NaN or Inf values");
+        }
+        // The same f32 arithmetic as the kernels and as QTensor::requantize_cpu.
+        q.scale = match q.format {
+            QFormat::Fp8 => {
+                if amax > 0.0 {
+                    amax / crate::quant::fp8::E4M3.max()
+                } else {
+                    1.0
+                }
+            }
+            QFormat::Nvfp4 => nvfp4::global_scale(amax),
+        };
+    }
+    Ok(())
+}
+
+/// Decodes a quantized weight into `out_dtype` (BF16: unit values; F32: exact values).
+pub fn dequant(d: &CudaDevice, q: &QTensor, out: u64, out_dtype: DType) -> Result<()> {
+    let codes = ptr(d, &q.codes, &[DType::U8], "quantized codes")?;
+    let scales = match q.format {
+        QFormat::Fp8 => 0,
+        QFormat::Nvfp4 => ptr(d, &q.block_scales, &[DType::U8], "block scales")?,
+    };
+    d.k_dequant(ffi::ct_dequant_params {
+        codes: codes as *const u8,
+        scales: scales as *const u8,
+        format: if q.format == QFormat::Fp8 { ffi::CT_FORMAT_FP8 } else { ffi::CT_FORMAT_NVFP4 },
+        n: (q.rows * q.k) as i64,
+        scale: q.scale,
+        out: vp(out),
+        out_dtype: code(out_dtype),
+    })
+}
+
+pub fn fake_quant_rows(d: &CudaDevice, x: &Tensor, y: &mut Tensor, m: usize, q: &ActQuant) -> Result<()> {
+    let k = x.dim(x.shape().len() - 1);
+    let xp = ptr(d, x, &[DType::F32], "fake_quant input")?;
+    let yp = ptr(d, y, &[DType::F32], "fake_quant output")?;
+    match *q {
+        ActQuant::None => d.dtod(yp, xp, m * k * 4),
+        _ => quant_rows_fixed(d, xp, m, k, q, 0, 0, yp),
+    }
+}
+
+/// Quantizes f32 rows x (m, K) at `xp` with the fixed scale of `q` (FP8: scale; NVFP4: global,
+/// with dynamic block scales, RHT and stochastic rounding as its options), writing whichever of
+/// codes (`codes`), NVFP4 block scales (`scales`) and dequantized values (`dequant`) is non-zero.
+/// The one launch of the quantize kernels for activations (fake_quant_rows, lowp::quantize_act).
+#[allow(clippy::too_many_arguments)]
+pub fn quant_rows_fixed(
+    d: &CudaDevice,
+    xp: u64,
+    m: usize,
+    k: usize,
+    q: &ActQuant,
+    codes: u64,
+    scales: u64,
+    dequant: u64,
+) -> Result<()> {
+    let n = m * k;
+    let out = |p: u64| p as *mut u8;
+    match *q {
+        ActQuant::None => bail!("quantizing activations without a format"),
+        ActQuant::Fp8 { scale } => {
+            if !(scale > 0.0 && scale.is_finite()) {
+                bail!("FP8 activation scale must be positive and finite, got {scale}");
+            }
+            d.k_quant_fp8(ffi::ct_quant_fp8_params {
+                x: xp as *const c_void,
+                dtype: ffi::CT_DTYPE_F32,
+                n: n as i64,
+                amax_bits: std::ptr::null(),
+                fixed_scale: scale,
+                codes: out(codes),
+                dequant: f32p(dequant),
+                scale_out: std::ptr::null_mut(),
+            })
+        }
+        ActQuant::Nvfp4 { global, opts } => {
+            if !(global > 0.0 && global.is_finite()) {
+                bail!("NVFP4 activation global scale must be positive and finite, got {global}");
+            }
+            if k % 16 != 0 {
+                bail!("NVFP4 needs the reduction dimension to be a multiple of 16, got K = {k}");
+            }
+            let signs = opts.rht.map(nvfp4::rht_signs);
+            d.k_quant_nvfp4(ffi::ct_quant_nvfp4_params {
+                x: xp as *const c_void,
+                dtype: ffi::CT_DTYPE_F32,
+                n: n as i64,
+                amax_bits: std::ptr::null(),
+                fixed_global: global,
+                rht: signs.is_some() as i32,
+                signs: signs.unwrap_or([1.0; 16]),
+                stochastic: opts.stochastic.is_some() as i32,
+                sr_seed: opts.stochastic.unwrap_or(0),
+                packed: out(codes),
+                scales: out(scales),
+                dequant: f32p(dequant),
+                global_out: std::ptr::null_mut(),
+            })
+        }
+    }
+}

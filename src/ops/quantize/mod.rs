@@ -1,0 +1,59 @@
+//! Quantization on a device: activation rows quantized with a fixed (calibrated) scale and
+//! dequantized back, as the real kernels would consume them (the emulated low-precision
+//! engines), and the in-place re-quantization of weights at each resync (one amax pass, one
+//! encode pass). FP8: per-tensor E4M3 with scale amax/448. NVFP4: dynamic E4M3 block scales per
+//! 16 values under a global scale (amax/2688), optionally rotated by the RHT. The arithmetic is
+//! `crate::quant`'s; this room runs it over tensors.
+//!
+//! Owns: [`ActQuant`], the public signatures, their checks and the dispatch; the CPU twin
+//! (`cpu.rs`), the CUDA twin (`cuda.rs`, kernels csrc/kernels/quantize.cu). May call:
+//! `crate::device`, `crate::quant`. Must not: allocate on the CPU.
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(test)]
+mod tests;
+
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::{amax, dequant, quant_rows_fixed};
+
+use super::check_rows;
+use crate::device::{Device, Tensor};
+use crate::quant::nvfp4::Nvfp4Opts;
+use crate::quant::qtensor::QTensor;
+use anyhow::Result;
+
+/// How a linear's input rows are quantized: not at all, FP8 with a per-tensor scale, or NVFP4
+/// with a global scale (block scales are computed per 16 values).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ActQuant {
+    None,
+    Fp8 { scale: f32 },
+    Nvfp4 { global: f32, opts: Nvfp4Opts },
+}
+
+/// y[..m] = dequant(quant(x[..m])) for rows of K = last dim.
+pub fn fake_quant_rows(dev: &Device, x: &Tensor, y: &mut Tensor, m: usize, q: &ActQuant) -> Result<()> {
+    let k = x.dim(x.shape().len() - 1);
+    check_rows(y, m, k, "fake_quant output")?;
+    match dev {
+        Device::Cpu(d) => cpu::fake_quant_rows(d, x, y, m, q),
+        Device::Cuda(d) => on_cuda!(d => cuda::fake_quant_rows(d, x, y, m, q)),
+    }
+}
+
+/// Re-quantizes `q` from the weight tensor `src` (same device) in place; fails, naming `name`,
+/// if `src` holds a non-finite value.
+pub fn requantize(dev: &Device, src: &Tensor, q: &mut QTensor, name: &str) -> Result<()> {
+    requantize_all(dev, &mut [(src, q, name)])
+}
+
+/// Re-quantizes every (source, buffer, name) in place, in order. On CUDA the kernels of all
+/// tensors are queued first and the scales come back in one read (one wait per resync).
+pub fn requantize_all(dev: &Device, items: &mut [(&Tensor, &mut QTensor, &str)]) -> Result<()> {
+    match dev {
+        Device::Cpu(d) => cpu::requantize_all(d, items),
+        Device::Cuda(d) => on_cuda!(d => cuda::requantize_all(d, items)),
+    }
+}

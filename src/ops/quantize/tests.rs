@@ -1,0 +1,74 @@
+//! Quantization on every device of the build against `crate::quant`'s scalar encoders (which
+//! tests/quant_formats.rs checks bit for bit against ml_dtypes): the tensor ops must give the
+//! same bits row by row, whatever the device.
+
+use super::*;
+use crate::device::{CpuStorage, DType, Storage};
+use crate::quant::fp8::{e4m3_table, E4M3};
+use crate::quant::nvfp4::{self, Nvfp4Opts};
+use crate::quant::qtensor::QFormat;
+
+fn data(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = crate::rand::Stream::new(seed, 2);
+    (0..n).map(|i| (s.normal() * if i % 17 == 0 { 8.0 } else { 1.0 }) as f32).collect()
+}
+
+fn bytes(t: &Tensor) -> Vec<u8> {
+    match t.storage() {
+        Storage::Cpu(CpuStorage::U8(v)) => v.clone(),
+        Storage::Cpu(_) => panic!("expected u8 codes"),
+        Storage::Cuda(c) => on_cuda!(c => {
+            let mut b = vec![0u8; t.numel()];
+            c.read_raw(&mut b).expect("device bytes");
+            b
+        }),
+    }
+}
+
+/// Fake quantization of activation rows: FP8 e4m3(x/s)·s element by element; NVFP4 each 16-value
+/// block quantized by `nvfp4::quantize` and decoded by `nvfp4::dequantize_into`, bit for bit.
+fn fake_quant_equals_the_scalar_encoders(dev: &Device) {
+    let (m, k) = (3usize, 64usize);
+    let x = data(m * k, 1);
+    let xt = dev.from_f32(DType::F32, &[m, k], &x).unwrap();
+    let mut y = dev.zeros(DType::F32, &[m, k]).unwrap();
+    fake_quant_rows(dev, &xt, &mut y, m, &ActQuant::Fp8 { scale: 0.02 }).unwrap();
+    let want: Vec<u32> = x.iter().map(|&v| (e4m3_table()[E4M3.encode(v / 0.02) as usize] * 0.02).to_bits()).collect();
+    assert_eq!(y.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "fp8");
+    let global = nvfp4::global_scale(6.0);
+    fake_quant_rows(dev, &xt, &mut y, m, &ActQuant::Nvfp4 { global, opts: Nvfp4Opts::default() }).unwrap();
+    let (mut p, mut s) = (vec![0u8; m * k / 2], vec![0u8; m * k / 16]);
+    nvfp4::quantize(&x, k, global, &Nvfp4Opts::default(), &mut p, &mut s);
+    let mut want = vec![0.0f32; m * k];
+    nvfp4::dequantize_into(&p, &s, global, 0, &mut want);
+    assert_eq!(y.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "nvfp4");
+}
+
+/// In-place re-quantization of a weight: FP8 codes e4m3(w / (amax/448)); NVFP4 codes and block
+/// scales of `nvfp4::quantize` under the global scale amax/2688; the scales as stated; and a
+/// weight holding NaN is an error naming it.
+fn requantize_equals_the_scalar_encoders(dev: &Device) {
+    let (n, k) = (8usize, 32usize);
+    let w = data(n * k, 2);
+    let amax = w.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let wt = dev.from_f32(DType::F32, &[n, k], &w).unwrap();
+    let mut q8 = QTensor::alloc_on(dev, QFormat::Fp8, n, k, Nvfp4Opts::default()).unwrap();
+    let mut q4 = QTensor::alloc_on(dev, QFormat::Nvfp4, n, k, Nvfp4Opts::default()).unwrap();
+    requantize_all(dev, &mut [(&wt, &mut q8, "w8"), (&wt, &mut q4, "w4")]).unwrap();
+    assert_eq!(q8.scale, amax / E4M3.max());
+    let want: Vec<u8> = w.iter().map(|&v| E4M3.encode(v / q8.scale)).collect();
+    assert_eq!(bytes(&q8.codes), want, "fp8 codes");
+    assert_eq!(q4.scale, nvfp4::global_scale(amax));
+    let (mut p, mut s) = (vec![0u8; n * k / 2], vec![0u8; n * k / 16]);
+    nvfp4::quantize(&w, k, q4.scale, &Nvfp4Opts::default(), &mut p, &mut s);
+    assert_eq!(bytes(&q4.codes), p, "nvfp4 codes");
+    assert_eq!(bytes(&q4.block_scales), s, "nvfp4 block scales");
+    let mut bad = w.clone();
+    bad[9] = f32::NAN;
+    let bt = dev.from_f32(DType::F32, &[n, k], &bad).unwrap();
+    let e = format!("{:#}", requantize(dev, &bt, &mut q8, "layer.w").unwrap_err());
+    assert!(e.contains("layer.w") && e.contains("NaN"), "{e}");
+}
+
+test_device!(fake_quant_equals_the_scalar_encoders, fake_quant_equals_the_scalar_encoders_cpu, fake_quant_equals_the_scalar_encoders_cuda);
+test_device!(requantize_equals_the_scalar_encoders, requantize_equals_the_scalar_encoders_cpu, requantize_equals_the_scalar_encoders_cuda);
