@@ -3,6 +3,7 @@
 //!
 //! Owns: [`JobConfig`]. May call: serde/toml. Must not: open models or touch devices.
 
+pub use crate::objective::LossAgg;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -32,7 +33,7 @@ pub struct JobConfig {
     #[serde(default)]
     pub learner: LearnerConfig,
     #[serde(default)]
-    pub monitor: crate::train::monitor::MonitorConfig,
+    pub monitor: crate::mismatch::monitor::MonitorConfig,
     #[serde(default)]
     pub schedule: ScheduleConfig,
 }
@@ -385,24 +386,6 @@ impl EngineSection {
             bail!("engine.noise_sigma: must be a finite number >= 0, got {}", self.noise_sigma);
         }
         Ok(crate::engine::rollout_weights::EngineSpec { recipe, noise_sigma: self.noise_sigma, noise_seed: self.noise_seed, staleness: self.staleness })
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LossAgg {
-    TokenMean,
-    SeqMeanTokenMean,
-    SeqMeanTokenSum,
-}
-
-impl LossAgg {
-    pub fn parse(s: &str) -> Result<LossAgg> {
-        Ok(match s {
-            "token-mean" => LossAgg::TokenMean,
-            "seq-mean-token-mean" => LossAgg::SeqMeanTokenMean,
-            "seq-mean-token-sum" => LossAgg::SeqMeanTokenSum,
-            _ => bail!("unknown loss aggregation '{s}': expected token-mean, seq-mean-token-mean or seq-mean-token-sum"),
-        })
     }
 }
 

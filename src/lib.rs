@@ -1,28 +1,47 @@
 //! colotrain: a single-node trainer for on-policy post-training of LLMs (on-policy distillation
-//! and RL) with low-precision rollout engines. See DESIGN notes in README.md.
+//! and RL) with low-precision rollout engines. The architecture is in DESIGN.md (shared with the
+//! team) and the README.
 //!
-//! Module map (each module's header says what it owns and what it may call):
-//! - [`device`]: devices (CPU, CUDA), tensors and their storage.
-//! - [`ops`]: one function per op, dispatching to a CPU twin and a CUDA twin with one signature.
-//! - [`model`]: Hugging Face config/safetensors/tokenizer loading and the transformer forward.
-//! - [`engine`]: the decoding engine: paged KV cache, Philox sampler, continuous batching.
-//! - [`data`]: prompt files (JSONL) and chat templates.
+//! The modules form layers: each imports only modules listed before it (a test that needs a
+//! higher layer lives in that layer or in `tests/`). Each module's header says what it owns,
+//! what it may call and what it must not touch.
+//! - [`util`], [`rand`]: small helpers (atomic writes, JSONL, the tracking allocator); Philox.
+//! - [`parallel`]: worker threads (one per device) and collectives between ranks (in-process,
+//!   or NCCL with the `cuda` feature), knowing nothing of tensors or models.
+//! - [`formats`]: the FP8 and NVFP4 number formats, bit for bit.
+//! - [`device`]: the CPU and CUDA devices, tensors and their storage; the CUDA context,
+//!   allocator, stream, kernel modules, cuBLASLt handle and NVTX.
+//! - [`quant`]: quantized tensors and the engines' precision recipes.
+//! - [`ops`]: one room per op family: signature and dispatch, CPU twin, CUDA twin, training
+//!   twin, tests.
+//! - [`model`]: Hugging Face config / safetensors / tokenizer, the transformer forward and its
+//!   training twin, quantized weight sets and calibration, ModelOpt import and export.
+//! - [`data`]: prompt sets, the tiny arithmetic task, answer checking.
+//! - [`engine`]: the decoding engine (paged KV cache, continuous batching, sampling), the
+//!   rollout engines' weights, and rollouts.
+//! - [`mismatch`]: the training–inference mismatch: per-step metrics, the RL monitor,
+//!   budgets, admission.
+//! - [`objective`]: token statistics to per-token coefficients (OPD, SFT, GRPO / TIS, TRIAGE).
+//! - [`config`]: the job's TOML, validated up front.
+//! - [`train`]: the training step, optimizer, checkpoints, evaluation, metrics.
+//! - [`orchestrator`]: one process, N devices: plan, workers, schedules, the step loop.
 //! - [`cli`]: the subcommands of the `colotrain` binary.
-//! - [`parallel`]: collectives between ranks and the per-device worker threads.
 
-pub mod cli;
-pub mod config;
-pub mod data;
+pub mod util;
+pub mod rand;
+pub mod parallel;
+pub mod formats;
 pub mod device;
+pub mod quant;
+pub mod ops;
+pub mod model;
+pub mod data;
 pub mod engine;
 pub mod mismatch;
-pub mod model;
 pub mod objective;
-pub mod ops;
-pub mod parallel;
-pub mod quant;
-pub mod rand;
+pub mod config;
 pub mod train;
-pub mod util;
+pub mod orchestrator;
+pub mod cli;
 
 pub use anyhow::{Error, Result};

@@ -15,7 +15,7 @@ use colotrain::mismatch::admit::{self, Settings, Student};
 use colotrain::mismatch::budget;
 use colotrain::model::LoadedModel;
 use colotrain::quant::recipe::{KvScale, Recipe};
-use colotrain::train::rollout;
+use colotrain::engine::rollout;
 use common::{full_logits, TempDir};
 use serde_json::Value;
 use std::process::Command;
@@ -32,7 +32,7 @@ fn close(a: f64, reference: f64, atol: f64, rtol: f64) -> bool {
 fn student(n: usize) -> (Device, LoadedModel, Vec<PromptItem>) {
     let job = JobConfig::from_toml(TINY, "tiny-opd.toml").unwrap();
     let dev = Device::cpu(1).unwrap();
-    let dir = colotrain::train::tiny::resolve(&job.model.path).unwrap();
+    let dir = colotrain::orchestrator::tiny::resolve(&job.model.path).unwrap();
     let lm = LoadedModel::load(&dir, &dev, DType::F32).unwrap();
     let data = Dataset::open(&job.data.train, lm.text.clone(), job.data.chat, lm.cfg.vocab_size, job.run.seed).unwrap();
     let prompts = data.heldout(n).unwrap();

@@ -79,7 +79,7 @@ fn delta_level_and_errors() {
 #[test]
 fn eval_of_a_runs_checkpoint_against_that_run_needs_no_flags() {
     use colotrain::config::JobConfig;
-    use colotrain::train::job::{self, JobOptions};
+    use colotrain::orchestrator::{self as job, JobOptions};
     let t = TempDir::new("eval-ref");
     let dir = t.path().join("run");
     let mut j = JobConfig::from_toml(include_str!("../configs/tiny-opd.toml"), "tiny-opd.toml").unwrap();

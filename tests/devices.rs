@@ -11,7 +11,7 @@ mod common;
 
 use colotrain::config::JobConfig;
 use colotrain::train::checkpoint;
-use colotrain::train::job::{self, Fault, JobOptions};
+use colotrain::orchestrator::{self as job, Fault, JobOptions};
 use common::TempDir;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;

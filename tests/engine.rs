@@ -221,7 +221,7 @@ fn rejects_requests_that_cannot_run() {
 /// response tokens (the CPU kernels are batch-invariant), in the same order.
 #[test]
 fn teacher_scores_of_completions_equal_those_of_rollouts() {
-    use colotrain::train::rollout::{self, Rollout};
+    use colotrain::engine::rollout::{self, Rollout};
     let (dev, cfg, student) = model(Arch::Qwen2);
     let teacher = ModelWeights::random(&cfg, &dev, DType::F32, 12, 0.3).unwrap();
     let s = Arc::new(SamplingConfig { temperature: 0.8, max_new_tokens: 7, seed: 3, ..Default::default() });

@@ -9,7 +9,7 @@ use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
 use colotrain::engine::{Engine, EngineConfig, Request, SamplingConfig};
 use colotrain::model::config::{Arch, ModelConfig, Rope, RopeScaling};
 use colotrain::model::ModelWeights;
-use colotrain::quant::calib::Calibration;
+use colotrain::model::calib::Calibration;
 use colotrain::quant::recipe::{KvScale, Recipe};
 use std::sync::Arc;
 

@@ -17,7 +17,7 @@ use colotrain::objective::advantage::{advantages, Estimator};
 use colotrain::objective::grpo::{self, PgConfig};
 use colotrain::objective::triage::{self, TriageConfig};
 use colotrain::objective::TokenStats;
-use colotrain::train::rollout::read_file;
+use colotrain::engine::rollout::read_file;
 use colotrain::train::trainer::{param_slices, Trainer};
 use common::*;
 

@@ -11,7 +11,7 @@ use colotrain::device::{DType, Device};
 use colotrain::model::trainable::{TrainBatch, Trainable};
 use colotrain::model::weights::param_specs;
 use colotrain::objective::{self, TokenStats};
-use colotrain::train::rollout::read_file;
+use colotrain::engine::rollout::read_file;
 use colotrain::train::trainer::{param_slices, Trainer};
 use common::*;
 
@@ -170,7 +170,7 @@ dtype = "f32"
         f = fixtures().join("grads").join(format!("{name}_rollouts.jsonl")).display()
     );
     let job = JobConfig::from_toml(&toml, "inline").unwrap();
-    colotrain::train::job::run(&job, &Default::default()).unwrap();
+    colotrain::orchestrator::run(&job, &Default::default()).unwrap();
     let dev = Device::cpu(2).unwrap();
     let before = load_fixture(name, &dev, DType::F32);
     let after = colotrain::model::LoadedModel::load(&t.path().join("run").join("checkpoint-000001"), &dev, DType::F32).unwrap();

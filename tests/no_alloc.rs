@@ -104,7 +104,7 @@ fn decode_steps_do_not_allocate() {
 fn quantized_and_stale_resyncs_do_not_allocate() {
     let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
-    use colotrain::quant::calib::Calibration;
+    use colotrain::model::calib::Calibration;
     use colotrain::quant::recipe::{KvScale, Recipe};
     let cfg = ModelConfig {
         arch: Arch::Qwen3,

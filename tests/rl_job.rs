@@ -5,7 +5,7 @@
 mod common;
 
 use colotrain::config::JobConfig;
-use colotrain::train::job::{self, JobOptions};
+use colotrain::orchestrator::{self as job, JobOptions};
 use common::TempDir;
 
 const TINY_RL: &str = include_str!("../configs/tiny-grpo-triage.toml");

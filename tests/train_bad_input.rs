@@ -5,8 +5,8 @@ mod common;
 
 use colotrain::config::JobConfig;
 use colotrain::device::{DType, Device};
-use colotrain::train::job::{self, JobOptions};
-use colotrain::train::rollout::{read_file, Rollout};
+use colotrain::orchestrator::{self as job, JobOptions};
+use colotrain::engine::rollout::{read_file, Rollout};
 use colotrain::train::trainer::Trainer;
 use common::*;
 use std::process::Command;

@@ -8,7 +8,7 @@ use colotrain::config::JobConfig;
 use colotrain::device::{DType, Device};
 use colotrain::model::LoadedModel;
 use colotrain::train::checkpoint;
-use colotrain::train::job::{self, JobOptions};
+use colotrain::orchestrator::{self as job, JobOptions};
 use common::TempDir;
 
 const TINY: &str = include_str!("../configs/tiny-opd.toml");

@@ -5,7 +5,7 @@ use crate::data::dataset::Dataset;
 use crate::device::{DType, Device};
 use crate::mismatch::admit::{self, Settings, Student};
 use crate::model::LoadedModel;
-use crate::quant::calib::Calibration;
+use crate::model::calib::Calibration;
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
 
@@ -70,7 +70,7 @@ pub fn run(a: Args) -> Result<()> {
         None => JobConfig::from_toml(super::train::TINY_OPD, "built-in configs/tiny-opd.toml")?,
     };
     let dev = Device::parse(&job.run.device)?;
-    let dir = crate::train::tiny::resolve(&job.model.path)?;
+    let dir = crate::orchestrator::tiny::resolve(&job.model.path)?;
     let dtype = match job.model.dtype.as_deref() {
         Some(d) => DType::parse(d)?,
         None if dev.is_cpu() => DType::F32,

@@ -9,7 +9,7 @@ use crate::model::tiny::{tiny_config, write_model_dir, TinySpec};
 use crate::model::{LoadedModel, ModelWeights};
 use crate::ops::linear::grad as matmul;
 use crate::ops::lm_head::grad as lm_head;
-use crate::train::rollout::Rollout;
+use crate::engine::rollout::Rollout;
 use crate::train::trainer::Trainer;
 use anyhow::Result;
 use std::path::{Path, PathBuf};
@@ -221,7 +221,7 @@ fn loss_memory(dev: &Device, t: usize, v: usize, c: usize) -> Result<()> {
 
 fn resync(a: ResyncArgs) -> Result<()> {
     use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
-    use crate::quant::calib::Calibration;
+    use crate::model::calib::Calibration;
     use crate::quant::recipe::{KvScale, Recipe};
     let spec = TinySpec { arch: "qwen2".into(), layers: a.layers, hidden: 768, heads: 12, kv_heads: 4, head_dim: None, intermediate: Some(2048), vocab: 32000, max_position: 4096, tie: true };
     let cfg = tiny_config(&spec)?;

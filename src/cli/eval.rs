@@ -100,7 +100,7 @@ fn settings(a: &Args) -> Result<Settings> {
         teacher,
         heldout,
         // A run with data.heldout evaluates all of that set; without, data.heldout_size of its
-        // training data's held-out problems (as `train::job::start` does).
+        // training data's held-out problems (as `orchestrator::coordinator::start` does).
         heldout_size: a.heldout_size.or(j.map(|j| if j.data.heldout.is_some() { usize::MAX } else { j.data.heldout_size })).unwrap_or(128),
         chat: j.map(|j| j.data.chat).unwrap_or(false),
         samples: a.samples.or(j.map(|j| j.eval.samples_per_prompt as u32)).unwrap_or(4),
@@ -122,7 +122,7 @@ pub fn run(a: Args) -> Result<()> {
     let dev = Device::parse(&a.device)?;
     let dtype = if dev.is_cpu() { DType::F32 } else { DType::BF16 };
     let st = LoadedModel::load(ck, &dev, dtype)?;
-    let te = LoadedModel::load(&crate::train::tiny::resolve(&tdir.display().to_string())?, &dev, dtype)?;
+    let te = LoadedModel::load(&crate::orchestrator::tiny::resolve(&tdir.display().to_string())?, &dev, dtype)?;
     if st.cfg.vocab_size != te.cfg.vocab_size {
         bail!("student and teacher vocabularies differ ({} vs {})", st.cfg.vocab_size, te.cfg.vocab_size);
     }
@@ -264,7 +264,7 @@ struct Admitter {
     dev: Device,
     lm: LoadedModel,
     prompts: Vec<crate::data::dataset::PromptItem>,
-    calib: Option<crate::quant::calib::Calibration>,
+    calib: Option<crate::model::calib::Calibration>,
     settings: crate::mismatch::admit::Settings,
 }
 
@@ -272,7 +272,7 @@ impl Admitter {
     fn new(reference: &RunDir, a: &Args) -> Result<Admitter> {
         let job = &reference.config;
         let dev = Device::parse(&job.run.device)?;
-        let dir = crate::train::tiny::resolve(&job.model.path)?;
+        let dir = crate::orchestrator::tiny::resolve(&job.model.path)?;
         let lm = LoadedModel::load(&dir, &dev, if dev.is_cpu() { DType::F32 } else { DType::BF16 })?;
         let data = Dataset::open(&job.data.train, lm.text.clone(), job.data.chat, lm.cfg.vocab_size, job.run.seed)?;
         let mut prompts = match &job.data.heldout {

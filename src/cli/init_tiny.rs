@@ -74,7 +74,7 @@ pub fn run(a: Args) -> Result<()> {
     if a.teacher {
         prepare_empty_dir(&a.out)?;
         for which in ["teacher", "student"] {
-            let src = crate::train::tiny::resolve(&format!("builtin:tiny-arith-{which}"))?;
+            let src = crate::orchestrator::tiny::resolve(&format!("builtin:tiny-arith-{which}"))?;
             let dst = a.out.join(which);
             std::fs::create_dir_all(&dst)?;
             for e in std::fs::read_dir(&src).with_context(|| format!("cannot list {}", src.display()))? {

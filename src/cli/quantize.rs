@@ -9,8 +9,8 @@ use crate::device::DType;
 use crate::engine::{Engine, EngineConfig, SamplingConfig};
 use crate::model::tiny::prepare_empty_dir;
 use crate::model::LoadedModel;
-use crate::quant::calib::Calibration;
-use crate::quant::QuantState;
+use crate::model::calib::Calibration;
+use crate::model::QuantState;
 use anyhow::{bail, Result};
 use std::path::PathBuf;
 

@@ -2,7 +2,7 @@
 //! (configs/tiny-opd.toml, embedded).
 
 use crate::config::JobConfig;
-use crate::train::job::{self, JobOptions};
+use crate::orchestrator::{self as job, JobOptions};
 use anyhow::Result;
 use std::io::IsTerminal;
 use std::path::PathBuf;

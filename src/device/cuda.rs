@@ -3,8 +3,10 @@
 //! One primary context and one stream per device; device memory from a caching allocator with
 //! a budget (`cuda/alloc.rs`); the kernels of csrc/kernels/ loaded from the cubins build.rs
 //! embedded for this GPU's architecture (`cuda/kernels.rs`, never PTX JIT); cuBLASLt for BF16 /
-//! F32 GEMMs (`cuda/blas.rs`); CUTLASS and emulated FP8 / NVFP4 GEMMs (`cuda/lowp.rs`); the
-//! CUDA twins of `crate::ops` (`cuda/ops.rs`). Tensors on the GPU keep the dtypes the CPU
+//! F32 / FP8 / NVFP4 GEMMs (`cuda/blas.rs`); how a tensor is passed to a kernel
+//! (`cuda/args.rs`); NVTX ranges (`cuda/nvtx.rs`). The ops' CUDA twins live in their rooms
+//! (`ops/<op>/cuda.rs`, the CUTLASS path in `ops/linear/cuda_lowp.rs`) and build on the
+//! public methods here; this layer names nothing above it. Tensors on the GPU keep the dtypes the CPU
 //! engine gives them: activations f32, weights f32 / BF16 / F16, FP8 KV caches and quantized
 //! weights u8. GEMMs with BF16 (F16) weights round their f32 input rows to BF16 (F16) and
 //! accumulate in FP32.

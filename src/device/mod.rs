@@ -2,7 +2,8 @@
 //!
 //! Owns: the [`Device`] handle (CPU thread pool, or a CUDA context), the [`Tensor`] type with its
 //! storage, and host<->device copies. May call: `rayon`, `cudarc` (feature `cuda`).
-//! Must not: know about models or ops; ops live in `crate::ops` and dispatch on [`Device`].
+//! Must not: know about quantization, ops, models or anything above them (the op rooms of
+//! `ops` dispatch on [`Device`]; this layer imports only `util`, `rand` and `formats`).
 
 pub mod cpu;
 #[cfg_attr(feature = "cuda", path = "cuda.rs")]

@@ -352,7 +352,7 @@ impl Tensor {
 }
 
 /// A read-only view of float weights on the CPU, whatever their storage: plain floats, or the
-/// codes and scales of a quantized weight (decoded exactly, see `crate::quant`).
+/// codes and scales of a quantized weight (decoded exactly, see `crate::formats`).
 #[derive(Clone, Copy)]
 pub enum CpuFloats<'a> {
     F32(&'a [f32]),
@@ -438,14 +438,14 @@ impl<'a> CpuFloats<'a> {
                 }
             }
             CpuFloats::Fp8 { codes, scale } => {
-                let t = crate::quant::fp8::e4m3_table();
+                let t = crate::formats::fp8::e4m3_table();
                 for (o, c) in out.iter_mut().zip(&codes[start..start + n]) {
                     *o = t[*c as usize] * scale;
                 }
             }
             CpuFloats::Nvfp4 { packed, scales, global } => {
                 debug_assert!(start % 16 == 0 && n % 16 == 0, "NVFP4 reads whole 16-value blocks");
-                crate::quant::nvfp4::dequantize_into(packed, scales, *global, start, out)
+                crate::formats::nvfp4::dequantize_into(packed, scales, *global, start, out)
             }
         }
     }

@@ -8,6 +8,7 @@
 //! is what lets a trainer and an engine share one weight store without copies.
 
 pub mod kv_cache;
+pub mod rollout;
 pub mod rollout_weights;
 mod scheduler;
 
@@ -27,7 +28,7 @@ use std::sync::Arc;
 #[derive(Clone, Copy)]
 pub struct View<'a> {
     pub w: &'a ModelWeights,
-    pub q: Option<&'a [crate::quant::QLayer]>,
+    pub q: Option<&'a [crate::model::QLayer]>,
 }
 
 impl<'a> From<&'a ModelWeights> for View<'a> {
@@ -290,7 +291,7 @@ impl Engine {
 
     /// Starts (Some) or stops (None, returning what was recorded) calibration: the forward then
     /// records the max magnitude of every linear input and of the keys and values.
-    pub fn set_observer(&mut self, obs: Option<crate::quant::calib::Calibration>) -> Option<crate::quant::calib::Calibration> {
+    pub fn set_observer(&mut self, obs: Option<crate::model::calib::Calibration>) -> Option<crate::model::calib::Calibration> {
         std::mem::replace(&mut self.bufs.observe, obs)
     }
 

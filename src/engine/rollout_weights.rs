@@ -10,9 +10,9 @@
 use super::View;
 use crate::device::Device;
 use crate::model::{ModelConfig, ModelWeights};
-use crate::quant::calib::Calibration;
+use crate::model::calib::Calibration;
 use crate::quant::recipe::Recipe;
-use crate::quant::QuantState;
+use crate::model::QuantState;
 use anyhow::Result;
 use std::collections::VecDeque;
 

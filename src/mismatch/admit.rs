@@ -10,7 +10,7 @@ use crate::device::Device;
 use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
 use crate::engine::{Engine, EngineConfig, Request, SamplingConfig};
 use crate::model::{ModelConfig, ModelWeights, TextTools};
-use crate::quant::calib::Calibration;
+use crate::model::calib::Calibration;
 use crate::quant::recipe::{KvScale, Override, Precision, Recipe};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -81,7 +81,7 @@ pub fn estimate(st: &Student, spec: &EngineSpec, prompts: &[PromptItem], s: &Set
     let ec = EngineConfig { kv_fp8: spec.recipe.kv_layers(), ..Default::default() };
     let mut cand = Engine::new(st.dev, st.cfg, st.w.dtype(), &ec, st.text.clone())?;
     let sampling = Arc::new(SamplingConfig { temperature: s.temperature, max_new_tokens: s.max_new_tokens, seed: s.seed, ..Default::default() });
-    let rollouts = crate::train::rollout::generate(&mut cand, rw.view(st.w), prompts, s.samples, &sampling, 0, 0)?;
+    let rollouts = crate::engine::rollout::generate(&mut cand, rw.view(st.w), prompts, s.samples, &sampling, 0, 0)?;
     let mut std_e = Engine::new(st.dev, st.cfg, st.w.dtype(), &EngineConfig::default(), None)?;
     let score = Arc::new(SamplingConfig { temperature: s.temperature, max_new_tokens: 0, ..Default::default() });
     for (i, r) in rollouts.iter().enumerate() {

@@ -2,12 +2,14 @@
 //! Notation: δ_t = log p_θ(y_t) − log q(y_t) (the token gap of seed 004, Eq. 2: learner minus
 //! sampler), so seed 000's d_n (Eq. 2) = mean_t [log q − log p_θ] = −mean_t δ_t.
 //!
-//! Owns: the per-step estimators (this file, `segments`), budgets (`budget`) and the offline
-//! admission check (`admit`, which drives engines through `crate::engine` and the rollout
-//! helpers of `crate::train`). Must not: train.
+//! Owns: the per-step estimators (this file, `segments`), the RL monitor (`monitor`: ρ_asym
+//! and segment tails against a calibrated τ), budgets (`budget`) and the offline admission
+//! check (`admit`, which drives engines and their rollouts through `crate::engine`). May call:
+//! `engine`, `model`, `data` and below. Must not: train.
 
 pub mod admit;
 pub mod budget;
+pub mod monitor;
 pub mod segments;
 
 use serde::Serialize;

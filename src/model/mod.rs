@@ -4,9 +4,11 @@
 //! Owns: config parsing, weight loading/saving, tokenization, the forward pass.
 //! May call: `crate::device`, `crate::ops`. Must not: schedule requests or sample (engine/).
 
+pub mod calib;
 pub mod config;
 pub mod learner_quant;
 pub mod modelopt;
+pub mod quant_state;
 pub mod rope;
 pub mod tiny;
 pub mod tokenizer;
@@ -15,6 +17,7 @@ pub mod transformer;
 pub mod weights;
 
 pub use config::{Arch, ModelConfig};
+pub use quant_state::{QLayer, QuantState};
 pub use tokenizer::TextTools;
 pub use transformer::{ForwardBuffers, Transformer};
 pub use weights::ModelWeights;
@@ -31,7 +34,7 @@ pub struct LoadedModel {
     pub weights: ModelWeights,
     pub text: Option<Arc<TextTools>>,
     /// A ModelOpt-quantized directory's engine view (its stored codes and scales).
-    pub quant: Option<crate::quant::QuantState>,
+    pub quant: Option<crate::model::QuantState>,
 }
 
 impl LoadedModel {

@@ -13,7 +13,7 @@ use crate::device::{DType, Device, Tensor};
 use crate::ops::quantize::ActQuant;
 use crate::quant::qtensor::{QFormat, QTensor};
 use crate::quant::recipe::{Precision, Recipe, LINEARS};
-use crate::quant::{QLayer, QuantState};
+use crate::model::{QLayer, QuantState};
 use anyhow::{bail, Context, Result};
 use safetensors::Dtype as St;
 use serde_json::{json, Value};

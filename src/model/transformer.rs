@@ -13,9 +13,9 @@ use crate::ops::quantize::{self, ActQuant};
 use crate::ops::linear::Proj;
 use crate::ops::linear as matmul;
 use crate::ops::{elementwise, norm, rope};
-use crate::quant::calib::Calibration;
+use crate::model::calib::Calibration;
 use crate::quant::qtensor::QFormat;
-use crate::quant::QLayer;
+use crate::model::QLayer;
 use anyhow::{bail, Result};
 
 /// One layer's paged cache: keys and values, each (num_blocks, Hkv, block_size, D).

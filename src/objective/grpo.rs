@@ -9,7 +9,7 @@
 //! where a token is clipped when A > 0 and ρ > 1+ε_high, or A < 0 and ρ < 1−ε_low.
 
 use super::{agg_weights, Coefficients, TokenStats};
-use crate::config::LossAgg;
+use super::LossAgg;
 use anyhow::{Context, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq)]

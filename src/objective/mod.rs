@@ -12,8 +12,26 @@ pub mod opd;
 pub mod sft;
 pub mod triage;
 
-use crate::config::LossAgg;
 use anyhow::{bail, Result};
+
+/// How token losses are aggregated into the step's loss (`objective.loss_agg`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossAgg {
+    TokenMean,
+    SeqMeanTokenMean,
+    SeqMeanTokenSum,
+}
+
+impl LossAgg {
+    pub fn parse(s: &str) -> Result<LossAgg> {
+        Ok(match s {
+            "token-mean" => LossAgg::TokenMean,
+            "seq-mean-token-mean" => LossAgg::SeqMeanTokenMean,
+            "seq-mean-token-sum" => LossAgg::SeqMeanTokenSum,
+            _ => bail!("unknown loss aggregation '{s}': expected token-mean, seq-mean-token-mean or seq-mean-token-sum"),
+        })
+    }
+}
 
 /// Per-token inputs of one training step. Response tokens of all sequences, concatenated in
 /// sequence order; `seq_lens[i]` tokens belong to sequence i.

@@ -6,7 +6,7 @@
 //! Reported loss: the per-token reverse-KL estimate Σ_t w_t·(log p_θ − log p_T).
 
 use super::{agg_weights, Coefficients, TokenStats};
-use crate::config::LossAgg;
+use super::LossAgg;
 use anyhow::{Context, Result};
 
 /// A_t per token (Eq. 1).

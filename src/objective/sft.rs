@@ -2,7 +2,7 @@
 //! Σ_t w_t·(−log p_θ(y_t)).
 
 use super::{agg_weights, Coefficients, TokenStats};
-use crate::config::LossAgg;
+use super::LossAgg;
 use anyhow::Result;
 
 pub fn coefficients(s: &TokenStats, agg: LossAgg) -> Result<Coefficients> {

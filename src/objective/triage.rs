@@ -23,7 +23,7 @@
 
 use super::grpo::{self, PgConfig};
 use super::{Coefficients, TokenStats};
-use crate::config::LossAgg;
+use super::LossAgg;
 use crate::mismatch::segments::segments;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};

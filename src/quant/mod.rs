@@ -1,18 +1,14 @@
-//! Low-precision formats and recipes for the rollout engines: FP8 (E4M3, E5M2) and NVFP4 (E2M1
-//! values, an E4M3 scale per 16 values along K, one FP32 scale per tensor), the fused amax +
-//! quantize passes that rewrite an engine's preallocated buffers from the trainer's weights,
-//! and the per-layer recipes of seed 000 Table 3.
+//! Quantized tensors and recipes for the rollout engines: [`QTensor`] (FP8 codes, or NVFP4
+//! codes + block scales, on a device, with the tensor scale) and the per-layer recipes of seed
+//! 000 Table 3. The formats' arithmetic is `crate::formats` (re-exported here as `fp8`,
+//! `nvfp4`, `simd`); the passes that rewrite a QTensor on a device are
+//! `ops::quantize::requantize`; an engine's set of quantized weights is `model::QuantState`.
 //!
-//! Owns: element encodings, quantized tensors, recipes, calibration scales. May call: rayon,
-//! `crate::rand`. Must not: run models (the engine consumes quantized tensors through ops).
+//! Owns: quantized tensors, recipes. May call: `crate::device`, `crate::formats`, rayon. Must
+//! not: run models or ops.
 
-pub mod calib;
-pub mod fp8;
-pub mod nvfp4;
 pub mod qtensor;
 pub mod recipe;
-pub mod simd;
-pub mod state;
 
+pub use crate::formats::{fp8, nvfp4, simd};
 pub use qtensor::QTensor;
-pub use state::{QLayer, QuantState};

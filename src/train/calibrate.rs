@@ -2,11 +2,11 @@
 //! standard engine while the forward records the max magnitude of every linear input and of the
 //! keys and values per layer.
 
-use super::rollout;
+use crate::engine::rollout;
 use crate::data::dataset::PromptItem;
 use crate::engine::{Engine, SamplingConfig};
 use crate::model::{ModelConfig, ModelWeights};
-use crate::quant::calib::Calibration;
+use crate::model::calib::Calibration;
 use anyhow::Result;
 use std::sync::Arc;
 

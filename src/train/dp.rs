@@ -7,7 +7,7 @@
 //!
 //! Owns: [`Dp`] (rank, world, the collective). May call: `crate::parallel`. Must not: run models.
 
-use super::rollout::Rollout;
+use crate::engine::rollout::Rollout;
 use crate::objective::triage::TriageStats;
 use crate::parallel::{shard_range, Collective, InProcess};
 use anyhow::Result;

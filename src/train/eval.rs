@@ -3,7 +3,7 @@
 //! problem x's response tokens (samples pooled), K the mean over problems. Accuracy: the share of
 //! samples whose last boxed answer is correct.
 
-use super::rollout::{self, Rollout};
+use crate::engine::rollout::{self, Rollout};
 use crate::data::answer;
 use crate::data::dataset::PromptItem;
 use crate::engine::{Engine, Request, SamplingConfig};

@@ -4,7 +4,7 @@
 //! Owns: the metric types. May call: serde. Must not: compute anything but formatting.
 
 use super::eval::EvalResult;
-use super::monitor::RlMetrics;
+use crate::mismatch::monitor::RlMetrics;
 use crate::mismatch::StepMismatch;
 use serde::Serialize;
 use std::path::PathBuf;

@@ -1,22 +1,18 @@
-//! Training: the optimizer over FP32 master weights, the step (rollouts → statistics →
-//! coefficients → fused loss + backward → update → in-place rewrite of the compute weights),
-//! checkpoints, and the `train` job loop with its metrics.
+//! Training: the step (rollouts → statistics → coefficients → fused loss + backward → update →
+//! in-place rewrite of the compute weights), its data parallelism (ZeRO-1 over a collective),
+//! the optimizer over FP32 master weights, checkpoints, held-out evaluation, the calibration
+//! pass, the metrics a step reports, and reading finished runs.
 //!
-//! Owns: the trainer state. May call: `model`, `objective`, `engine`, `data`. Must not:
-//! reimplement ops (they live in `ops`).
+//! Owns: the trainer state. May call: `model`, `objective`, `mismatch`, `engine`, `data`,
+//! `parallel` (the collective), `config`. Must not: reimplement ops (they live in `ops`), start
+//! devices or threads (the orchestrator does).
 
 pub mod calibrate;
-pub mod dp;
 pub mod checkpoint;
+pub mod dp;
 pub mod eval;
-pub mod job;
 pub mod metrics;
-pub mod monitor;
 pub mod optimizer;
-pub mod replica;
-pub mod rollout;
-pub mod schedule;
-pub mod step_inputs;
 pub mod runs;
-pub mod tiny;
+pub mod step_inputs;
 pub mod trainer;

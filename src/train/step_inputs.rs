@@ -6,7 +6,7 @@
 //! Owns: [`Objective`] (the configured objective), [`StepInputs`]. May call: `crate::objective`.
 //! Must not: run models.
 
-use super::rollout::Rollout;
+use crate::engine::rollout::Rollout;
 use crate::config::{JobConfig, LossAgg};
 use crate::objective::advantage::{self, Estimator};
 use crate::objective::grpo::{self, PgConfig};

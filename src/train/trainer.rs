@@ -8,7 +8,7 @@
 //! Owns: one device's compute weights, the trainable model, its optimizer shard and gradients.
 
 use super::optimizer::{Optimizer, StepInfo};
-use super::rollout::Rollout;
+use crate::engine::rollout::Rollout;
 use crate::config::{JobConfig, LossAgg};
 use crate::model::trainable::{TrainBatch, Trainable};
 use crate::device::{bf16_rne, DType};

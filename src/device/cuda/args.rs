@@ -1,6 +1,6 @@
 //! How a tensor reaches a kernel: its device address after checking that it lives on this
 //! device with a dtype the kernel reads, the kernels' dtype codes and 32-bit sizes, and the
-//! device's error word. Used by the op rooms' CUDA twins (`crate::ops::*::cuda`).
+//! device's error word. Used by the op rooms' CUDA twins (`ops/<op>/cuda.rs`).
 //!
 //! Owns: nothing. May call: the tensor types. Must not: launch anything.
 

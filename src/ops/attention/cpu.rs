@@ -3,8 +3,8 @@
 //! KCHUNK keys at a time in f32, keys and values decoded from the cache's dtype. `super` checks
 //! the shapes.
 
-use super::super::isa::Isa;
-use super::super::vecmath::{exp_f32, exp_sub_with};
+use crate::ops::isa::Isa;
+use crate::ops::vecmath::{exp_f32, exp_sub_with};
 use super::{cache_dims, AttnMeta};
 use crate::device::{CpuDevice, CpuStorage, Tensor};
 use anyhow::{bail, Result};

@@ -2,7 +2,7 @@
 //! the row normalizer that scoring, sampling and the kernels share, and the host ranking of
 //! score centering's top-k.
 
-use super::super::{rows_per_task, vecmath};
+use crate::ops::{rows_per_task, vecmath};
 use crate::device::{CpuDevice, Device, Tensor};
 use anyhow::{bail, Result};
 use rayon::prelude::*;

@@ -3,7 +3,7 @@
 //!
 //! Owns: the row kernel [`rms_rows`]. May call: `crate::device`. Must not: allocate.
 
-use super::super::rows_per_task;
+use crate::ops::rows_per_task;
 use crate::device::{CpuDevice, CpuFloats, Tensor};
 use anyhow::Result;
 use rayon::prelude::*;

@@ -1,8 +1,8 @@
 //! Sampling's CPU twin: [`sample_row`] is the spec that csrc/kernels/sample.cu and
 //! sample_topk.cu follow, step for step.
 
-use super::super::logprob::row_log_normalizer;
-use super::super::vecmath;
+use crate::ops::logprob::row_log_normalizer;
+use crate::ops::vecmath;
 use super::SampleParams;
 use crate::device::{CpuDevice, Tensor};
 use anyhow::Result;

@@ -100,7 +100,7 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn nvfp4_bf16(x: &[half::bf16], global: f32, packed: &mut [u8], scales: &mut [u8]) {
-        let (denom6, e4m3) = (6.0 * global, crate::quant::fp8::e4m3_table());
+        let (denom6, e4m3) = (6.0 * global, crate::formats::fp8::e4m3_table());
         for (b, (chunk, p)) in x.chunks_exact(BLOCK).zip(packed.chunks_exact_mut(BLOCK / 2)).enumerate() {
             scales[b] = nvfp4_block_bf16(chunk, denom6, global, e4m3, p);
         }
@@ -144,7 +144,7 @@ mod avx2 {
         if opts.stochastic.is_some() {
             return nvfp4::quantize_row(x, global, opts, signs, first, packed, scales);
         }
-        let (denom6, e4m3) = (6.0 * global, crate::quant::fp8::e4m3_table());
+        let (denom6, e4m3) = (6.0 * global, crate::formats::fp8::e4m3_table());
         let mut blk = [0.0f32; BLOCK];
         for (b, (chunk, p)) in x.chunks_exact(BLOCK).zip(packed.chunks_exact_mut(BLOCK / 2)).enumerate() {
             let src: &[f32] = match signs {

@@ -19,9 +19,11 @@
 //! Owns: [`Scheduler`] (prompts in flight, the board, the generators' commands). May call: the
 //! worker pool.
 
-use super::job::{reference_rollouts, sampling_of, Host};
+use super::coordinator::Coordinator;
+use super::fault::Fault;
+use super::plan::{reference_rollouts, sampling_of};
 use super::replica::{self, GenLink};
-use super::rollout::{self, Rollout};
+use crate::engine::rollout::{self, Rollout};
 use crate::data::dataset::PromptItem;
 use crate::parallel::Pending;
 use anyhow::{bail, Context, Result};
@@ -53,7 +55,7 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(h: &Host, _start: u64) -> Result<Scheduler> {
+    pub fn new(h: &Coordinator, _start: u64) -> Result<Scheduler> {
         Ok(Scheduler {
             asynchronous: h.job.schedule.mode == "async",
             prompts: BTreeMap::new(),
@@ -69,7 +71,7 @@ impl Scheduler {
 
     /// After an update: colocated engines resync in place; a split placement publishes the
     /// trainers' master for the generators to load.
-    pub fn resync(&mut self, h: &Host) -> Result<()> {
+    pub fn resync(&mut self, h: &Coordinator) -> Result<()> {
         if !h.split() {
             return h.resync();
         }
@@ -78,7 +80,7 @@ impl Scheduler {
     }
 
     /// Split placement: starts the generators' commands (once).
-    fn start_generators(&mut self, h: &Host) -> Result<()> {
+    fn start_generators(&mut self, h: &Coordinator) -> Result<()> {
         if !self.generators.is_empty() {
             return Ok(());
         }
@@ -103,7 +105,7 @@ impl Scheduler {
     }
 
     /// Queues the requests of `step` (once).
-    fn enqueue(&mut self, h: &Host, step: u64) -> Result<()> {
+    fn enqueue(&mut self, h: &Coordinator, step: u64) -> Result<()> {
         if self.prompts.contains_key(&step) {
             return Ok(());
         }
@@ -133,7 +135,7 @@ impl Scheduler {
         Ok(out)
     }
 
-    pub fn rollouts(&mut self, h: &Host, step: u64) -> Result<Batch> {
+    pub fn rollouts(&mut self, h: &Coordinator, step: u64) -> Result<Batch> {
         let n = h.devices();
         let none = |rollouts| Batch { rollouts, busy: vec![0.0; n], wait: None };
         if let Some(f) = &h.file_rollouts {
@@ -153,7 +155,7 @@ impl Scheduler {
             let q = self.link.queue.clone();
             let fault = h.fault;
             let parts = h.pool.run_all("rollout", move |rank, r| {
-                super::job::Fault::check(fault, "rollout", step, rank)?;
+                Fault::check(fault, "rollout", step, rank)?;
                 let t = Instant::now();
                 Ok((r.generate(&q, inflight)?, t.elapsed().as_secs_f64()))
             })?;
@@ -176,7 +178,7 @@ impl Scheduler {
             let (q, b) = (self.link.queue.clone(), self.link.board.clone());
             let fault = h.fault;
             h.pool.run_all("rollout", move |rank, r| {
-                super::job::Fault::check(fault, "rollout", step, rank)?;
+                Fault::check(fault, "rollout", step, rank)?;
                 let t = Instant::now();
                 r.generate_until(&q, &b, need, inflight)?;
                 Ok(t.elapsed().as_secs_f64())
@@ -193,7 +195,7 @@ impl Scheduler {
     /// Split placement: waits until the board holds `need` complete groups (a generator that
     /// stops meanwhile ends the wait with its error); every device's seconds spent generating
     /// since the last step.
-    fn wait_split(&mut self, h: &Host, need: usize) -> Result<Vec<f64>> {
+    fn wait_split(&mut self, h: &Coordinator, need: usize) -> Result<Vec<f64>> {
         while !self.link.board.wait_for(need, Duration::from_millis(20))? {
             if let Some(i) = self.generators.iter_mut().position(|p| p.is_done()) {
                 let p = self.generators.remove(i);

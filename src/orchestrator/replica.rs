@@ -2,24 +2,25 @@
 //! (the compute weights the engines read, the trainer with its optimizer shard — or, on a split
 //! placement's generator, the weights alone), its standard and rollout engines with their
 //! quantized/stale/noisy buffers, and its teacher replica, sized by the memory plan. The
-//! orchestrator (`job.rs`) sends it commands; it sees other devices only through the
+//! coordinator (`coordinator.rs`) sends it commands; it sees other devices only through the
 //! collectives inside `Trainer::step` and, for asynchronous schedules, the shared queue, the
 //! [`Board`] of completions and the [`GenLink`] weight mailbox.
 //!
 //! Owns: [`Replica`], [`Board`], [`GenLink`]. May call: engines, the trainer, rollouts. Must
 //! not: write run files other than the checkpoint the training lead is asked to write.
 
-use super::dp::Dp;
-use super::rollout::{self, Rollout, WorkQueue};
-use super::trainer::{StepOut, Trainer};
+use crate::engine::rollout::{self, Rollout, WorkQueue};
+use crate::train::dp::Dp;
+use crate::train::trainer::{StepOut, Trainer};
 use crate::config::JobConfig;
 use crate::device::{DType, Device};
 use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
 use crate::engine::{Completion, Engine, EngineConfig};
 use crate::model::{LoadedModel, ModelConfig, ModelWeights};
-use crate::quant::calib::Calibration;
+use crate::model::calib::Calibration;
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -131,9 +132,25 @@ impl GenLink {
     }
 }
 
+/// Where a run's models are: the student's and the teacher's directories, `builtin:` names
+/// already resolved (`orchestrator::run` does that, at the config boundary).
+#[derive(Clone, Debug)]
+pub struct Sources {
+    pub student: PathBuf,
+    pub teacher: Option<PathBuf>,
+}
+
+impl Sources {
+    /// The job's model paths taken as directories, as written.
+    pub fn plain(job: &JobConfig) -> Sources {
+        Sources { student: PathBuf::from(&job.model.path), teacher: job.teacher.as_ref().map(|t| PathBuf::from(&t.path)) }
+    }
+}
+
 /// What every device needs to build its replica (shared, read-only).
 pub struct Setup {
     pub job: JobConfig,
+    pub sources: Sources,
     pub spec: EngineSpec,
     pub engine: EngineConfig,
 }
@@ -161,15 +178,15 @@ pub struct Replica {
     pub student_dir: std::path::PathBuf,
 }
 
-/// Loads a model source (a directory or a `builtin:` name).
-pub fn load(src: &crate::config::ModelSource, dev: &Device) -> Result<LoadedModel> {
-    let dir = super::tiny::resolve(&src.path)?;
+/// Loads the model at `dir` with the dtype of its source (the config's `dtype`; default F32
+/// on CPU, BF16 on CUDA).
+pub fn load(src: &crate::config::ModelSource, dir: &std::path::Path, dev: &Device) -> Result<LoadedModel> {
     let dtype = match src.dtype.as_deref() {
         Some(d) => DType::parse(d)?,
         None if dev.is_cpu() => DType::F32,
         None => DType::BF16,
     };
-    LoadedModel::load(&dir, dev, dtype)
+    LoadedModel::load(dir, dev, dtype)
 }
 
 impl Replica {
@@ -177,7 +194,7 @@ impl Replica {
     /// the compute weights alone).
     pub fn new(rank: usize, dev: Device, s: &Setup, dp: Option<Dp>) -> Result<Replica> {
         let job = &s.job;
-        let student = load(&job.model, &dev).with_context(|| format!("loading the student '{}'", job.model.path))?;
+        let student = load(&job.model, &s.sources.student, &dev).with_context(|| format!("loading the student '{}'", job.model.path))?;
         // The memory plan, in order: the weights, the trainer's state (master/Adam shard,
         // gradients, activation arenas), the teacher, the engine buffers; the KV caches get what
         // is left when rollout.kv_cache_mb = 0.
@@ -189,7 +206,8 @@ impl Replica {
         let generates = !split || dp.is_none();
         let teacher = match &job.teacher {
             Some(t) if job.objective.kind == "opd" && lead_or_all => {
-                let tm = load(t, &dev).with_context(|| format!("loading the teacher '{}'", t.path))?;
+                let dir = s.sources.teacher.as_deref().context("the teacher's directory")?;
+                let tm = load(t, dir, &dev).with_context(|| format!("loading the teacher '{}'", t.path))?;
                 if tm.cfg.vocab_size != student.cfg.vocab_size {
                     bail!(
                         "student {} and teacher {} have different vocabularies ({} vs {} tokens); OPD needs one vocabulary",
@@ -313,7 +331,7 @@ impl Replica {
     /// The calibration pass on the standard engine (one device runs it; all use the result).
     pub fn calibrate(&mut self, job: &JobConfig, prompts: &[crate::data::dataset::PromptItem]) -> Result<Calibration> {
         let cfg = self.trainer.cfg.clone();
-        super::calibrate::calibrate(&mut self.std_engine, &self.trainer.weights, &cfg, prompts, &super::job::sampling_of(job), job.run.seed)
+        crate::train::calibrate::calibrate(&mut self.std_engine, &self.trainer.weights, &cfg, prompts, &super::plan::sampling_of(job), job.run.seed)
     }
 
     /// Builds the rollout engine's buffers (and the NVFP4 learner's scales) from `calib`.

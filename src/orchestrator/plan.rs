@@ -1,0 +1,129 @@
+//! The plan of a run before anything starts: which devices (and how many threads or GPUs),
+//! the collective between the training devices, the engine sizes and sampling settings taken
+//! from the job, and the reference rollouts of SFT.
+//!
+//! Owns: nothing. May call: `crate::config`, `crate::device`, `crate::parallel`. Must not:
+//! open a device other than to count the visible GPUs.
+
+use crate::config::JobConfig;
+use crate::data::dataset::PromptItem;
+use crate::engine::rollout::Rollout;
+use crate::engine::{EngineConfig, SamplingConfig};
+use crate::parallel::{Collective, InProcess};
+use anyhow::{bail, Result};
+use std::sync::Arc;
+
+/// The engine sizes of a job's rollouts.
+pub fn engine_config(job: &JobConfig) -> EngineConfig {
+    let r = &job.rollout;
+    EngineConfig { max_seqs: r.max_seqs, max_tokens_per_step: r.max_tokens_per_step, kv_cache_bytes: r.kv_cache_mb << 20, ..Default::default() }
+}
+
+/// The devices of a run: (name, threads per CPU device or 0 for CUDA) × N. `cpu` splits the
+/// cores evenly (an error when there are more devices than cores); `cpu:T` gives each device T
+/// threads (oversubscription is the user's choice); `cuda`/`cuda:K` takes N GPUs from K on.
+pub fn plan_devices(spec: &str, n: usize) -> Result<Vec<String>> {
+    let spec = spec.trim();
+    let cores = std::thread::available_parallelism().map(|c| c.get()).unwrap_or(1);
+    if spec == "cpu" {
+        let n = n.max(1);
+        if n > cores {
+            bail!("run.devices = {n} CPU devices, but this machine has {cores} cores: a CPU device needs at least one (set run.device = \"cpu:T\" to choose threads per device yourself)");
+        }
+        return Ok((0..n).map(|_| format!("cpu:{}", cores / n)).collect());
+    }
+    if let Some(t) = spec.strip_prefix("cpu:") {
+        let t: usize = t.parse().map_err(|_| anyhow::anyhow!("run.device '{spec}': expected cpu:<threads>"))?;
+        return Ok((0..n.max(1)).map(|_| format!("cpu:{t}")).collect());
+    }
+    let first = match spec {
+        "cuda" => 0,
+        s => match s.strip_prefix("cuda:") {
+            Some(k) => k.parse().map_err(|_| anyhow::anyhow!("run.device '{spec}': expected cuda:<ordinal>"))?,
+            None => bail!("run.device '{spec}': expected cpu, cpu:<threads>, cuda or cuda:<ordinal>"),
+        },
+    };
+    // All visible GPUs (CUDA_VISIBLE_DEVICES decides what is visible) unless N is given; N more
+    // than are visible is refused here, naming what is. (Built without CUDA, opening the first
+    // device later says so.)
+    let visible = || (first..first + 64).take_while(|&k| crate::device::Device::cuda(k).is_ok()).count();
+    let n = if n > 0 {
+        if cfg!(feature = "cuda") {
+            if let Err(e) = crate::device::Device::cuda(first + n - 1) {
+                bail!(
+                    "run.devices = {n} GPUs from cuda:{first}, but {} visible from there (CUDA_VISIBLE_DEVICES={}): cuda:{} cannot be opened: {e:#}",
+                    visible(),
+                    std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into()),
+                    first + n - 1
+                );
+            }
+        }
+        n
+    } else {
+        visible().max(1)
+    };
+    Ok((first..first + n).map(|k| format!("cuda:{k}")).collect())
+}
+
+/// The collective of the training devices `names`: in-process (the default: training runs on
+/// the host, so host memory needs no copies), or NCCL across their GPUs with
+/// COLOTRAIN_COLLECTIVE=nccl (feature `cuda`).
+pub fn collective(names: &[String]) -> Result<Arc<dyn Collective>> {
+    match std::env::var("COLOTRAIN_COLLECTIVE").as_deref() {
+        Err(_) | Ok("") | Ok("inprocess") => Ok(Arc::new(InProcess::new(names.len())?)),
+        Ok("nccl") => {
+            let ords: Vec<usize> = names
+                .iter()
+                .map(|n| n.strip_prefix("cuda:").and_then(|k| k.parse().ok()))
+                .collect::<Option<_>>()
+                .ok_or_else(|| anyhow::anyhow!("COLOTRAIN_COLLECTIVE=nccl needs CUDA training devices, got {names:?}"))?;
+            nccl_group(&ords)
+        }
+        Ok(other) => bail!("COLOTRAIN_COLLECTIVE='{other}': expected 'inprocess' (the default) or 'nccl'"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn nccl_group(ords: &[usize]) -> Result<Arc<dyn Collective>> {
+    Ok(Arc::new(crate::parallel::nccl::Nccl::new(ords)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_group(_ords: &[usize]) -> Result<Arc<dyn Collective>> {
+    bail!("COLOTRAIN_COLLECTIVE=nccl: this binary was built without --features cuda")
+}
+
+/// The rollout sampling settings of a job.
+pub fn sampling_of(job: &JobConfig) -> SamplingConfig {
+    SamplingConfig {
+        temperature: job.rollout.temperature,
+        top_p: job.rollout.top_p,
+        top_k: job.rollout.top_k,
+        max_new_tokens: job.rollout.max_new_tokens,
+        stop: Vec::new(),
+        ignore_eos: false,
+        seed: job.run.seed,
+        topk_logprobs: if job.objective.centering { job.objective.centering_top_k } else { 0 },
+    }
+}
+
+/// SFT on reference responses (teacher forcing on the dataset's answers).
+pub fn reference_rollouts(prompts: &[PromptItem], samples: usize) -> Vec<Rollout> {
+    let mut out = Vec::new();
+    for p in prompts {
+        let resp = p.response.clone().unwrap_or_default();
+        for s in 0..samples.max(1) {
+            out.push(Rollout {
+                prompt_id: p.id,
+                sample: s as u32,
+                group: p.id,
+                prompt: p.tokens.clone(),
+                sampler_logprobs: vec![0.0; resp.len()],
+                response: resp.clone(),
+                answer: p.answer.clone(),
+                ..Default::default()
+            });
+        }
+    }
+    out
+}
