@@ -155,14 +155,21 @@ fn build_cuda() -> Res<()> {
                 src.display().to_string(),
             ]);
             let stamp = format!("{version}|{cutlass_headers:016x}|{}|{:016x}", args.join(" "), hash_file(&src)?);
-            jobs.push(Job { what: format!("{stem}.cu -> CUTLASS object for {}", join(&targets)), args, output: output.clone(), stamp });
+            jobs.push(Job {
+                what: format!("{stem}.cu -> CUTLASS object for {}", join(&targets)),
+                args,
+                output: output.clone(),
+                stamp,
+            });
             objects.push(output);
             if !cfgs.contains(&cfg) {
                 cfgs.push(cfg);
             }
         }
     } else {
-        println!("cargo:warning=COLOTRAIN_CUTLASS=0: building without the CUTLASS FP8/NVFP4 GEMMs (emulated paths only)");
+        println!(
+            "cargo:warning=COLOTRAIN_CUTLASS=0: building without the CUTLASS FP8/NVFP4 GEMMs (emulated paths only)"
+        );
     }
 
     // NVTX ranges (host code; the headers come with the pinned nvidia-nvtx wheel).
@@ -170,7 +177,17 @@ fn build_cuda() -> Res<()> {
     if nvtx_h.exists() {
         let src = csrc.join("nvtx/nvtx_ranges.cpp");
         let output = out.join("nvtx_ranges.o");
-        let args: Vec<String> = vec!["-c".into(), "-x".into(), "c++".into(), "-O2".into(), "-Xcompiler".into(), "-fPIC".into(), "-o".into(), output.display().to_string(), src.display().to_string()];
+        let args: Vec<String> = vec![
+            "-c".into(),
+            "-x".into(),
+            "c++".into(),
+            "-O2".into(),
+            "-Xcompiler".into(),
+            "-fPIC".into(),
+            "-o".into(),
+            output.display().to_string(),
+            src.display().to_string(),
+        ];
         let stamp = format!("{version}|{:016x}|{}|{:016x}", hash_file(&nvtx_h)?, args.join(" "), hash_file(&src)?);
         jobs.push(Job { what: "nvtx_ranges.cpp -> host object".into(), args, output: output.clone(), stamp });
         objects.push(output);
@@ -216,7 +233,8 @@ fn build_cuda() -> Res<()> {
 fn parse_archs(s: &str) -> Res<Vec<String>> {
     let mut v: Vec<String> = Vec::new();
     for a in s.split(|c: char| c == ',' || c.is_whitespace()).filter(|a| !a.is_empty()) {
-        let num = a.strip_prefix("sm_").ok_or_else(|| format!("COLOTRAIN_CUDA_ARCHS: '{a}' is not of the form sm_90a"))?;
+        let num =
+            a.strip_prefix("sm_").ok_or_else(|| format!("COLOTRAIN_CUDA_ARCHS: '{a}' is not of the form sm_90a"))?;
         let digits = num.trim_end_matches(['a', 'f']);
         if digits.is_empty() || !digits.chars().all(|c| c.is_ascii_digit()) || num.len() > digits.len() + 1 {
             return Err(format!("COLOTRAIN_CUDA_ARCHS: '{a}' is not of the form sm_90a, sm_100a, sm_89"));
@@ -263,7 +281,9 @@ fn find_nvcc(root: &Path) -> Res<PathBuf> {
 }
 
 fn cutlass_includes(root: &Path) -> Res<(PathBuf, PathBuf)> {
-    let inc = env("CUTLASS_INCLUDE").map(PathBuf::from).unwrap_or_else(|| root.join("third_party/.toolchain/cutlass-include"));
+    let inc = env("CUTLASS_INCLUDE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("third_party/.toolchain/cutlass-include"));
     let util = env("CUTLASS_UTIL_INCLUDE")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("third_party/.toolchain/cutlass-util-include"));

@@ -17,7 +17,8 @@ fn main() {
     // (n, k) of q, k, v, o, gate, up, down.
     let shapes = [(384, 384), (128, 384), (128, 384), (384, 384), (1024, 384), (1024, 384), (384, 1024)];
     rayon::broadcast(|_| reserve(1024));
-    let fill = |n: usize, seed: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7 + seed) % 13) as f32 * 0.01 - 0.06).collect() };
+    let fill =
+        |n: usize, seed: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7 + seed) % 13) as f32 * 0.01 - 0.06).collect() };
     let mut weights: Vec<(usize, usize, Vec<f32>)> = Vec::new();
     for l in 0..layers {
         for (i, &(n, k)) in shapes.iter().enumerate() {
@@ -25,7 +26,8 @@ fn main() {
         }
     }
     weights.push((vocab, hidden, fill(vocab * hidden, 99)));
-    let panels: Vec<Panels> = weights.iter().map(|(n, k, w)| Panels::pack(CpuFloats::F32(w), *n, *k).expect("f32 packs")).collect();
+    let panels: Vec<Panels> =
+        weights.iter().map(|(n, k, w)| Panels::pack(CpuFloats::F32(w), *n, *k).expect("f32 packs")).collect();
     let x = fill(m * 1024, 3);
     let mut y = vec![0.0f32; m * vocab];
     let flops: f64 = weights.iter().map(|(n, k, _)| (2 * m * n * k) as f64).sum();

@@ -77,7 +77,15 @@ pub struct RunConfig {
 
 impl Default for RunConfig {
     fn default() -> Self {
-        RunConfig { name: "run".into(), out_dir: None, seed: 1, steps: 100, device: "cpu".into(), devices: 0, memory_budget_mb: None }
+        RunConfig {
+            name: "run".into(),
+            out_dir: None,
+            seed: 1,
+            steps: 100,
+            device: "cpu".into(),
+            devices: 0,
+            memory_budget_mb: None,
+        }
     }
 }
 
@@ -225,7 +233,10 @@ pub struct LearnerConfig {
 
 impl Default for LearnerConfig {
     fn default() -> Self {
-        LearnerConfig { precision: "bf16".into(), linears: vec!["gate_proj".into(), "up_proj".into(), "down_proj".into()] }
+        LearnerConfig {
+            precision: "bf16".into(),
+            linears: vec!["gate_proj".into(), "up_proj".into(), "down_proj".into()],
+        }
     }
 }
 
@@ -246,7 +257,15 @@ pub struct OptimizerConfig {
 
 impl Default for OptimizerConfig {
     fn default() -> Self {
-        OptimizerConfig { kind: "adamw".into(), lr: 1e-6, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 0.01, grad_clip: 1.0, warmup_steps: 0 }
+        OptimizerConfig {
+            kind: "adamw".into(),
+            lr: 1e-6,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.01,
+            grad_clip: 1.0,
+            warmup_steps: 0,
+        }
     }
 }
 
@@ -362,7 +381,8 @@ impl EngineSection {
             rht: self.rht.then_some(0x5248_5400 ^ self.noise_seed),
             stochastic: self.stochastic_rounding.then_some(0x5352_0000 ^ self.noise_seed),
         };
-        let mut recipe = Recipe::preset(&self.recipe, num_layers, &self.keep_bf16, kv_scale, opts).map_err(|e| anyhow::anyhow!("engine.recipe: {e}"))?;
+        let mut recipe = Recipe::preset(&self.recipe, num_layers, &self.keep_bf16, kv_scale, opts)
+            .map_err(|e| anyhow::anyhow!("engine.recipe: {e}"))?;
         for (i, o) in self.overrides.iter().enumerate() {
             let p = |s: &Option<String>| s.as_deref().map(Precision::parse).transpose();
             let kv_fp8 = match o.kv.as_deref() {
@@ -385,7 +405,12 @@ impl EngineSection {
         if !(self.noise_sigma >= 0.0 && self.noise_sigma.is_finite()) {
             bail!("engine.noise_sigma: must be a finite number >= 0, got {}", self.noise_sigma);
         }
-        Ok(crate::engine::rollout_weights::EngineSpec { recipe, noise_sigma: self.noise_sigma, noise_seed: self.noise_seed, staleness: self.staleness })
+        Ok(crate::engine::rollout_weights::EngineSpec {
+            recipe,
+            noise_sigma: self.noise_sigma,
+            noise_seed: self.noise_seed,
+            staleness: self.staleness,
+        })
     }
 }
 
@@ -446,7 +471,10 @@ impl JobConfig {
         }
         let o = &self.objective;
         if !(o.clip_low >= 0.0 && o.clip_low < 1.0) || !(o.clip_high >= 0.0 && o.clip_high.is_finite()) {
-            err("objective.clip_low", format!("need 0 <= clip_low < 1 and clip_high >= 0, got {} and {}", o.clip_low, o.clip_high))?;
+            err(
+                "objective.clip_low",
+                format!("need 0 <= clip_low < 1 and clip_high >= 0, got {} and {}", o.clip_low, o.clip_high),
+            )?;
         }
         if !(o.tis_cap > 0.0) {
             err("objective.tis_cap", format!("must be positive, got {}", o.tis_cap))?;
@@ -458,7 +486,13 @@ impl JobConfig {
             err("objective.centering_top_k", "must be at least 1".into())?;
         }
         if o.centering && !(o.is_rl() || o.kind == "opd") {
-            err("objective.centering", format!("score centering applies to policy-gradient objectives (opd, grpo, reinforce, triage), not '{}'", o.kind))?;
+            err(
+                "objective.centering",
+                format!(
+                    "score centering applies to policy-gradient objectives (opd, grpo, reinforce, triage), not '{}'",
+                    o.kind
+                ),
+            )?;
         }
         if o.minibatches == 0 || o.updates_per_step == 0 {
             err("objective.minibatches", "minibatches and updates_per_step must be at least 1".into())?;
@@ -468,7 +502,10 @@ impl JobConfig {
         }
         match (self.schedule.mode.as_str(), self.schedule.placement.as_str()) {
             ("sync", "colocated") | ("async", "colocated") | ("async", "split") => {}
-            ("sync", "split") => err("schedule.placement", "the split placement needs schedule.mode = \"async\" (generators run ahead of the trainers)".into())?,
+            ("sync", "split") => err(
+                "schedule.placement",
+                "the split placement needs schedule.mode = \"async\" (generators run ahead of the trainers)".into(),
+            )?,
             (m, "colocated" | "split") => err("schedule.mode", format!("expected sync or async, got '{m}'"))?,
             (_, p) => err("schedule.placement", format!("expected colocated or split, got '{p}'"))?,
         }
@@ -476,7 +513,10 @@ impl JobConfig {
             err("schedule.rollout_devices", "the split placement needs at least 1 rollout device".into())?;
         }
         if self.schedule.mode == "async" && self.rollout.source != "engine" {
-            err("schedule.mode", "the asynchronous schedule generates its rollouts: rollout.source must be \"engine\"".into())?;
+            err(
+                "schedule.mode",
+                "the asynchronous schedule generates its rollouts: rollout.source must be \"engine\"".into(),
+            )?;
         }
         if self.monitor.segment_len == 0 {
             err("monitor.segment_len", "must be at least 1 token".into())?;
@@ -486,7 +526,10 @@ impl JobConfig {
             "nvfp4" => {
                 for l in &self.learner.linears {
                     if !crate::quant::recipe::LINEARS.contains(&l.as_str()) {
-                        err("learner.linears", format!("unknown linear '{l}': expected one of {:?}", crate::quant::recipe::LINEARS))?;
+                        err(
+                            "learner.linears",
+                            format!("unknown linear '{l}': expected one of {:?}", crate::quant::recipe::LINEARS),
+                        )?;
                     }
                 }
             }

@@ -9,13 +9,13 @@ mod common;
 use colotrain::config::JobConfig;
 use colotrain::data::dataset::{Dataset, PromptItem};
 use colotrain::device::{DType, Device};
+use colotrain::engine::rollout;
 use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
 use colotrain::engine::{Engine, EngineConfig, SamplingConfig};
 use colotrain::mismatch::admit::{self, Settings, Student};
 use colotrain::mismatch::budget;
 use colotrain::model::LoadedModel;
 use colotrain::quant::recipe::{KvScale, Recipe};
-use colotrain::engine::rollout;
 use common::{full_logits, TempDir};
 use serde_json::Value;
 use std::process::Command;
@@ -47,12 +47,23 @@ fn settings(temperature: f32, reps: usize) -> Settings {
 /// Per prompt: (Σ_t [log q_c(y_t) − log q_0(y_t)], tokens), with q_c the candidate engine's
 /// reported sampling log-probs and q_0 = log_softmax(z / T) recomputed here in f64 from the
 /// logits of a plain forward pass (no engine, no quantized cache) over prompt + response.
-fn reference_per_prompt(dev: &Device, lm: &LoadedModel, spec: &EngineSpec, prompts: &[PromptItem], s: &Settings) -> Vec<(f64, usize)> {
+fn reference_per_prompt(
+    dev: &Device,
+    lm: &LoadedModel,
+    spec: &EngineSpec,
+    prompts: &[PromptItem],
+    s: &Settings,
+) -> Vec<(f64, usize)> {
     // The candidate's samples: same engine spec, same seed, so the same tokens as the check's.
     let rw = RolloutWeights::new(dev, spec, &lm.cfg, &lm.weights, None, 0).unwrap();
     let ec = EngineConfig { kv_fp8: spec.recipe.kv_layers(), ..Default::default() };
     let mut eng = Engine::new(dev, &lm.cfg, lm.weights.dtype(), &ec, lm.text.clone()).unwrap();
-    let sampling = Arc::new(SamplingConfig { temperature: s.temperature, max_new_tokens: s.max_new_tokens, seed: s.seed, ..Default::default() });
+    let sampling = Arc::new(SamplingConfig {
+        temperature: s.temperature,
+        max_new_tokens: s.max_new_tokens,
+        seed: s.seed,
+        ..Default::default()
+    });
     let rollouts = rollout::generate(&mut eng, rw.view(&lm.weights), prompts, s.samples, &sampling, 0, 0).unwrap();
     assert_eq!(rollouts.len(), prompts.len() * s.samples as usize);
     let v = lm.cfg.vocab_size;
@@ -107,11 +118,23 @@ fn d_hat_matches_an_independent_rescoring_and_the_bootstrap_is_over_prompts() {
         let means: Vec<f64> = per.iter().filter(|p| p.1 > 0).map(|p| p.0 / p.1 as f64).collect();
         let (lo, hi) = means.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
         assert!(e.lo <= e.d_hat + 1e-12 && e.d_hat <= e.hi + 1e-12, "{name}: {e:?}");
-        assert!(e.lo >= lo - 2e-5 && e.hi <= hi + 2e-5, "{name}: interval [{}, {}] outside per-prompt means [{lo}, {hi}]", e.lo, e.hi);
+        assert!(
+            e.lo >= lo - 2e-5 && e.hi <= hi + 2e-5,
+            "{name}: interval [{}, {}] outside per-prompt means [{lo}, {hi}]",
+            e.lo,
+            e.hi
+        );
         // The interval is the prompt-level bootstrap (each prompt's tokens together, seed = the
         // check's seed) of the reference sums; order statistics move by at most the input error.
         let b = budget::estimate(&per, 400, 777);
-        assert!(close(e.lo, b.lo, 2e-5, 1e-3) && close(e.hi, b.hi, 2e-5, 1e-3), "{name}: [{}, {}] vs [{}, {}]", e.lo, e.hi, b.lo, b.hi);
+        assert!(
+            close(e.lo, b.lo, 2e-5, 1e-3) && close(e.hi, b.hi, 2e-5, 1e-3),
+            "{name}: [{}, {}] vs [{}, {}]",
+            e.lo,
+            e.hi,
+            b.lo,
+            b.hi
+        );
         if name == "bf16" {
             // The floor: the standard engine against itself differs by f32 rounding only.
             assert!(e.d_hat.abs() <= 1e-5 && e.lo.abs() <= 1e-5 && e.hi.abs() <= 1e-5, "floor {e:?}");
@@ -130,7 +153,10 @@ fn per_layer_attribution_matches_hand_built_recipes() {
     assert_eq!(n, 4);
     let s = settings(1.0, 200);
     let st = Student { dev: &dev, cfg: &lm.cfg, w: &lm.weights, text: lm.text.clone(), calib: None };
-    let cands = vec![admit::parse_candidate("fp8-kv@1", n, 0).unwrap(), admit::parse_candidate("fp8-kv+first-layer-kv@1", n, 0).unwrap()];
+    let cands = vec![
+        admit::parse_candidate("fp8-kv@1", n, 0).unwrap(),
+        admit::parse_candidate("fp8-kv+first-layer-kv@1", n, 0).unwrap(),
+    ];
     let (floor, v) = admit::check(&st, &cands, &prompts, &s, true).unwrap();
     assert_eq!(v.len(), 2);
     let d = |spec: &EngineSpec| admit::estimate(&st, spec, &prompts, &s).unwrap().d_hat;
@@ -151,11 +177,17 @@ fn per_layer_attribution_matches_hand_built_recipes() {
     let big_b = d(&fixed_kv_recipe(n, |r| (1..n).for_each(|l| r.layers[l].set_kv_fp8(true))));
     let share = (big_a - big_b) / (big_a - f);
     let got = pl.first_layer_share.expect("share");
-    assert!(close(got, share, 1e-9, 1e-9), "share {got} vs (A−B)/(A−F) = ({big_a} − {big_b})/({big_a} − {f}) = {share}");
+    assert!(
+        close(got, share, 1e-9, 1e-9),
+        "share {got} vs (A−B)/(A−F) = ({big_a} − {big_b})/({big_a} − {f}) = {share}"
+    );
     // App. C.3: keys only, values only, and keys / (keys and values) of the first layer alone.
     let k = d(&fixed_kv_recipe(n, |r| r.layers[0].k_fp8 = true));
     let vv = d(&fixed_kv_recipe(n, |r| r.layers[0].v_fp8 = true));
-    assert!(close(pl.first_keys.unwrap(), k, 1e-12, 0.0) && close(pl.first_values.unwrap(), vv, 1e-12, 0.0), "{pl:?}: keys {k}, values {vv}");
+    assert!(
+        close(pl.first_keys.unwrap(), k, 1e-12, 0.0) && close(pl.first_values.unwrap(), vv, 1e-12, 0.0),
+        "{pl:?}: keys {k}, values {vv}"
+    );
     let kv0 = pl.layers[0];
     assert!(kv0 != 0.0);
     assert!(close(pl.keys_share.unwrap(), k / kv0, 1e-12, 1e-9), "keys share {:?} vs {k}/{kv0}", pl.keys_share);
@@ -171,7 +203,11 @@ fn per_layer_attribution_matches_hand_built_recipes() {
 
 fn cli(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_colotrain")).arg("admit").args(args).output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
 }
 
 fn json(args: &[&str]) -> Value {
@@ -226,8 +262,19 @@ fn cli_table_with_per_layer_and_a_heldout_file() {
     let held = t.path().join("heldout.jsonl");
     std::fs::write(&held, "{\"prompt\": \"12+30=\"}\n{\"prompt\": \"7+45=\"}\n{\"prompt\": \"60+9=\"}\n").unwrap();
     let cfg = t.path().join("run.toml");
-    std::fs::write(&cfg, TINY.replace("heldout_size = 128", &format!("heldout = {:?}", held.to_str().unwrap()))).unwrap();
-    let (c, o, e) = cli(&["--config", cfg.to_str().unwrap(), "--candidate", "fp8-kv@1", "--candidate", "noise=0.3", "--per-layer", "--reps", "200"]);
+    std::fs::write(&cfg, TINY.replace("heldout_size = 128", &format!("heldout = {:?}", held.to_str().unwrap())))
+        .unwrap();
+    let (c, o, e) = cli(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--candidate",
+        "fp8-kv@1",
+        "--candidate",
+        "noise=0.3",
+        "--per-layer",
+        "--reps",
+        "200",
+    ]);
     assert_eq!(c, 0, "{e}");
     // The held-out file's 3 prompts (fewer than --prompts 16), 2 samples each.
     assert!(o.contains("3 prompts x 2 samples (seed 777), alpha = 1.5, L = 0.184"), "{o}");
@@ -258,8 +305,14 @@ fn bad_candidates_and_flags_are_refused_clearly() {
             assert!(e.contains(w), "{a:?}: stderr lacks '{w}':\n{e}");
         }
     };
-    refused(&["--candidate", "fp9"], &["candidate 'fp9'", "unknown recipe 'fp9'", "expected bf16, fp8, nvfp4 or fp8-kv"]);
-    refused(&["--candidate", "fp8+first-lyr"], &["candidate 'fp8+first-lyr'", "unknown keep_bf16 entry 'first-lyr'", "first-layer-kv"]);
+    refused(
+        &["--candidate", "fp9"],
+        &["candidate 'fp9'", "unknown recipe 'fp9'", "expected bf16, fp8, nvfp4 or fp8-kv"],
+    );
+    refused(
+        &["--candidate", "fp8+first-lyr"],
+        &["candidate 'fp8+first-lyr'", "unknown keep_bf16 entry 'first-lyr'", "first-layer-kv"],
+    );
     refused(&["--candidate", "fp8-kv@x"], &["candidate 'fp8-kv@x'", "@KV_SCALE needs a number"]);
     for sc in ["0", "-1", "nan", "inf"] {
         let c = format!("fp8-kv@{sc}");
@@ -284,7 +337,8 @@ fn bad_candidates_and_flags_are_refused_clearly() {
     let empty = t.path().join("empty.jsonl");
     std::fs::write(&empty, "").unwrap();
     let cfg = t.path().join("run.toml");
-    std::fs::write(&cfg, TINY.replace("heldout_size = 128", &format!("heldout = {:?}", empty.to_str().unwrap()))).unwrap();
+    std::fs::write(&cfg, TINY.replace("heldout_size = 128", &format!("heldout = {:?}", empty.to_str().unwrap())))
+        .unwrap();
     refused(&["--candidate", "bf16", "--config", cfg.to_str().unwrap()], &["empty.jsonl", "no prompts"]);
 }
 

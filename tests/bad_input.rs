@@ -68,7 +68,9 @@ fn config_errors_name_file_and_field() {
     assert!(e.contains("must be a multiple of num_key_value_heads"), "{e}");
 
     copy_fixture("qwen3_headdim", t.path());
-    edit_config(t.path(), |v| v["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}));
+    edit_config(t.path(), |v| {
+        v["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0})
+    });
     let e = load_err(t.path());
     assert!(e.contains("rope type 'yarn' is not supported"), "{e}");
 }
@@ -102,7 +104,13 @@ fn weight_errors_name_file_and_tensor() {
     // Misshapen tensor: claim one fewer layer's worth of MLP width.
     edit_config(t.path(), |v| v["intermediate_size"] = serde_json::json!(150));
     let e = load_err(t.path());
-    assert!(e.contains("model.safetensors") && e.contains("model.layers.0.mlp.gate_proj.weight") && e.contains("[160, 96]") && e.contains("expected [150, 96]"), "{e}");
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains("model.layers.0.mlp.gate_proj.weight")
+            && e.contains("[160, 96]")
+            && e.contains("expected [150, 96]"),
+        "{e}"
+    );
 
     // Missing tensor: a config with more layers than the checkpoint.
     copy_fixture("llama_gqa", t.path());

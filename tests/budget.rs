@@ -56,18 +56,28 @@ fn delta_level_and_errors() {
     fake_run(&t.path().join("good"), "student", "H", 0.01, &base.iter().map(|x| x * 1.01).collect::<Vec<_>>());
     let bin = env!("CARGO_BIN_EXE_colotrain");
     let p = |n: &str| t.path().join(n).display().to_string();
-    let out = Command::new(bin).args(["eval", "--reference", &p("ref"), "--reps", "500", "--budget", &p("good"), &p("bad")]).output().unwrap();
+    let out = Command::new(bin)
+        .args(["eval", "--reference", &p("ref"), "--reps", "500", "--budget", &p("good"), &p("bad")])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("B_emp(τ = 0.20) = [0.01000, 0.30000]"), "{text}");
-    let out = Command::new(bin).args(["eval", "--reference", &p("ref"), "--budget", &p("bad"), "--step", "5"]).output().unwrap();
+    let out = Command::new(bin)
+        .args(["eval", "--reference", &p("ref"), "--budget", &p("bad"), "--step", "5"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no held-out evaluation at step 5"));
     // An empty held-out file.
-    let st = Command::new(bin).args(["init-tiny", "--out", &p("m"), "--layers", "1", "--hidden", "32"]).output().unwrap();
+    let st =
+        Command::new(bin).args(["init-tiny", "--out", &p("m"), "--layers", "1", "--hidden", "32"]).output().unwrap();
     assert!(st.status.success());
     std::fs::write(t.path().join("empty.jsonl"), "").unwrap();
-    let out = Command::new(bin).args(["eval", "--checkpoint", &p("m"), "--teacher", &p("m"), "--heldout", &p("empty.jsonl")]).output().unwrap();
+    let out = Command::new(bin)
+        .args(["eval", "--checkpoint", &p("m"), "--teacher", &p("m"), "--heldout", &p("empty.jsonl")])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(e.contains("empty.jsonl: no prompts (the file is empty)"), "{e}");

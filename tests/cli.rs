@@ -11,7 +11,11 @@ use std::process::Command;
 
 fn cli(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_colotrain")).args(args).output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
 }
 
 fn ok(args: &[&str]) -> String {
@@ -38,7 +42,21 @@ fn tiny_models_of_every_arch_generate_and_score_consistently() {
     for arch in ["llama", "qwen2", "qwen3"] {
         let dir = t.path().join(arch);
         let d = dir.to_str().unwrap();
-        ok(&["init-tiny", "--arch", arch, "--out", d, "--layers", "2", "--hidden", "64", "--std", "0.3", "--seed", "4"]);
+        ok(&[
+            "init-tiny",
+            "--arch",
+            arch,
+            "--out",
+            d,
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--std",
+            "0.3",
+            "--seed",
+            "4",
+        ]);
         let info = ok(&["inspect", "--model", d]);
         assert!(info.contains("parameters") && info.contains("chat template yes"), "{info}");
         // Refuses to overwrite.
@@ -53,7 +71,21 @@ fn tiny_models_of_every_arch_generate_and_score_consistently() {
         .unwrap();
         let out = t.path().join(format!("{arch}-o.jsonl"));
         let (p, o) = (prompts.to_str().unwrap(), out.to_str().unwrap());
-        ok(&["generate", "--model", d, "--prompts", p, "--n", "2", "--max-new-tokens", "12", "--seed", "7", "--out", o]);
+        ok(&[
+            "generate",
+            "--model",
+            d,
+            "--prompts",
+            p,
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--seed",
+            "7",
+            "--out",
+            o,
+        ]);
         let gen = lines(&out);
         assert_eq!(gen.len(), 6);
         for (i, g) in gen.iter().enumerate() {
@@ -100,7 +132,20 @@ fn stop_strings_cut_the_text_and_end_the_response() {
     std::fs::write(&prompts, "{\"tokens\": [65, 66]}\n").unwrap();
     let out = t.path().join("o.jsonl");
     let args = |extra: &[&str]| {
-        let mut a = vec!["generate", "--model", d, "--prompts", prompts.to_str().unwrap(), "--max-new-tokens", "200", "--ignore-eos", "--seed", "3", "--out", out.to_str().unwrap()];
+        let mut a = vec![
+            "generate",
+            "--model",
+            d,
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--max-new-tokens",
+            "200",
+            "--ignore-eos",
+            "--seed",
+            "3",
+            "--out",
+            out.to_str().unwrap(),
+        ];
         a.extend_from_slice(extra);
         a.into_iter().map(String::from).collect::<Vec<_>>()
     };
@@ -109,7 +154,9 @@ fn stop_strings_cut_the_text_and_end_the_response() {
     let free = lines(&out).remove(0);
     let toks = ids(&free["tokens"]);
     // Two consecutive printable ASCII tokens (byte-level: token id = byte).
-    let i = (1..toks.len()).find(|&i| (33..127).contains(&toks[i - 1]) && (33..127).contains(&toks[i])).expect("a printable pair in 200 random bytes");
+    let i = (1..toks.len())
+        .find(|&i| (33..127).contains(&toks[i - 1]) && (33..127).contains(&toks[i]))
+        .expect("a printable pair in 200 random bytes");
     let stop = format!("{}{}", toks[i - 1] as u8 as char, toks[i] as u8 as char);
     let first = (1..toks.len()).find(|&j| toks[j - 1] == toks[i - 1] && toks[j] == toks[i]).unwrap();
     let a = args(&["--stop", &stop]);
@@ -146,7 +193,13 @@ fn report_plots_one_run_and_compares_several() {
     }
     assert!(o.contains("slow") && o.contains("updates/h"), "{o}");
     let out = t.path().join("cmp");
-    let o = ok(&["report", slow.to_str().unwrap(), t.path().join("fast").to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    let o = ok(&[
+        "report",
+        slow.to_str().unwrap(),
+        t.path().join("fast").to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     // 4 s vs 2 s per step (steps 3-5): 900 vs 1800 updates/hour, ratio 2.
     let fast = o.lines().find(|l| l.starts_with("fast")).unwrap_or_else(|| panic!("{o}"));
     assert!(fast.contains(" 1800 ") && fast.contains("2.000"), "{fast}");

@@ -10,8 +10,8 @@
 mod common;
 
 use colotrain::config::JobConfig;
-use colotrain::train::checkpoint;
 use colotrain::orchestrator::{self as job, Fault, JobOptions};
+use colotrain::train::checkpoint;
 use common::TempDir;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -35,7 +35,11 @@ fn tiny(out: &std::path::Path, devices: usize, edit: impl FnOnce(&mut JobConfig)
 }
 
 fn lines(p: &std::path::Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(p.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    std::fs::read_to_string(p.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 fn master(dir: &std::path::Path, j: &JobConfig) -> Vec<f32> {
@@ -72,8 +76,13 @@ fn one_two_and_three_devices_train_the_same_weights_on_the_same_samples() {
         }
         let maxdiff = w.iter().zip(w1).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         eprintln!("devices {}: max |Δθ| = {maxdiff:e}", j.run.devices);
-        let worst = w.iter().zip(w1).map(|(a, b)| ((a - b).abs() as f64 - 1e-5 * b.abs() as f64).max(0.0)).fold(0.0, f64::max);
-        assert!(worst <= 1e-6, "devices {}: master weights differ by up to {worst:e} beyond the relative part", j.run.devices);
+        let worst =
+            w.iter().zip(w1).map(|(a, b)| ((a - b).abs() as f64 - 1e-5 * b.abs() as f64).max(0.0)).fold(0.0, f64::max);
+        assert!(
+            worst <= 1e-6,
+            "devices {}: master weights differ by up to {worst:e} beyond the relative part",
+            j.run.devices
+        );
     }
 }
 
@@ -97,7 +106,10 @@ fn bf16_weights_are_gathered_as_the_rounded_master() {
         let saved = colotrain::model::LoadedModel::load(&ck, &dev, colotrain::device::DType::F32).unwrap();
         let compute: Vec<f32> = saved.weights.tensors().iter().flat_map(|t| t.to_f32_vec().unwrap()).collect();
         assert_eq!(compute.len(), master.len());
-        let bad = compute.iter().zip(&master).position(|(c, m)| c.to_bits() != colotrain::device::bf16_rne(*m).to_f32().to_bits());
+        let bad = compute
+            .iter()
+            .zip(&master)
+            .position(|(c, m)| c.to_bits() != colotrain::device::bf16_rne(*m).to_f32().to_bits());
         assert_eq!(bad, None, "devices {n}: compute weight differs from bf16(master)");
         // Training moved the weights off their BF16 start.
         assert!(master.iter().any(|m| colotrain::device::bf16_rne(*m).to_f32() != *m), "devices {n}");
@@ -175,7 +187,8 @@ fn split_placement_generates_beside_training_within_the_staleness_bound() {
             assert!(u.iter().all(|x| x.as_f64().unwrap() > 0.0), "{u:?}");
         }
         // The generator holds the compute weights alone: no master, moments or gradients.
-        let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+        let plan: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
         let (gen, tr) = (plan[0]["trainer"].as_u64().unwrap(), plan[1]["trainer"].as_u64().unwrap());
         assert!(gen * 10 < tr, "generator trainer state {gen} bytes vs the trainer's {tr}");
         // Five updates happened and were published; the checkpoint resumes.
@@ -213,7 +226,8 @@ fn more_cpu_devices_than_cores_is_refused() {
 #[test]
 fn a_device_failure_mid_step_stops_cleanly() {
     let t = TempDir::new("fault");
-    let cases = [("train", false), ("train", true), ("rollout", false), ("teacher", true), ("resync", false), ("resync", true)];
+    let cases =
+        [("train", false), ("train", true), ("rollout", false), ("teacher", true), ("resync", false), ("resync", true)];
     for (phase, panic) in cases {
         let dir = t.path().join(format!("{phase}-{panic}"));
         let j = tiny(&dir, 2, |j| j.checkpoint.every = 2);
@@ -292,9 +306,13 @@ fn kv_caches_are_sized_from_what_the_plan_leaves() {
             j.engine.recipe = recipe.into();
         });
         job::run(&j, &JobOptions::default()).unwrap_or_else(|e| panic!("{recipe}: {e:#}"));
-        let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+        let plan: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
         let p = &plan[0];
-        let total: u64 = ["weights", "trainer", "teacher", "engine_buffers", "kv_cache"].iter().map(|k| p[*k].as_u64().unwrap()).sum();
+        let total: u64 = ["weights", "trainer", "teacher", "engine_buffers", "kv_cache"]
+            .iter()
+            .map(|k| p[*k].as_u64().unwrap())
+            .sum();
         // A tenth of the budget is kept free for what the plan does not itemize; the KV caches
         // take the rest but less than one block of each (KiBs here).
         let share = total as f64 / ((budget as u64) << 20) as f64;
@@ -304,13 +322,32 @@ fn kv_caches_are_sized_from_what_the_plan_leaves() {
     }
     // More budget, more KV tokens.
     assert!(tokens[1] > tokens[0], "{tokens:?}");
-    let e = format!("{:#}", job::run(&tiny(&t.path().join("small"), 1, |j| {
-        j.rollout.kv_cache_mb = 0;
-        j.run.memory_budget_mb = Some(20);
-    }), &JobOptions::default()).unwrap_err());
-    assert!(e.contains("the plan does not fit device 0") && e.contains("leave no room for one KV block") && e.contains("20 MiB budget"), "{e}");
-    assert!(!t.path().join("small").join("metrics.jsonl").exists() || std::fs::read_to_string(t.path().join("small").join("metrics.jsonl")).unwrap().is_empty());
-    let e = format!("{:#}", job::run(&tiny(&t.path().join("nobudget"), 1, |j| j.rollout.kv_cache_mb = 0), &JobOptions::default()).unwrap_err());
+    let e = format!(
+        "{:#}",
+        job::run(
+            &tiny(&t.path().join("small"), 1, |j| {
+                j.rollout.kv_cache_mb = 0;
+                j.run.memory_budget_mb = Some(20);
+            }),
+            &JobOptions::default()
+        )
+        .unwrap_err()
+    );
+    assert!(
+        e.contains("the plan does not fit device 0")
+            && e.contains("leave no room for one KV block")
+            && e.contains("20 MiB budget"),
+        "{e}"
+    );
+    assert!(
+        !t.path().join("small").join("metrics.jsonl").exists()
+            || std::fs::read_to_string(t.path().join("small").join("metrics.jsonl")).unwrap().is_empty()
+    );
+    let e = format!(
+        "{:#}",
+        job::run(&tiny(&t.path().join("nobudget"), 1, |j| j.rollout.kv_cache_mb = 0), &JobOptions::default())
+            .unwrap_err()
+    );
     assert!(e.contains("set run.memory_budget_mb"), "{e}");
 }
 
@@ -329,25 +366,50 @@ fn fixed_kv_caches_over_the_budget_are_refused_before_any_step() {
     };
     let dir = t.path().join("free");
     job::run(&tiny(&dir, 1, edit), &JobOptions::default()).unwrap();
-    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
-    let before: u64 = ["weights", "trainer", "teacher", "engine_buffers"].iter().map(|k| plan[0][*k].as_u64().unwrap()).sum();
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+    let before: u64 =
+        ["weights", "trainer", "teacher", "engine_buffers"].iter().map(|k| plan[0][*k].as_u64().unwrap()).sum();
     let kv = plan[0]["kv_cache"].as_u64().unwrap();
     // A budget above what lives there before the caches, below it with them.
     let budget = (before + kv / 2) >> 20;
-    assert!(budget << 20 > before && (budget << 20) < before + kv, "kv {kv} bytes leaves no MiB between {before} and {}", before + kv);
+    assert!(
+        budget << 20 > before && (budget << 20) < before + kv,
+        "kv {kv} bytes leaves no MiB between {before} and {}",
+        before + kv
+    );
     let dir = t.path().join("over");
-    let e = format!("{:#}", job::run(&tiny(&dir, 1, |j| {
-        edit(j);
-        j.run.memory_budget_mb = Some(budget as usize);
-    }), &JobOptions::default()).unwrap_err());
-    assert!(e.contains("the plan does not fit device 0") && e.contains("KV caches") && e.contains("rollout.kv_cache_mb = 24 each") && e.contains(&format!("{budget} MiB budget (run.memory_budget_mb)")), "{e}");
-    assert!(!dir.join("metrics.jsonl").exists() || std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap().is_empty());
+    let e = format!(
+        "{:#}",
+        job::run(
+            &tiny(&dir, 1, |j| {
+                edit(j);
+                j.run.memory_budget_mb = Some(budget as usize);
+            }),
+            &JobOptions::default()
+        )
+        .unwrap_err()
+    );
+    assert!(
+        e.contains("the plan does not fit device 0")
+            && e.contains("KV caches")
+            && e.contains("rollout.kv_cache_mb = 24 each")
+            && e.contains(&format!("{budget} MiB budget (run.memory_budget_mb)")),
+        "{e}"
+    );
+    assert!(
+        !dir.join("metrics.jsonl").exists() || std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap().is_empty()
+    );
     // With the caches' size added, it fits and runs.
     let dir = t.path().join("fits");
-    job::run(&tiny(&dir, 1, |j| {
-        edit(j);
-        j.run.memory_budget_mb = Some(((before + kv) >> 20) as usize + 1);
-    }), &JobOptions::default()).unwrap();
+    job::run(
+        &tiny(&dir, 1, |j| {
+            edit(j);
+            j.run.memory_budget_mb = Some(((before + kv) >> 20) as usize + 1);
+        }),
+        &JobOptions::default(),
+    )
+    .unwrap();
 }
 
 /// Split placement with a stale rollout engine (it reads weights one version behind what it
@@ -392,7 +454,8 @@ fn split_trainers_hold_only_what_their_role_needs() {
     });
     let s = job::run(&j, &JobOptions::default()).unwrap();
     assert!(s.evals.last().map(|e| e.kl.is_finite()).unwrap_or(false));
-    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
     let get = |d: usize, k: &str| plan[d][k].as_u64().unwrap();
     assert!(get(0, "teacher") > 0 && get(1, "teacher") > 0 && get(2, "teacher") == 0, "{plan}");
     // The generator's FP8 engine has its own cache beside the standard one; trainers only the

@@ -48,12 +48,27 @@ fn prompts() -> Vec<Vec<u32>> {
     (0..6u32).map(|i| (0..(3 + 5 * i)).map(|t| (t * 17 + i * 3) % 97).collect()).collect()
 }
 
-fn run(dev: &Device, cfg: &ModelConfig, w: &ModelWeights, ec: EngineConfig, s: &Arc<SamplingConfig>, order: &[usize], n: u32) -> Vec<Completion> {
+fn run(
+    dev: &Device,
+    cfg: &ModelConfig,
+    w: &ModelWeights,
+    ec: EngineConfig,
+    s: &Arc<SamplingConfig>,
+    order: &[usize],
+    n: u32,
+) -> Vec<Completion> {
     let mut e = Engine::new(dev, cfg, DType::F32, &ec, None).unwrap();
     let ps = prompts();
     for &i in order {
         for k in 0..n {
-            e.add(Request { id: i as u64, sample: k, prompt: ps[i].clone(), sampling: s.clone(), prompt_logprobs: false }).unwrap();
+            e.add(Request {
+                id: i as u64,
+                sample: k,
+                prompt: ps[i].clone(),
+                sampling: s.clone(),
+                prompt_logprobs: false,
+            })
+            .unwrap();
         }
     }
     let out = e.run_to_completion(w, |_| {}).unwrap();
@@ -67,13 +82,29 @@ fn run(dev: &Device, cfg: &ModelConfig, w: &ModelWeights, ec: EngineConfig, s: &
 fn samples_do_not_depend_on_batching_order_or_preemption() {
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
         let (dev, cfg, w) = model(arch);
-        let s = Arc::new(SamplingConfig { temperature: 0.9, top_p: 0.95, top_k: 40, max_new_tokens: 20, ignore_eos: true, seed: 5, ..Default::default() });
+        let s = Arc::new(SamplingConfig {
+            temperature: 0.9,
+            top_p: 0.95,
+            top_k: 40,
+            max_new_tokens: 20,
+            ignore_eos: true,
+            seed: 5,
+            ..Default::default()
+        });
         let fwd: Vec<usize> = (0..6).collect();
         let rev: Vec<usize> = (0..6).rev().collect();
         let base = run(&dev, &cfg, &w, EngineConfig { max_seqs: 1, ..Default::default() }, &s, &fwd, 2);
         let variants = [
             run(&dev, &cfg, &w, EngineConfig::default(), &s, &fwd, 2),
-            run(&dev, &cfg, &w, EngineConfig { max_seqs: 3, max_tokens_per_step: 7, ..Default::default() }, &s, &rev, 2),
+            run(
+                &dev,
+                &cfg,
+                &w,
+                EngineConfig { max_seqs: 3, max_tokens_per_step: 7, ..Default::default() },
+                &s,
+                &rev,
+                2,
+            ),
             // 6 blocks of 8 tokens: far fewer than 12 sequences need, so the scheduler preempts.
             run(&dev, &cfg, &w, EngineConfig { block_size: 8, kv_blocks: Some(12), ..Default::default() }, &s, &rev, 2),
         ];
@@ -96,16 +127,32 @@ fn samples_do_not_depend_on_batching_order_or_preemption() {
 /// any mutable access to the weights drops the panels.
 #[test]
 fn packed_linears_decode_the_same_bits() {
-    for (arch, dtype, tie) in [(Arch::Llama, DType::F32, false), (Arch::Qwen2, DType::BF16, true), (Arch::Qwen3, DType::F32, true)] {
+    for (arch, dtype, tie) in
+        [(Arch::Llama, DType::F32, false), (Arch::Qwen2, DType::BF16, true), (Arch::Qwen3, DType::F32, true)]
+    {
         let dev = Device::cpu(2).unwrap();
         let cfg = ModelConfig { tie_word_embeddings: tie, ..tiny_cfg(arch) };
         let mut w = ModelWeights::random(&cfg, &dev, dtype, 12, 0.3).unwrap();
-        let s = Arc::new(SamplingConfig { temperature: 0.8, top_p: 0.9, max_new_tokens: 12, ignore_eos: true, seed: 2, ..Default::default() });
+        let s = Arc::new(SamplingConfig {
+            temperature: 0.8,
+            top_p: 0.9,
+            max_new_tokens: 12,
+            ignore_eos: true,
+            seed: 2,
+            ..Default::default()
+        });
         let order: Vec<usize> = (0..6).collect();
         let go = |w: &ModelWeights| {
             let mut e = Engine::new(&dev, &cfg, dtype, &EngineConfig::default(), None).unwrap();
             for &i in &order {
-                e.add(Request { id: i as u64, sample: 0, prompt: prompts()[i].clone(), sampling: s.clone(), prompt_logprobs: true }).unwrap();
+                e.add(Request {
+                    id: i as u64,
+                    sample: 0,
+                    prompt: prompts()[i].clone(),
+                    sampling: s.clone(),
+                    prompt_logprobs: true,
+                })
+                .unwrap();
             }
             e.run_to_completion(w, |_| {}).unwrap()
         };
@@ -151,7 +198,15 @@ fn logprobs_are_those_of_the_distribution_sampled_from() {
     let (dev, cfg, w) = model(Arch::Qwen2);
     let lm = LoadedModel { dir: "mem".into(), cfg: cfg.clone(), weights: w, text: None, quant: None };
     for (t, k, p) in [(1.0f32, 0u32, 1.0f32), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.8, 10, 0.7)] {
-        let s = Arc::new(SamplingConfig { temperature: t, top_k: k, top_p: p, max_new_tokens: 12, ignore_eos: true, seed: 3, ..Default::default() });
+        let s = Arc::new(SamplingConfig {
+            temperature: t,
+            top_k: k,
+            top_p: p,
+            max_new_tokens: 12,
+            ignore_eos: true,
+            seed: 3,
+            ..Default::default()
+        });
         let out = run(&dev, &cfg, &lm.weights, EngineConfig::default(), &s, &[1, 4], 1);
         for c in &out {
             let full: Vec<u32> = prompts()[c.id as usize].iter().chain(&c.tokens).copied().collect();
@@ -160,7 +215,10 @@ fn logprobs_are_those_of_the_distribution_sampled_from() {
             for (i, (&y, &lp)) in c.tokens.iter().zip(&c.logprobs).enumerate() {
                 let row = c.prompt_len + i - 1;
                 let want = reference_logprob(&z[row * v..(row + 1) * v], t, y as usize, k as usize, p as f64);
-                assert!((lp as f64 - want).abs() <= 1e-5 + 1e-5 * want.abs(), "T={t} k={k} p={p} token {i}: {lp} vs {want}");
+                assert!(
+                    (lp as f64 - want).abs() <= 1e-5 + 1e-5 * want.abs(),
+                    "T={t} k={k} p={p} token {i}: {lp} vs {want}"
+                );
                 if k == 0 && p == 1.0 {
                     // No truncation: exactly the trainer's log_softmax(z / T).
                     let (mx, lse) = row_log_normalizer(&z[row * v..(row + 1) * v], t);
@@ -175,7 +233,8 @@ fn logprobs_are_those_of_the_distribution_sampled_from() {
 #[test]
 fn stops_at_eos_max_tokens_and_model_length() {
     let (dev, mut cfg, w) = model(Arch::Llama);
-    let greedy = Arc::new(SamplingConfig { temperature: 0.0, max_new_tokens: 30, ignore_eos: true, ..Default::default() });
+    let greedy =
+        Arc::new(SamplingConfig { temperature: 0.0, max_new_tokens: 30, ignore_eos: true, ..Default::default() });
     let free = run(&dev, &cfg, &w, EngineConfig::default(), &greedy, &[2], 1);
     assert_eq!(free[0].tokens.len(), 30);
     assert_eq!(free[0].finish, FinishReason::Length);
@@ -199,7 +258,13 @@ fn rejects_requests_that_cannot_run() {
     let (dev, cfg, _w) = model(Arch::Qwen3);
     let mut e = Engine::new(&dev, &cfg, DType::F32, &EngineConfig::default(), None).unwrap();
     let s = Arc::new(SamplingConfig::default());
-    let req = |prompt: Vec<u32>, s: &Arc<SamplingConfig>| Request { id: 9, sample: 0, prompt, sampling: s.clone(), prompt_logprobs: false };
+    let req = |prompt: Vec<u32>, s: &Arc<SamplingConfig>| Request {
+        id: 9,
+        sample: 0,
+        prompt,
+        sampling: s.clone(),
+        prompt_logprobs: false,
+    };
     let err = e.add(req(vec![], &s)).unwrap_err().to_string();
     assert!(err.contains("empty prompt"), "{err}");
     let err = e.add(req(vec![1, 97, 2], &s)).unwrap_err().to_string();
@@ -234,7 +299,12 @@ fn teacher_scores_of_completions_equal_those_of_rollouts() {
     got.extend(rollout::score_completions(&mut te, &teacher, &prompt_of[3..], &done[3..], 0.8).unwrap());
     let mut rs: Vec<Rollout> = done
         .iter()
-        .map(|c| Rollout { prompt: ps[c.id as usize].clone(), response: c.tokens.clone(), sampler_logprobs: c.logprobs.clone(), ..Default::default() })
+        .map(|c| Rollout {
+            prompt: ps[c.id as usize].clone(),
+            response: c.tokens.clone(),
+            sampler_logprobs: c.logprobs.clone(),
+            ..Default::default()
+        })
         .collect();
     rollout::score_teacher(&mut te, &teacher, &mut rs, 0.8).unwrap();
     assert_eq!(got.len(), rs.len());
@@ -242,7 +312,10 @@ fn teacher_scores_of_completions_equal_those_of_rollouts() {
         let want = r.teacher_logprobs.as_ref().unwrap();
         assert_eq!(g.len(), r.response.len());
         assert!(g.iter().all(|x| x.is_finite() && *x <= 0.0));
-        assert_eq!(g.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        assert_eq!(
+            g.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
     }
     // A completion whose prompt does not match its request is refused, not mis-scored.
     let e = rollout::score_completions(&mut te, &teacher, &[&[1, 2]], &done[..1], 0.8).unwrap_err();

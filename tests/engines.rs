@@ -7,9 +7,9 @@ use colotrain::config::EngineSection;
 use colotrain::device::{DType, Device};
 use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
 use colotrain::engine::{Engine, EngineConfig, Request, SamplingConfig};
+use colotrain::model::calib::Calibration;
 use colotrain::model::config::{Arch, ModelConfig, Rope, RopeScaling};
 use colotrain::model::ModelWeights;
-use colotrain::model::calib::Calibration;
 use colotrain::quant::recipe::{KvScale, Recipe};
 use std::sync::Arc;
 
@@ -39,7 +39,12 @@ fn cfg() -> ModelConfig {
 }
 
 fn spec(recipe: &str, noise: f64, staleness: usize) -> EngineSpec {
-    EngineSpec { recipe: Recipe::preset(recipe, 3, &[], KvScale::Fixed(1.0), Default::default()).unwrap(), noise_sigma: noise, noise_seed: 7, staleness }
+    EngineSpec {
+        recipe: Recipe::preset(recipe, 3, &[], KvScale::Fixed(1.0), Default::default()).unwrap(),
+        noise_sigma: noise,
+        noise_seed: 7,
+        staleness,
+    }
 }
 
 fn calib(c: &ModelConfig) -> Calibration {
@@ -73,7 +78,14 @@ fn quantized_buffers_are_rewritten_in_place() {
     let mut w = ModelWeights::random(&c, &dev, DType::F32, 1, 0.2).unwrap();
     for (r, c0) in [("fp8", 0.3f32), ("nvfp4", 0.75)] {
         let mut rw = RolloutWeights::new(&dev, &spec(r, 0.0, 0), &c, &w, Some(&calib(&c)), 0).unwrap();
-        let ptrs: Vec<usize> = rw.quant.as_ref().unwrap().layers.iter().flat_map(|l| l.w.iter().flatten().map(|q| q.codes_ptr())).collect();
+        let ptrs: Vec<usize> = rw
+            .quant
+            .as_ref()
+            .unwrap()
+            .layers
+            .iter()
+            .flat_map(|l| l.w.iter().flatten().map(|q| q.codes_ptr()))
+            .collect();
         assert_eq!(ptrs.len(), 21);
         let snap = |rw: &RolloutWeights| {
             let q = rw.quant.as_ref().unwrap().layers[1].w[4].as_ref().unwrap();
@@ -106,7 +118,8 @@ fn fp8_kv_cache_holds_more_tokens_in_the_same_memory() {
     let c = cfg();
     let budget = 1 << 20;
     let mk = |fp8: bool, dt: DType| {
-        let ec = EngineConfig { kv_cache_bytes: budget, kv_fp8: vec![(fp8, fp8); 3], max_seqs: 512, ..Default::default() };
+        let ec =
+            EngineConfig { kv_cache_bytes: budget, kv_fp8: vec![(fp8, fp8); 3], max_seqs: 512, ..Default::default() };
         Engine::new(&dev, &c, dt, &ec, None).unwrap().cache.capacity_tokens()
     };
     // Capacity is whole 16-token blocks of the budget: the ratio is exact up to one block.
@@ -126,16 +139,24 @@ fn fp8_kv_engine_samples_close_to_the_standard_one() {
     // Calibrate on the same prompt with the standard engine (the observer records amaxes).
     let mut std_e = Engine::new(&dev, &c, DType::F32, &EngineConfig::default(), None).unwrap();
     std_e.set_observer(Some(Calibration::new(Calibration::fingerprint(&c), 3)));
-    std_e.add(Request { id: 0, sample: 0, prompt: prompt.clone(), sampling: s.clone(), prompt_logprobs: true }).unwrap();
+    std_e
+        .add(Request { id: 0, sample: 0, prompt: prompt.clone(), sampling: s.clone(), prompt_logprobs: true })
+        .unwrap();
     std_e.run_to_completion(&w, |_| {}).unwrap();
     let cal = std_e.set_observer(None).unwrap();
     assert!(cal.input_amax.iter().all(|a| a.iter().all(|&x| x > 0.0)) && cal.k_amax.iter().all(|&x| x > 0.0));
     let score = |fp8: bool, recipe: &str| {
         let ec = EngineConfig { kv_fp8: vec![(fp8, fp8); 3], ..Default::default() };
         let mut e = Engine::new(&dev, &c, DType::F32, &ec, None).unwrap();
-        let sp = EngineSpec { recipe: Recipe::preset(recipe, 3, &[], KvScale::Calibrated, Default::default()).unwrap(), noise_sigma: 0.0, noise_seed: 0, staleness: 0 };
+        let sp = EngineSpec {
+            recipe: Recipe::preset(recipe, 3, &[], KvScale::Calibrated, Default::default()).unwrap(),
+            noise_sigma: 0.0,
+            noise_seed: 0,
+            staleness: 0,
+        };
         let rw = RolloutWeights::new(&dev, &sp, &c, &w, Some(&cal), 0).unwrap();
-        e.add(Request { id: 0, sample: 0, prompt: prompt.clone(), sampling: s.clone(), prompt_logprobs: true }).unwrap();
+        e.add(Request { id: 0, sample: 0, prompt: prompt.clone(), sampling: s.clone(), prompt_logprobs: true })
+            .unwrap();
         e.run_to_completion(rw.view(&w), |_| {}).unwrap()[0].prompt_logprobs.clone()
     };
     let base = score(false, "bf16");
@@ -192,7 +213,8 @@ fn weight_noise_is_fixed_seeded_and_scaled() {
     // Norms and embeddings are untouched; the trainer's weights too.
     assert_eq!(a.view(&w).w.norm.to_f32_vec().unwrap(), w.norm.to_f32_vec().unwrap());
     assert_eq!(w.layers[1].up_proj.to_f32_vec().unwrap(), t);
-    let c2 = RolloutWeights::new(&dev, &EngineSpec { noise_seed: 8, ..spec("bf16", 0.15, 0) }, &c, &w, None, 0).unwrap();
+    let c2 =
+        RolloutWeights::new(&dev, &EngineSpec { noise_seed: 8, ..spec("bf16", 0.15, 0) }, &c, &w, None, 0).unwrap();
     assert_ne!(first, c2.view(&w).w.layers[1].up_proj.to_f32_vec().unwrap());
 }
 
@@ -205,7 +227,8 @@ fn bad_engine_inputs() {
     };
     assert!(parse("recipe = \"int8\"").contains("unknown recipe 'int8'"));
     assert!(parse("recipe = \"fp8\"\nkeep_bf16 = [\"middle\"]").contains("unknown keep_bf16 entry 'middle'"));
-    assert!(parse("recipe = \"fp8\"\n[[overrides]]\nlayers = [7]\nweight = \"bf16\"").contains("layer index 7 is out of range"));
+    assert!(parse("recipe = \"fp8\"\n[[overrides]]\nlayers = [7]\nweight = \"bf16\"")
+        .contains("layer index 7 is out of range"));
     assert!(parse("recipe = \"fp8\"\nkv_scale = -1.0").contains("kv_scale"));
     // NVFP4 needs K divisible by 16.
     let dev = Device::cpu(1).unwrap();
@@ -215,7 +238,19 @@ fn bad_engine_inputs() {
     odd.num_kv_heads = 1;
     let w = ModelWeights::random(&odd, &dev, DType::F32, 1, 0.2).unwrap();
     let r = Recipe::preset("nvfp4", 3, &[], KvScale::Fixed(1.0), Default::default()).unwrap();
-    let e = format!("{:#}", RolloutWeights::new(&dev, &EngineSpec { recipe: r, noise_sigma: 0.0, noise_seed: 0, staleness: 0 }, &odd, &w, Some(&calib(&odd)), 0).err().unwrap());
+    let e = format!(
+        "{:#}",
+        RolloutWeights::new(
+            &dev,
+            &EngineSpec { recipe: r, noise_sigma: 0.0, noise_seed: 0, staleness: 0 },
+            &odd,
+            &w,
+            Some(&calib(&odd)),
+            0
+        )
+        .err()
+        .unwrap()
+    );
     assert!(e.contains("multiple of 16") || e.contains("divisible by 16"), "{e}");
     // A calibration file from another model.
     let t = common::TempDir::new("calib");
@@ -233,15 +268,22 @@ fn modelopt_export_loads_back_as_the_same_engine() {
     let w = ModelWeights::random(&c, &dev, DType::F32, 9, 0.15).unwrap();
     let cal = calib(&c);
     for (recipe, keep) in [("fp8", vec!["first-layer".to_string()]), ("nvfp4", vec![])] {
-        let sp = EngineSpec { recipe: Recipe::preset(recipe, 3, &keep, KvScale::Calibrated, Default::default()).unwrap(), noise_sigma: 0.0, noise_seed: 0, staleness: 0 };
+        let sp = EngineSpec {
+            recipe: Recipe::preset(recipe, 3, &keep, KvScale::Calibrated, Default::default()).unwrap(),
+            noise_sigma: 0.0,
+            noise_seed: 0,
+            staleness: 0,
+        };
         let rw = RolloutWeights::new(&dev, &sp, &c, &w, Some(&cal), 0).unwrap();
         let dir = t.path().join(recipe);
         std::fs::create_dir_all(&dir).unwrap();
         colotrain::model::modelopt::export(&dir, &c, &w, rw.quant.as_ref().unwrap(), DType::F32).unwrap();
-        let hq: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("hf_quant_config.json")).unwrap()).unwrap();
+        let hq: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("hf_quant_config.json")).unwrap()).unwrap();
         assert_eq!(hq["quantization"]["quant_algo"], recipe.to_uppercase());
         assert_eq!(hq["quantization"]["kv_cache_quant_algo"], "FP8");
-        let cj: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let cj: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
         assert_eq!(cj["quantization_config"]["quant_method"], "modelopt");
         let lm = LoadedModel::load(&dir, &dev, DType::F32).unwrap();
         let q = lm.quant.as_ref().expect("a ModelOpt directory loads as a quantized engine");
@@ -252,7 +294,8 @@ fn modelopt_export_loads_back_as_the_same_engine() {
         let score = |v: colotrain::engine::View| {
             let ec = EngineConfig { kv_fp8: sp.recipe.kv_layers(), ..Default::default() };
             let mut e = Engine::new(&dev, &c, DType::F32, &ec, None).unwrap();
-            e.add(Request { id: 0, sample: 0, prompt: prompt.clone(), sampling: s.clone(), prompt_logprobs: true }).unwrap();
+            e.add(Request { id: 0, sample: 0, prompt: prompt.clone(), sampling: s.clone(), prompt_logprobs: true })
+                .unwrap();
             e.run_to_completion(v, |_| {}).unwrap()[0].prompt_logprobs.clone()
         };
         let a = score(rw.view(&w));
@@ -277,10 +320,30 @@ fn engine_buffer_estimate_equals_the_allocation() {
     cal.input_amax = vec![[4.0; 4]; n];
     cal.k_amax = vec![8.0; n];
     cal.v_amax = vec![8.0; n];
-    let spec = |r: &str, keep: &[String], noise: f64, stale: usize| EngineSpec { recipe: Recipe::preset(r, n, keep, KvScale::Calibrated, Default::default()).unwrap(), noise_sigma: noise, noise_seed: 1, staleness: stale };
+    let spec = |r: &str, keep: &[String], noise: f64, stale: usize| EngineSpec {
+        recipe: Recipe::preset(r, n, keep, KvScale::Calibrated, Default::default()).unwrap(),
+        noise_sigma: noise,
+        noise_seed: 1,
+        staleness: stale,
+    };
     let first_last = ["first-layer".to_string(), "last-layer".to_string()];
-    for s in [spec("bf16", &[], 0.0, 0), spec("fp8", &[], 0.0, 0), spec("fp8", &first_last, 0.0, 0), spec("nvfp4", &[], 0.0, 0), spec("bf16", &[], 0.15, 0), spec("bf16", &[], 0.0, 2), spec("nvfp4", &[], 0.1, 1)] {
+    for s in [
+        spec("bf16", &[], 0.0, 0),
+        spec("fp8", &[], 0.0, 0),
+        spec("fp8", &first_last, 0.0, 0),
+        spec("nvfp4", &[], 0.0, 0),
+        spec("bf16", &[], 0.15, 0),
+        spec("bf16", &[], 0.0, 2),
+        spec("nvfp4", &[], 0.1, 1),
+    ] {
         let rw = RolloutWeights::new(&dev, &s, &lm.cfg, &lm.weights, Some(&cal), 0).unwrap();
-        assert_eq!(RolloutWeights::estimate_extra_bytes(&s, &lm.weights), rw.extra_bytes(), "{} noise {} stale {}", s.recipe.name, s.noise_sigma, s.staleness);
+        assert_eq!(
+            RolloutWeights::estimate_extra_bytes(&s, &lm.weights),
+            rw.extra_bytes(),
+            "{} noise {} stale {}",
+            s.recipe.name,
+            s.noise_sigma,
+            s.staleness
+        );
     }
 }

@@ -150,7 +150,8 @@ fn f16_safetensors_load_exactly() {
             let back = colotrain::model::LoadedModel::load(&dir, &dev, dtype).unwrap();
             assert_eq!(back.weights.dtype(), dtype);
             for (a, b) in lm.weights.tensors().iter().zip(back.weights.tensors()) {
-                let want: Vec<u32> = a.to_f32_vec().unwrap().iter().map(|&x| half::f16::from_f32(x).to_f32().to_bits()).collect();
+                let want: Vec<u32> =
+                    a.to_f32_vec().unwrap().iter().map(|&x| half::f16::from_f32(x).to_f32().to_bits()).collect();
                 let got: Vec<u32> = b.to_f32_vec().unwrap().iter().map(|x| x.to_bits()).collect();
                 assert_eq!(got, want, "{name} as {dtype:?}");
             }

@@ -48,7 +48,8 @@ fn backward_matches_finite_differences_in_f64() {
         let h = 1e-5;
         for (pi, (name, _)) in specs.iter().enumerate() {
             let n = p[pi].len();
-            let picks: Vec<usize> = if n <= 48 { (0..n).collect() } else { (0..48).map(|_| rng.below(n as u64) as usize).collect() };
+            let picks: Vec<usize> =
+                if n <= 48 { (0..n).collect() } else { (0..48).map(|_| rng.below(n as u64) as usize).collect() };
             let (mut num, mut den) = (0.0f64, 0.0f64);
             for &i in &picks {
                 let orig = p[pi][i];

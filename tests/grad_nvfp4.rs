@@ -121,11 +121,21 @@ fn rope(x: &mut [f64], heads: usize, d: usize, pos: &[u32], inv_freq: &[f32]) {
 /// Q(x)·Q(W)ᵀ through the surrogate (z + c). With `record`, c is first taken from the learner's
 /// quantizer at these parameters (then the value is the NVFP4 forward's loss).
 #[allow(clippy::too_many_arguments)]
-fn ref_loss(cfg: &ModelConfig, p: &[Vec<f64>], b: &TrainBatch, coef: &[f64], t: f64, lq: &LearnerQuant, fz: &mut Frozen, record: bool) -> f64 {
+fn ref_loss(
+    cfg: &ModelConfig,
+    p: &[Vec<f64>],
+    b: &TrainBatch,
+    coef: &[f64],
+    t: f64,
+    lq: &LearnerQuant,
+    fz: &mut Frozen,
+    record: bool,
+) -> f64 {
     let specs = param_specs(cfg);
     let ix: HashMap<String, usize> = specs.iter().enumerate().map(|(i, (n, _))| (n.clone(), i)).collect();
     let get = |n: &str| ix.get(n).map(|&i| p[i].as_slice());
-    let (c, id, nh, nkv, d, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size);
+    let (c, id, nh, nkv, d, vocab) =
+        (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size);
     let (qd, kd) = (nh * d, nkv * d);
     let n = b.tokens.len();
     let eps = cfg.rms_norm_eps;
@@ -134,7 +144,8 @@ fn ref_loss(cfg: &ModelConfig, p: &[Vec<f64>], b: &TrainBatch, coef: &[f64], t: 
         *fz = Frozen { w: HashMap::new(), h2: vec![None; cfg.num_layers], a: vec![None; cfg.num_layers] };
     }
     let emb = get("model.embed_tokens.weight").unwrap();
-    let mut x: Vec<f64> = b.tokens.iter().flat_map(|&tok| emb[tok as usize * c..(tok as usize + 1) * c].to_vec()).collect();
+    let mut x: Vec<f64> =
+        b.tokens.iter().flat_map(|&tok| emb[tok as usize * c..(tok as usize + 1) * c].to_vec()).collect();
     for l in 0..cfg.num_layers {
         let pre = format!("model.layers.{l}");
         let w = |s: &str| get(&format!("{pre}.{s}")).unwrap();
@@ -157,7 +168,9 @@ fn ref_loss(cfg: &ModelConfig, p: &[Vec<f64>], b: &TrainBatch, coef: &[f64], t: 
                 for h in 0..nh {
                     let kh = h / (nh / nkv);
                     let qi = &q[(i * nh + h) * d..(i * nh + h + 1) * d];
-                    let sc: Vec<f64> = (r0..=i).map(|j| (0..d).map(|e| qi[e] * k[(j * nkv + kh) * d + e]).sum::<f64>() / (d as f64).sqrt()).collect();
+                    let sc: Vec<f64> = (r0..=i)
+                        .map(|j| (0..d).map(|e| qi[e] * k[(j * nkv + kh) * d + e]).sum::<f64>() / (d as f64).sqrt())
+                        .collect();
                     let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let z: f64 = sc.iter().map(|s| (s - mx).exp()).sum();
                     for (jj, j) in (r0..=i).enumerate() {
@@ -227,7 +240,14 @@ struct Case {
     act_global: Option<f32>,
 }
 
-fn trainable_grads(cfg: &ModelConfig, p: &[Vec<f64>], b: &TrainBatch, coef: &[f64], t: f64, lq: Option<LearnerQuant>) -> (f64, Vec<Vec<f64>>) {
+fn trainable_grads(
+    cfg: &ModelConfig,
+    p: &[Vec<f64>],
+    b: &TrainBatch,
+    coef: &[f64],
+    t: f64,
+    lq: Option<LearnerQuant>,
+) -> (f64, Vec<Vec<f64>>) {
     let mut m = Trainable::<f64>::new(cfg);
     m.set_quant(lq);
     let ps: Vec<&[f64]> = p.iter().map(|v| v.as_slice()).collect();
@@ -241,10 +261,30 @@ fn trainable_grads(cfg: &ModelConfig, p: &[Vec<f64>], b: &TrainBatch, coef: &[f6
 #[test]
 fn nvfp4_learner_backward_is_the_straight_through_gradient() {
     let cases = [
-        Case { arch: Arch::Llama, linears: &["gate_proj", "up_proj", "down_proj"], opts: Nvfp4Opts::default(), act_global: None },
-        Case { arch: Arch::Qwen3, linears: &["gate_proj", "up_proj", "down_proj"], opts: Nvfp4Opts { rht: Some(3), stochastic: Some(5) }, act_global: Some(2.5 / 2688.0) },
-        Case { arch: Arch::Qwen2, linears: &["down_proj"], opts: Nvfp4Opts { rht: Some(7), stochastic: None }, act_global: None },
-        Case { arch: Arch::Llama, linears: &["up_proj", "down_proj"], opts: Nvfp4Opts { rht: None, stochastic: Some(11) }, act_global: Some(0.5 / 2688.0) },
+        Case {
+            arch: Arch::Llama,
+            linears: &["gate_proj", "up_proj", "down_proj"],
+            opts: Nvfp4Opts::default(),
+            act_global: None,
+        },
+        Case {
+            arch: Arch::Qwen3,
+            linears: &["gate_proj", "up_proj", "down_proj"],
+            opts: Nvfp4Opts { rht: Some(3), stochastic: Some(5) },
+            act_global: Some(2.5 / 2688.0),
+        },
+        Case {
+            arch: Arch::Qwen2,
+            linears: &["down_proj"],
+            opts: Nvfp4Opts { rht: Some(7), stochastic: None },
+            act_global: None,
+        },
+        Case {
+            arch: Arch::Llama,
+            linears: &["up_proj", "down_proj"],
+            opts: Nvfp4Opts { rht: None, stochastic: Some(11) },
+            act_global: Some(0.5 / 2688.0),
+        },
         Case { arch: Arch::Qwen3, linears: &["gate_proj"], opts: Nvfp4Opts::default(), act_global: None },
     ];
     for (ci, case) in cases.iter().enumerate() {
@@ -262,13 +302,17 @@ fn nvfp4_learner_backward_is_the_straight_through_gradient() {
                 *a = [Some(g); 7];
             }
         }
-        let tag = format!("case {ci} {:?} {:?} {:?} act_global {:?}", case.arch, case.linears, case.opts, case.act_global);
+        let tag =
+            format!("case {ci} {:?} {:?} {:?} act_global {:?}", case.arch, case.linears, case.opts, case.act_global);
 
         let (l0, grads) = trainable_grads(&cfg, &p, &b, &coef, t, Some(lq.clone()));
         let mut fz = Frozen::default();
         let lref = ref_loss(&cfg, &p, &b, &coef, t, &lq, &mut fz, true);
         // (1) The surrogate is anchored at the real NVFP4 forward.
-        assert!((l0 - lref).abs() <= 1e-10 * lref.abs().max(1.0), "{tag}: loss from the NVFP4 backward {l0} vs the reference NVFP4 forward {lref}");
+        assert!(
+            (l0 - lref).abs() <= 1e-10 * lref.abs().max(1.0),
+            "{tag}: loss from the NVFP4 backward {l0} vs the reference NVFP4 forward {lref}"
+        );
         // The surrogate at θ₀ with frozen offsets reproduces that loss (z₀ + (Q(z₀) − z₀)).
         let lsur = ref_loss(&cfg, &p, &b, &coef, t, &lq, &mut fz, false);
         assert!((lsur - lref).abs() <= 1e-12 * lref.abs().max(1.0), "{tag}: surrogate {lsur} vs {lref}");
@@ -306,7 +350,11 @@ fn nvfp4_learner_backward_is_the_straight_through_gradient() {
                 let pi = specs.iter().position(|(n, _)| *n == format!("model.layers.{l}.mlp.{name}.weight")).unwrap();
                 let diff: f64 = grads[pi].iter().zip(&dense[pi]).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt();
                 let norm: f64 = grads[pi].iter().map(|a| a * a).sum::<f64>().sqrt();
-                assert!(diff >= 0.05 * norm, "{tag}: layer {l} {name}: STE gradient within {:.3} of the dense one", diff / norm);
+                assert!(
+                    diff >= 0.05 * norm,
+                    "{tag}: layer {l} {name}: STE gradient within {:.3} of the dense one",
+                    diff / norm
+                );
                 eprintln!("{tag}: layer {l} {name}: ‖g_ste − g_dense‖/‖g_ste‖ = {:.3}", diff / norm);
             }
         }

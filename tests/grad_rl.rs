@@ -11,13 +11,13 @@ mod common;
 
 use colotrain::config::{JobConfig, LossAgg};
 use colotrain::device::{DType, Device};
+use colotrain::engine::rollout::read_file;
 use colotrain::model::trainable::{TrainBatch, Trainable};
 use colotrain::model::weights::param_specs;
 use colotrain::objective::advantage::{advantages, Estimator};
 use colotrain::objective::grpo::{self, PgConfig};
 use colotrain::objective::triage::{self, TriageConfig};
 use colotrain::objective::TokenStats;
-use colotrain::engine::rollout::read_file;
 use colotrain::train::trainer::{param_slices, Trainer};
 use common::*;
 
@@ -72,7 +72,8 @@ fn one_sgd_step_per_rl_objective_is_theta_minus_grad() {
         assert!(!out.skipped && out.updates == 1, "{obj}");
         // The reported loss is the objective's own value; centering changes the gradient only
         // (its surrogate's value is not reported), so it reports REINFORCE's loss.
-        let (_, want_loss) = r.f32(&format!("loss.{}", if obj == "reinforce_centered" { "reinforce_offset" } else { obj }));
+        let (_, want_loss) =
+            r.f32(&format!("loss.{}", if obj == "reinforce_centered" { "reinforce_offset" } else { obj }));
         let wl = want_loss[0] as f64;
         assert!((out.loss - wl).abs() <= 1e-5 + 1e-4 * wl.abs(), "{obj}: loss {} vs {wl}", out.loss);
         for (((pname, _), t), b) in param_specs(&tr.cfg).iter().zip(tr.weights.tensors()).zip(&before) {
@@ -119,8 +120,20 @@ fn triage_alpha_and_psi_match_the_fixture() {
     assert_close("advantages", &a.iter().map(|x| *x as f32).collect::<Vec<_>>(), &want_a, 1e-6, 1e-6);
     let adv: Vec<f64> = a.iter().zip(&lens).flat_map(|(a, n)| std::iter::repeat_n(*a, *n)).collect();
     let sampler: Vec<f32> = rollouts.iter().flat_map(|r| r.sampler_logprobs.clone()).collect();
-    let s = TokenStats { seq_lens: &lens, logp: &lp, logp_old: None, sampler: Some(&sampler), teacher: None, advantages: Some(&adv), mask: None };
-    let job = JobConfig::from_toml(&format!("[model]\npath = \"x\"\n[rollout]\nsamples_per_prompt = 2\n[objective]\nkind = \"triage\"\n{TRIAGE}"), "inline").unwrap();
+    let s = TokenStats {
+        seq_lens: &lens,
+        logp: &lp,
+        logp_old: None,
+        sampler: Some(&sampler),
+        teacher: None,
+        advantages: Some(&adv),
+        mask: None,
+    };
+    let job = JobConfig::from_toml(
+        &format!("[model]\npath = \"x\"\n[rollout]\nsamples_per_prompt = 2\n[objective]\nkind = \"triage\"\n{TRIAGE}"),
+        "inline",
+    )
+    .unwrap();
     let tc: TriageConfig = job.objective.triage.clone();
     let pg = PgConfig { eps_low: 0.2, eps_high: 0.28, tis_cap: Some(2.0) };
     let base = grpo::base(&s, LossAgg::SeqMeanTokenMean, &pg).unwrap();

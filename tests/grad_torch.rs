@@ -8,10 +8,10 @@ mod common;
 
 use colotrain::config::{JobConfig, LossAgg};
 use colotrain::device::{DType, Device};
+use colotrain::engine::rollout::read_file;
 use colotrain::model::trainable::{TrainBatch, Trainable};
 use colotrain::model::weights::param_specs;
 use colotrain::objective::{self, TokenStats};
-use colotrain::engine::rollout::read_file;
 use colotrain::train::trainer::{param_slices, Trainer};
 use common::*;
 
@@ -27,7 +27,8 @@ fn gradients_match_pytorch_autograd() {
     for name in FIXTURE_MODELS {
         let lm = load_fixture(name, &dev, DType::F32);
         let r = Ref::open(&fixtures().join("grads").join(format!("{name}.safetensors")));
-        let rollouts = read_file(&fixtures().join("grads").join(format!("{name}_rollouts.jsonl")), lm.cfg.vocab_size).unwrap();
+        let rollouts =
+            read_file(&fixtures().join("grads").join(format!("{name}_rollouts.jsonl")), lm.cfg.vocab_size).unwrap();
         let mut b = TrainBatch::default();
         for ro in &rollouts {
             b.push(&ro.prompt, &ro.response);
@@ -43,24 +44,48 @@ fn gradients_match_pytorch_autograd() {
         assert_close(&format!("{name} logp"), &lp, &want_lp, 1e-5, 1e-5);
         let seq_lens: Vec<usize> = rollouts.iter().map(|r| r.response.len()).collect();
         let teacher: Vec<f32> = rollouts.iter().flat_map(|r| r.teacher_logprobs.clone().unwrap()).collect();
-        let stats = TokenStats { seq_lens: &seq_lens, logp: &lp, logp_old: None, sampler: None, teacher: Some(&teacher), advantages: None, mask: None };
+        let stats = TokenStats {
+            seq_lens: &seq_lens,
+            logp: &lp,
+            logp_old: None,
+            sampler: None,
+            teacher: Some(&teacher),
+            advantages: None,
+            mask: None,
+        };
         let (_, coef) = r.f32("coef");
         let cases: Vec<(&str, f32, Vec<f32>)> = vec![
             ("coef", 0.7, coef),
             ("sft_token_mean", 1.0, objective::sft::coefficients(&stats, LossAgg::TokenMean).unwrap().coef),
             ("opd_token_mean", 1.0, objective::opd::coefficients(&stats, LossAgg::TokenMean).unwrap().coef),
-            ("opd_seq_mean_token_mean", 1.0, objective::opd::coefficients(&stats, LossAgg::SeqMeanTokenMean).unwrap().coef),
-            ("opd_seq_mean_token_sum", 1.0, objective::opd::coefficients(&stats, LossAgg::SeqMeanTokenSum).unwrap().coef),
+            (
+                "opd_seq_mean_token_mean",
+                1.0,
+                objective::opd::coefficients(&stats, LossAgg::SeqMeanTokenMean).unwrap().coef,
+            ),
+            (
+                "opd_seq_mean_token_sum",
+                1.0,
+                objective::opd::coefficients(&stats, LossAgg::SeqMeanTokenSum).unwrap().coef,
+            ),
         ];
         for (obj, t, c) in cases {
             m.forward(&ps, &b).unwrap();
             let mut grads: Vec<Vec<f32>> = ps.iter().map(|p| vec![0.0; p.len()]).collect();
             let loss = m.backward(&ps, &b, &c, t, 4, &mut grads).unwrap();
             let (_, want_loss) = r.f32(&format!("loss.{obj}"));
-            assert!((loss - want_loss[0]).abs() as f64 <= 1e-4 * want_loss[0].abs() as f64, "{name} {obj}: loss {loss} vs {}", want_loss[0]);
+            assert!(
+                (loss - want_loss[0]).abs() as f64 <= 1e-4 * want_loss[0].abs() as f64,
+                "{name} {obj}: loss {loss} vs {}",
+                want_loss[0]
+            );
             let norm: f64 = grads.iter().flatten().map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt();
             let (_, want_norm) = r.f32(&format!("grad_norm.{obj}"));
-            assert!((norm - want_norm[0] as f64).abs() <= 1e-4 * want_norm[0] as f64, "{name} {obj}: grad norm {norm} vs {}", want_norm[0]);
+            assert!(
+                (norm - want_norm[0] as f64).abs() <= 1e-4 * want_norm[0] as f64,
+                "{name} {obj}: grad norm {norm} vs {}",
+                want_norm[0]
+            );
             let mut checked = 0;
             for ((pname, _), g) in param_specs(&lm.cfg).iter().zip(&grads) {
                 let key = format!("grad.{obj}.{pname}");
@@ -97,7 +122,8 @@ fn one_sgd_step_is_theta_minus_grad() {
     ] {
         let lm = load_fixture(name, &dev, DType::F32);
         let before: Vec<Vec<f32>> = lm.weights.tensors().iter().map(|t| t.to_f32_vec().unwrap()).collect();
-        let rollouts = read_file(&fixtures().join("grads").join(format!("{name}_rollouts.jsonl")), lm.cfg.vocab_size).unwrap();
+        let rollouts =
+            read_file(&fixtures().join("grads").join(format!("{name}_rollouts.jsonl")), lm.cfg.vocab_size).unwrap();
         let toml = format!(
             r#"[model]
 path = "unused"
@@ -132,7 +158,6 @@ grad_clip = 0.0
         }
     }
 }
-
 
 /// The same reference check through the whole job: `colotrain train` with rollout.source = "file",
 /// SGD lr 1, F32 weights and an F32 checkpoint; the checkpoint's weights are θ − ∇L.
@@ -173,9 +198,12 @@ dtype = "f32"
     colotrain::orchestrator::run(&job, &Default::default()).unwrap();
     let dev = Device::cpu(2).unwrap();
     let before = load_fixture(name, &dev, DType::F32);
-    let after = colotrain::model::LoadedModel::load(&t.path().join("run").join("checkpoint-000001"), &dev, DType::F32).unwrap();
+    let after =
+        colotrain::model::LoadedModel::load(&t.path().join("run").join("checkpoint-000001"), &dev, DType::F32).unwrap();
     let r = Ref::open(&fixtures().join("grads").join(format!("{name}.safetensors")));
-    for (((pname, _), a), b) in param_specs(&before.cfg).iter().zip(after.weights.tensors()).zip(before.weights.tensors()) {
+    for (((pname, _), a), b) in
+        param_specs(&before.cfg).iter().zip(after.weights.tensors()).zip(before.weights.tensors())
+    {
         let (_, g) = r.f32(&format!("grad.opd_seq_mean_token_sum.{pname}"));
         let delta: Vec<f32> = b.to_f32_vec().unwrap().iter().zip(a.to_f32_vec().unwrap()).map(|(x, y)| x - y).collect();
         let e = rel_err(&delta, &g);

@@ -32,7 +32,13 @@ fn named(text: &str, modules: &[String]) -> Vec<(usize, String)> {
         while let Some(at) = rest.find("crate::") {
             rest = &rest[at + 7..];
             let names: Vec<&str> = if let Some(group) = rest.strip_prefix('{') {
-                group.split('}').next().unwrap_or("").split(',').map(|s| s.trim().split("::").next().unwrap_or("").trim()).collect()
+                group
+                    .split('}')
+                    .next()
+                    .unwrap_or("")
+                    .split(',')
+                    .map(|s| s.trim().split("::").next().unwrap_or("").trim())
+                    .collect()
             } else {
                 vec![rest.split(|c: char| !(c.is_alphanumeric() || c == '_')).next().unwrap_or("")]
             };
@@ -57,7 +63,8 @@ fn no_module_names_one_above_it() {
     let mut bad = Vec::new();
     for f in &files {
         let rel = f.strip_prefix(&src).expect("under src");
-        let top = rel.components().next().expect("a path").as_os_str().to_string_lossy().trim_end_matches(".rs").to_string();
+        let top =
+            rel.components().next().expect("a path").as_os_str().to_string_lossy().trim_end_matches(".rs").to_string();
         let Some(&mine) = rank.get(top.as_str()) else { continue }; // lib.rs, main.rs
         let text = std::fs::read_to_string(f).expect("source");
         for (line, m) in named(&text, &order) {

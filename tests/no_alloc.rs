@@ -135,7 +135,12 @@ fn quantized_and_stale_resyncs_do_not_allocate() {
     cal.k_amax = vec![5.0; 2];
     cal.v_amax = vec![5.0; 2];
     for (recipe, noise, stale) in [("fp8", 0.0, 0), ("nvfp4", 0.0, 0), ("nvfp4", 0.1, 2)] {
-        let spec = EngineSpec { recipe: Recipe::preset(recipe, 2, &[], KvScale::Calibrated, Default::default()).unwrap(), noise_sigma: noise, noise_seed: 1, staleness: stale };
+        let spec = EngineSpec {
+            recipe: Recipe::preset(recipe, 2, &[], KvScale::Calibrated, Default::default()).unwrap(),
+            noise_sigma: noise,
+            noise_seed: 1,
+            staleness: stale,
+        };
         let mut rw = RolloutWeights::new(&dev, &spec, &cfg, &w, Some(&cal), 0).unwrap();
         let vals = w.layers[0].up_proj.to_f32_vec().unwrap();
         dev.install(|| {
@@ -147,7 +152,11 @@ fn quantized_and_stale_resyncs_do_not_allocate() {
             }
             COUNTING.store(false, Ordering::SeqCst);
         });
-        assert_eq!(ALLOCS.load(Ordering::SeqCst), 0, "{recipe} noise {noise} staleness {stale}: allocations during 3 syncs");
+        assert_eq!(
+            ALLOCS.load(Ordering::SeqCst),
+            0,
+            "{recipe} noise {noise} staleness {stale}: allocations during 3 syncs"
+        );
         w.layers[0].up_proj.write_f32(&vals).unwrap();
     }
 }

@@ -33,7 +33,14 @@ fn element_encodings_match_ml_dtypes() {
         let mut in_range = 0;
         for i in 0..x.len() {
             let got = f.encode(x[i]);
-            assert_eq!(got, sat[i], "{name}: x = {:e} ({:#010x}): got {got:#04x}, want {:#04x}", x[i], x[i].to_bits(), sat[i]);
+            assert_eq!(
+                got,
+                sat[i],
+                "{name}: x = {:e} ({:#010x}): got {got:#04x}, want {:#04x}",
+                x[i],
+                x[i].to_bits(),
+                sat[i]
+            );
             if x[i].abs() <= f.max() {
                 assert_eq!(got, bits[i], "{name}: in-range x = {:e} differs from ml_dtypes", x[i]);
                 in_range += 1;
@@ -55,8 +62,16 @@ fn nvfp4_blocks_match_the_reference_bit_for_bit() {
         q.requantize_cpu(CpuFloats::F32(&x), name).unwrap();
         let (_, global) = r.f32(&format!("{name}.global"));
         assert_eq!(q.scale.to_bits(), global[0].to_bits(), "{name}: global scale");
-        assert_eq!(q.codes_bytes().unwrap(), raw("nvfp4.safetensors", &format!("{name}.packed")), "{name}: packed codes");
-        assert_eq!(q.scales_bytes().unwrap(), raw("nvfp4.safetensors", &format!("{name}.scales")), "{name}: block scales");
+        assert_eq!(
+            q.codes_bytes().unwrap(),
+            raw("nvfp4.safetensors", &format!("{name}.packed")),
+            "{name}: packed codes"
+        );
+        assert_eq!(
+            q.scales_bytes().unwrap(),
+            raw("nvfp4.safetensors", &format!("{name}.scales")),
+            "{name}: block scales"
+        );
         let (_, deq) = r.f32(&format!("{name}.deq"));
         let got = q.dequantize();
         for (i, (a, b)) in got.iter().zip(&deq).enumerate() {

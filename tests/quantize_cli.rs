@@ -11,7 +11,11 @@ use std::process::Command;
 
 fn cli(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_colotrain")).args(args).output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
 }
 
 fn ok(args: &[&str]) -> String {
@@ -61,21 +65,63 @@ fn quantize_writes_the_modelopt_layout_that_decodes_to_the_weights() {
     let t = TempDir::new("quantize");
     let m = t.path().join("m");
     let ms = m.to_str().unwrap();
-    ok(&["init-tiny", "--arch", "qwen2", "--out", ms, "--layers", "3", "--hidden", "64", "--intermediate", "128", "--std", "0.3", "--seed", "5", "--dtype", "f32"]);
+    ok(&[
+        "init-tiny",
+        "--arch",
+        "qwen2",
+        "--out",
+        ms,
+        "--layers",
+        "3",
+        "--hidden",
+        "64",
+        "--intermediate",
+        "128",
+        "--std",
+        "0.3",
+        "--seed",
+        "5",
+        "--dtype",
+        "f32",
+    ]);
     let prompts = t.path().join("p.jsonl");
     std::fs::write(&prompts, "{\"prompt\": \"hello there\"}\n{\"prompt\": \"2+2=\"}\n").unwrap();
     let orig_bytes = std::fs::read(m.join("model.safetensors")).unwrap();
     let orig = SafeTensors::deserialize(&orig_bytes).unwrap();
     for (recipe, algo) in [("nvfp4", "NVFP4"), ("fp8", "FP8")] {
         let out = t.path().join(recipe);
-        let o = ok(&["quantize", "--model", ms, "--recipe", recipe, "--keep-bf16", "first-layer", "--prompts", prompts.to_str().unwrap(), "--max-new-tokens", "8", "--out-dtype", "f32", "--out", out.to_str().unwrap()]);
+        let o = ok(&[
+            "quantize",
+            "--model",
+            ms,
+            "--recipe",
+            recipe,
+            "--keep-bf16",
+            "first-layer",
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--max-new-tokens",
+            "8",
+            "--out-dtype",
+            "f32",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
         assert!(o.contains("2 of 3 layers quantized"), "{o}");
-        let hq: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("hf_quant_config.json")).unwrap()).unwrap();
+        let hq: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("hf_quant_config.json")).unwrap()).unwrap();
         assert_eq!(hq["quantization"]["quant_algo"], algo);
         assert_eq!(hq["quantization"]["kv_cache_quant_algo"], "FP8");
-        let excl: Vec<&str> = hq["quantization"]["exclude_modules"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-        assert!(excl.contains(&"lm_head") && excl.contains(&"model.layers.0.mlp.down_proj") && !excl.iter().any(|e| e.starts_with("model.layers.1")), "{excl:?}");
-        let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        let excl: Vec<&str> =
+            hq["quantization"]["exclude_modules"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        assert!(
+            excl.contains(&"lm_head")
+                && excl.contains(&"model.layers.0.mlp.down_proj")
+                && !excl.iter().any(|e| e.starts_with("model.layers.1")),
+            "{excl:?}"
+        );
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
         assert_eq!(cfg["quantization_config"]["quant_method"], "modelopt");
         let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -88,7 +134,10 @@ fn quantize_writes_the_modelopt_layout_that_decodes_to_the_weights() {
                 let p = format!("model.layers.{l}.{lin}");
                 let w0 = f32s(&orig, &format!("{p}.weight"));
                 let q = st.tensor(&format!("{p}.weight")).unwrap();
-                let (n, k) = (orig.tensor(&format!("{p}.weight")).unwrap().shape()[0], w0.len() / orig.tensor(&format!("{p}.weight")).unwrap().shape()[0]);
+                let (n, k) = (
+                    orig.tensor(&format!("{p}.weight")).unwrap().shape()[0],
+                    w0.len() / orig.tensor(&format!("{p}.weight")).unwrap().shape()[0],
+                );
                 assert!(scalar(&st, &format!("{p}.input_scale")) > 0.0, "{p}: calibrated input scale");
                 if recipe == "nvfp4" {
                     assert_eq!((q.dtype(), q.shape()), (Dtype::U8, &[n, k / 2][..]), "{p}");
@@ -119,7 +168,10 @@ fn quantize_writes_the_modelopt_layout_that_decodes_to_the_weights() {
                     for (i, (&c, &x)) in q.data().iter().zip(&w0).enumerate() {
                         let v = e4m3(c) * s;
                         // E4M3: 3 mantissa bits (relative 2^-4 at RNE), subnormal step 2^-9·s.
-                        assert!((v - x as f64).abs() <= 2f64.powi(-4) * (x as f64).abs() + 2f64.powi(-10) * s + 1e-12, "{p}[{i}]: {v} vs {x}");
+                        assert!(
+                            (v - x as f64).abs() <= 2f64.powi(-4) * (x as f64).abs() + 2f64.powi(-10) * s + 1e-12,
+                            "{p}[{i}]: {v} vs {x}"
+                        );
                     }
                 }
             }
@@ -128,7 +180,17 @@ fn quantize_writes_the_modelopt_layout_that_decodes_to_the_weights() {
         }
         // colotrain loads the export back as a quantized engine and generates from it.
         let gen = t.path().join(format!("{recipe}.jsonl"));
-        ok(&["generate", "--model", out.to_str().unwrap(), "--prompts", prompts.to_str().unwrap(), "--max-new-tokens", "4", "--out", gen.to_str().unwrap()]);
+        ok(&[
+            "generate",
+            "--model",
+            out.to_str().unwrap(),
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--max-new-tokens",
+            "4",
+            "--out",
+            gen.to_str().unwrap(),
+        ]);
         assert_eq!(std::fs::read_to_string(&gen).unwrap().lines().count(), 2);
     }
 }
@@ -144,7 +206,22 @@ fn quantize_refuses_bad_arguments() {
     let cases: [(&[&str], &str); 3] = [
         (&["quantize", "--model", ms, "--recipe", "fp9", "--out", os], "--recipe: expected fp8 or nvfp4"),
         (&["quantize", "--model", ms, "--recipe", "fp8", "--out", os], "--calibration FILE or --prompts FILE"),
-        (&["quantize", "--model", ms, "--recipe", "fp8", "--keep-bf16", "first-lyr", "--prompts", "x.jsonl", "--out", os], "first-lyr"),
+        (
+            &[
+                "quantize",
+                "--model",
+                ms,
+                "--recipe",
+                "fp8",
+                "--keep-bf16",
+                "first-lyr",
+                "--prompts",
+                "x.jsonl",
+                "--out",
+                os,
+            ],
+            "first-lyr",
+        ),
     ];
     for (args, want) in cases {
         let (c, o, e) = cli(args);
@@ -156,7 +233,19 @@ fn quantize_refuses_bad_arguments() {
     std::fs::write(out.join("keep.txt"), "mine").unwrap();
     let cal = t.path().join("p.jsonl");
     std::fs::write(&cal, "{\"prompt\": \"hi\"}\n").unwrap();
-    let (c, _, e) = cli(&["quantize", "--model", ms, "--recipe", "fp8", "--prompts", cal.to_str().unwrap(), "--max-new-tokens", "2", "--out", os]);
+    let (c, _, e) = cli(&[
+        "quantize",
+        "--model",
+        ms,
+        "--recipe",
+        "fp8",
+        "--prompts",
+        cal.to_str().unwrap(),
+        "--max-new-tokens",
+        "2",
+        "--out",
+        os,
+    ]);
     assert_ne!(c, 0, "{e}");
     assert_eq!(std::fs::read_to_string(out.join("keep.txt")).unwrap(), "mine");
 }

@@ -94,11 +94,22 @@ fn rl_configuration_errors_are_clear() {
     };
     assert!(bad("tau_sev = -0.01").contains("tau_sev < tau_neg < 0"));
     assert!(bad("w_sev = 0.9").contains("w_sev <= w_neg"));
-    let e = format!("{:#}", JobConfig::from_toml(&TINY_RL.replace("segment_len = 4\nrepair", "segment_len = 0\nrepair"), "f.toml").unwrap_err());
+    let e = format!(
+        "{:#}",
+        JobConfig::from_toml(&TINY_RL.replace("segment_len = 4\nrepair", "segment_len = 0\nrepair"), "f.toml")
+            .unwrap_err()
+    );
     assert!(e.contains("segment_len") && e.contains("f.toml"), "{e}");
-    let e = format!("{:#}", JobConfig::from_toml(&TINY_RL.replace("samples_per_prompt = 8", "samples_per_prompt = 1"), "f.toml").unwrap_err());
+    let e = format!(
+        "{:#}",
+        JobConfig::from_toml(&TINY_RL.replace("samples_per_prompt = 8", "samples_per_prompt = 1"), "f.toml")
+            .unwrap_err()
+    );
     assert!(e.contains("rollout.samples_per_prompt") && e.contains("standard deviation is undefined"), "{e}");
-    let e = format!("{:#}", JobConfig::from_toml(&TINY_RL.replace("precision = \"nvfp4\"", "precision = \"fp4\""), "f.toml").unwrap_err());
+    let e = format!(
+        "{:#}",
+        JobConfig::from_toml(&TINY_RL.replace("precision = \"nvfp4\"", "precision = \"fp4\""), "f.toml").unwrap_err()
+    );
     assert!(e.contains("learner.precision"), "{e}");
 }
 
@@ -107,7 +118,9 @@ fn rl_configuration_errors_are_clear() {
 fn missing_rewards_and_singleton_groups_fail_the_step_clearly() {
     let t = TempDir::new("rl-file");
     let f = t.path().join("r.jsonl");
-    let line = |g: u32, reward: &str| format!("{{\"prompt_tokens\": [5, 6], \"response_tokens\": [7, 8], \"sampler_logprobs\": [-1.0, -1.0], \"group\": {g}{reward}}}\n");
+    let line = |g: u32, reward: &str| {
+        format!("{{\"prompt_tokens\": [5, 6], \"response_tokens\": [7, 8], \"sampler_logprobs\": [-1.0, -1.0], \"group\": {g}{reward}}}\n")
+    };
     std::fs::write(&f, line(0, "") + &line(0, "")).unwrap();
     let run = |name: &str| -> String {
         let j = tiny(&t.path().join(name), |j| {

@@ -5,8 +5,8 @@ mod common;
 
 use colotrain::config::JobConfig;
 use colotrain::device::{DType, Device};
-use colotrain::orchestrator::{self as job, JobOptions};
 use colotrain::engine::rollout::{read_file, Rollout};
+use colotrain::orchestrator::{self as job, JobOptions};
 use colotrain::train::trainer::Trainer;
 use common::*;
 use std::process::Command;
@@ -53,10 +53,17 @@ fn model_errors_at_job_start() {
     let bin = env!("CARGO_BIN_EXE_colotrain");
     for (name, vocab) in [("s", "320"), ("t", "400")] {
         let out = t.path().join(name);
-        let st = Command::new(bin).args(["init-tiny", "--out", out.to_str().unwrap(), "--layers", "1", "--hidden", "32", "--vocab", vocab]).status().unwrap();
+        let st = Command::new(bin)
+            .args(["init-tiny", "--out", out.to_str().unwrap(), "--layers", "1", "--hidden", "32", "--vocab", vocab])
+            .status()
+            .unwrap();
         assert!(st.success());
     }
-    let e = run(&format!("[model]\npath = \"{}\"\n[teacher]\npath = \"{}\"\n", t.path().join("s").display(), t.path().join("t").display()));
+    let e = run(&format!(
+        "[model]\npath = \"{}\"\n[teacher]\npath = \"{}\"\n",
+        t.path().join("s").display(),
+        t.path().join("t").display()
+    ));
     assert!(e.contains("different vocabularies (320 vs 400 tokens)"), "{e}");
 }
 
@@ -69,7 +76,9 @@ fn rollout_file_errors_name_the_line() {
         format!("{:#}", read_file(&p, 100).unwrap_err())
     };
     let good = r#"{"prompt_tokens": [1, 2], "response_tokens": [3, 4], "sampler_logprobs": [-0.1, -0.2]}"#;
-    let e = read(&format!("{good}\n{{\"prompt_tokens\": [1], \"response_tokens\": [3, 4], \"sampler_logprobs\": [-0.1]}}\n"));
+    let e = read(&format!(
+        "{good}\n{{\"prompt_tokens\": [1], \"response_tokens\": [3, 4], \"sampler_logprobs\": [-0.1]}}\n"
+    ));
     assert!(e.contains("r.jsonl:2: 'sampler_logprobs' has 1 values for 2 response tokens"), "{e}");
     let e = read(&format!("{good}\n{good}\n{{\"prompt_tokens\": [1], \"response_tokens\": [3], \"sampler_logprobs\": [-0.1], \"teacher_logprobs\": [NaN]}}\n"));
     assert!(e.contains("r.jsonl:3: not a valid JSON line (it holds a non-finite number"), "{e}");
@@ -86,7 +95,11 @@ fn non_finite_steps_are_skipped_and_counted() {
     let dev = Device::cpu(2).unwrap();
     let lm = load_fixture("qwen3_headdim", &dev, DType::F32);
     let before: Vec<Vec<f32>> = lm.weights.tensors().iter().map(|t| t.to_f32_vec().unwrap()).collect();
-    let job = JobConfig::from_toml("[model]\npath = \"x\"\n[teacher]\npath = \"y\"\n[optimizer]\nkind = \"sgd\"\nlr = 1.0\n", "inline").unwrap();
+    let job = JobConfig::from_toml(
+        "[model]\npath = \"x\"\n[teacher]\npath = \"y\"\n[optimizer]\nkind = \"sgd\"\nlr = 1.0\n",
+        "inline",
+    )
+    .unwrap();
     let mut tr = Trainer::new(&lm.cfg, lm.weights, &job).unwrap();
     // A teacher log-prob of 3e38 makes the advantages (and gradients) overflow f32.
     let r = Rollout {
@@ -118,11 +131,27 @@ fn shipped_configs_parse() {
         let j = JobConfig::from_file(&p).unwrap_or_else(|e| panic!("{f}: {e:#}"));
         assert_eq!(j.objective.kind, "opd");
     }
-    let j = JobConfig::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/r1-distill-qwen-7b-opd.toml")).unwrap();
-    assert_eq!((j.rollout.prompts_per_step, j.rollout.samples_per_prompt, j.rollout.max_new_tokens, j.run.steps), (8, 8, 16384, 200));
+    let j = JobConfig::from_file(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/r1-distill-qwen-7b-opd.toml"),
+    )
+    .unwrap();
+    assert_eq!(
+        (j.rollout.prompts_per_step, j.rollout.samples_per_prompt, j.rollout.max_new_tokens, j.run.steps),
+        (8, 8, 16384, 200)
+    );
     assert_eq!((j.optimizer.lr, j.optimizer.weight_decay, j.optimizer.grad_clip), (1e-6, 0.01, 1.0));
-    let s = JobConfig::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny-opd-split.toml")).unwrap();
-    assert_eq!((s.schedule.mode.as_str(), s.schedule.placement.as_str(), s.schedule.max_staleness, s.schedule.rollout_devices, s.run.devices), ("async", "split", 4, 1, 2));
+    let s = JobConfig::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny-opd-split.toml"))
+        .unwrap();
+    assert_eq!(
+        (
+            s.schedule.mode.as_str(),
+            s.schedule.placement.as_str(),
+            s.schedule.max_staleness,
+            s.schedule.rollout_devices,
+            s.run.devices
+        ),
+        ("async", "split", 4, 1, 2)
+    );
 }
 
 /// The RL recipes parse and validate, with the papers' settings: seed 000 §5.5 / App. B.2 (GRPO
@@ -138,7 +167,11 @@ fn shipped_rl_configs_parse_with_the_papers_settings() {
     for (f, kind) in [("r1-distill-qwen-7b-grpo.toml", "grpo"), ("r1-distill-qwen-7b-reinforce.toml", "reinforce")] {
         let j = open(f);
         assert_eq!(j.objective.kind, kind, "{f}");
-        assert_eq!((j.rollout.prompts_per_step, j.rollout.samples_per_prompt, j.rollout.max_new_tokens), (16, 8, 16384), "{f}");
+        assert_eq!(
+            (j.rollout.prompts_per_step, j.rollout.samples_per_prompt, j.rollout.max_new_tokens),
+            (16, 8, 16384),
+            "{f}"
+        );
         assert_eq!((j.optimizer.lr, j.run.steps), (1e-6, 200), "{f}");
         assert!(!j.objective.tis_enabled(), "{f}: no importance correction");
     }

@@ -7,8 +7,8 @@ mod common;
 use colotrain::config::JobConfig;
 use colotrain::device::{DType, Device};
 use colotrain::model::LoadedModel;
-use colotrain::train::checkpoint;
 use colotrain::orchestrator::{self as job, JobOptions};
+use colotrain::train::checkpoint;
 use common::TempDir;
 
 const TINY: &str = include_str!("../configs/tiny-opd.toml");
@@ -82,7 +82,8 @@ fn resume_continues_exactly() {
     let err = format!("{:#}", job::run(&b3, &JobOptions::default()).unwrap_err());
     assert!(err.contains("already holds a run"), "{err}");
     let b6 = tiny(&t.path().join("resumed"), edit);
-    job::run(&b6, &JobOptions { resume: Some(t.path().join("resumed")), progress: false, stop: None, fault: None }).unwrap();
+    job::run(&b6, &JobOptions { resume: Some(t.path().join("resumed")), progress: false, stop: None, fault: None })
+        .unwrap();
     let x = master_of(&t.path().join("straight").join("checkpoint-000006"), &a);
     let y = master_of(&t.path().join("resumed").join("checkpoint-000006"), &b6);
     assert_eq!(x.3, 6);
@@ -97,7 +98,14 @@ fn resume_continues_exactly() {
         edit(j);
         j.run.seed = 99;
     });
-    let err = format!("{:#}", job::run(&other, &JobOptions { resume: Some(t.path().join("resumed")), progress: false, stop: None, fault: None }).unwrap_err());
+    let err = format!(
+        "{:#}",
+        job::run(
+            &other,
+            &JobOptions { resume: Some(t.path().join("resumed")), progress: false, stop: None, fault: None }
+        )
+        .unwrap_err()
+    );
     assert!(err.contains("belongs to another run"), "{err}");
 }
 
@@ -105,16 +113,22 @@ fn resume_continues_exactly() {
 fn tiny_job_runs_with_every_rollout_engine() {
     let t = TempDir::new("engines-job");
     let cases: Vec<(&str, Box<dyn Fn(&mut JobConfig)>)> = vec![
-        ("fp8", Box::new(|j| {
-            j.engine.recipe = "fp8".into();
-            j.engine.keep_bf16 = vec!["first-layer".into(), "last-layer".into()];
-        })),
+        (
+            "fp8",
+            Box::new(|j| {
+                j.engine.recipe = "fp8".into();
+                j.engine.keep_bf16 = vec!["first-layer".into(), "last-layer".into()];
+            }),
+        ),
         ("nvfp4", Box::new(|j| j.engine.recipe = "nvfp4".into())),
-        ("fp8-kv", Box::new(|j| {
-            j.engine.recipe = "fp8-kv".into();
-            j.engine.keep_bf16 = vec!["first-layer-kv".into()];
-            j.engine.kv_scale = colotrain::config::KvScaleConfig::Value(1.0);
-        })),
+        (
+            "fp8-kv",
+            Box::new(|j| {
+                j.engine.recipe = "fp8-kv".into();
+                j.engine.keep_bf16 = vec!["first-layer-kv".into()];
+                j.engine.kv_scale = colotrain::config::KvScaleConfig::Value(1.0);
+            }),
+        ),
         ("noise", Box::new(|j| j.engine.noise_sigma = 0.15)),
         ("stale", Box::new(|j| j.engine.staleness = 2)),
     ];
@@ -194,7 +208,9 @@ fn resume_is_exact_with_stale_engines_and_the_rl_monitor() {
         j.engine.recipe = "fp8".into();
     });
     straight_vs_resumed(&t, "noise", opd, &|j| j.engine.noise_sigma = 0.15);
-    straight_vs_resumed(&t, "triage-tau", include_str!("../configs/tiny-grpo-triage.toml"), &|j| j.monitor.healthy_steps = 2);
+    straight_vs_resumed(&t, "triage-tau", include_str!("../configs/tiny-grpo-triage.toml"), &|j| {
+        j.monitor.healthy_steps = 2
+    });
     // τ was calibrated before the checkpoint and used after it.
     let m = lines(&t.path().join("triage-tau").join("resumed").join("metrics.jsonl"));
     assert!(m[4]["rl"]["tail_tau"].as_f64().is_some(), "{}", m[4]);

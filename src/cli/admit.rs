@@ -4,8 +4,8 @@ use crate::config::JobConfig;
 use crate::data::dataset::Dataset;
 use crate::device::{DType, Device};
 use crate::mismatch::admit::{self, Settings, Student};
-use crate::model::LoadedModel;
 use crate::model::calib::Calibration;
+use crate::model::LoadedModel;
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
 
@@ -76,12 +76,18 @@ pub fn run(a: Args) -> Result<()> {
         None if dev.is_cpu() => DType::F32,
         None => DType::BF16,
     };
-    let lm = LoadedModel::load(&dir, &dev, dtype).with_context(|| format!("loading the student '{}'", job.model.path))?;
-    let candidates: Vec<admit::Candidate> =
-        a.candidate.iter().map(|c| admit::parse_candidate(c, lm.cfg.num_layers, job.engine.noise_seed)).collect::<Result<_>>()?;
+    let lm =
+        LoadedModel::load(&dir, &dev, dtype).with_context(|| format!("loading the student '{}'", job.model.path))?;
+    let candidates: Vec<admit::Candidate> = a
+        .candidate
+        .iter()
+        .map(|c| admit::parse_candidate(c, lm.cfg.num_layers, job.engine.noise_seed))
+        .collect::<Result<_>>()?;
     let data = Dataset::open(&job.data.train, lm.text.clone(), job.data.chat, lm.cfg.vocab_size, job.run.seed)?;
     let mut prompts = match &job.data.heldout {
-        Some(h) => Dataset::open(h, lm.text.clone(), job.data.chat, lm.cfg.vocab_size, job.run.seed)?.heldout(usize::MAX)?,
+        Some(h) => {
+            Dataset::open(h, lm.text.clone(), job.data.chat, lm.cfg.vocab_size, job.run.seed)?.heldout(usize::MAX)?
+        }
         None => data.heldout(a.prompts)?,
     };
     prompts.truncate(a.prompts);
@@ -99,8 +105,13 @@ pub fn run(a: Args) -> Result<()> {
         (Some(p), _) => Some(Calibration::load(p, &lm.cfg)?),
         (None, true) => {
             let cp = data.train_prompts(u64::MAX >> 1, job.engine.calibration_samples)?;
-            let mut e = crate::engine::Engine::new(&dev, &lm.cfg, lm.weights.dtype(), &Default::default(), lm.text.clone())?;
-            let sc = crate::engine::SamplingConfig { temperature: job.rollout.temperature, max_new_tokens: job.rollout.max_new_tokens, ..Default::default() };
+            let mut e =
+                crate::engine::Engine::new(&dev, &lm.cfg, lm.weights.dtype(), &Default::default(), lm.text.clone())?;
+            let sc = crate::engine::SamplingConfig {
+                temperature: job.rollout.temperature,
+                max_new_tokens: job.rollout.max_new_tokens,
+                ..Default::default()
+            };
             Some(crate::train::calibrate::calibrate(&mut e, &lm.weights, &lm.cfg, &cp, &sc, job.run.seed)?)
         }
         (None, false) => None,
@@ -108,15 +119,39 @@ pub fn run(a: Args) -> Result<()> {
     let st = Student { dev: &dev, cfg: &lm.cfg, w: &lm.weights, text: lm.text.clone(), calib: calib.as_ref() };
     let (floor, verdicts) = admit::check(&st, &candidates, &prompts, &s, a.per_layer)?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"floor": floor, "alpha": a.alpha, "line": a.line, "candidates": verdicts}))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &serde_json::json!({"floor": floor, "alpha": a.alpha, "line": a.line, "candidates": verdicts})
+            )?
+        );
         return Ok(());
     }
-    println!("admission check: {} prompts x {} samples (seed {}), alpha = {}, L = {} nats/token (admit iff alpha*D < L)", prompts.len(), a.samples, a.seed, a.alpha, a.line);
+    println!(
+        "admission check: {} prompts x {} samples (seed {}), alpha = {}, L = {} nats/token (admit iff alpha*D < L)",
+        prompts.len(),
+        a.samples,
+        a.seed,
+        a.alpha,
+        a.line
+    );
     println!("{:<34} {:>11} {:>24} {:>8}", "engine", "D (nats)", "95% interval", "verdict");
-    println!("{:<34} {:>11.5} {:>24} {:>8}", "standard vs itself (floor)", floor.d_hat, format!("[{:.5}, {:.5}]", floor.lo, floor.hi), "-");
+    println!(
+        "{:<34} {:>11.5} {:>24} {:>8}",
+        "standard vs itself (floor)",
+        floor.d_hat,
+        format!("[{:.5}, {:.5}]", floor.lo, floor.hi),
+        "-"
+    );
     for v in &verdicts {
         let e = &v.estimate;
-        println!("{:<34} {:>11.5} {:>24} {:>8}", v.candidate, e.d_hat, format!("[{:.5}, {:.5}]", e.lo, e.hi), if v.admit { "admit" } else { "reject" });
+        println!(
+            "{:<34} {:>11.5} {:>24} {:>8}",
+            v.candidate,
+            e.d_hat,
+            format!("[{:.5}, {:.5}]", e.lo, e.hi),
+            if v.admit { "admit" } else { "reject" }
+        );
         if let Some(p) = &v.per_layer {
             let layers: Vec<String> = p.layers.iter().map(|x| format!("{x:.4}")).collect();
             println!("    per layer (that layer alone): {}", layers.join(" "));
@@ -124,7 +159,10 @@ pub fn run(a: Args) -> Result<()> {
                 println!("    first layer's KV cache share (A-B)/(A-F): {sh:.3}");
             }
             if let (Some(k), Some(vv)) = (p.first_keys, p.first_values) {
-                println!("    first layer keys only {k:.5}, values only {vv:.5}{}", p.keys_share.map(|x| format!(", keys share {x:.3}")).unwrap_or_default());
+                println!(
+                    "    first layer keys only {k:.5}, values only {vv:.5}{}",
+                    p.keys_share.map(|x| format!(", keys share {x:.3}")).unwrap_or_default()
+                );
             }
         }
     }

@@ -5,11 +5,11 @@
 
 use crate::config::JobConfig;
 use crate::device::{DType, Device};
+use crate::engine::rollout::Rollout;
 use crate::model::tiny::{tiny_config, write_model_dir, TinySpec};
 use crate::model::{LoadedModel, ModelWeights};
 use crate::ops::linear::grad as matmul;
 use crate::ops::lm_head::grad as lm_head;
-use crate::engine::rollout::Rollout;
 use crate::train::trainer::Trainer;
 use anyhow::Result;
 use std::path::{Path, PathBuf};
@@ -72,7 +72,18 @@ pub fn bench_model(work: &Path) -> Result<PathBuf> {
     let dir = work.join("qwen2-25m");
     if !dir.join("config.json").exists() {
         std::fs::create_dir_all(&dir)?;
-        let spec = TinySpec { arch: "qwen2".into(), layers: 8, hidden: 384, heads: 6, kv_heads: 2, head_dim: None, intermediate: Some(1024), vocab: 32000, max_position: 4096, tie: true };
+        let spec = TinySpec {
+            arch: "qwen2".into(),
+            layers: 8,
+            hidden: 384,
+            heads: 6,
+            kv_heads: 2,
+            head_dim: None,
+            intermediate: Some(1024),
+            vocab: 32000,
+            max_position: 4096,
+            tie: true,
+        };
         let cfg = tiny_config(&spec)?;
         let w = ModelWeights::random(&cfg, &Device::cpu(0)?, DType::F32, 1, 0.05)?;
         write_model_dir(&dir, &cfg, &w, DType::F32)?;
@@ -118,7 +129,10 @@ fn train(a: TrainArgs) -> Result<()> {
         text.push('\n');
     }
     crate::util::write_atomic(&rfile, text.as_bytes())?;
-    let job = JobConfig::from_toml("[model]\npath = \"bench\"\n[teacher]\npath = \"bench\"\n[objective]\nchunk_size = 256\n", "bench")?;
+    let job = JobConfig::from_toml(
+        "[model]\npath = \"bench\"\n[teacher]\npath = \"bench\"\n[objective]\nchunk_size = 256\n",
+        "bench",
+    )?;
     let tokens = a.batch * a.seq;
     let mut tr = Trainer::new(&lm.cfg, lm.weights, &job)?;
     let times: Vec<f64> = dev.install(|| -> Result<Vec<f64>> {
@@ -153,7 +167,14 @@ fn train(a: TrainArgs) -> Result<()> {
             None
         }
     };
-    println!("one OPD step, {} ({} params), batch {} x {} tokens, {} threads, f32:", dir.display(), tr.num_params(), a.batch, a.seq, a.threads);
+    println!(
+        "one OPD step, {} ({} params), batch {} x {} tokens, {} threads, f32:",
+        dir.display(),
+        tr.num_params(),
+        a.batch,
+        a.seq,
+        a.threads
+    );
     println!("  colotrain      {ours:>10.1} tokens/s");
     match theirs {
         Some(t) => println!("  pytorch eager  {t:>10.1} tokens/s   ratio {:.2}", ours / t),
@@ -187,7 +208,19 @@ fn loss_memory(dev: &Device, t: usize, v: usize, c: usize) -> Result<()> {
                 let mut scratch = lm_head::Scratch::<f32>::new(256, c, v);
                 let mut dh = vec![0.0f32; tt * c];
                 let mut dw = vec![0.0f32; v * c];
-                lm_head::grad(c, v, &rows[..tt], &targets[..tt], &coef[..tt], &h, &w, 1.0, &mut scratch, &mut dh, &mut dw);
+                lm_head::grad(
+                    c,
+                    v,
+                    &rows[..tt],
+                    &targets[..tt],
+                    &coef[..tt],
+                    &h,
+                    &w,
+                    1.0,
+                    &mut scratch,
+                    &mut dh,
+                    &mut dw,
+                );
             })
         })
     };
@@ -213,17 +246,31 @@ fn loss_memory(dev: &Device, t: usize, v: usize, c: usize) -> Result<()> {
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     println!("LM-head loss memory, V = {v}, C = {c} (peak heap above the inputs):");
     println!("  naive full logits, T = {t:<6} {:>9.1} MiB", mib(naive));
-    println!("  fused (chunk 256), T = {t:<6} {:>9.1} MiB   ({:.1}x less)", mib(f_full), naive as f64 / f_full.max(1) as f64);
+    println!(
+        "  fused (chunk 256), T = {t:<6} {:>9.1} MiB   ({:.1}x less)",
+        mib(f_full),
+        naive as f64 / f_full.max(1) as f64
+    );
     println!("  fused (chunk 256), T = {:<6} {:>9.1} MiB   (beyond dh, grows by T·C only)", t / 4, mib(f_small));
     Ok(())
 }
-
 
 fn resync(a: ResyncArgs) -> Result<()> {
     use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
     use crate::model::calib::Calibration;
     use crate::quant::recipe::{KvScale, Recipe};
-    let spec = TinySpec { arch: "qwen2".into(), layers: a.layers, hidden: 768, heads: 12, kv_heads: 4, head_dim: None, intermediate: Some(2048), vocab: 32000, max_position: 4096, tie: true };
+    let spec = TinySpec {
+        arch: "qwen2".into(),
+        layers: a.layers,
+        hidden: 768,
+        heads: 12,
+        kv_heads: 4,
+        head_dim: None,
+        intermediate: Some(2048),
+        vocab: 32000,
+        max_position: 4096,
+        tie: true,
+    };
     let cfg = tiny_config(&spec)?;
     let dev = Device::cpu(a.threads)?;
     let w = ModelWeights::random(&cfg, &dev, DType::BF16, 1, 0.02)?;
@@ -232,7 +279,12 @@ fn resync(a: ResyncArgs) -> Result<()> {
     cal.input_amax = vec![[4.0; 4]; cfg.num_layers];
     cal.k_amax = vec![8.0; cfg.num_layers];
     cal.v_amax = vec![8.0; cfg.num_layers];
-    println!("in-place resync, qwen2-shaped model: {} parameters, {:.1} MiB of BF16 weights, {} threads", cfg.num_params(), bytes as f64 / (1 << 20) as f64, a.threads);
+    println!(
+        "in-place resync, qwen2-shaped model: {} parameters, {:.1} MiB of BF16 weights, {} threads",
+        cfg.num_params(),
+        bytes as f64 / (1 << 20) as f64,
+        a.threads
+    );
     // The baseline: copy the same bytes (a second BF16 copy, written in place).
     let mut dst = w.try_clone(&cfg)?;
     let memcpy = dev.install(|| -> Result<f64> {
@@ -245,11 +297,51 @@ fn resync(a: ResyncArgs) -> Result<()> {
     })?;
     println!("  {:<34} {:>9.2} ms", "memcpy of the weights", memcpy * 1e3);
     let cases: Vec<(&str, EngineSpec)> = vec![
-        ("bf16 (reads the trainer's buffers)", EngineSpec { recipe: Recipe::preset("bf16", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.0, noise_seed: 0, staleness: 0 }),
-        ("fp8 (W8A8, FP8 KV)", EngineSpec { recipe: Recipe::preset("fp8", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.0, noise_seed: 0, staleness: 0 }),
-        ("nvfp4 (W4A4, FP8 KV)", EngineSpec { recipe: Recipe::preset("nvfp4", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.0, noise_seed: 0, staleness: 0 }),
-        ("stale, k = 1", EngineSpec { recipe: Recipe::preset("bf16", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.0, noise_seed: 0, staleness: 1 }),
-        ("weight noise, sigma = 0.15", EngineSpec { recipe: Recipe::preset("bf16", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.15, noise_seed: 1, staleness: 0 }),
+        (
+            "bf16 (reads the trainer's buffers)",
+            EngineSpec {
+                recipe: Recipe::preset("bf16", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?,
+                noise_sigma: 0.0,
+                noise_seed: 0,
+                staleness: 0,
+            },
+        ),
+        (
+            "fp8 (W8A8, FP8 KV)",
+            EngineSpec {
+                recipe: Recipe::preset("fp8", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?,
+                noise_sigma: 0.0,
+                noise_seed: 0,
+                staleness: 0,
+            },
+        ),
+        (
+            "nvfp4 (W4A4, FP8 KV)",
+            EngineSpec {
+                recipe: Recipe::preset("nvfp4", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?,
+                noise_sigma: 0.0,
+                noise_seed: 0,
+                staleness: 0,
+            },
+        ),
+        (
+            "stale, k = 1",
+            EngineSpec {
+                recipe: Recipe::preset("bf16", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?,
+                noise_sigma: 0.0,
+                noise_seed: 0,
+                staleness: 1,
+            },
+        ),
+        (
+            "weight noise, sigma = 0.15",
+            EngineSpec {
+                recipe: Recipe::preset("bf16", cfg.num_layers, &[], KvScale::Calibrated, Default::default())?,
+                noise_sigma: 0.15,
+                noise_seed: 1,
+                staleness: 0,
+            },
+        ),
     ];
     for (name, s) in cases {
         let mut rw = RolloutWeights::new(&dev, &s, &cfg, &w, Some(&cal), 0)?;

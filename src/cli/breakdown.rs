@@ -56,7 +56,13 @@ pub fn average(name: &str, metrics: &[Value], skip: usize) -> Result<RunBreakdow
     let tokens: f64 = steps.iter().map(|m| num(m, &["gen_tokens"]).unwrap_or(0.0)).sum();
     let devices = steps.iter().filter_map(|m| m.get("utilization")?.as_array().map(|a| a.len())).max().unwrap_or(0);
     let utilization = (0..devices)
-        .map(|d| steps.iter().map(|m| m.get("utilization").and_then(|u| u.get(d)).and_then(|x| x.as_f64()).unwrap_or(0.0)).sum::<f64>() / n)
+        .map(|d| {
+            steps
+                .iter()
+                .map(|m| m.get("utilization").and_then(|u| u.get(d)).and_then(|x| x.as_f64()).unwrap_or(0.0))
+                .sum::<f64>()
+                / n
+        })
         .collect();
     Ok(RunBreakdown {
         name: name.to_string(),
@@ -73,7 +79,17 @@ pub fn average(name: &str, metrics: &[Value], skip: usize) -> Result<RunBreakdow
 pub fn table(runs: &[RunBreakdown]) -> String {
     let mut s = format!(
         "{:<28} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>10}  utilization\n",
-        "run", "steps", "wait s", "teacher s", "reward s", "train s", "resync s", "step s", "updates/h", "ratio", "tokens/s"
+        "run",
+        "steps",
+        "wait s",
+        "teacher s",
+        "reward s",
+        "train s",
+        "resync s",
+        "step s",
+        "updates/h",
+        "ratio",
+        "tokens/s"
     );
     let base = runs.first().map(|r| r.updates_per_hour).unwrap_or(1.0);
     for r in runs {
@@ -97,7 +113,13 @@ pub fn table(runs: &[RunBreakdown]) -> String {
     s
 }
 
-const COLORS: [RGBColor; 5] = [RGBColor(200, 200, 200), RGBColor(255, 127, 14), RGBColor(148, 103, 189), RGBColor(31, 119, 180), RGBColor(44, 160, 44)];
+const COLORS: [RGBColor; 5] = [
+    RGBColor(200, 200, 200),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(31, 119, 180),
+    RGBColor(44, 160, 44),
+];
 
 fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow::anyhow!("drawing the breakdown: {e:?}")
@@ -125,17 +147,29 @@ pub fn plot(path: &Path, runs: &[RunBreakdown]) -> Result<()> {
         .build_cartesian_2d(0.0..xmax, 0.0..n)
         .map_err(err)?;
     c.configure_mesh().x_desc("seconds").y_labels(0).disable_y_mesh().draw().map_err(err)?;
-    c.draw_series(runs.iter().enumerate().map(|(i, r)| Text::new(format!("{}  ({:.3} s)", r.name, r.total), (0.0, row(i) + 0.95), ("sans-serif", 13))))
-        .map_err(err)?;
+    c.draw_series(
+        runs.iter().enumerate().map(|(i, r)| {
+            Text::new(format!("{}  ({:.3} s)", r.name, r.total), (0.0, row(i) + 0.95), ("sans-serif", 13))
+        }),
+    )
+    .map_err(err)?;
     for (k, name) in BLOCKS.iter().enumerate() {
         let color = COLORS[k];
         let bars = runs.iter().enumerate().map(move |(i, r)| {
             let x0: f64 = r.blocks[..k].iter().sum();
             Rectangle::new([(x0, row(i) + 0.08), (x0 + r.blocks[k], row(i) + 0.55)], color.filled())
         });
-        c.draw_series(bars).map_err(err)?.label(*name).legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+        c.draw_series(bars)
+            .map_err(err)?
+            .label(*name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
     }
-    c.configure_series_labels().position(SeriesLabelPosition::UpperRight).background_style(WHITE.mix(0.9)).border_style(BLACK).draw().map_err(err)?;
+    c.configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
     let umax = runs.iter().map(|r| r.updates_per_hour).fold(1e-9, f64::max) * 1.1;
     let mut u = ChartBuilder::on(&right)
         .caption("updates per hour", ("sans-serif", 16))
@@ -144,12 +178,28 @@ pub fn plot(path: &Path, runs: &[RunBreakdown]) -> Result<()> {
         .y_label_area_size(10)
         .build_cartesian_2d(0.0..umax, 0.0..n)
         .map_err(err)?;
-    u.configure_mesh().x_labels(4).x_label_formatter(&|x| format!("{x:.0}")).y_labels(0).disable_y_mesh().draw().map_err(err)?;
-    u.draw_series(runs.iter().enumerate().map(|(i, r)| Rectangle::new([(0.0, row(i) + 0.08), (r.updates_per_hour, row(i) + 0.55)], COLORS[3].filled())))
+    u.configure_mesh()
+        .x_labels(4)
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_labels(0)
+        .disable_y_mesh()
+        .draw()
         .map_err(err)?;
+    u.draw_series(
+        runs.iter().enumerate().map(|(i, r)| {
+            Rectangle::new([(0.0, row(i) + 0.08), (r.updates_per_hour, row(i) + 0.55)], COLORS[3].filled())
+        }),
+    )
+    .map_err(err)?;
     let base = runs[0].updates_per_hour.max(1e-12);
-    u.draw_series(runs.iter().enumerate().map(|(i, r)| Text::new(format!("{:.0}  ×{:.2}", r.updates_per_hour, r.updates_per_hour / base), (0.0, row(i) + 0.95), ("sans-serif", 13))))
-        .map_err(err)?;
+    u.draw_series(runs.iter().enumerate().map(|(i, r)| {
+        Text::new(
+            format!("{:.0}  ×{:.2}", r.updates_per_hour, r.updates_per_hour / base),
+            (0.0, row(i) + 0.95),
+            ("sans-serif", 13),
+        )
+    }))
+    .map_err(err)?;
     root.present().map_err(|e| anyhow::anyhow!("{}: {e:?}", path.display()))?;
     Ok(())
 }

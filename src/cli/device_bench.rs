@@ -7,9 +7,9 @@
 
 use crate::device::cuda::args::ptr;
 use crate::device::cuda::{CudaDevice, Elem};
+use crate::device::{DType, Device, Tensor};
 use crate::ops::elementwise::fill_normal;
 use crate::ops::linear::cuda_lowp::{self as lowp, Path};
-use crate::device::{DType, Device, Tensor};
 use crate::ops::quantize::ActQuant;
 use crate::quant::nvfp4::Nvfp4Opts;
 use crate::quant::qtensor::{QFormat, QTensor};
@@ -63,7 +63,8 @@ pub fn gemms(d: &CudaDevice, shapes: &[(String, usize, usize, usize)], iters: us
         let x = random(d, DType::F32, &[m, k], 200 + si as u64, 1.0)?;
         let xb = random(d, DType::BF16, &[m, k], 200 + si as u64, 1.0)?;
         let y = d.zeros(DType::F32, &[m, n])?;
-        let (wp, xbp, yp) = (ptr(d, &w, &[DType::BF16], "w")?, ptr(d, &xb, &[DType::BF16], "x")?, ptr(d, &y, &[DType::F32], "y")?);
+        let (wp, xbp, yp) =
+            (ptr(d, &w, &[DType::BF16], "w")?, ptr(d, &xb, &[DType::BF16], "x")?, ptr(d, &y, &[DType::F32], "y")?);
         let mut bf16_ms = None;
         let mut row = |format: &str, path: &str, ms: Result<f64>, base: Option<f64>| {
             let (ms, note) = match ms {
@@ -105,13 +106,33 @@ pub fn gemms(d: &CudaDevice, shapes: &[(String, usize, usize, usize)], iters: us
             let mut wq = QTensor::alloc_on(&Device::Cuda(d.clone()), format, n, k, Nvfp4Opts::default())?;
             crate::ops::quantize::requantize(&Device::Cuda(d.clone()), &w, &mut wq, "bench weight")?;
             let qa = lowp::quantize_act(d, &x, m, &act)?;
-            let base = row(name, "cublaslt", time_ms(d, iters, || lowp::gemm_q(d, &qa, &wq, yp, Path::CublasLt).map(|_| ())), None);
+            let base = row(
+                name,
+                "cublaslt",
+                time_ms(d, iters, || lowp::gemm_q(d, &qa, &wq, yp, Path::CublasLt).map(|_| ())),
+                None,
+            );
             if lowp::cutlass_supports(d, format, n, k) {
-                row(name, "cutlass", time_ms(d, iters, || lowp::gemm_q(d, &qa, &wq, yp, Path::Cutlass).map(|_| ())), base);
+                row(
+                    name,
+                    "cutlass",
+                    time_ms(d, iters, || lowp::gemm_q(d, &qa, &wq, yp, Path::Cutlass).map(|_| ())),
+                    base,
+                );
             } else {
-                row(name, "cutlass", Err(anyhow::anyhow!("no CUTLASS kernel for this GPU / shape in this build")), None);
+                row(
+                    name,
+                    "cutlass",
+                    Err(anyhow::anyhow!("no CUTLASS kernel for this GPU / shape in this build")),
+                    None,
+                );
             }
-            row(name, "emulated", time_ms(d, iters, || lowp::gemm_q(d, &qa, &wq, yp, Path::Emulated).map(|_| ())), base);
+            row(
+                name,
+                "emulated",
+                time_ms(d, iters, || lowp::gemm_q(d, &qa, &wq, yp, Path::Emulated).map(|_| ())),
+                base,
+            );
         }
     }
     Ok(rows)
@@ -139,7 +160,13 @@ pub struct DecodeRow {
 
 /// Decode steps of a random BF16 model of `cfg` at each batch size, every sequence at
 /// `context` cached tokens: forward, LM head and sampling (T = 1), as the engine runs them.
-pub fn decode(d: &CudaDevice, cfg: &crate::model::ModelConfig, batches: &[usize], context: usize, steps: usize) -> Result<Vec<DecodeRow>> {
+pub fn decode(
+    d: &CudaDevice,
+    cfg: &crate::model::ModelConfig,
+    batches: &[usize],
+    context: usize,
+    steps: usize,
+) -> Result<Vec<DecodeRow>> {
     use crate::model::transformer::{ForwardBuffers, KvLayer, Transformer};
     let dev = Device::Cuda(d.clone());
     let mut tensors = Vec::new();
@@ -265,7 +292,14 @@ pub fn resync(d: &CudaDevice, cfg: &crate::model::ModelConfig) -> Result<Vec<Res
         run()?;
         d.time_ms(run)?
     };
-    let mut rows = vec![ResyncRow { recipe: "bf16 (zero-copy)".into(), tensors: weights.len(), weight_bytes: bytes, ms: 0.0, copy_ms, vs_copy: 0.0 }];
+    let mut rows = vec![ResyncRow {
+        recipe: "bf16 (zero-copy)".into(),
+        tensors: weights.len(),
+        weight_bytes: bytes,
+        ms: 0.0,
+        copy_ms,
+        vs_copy: 0.0,
+    }];
     drop(copies);
     let recipes = [
         ("fp8", QFormat::Fp8, Nvfp4Opts::default()),
@@ -288,7 +322,14 @@ pub fn resync(d: &CudaDevice, cfg: &crate::model::ModelConfig) -> Result<Vec<Res
         run()?;
         d.synchronize()?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
-        rows.push(ResyncRow { recipe: recipe.into(), tensors: qs.len(), weight_bytes: bytes, ms, copy_ms, vs_copy: ms / copy_ms });
+        rows.push(ResyncRow {
+            recipe: recipe.into(),
+            tensors: qs.len(),
+            weight_bytes: bytes,
+            ms,
+            copy_ms,
+            vs_copy: ms / copy_ms,
+        });
     }
     Ok(rows)
 }

@@ -67,12 +67,12 @@ mod gpu {
     use super::Args;
     use crate::cli::device_bench as bench;
     use crate::device::cuda::CudaDevice;
-    use crate::ops::linear::cuda_lowp as lowp;
     use crate::device::{CpuStorage, DType, Device, Storage, Tensor};
     use crate::ops::attention::AttnMeta;
+    use crate::ops::linear as matmul;
+    use crate::ops::linear::cuda_lowp as lowp;
     use crate::ops::quantize::ActQuant;
     use crate::ops::sample::SampleParams;
-    use crate::ops::linear as matmul;
     use crate::ops::{attention, elementwise, logprob, norm, quantize, rope, sample};
     use crate::quant::nvfp4::Nvfp4Opts;
     use crate::quant::qtensor::{QFormat, QTensor};
@@ -447,7 +447,12 @@ mod gpu {
                     let (qq, kk, vv) = (pick(&q, g), pick(&kc, g), pick(&vc, g));
                     attention::paged_attention(dv, qq, kk, vv, ks, vs, m, pick_mut(&mut o, g), heads)
                 })?;
-                x.cmp(&format!("attention, {what} kernel"), &format!("{} cache", dt.name()), &o, Tol::Close(1e-5, 1e-4))?;
+                x.cmp(
+                    &format!("attention, {what} kernel"),
+                    &format!("{} cache", dt.name()),
+                    &o,
+                    Tol::Close(1e-5, 1e-4),
+                )?;
             }
         }
         Ok(())

@@ -81,7 +81,10 @@ fn settings(a: &Args) -> Result<Settings> {
     let job = match &a.reference {
         Some(r) => {
             let p = r.join("config.toml");
-            Some(crate::config::JobConfig::from_file(&p).with_context(|| format!("--reference {}: reading its config", r.display()))?)
+            Some(
+                crate::config::JobConfig::from_file(&p)
+                    .with_context(|| format!("--reference {}: reading its config", r.display()))?,
+            )
         }
         None => None,
     };
@@ -101,10 +104,16 @@ fn settings(a: &Args) -> Result<Settings> {
         heldout,
         // A run with data.heldout evaluates all of that set; without, data.heldout_size of its
         // training data's held-out problems (as `orchestrator::coordinator::start` does).
-        heldout_size: a.heldout_size.or(j.map(|j| if j.data.heldout.is_some() { usize::MAX } else { j.data.heldout_size })).unwrap_or(128),
+        heldout_size: a
+            .heldout_size
+            .or(j.map(|j| if j.data.heldout.is_some() { usize::MAX } else { j.data.heldout_size }))
+            .unwrap_or(128),
         chat: j.map(|j| j.data.chat).unwrap_or(false),
         samples: a.samples.or(j.map(|j| j.eval.samples_per_prompt as u32)).unwrap_or(4),
-        max_new_tokens: a.max_new_tokens.or(j.map(|j| j.eval.max_new_tokens.unwrap_or(j.rollout.max_new_tokens))).unwrap_or(64),
+        max_new_tokens: a
+            .max_new_tokens
+            .or(j.map(|j| j.eval.max_new_tokens.unwrap_or(j.rollout.max_new_tokens)))
+            .unwrap_or(64),
         seed: a.seed.or(j.map(|j| j.eval.seed)).unwrap_or(20261101),
     })
 }
@@ -140,16 +149,33 @@ pub fn run(a: Args) -> Result<()> {
             .and_then(|v| v["step"].as_u64())
             .unwrap_or(0),
     };
-    let mut r = eval::evaluate(step, (&mut se, &st.weights), Some((&mut tt, &te.weights)), st.text.as_deref(), &prompts, set.samples, set.max_new_tokens, set.seed)?;
+    let mut r = eval::evaluate(
+        step,
+        (&mut se, &st.weights),
+        Some((&mut tt, &te.weights)),
+        st.text.as_deref(),
+        &prompts,
+        set.samples,
+        set.max_new_tokens,
+        set.seed,
+    )?;
     let mut out = serde_json::json!({"checkpoint": ck, "step": step, "heldout_kl": r.kl, "accuracy": r.accuracy, "problems": prompts.len()});
-    println!("{}: step {step}, held-out KL K = {:.5} nats/token over {} problems, accuracy {:.1}%", ck.display(), r.kl, prompts.len(), r.accuracy * 100.0);
+    println!(
+        "{}: step {step}, held-out KL K = {:.5} nats/token over {} problems, accuracy {:.1}%",
+        ck.display(),
+        r.kl,
+        prompts.len(),
+        r.accuracy * 100.0
+    );
     if let Some(refdir) = &a.reference {
         let rd = RunDir::open(refdir)?;
         let mut reference = rd.eval_at(step)?;
         // The reference's labels come from its run; a checkpoint evaluated here carries its
         // run's labels when it has a trainer state.
         if let Ok(t) = std::fs::read_to_string(ck.join(crate::train::checkpoint::STATE_FILE)) {
-            if let Ok(j) = serde_json::from_str::<serde_json::Value>(&t).map(|v| v["config"].as_str().unwrap_or_default().to_string()) {
+            if let Ok(j) = serde_json::from_str::<serde_json::Value>(&t)
+                .map(|v| v["config"].as_str().unwrap_or_default().to_string())
+            {
                 if let Ok(cfg) = crate::config::JobConfig::from_toml(&j, "checkpoint config") {
                     r.student = cfg.model.path.clone();
                     r.teacher = cfg.teacher.map(|t| t.path).unwrap_or_default();
@@ -202,12 +228,21 @@ fn run_budget(a: &Args) -> Result<()> {
     let re = reference.eval_at(step)?;
     let mut rows = Vec::new();
     let admitter = if a.admit { Some(Admitter::new(&reference, a)?) } else { None };
-    println!("budget at step {step} (τ = {:.0}%), reference {} (K = {:.5}, D = {:.5})", a.tau * 100.0, reference.name(), re.kl, reference.mismatch_level(step).unwrap_or(f64::NAN));
+    println!(
+        "budget at step {step} (τ = {:.0}%), reference {} (K = {:.5}, D = {:.5})",
+        a.tau * 100.0,
+        reference.name(),
+        re.kl,
+        reference.mismatch_level(step).unwrap_or(f64::NAN)
+    );
     let mut table = Vec::new();
     for r in &runs {
         let e = r.eval_at(step)?;
-        let d = runs::compare(&e, &re, a.tau, a.reps).with_context(|| format!("comparing {} with {}", r.path.display(), refdir.display()))?;
-        let level = r.mismatch_level(step).with_context(|| format!("{}: no mismatch metrics up to step {step}", r.path.display()))?;
+        let d = runs::compare(&e, &re, a.tau, a.reps)
+            .with_context(|| format!("comparing {} with {}", r.path.display(), refdir.display()))?;
+        let level = r
+            .mismatch_level(step)
+            .with_context(|| format!("{}: no mismatch metrics up to step {step}", r.path.display()))?;
         let d_hat = match &admitter {
             Some(ad) => ad.predict(r)?,
             None => None,
@@ -219,11 +254,23 @@ fn run_budget(a: &Args) -> Result<()> {
     let line = a.line.or(bracket.map(|b| b.0));
     if a.admit {
         match line {
-            Some(l) => println!("offline admission: pass iff {:.2}·D-hat < L = {l:.5}{}", a.alpha, if a.line.is_none() { " (the lower end of B_emp below)" } else { "" }),
+            Some(l) => println!(
+                "offline admission: pass iff {:.2}·D-hat < L = {l:.5}{}",
+                a.alpha,
+                if a.line.is_none() { " (the lower end of B_emp below)" } else { "" }
+            ),
             None => println!("offline admission: no line L (give --line; this table has no bracket)"),
         }
     }
-    println!("{:<28} {:>10} {:>9} {:>22} {:>7}{}", "run", "D", "Δ", "95% interval", "rule", if a.admit { "   D-hat (offline)   predicted" } else { "" });
+    println!(
+        "{:<28} {:>10} {:>9} {:>22} {:>7}{}",
+        "run",
+        "D",
+        "Δ",
+        "95% interval",
+        "rule",
+        if a.admit { "   D-hat (offline)   predicted" } else { "" }
+    );
     let mut agree = (0, 0);
     for (name, level, d, d_hat) in &table {
         let pred = match (a.admit, d_hat, line) {
@@ -251,7 +298,9 @@ fn run_budget(a: &Args) -> Result<()> {
     }
     match bracket {
         Some((lo, hi)) => println!("B_emp(τ = {:.2}) = [{lo:.5}, {hi:.5}] nats/token", a.tau),
-        None => println!("B_emp(τ = {:.2}): the passing and failing levels are not ordered (or one set is empty)", a.tau),
+        None => {
+            println!("B_emp(τ = {:.2}): the passing and failing levels are not ordered (or one set is empty)", a.tau)
+        }
     }
     if agree.1 > 0 {
         println!("offline prediction agrees with the training outcome for {} of {} engines", agree.0, agree.1);
@@ -276,13 +325,18 @@ impl Admitter {
         let lm = LoadedModel::load(&dir, &dev, if dev.is_cpu() { DType::F32 } else { DType::BF16 })?;
         let data = Dataset::open(&job.data.train, lm.text.clone(), job.data.chat, lm.cfg.vocab_size, job.run.seed)?;
         let mut prompts = match &job.data.heldout {
-            Some(h) => Dataset::open(h, lm.text.clone(), job.data.chat, lm.cfg.vocab_size, job.run.seed)?.heldout(usize::MAX)?,
+            Some(h) => Dataset::open(h, lm.text.clone(), job.data.chat, lm.cfg.vocab_size, job.run.seed)?
+                .heldout(usize::MAX)?,
             None => data.heldout(16)?,
         };
         prompts.truncate(16);
         let cp = data.train_prompts(u64::MAX >> 1, job.engine.calibration_samples)?;
         let mut e = Engine::new(&dev, &lm.cfg, lm.weights.dtype(), &EngineConfig::default(), lm.text.clone())?;
-        let sc = crate::engine::SamplingConfig { temperature: job.rollout.temperature, max_new_tokens: job.rollout.max_new_tokens, ..Default::default() };
+        let sc = crate::engine::SamplingConfig {
+            temperature: job.rollout.temperature,
+            max_new_tokens: job.rollout.max_new_tokens,
+            ..Default::default()
+        };
         let calib = Some(crate::train::calibrate::calibrate(&mut e, &lm.weights, &lm.cfg, &cp, &sc, job.run.seed)?);
         let settings = crate::mismatch::admit::Settings {
             samples: 2,
@@ -303,7 +357,13 @@ impl Admitter {
         if spec.staleness > 0 {
             return Ok(None);
         }
-        let st = crate::mismatch::admit::Student { dev: &self.dev, cfg: &self.lm.cfg, w: &self.lm.weights, text: self.lm.text.clone(), calib: self.calib.as_ref() };
+        let st = crate::mismatch::admit::Student {
+            dev: &self.dev,
+            cfg: &self.lm.cfg,
+            w: &self.lm.weights,
+            text: self.lm.text.clone(),
+            calib: self.calib.as_ref(),
+        };
         Ok(Some(crate::mismatch::admit::estimate(&st, &spec, &self.prompts, &self.settings)?.d_hat))
     }
 }

@@ -82,7 +82,11 @@ pub fn run(a: Args) -> Result<()> {
                 std::fs::copy(e.path(), dst.join(e.file_name()))?;
             }
         }
-        println!("wrote {}/teacher and {}/student (the built-in tiny arithmetic models)", a.out.display(), a.out.display());
+        println!(
+            "wrote {}/teacher and {}/student (the built-in tiny arithmetic models)",
+            a.out.display(),
+            a.out.display()
+        );
         return Ok(());
     }
     let cfg = tiny_config(&a.spec())?;

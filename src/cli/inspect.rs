@@ -55,7 +55,8 @@ pub fn run(a: Args) -> Result<()> {
     );
     // generate / score on CPU: the linears (projections and the LM head) packed once, in the
     // weights' dtype, beside the weights (--no-pack skips it).
-    let linears = cfg.num_layers * (cfg.hidden_size * (2 * cfg.q_dim() + 2 * cfg.kv_dim()) + 3 * cfg.hidden_size * cfg.intermediate_size)
+    let linears = cfg.num_layers
+        * (cfg.hidden_size * (2 * cfg.q_dim() + 2 * cfg.kv_dim()) + 3 * cfg.hidden_size * cfg.intermediate_size)
         + cfg.vocab_size * cfg.hidden_size;
     println!(
         "decode copy  CPU generate/score pack the linears once: +{:.3} GiB in bf16, +{:.3} GiB in f32 (--no-pack: none)",

@@ -3,13 +3,13 @@
 
 use super::DeviceArgs;
 use crate::config::{EngineSection, KvScaleConfig};
-use crate::data::prompts::{encode_prompt, read_prompts};
 use crate::data::dataset::PromptItem;
+use crate::data::prompts::{encode_prompt, read_prompts};
 use crate::device::DType;
 use crate::engine::{Engine, EngineConfig, SamplingConfig};
+use crate::model::calib::Calibration;
 use crate::model::tiny::prepare_empty_dir;
 use crate::model::LoadedModel;
-use crate::model::calib::Calibration;
 use crate::model::QuantState;
 use anyhow::{bail, Result};
 use std::path::PathBuf;
@@ -47,7 +47,12 @@ pub fn run(a: Args) -> Result<()> {
     }
     let (dev, dtype) = a.device.open()?;
     let lm = LoadedModel::load(&a.model, &dev, dtype)?;
-    let es = EngineSection { recipe: a.recipe.clone(), keep_bf16: a.keep_bf16.clone(), kv_scale: KvScaleConfig::Name("calibrated".into()), ..Default::default() };
+    let es = EngineSection {
+        recipe: a.recipe.clone(),
+        keep_bf16: a.keep_bf16.clone(),
+        kv_scale: KvScaleConfig::Name("calibrated".into()),
+        ..Default::default()
+    };
     let spec = es.spec(lm.cfg.num_layers)?;
     let calib = match (&a.calibration, &a.prompts) {
         (Some(p), _) => Calibration::load(p, &lm.cfg)?,
@@ -56,7 +61,14 @@ pub fn run(a: Args) -> Result<()> {
             let prompts: Vec<PromptItem> = lines
                 .iter()
                 .enumerate()
-                .map(|(i, l)| Ok(PromptItem { id: i as u64, tokens: encode_prompt(l, lm.text.as_deref(), false, p)?, answer: None, response: None }))
+                .map(|(i, l)| {
+                    Ok(PromptItem {
+                        id: i as u64,
+                        tokens: encode_prompt(l, lm.text.as_deref(), false, p)?,
+                        answer: None,
+                        response: None,
+                    })
+                })
                 .collect::<Result<_>>()?;
             let mut e = Engine::new(&dev, &lm.cfg, lm.weights.dtype(), &EngineConfig::default(), lm.text.clone())?;
             let s = SamplingConfig { max_new_tokens: a.max_new_tokens, ..Default::default() };
@@ -75,6 +87,16 @@ pub fn run(a: Args) -> Result<()> {
             std::fs::copy(&src, a.out.join(f))?;
         }
     }
-    println!("wrote {} ({} of {} layers quantized, {:.1} MiB of quantized weights)", a.out.display(), spec.recipe.layers.iter().filter(|l| l.weight.iter().any(|p| *p != crate::quant::recipe::Precision::Native)).count(), lm.cfg.num_layers, q.size_bytes() as f64 / (1 << 20) as f64);
+    println!(
+        "wrote {} ({} of {} layers quantized, {:.1} MiB of quantized weights)",
+        a.out.display(),
+        spec.recipe
+            .layers
+            .iter()
+            .filter(|l| l.weight.iter().any(|p| *p != crate::quant::recipe::Precision::Native))
+            .count(),
+        lm.cfg.num_layers,
+        q.size_bytes() as f64 / (1 << 20) as f64
+    );
     Ok(())
 }

@@ -41,7 +41,14 @@ fn series(metrics: &[Value], name: &str, path: &[&str]) -> Series {
     (name.to_string(), pts)
 }
 
-const COLORS: [RGBColor; 6] = [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(255, 127, 14), RGBColor(148, 103, 189), RGBColor(140, 86, 75)];
+const COLORS: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+];
 
 /// One line chart of several series into `path`.
 fn chart(path: &Path, title: &str, ylabel: &str, all: &[Series]) -> Result<bool> {
@@ -69,7 +76,11 @@ fn chart(path: &Path, title: &str, ylabel: &str, all: &[Series]) -> Result<bool>
             .label(name.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
     }
-    c.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    c.configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     root.present().map_err(|e| anyhow::anyhow!("{}: {e:?}", path.display()))?;
     Ok(true)
 }
@@ -81,7 +92,10 @@ fn phases(path: &Path, metrics: &[Value]) -> Result<bool> {
         .iter()
         .filter_map(|m| {
             let t = m.get("time")?;
-            Some((m.get("step")?.as_f64()?, names.iter().map(|n| t.get(*n).and_then(|v| v.as_f64()).unwrap_or(0.0)).collect()))
+            Some((
+                m.get("step")?.as_f64()?,
+                names.iter().map(|n| t.get(*n).and_then(|v| v.as_f64()).unwrap_or(0.0)).collect(),
+            ))
         })
         .collect();
     if rows.is_empty() {
@@ -107,7 +121,11 @@ fn phases(path: &Path, metrics: &[Value]) -> Result<bool> {
             .label(names[k])
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
     }
-    c.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    c.configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     root.present().map_err(|e| anyhow::anyhow!("{}: {e:?}", path.display()))?;
     Ok(true)
 }
@@ -153,39 +171,86 @@ pub fn run(a: Args) -> Result<()> {
     let out = a.out.clone().unwrap_or_else(|| run.join("report"));
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let plots: Vec<(&str, &str, &str, Vec<Series>)> = vec![
-        ("mismatch.svg", "Training-inference mismatch", "nats/token", vec![
-            series(&metrics, "d_n (seed 000 Eq. 2)", &["mismatch", "d_n"]),
-            series(&metrics, "mean |δ|", &["mismatch", "abs_mean"]),
-            series(&metrics, "k3 KL estimate", &["mismatch", "k3"]),
-        ]),
-        ("delta_quantiles.svg", "Token gap δ = log p_θ − log q: lower quantiles", "nats", vec![
-            series(&metrics, "q0.01", &["mismatch", "q01"]),
-            series(&metrics, "q0.05", &["mismatch", "q05"]),
-        ]),
-        ("heldout.svg", "Held-out KL to the teacher", "nats/token", vec![series(&metrics, "held-out KL", &["heldout_kl"])]),
-        ("accuracy.svg", "Held-out accuracy (last boxed answer)", "fraction", vec![series(&metrics, "accuracy", &["heldout_acc"])]),
+        (
+            "mismatch.svg",
+            "Training-inference mismatch",
+            "nats/token",
+            vec![
+                series(&metrics, "d_n (seed 000 Eq. 2)", &["mismatch", "d_n"]),
+                series(&metrics, "mean |δ|", &["mismatch", "abs_mean"]),
+                series(&metrics, "k3 KL estimate", &["mismatch", "k3"]),
+            ],
+        ),
+        (
+            "delta_quantiles.svg",
+            "Token gap δ = log p_θ − log q: lower quantiles",
+            "nats",
+            vec![series(&metrics, "q0.01", &["mismatch", "q01"]), series(&metrics, "q0.05", &["mismatch", "q05"])],
+        ),
+        (
+            "heldout.svg",
+            "Held-out KL to the teacher",
+            "nats/token",
+            vec![series(&metrics, "held-out KL", &["heldout_kl"])],
+        ),
+        (
+            "accuracy.svg",
+            "Held-out accuracy (last boxed answer)",
+            "fraction",
+            vec![series(&metrics, "accuracy", &["heldout_acc"])],
+        ),
         ("reward.svg", "Reward of the step's rollouts", "mean reward", vec![series(&metrics, "reward", &["reward"])]),
-        ("entropy.svg", "Trainer entropy over response tokens", "nats", vec![series(&metrics, "entropy", &["entropy"])]),
+        (
+            "entropy.svg",
+            "Trainer entropy over response tokens",
+            "nats",
+            vec![series(&metrics, "entropy", &["entropy"])],
+        ),
         ("length.svg", "Response length", "tokens", vec![series(&metrics, "mean response length", &["response_len"])]),
-        ("loss.svg", "Loss and gradient norm", "", vec![series(&metrics, "loss", &["loss"]), series(&metrics, "grad norm", &["grad_norm"])]),
-        ("rho_asym.svg", "Direction asymmetry ρ_asym = w(A⁻)/w(A⁺) (seed 004 Eq. 10)", "ratio", vec![
-            series(&metrics, "|A| weights", &["rl", "rho_asym"]),
-            series(&metrics, "|A|/n weights", &["rl", "rho_asym_len_norm"]),
-        ]),
-        ("tail.svg", "Segment tail statistics (seed 004 Eqs. 48–50)", "share", vec![
-            series(&metrics, "r_amp", &["rl", "tail", "r_amp"]),
-            series(&metrics, "C_tok", &["rl", "tail", "c_tok"]),
-            series(&metrics, "H_seg", &["rl", "tail", "h_seg"]),
-        ]),
-        ("triage.svg", "TRIAGE: gated tokens and active repair segments per step", "count", vec![
-            series(&metrics, "gated tokens", &["triage", "gated_tokens"]),
-            series(&metrics, "repair segments with q > 0", &["triage", "repair_active"]),
-        ]),
-        ("amplification.svg", "B_amp / B_con proxies (κ ≡ 1, seed 004 Eq. 7)", "", vec![
-            series(&metrics, "B_amp", &["triage", "b_amp"]),
-            series(&metrics, "B_con", &["triage", "b_con"]),
-            series(&metrics, "B_amp (base objective)", &["triage", "b_amp_base"]),
-        ]),
+        (
+            "loss.svg",
+            "Loss and gradient norm",
+            "",
+            vec![series(&metrics, "loss", &["loss"]), series(&metrics, "grad norm", &["grad_norm"])],
+        ),
+        (
+            "rho_asym.svg",
+            "Direction asymmetry ρ_asym = w(A⁻)/w(A⁺) (seed 004 Eq. 10)",
+            "ratio",
+            vec![
+                series(&metrics, "|A| weights", &["rl", "rho_asym"]),
+                series(&metrics, "|A|/n weights", &["rl", "rho_asym_len_norm"]),
+            ],
+        ),
+        (
+            "tail.svg",
+            "Segment tail statistics (seed 004 Eqs. 48–50)",
+            "share",
+            vec![
+                series(&metrics, "r_amp", &["rl", "tail", "r_amp"]),
+                series(&metrics, "C_tok", &["rl", "tail", "c_tok"]),
+                series(&metrics, "H_seg", &["rl", "tail", "h_seg"]),
+            ],
+        ),
+        (
+            "triage.svg",
+            "TRIAGE: gated tokens and active repair segments per step",
+            "count",
+            vec![
+                series(&metrics, "gated tokens", &["triage", "gated_tokens"]),
+                series(&metrics, "repair segments with q > 0", &["triage", "repair_active"]),
+            ],
+        ),
+        (
+            "amplification.svg",
+            "B_amp / B_con proxies (κ ≡ 1, seed 004 Eq. 7)",
+            "",
+            vec![
+                series(&metrics, "B_amp", &["triage", "b_amp"]),
+                series(&metrics, "B_con", &["triage", "b_con"]),
+                series(&metrics, "B_amp (base objective)", &["triage", "b_amp_base"]),
+            ],
+        ),
     ];
     let mut written = Vec::new();
     for (file, title, ylabel, s) in &plots {

@@ -72,9 +72,12 @@ pub fn run(a: Args) -> Result<()> {
         eprintln!("\ninterrupt: finishing this step and writing a checkpoint (Ctrl-C again to leave at once)");
     });
     if let Err(e) = handler {
-        tracing::warn!("cannot install the Ctrl-C handler ({e}); an interrupt stops the run without a final checkpoint");
+        tracing::warn!(
+            "cannot install the Ctrl-C handler ({e}); an interrupt stops the run without a final checkpoint"
+        );
     }
-    let opts = JobOptions { resume: a.resume, progress: std::io::stderr().is_terminal(), stop: Some(stop), fault: None };
+    let opts =
+        JobOptions { resume: a.resume, progress: std::io::stderr().is_terminal(), stop: Some(stop), fault: None };
     let s = job::run(&job, &opts)?;
     if a.print_metrics {
         print!("{}", std::fs::read_to_string(s.out_dir.join("metrics.jsonl"))?);

@@ -99,7 +99,11 @@ pub fn normalize(s: &str) -> String {
 
 fn strip_trailing_zero_decimals(t: &str) -> String {
     if let Some((int, frac)) = t.split_once('.') {
-        if !int.is_empty() && int.chars().all(|c| c.is_ascii_digit() || c == '-') && !frac.is_empty() && frac.chars().all(|c| c == '0') {
+        if !int.is_empty()
+            && int.chars().all(|c| c.is_ascii_digit() || c == '-')
+            && !frac.is_empty()
+            && frac.chars().all(|c| c == '0')
+        {
             return int.to_string();
         }
     }

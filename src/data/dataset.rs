@@ -34,7 +34,13 @@ fn arith_item(text: &TextTools, p: &arith::Problem, id: u64) -> Result<PromptIte
 impl Dataset {
     /// `spec` is `builtin:arith` or a JSONL path (fields as in `generate`, plus optional
     /// "answer" and "response").
-    pub fn open(spec: &str, text: Option<std::sync::Arc<TextTools>>, chat: bool, vocab: usize, seed: u64) -> Result<Dataset> {
+    pub fn open(
+        spec: &str,
+        text: Option<std::sync::Arc<TextTools>>,
+        chat: bool,
+        vocab: usize,
+        seed: u64,
+    ) -> Result<Dataset> {
         if spec == "builtin:arith" {
             let text = text.context("builtin:arith needs the model's tokenizer")?;
             return Ok(Dataset::Arith { seed, text });
@@ -53,7 +59,9 @@ impl Dataset {
             });
             let response = match l.extra.get("response").and_then(|r| r.as_str()) {
                 Some(r) => {
-                    let t = text.as_deref().with_context(|| format!("{}:{}: 'response' needs a tokenizer", path.display(), l.line))?;
+                    let t = text
+                        .as_deref()
+                        .with_context(|| format!("{}:{}: 'response' needs a tokenizer", path.display(), l.line))?;
                     let mut ids = t.encode(r, false)?;
                     ids.extend(t.eos_ids.first());
                     Some(ids)

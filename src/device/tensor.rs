@@ -359,9 +359,16 @@ pub enum CpuFloats<'a> {
     BF16(&'a [bf16]),
     F16(&'a [f16]),
     /// FP8 E4M3 codes with one tensor scale: value = e4m3(code) · scale.
-    Fp8 { codes: &'a [u8], scale: f32 },
+    Fp8 {
+        codes: &'a [u8],
+        scale: f32,
+    },
     /// NVFP4 codes (two per byte), E4M3 scales per 16 values and a global scale.
-    Nvfp4 { packed: &'a [u8], scales: &'a [u8], global: f32 },
+    Nvfp4 {
+        packed: &'a [u8],
+        scales: &'a [u8],
+        global: f32,
+    },
 }
 
 impl<'a> CpuFloats<'a> {
@@ -467,7 +474,17 @@ mod bf16_tests {
     /// plus the exact ties around 1: the branch-free rounding equals half's.
     #[test]
     fn bf16_rne_equals_half_everywhere() {
-        let ties = [0x3F80_8000u32, 0x3F81_8000, 0x3F80_7FFF, 0x3F80_8001, 0x7F7F_FFFF, 0x7F80_0001, 0xFF80_0001, 0x0000_8000, 0x8001_8000];
+        let ties = [
+            0x3F80_8000u32,
+            0x3F81_8000,
+            0x3F80_7FFF,
+            0x3F80_8001,
+            0x7F7F_FFFF,
+            0x7F80_0001,
+            0xFF80_0001,
+            0x0000_8000,
+            0x8001_8000,
+        ];
         for b in (0..=u32::MAX).step_by(4093).chain(ties) {
             let x = f32::from_bits(b);
             assert_eq!(super::bf16_rne(x).to_bits(), half::bf16::from_f32(x).to_bits(), "{b:#010x}");

@@ -34,7 +34,13 @@ impl KvCache {
 
     /// A cache whose layer l stores keys and values as `dtypes[l]`: f32, bf16, f16, or u8 for
     /// FP8 E4M3 with a per-layer scale (1 until set).
-    pub fn with_layers(dev: &Device, cfg: &ModelConfig, block_size: usize, num_blocks: usize, dtypes: &[(DType, DType)]) -> Result<KvCache> {
+    pub fn with_layers(
+        dev: &Device,
+        cfg: &ModelConfig,
+        block_size: usize,
+        num_blocks: usize,
+        dtypes: &[(DType, DType)],
+    ) -> Result<KvCache> {
         if block_size == 0 || num_blocks == 0 {
             bail!("KV cache needs a positive block size and block count (got {block_size} x {num_blocks})");
         }

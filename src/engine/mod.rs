@@ -291,7 +291,10 @@ impl Engine {
 
     /// Starts (Some) or stops (None, returning what was recorded) calibration: the forward then
     /// records the max magnitude of every linear input and of the keys and values.
-    pub fn set_observer(&mut self, obs: Option<crate::model::calib::Calibration>) -> Option<crate::model::calib::Calibration> {
+    pub fn set_observer(
+        &mut self,
+        obs: Option<crate::model::calib::Calibration>,
+    ) -> Option<crate::model::calib::Calibration> {
         std::mem::replace(&mut self.bufs.observe, obs)
     }
 
@@ -549,7 +552,14 @@ impl Engine {
         if k > 0 {
             st.topk_temps.clear();
             st.topk_temps.extend(st.params.iter().map(|p| p.temperature));
-            logprob::topk_logprobs(&self.dev, &self.bufs.logits, &st.topk_temps, k, &mut st.topk_ids, &mut st.topk_lps)?;
+            logprob::topk_logprobs(
+                &self.dev,
+                &self.bufs.logits,
+                &st.topk_temps,
+                k,
+                &mut st.topk_ids,
+                &mut st.topk_lps,
+            )?;
         }
         for (i, (_, u)) in chunk.iter().enumerate() {
             if let RowUse::Sample { seq } = *u {

@@ -56,7 +56,13 @@ pub fn requests(prompts: &[PromptItem], samples: u32, sampling: &Arc<SamplingCon
     let mut out = Vec::with_capacity(prompts.len() * samples as usize);
     for (i, p) in prompts.iter().enumerate() {
         for s in 0..samples {
-            out.push(Request { id: (step << 32) | i as u64, sample: s, prompt: p.tokens.clone(), sampling: sampling.clone(), prompt_logprobs: false });
+            out.push(Request {
+                id: (step << 32) | i as u64,
+                sample: s,
+                prompt: p.tokens.clone(),
+                sampling: sampling.clone(),
+                prompt_logprobs: false,
+            });
         }
     }
     out
@@ -65,7 +71,12 @@ pub fn requests(prompts: &[PromptItem], samples: u32, sampling: &Arc<SamplingCon
 /// Runs `engine` on `w`, pulling requests from `queue` while it holds fewer than `inflight`
 /// unfinished sequences, until the queue is empty and the engine idle. Completions in the order
 /// they finished.
-pub fn run_queue<'a>(engine: &mut Engine, w: impl Into<View<'a>>, queue: &WorkQueue, inflight: usize) -> Result<Vec<Completion>> {
+pub fn run_queue<'a>(
+    engine: &mut Engine,
+    w: impl Into<View<'a>>,
+    queue: &WorkQueue,
+    inflight: usize,
+) -> Result<Vec<Completion>> {
     let w: View<'a> = w.into();
     let dev = engine.device().clone();
     dev.install(|| -> Result<Vec<Completion>> {
@@ -84,7 +95,8 @@ pub fn run_queue<'a>(engine: &mut Engine, w: impl Into<View<'a>>, queue: &WorkQu
 /// the queue is empty (an idle device takes the next unstarted request).
 pub fn top_up(engine: &mut Engine, queue: &WorkQueue, inflight: usize) -> Result<()> {
     while engine.num_unfinished() < inflight.max(1) {
-        let next = queue.lock().map_err(|_| anyhow::anyhow!("the rollout queue was poisoned by a failed device"))?.pop_front();
+        let next =
+            queue.lock().map_err(|_| anyhow::anyhow!("the rollout queue was poisoned by a failed device"))?.pop_front();
         match next {
             Some(r) => engine.add(r)?,
             None => break,
@@ -102,7 +114,11 @@ pub fn from_completion(c: Completion, prompts: &[PromptItem], version: u64) -> R
         group: prompts[i].id,
         prompt: prompts[i].tokens.clone(),
         truncated: c.finish == FinishReason::Length,
-        sampler_topk: (!c.topk_ids.is_empty()).then(|| TopK { k: c.topk_ids.len() / c.tokens.len().max(1), ids: c.topk_ids, logprobs: c.topk_logprobs }),
+        sampler_topk: (!c.topk_ids.is_empty()).then(|| TopK {
+            k: c.topk_ids.len() / c.tokens.len().max(1),
+            ids: c.topk_ids,
+            logprobs: c.topk_logprobs,
+        }),
         response: c.tokens,
         sampler_logprobs: c.logprobs,
         teacher_logprobs: None,
@@ -115,7 +131,15 @@ pub fn from_completion(c: Completion, prompts: &[PromptItem], version: u64) -> R
 
 /// Samples `samples` responses to each prompt with `engine` on weights `w` (one device).
 #[allow(clippy::too_many_arguments)]
-pub fn generate<'a>(engine: &mut Engine, w: impl Into<View<'a>>, prompts: &[PromptItem], samples: u32, sampling: &Arc<SamplingConfig>, step: u64, version: u64) -> Result<Vec<Rollout>> {
+pub fn generate<'a>(
+    engine: &mut Engine,
+    w: impl Into<View<'a>>,
+    prompts: &[PromptItem],
+    samples: u32,
+    sampling: &Arc<SamplingConfig>,
+    step: u64,
+    version: u64,
+) -> Result<Vec<Rollout>> {
     let queue: WorkQueue = std::sync::Mutex::new(requests(prompts, samples, sampling, step).into());
     let mut done = run_queue(engine, w, &queue, usize::MAX)?;
     done.sort_by_key(|c| (c.id, c.sample));
@@ -151,17 +175,34 @@ pub fn store_teacher(rollouts: &mut [Rollout], done: Vec<Completion>) {
 
 /// The teacher's log-probs at the response tokens of `done` (completions of prompts
 /// `prompts[i]`), scored at `temperature` on one device (a split placement's generator).
-pub fn score_completions(engine: &mut Engine, w: &ModelWeights, prompts: &[&[u32]], done: &[Completion], temperature: f32) -> Result<Vec<Vec<f32>>> {
+pub fn score_completions(
+    engine: &mut Engine,
+    w: &ModelWeights,
+    prompts: &[&[u32]],
+    done: &[Completion],
+    temperature: f32,
+) -> Result<Vec<Vec<f32>>> {
     let sampling = Arc::new(SamplingConfig { temperature, max_new_tokens: 0, ..Default::default() });
     let mut reqs = Vec::new();
     for (i, (c, p)) in done.iter().zip(prompts).enumerate() {
         if p.len() != c.prompt_len {
-            bail!("teacher scoring: completion {} has a prompt of {} tokens, its request {}", c.id, c.prompt_len, p.len());
+            bail!(
+                "teacher scoring: completion {} has a prompt of {} tokens, its request {}",
+                c.id,
+                c.prompt_len,
+                p.len()
+            );
         }
         if !c.tokens.is_empty() {
             let mut seq = p.to_vec();
             seq.extend_from_slice(&c.tokens);
-            reqs.push(Request { id: i as u64, sample: 0, prompt: seq, sampling: sampling.clone(), prompt_logprobs: true });
+            reqs.push(Request {
+                id: i as u64,
+                sample: 0,
+                prompt: seq,
+                sampling: sampling.clone(),
+                prompt_logprobs: true,
+            });
         }
     }
     let queue: WorkQueue = std::sync::Mutex::new(reqs.into());
@@ -234,7 +275,8 @@ fn read_topk(v: &Value, n: usize, vocab: usize, ctx: &dyn Fn() -> String) -> Res
         _ => bail!("{}: 'sampler_topk_ids' and 'sampler_topk_logprobs' come together", ctx()),
     };
     let rows = |x: &Value, key: &str| -> Result<Vec<Value>> {
-        let a = x.as_array().with_context(|| format!("{}: '{key}' must be a list (one list per response token)", ctx()))?;
+        let a =
+            x.as_array().with_context(|| format!("{}: '{key}' must be a list (one list per response token)", ctx()))?;
         if a.len() != n {
             bail!("{}: '{key}' has {} entries for {n} response tokens", ctx(), a.len());
         }
@@ -249,7 +291,12 @@ fn read_topk(v: &Value, n: usize, vocab: usize, ctx: &dyn Fn() -> String) -> Res
             t.k = ids.len();
         }
         if ids.is_empty() || ids.len() != t.k || lps.len() != t.k {
-            bail!("{}: token {j} has {} top-k ids and {} log-probs; every token needs the same k >= 1 of each", ctx(), ids.len(), lps.len());
+            bail!(
+                "{}: token {j} has {} top-k ids and {} log-probs; every token needs the same k >= 1 of each",
+                ctx(),
+                ids.len(),
+                lps.len()
+            );
         }
         t.ids.extend(ids);
         t.logprobs.extend(lps);

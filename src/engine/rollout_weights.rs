@@ -9,10 +9,10 @@
 
 use super::View;
 use crate::device::Device;
-use crate::model::{ModelConfig, ModelWeights};
 use crate::model::calib::Calibration;
-use crate::quant::recipe::Recipe;
 use crate::model::QuantState;
+use crate::model::{ModelConfig, ModelWeights};
+use crate::quant::recipe::Recipe;
 use anyhow::Result;
 use std::collections::VecDeque;
 
@@ -91,7 +91,14 @@ fn is_projection(name: &str) -> bool {
 impl RolloutWeights {
     /// Builds the engine's buffers for `spec` and syncs them with the trainer's weights `w`
     /// (version `version`).
-    pub fn new(dev: &Device, spec: &EngineSpec, cfg: &ModelConfig, w: &ModelWeights, calib: Option<&Calibration>, version: u64) -> Result<RolloutWeights> {
+    pub fn new(
+        dev: &Device,
+        spec: &EngineSpec,
+        cfg: &ModelConfig,
+        w: &ModelWeights,
+        calib: Option<&Calibration>,
+        version: u64,
+    ) -> Result<RolloutWeights> {
         let noise = if spec.noise_sigma > 0.0 {
             // s_w: each projection matrix's std at this first sync.
             let names: Vec<String> = crate::model::weights::param_specs(cfg).into_iter().map(|(n, _)| n).collect();
@@ -111,8 +118,18 @@ impl RolloutWeights {
         } else {
             None
         };
-        let quant = if spec.recipe.is_standard() { None } else { Some(QuantState::new(dev, &spec.recipe, cfg, w, calib)?) };
-        let mut rw = RolloutWeights { dev: dev.clone(), spec: spec.clone(), cfg: cfg.clone(), ring: VecDeque::new(), noise, quant, version, syncs: 0 };
+        let quant =
+            if spec.recipe.is_standard() { None } else { Some(QuantState::new(dev, &spec.recipe, cfg, w, calib)?) };
+        let mut rw = RolloutWeights {
+            dev: dev.clone(),
+            spec: spec.clone(),
+            cfg: cfg.clone(),
+            ring: VecDeque::new(),
+            noise,
+            quant,
+            version,
+            syncs: 0,
+        };
         if spec.staleness > 0 {
             for _ in 0..=spec.staleness {
                 rw.ring.push_back((version, w.try_clone(cfg)?));
@@ -201,17 +218,24 @@ impl RolloutWeights {
                 Ok(())
             })?;
             let bytes = flat.iter().flat_map(|x| x.to_le_bytes()).collect();
-            views.push((format!("slot{i}"), crate::model::weights::OwnedView { dtype: safetensors::Dtype::F32, shape: vec![flat.len()], bytes }));
+            views.push((
+                format!("slot{i}"),
+                crate::model::weights::OwnedView { dtype: safetensors::Dtype::F32, shape: vec![flat.len()], bytes },
+            ));
             versions.push(v.to_string());
         }
         let meta = std::collections::HashMap::from([("versions".to_string(), versions.join(","))]);
-        Ok(Some(safetensors::serialize(views, Some(meta)).map_err(|e| anyhow::anyhow!("serializing the stale ring: {e}"))?))
+        Ok(Some(
+            safetensors::serialize(views, Some(meta))
+                .map_err(|e| anyhow::anyhow!("serializing the stale ring: {e}"))?,
+        ))
     }
 
     /// Puts a checkpoint's older versions (see [`Self::ring_file`]) back into the ring, in
     /// place (values are the compute weights' own, so BF16/F16 round-trip exactly through F32).
     pub fn restore_ring(&mut self, bytes: &[u8], what: &str, trainer: &ModelWeights) -> Result<()> {
-        let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| anyhow::anyhow!("{what}: invalid safetensors file: {e}"))?;
+        let st = safetensors::SafeTensors::deserialize(bytes)
+            .map_err(|e| anyhow::anyhow!("{what}: invalid safetensors file: {e}"))?;
         let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
         let versions: Vec<u64> = meta
             .metadata()
@@ -227,7 +251,8 @@ impl RolloutWeights {
         }
         for (i, v) in versions.into_iter().enumerate() {
             let t = st.tensor(&format!("slot{i}")).map_err(|e| anyhow::anyhow!("{what}: slot{i}: {e}"))?;
-            let flat: Vec<f32> = t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let flat: Vec<f32> =
+                t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
             let (_, w) = &mut self.ring[i];
             let mut at = 0;
             let mut short = false;

@@ -102,7 +102,15 @@ fn sr_e2m1(v: f32, u: f64) -> u8 {
 /// Quantizes a piece of a row (a multiple of 16 values) into `packed` (len/2) and `scales`
 /// (len/16). `first` is the flat index of x[0] in its tensor: it keys stochastic rounding.
 #[inline(always)]
-pub fn quantize_row(x: &[f32], global: f32, opts: &Nvfp4Opts, signs: Option<&[f32; BLOCK]>, first: u64, packed: &mut [u8], scales: &mut [u8]) {
+pub fn quantize_row(
+    x: &[f32],
+    global: f32,
+    opts: &Nvfp4Opts,
+    signs: Option<&[f32; BLOCK]>,
+    first: u64,
+    packed: &mut [u8],
+    scales: &mut [u8],
+) {
     let denom6 = 6.0 * global;
     let e4m3 = super::fp8::e4m3_table();
     let mut blk = [0.0f32; BLOCK];
@@ -130,7 +138,10 @@ pub fn quantize_row(x: &[f32], global: f32, opts: &Nvfp4Opts, signs: Option<&[f3
             Some(seed) => {
                 for (j, (c, v)) in codes.iter_mut().zip(&blk).enumerate() {
                     let idx = first + (b * BLOCK + j) as u64;
-                    let r = crate::rand::philox4x32_10([idx as u32, (idx >> 32) as u32, 0x5352, 0], crate::rand::seed_key(seed));
+                    let r = crate::rand::philox4x32_10(
+                        [idx as u32, (idx >> 32) as u32, 0x5352, 0],
+                        crate::rand::seed_key(seed),
+                    );
                     *c = sr_e2m1((v / denom).clamp(-6.0, 6.0), crate::rand::uniform_f64(r[0], r[1]));
                 }
             }
@@ -201,7 +212,8 @@ mod tests {
             assert!((a - b).abs() < 1e-6);
         }
         // Dot products are preserved: the rotated GEMM equals the plain one.
-        let (mut a, mut b): (Vec<f32>, Vec<f32>) = ((0..16).map(|i| i as f32).collect(), (0..16).map(|i| 1.0 / (1.0 + i as f32)).collect());
+        let (mut a, mut b): (Vec<f32>, Vec<f32>) =
+            ((0..16).map(|i| i as f32).collect(), (0..16).map(|i| 1.0 / (1.0 + i as f32)).collect());
         let d0: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         rht_block(&mut a, &signs);
         rht_block(&mut b, &signs);

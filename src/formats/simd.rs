@@ -58,7 +58,13 @@ mod avx2 {
 
     /// [`nvfp4_block`] reading 16 BF16 values directly (their bits are the f32's high half).
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn nvfp4_block_bf16(x: &[half::bf16], denom6: f32, global: f32, e4m3: &[f32; 256], packed: &mut [u8]) -> u8 {
+    pub unsafe fn nvfp4_block_bf16(
+        x: &[half::bf16],
+        denom6: f32,
+        global: f32,
+        e4m3: &[f32; 256],
+        packed: &mut [u8],
+    ) -> u8 {
         assert!(x.len() >= BLOCK);
         // SAFETY: x holds 16 BF16 values = 32 bytes (asserted); unaligned loads.
         let p = x.as_ptr() as *const __m128i;
@@ -69,9 +75,19 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn nvfp4_block_v(a0: __m256, a1: __m256, denom6: f32, global: f32, e4m3: &[f32; 256], packed: &mut [u8]) -> u8 {
+    unsafe fn nvfp4_block_v(
+        a0: __m256,
+        a1: __m256,
+        denom6: f32,
+        global: f32,
+        e4m3: &[f32; 256],
+        packed: &mut [u8],
+    ) -> u8 {
         let absmask = _mm256_set1_epi32(0x7FFF_FFFF);
-        let m = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(a0), absmask), _mm256_and_si256(_mm256_castps_si256(a1), absmask));
+        let m = _mm256_max_epu32(
+            _mm256_and_si256(_mm256_castps_si256(a0), absmask),
+            _mm256_and_si256(_mm256_castps_si256(a1), absmask),
+        );
         let m = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256::<1>(m));
         let m = _mm_max_epu32(m, _mm_shuffle_epi32::<0b01_00_11_10>(m));
         let m = _mm_max_epu32(m, _mm_shuffle_epi32::<0b10_11_00_01>(m));
@@ -87,7 +103,10 @@ mod avx2 {
         let s0 = _mm256_or_si256(c0, _mm256_srli_epi64::<28>(c0));
         let s1 = _mm256_or_si256(c1, _mm256_srli_epi64::<28>(c1));
         // Bytes 0 and 8 of each 128-bit lane to positions 0 and 1.
-        let pick = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        let pick = _mm256_setr_epi8(
+            0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+            -1, -1, -1, -1,
+        );
         let s0 = _mm256_shuffle_epi8(s0, pick);
         let s1 = _mm256_shuffle_epi8(s1, pick);
         let word = (_mm256_extract_epi16::<0>(s0) as u16 as u64)
@@ -113,12 +132,24 @@ mod avx2 {
     unsafe fn e2m1(v: __m256) -> __m256i {
         let a = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF)));
         let t = |c: __m256| _mm256_castps_si256(c);
-        let (c1, c2) = (t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(0.25))), t(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(0.75))));
-        let (c3, c4) = (t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(1.25))), t(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(1.75))));
-        let (c5, c6) = (t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(2.5))), t(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(3.5))));
+        let (c1, c2) = (
+            t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(0.25))),
+            t(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(0.75))),
+        );
+        let (c3, c4) = (
+            t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(1.25))),
+            t(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(1.75))),
+        );
+        let (c5, c6) = (
+            t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(2.5))),
+            t(_mm256_cmp_ps::<_CMP_GE_OQ>(a, _mm256_set1_ps(3.5))),
+        );
         let c7 = t(_mm256_cmp_ps::<_CMP_GT_OQ>(a, _mm256_set1_ps(5.0)));
         // A sum tree (the counts are −1 per threshold passed).
-        let n = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c1, c2), _mm256_add_epi32(c3, c4)), _mm256_add_epi32(_mm256_add_epi32(c5, c6), c7));
+        let n = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(c1, c2), _mm256_add_epi32(c3, c4)),
+            _mm256_add_epi32(_mm256_add_epi32(c5, c6), c7),
+        );
         let code = _mm256_sub_epi32(_mm256_setzero_si256(), n);
         let sign = _mm256_and_si256(_mm256_srli_epi32::<28>(_mm256_castps_si256(v)), _mm256_set1_epi32(8));
         _mm256_or_si256(code, sign)
@@ -140,7 +171,15 @@ mod avx2 {
         fp8_body(x, scale, out)
     }
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn nvfp4(x: &[f32], global: f32, opts: &Nvfp4Opts, signs: Option<&[f32; BLOCK]>, first: u64, packed: &mut [u8], scales: &mut [u8]) {
+    pub unsafe fn nvfp4(
+        x: &[f32],
+        global: f32,
+        opts: &Nvfp4Opts,
+        signs: Option<&[f32; BLOCK]>,
+        first: u64,
+        packed: &mut [u8],
+        scales: &mut [u8],
+    ) {
         if opts.stochastic.is_some() {
             return nvfp4::quantize_row(x, global, opts, signs, first, packed, scales);
         }
@@ -193,7 +232,15 @@ pub fn encode_fp8(x: &[f32], scale: f32, out: &mut [u8]) {
 }
 
 /// `nvfp4::quantize_row`, vectorized where the CPU allows.
-pub fn quantize_nvfp4(x: &[f32], global: f32, opts: &Nvfp4Opts, signs: Option<&[f32; BLOCK]>, first: u64, packed: &mut [u8], scales: &mut [u8]) {
+pub fn quantize_nvfp4(
+    x: &[f32],
+    global: f32,
+    opts: &Nvfp4Opts,
+    signs: Option<&[f32; BLOCK]>,
+    first: u64,
+    packed: &mut [u8],
+    scales: &mut [u8],
+) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: as above.

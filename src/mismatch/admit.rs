@@ -9,8 +9,8 @@ use crate::data::dataset::PromptItem;
 use crate::device::Device;
 use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
 use crate::engine::{Engine, EngineConfig, Request, SamplingConfig};
-use crate::model::{ModelConfig, ModelWeights, TextTools};
 use crate::model::calib::Calibration;
+use crate::model::{ModelConfig, ModelWeights, TextTools};
 use crate::quant::recipe::{KvScale, Override, Precision, Recipe};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -43,11 +43,15 @@ pub fn parse_candidate(s: &str, num_layers: usize, noise_seed: u64) -> Result<Ca
             bail!("candidate '{s}': noise=SIGMA needs a positive finite sigma, got {sig}");
         }
         let recipe = Recipe::preset("bf16", num_layers, &[], KvScale::Calibrated, Default::default())?;
-        return Ok(Candidate { name: s.to_string(), spec: EngineSpec { recipe, noise_sigma: sigma, noise_seed, staleness: 0 } });
+        return Ok(Candidate {
+            name: s.to_string(),
+            spec: EngineSpec { recipe, noise_sigma: sigma, noise_seed, staleness: 0 },
+        });
     }
     let (body, scale) = match s.split_once('@') {
         Some((b, sc)) => {
-            let v: f32 = sc.parse().map_err(|_| anyhow::anyhow!("candidate '{s}': @KV_SCALE needs a number, got '{sc}'"))?;
+            let v: f32 =
+                sc.parse().map_err(|_| anyhow::anyhow!("candidate '{s}': @KV_SCALE needs a number, got '{sc}'"))?;
             // A KV scale divides the cached values: 0, negative, NaN or ∞ give a garbage cache.
             if !(v > 0.0 && v.is_finite()) {
                 bail!("candidate '{s}': @KV_SCALE must be a positive finite number, got {sc}");
@@ -59,7 +63,8 @@ pub fn parse_candidate(s: &str, num_layers: usize, noise_seed: u64) -> Result<Ca
     let mut parts = body.split('+');
     let recipe_name = parts.next().unwrap_or_default();
     let keep: Vec<String> = parts.map(str::to_string).collect();
-    let recipe = Recipe::preset(recipe_name, num_layers, &keep, scale, Default::default()).with_context(|| format!("candidate '{s}'"))?;
+    let recipe = Recipe::preset(recipe_name, num_layers, &keep, scale, Default::default())
+        .with_context(|| format!("candidate '{s}'"))?;
     Ok(Candidate { name: s.to_string(), spec: EngineSpec { recipe, noise_sigma: 0.0, noise_seed, staleness: 0 } })
 }
 
@@ -80,7 +85,12 @@ pub fn estimate(st: &Student, spec: &EngineSpec, prompts: &[PromptItem], s: &Set
     let rw = RolloutWeights::new(st.dev, spec, st.cfg, st.w, st.calib, 0)?;
     let ec = EngineConfig { kv_fp8: spec.recipe.kv_layers(), ..Default::default() };
     let mut cand = Engine::new(st.dev, st.cfg, st.w.dtype(), &ec, st.text.clone())?;
-    let sampling = Arc::new(SamplingConfig { temperature: s.temperature, max_new_tokens: s.max_new_tokens, seed: s.seed, ..Default::default() });
+    let sampling = Arc::new(SamplingConfig {
+        temperature: s.temperature,
+        max_new_tokens: s.max_new_tokens,
+        seed: s.seed,
+        ..Default::default()
+    });
     let rollouts = crate::engine::rollout::generate(&mut cand, rw.view(st.w), prompts, s.samples, &sampling, 0, 0)?;
     let mut std_e = Engine::new(st.dev, st.cfg, st.w.dtype(), &EngineConfig::default(), None)?;
     let score = Arc::new(SamplingConfig { temperature: s.temperature, max_new_tokens: 0, ..Default::default() });
@@ -142,9 +152,20 @@ fn only_layer(r: &Recipe, l: usize) -> Recipe {
 }
 
 /// Runs the check for every candidate (the floor, `bf16` against itself, first).
-pub fn check(st: &Student, candidates: &[Candidate], prompts: &[PromptItem], s: &Settings, per_layer: bool) -> Result<(Estimate, Vec<Verdict>)> {
+pub fn check(
+    st: &Student,
+    candidates: &[Candidate],
+    prompts: &[PromptItem],
+    s: &Settings,
+    per_layer: bool,
+) -> Result<(Estimate, Vec<Verdict>)> {
     let n = st.cfg.num_layers;
-    let std_spec = EngineSpec { recipe: Recipe::preset("bf16", n, &[], KvScale::Calibrated, Default::default())?, noise_sigma: 0.0, noise_seed: 0, staleness: 0 };
+    let std_spec = EngineSpec {
+        recipe: Recipe::preset("bf16", n, &[], KvScale::Calibrated, Default::default())?,
+        noise_sigma: 0.0,
+        noise_seed: 0,
+        staleness: 0,
+    };
     let floor = estimate(st, &std_spec, prompts, s)?;
     let mut out = Vec::new();
     for c in candidates {
@@ -179,7 +200,12 @@ pub fn check(st: &Student, candidates: &[Candidate], prompts: &[PromptItem], s: 
         } else {
             None
         };
-        out.push(Verdict { candidate: c.name.clone(), admit: budget::admit(e.d_hat, s.alpha, s.line), estimate: e, per_layer: pl });
+        out.push(Verdict {
+            candidate: c.name.clone(),
+            admit: budget::admit(e.d_hat, s.alpha, s.line),
+            estimate: e,
+            per_layer: pl,
+        });
     }
     Ok((floor, out))
 }
@@ -202,7 +228,11 @@ mod tests {
             assert!(l[i].weight == [Native; 7] && l[i].input == [Native; 7] && !l[i].kv_fp8(), "layer {i}: {:?}", l[i]);
         }
         for i in [1, 2] {
-            assert!(l[i].weight == [Fp8; 7] && l[i].input == [Fp8; 7] && l[i].k_fp8 && l[i].v_fp8, "layer {i}: {:?}", l[i]);
+            assert!(
+                l[i].weight == [Fp8; 7] && l[i].input == [Fp8; 7] && l[i].k_fp8 && l[i].v_fp8,
+                "layer {i}: {:?}",
+                l[i]
+            );
         }
         // The FP8 cache only, first layer's cache native, calibrated scales.
         let c = parse_candidate("fp8-kv+first-layer-kv", 3, 0).unwrap();
@@ -239,7 +269,10 @@ mod tests {
         let o = only_layer(&r, 1);
         assert_eq!(o.layers[1], r.layers[1]);
         for i in [0, 2] {
-            assert!(o.layers[i].weight == [Native; 7] && o.layers[i].input == [Native; 7] && !o.layers[i].kv_fp8(), "layer {i}");
+            assert!(
+                o.layers[i].weight == [Native; 7] && o.layers[i].input == [Native; 7] && !o.layers[i].kv_fp8(),
+                "layer {i}"
+            );
         }
         assert_eq!(o.kv_layers(), vec![(false, false), (true, true), (false, false)]);
         assert_eq!(o.kv_scale, KvScale::Fixed(1.0));

@@ -58,7 +58,16 @@ pub fn step_mismatch(sampler: &[f32], learner: &[f32]) -> StepMismatch {
     let frac_small = delta.iter().filter(|d| d.abs() < 0.05).count() as f64 / nf;
     let k3 = delta.iter().map(|&d| d.exp_m1() - d).sum::<f64>() / nf;
     delta.sort_by(|a, b| a.total_cmp(b));
-    StepMismatch { d_n, abs_mean, abs_max, frac_small, q01: quantile(&delta, 0.01), q05: quantile(&delta, 0.05), k3, tokens: n }
+    StepMismatch {
+        d_n,
+        abs_mean,
+        abs_max,
+        frac_small,
+        q01: quantile(&delta, 0.01),
+        q05: quantile(&delta, 0.05),
+        k3,
+        tokens: n,
+    }
 }
 
 #[cfg(test)]

@@ -69,13 +69,21 @@ struct MonitorBits {
 
 impl From<MonitorState> for MonitorBits {
     fn from(s: MonitorState) -> Self {
-        MonitorBits { tau_bits: s.tau.map(f64::to_bits), pool_bits: s.pool.iter().map(|x| x.to_bits()).collect(), steps: s.steps }
+        MonitorBits {
+            tau_bits: s.tau.map(f64::to_bits),
+            pool_bits: s.pool.iter().map(|x| x.to_bits()).collect(),
+            steps: s.steps,
+        }
     }
 }
 
 impl From<MonitorBits> for MonitorState {
     fn from(b: MonitorBits) -> Self {
-        MonitorState { tau: b.tau_bits.map(f64::from_bits), pool: b.pool_bits.into_iter().map(f64::from_bits).collect(), steps: b.steps }
+        MonitorState {
+            tau: b.tau_bits.map(f64::from_bits),
+            pool: b.pool_bits.into_iter().map(f64::from_bits).collect(),
+            steps: b.steps,
+        }
     }
 }
 
@@ -99,7 +107,14 @@ impl Monitor {
 
     /// One step: advantages per response, response lengths, the learner's and the sampler's
     /// log-probs per token (concatenated), and the clipped-token count.
-    pub fn observe(&mut self, adv: &[f64], seq_lens: &[usize], logp: &[f32], sampler: &[f32], clipped: usize) -> RlMetrics {
+    pub fn observe(
+        &mut self,
+        adv: &[f64],
+        seq_lens: &[usize],
+        logp: &[f32],
+        sampler: &[f32],
+        clipped: usize,
+    ) -> RlMetrics {
         let delta: Vec<f64> = logp.iter().zip(sampler).map(|(a, b)| *a as f64 - *b as f64).collect();
         let valid = vec![true; delta.len()];
         let mut resp = Vec::with_capacity(adv.len());
@@ -115,7 +130,11 @@ impl Monitor {
                 let mut s = std::mem::take(&mut self.state.pool);
                 s.sort_by(f64::total_cmp);
                 self.state.tau = Some(crate::mismatch::quantile(&s, 0.05));
-                tracing::info!("tail threshold τ = {:.5} (5% quantile of δ over the first {} steps)", self.state.tau.unwrap_or(f64::NAN), self.state.steps);
+                tracing::info!(
+                    "tail threshold τ = {:.5} (5% quantile of δ over the first {} steps)",
+                    self.state.tau.unwrap_or(f64::NAN),
+                    self.state.steps
+                );
             }
         }
         RlMetrics {
@@ -136,10 +155,17 @@ mod tests {
     /// The checkpoint's monitor state round-trips bit for bit, NaNs and all.
     #[test]
     fn monitor_state_round_trips_exactly() {
-        let s = MonitorState { tau: Some(-0.1 / 3.0), pool: vec![f64::NAN, -0.0, 1e-300, 0.1 + 0.2, f64::INFINITY], steps: 7 };
+        let s = MonitorState {
+            tau: Some(-0.1 / 3.0),
+            pool: vec![f64::NAN, -0.0, 1e-300, 0.1 + 0.2, f64::INFINITY],
+            steps: 7,
+        };
         let back: MonitorState = serde_json::from_str(&serde_json::to_string(&s).unwrap()).unwrap();
         assert_eq!(back.tau.map(f64::to_bits), s.tau.map(f64::to_bits));
-        assert_eq!(back.pool.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), s.pool.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        assert_eq!(
+            back.pool.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            s.pool.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
         assert_eq!(back.steps, 7);
     }
 

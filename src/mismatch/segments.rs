@@ -180,7 +180,8 @@ mod tests {
         let v = [true; 5];
         let pos = [-5.0, -5.0];
         let vp = [true; 2];
-        let rs = [Response { advantage: -1.0, delta: &d, valid: &v }, Response { advantage: 1.0, delta: &pos, valid: &vp }];
+        let rs =
+            [Response { advantage: -1.0, delta: &d, valid: &v }, Response { advantage: 1.0, delta: &pos, valid: &vp }];
         let s = tail_stats(&rs, 2, -1.0);
         assert_eq!((s.segments, s.tokens), (3, 5));
         assert!((s.r_amp - 3.0 / 5.0).abs() < 1e-12);

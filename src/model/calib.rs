@@ -28,7 +28,14 @@ pub struct Calibration {
 
 impl Calibration {
     pub fn new(model: String, layers: usize) -> Calibration {
-        Calibration { model, samples: 0, tokens: 0, input_amax: vec![[0.0; INPUTS]; layers], k_amax: vec![0.0; layers], v_amax: vec![0.0; layers] }
+        Calibration {
+            model,
+            samples: 0,
+            tokens: 0,
+            input_amax: vec![[0.0; INPUTS]; layers],
+            k_amax: vec![0.0; layers],
+            v_amax: vec![0.0; layers],
+        }
     }
 
     /// The fingerprint of a model config.
@@ -41,11 +48,17 @@ impl Calibration {
     }
 
     pub fn load(path: &Path, cfg: &crate::model::ModelConfig) -> Result<Calibration> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read calibration {}", path.display()))?;
-        let c: Calibration = serde_json::from_str(&text).with_context(|| format!("{}: not a calibration file", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("cannot read calibration {}", path.display()))?;
+        let c: Calibration =
+            serde_json::from_str(&text).with_context(|| format!("{}: not a calibration file", path.display()))?;
         let fp = Self::fingerprint(cfg);
         if c.model != fp || c.input_amax.len() != cfg.num_layers || c.k_amax.len() != cfg.num_layers {
-            bail!("{}: these scales belong to another model (fingerprint {}, this model {fp})", path.display(), c.model);
+            bail!(
+                "{}: these scales belong to another model (fingerprint {}, this model {fp})",
+                path.display(),
+                c.model
+            );
         }
         Ok(c)
     }

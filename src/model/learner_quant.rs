@@ -73,7 +73,8 @@ impl LearnerQuant {
         let signs = self.opts.rht.map(nvfp4::rht_signs);
         rotate(&mut v, signs.as_ref(), false);
         let fixed = self.act_global.get(layer).and_then(|a| a[linear]);
-        let global = |row: &[f32]| fixed.unwrap_or_else(|| nvfp4::global_scale(row.iter().fold(0.0f32, |a, v| a.max(v.abs()))));
+        let global =
+            |row: &[f32]| fixed.unwrap_or_else(|| nvfp4::global_scale(row.iter().fold(0.0f32, |a, v| a.max(v.abs()))));
         round_rows(&mut v, k, &global, &self.opts, signs.as_ref());
         for (a, b) in x.iter_mut().zip(&v) {
             *a = T::from_f64(*b as f64);
@@ -92,13 +93,20 @@ fn check_k(k: usize) -> Result<()> {
 /// Applies the RHT (or its inverse) to every 16-value block.
 fn rotate(x: &mut [f32], signs: Option<&[f32; BLOCK]>, inverse: bool) {
     if let Some(s) = signs {
-        x.par_chunks_mut(BLOCK).for_each(|b| if inverse { nvfp4::rht_block_inverse(b, s) } else { nvfp4::rht_block(b, s) });
+        x.par_chunks_mut(BLOCK)
+            .for_each(|b| if inverse { nvfp4::rht_block_inverse(b, s) } else { nvfp4::rht_block(b, s) });
     }
 }
 
 /// Rounds rotated rows (n, k) onto the NVFP4 grid with global scale `global(row)` and rotates
 /// them back. Stochastic rounding keys are the flat element index, as in the engine.
-fn round_rows(x: &mut [f32], k: usize, global: &(dyn Fn(&[f32]) -> f32 + Sync), opts: &Nvfp4Opts, signs: Option<&[f32; BLOCK]>) {
+fn round_rows(
+    x: &mut [f32],
+    k: usize,
+    global: &(dyn Fn(&[f32]) -> f32 + Sync),
+    opts: &Nvfp4Opts,
+    signs: Option<&[f32; BLOCK]>,
+) {
     x.par_chunks_mut(k).enumerate().for_each(|(r, row)| {
         let g = global(row);
         let mut p = [0u8; BLOCK / 2];
@@ -126,12 +134,21 @@ mod tests {
         let mut rng = crate::rand::Stream::new(9, 0);
         let w: Vec<f32> = (0..rows * k).map(|_| rng.normal() as f32 * 0.05).collect();
         let x: Vec<f32> = (0..k).map(|_| rng.normal() as f32).collect();
-        for opts in [Nvfp4Opts::default(), Nvfp4Opts { rht: Some(3), stochastic: None }, Nvfp4Opts { rht: Some(3), stochastic: Some(5) }] {
-            let lq = LearnerQuant { linears: [false, false, false, false, true, true, true], opts, act_global: vec![[Some(0.01); 7]] };
+        for opts in [
+            Nvfp4Opts::default(),
+            Nvfp4Opts { rht: Some(3), stochastic: None },
+            Nvfp4Opts { rht: Some(3), stochastic: Some(5) },
+        ] {
+            let lq = LearnerQuant {
+                linears: [false, false, false, false, true, true, true],
+                opts,
+                act_global: vec![[Some(0.01); 7]],
+            };
             let mut qw = Vec::new();
             lq.weight(&w, k, &mut qw).unwrap();
             let mut qt = QTensor::alloc(QFormat::Nvfp4, rows, k, opts).unwrap();
-            crate::ops::quantize::requantize(&dev, &dev.from_f32(DType::F32, &[rows, k], &w).unwrap(), &mut qt, "w").unwrap();
+            crate::ops::quantize::requantize(&dev, &dev.from_f32(DType::F32, &[rows, k], &w).unwrap(), &mut qt, "w")
+                .unwrap();
             let engine_w = qt.dequantize(); // rotated domain under the RHT
             let mut qx = x.clone();
             lq.act(0, GATE, &mut qx, k).unwrap();
@@ -155,7 +172,10 @@ mod tests {
 
     #[test]
     fn only_mlp_linears_and_multiples_of_16() {
-        assert!(LearnerQuant::new(&["q_proj".into()], Nvfp4Opts::default(), 1).unwrap_err().to_string().contains("attention"));
+        assert!(LearnerQuant::new(&["q_proj".into()], Nvfp4Opts::default(), 1)
+            .unwrap_err()
+            .to_string()
+            .contains("attention"));
         let lq = LearnerQuant::new(&["down_proj".into()], Nvfp4Opts::default(), 1).unwrap();
         assert!(lq.on(DOWN) && !lq.on(GATE));
         let mut x = vec![1.0f32; 24];

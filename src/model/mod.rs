@@ -71,7 +71,11 @@ impl LoadedModel {
     /// and says what it cost.
     pub fn pack_for_decode(&mut self) -> Result<()> {
         if self.weights.pack_panels()? {
-            let bytes: usize = self.weights.panels().map(|p| p.layers.iter().flatten().chain([&p.head]).map(|x| x.size_bytes()).sum()).unwrap_or(0);
+            let bytes: usize = self
+                .weights
+                .panels()
+                .map(|p| p.layers.iter().flatten().chain([&p.head]).map(|x| x.size_bytes()).sum())
+                .unwrap_or(0);
             tracing::info!("packed the linears for decoding: {:.1} MiB", bytes as f64 / (1 << 20) as f64);
         }
         Ok(())

@@ -10,10 +10,10 @@
 use super::weights::{param_specs, write_safetensors, OwnedView, SafetensorsFiles};
 use super::{ModelConfig, ModelWeights};
 use crate::device::{DType, Device, Tensor};
+use crate::model::{QLayer, QuantState};
 use crate::ops::quantize::ActQuant;
 use crate::quant::qtensor::{QFormat, QTensor};
 use crate::quant::recipe::{Precision, Recipe, LINEARS};
-use crate::model::{QLayer, QuantState};
 use anyhow::{bail, Context, Result};
 use safetensors::Dtype as St;
 use serde_json::{json, Value};
@@ -51,12 +51,33 @@ pub fn export(dir: &Path, cfg: &ModelConfig, w: &ModelWeights, q: &QuantState, d
                     skip.insert(format!("{p}.weight"));
                     match qt.format {
                         QFormat::Fp8 => {
-                            views.push((format!("{p}.weight"), OwnedView { dtype: St::F8_E4M3, shape: vec![qt.rows, qt.k], bytes: qt.codes_bytes()?.to_vec() }));
+                            views.push((
+                                format!("{p}.weight"),
+                                OwnedView {
+                                    dtype: St::F8_E4M3,
+                                    shape: vec![qt.rows, qt.k],
+                                    bytes: qt.codes_bytes()?.to_vec(),
+                                },
+                            ));
                             views.push((format!("{p}.weight_scale"), scalar(qt.scale)));
                         }
                         QFormat::Nvfp4 => {
-                            views.push((format!("{p}.weight"), OwnedView { dtype: St::U8, shape: vec![qt.rows, qt.k / 2], bytes: qt.codes_bytes()?.to_vec() }));
-                            views.push((format!("{p}.weight_scale"), OwnedView { dtype: St::F8_E4M3, shape: vec![qt.rows, qt.k / 16], bytes: qt.scales_bytes()?.to_vec() }));
+                            views.push((
+                                format!("{p}.weight"),
+                                OwnedView {
+                                    dtype: St::U8,
+                                    shape: vec![qt.rows, qt.k / 2],
+                                    bytes: qt.codes_bytes()?.to_vec(),
+                                },
+                            ));
+                            views.push((
+                                format!("{p}.weight_scale"),
+                                OwnedView {
+                                    dtype: St::F8_E4M3,
+                                    shape: vec![qt.rows, qt.k / 16],
+                                    bytes: qt.scales_bytes()?.to_vec(),
+                                },
+                            ));
                             views.push((format!("{p}.weight_scale_2"), scalar(qt.scale)));
                         }
                     }
@@ -110,12 +131,17 @@ pub fn detect(dir: &Path) -> Result<Option<Value>> {
     if p.exists() {
         let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
         let v: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", p.display()))?;
-        return Ok(Some(v.get("quantization").cloned().with_context(|| format!("{}: missing 'quantization'", p.display()))?));
+        return Ok(Some(
+            v.get("quantization").cloned().with_context(|| format!("{}: missing 'quantization'", p.display()))?,
+        ));
     }
     let c = dir.join("config.json");
     if let Ok(text) = std::fs::read_to_string(&c) {
         if let Ok(v) = serde_json::from_str::<Value>(&text) {
-            if let Some(qc) = v.get("quantization_config").filter(|q| q.get("quant_method").and_then(|m| m.as_str()) == Some("modelopt")) {
+            if let Some(qc) = v
+                .get("quantization_config")
+                .filter(|q| q.get("quant_method").and_then(|m| m.as_str()) == Some("modelopt"))
+            {
                 return Ok(Some(qc.clone()));
             }
         }
@@ -134,7 +160,13 @@ fn f32_scalar(files: &SafetensorsFiles, name: &str) -> Result<f32> {
 
 /// Loads a ModelOpt directory: dense weights (quantized linears dequantized, for the trainer side
 /// and for excluded layers) and the engine's quantized view built from the stored codes.
-pub fn load(dir: &Path, cfg: &ModelConfig, dev: &Device, dtype: DType, quant: &Value) -> Result<(ModelWeights, QuantState)> {
+pub fn load(
+    dir: &Path,
+    cfg: &ModelConfig,
+    dev: &Device,
+    dtype: DType,
+    quant: &Value,
+) -> Result<(ModelWeights, QuantState)> {
     let files = SafetensorsFiles::open(dir)?;
     let algo = quant.get("quant_algo").and_then(|a| a.as_str()).unwrap_or("");
     let fmt = match algo {
@@ -144,7 +176,8 @@ pub fn load(dir: &Path, cfg: &ModelConfig, dev: &Device, dtype: DType, quant: &V
     };
     let kv_fp8 = quant.get("kv_cache_quant_algo").and_then(|k| k.as_str()) == Some("FP8");
     let mut qlayers = Vec::with_capacity(cfg.num_layers);
-    let mut recipe = Recipe::preset("bf16", cfg.num_layers, &[], crate::quant::recipe::KvScale::Fixed(1.0), Default::default())?;
+    let mut recipe =
+        Recipe::preset("bf16", cfg.num_layers, &[], crate::quant::recipe::KvScale::Fixed(1.0), Default::default())?;
     recipe.name = format!("modelopt-{}", algo.to_lowercase());
     let mut dense: HashMap<String, Tensor> = HashMap::new();
     for l in 0..cfg.num_layers {
@@ -163,9 +196,17 @@ pub fn load(dir: &Path, cfg: &ModelConfig, dev: &Device, dtype: DType, quant: &V
             };
             let mut qt = QTensor::alloc(fmt, rows, k, Default::default())?;
             if wv.data().len() != qt.codes.numel() {
-                bail!("{}: '{p}.weight' holds {} bytes, expected {}", path.display(), wv.data().len(), qt.codes.numel());
+                bail!(
+                    "{}: '{p}.weight' holds {} bytes, expected {}",
+                    path.display(),
+                    wv.data().len(),
+                    qt.codes.numel()
+                );
             }
-            qt.codes = Tensor::from_storage(&[qt.codes.numel()], crate::device::Storage::Cpu(crate::device::CpuStorage::U8(wv.data().to_vec())));
+            qt.codes = Tensor::from_storage(
+                &[qt.codes.numel()],
+                crate::device::Storage::Cpu(crate::device::CpuStorage::U8(wv.data().to_vec())),
+            );
             let input = f32_scalar(&files, &format!("{p}.input_scale"))?;
             match fmt {
                 QFormat::Fp8 => {
@@ -177,9 +218,17 @@ pub fn load(dir: &Path, cfg: &ModelConfig, dev: &Device, dtype: DType, quant: &V
                 QFormat::Nvfp4 => {
                     let (sp, sv) = files.get(&format!("{p}.weight_scale"))?;
                     if sv.data().len() != qt.block_scales.numel() {
-                        bail!("{}: '{p}.weight_scale' holds {} bytes, expected {}", sp.display(), sv.data().len(), qt.block_scales.numel());
+                        bail!(
+                            "{}: '{p}.weight_scale' holds {} bytes, expected {}",
+                            sp.display(),
+                            sv.data().len(),
+                            qt.block_scales.numel()
+                        );
                     }
-                    qt.block_scales = Tensor::from_storage(&[qt.block_scales.numel()], crate::device::Storage::Cpu(crate::device::CpuStorage::U8(sv.data().to_vec())));
+                    qt.block_scales = Tensor::from_storage(
+                        &[qt.block_scales.numel()],
+                        crate::device::Storage::Cpu(crate::device::CpuStorage::U8(sv.data().to_vec())),
+                    );
                     qt.scale = f32_scalar(&files, &format!("{p}.weight_scale_2"))?;
                     ql.act[i] = ActQuant::Nvfp4 { global: input, opts: Default::default() };
                     recipe.layers[l].weight[i] = Precision::Nvfp4;

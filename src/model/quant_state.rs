@@ -3,11 +3,11 @@
 //! `sync` rewrites every buffer in place from the trainer's weights (the in-place resync).
 
 use super::calib::{input_slot, Calibration};
-use crate::quant::qtensor::{QFormat, QTensor};
-use crate::quant::recipe::{KvScale, Precision, Recipe};
 use crate::device::Device;
 use crate::model::{ModelConfig, ModelWeights};
 use crate::ops::quantize::ActQuant;
+use crate::quant::qtensor::{QFormat, QTensor};
+use crate::quant::recipe::{KvScale, Precision, Recipe};
 use anyhow::{bail, Context, Result};
 
 /// One layer's low-precision linears: `w[i]` replaces the dense weight of linear i when set;
@@ -37,7 +37,13 @@ fn dense(l: &crate::model::weights::LayerWeights, i: usize) -> &crate::device::T
 
 impl QuantState {
     /// Allocates every buffer the recipe needs; input and KV scales come from `calib`.
-    pub fn new(dev: &Device, recipe: &Recipe, cfg: &ModelConfig, w: &ModelWeights, calib: Option<&Calibration>) -> Result<QuantState> {
+    pub fn new(
+        dev: &Device,
+        recipe: &Recipe,
+        cfg: &ModelConfig,
+        w: &ModelWeights,
+        calib: Option<&Calibration>,
+    ) -> Result<QuantState> {
         if recipe.layers.len() != cfg.num_layers {
             bail!("recipe has {} layers, the model {}", recipe.layers.len(), cfg.num_layers);
         }
@@ -54,7 +60,10 @@ impl QuantState {
                 wq[i] = match lr.weight[i] {
                     Precision::Native => None,
                     Precision::Fp8 => Some(QTensor::alloc_on(dev, QFormat::Fp8, rows, k, recipe.nvfp4)?),
-                    Precision::Nvfp4 => Some(QTensor::alloc_on(dev, QFormat::Nvfp4, rows, k, recipe.nvfp4).with_context(|| format!("layer {l} {}", crate::quant::recipe::LINEARS[i]))?),
+                    Precision::Nvfp4 => Some(
+                        QTensor::alloc_on(dev, QFormat::Nvfp4, rows, k, recipe.nvfp4)
+                            .with_context(|| format!("layer {l} {}", crate::quant::recipe::LINEARS[i]))?,
+                    ),
                 };
                 let amax = calib.map(|c| c.input_amax[l][input_slot(i)]).unwrap_or(0.0);
                 act[i] = match lr.input[i] {
@@ -62,7 +71,10 @@ impl QuantState {
                     Precision::Fp8 => ActQuant::Fp8 { scale: if amax > 0.0 { amax / 448.0 } else { 1.0 } },
                     Precision::Nvfp4 => {
                         if k % 16 != 0 {
-                            bail!("layer {l} {}: NVFP4 inputs need K divisible by 16, got {k}", crate::quant::recipe::LINEARS[i]);
+                            bail!(
+                                "layer {l} {}: NVFP4 inputs need K divisible by 16, got {k}",
+                                crate::quant::recipe::LINEARS[i]
+                            );
                         }
                         ActQuant::Nvfp4 { global: crate::quant::nvfp4::global_scale(amax), opts: recipe.nvfp4 }
                     }
@@ -77,7 +89,15 @@ impl QuantState {
             layers.push(QLayer { w: wq, act, k_scale, v_scale });
         }
         let names = (0..cfg.num_layers)
-            .map(|l| std::array::from_fn(|i| format!("model.layers.{l}.{}.{}.weight", if i < 4 { "self_attn" } else { "mlp" }, crate::quant::recipe::LINEARS[i])))
+            .map(|l| {
+                std::array::from_fn(|i| {
+                    format!(
+                        "model.layers.{l}.{}.{}.weight",
+                        if i < 4 { "self_attn" } else { "mlp" },
+                        crate::quant::recipe::LINEARS[i]
+                    )
+                })
+            })
             .collect();
         Ok(QuantState { recipe: recipe.clone(), layers, syncs: 0, names })
     }
@@ -85,7 +105,15 @@ impl QuantState {
     /// A state from imported parts (a ModelOpt directory).
     pub fn from_parts(recipe: Recipe, layers: Vec<QLayer>, cfg: &ModelConfig) -> QuantState {
         let names = (0..cfg.num_layers)
-            .map(|l| std::array::from_fn(|i| format!("model.layers.{l}.{}.{}.weight", if i < 4 { "self_attn" } else { "mlp" }, crate::quant::recipe::LINEARS[i])))
+            .map(|l| {
+                std::array::from_fn(|i| {
+                    format!(
+                        "model.layers.{l}.{}.{}.weight",
+                        if i < 4 { "self_attn" } else { "mlp" },
+                        crate::quant::recipe::LINEARS[i]
+                    )
+                })
+            })
             .collect();
         QuantState { recipe, layers, syncs: 0, names }
     }

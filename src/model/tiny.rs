@@ -106,4 +106,3 @@ pub fn write_model_dir(dir: &Path, cfg: &ModelConfig, w: &ModelWeights, dtype: D
     )?;
     tokenizer::write_tiny_text_files(dir)
 }
-

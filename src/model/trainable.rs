@@ -109,11 +109,11 @@ pub struct Trainable<T: Real> {
     norm_f: usize,
     head: usize,
     acts: Vec<LayerActs<T>>,
-    cos: Vec<T>,     // (N, D/2)
-    sin: Vec<T>,     // (N, D/2)
-    xf: Vec<T>,      // (N, C) final residual stream
-    rstdf: Vec<T>,   // (N)
-    hf: Vec<T>,      // (N, C) final normed hidden states
+    cos: Vec<T>,   // (N, D/2)
+    sin: Vec<T>,   // (N, D/2)
+    xf: Vec<T>,    // (N, C) final residual stream
+    rstdf: Vec<T>, // (N)
+    hf: Vec<T>,    // (N, C) final normed hidden states
     n: usize,
     cu: Vec<usize>,
     tokens: Vec<u32>,
@@ -195,10 +195,13 @@ impl<T: Real> Trainable<T> {
             .acts
             .iter()
             .map(|a| {
-                [&a.x, &a.rstd1, &a.h1, &a.qraw, &a.kraw, &a.rq, &a.rk, &a.qn, &a.kn, &a.q, &a.k, &a.v, &a.att, &a.lse, &a.x2, &a.rstd2, &a.h2, &a.g, &a.u, &a.a, &a.h2q, &a.aq]
-                    .iter()
-                    .map(|v| v.capacity())
-                    .sum::<usize>()
+                [
+                    &a.x, &a.rstd1, &a.h1, &a.qraw, &a.kraw, &a.rq, &a.rk, &a.qn, &a.kn, &a.q, &a.k, &a.v, &a.att,
+                    &a.lse, &a.x2, &a.rstd2, &a.h2, &a.g, &a.u, &a.a, &a.h2q, &a.aq,
+                ]
+                .iter()
+                .map(|v| v.capacity())
+                .sum::<usize>()
             })
             .sum();
         (per_layer + self.cos.capacity() * 2 + self.xf.capacity() + self.hf.capacity()) * std::mem::size_of::<T>()
@@ -211,7 +214,8 @@ impl<T: Real> Trainable<T> {
         if p.len() != specs.len() {
             bail!("forward: {} parameter slices for {} parameters", p.len(), specs.len());
         }
-        let (c, i_dim, h, hkv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let (c, i_dim, h, hkv, d) =
+            (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let (qd, kd) = (h * d, hkv * d);
         let n = b.tokens.len();
         if n == 0 || b.cu.last() != Some(&n) {
@@ -296,7 +300,9 @@ impl<T: Real> Trainable<T> {
             let on = |i: usize| lq.map(|q| q.on(i)).unwrap_or(false);
             if let Some(q) = lq {
                 let qw = &mut self.qw[l];
-                for (j, (lin, w, k)) in [(GATE, li.gate, c), (UP, li.up, c), (DOWN, li.down, i_dim)].into_iter().enumerate() {
+                for (j, (lin, w, k)) in
+                    [(GATE, li.gate, c), (UP, li.up, c), (DOWN, li.down, i_dim)].into_iter().enumerate()
+                {
                     if q.on(lin) {
                         q.weight(p[w], k, &mut qw[j])?;
                     }
@@ -307,7 +313,13 @@ impl<T: Real> Trainable<T> {
                 }
             }
             let qw = self.qw.get(l);
-            let pick = |on: bool, j: usize, dense: usize| if on { &qw.expect("set with the quantizer")[j][..] } else { p[dense] };
+            let pick = |on: bool, j: usize, dense: usize| {
+                if on {
+                    &qw.expect("set with the quantizer")[j][..]
+                } else {
+                    p[dense]
+                }
+            };
             let (wg, wu, wd) = (pick(on(GATE), 0, li.gate), pick(on(UP), 1, li.up), pick(on(DOWN), 2, li.down));
             let xg = if on(GATE) { &a.h2q } else { &a.h2 };
             let xu = if on(UP) { &a.h2q } else { &a.h2 };
@@ -363,15 +375,33 @@ impl<T: Real> Trainable<T> {
     /// The fused loss pass and the backward of every layer: gradients of Σ_i −coef_i·logp_i
     /// accumulated into `grads` (parameter order). Returns that loss value.
     #[allow(clippy::too_many_arguments)]
-    pub fn backward(&mut self, p: &[&[T]], b: &TrainBatch, coef: &[T], t: T, chunk: usize, grads: &mut [Vec<T>]) -> Result<T> {
+    pub fn backward(
+        &mut self,
+        p: &[&[T]],
+        b: &TrainBatch,
+        coef: &[T],
+        t: T,
+        chunk: usize,
+        grads: &mut [Vec<T>],
+    ) -> Result<T> {
         self.backward_centered(p, b, coef, None, t, chunk, grads)
     }
 
     /// [`Self::backward`] with an optional score-centering target per scored row.
     #[allow(clippy::too_many_arguments)]
-    pub fn backward_centered(&mut self, p: &[&[T]], b: &TrainBatch, coef: &[T], center: Option<&lm_head::Center>, t: T, chunk: usize, grads: &mut [Vec<T>]) -> Result<T> {
+    pub fn backward_centered(
+        &mut self,
+        p: &[&[T]],
+        b: &TrainBatch,
+        coef: &[T],
+        center: Option<&lm_head::Center>,
+        t: T,
+        chunk: usize,
+        grads: &mut [Vec<T>],
+    ) -> Result<T> {
         let cfg = self.cfg.clone();
-        let (c, i_dim, h, hkv, d, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size);
+        let (c, i_dim, h, hkv, d, v) =
+            (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size);
         let (qd, kd) = (h * d, hkv * d);
         let n = self.n;
         if b.tokens.len() != n || coef.len() != b.rows.len() {
@@ -382,11 +412,32 @@ impl<T: Real> Trainable<T> {
         let hf = std::mem::take(&mut self.hf);
         let head = self.head;
         if let Some(ct) = center {
-            if ct.ids.len() != ct.k * coef.len() || ct.probs.len() != ct.ids.len() || ct.ids.iter().any(|&i| i as usize >= v) {
-                bail!("backward: the centering target does not match the batch ({} ids for {} rows of k = {})", ct.ids.len(), coef.len(), ct.k);
+            if ct.ids.len() != ct.k * coef.len()
+                || ct.probs.len() != ct.ids.len()
+                || ct.ids.iter().any(|&i| i as usize >= v)
+            {
+                bail!(
+                    "backward: the centering target does not match the batch ({} ids for {} rows of k = {})",
+                    ct.ids.len(),
+                    coef.len(),
+                    ct.k
+                );
             }
         }
-        let loss = lm_head::grad_centered(c, v, &b.rows, &b.targets, coef, center, &hf, p[head], t, self.scratch(chunk), &mut dh, &mut grads[head]);
+        let loss = lm_head::grad_centered(
+            c,
+            v,
+            &b.rows,
+            &b.targets,
+            coef,
+            center,
+            &hf,
+            p[head],
+            t,
+            self.scratch(chunk),
+            &mut dh,
+            &mut grads[head],
+        );
         self.hf = hf;
         // Final norm.
         let mut dx = vec![T::zero(); n * c]; // (N, C) gradient w.r.t. the residual stream
@@ -407,7 +458,13 @@ impl<T: Real> Trainable<T> {
             // of the NVFP4 learner use their quantized operands (straight-through estimator).
             let on = |i: usize| self.quant.as_ref().map(|q| q.on(i)).unwrap_or(false);
             let qw = self.qw.get(l);
-            let pick = |on: bool, j: usize, dense: usize| if on { &qw.expect("set with the quantizer")[j][..] } else { p[dense] };
+            let pick = |on: bool, j: usize, dense: usize| {
+                if on {
+                    &qw.expect("set with the quantizer")[j][..]
+                } else {
+                    p[dense]
+                }
+            };
             let (wg, wu, wd) = (pick(on(GATE), 0, li.gate), pick(on(UP), 1, li.up), pick(on(DOWN), 2, li.down));
             let xg = if on(GATE) { &a.h2q } else { &a.h2 };
             let xu = if on(UP) { &a.h2q } else { &a.h2 };

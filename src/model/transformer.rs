@@ -7,15 +7,15 @@
 use super::config::ModelConfig;
 use super::weights::ModelWeights;
 use crate::device::{DType, Device, Tensor};
-use crate::ops::attention::{self, AttnMeta};
-use crate::ops::linear::Panels;
-use crate::ops::quantize::{self, ActQuant};
-use crate::ops::linear::Proj;
-use crate::ops::linear as matmul;
-use crate::ops::{elementwise, norm, rope};
 use crate::model::calib::Calibration;
-use crate::quant::qtensor::QFormat;
 use crate::model::QLayer;
+use crate::ops::attention::{self, AttnMeta};
+use crate::ops::linear as matmul;
+use crate::ops::linear::Panels;
+use crate::ops::linear::Proj;
+use crate::ops::quantize::{self, ActQuant};
+use crate::ops::{elementwise, norm, rope};
+use crate::quant::qtensor::QFormat;
 use anyhow::{bail, Result};
 
 /// One layer's paged cache: keys and values, each (num_blocks, Hkv, block_size, D).
@@ -158,7 +158,14 @@ impl Transformer {
     /// their keys/values into `kv` at `b.meta.slot_mapping`. Leaves the residual stream in the
     /// buffers for [`Transformer::logits`]. With `q`, each layer's linears run in the precision
     /// its [`QLayer`] gives (quantized weights, fake-quantized inputs).
-    pub fn forward(&self, dev: &Device, w: &ModelWeights, q: Option<&[QLayer]>, b: &mut ForwardBuffers, kv: &mut [KvLayer]) -> Result<()> {
+    pub fn forward(
+        &self,
+        dev: &Device,
+        w: &ModelWeights,
+        q: Option<&[QLayer]>,
+        b: &mut ForwardBuffers,
+        kv: &mut [KvLayer],
+    ) -> Result<()> {
         let cfg = &self.cfg;
         let m = b.meta.num_tokens;
         if m == 0 || m > b.cap {
@@ -256,7 +263,18 @@ impl Transformer {
 
 /// One projection: dense, or with a quantized weight and/or a fake-quantized input.
 #[allow(clippy::too_many_arguments)]
-fn proj(dev: &Device, x: &Tensor, xq: &mut Tensor, dense: &Tensor, panels: Option<&Panels>, bias: Option<&Tensor>, q: Option<&QLayer>, i: usize, y: &mut Tensor, m: usize) -> Result<()> {
+fn proj(
+    dev: &Device,
+    x: &Tensor,
+    xq: &mut Tensor,
+    dense: &Tensor,
+    panels: Option<&Panels>,
+    bias: Option<&Tensor>,
+    q: Option<&QLayer>,
+    i: usize,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
     let (wq, act) = match q {
         Some(q) => (q.w[i].as_ref(), q.act[i]),
         None => (None, ActQuant::None),
@@ -264,7 +282,8 @@ fn proj(dev: &Device, x: &Tensor, xq: &mut Tensor, dense: &Tensor, panels: Optio
     // Both operands quantized in one format: the W8A8 / W4A4 linear (a real low-precision GEMM
     // on CUDA, its emulation on CPU).
     if let Some(wq) = wq {
-        let same = matches!((act, wq.format), (ActQuant::Fp8 { .. }, QFormat::Fp8) | (ActQuant::Nvfp4 { .. }, QFormat::Nvfp4));
+        let same =
+            matches!((act, wq.format), (ActQuant::Fp8 { .. }, QFormat::Fp8) | (ActQuant::Nvfp4 { .. }, QFormat::Nvfp4));
         if same {
             return matmul::linear_act_q(dev, x, xq, &act, wq, bias, y, m);
         }

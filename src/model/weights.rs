@@ -205,7 +205,10 @@ impl ModelWeights {
             for t in [&mut l.q_proj, &mut l.k_proj, &mut l.v_proj, &mut l.o_proj] {
                 visit(t)?;
             }
-            for t in [&mut l.q_bias, &mut l.k_bias, &mut l.v_bias, &mut l.o_bias, &mut l.q_norm, &mut l.k_norm].into_iter().flatten() {
+            for t in [&mut l.q_bias, &mut l.k_bias, &mut l.v_bias, &mut l.o_bias, &mut l.q_norm, &mut l.k_norm]
+                .into_iter()
+                .flatten()
+            {
                 visit(t)?;
             }
             visit(&mut l.post_attention_layernorm)?;

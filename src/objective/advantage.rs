@@ -68,7 +68,8 @@ mod tests {
         assert!((p[0] - 0.5 / (0.5 + 1e-6)).abs() < 1e-12);
         let b = advantages(&r, &g, Estimator::Reinforce, 0.15).unwrap();
         assert_eq!(b, vec![1.15, 0.15, 0.15, 1.15, 1.15, 1.15]);
-        let e = advantages(&[1.0, 0.0], &[0, 1], Estimator::Grpo { population_std: false }, 0.0).unwrap_err().to_string();
+        let e =
+            advantages(&[1.0, 0.0], &[0, 1], Estimator::Grpo { population_std: false }, 0.0).unwrap_err().to_string();
         assert!(e.contains("single response"), "{e}");
     }
 }

@@ -8,8 +8,8 @@
 //!   c_t = w_t·v·A·ρ·1[unclipped]                          (−∂(Σ w ℓ)/∂ log π_θ(y_t))
 //! where a token is clipped when A > 0 and ρ > 1+ε_high, or A < 0 and ρ < 1−ε_low.
 
-use super::{agg_weights, Coefficients, TokenStats};
 use super::LossAgg;
+use super::{agg_weights, Coefficients, TokenStats};
 use anyhow::{Context, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -71,8 +71,22 @@ pub fn coefficients(s: &TokenStats, agg: LossAgg, pg: &PgConfig) -> Result<Coeff
 mod tests {
     use super::*;
 
-    fn stats<'a>(lens: &'a [usize], logp: &'a [f32], old: &'a [f32], samp: &'a [f32], adv: &'a [f64]) -> TokenStats<'a> {
-        TokenStats { seq_lens: lens, logp, logp_old: Some(old), sampler: Some(samp), teacher: None, advantages: Some(adv), mask: None }
+    fn stats<'a>(
+        lens: &'a [usize],
+        logp: &'a [f32],
+        old: &'a [f32],
+        samp: &'a [f32],
+        adv: &'a [f64],
+    ) -> TokenStats<'a> {
+        TokenStats {
+            seq_lens: lens,
+            logp,
+            logp_old: Some(old),
+            sampler: Some(samp),
+            teacher: None,
+            advantages: Some(adv),
+            mask: None,
+        }
     }
 
     #[test]
@@ -108,8 +122,17 @@ mod tests {
     #[test]
     fn zero_advantages_give_zero_coefficients() {
         let (lens, lp, adv) = ([3], [-1.0f32, -2.0, -0.1], [0.0; 3]);
-        let s = TokenStats { seq_lens: &lens, logp: &lp, logp_old: None, sampler: None, teacher: None, advantages: Some(&adv), mask: None };
-        let c = coefficients(&s, LossAgg::TokenMean, &PgConfig { eps_low: 0.2, eps_high: 0.28, tis_cap: None }).unwrap();
+        let s = TokenStats {
+            seq_lens: &lens,
+            logp: &lp,
+            logp_old: None,
+            sampler: None,
+            teacher: None,
+            advantages: Some(&adv),
+            mask: None,
+        };
+        let c =
+            coefficients(&s, LossAgg::TokenMean, &PgConfig { eps_low: 0.2, eps_high: 0.28, tis_cap: None }).unwrap();
         assert_eq!(c.coef, vec![0.0; 3]);
         assert_eq!(c.loss, 0.0);
     }

@@ -28,7 +28,9 @@ impl LossAgg {
             "token-mean" => LossAgg::TokenMean,
             "seq-mean-token-mean" => LossAgg::SeqMeanTokenMean,
             "seq-mean-token-sum" => LossAgg::SeqMeanTokenSum,
-            _ => bail!("unknown loss aggregation '{s}': expected token-mean, seq-mean-token-mean or seq-mean-token-sum"),
+            _ => {
+                bail!("unknown loss aggregation '{s}': expected token-mean, seq-mean-token-mean or seq-mean-token-sum")
+            }
         })
     }
 }

@@ -5,8 +5,8 @@
 //! offset b (seed 000 App. B.1, default 0), so c_t = w_t·(A_t + b)·ρ_t.
 //! Reported loss: the per-token reverse-KL estimate Σ_t w_t·(log p_θ − log p_T).
 
-use super::{agg_weights, Coefficients, TokenStats};
 use super::LossAgg;
+use super::{agg_weights, Coefficients, TokenStats};
 use anyhow::{Context, Result};
 
 /// A_t per token (Eq. 1).
@@ -48,7 +48,15 @@ mod tests {
         // Two responses: (2 tokens) and (1 token); teacher − student per token: 0.5, −1, 2.
         let logp = [-1.0f32, -0.5, -3.0];
         let teacher = [-0.5f32, -1.5, -1.0];
-        let s = TokenStats { seq_lens: &[2, 1], logp: &logp, logp_old: None, sampler: None, teacher: Some(&teacher), advantages: None, mask: None };
+        let s = TokenStats {
+            seq_lens: &[2, 1],
+            logp: &logp,
+            logp_old: None,
+            sampler: None,
+            teacher: Some(&teacher),
+            advantages: None,
+            mask: None,
+        };
         let tm = coefficients(&s, LossAgg::TokenMean).unwrap();
         assert_eq!(tm.coef, vec![0.5 / 3.0, -1.0 / 3.0, 2.0 / 3.0]);
         assert!((tm.loss - (-(0.5 - 1.0 + 2.0) / 3.0)).abs() < 1e-12);
@@ -66,7 +74,15 @@ mod tests {
     #[test]
     fn missing_teacher_is_an_error() {
         let logp = [-1.0f32];
-        let s = TokenStats { seq_lens: &[1], logp: &logp, logp_old: None, sampler: None, teacher: None, advantages: None, mask: None };
+        let s = TokenStats {
+            seq_lens: &[1],
+            logp: &logp,
+            logp_old: None,
+            sampler: None,
+            teacher: None,
+            advantages: None,
+            mask: None,
+        };
         assert!(coefficients(&s, LossAgg::TokenMean).unwrap_err().to_string().contains("teacher"));
     }
 }

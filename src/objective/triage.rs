@@ -22,8 +22,8 @@
 //! project's defaults (see the README's TRIAGE section).
 
 use super::grpo::{self, PgConfig};
-use super::{Coefficients, TokenStats};
 use super::LossAgg;
+use super::{Coefficients, TokenStats};
 use crate::mismatch::segments::segments;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -75,7 +75,17 @@ impl Default for TriageConfig {
 impl TriageConfig {
     /// The paper's constraints: τ_sev < τ_neg < 0, 0 < w_sev ≤ w_neg ≤ 1, K_tail > 0, W > 0, β > 0.
     pub fn validate(&self) -> Result<()> {
-        let finite = [self.tau_tail, self.k_tail, self.tau_sev, self.tau_neg, self.w_sev, self.w_neg, self.tau_rep, self.beta, self.lambda_rep];
+        let finite = [
+            self.tau_tail,
+            self.k_tail,
+            self.tau_sev,
+            self.tau_neg,
+            self.w_sev,
+            self.w_neg,
+            self.tau_rep,
+            self.beta,
+            self.lambda_rep,
+        ];
         if finite.iter().any(|x| !x.is_finite()) {
             bail!("objective.triage: every threshold must be a finite number");
         }
@@ -86,10 +96,18 @@ impl TriageConfig {
             bail!("objective.triage.repair_segment_len: must be at least 1 token, got 0");
         }
         if !(self.tau_sev < self.tau_neg && self.tau_neg < 0.0) {
-            bail!("objective.triage: thresholds out of order: need tau_sev < tau_neg < 0, got tau_sev = {}, tau_neg = {}", self.tau_sev, self.tau_neg);
+            bail!(
+                "objective.triage: thresholds out of order: need tau_sev < tau_neg < 0, got tau_sev = {}, tau_neg = {}",
+                self.tau_sev,
+                self.tau_neg
+            );
         }
         if !(0.0 < self.w_sev && self.w_sev <= self.w_neg && self.w_neg <= 1.0) {
-            bail!("objective.triage: weights out of order: need 0 < w_sev <= w_neg <= 1, got w_sev = {}, w_neg = {}", self.w_sev, self.w_neg);
+            bail!(
+                "objective.triage: weights out of order: need 0 < w_sev <= w_neg <= 1, got w_sev = {}, w_neg = {}",
+                self.w_sev,
+                self.w_neg
+            );
         }
         if !(self.k_tail > 0.0) {
             bail!("objective.triage.k_tail: must be positive, got {}", self.k_tail);
@@ -163,7 +181,13 @@ pub struct TriageStats {
 }
 
 /// TRIAGE coefficients at update index `k`. Needs advantages and sampler log-probs.
-pub fn coefficients(s: &TokenStats, agg: LossAgg, pg: &PgConfig, tc: &TriageConfig, k: u64) -> Result<(Coefficients, TriageStats)> {
+pub fn coefficients(
+    s: &TokenStats,
+    agg: LossAgg,
+    pg: &PgConfig,
+    tc: &TriageConfig,
+    k: u64,
+) -> Result<(Coefficients, TriageStats)> {
     tc.validate()?;
     let base = grpo::base(s, agg, pg)?;
     let adv = s.advantages.context("TRIAGE: advantages are missing")?;

@@ -47,7 +47,15 @@ fn batch(resps: &[(f64, &[f32])]) -> Batch {
 }
 
 fn stats<'a>(b: &'a Batch, mask: Option<&'a [bool]>) -> TokenStats<'a> {
-    TokenStats { seq_lens: &b.lens, logp: &b.logp, logp_old: None, sampler: Some(&b.sampler), teacher: None, advantages: Some(&b.adv), mask }
+    TokenStats {
+        seq_lens: &b.lens,
+        logp: &b.logp,
+        logp_old: None,
+        sampler: Some(&b.sampler),
+        teacher: None,
+        advantages: Some(&b.adv),
+        mask,
+    }
 }
 
 fn close(got: &[f32], want: &[f64]) {
@@ -186,16 +194,23 @@ fn properties_on_random_batches() {
                 continue;
             }
             if a < 0.0 {
-                let mean_alpha: f64 = valid.iter().map(|&t| c.coef[t] as f64 / base.coef[t]).sum::<f64>() / valid.len() as f64;
+                let mean_alpha: f64 =
+                    valid.iter().map(|&t| c.coef[t] as f64 / base.coef[t]).sum::<f64>() / valid.len() as f64;
                 assert!((mean_alpha - 1.0).abs() < 1e-5, "trial {trial}: mean α = {mean_alpha}");
             } else {
-                let lens = crate::mismatch::segments::segments(&r.clone().map(|t| mask[t]).collect::<Vec<_>>(), tc.repair_segment_len);
+                let lens = crate::mismatch::segments::segments(
+                    &r.clone().map(|t| mask[t]).collect::<Vec<_>>(),
+                    tc.repair_segment_len,
+                );
                 for (_, pos) in lens {
                     let bound = tc.lambda_rep * tc.beta / (st.repair_segments as f64 * pos.len() as f64);
                     for p in pos {
                         let t = r.start + p;
                         let psi = c.coef[t] as f64 - base.coef[t];
-                        assert!(psi >= -1e-7 && psi <= bound * (1.0 + 1e-5) + 1e-9, "trial {trial}: ψ = {psi}, bound {bound}");
+                        assert!(
+                            psi >= -1e-7 && psi <= bound * (1.0 + 1e-5) + 1e-9,
+                            "trial {trial}: ψ = {psi}, bound {bound}"
+                        );
                     }
                 }
             }

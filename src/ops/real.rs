@@ -10,7 +10,9 @@ use std::iter::Sum;
 use std::ops::{AddAssign, MulAssign, SubAssign};
 
 /// The element types the training ops run in.
-pub trait Real: Float + Sum + AddAssign + SubAssign + MulAssign + Send + Sync + Default + std::fmt::Debug + 'static {
+pub trait Real:
+    Float + Sum + AddAssign + SubAssign + MulAssign + Send + Sync + Default + std::fmt::Debug + 'static
+{
     fn from_f64(x: f64) -> Self;
     fn to_f64(self) -> f64;
     fn from_usize(x: usize) -> Self {

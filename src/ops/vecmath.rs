@@ -202,7 +202,10 @@ mod x86 {
         let over = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(EXP_HI));
         // max(x, lo) with x first: a NaN x yields lo here and is restored at the end.
         let xc = _mm512_max_ps(x, _mm512_set1_ps(EXP_LO));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            xc,
+            _mm512_set1_ps(LOG2E),
+        ));
         let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc);
         let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
         let mut p = _mm512_set1_ps(P[0]);
@@ -227,7 +230,10 @@ mod x86 {
         let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
         let over = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(EXP_HI));
         let xc = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+            xc,
+            _mm256_set1_ps(LOG2E),
+        ));
         let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), xc);
         let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
         let mut p = _mm256_set1_ps(P[0]);
@@ -433,7 +439,9 @@ mod x86 {
         let (tv, mv) = (_mm256_set1_ps(t), _mm256_set1_ps(mx));
         let p = lanes.as_mut_ptr();
         // SAFETY: `lanes` has 16 f64: four groups of 4.
-        let mut acc = unsafe { [_mm256_loadu_pd(p), _mm256_loadu_pd(p.add(4)), _mm256_loadu_pd(p.add(8)), _mm256_loadu_pd(p.add(12))] };
+        let mut acc = unsafe {
+            [_mm256_loadu_pd(p), _mm256_loadu_pd(p.add(4)), _mm256_loadu_pd(p.add(8)), _mm256_loadu_pd(p.add(12))]
+        };
         for c in z.chunks_exact(16) {
             for half in 0..2 {
                 // SAFETY: `c` has 16 elements; each half is 8.
@@ -519,7 +527,11 @@ mod tests {
                 exp_shifted_with(Isa::Portable, &z, t, ref_max, &mut ref_w);
                 for isa in Isa::available() {
                     assert_eq!(scaled_max_with(isa, &z, t).to_bits(), ref_max.to_bits(), "{isa:?} max n={n}");
-                    assert_eq!(sum_exp_shifted_with(isa, &z, t, ref_max).to_bits(), ref_sum.to_bits(), "{isa:?} sum n={n}");
+                    assert_eq!(
+                        sum_exp_shifted_with(isa, &z, t, ref_max).to_bits(),
+                        ref_sum.to_bits(),
+                        "{isa:?} sum n={n}"
+                    );
                     let mut w = vec![1.0f32; n];
                     exp_shifted_with(isa, &z, t, ref_max, &mut w);
                     let same = w.iter().zip(&ref_w).all(|(a, b)| a.to_bits() == b.to_bits());
@@ -538,7 +550,8 @@ mod tests {
                     w /= 2;
                 }
                 assert_eq!(ref_sum.to_bits(), lanes[0].to_bits(), "definition n={n}");
-                let m = z.iter().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, |a, &b| if b / t > a { b / t } else { a });
+                let m =
+                    z.iter().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, |a, &b| if b / t > a { b / t } else { a });
                 assert_eq!(ref_max, m, "max n={n}");
             }
         }

@@ -84,7 +84,8 @@ impl Coordinator {
         if reqs.is_empty() {
             if fault.is_some() {
                 // (Tests: the fault still fires on its device, named like any other.)
-                self.pool.run_some(&self.trainers, "teacher", move |rank, _| Fault::check(fault, "teacher", step, rank))?;
+                self.pool
+                    .run_some(&self.trainers, "teacher", move |rank, _| Fault::check(fault, "teacher", step, rank))?;
             }
             // Everything already scored (a split placement's generators score as they go).
             return Ok(0.0);
@@ -144,12 +145,24 @@ impl Coordinator {
         let r = self.pool.run_on(self.lead(), "eval", move |rep| {
             let eval_new = job.eval.max_new_tokens.unwrap_or(job.rollout.max_new_tokens);
             let te = rep.teacher.as_mut().map(|(w, e)| (e, &*w));
-            let mut r = eval::evaluate(step, (&mut rep.std_engine, &rep.trainer.weights), te, text.as_deref(), &heldout, job.eval.samples_per_prompt as u32, eval_new, job.eval.seed)?;
+            let mut r = eval::evaluate(
+                step,
+                (&mut rep.std_engine, &rep.trainer.weights),
+                te,
+                text.as_deref(),
+                &heldout,
+                job.eval.samples_per_prompt as u32,
+                eval_new,
+                job.eval.seed,
+            )?;
             r.student = job.model.path.clone();
             r.teacher = job.teacher.as_ref().map(|t| t.path.clone()).unwrap_or_default();
             Ok(r)
         })?;
-        crate::util::write_atomic(&self.out_dir.join("eval").join(format!("step-{step:06}.json")), serde_json::to_string(&r)?.as_bytes())?;
+        crate::util::write_atomic(
+            &self.out_dir.join("eval").join(format!("step-{step:06}.json")),
+            serde_json::to_string(&r)?.as_bytes(),
+        )?;
         Ok(r)
     }
 
@@ -167,7 +180,15 @@ impl Coordinator {
                 if let (false, Some(ring)) = (split, r.ring_file()?) {
                     extra.push((checkpoint::RING_FILE, ring));
                 }
-                checkpoint::save(&out, step, &r.trainer, &OptState { master, m, v }, &job, Some(&r.student_dir), &extra)?;
+                checkpoint::save(
+                    &out,
+                    step,
+                    &r.trainer,
+                    &OptState { master, m, v },
+                    &job,
+                    Some(&r.student_dir),
+                    &extra,
+                )?;
                 checkpoint::prune(&out, job.checkpoint.keep)?;
             }
             Ok(())
@@ -206,11 +227,17 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
             );
         }
         if text.is_none() {
-            bail!("the {} objective checks answers in the response text, but the student '{}' has no tokenizer.json", job.objective.kind, job.model.path);
+            bail!(
+                "the {} objective checks answers in the response text, but the student '{}' has no tokenizer.json",
+                job.objective.kind,
+                job.model.path
+            );
         }
     }
     let heldout = match (&job.data.heldout, &data) {
-        (Some(h), _) => Dataset::open(h, text.clone(), job.data.chat, cfg.vocab_size, job.run.seed)?.heldout(usize::MAX)?,
+        (Some(h), _) => {
+            Dataset::open(h, text.clone(), job.data.chat, cfg.vocab_size, job.run.seed)?.heldout(usize::MAX)?
+        }
         (None, Some(d)) => d.heldout(job.data.heldout_size)?,
         (None, None) => Vec::new(),
     };
@@ -231,8 +258,12 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
     let (s2, c2, names2) = (setup.clone(), coll.clone(), names.clone());
     let mut pool = WorkerPool::spawn(names.clone(), cores.clone(), move |rank| {
         let dev = match names2[rank].strip_prefix("cpu:") {
-            Some(t) => crate::device::Device::Cpu(crate::device::CpuDevice::new(t.parse().unwrap_or(1), Some(cores[rank].clone()))?),
-            None => crate::device::Device::parse(&names2[rank]).with_context(|| format!("device {rank} of {} ({}) is not available", names2.len(), names2[rank]))?,
+            Some(t) => crate::device::Device::Cpu(crate::device::CpuDevice::new(
+                t.parse().unwrap_or(1),
+                Some(cores[rank].clone()),
+            )?),
+            None => crate::device::Device::parse(&names2[rank])
+                .with_context(|| format!("device {rank} of {} ({}) is not available", names2.len(), names2[rank]))?,
         };
         // A generator keeps the compute weights alone and trains nothing.
         let dp = (rank >= gens).then(|| Dp { rank: rank - gens, world: names2.len() - gens, coll: c2.clone() });
@@ -249,12 +280,20 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
             None => {
                 let prompts = match &data {
                     Some(d) => d.train_prompts(u64::MAX >> 1, job.engine.calibration_samples)?,
-                    None => bail!("[engine] recipe '{}' needs calibration prompts: give data.train or engine.calibration_file", setup.spec.recipe.name),
+                    None => bail!(
+                        "[engine] recipe '{}' needs calibration prompts: give data.train or engine.calibration_file",
+                        setup.spec.recipe.name
+                    ),
                 };
                 let j = Arc::new(job.clone());
                 let c = pool.run_on(0, "calibrate", move |r| r.calibrate(&j, &prompts))?;
                 c.save(&saved)?;
-                tracing::info!("calibrated activation and KV scales on {} responses ({} tokens) -> {}", c.samples, c.tokens, saved.display());
+                tracing::info!(
+                    "calibrated activation and KV scales on {} responses ({} tokens) -> {}",
+                    c.samples,
+                    c.tokens,
+                    saved.display()
+                );
                 c
             }
         })
@@ -269,7 +308,17 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
         let (state, master, m, v) = checkpoint::load(ck, job)?;
         let parts = Arc::new((master, m, v));
         let st = state.clone();
-        pool.run_all("restore", move |_, r| r.trainer.restore(parts.0.clone(), parts.1.clone(), parts.2.clone(), st.optimizer_step, st.version, st.skipped_steps, st.step))?;
+        pool.run_all("restore", move |_, r| {
+            r.trainer.restore(
+                parts.0.clone(),
+                parts.1.clone(),
+                parts.2.clone(),
+                st.optimizer_step,
+                st.version,
+                st.skipped_steps,
+                st.step,
+            )
+        })?;
         pool.run_all("resync", |_, r| r.resync())?;
         let ring = ck.join(checkpoint::RING_FILE);
         if ring.exists() {
@@ -280,8 +329,23 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
         start = state.step;
         tracing::info!("resumed from {} at step {start}", ck.display());
     }
-    let (trainers, generators) = if gens > 0 { ((gens..n).collect(), (0..gens).collect()) } else { ((0..n).collect(), (0..n).collect()) };
-    let host = Coordinator { job: Arc::new(job.clone()), pool, coll, text, cfg, data, file_rollouts, heldout: Arc::new(heldout), out_dir: out_dir.to_path_buf(), trainers, generators, fault: None, step: Default::default() };
+    let (trainers, generators) =
+        if gens > 0 { ((gens..n).collect(), (0..gens).collect()) } else { ((0..n).collect(), (0..n).collect()) };
+    let host = Coordinator {
+        job: Arc::new(job.clone()),
+        pool,
+        coll,
+        text,
+        cfg,
+        data,
+        file_rollouts,
+        heldout: Arc::new(heldout),
+        out_dir: out_dir.to_path_buf(),
+        trainers,
+        generators,
+        fault: None,
+        step: Default::default(),
+    };
     Ok((host, start))
 }
 
@@ -295,8 +359,16 @@ pub fn print_plan(h: &Coordinator) -> Result<()> {
         "plan: {} device(s), {} schedule{}, {}; student {} ({} layers)",
         plans.len(),
         job.schedule.mode,
-        if job.schedule.mode == "async" { format!(" (staleness ≤ {})", job.schedule.max_staleness) } else { String::new() },
-        if h.split() { format!("split: {} generate, {} train", h.generators.len(), h.trainers.len()) } else { "colocated: every device generates and trains".into() },
+        if job.schedule.mode == "async" {
+            format!(" (staleness ≤ {})", job.schedule.max_staleness)
+        } else {
+            String::new()
+        },
+        if h.split() {
+            format!("split: {} generate, {} train", h.generators.len(), h.trainers.len())
+        } else {
+            "colocated: every device generates and trains".into()
+        },
         job.model.path,
         h.cfg.num_layers
     );
@@ -331,4 +403,3 @@ pub fn print_plan(h: &Coordinator) -> Result<()> {
     }
     Ok(())
 }
-

@@ -43,7 +43,13 @@ fn truncate_metrics(path: &Path, upto: u64) -> Result<()> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let kept: Vec<&str> = text
         .lines()
-        .filter(|l| serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v.get("step").and_then(|s| s.as_u64())).map(|s| s <= upto).unwrap_or(false))
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                .map(|s| s <= upto)
+                .unwrap_or(false)
+        })
         .collect();
     let mut out = kept.join("\n");
     if !out.is_empty() {
@@ -62,7 +68,11 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
         Some(p) => Some(checkpoint::resolve(p)?),
         None => {
             if metrics_path.exists() || !checkpoint::list(&out_dir)?.is_empty() {
-                bail!("{} already holds a run; resume it with --resume {} or choose another run.name / run.out_dir", out_dir.display(), out_dir.display());
+                bail!(
+                    "{} already holds a run; resume it with --resume {} or choose another run.name / run.out_dir",
+                    out_dir.display(),
+                    out_dir.display()
+                );
             }
             None
         }
@@ -75,7 +85,11 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
     }
     crate::util::write_atomic(&out_dir.join("config.toml"), job.to_toml().as_bytes())?;
     print_plan(&host)?;
-    let mut metrics_file = std::fs::OpenOptions::new().create(true).append(true).open(&metrics_path).with_context(|| format!("cannot open {}", metrics_path.display()))?;
+    let mut metrics_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&metrics_path)
+        .with_context(|| format!("cannot open {}", metrics_path.display()))?;
     let mut summary = JobSummary { out_dir: out_dir.clone(), ..Default::default() };
     let evaluate = !host.heldout.is_empty();
     if start == 0 && evaluate {
@@ -85,7 +99,10 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
         summary.evals.push(r);
     }
     let bar = if opts.progress { indicatif::ProgressBar::new(job.run.steps) } else { indicatif::ProgressBar::hidden() };
-    bar.set_style(indicatif::ProgressStyle::with_template("{spinner} train [{bar:30}] {pos}/{len} steps {elapsed}<{eta} {msg}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} train [{bar:30}] {pos}/{len} steps {elapsed}<{eta} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
     bar.set_position(start);
     let mut sched = Scheduler::new(&host, start)?;
     let mut monitor = Monitor::new(&job.monitor);
@@ -93,7 +110,8 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
         let p = ck.join(checkpoint::MONITOR_FILE);
         if p.exists() {
             let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
-            monitor.restore(serde_json::from_str(&text).with_context(|| format!("{}: not a monitor state", p.display()))?);
+            monitor
+                .restore(serde_json::from_str(&text).with_context(|| format!("{}: not a monitor state", p.display()))?);
         }
     }
     let mut sum_time = PhaseSeconds::default();
@@ -113,7 +131,11 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
         time.rollout = t0.elapsed().as_secs_f64();
         // 2. Teacher scoring.
         let t0 = Instant::now();
-        let teacher_util = if job.teacher.is_some() && job.objective.kind == "opd" { Some(phase("teacher").in_scope(|| host.score_teacher(&mut rollouts))?) } else { None };
+        let teacher_util = if job.teacher.is_some() && job.objective.kind == "opd" {
+            Some(phase("teacher").in_scope(|| host.score_teacher(&mut rollouts))?)
+        } else {
+            None
+        };
         time.teacher = t0.elapsed().as_secs_f64();
         // 3. Rewards.
         let t0 = Instant::now();
@@ -125,7 +147,11 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
         let n_rollouts = rollouts.len();
         let truncated = rollouts.iter().filter(|r| r.truncated).count();
         let samples_digest = rollout::digest(&rollouts);
-        let sampler: Vec<f32> = rollouts.iter().filter(|r| !r.response.is_empty()).flat_map(|r| r.sampler_logprobs.iter().copied()).collect();
+        let sampler: Vec<f32> = rollouts
+            .iter()
+            .filter(|r| !r.response.is_empty())
+            .flat_map(|r| r.sampler_logprobs.iter().copied())
+            .collect();
         let (out, train_busy) = phase("train").in_scope(|| host.train(rollouts, step))?;
         time.train = t0.elapsed().as_secs_f64();
         // 5. Resync.
@@ -139,7 +165,10 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
             .busy
             .iter()
             .zip(&train_busy)
-            .map(|(g, t)| ((g + t + teacher_util.unwrap_or(0.0) * time.teacher / host.devices() as f64) / time.total.max(1e-9)).min(1.0))
+            .map(|(g, t)| {
+                ((g + t + teacher_util.unwrap_or(0.0) * time.teacher / host.devices() as f64) / time.total.max(1e-9))
+                    .min(1.0)
+            })
             .collect();
         // One round trip to the training lead for its counters.
         let (version, skipped_steps) = host.trainer_counters()?;
@@ -156,7 +185,11 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
             response_len: gen_tokens as f64 / n_rollouts.max(1) as f64,
             length_cap_rate: truncated as f64 / n_rollouts.max(1) as f64,
             reward,
-            mismatch: if host.file_rollouts.is_none() && job.objective.kind != "sft" { mismatch::step_mismatch(&sampler, &out.logp) } else { Default::default() },
+            mismatch: if host.file_rollouts.is_none() && job.objective.kind != "sft" {
+                mismatch::step_mismatch(&sampler, &out.logp)
+            } else {
+                Default::default()
+            },
             updates: out.updates,
             rl: out.adv_response.as_ref().map(|a| monitor.observe(a, &out.seq_lens, &out.logp, &sampler, out.clipped)),
             triage: out.triage.clone(),
@@ -204,7 +237,10 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
         summary.last = Some(m);
         last_step = step;
         if stopping {
-            tracing::warn!("stopped at step {step} on request; checkpoint written (resume with --resume {})", out_dir.display());
+            tracing::warn!(
+                "stopped at step {step} on request; checkpoint written (resume with --resume {})",
+                out_dir.display()
+            );
             break;
         }
     }
@@ -216,4 +252,3 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
     summary.seconds = t_job.elapsed().as_secs_f64();
     Ok(summary)
 }
-

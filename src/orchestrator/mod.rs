@@ -51,9 +51,13 @@ mod tests {
             Err(e) => {
                 let m = format!("{e:#}");
                 assert!(visible < 2, "{m}");
-                assert!(m.contains("run.devices = 2 GPUs from cuda:0") && m.contains(&format!("but {visible} visible")) && m.contains("cuda:1 cannot be opened"), "{m}");
+                assert!(
+                    m.contains("run.devices = 2 GPUs from cuda:0")
+                        && m.contains(&format!("but {visible} visible"))
+                        && m.contains("cuda:1 cannot be opened"),
+                    "{m}"
+                );
             }
         }
     }
-
 }

@@ -16,7 +16,12 @@ use std::sync::Arc;
 /// The engine sizes of a job's rollouts.
 pub fn engine_config(job: &JobConfig) -> EngineConfig {
     let r = &job.rollout;
-    EngineConfig { max_seqs: r.max_seqs, max_tokens_per_step: r.max_tokens_per_step, kv_cache_bytes: r.kv_cache_mb << 20, ..Default::default() }
+    EngineConfig {
+        max_seqs: r.max_seqs,
+        max_tokens_per_step: r.max_tokens_per_step,
+        kv_cache_bytes: r.kv_cache_mb << 20,
+        ..Default::default()
+    }
 }
 
 /// The devices of a run: (name, threads per CPU device or 0 for CUDA) × N. `cpu` splits the
@@ -76,7 +81,9 @@ pub fn collective(names: &[String]) -> Result<Arc<dyn Collective>> {
                 .iter()
                 .map(|n| n.strip_prefix("cuda:").and_then(|k| k.parse().ok()))
                 .collect::<Option<_>>()
-                .ok_or_else(|| anyhow::anyhow!("COLOTRAIN_COLLECTIVE=nccl needs CUDA training devices, got {names:?}"))?;
+                .ok_or_else(|| {
+                    anyhow::anyhow!("COLOTRAIN_COLLECTIVE=nccl needs CUDA training devices, got {names:?}")
+                })?;
             nccl_group(&ords)
         }
         Ok(other) => bail!("COLOTRAIN_COLLECTIVE='{other}': expected 'inprocess' (the default) or 'nccl'"),

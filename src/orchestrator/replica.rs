@@ -9,15 +9,15 @@
 //! Owns: [`Replica`], [`Board`], [`GenLink`]. May call: engines, the trainer, rollouts. Must
 //! not: write run files other than the checkpoint the training lead is asked to write.
 
-use crate::engine::rollout::{self, Rollout, WorkQueue};
-use crate::train::dp::Dp;
-use crate::train::trainer::{StepOut, Trainer};
 use crate::config::JobConfig;
 use crate::device::{DType, Device};
+use crate::engine::rollout::{self, Rollout, WorkQueue};
 use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
 use crate::engine::{Completion, Engine, EngineConfig};
-use crate::model::{LoadedModel, ModelConfig, ModelWeights};
 use crate::model::calib::Calibration;
+use crate::model::{LoadedModel, ModelConfig, ModelWeights};
+use crate::train::dp::Dp;
+use crate::train::trainer::{StepOut, Trainer};
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -41,7 +41,12 @@ pub struct Board {
 
 impl Board {
     pub fn new(samples: usize) -> Board {
-        Board { samples: samples.max(1), groups: Default::default(), complete: Default::default(), ready: Condvar::new() }
+        Board {
+            samples: samples.max(1),
+            groups: Default::default(),
+            complete: Default::default(),
+            ready: Condvar::new(),
+        }
     }
 
     pub fn complete(&self) -> usize {
@@ -121,7 +126,8 @@ impl GenLink {
 
     /// Makes `master` (the weights of `version`) the generators' next weights.
     pub fn publish(&self, version: u64, master: Arc<Vec<f32>>) -> Result<()> {
-        *self.published.lock().map_err(|_| anyhow::anyhow!("the weight mailbox was poisoned"))? = Some((version, master));
+        *self.published.lock().map_err(|_| anyhow::anyhow!("the weight mailbox was poisoned"))? =
+            Some((version, master));
         Ok(())
     }
 
@@ -143,7 +149,10 @@ pub struct Sources {
 impl Sources {
     /// The job's model paths taken as directories, as written.
     pub fn plain(job: &JobConfig) -> Sources {
-        Sources { student: PathBuf::from(&job.model.path), teacher: job.teacher.as_ref().map(|t| PathBuf::from(&t.path)) }
+        Sources {
+            student: PathBuf::from(&job.model.path),
+            teacher: job.teacher.as_ref().map(|t| PathBuf::from(&t.path)),
+        }
     }
 }
 
@@ -194,7 +203,8 @@ impl Replica {
     /// the compute weights alone).
     pub fn new(rank: usize, dev: Device, s: &Setup, dp: Option<Dp>) -> Result<Replica> {
         let job = &s.job;
-        let student = load(&job.model, &s.sources.student, &dev).with_context(|| format!("loading the student '{}'", job.model.path))?;
+        let student = load(&job.model, &s.sources.student, &dev)
+            .with_context(|| format!("loading the student '{}'", job.model.path))?;
         // The memory plan, in order: the weights, the trainer's state (master/Adam shard,
         // gradients, activation arenas), the teacher, the engine buffers; the KV caches get what
         // is left when rollout.kv_cache_mb = 0.
@@ -225,7 +235,8 @@ impl Replica {
         let dtype = student.weights.dtype();
         // A separate rollout engine: only where the recipe differs from the standard one and the
         // device generates.
-        let standard = (s.spec.recipe.is_standard() && s.spec.noise_sigma == 0.0 && s.spec.staleness == 0) || !generates;
+        let standard =
+            (s.spec.recipe.is_standard() && s.spec.noise_sigma == 0.0 && s.spec.staleness == 0) || !generates;
         let engine_buffers = RolloutWeights::estimate_extra_bytes(&s.spec, &student.weights);
         let trainer = match dp {
             Some(dp) => Trainer::new_dp(&cfg, student.weights, job, dp)?,
@@ -299,7 +310,8 @@ impl Replica {
             let kv: usize = engines
                 .iter()
                 .map(|&(b, c)| {
-                    let useful = s.engine.max_seqs * s.engine.max_model_len.unwrap_or(c.max_position_embeddings).div_ceil(bs);
+                    let useful =
+                        s.engine.max_seqs * s.engine.max_model_len.unwrap_or(c.max_position_embeddings).div_ceil(bs);
                     (s.engine.kv_cache_bytes / b.max(1)).clamp(1, useful.max(1)) * b
                 })
                 .sum();
@@ -324,21 +336,40 @@ impl Replica {
             None => None,
         };
         let std_engine = Engine::new(&dev, &cfg, dtype, &std_ec, student.text.clone())?;
-        let rollout_engine = if standard { None } else { Some(Engine::new(&dev, &cfg, dtype, &roll_ec, student.text.clone())?) };
+        let rollout_engine =
+            if standard { None } else { Some(Engine::new(&dev, &cfg, dtype, &roll_ec, student.text.clone())?) };
         Ok(Replica { rank, dev, trainer, std_engine, rollout_engine, rw: None, teacher, student_dir: student.dir })
     }
 
     /// The calibration pass on the standard engine (one device runs it; all use the result).
     pub fn calibrate(&mut self, job: &JobConfig, prompts: &[crate::data::dataset::PromptItem]) -> Result<Calibration> {
         let cfg = self.trainer.cfg.clone();
-        crate::train::calibrate::calibrate(&mut self.std_engine, &self.trainer.weights, &cfg, prompts, &super::plan::sampling_of(job), job.run.seed)
+        crate::train::calibrate::calibrate(
+            &mut self.std_engine,
+            &self.trainer.weights,
+            &cfg,
+            prompts,
+            &super::plan::sampling_of(job),
+            job.run.seed,
+        )
     }
 
     /// Builds the rollout engine's buffers (and the NVFP4 learner's scales) from `calib`.
     pub fn init_rollout(&mut self, s: &Setup, calib: Option<&Calibration>) -> Result<()> {
-        let rw = RolloutWeights::new(&self.dev, &s.spec, &self.trainer.cfg, &self.trainer.weights, calib, self.trainer.version)?;
+        let rw = RolloutWeights::new(
+            &self.dev,
+            &s.spec,
+            &self.trainer.cfg,
+            &self.trainer.weights,
+            calib,
+            self.trainer.version,
+        )?;
         if s.job.learner.precision == "nvfp4" {
-            let mut lq = crate::model::learner_quant::LearnerQuant::new(&s.job.learner.linears, s.spec.recipe.nvfp4, self.trainer.cfg.num_layers)?;
+            let mut lq = crate::model::learner_quant::LearnerQuant::new(
+                &s.job.learner.linears,
+                s.spec.recipe.nvfp4,
+                self.trainer.cfg.num_layers,
+            )?;
             // The engine's calibrated input scales where it quantizes the same linears in NVFP4.
             if let Some(q) = &rw.quant {
                 for (l, ql) in q.layers.iter().enumerate() {
@@ -411,7 +442,10 @@ impl Replica {
             let mut prompts: std::collections::HashMap<u64, (Vec<u32>, usize)> = Default::default();
             while !link.stop.load(Ordering::SeqCst) {
                 {
-                    let mut q = link.queue.lock().map_err(|_| anyhow::anyhow!("the rollout queue was poisoned by a failed device"))?;
+                    let mut q = link
+                        .queue
+                        .lock()
+                        .map_err(|_| anyhow::anyhow!("the rollout queue was poisoned by a failed device"))?;
                     while engine.num_unfinished() + popped.len() < inflight.max(1) {
                         match q.pop_front() {
                             Some(r) => popped.push(r),
@@ -441,7 +475,8 @@ impl Replica {
                 let done = engine.step(rw.view(&trainer.weights))?;
                 let scores = match (&mut teacher, link.teacher_temperature) {
                     (Some((tw, te)), Some(temp)) if !done.is_empty() => {
-                        let ps: Vec<&[u32]> = done.iter().map(|c| prompts.get(&c.id).map(|p| p.0.as_slice()).unwrap_or(&[])).collect();
+                        let ps: Vec<&[u32]> =
+                            done.iter().map(|c| prompts.get(&c.id).map(|p| p.0.as_slice()).unwrap_or(&[])).collect();
                         Some(rollout::score_completions(te, tw, &ps, &done, temp)?)
                     }
                     _ => None,

@@ -23,13 +23,13 @@ use super::coordinator::Coordinator;
 use super::fault::Fault;
 use super::plan::{reference_rollouts, sampling_of};
 use super::replica::{self, GenLink};
-use crate::engine::rollout::{self, Rollout};
 use crate::data::dataset::PromptItem;
+use crate::engine::rollout::{self, Rollout};
 use crate::parallel::Pending;
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A step's rollouts and how getting them went.
@@ -62,7 +62,8 @@ impl Scheduler {
             link: Arc::new(GenLink::new(
                 h.job.rollout.samples_per_prompt,
                 h.generators.len(),
-                (h.split() && h.job.objective.kind == "opd" && h.job.teacher.is_some()).then_some(h.job.rollout.temperature),
+                (h.split() && h.job.objective.kind == "opd" && h.job.teacher.is_some())
+                    .then_some(h.job.rollout.temperature),
             )),
             generators: Vec::new(),
             gen_busy: vec![0; h.generators.len()],
@@ -75,7 +76,8 @@ impl Scheduler {
         if !h.split() {
             return h.resync();
         }
-        let (v, master) = h.pool.run_on(h.lead(), "publish", |r| Ok((r.trainer.version, Arc::new(r.trainer.full_weights()))))?;
+        let (v, master) =
+            h.pool.run_on(h.lead(), "publish", |r| Ok((r.trainer.version, Arc::new(r.trainer.full_weights()))))?;
         self.link.publish(v, master)
     }
 
@@ -87,7 +89,8 @@ impl Scheduler {
         let inflight = h.job.rollout.max_seqs;
         for (slot, &rank) in h.generators.iter().enumerate() {
             let link = self.link.clone();
-            self.generators.push(h.pool.start_on(rank, "generate", move |r| r.generate_forever(&link, slot, inflight))?);
+            self.generators
+                .push(h.pool.start_on(rank, "generate", move |r| r.generate_forever(&link, slot, inflight))?);
         }
         Ok(())
     }
@@ -109,7 +112,8 @@ impl Scheduler {
         if self.prompts.contains_key(&step) {
             return Ok(());
         }
-        let prompts = h.data.as_ref().context("no training data")?.train_prompts(step, h.job.rollout.prompts_per_step)?;
+        let prompts =
+            h.data.as_ref().context("no training data")?.train_prompts(step, h.job.rollout.prompts_per_step)?;
         let sampling = Arc::new(sampling_of(&h.job));
         let reqs = rollout::requests(&prompts, h.job.rollout.samples_per_prompt as u32, &sampling, step);
         let n = reqs.len();
@@ -123,7 +127,10 @@ impl Scheduler {
         let mut out = Vec::with_capacity(done.len());
         for (c, teacher) in done {
             let step = c.id >> 32;
-            let (p, left) = self.prompts.get_mut(&step).with_context(|| format!("a completion of step {step}, whose prompts are gone"))?;
+            let (p, left) = self
+                .prompts
+                .get_mut(&step)
+                .with_context(|| format!("a completion of step {step}, whose prompts are gone"))?;
             let mut r = rollout::from_completion(c, p, version);
             r.teacher_logprobs = teacher;
             out.push(r);
@@ -142,7 +149,8 @@ impl Scheduler {
             return Ok(none(f.clone()));
         }
         if !self.asynchronous && h.job.objective.kind == "sft" {
-            let prompts = h.data.as_ref().context("no training data")?.train_prompts(step, h.job.rollout.prompts_per_step)?;
+            let prompts =
+                h.data.as_ref().context("no training data")?.train_prompts(step, h.job.rollout.prompts_per_step)?;
             if prompts.iter().all(|p| p.response.is_some()) {
                 return Ok(none(reference_rollouts(&prompts, h.job.rollout.samples_per_prompt)));
             }

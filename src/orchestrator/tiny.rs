@@ -3,7 +3,10 @@
 //! student an early one (it knows the answer format, not yet the sums). Built once, on first use
 //! (or by `colotrain init-tiny --teacher`), into the cache directory, atomically.
 
-use crate::config::{CheckpointConfig, DataConfig, EvalConfig, JobConfig, ModelSource, ObjectiveConfig, OptimizerConfig, RolloutConfig, RunConfig};
+use crate::config::{
+    CheckpointConfig, DataConfig, EvalConfig, JobConfig, ModelSource, ObjectiveConfig, OptimizerConfig, RolloutConfig,
+    RunConfig,
+};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
@@ -35,14 +38,17 @@ pub fn resolve(path: &str) -> Result<PathBuf> {
     let which = match name {
         "tiny-arith-student" => "student",
         "tiny-arith-teacher" => "teacher",
-        _ => bail!("unknown built-in model 'builtin:{name}' (known: builtin:tiny-arith-student, builtin:tiny-arith-teacher)"),
+        _ => bail!(
+            "unknown built-in model 'builtin:{name}' (known: builtin:tiny-arith-student, builtin:tiny-arith-teacher)"
+        ),
     };
     let root = cache_dir().join(RECIPE);
     if !root.join("teacher").join("config.json").exists() {
         // One builder at a time (concurrent jobs or tests wait for it, then reuse its models).
         std::fs::create_dir_all(cache_dir()).with_context(|| format!("cannot create {}", cache_dir().display()))?;
         let lock_path = cache_dir().join(format!("{RECIPE}.lock"));
-        let lock = std::fs::File::create(&lock_path).with_context(|| format!("cannot create {}", lock_path.display()))?;
+        let lock =
+            std::fs::File::create(&lock_path).with_context(|| format!("cannot create {}", lock_path.display()))?;
         lock.lock().with_context(|| format!("cannot lock {}", lock_path.display()))?;
         if !root.join("teacher").join("config.json").exists() {
             build(&root)?;
@@ -55,13 +61,39 @@ pub fn resolve(path: &str) -> Result<PathBuf> {
 /// The SFT job that makes both models.
 pub fn sft_job(init: &Path, out: &Path) -> JobConfig {
     JobConfig {
-        run: RunConfig { name: "tiny-arith-sft".into(), out_dir: Some(out.to_path_buf()), seed: 7, steps: TEACHER_STEP, device: "cpu".into(), devices: 1, memory_budget_mb: None },
+        run: RunConfig {
+            name: "tiny-arith-sft".into(),
+            out_dir: Some(out.to_path_buf()),
+            seed: 7,
+            steps: TEACHER_STEP,
+            device: "cpu".into(),
+            devices: 1,
+            memory_budget_mb: None,
+        },
         model: ModelSource { path: init.display().to_string(), dtype: Some("f32".into()) },
         teacher: None,
         data: DataConfig { train: "builtin:arith".into(), heldout: None, chat: false, heldout_size: 64 },
-        rollout: RolloutConfig { prompts_per_step: 64, samples_per_prompt: 1, max_new_tokens: 12, ..Default::default() },
-        objective: ObjectiveConfig { kind: "sft".into(), loss_agg: Some("token-mean".into()), chunk_size: 512, ..Default::default() },
-        optimizer: OptimizerConfig { kind: "adamw".into(), lr: 3e-3, betas: [0.9, 0.98], eps: 1e-8, weight_decay: 0.0, grad_clip: 1.0, warmup_steps: 50 },
+        rollout: RolloutConfig {
+            prompts_per_step: 64,
+            samples_per_prompt: 1,
+            max_new_tokens: 12,
+            ..Default::default()
+        },
+        objective: ObjectiveConfig {
+            kind: "sft".into(),
+            loss_agg: Some("token-mean".into()),
+            chunk_size: 512,
+            ..Default::default()
+        },
+        optimizer: OptimizerConfig {
+            kind: "adamw".into(),
+            lr: 3e-3,
+            betas: [0.9, 0.98],
+            eps: 1e-8,
+            weight_decay: 0.0,
+            grad_clip: 1.0,
+            warmup_steps: 50,
+        },
         checkpoint: CheckpointConfig { every: 100, dtype: "f32".into(), keep: 0 },
         eval: EvalConfig { every: 0, samples_per_prompt: 1, max_new_tokens: Some(12), ..Default::default() },
         engine: Default::default(),
@@ -105,7 +137,9 @@ pub fn build(root: &Path) -> Result<()> {
         let src = tmp.join("sft").join(crate::train::checkpoint::dir_name(step));
         let dst = tmp.join(name);
         std::fs::create_dir_all(&dst)?;
-        for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        for f in
+            ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+        {
             std::fs::copy(src.join(f), dst.join(f)).with_context(|| format!("cannot copy {f} of {}", src.display()))?;
         }
     }

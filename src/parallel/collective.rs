@@ -29,12 +29,18 @@ pub trait Collective: Send + Sync {
         let (world, total) = (self.world(), out.len());
         let own = shard_range(total, world, rank);
         if shard.len() != own.len() {
-            let msg = format!("all_gather_u16: rank {rank} contributed {} values for its shard of {}", shard.len(), own.len());
+            let msg = format!(
+                "all_gather_u16: rank {rank} contributed {} values for its shard of {}",
+                shard.len(),
+                own.len()
+            );
             self.abort(&msg);
             bail!("{msg}");
         }
-        let words: Vec<f32> =
-            shard.chunks(2).map(|p| f32::from_bits(p[0] as u32 | (p.get(1).copied().unwrap_or(0) as u32) << 16)).collect();
+        let words: Vec<f32> = shard
+            .chunks(2)
+            .map(|p| f32::from_bits(p[0] as u32 | (p.get(1).copied().unwrap_or(0) as u32) << 16))
+            .collect();
         let counts: Vec<usize> = (0..world).map(|r| shard_range(total, world, r).len().div_ceil(2)).collect();
         let mut gathered = vec![0.0f32; counts.iter().sum()];
         self.all_gather(rank, &words, &mut gathered)?;

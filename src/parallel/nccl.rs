@@ -142,7 +142,10 @@ impl Nccl {
         if self.aborted.load(Ordering::Acquire) {
             return Err(self.aborted_error());
         }
-        let m = self.ranks.get(rank).ok_or_else(|| anyhow!("rank {rank} outside the NCCL group of {}", self.ranks.len()))?;
+        let m = self
+            .ranks
+            .get(rank)
+            .ok_or_else(|| anyhow!("rank {rank} outside the NCCL group of {}", self.ranks.len()))?;
         let mut st = lock(m);
         let k = st.calls;
         st.calls += 1;
@@ -157,7 +160,9 @@ impl Nccl {
             }
         };
         if let Some((o, l)) = mismatch {
-            return Err(self.fail(format!("collective mismatch at call {k}: rank {rank} called {op:?} of {len} values, another rank {o:?} of {l}")));
+            return Err(self.fail(format!(
+                "collective mismatch at call {k}: rank {rank} called {op:?} of {len} values, another rank {o:?} of {l}"
+            )));
         }
         st.stream.context().bind_to_thread().map_err(|e| anyhow!("rank {rank}: {e}"))?;
         Ok(st)
@@ -195,7 +200,11 @@ impl Nccl {
     }
 }
 
-fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(s: &Arc<CudaStream>, buf: &mut CudaSlice<T>, n: usize) -> Result<()> {
+fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    s: &Arc<CudaStream>,
+    buf: &mut CudaSlice<T>,
+    n: usize,
+) -> Result<()> {
     if buf.len() < n {
         *buf = s.alloc_zeros::<T>(n).map_err(|e| anyhow!("NCCL staging buffer of {n} values: {e}"))?;
     }
@@ -213,7 +222,11 @@ impl Collective for Nccl {
             let mut st = self.enter(rank, Op::ReduceScatter, send.len())?;
             let sh = shard_range(send.len(), world, rank);
             if recv.len() != sh.len() {
-                bail!("reduce_scatter_sum: rank {rank} passed {} receive values for its shard of {}", recv.len(), sh.len());
+                bail!(
+                    "reduce_scatter_sum: rank {rank} passed {} receive values for its shard of {}",
+                    recv.len(),
+                    sh.len()
+                );
             }
             let c = padded_chunk(send.len(), world);
             let r = &mut *st;
@@ -227,8 +240,18 @@ impl Collective for Nccl {
                 let (rp, _gr) = r.recv.device_ptr_mut(&r.stream);
                 // SAFETY: send holds world·c f32 and recv c f32 on this rank's GPU; the stream is
                 // this rank's and its context is current; the guards outlive the call.
-                unsafe { nr::reduce_scatter(sp as _, rp as _, c, ns::ncclDataType_t::ncclFloat32, ns::ncclRedOp_t::ncclSum, r.comm, cu(&r.stream)) }
-                    .map_err(|e| anyhow!("ncclReduceScatter: {e:?}"))?;
+                unsafe {
+                    nr::reduce_scatter(
+                        sp as _,
+                        rp as _,
+                        c,
+                        ns::ncclDataType_t::ncclFloat32,
+                        ns::ncclRedOp_t::ncclSum,
+                        r.comm,
+                        cu(&r.stream),
+                    )
+                }
+                .map_err(|e| anyhow!("ncclReduceScatter: {e:?}"))?;
             }
             self.wait(r)?;
             r.stream.memcpy_dtoh(&r.recv.slice(..sh.len()), recv).map_err(|e| anyhow!("{e}"))?;
@@ -277,8 +300,18 @@ impl Collective for Nccl {
             {
                 let (p, _g) = r.scalar.device_ptr_mut(&r.stream);
                 // SAFETY: in-place all-reduce of one f64 on this rank's GPU.
-                unsafe { nr::all_reduce(p as _, p as _, 1, ns::ncclDataType_t::ncclFloat64, ns::ncclRedOp_t::ncclSum, r.comm, cu(&r.stream)) }
-                    .map_err(|e| anyhow!("ncclAllReduce: {e:?}"))?;
+                unsafe {
+                    nr::all_reduce(
+                        p as _,
+                        p as _,
+                        1,
+                        ns::ncclDataType_t::ncclFloat64,
+                        ns::ncclRedOp_t::ncclSum,
+                        r.comm,
+                        cu(&r.stream),
+                    )
+                }
+                .map_err(|e| anyhow!("ncclAllReduce: {e:?}"))?;
             }
             self.wait(r)?;
             let mut out = [0.0f64];
@@ -301,8 +334,18 @@ impl Collective for Nccl {
             {
                 let (lp, _g) = r.len.device_ptr_mut(&r.stream);
                 // SAFETY: in-place broadcast of one u64 on this rank's GPU.
-                unsafe { nr::broadcast(lp as _, lp as _, 1, ns::ncclDataType_t::ncclUint64, root as i32, r.comm, cu(&r.stream)) }
-                    .map_err(|e| anyhow!("ncclBroadcast (length): {e:?}"))?;
+                unsafe {
+                    nr::broadcast(
+                        lp as _,
+                        lp as _,
+                        1,
+                        ns::ncclDataType_t::ncclUint64,
+                        root as i32,
+                        r.comm,
+                        cu(&r.stream),
+                    )
+                }
+                .map_err(|e| anyhow!("ncclBroadcast (length): {e:?}"))?;
             }
             self.wait(r)?;
             let mut n = [0u64];
@@ -320,8 +363,18 @@ impl Collective for Nccl {
             {
                 let (p, _g) = r.send.device_ptr_mut(&r.stream);
                 // SAFETY: in-place broadcast of n f32 (send holds at least n) on this rank's GPU.
-                unsafe { nr::broadcast(p as _, p as _, n, ns::ncclDataType_t::ncclFloat32, root as i32, r.comm, cu(&r.stream)) }
-                    .map_err(|e| anyhow!("ncclBroadcast: {e:?}"))?;
+                unsafe {
+                    nr::broadcast(
+                        p as _,
+                        p as _,
+                        n,
+                        ns::ncclDataType_t::ncclFloat32,
+                        root as i32,
+                        r.comm,
+                        cu(&r.stream),
+                    )
+                }
+                .map_err(|e| anyhow!("ncclBroadcast: {e:?}"))?;
             }
             self.wait(r)?;
             r.stream.memcpy_dtoh(&r.send.slice(..n), &mut buf[..]).map_err(|e| anyhow!("{e}"))?;
@@ -352,7 +405,13 @@ impl Drop for Nccl {
             let r = lock(m);
             let _ = r.stream.context().bind_to_thread();
             // SAFETY: the handle came from ncclCommInitAll and nothing uses it after this.
-            let _ = unsafe { if aborted { nr::comm_abort(r.comm) } else { nr::comm_destroy(r.comm) } };
+            let _ = unsafe {
+                if aborted {
+                    nr::comm_abort(r.comm)
+                } else {
+                    nr::comm_destroy(r.comm)
+                }
+            };
         }
         if grouped {
             let _ = nr::group_end();
@@ -382,7 +441,8 @@ mod tests {
                 let _ = tx.send((rank, f(rank)));
             });
         }
-        let mut got: Vec<(usize, T)> = (0..2).map(|_| rx.recv_timeout(Duration::from_secs(60)).expect("a rank hung or panicked")).collect();
+        let mut got: Vec<(usize, T)> =
+            (0..2).map(|_| rx.recv_timeout(Duration::from_secs(60)).expect("a rank hung or panicked")).collect();
         got.sort_by_key(|g| g.0);
         got.into_iter().map(|g| g.1).collect()
     }
@@ -395,7 +455,11 @@ mod tests {
     fn nccl_matches_in_process_on_two_gpus() {
         // SAFETY: only try to dlopen the libraries.
         let present = unsafe { cudarc::driver::sys::is_culib_present() && ns::is_culib_present() };
-        let gpus = if present { std::panic::catch_unwind(CudaContext::device_count).ok().and_then(|r| r.ok()).unwrap_or(0) } else { 0 };
+        let gpus = if present {
+            std::panic::catch_unwind(CudaContext::device_count).ok().and_then(|r| r.ok()).unwrap_or(0)
+        } else {
+            0
+        };
         if gpus < 2 {
             eprintln!("skipped: needs 2 GPUs and libnccl (found {gpus} GPUs, libraries present: {present})");
             return;
@@ -412,7 +476,8 @@ mod tests {
                     let mut ag = vec![0.0; total];
                     c.all_gather(rank, &rs, &mut ag).expect("all_gather");
                     let s = c.all_reduce_sum_f64(rank, 1.5 + rank as f64).expect("all_reduce");
-                    let mut b: Vec<f32> = if rank == root { (0..blen).map(|i| i as f32 - 2.5).collect() } else { vec![9.0; 4] };
+                    let mut b: Vec<f32> =
+                        if rank == root { (0..blen).map(|i| i as f32 - 2.5).collect() } else { vec![9.0; 4] };
                     c.broadcast(rank, root, &mut b).expect("broadcast");
                     rounds.push((rs, ag, s, b));
                 }

@@ -2,8 +2,8 @@
 //! the trainer's weights at every sync (fused amax + quantize), and read by the engine's linears.
 
 use super::fp8::E4M3;
-use super::simd;
 use super::nvfp4::{self, Nvfp4Opts, BLOCK};
+use super::simd;
 use crate::device::{CpuFloats, CpuStorage, DType, Device, Tensor};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
@@ -108,19 +108,19 @@ impl QTensor {
             a
         } else {
             (0..n.div_ceil(CH))
-            .into_par_iter()
-            .map(|c| {
-                let mut buf = [0.0f32; CH];
-                let len = CH.min(n - c * CH);
-                src.read_into(c * CH, &mut buf[..len]);
-                if let Some(s) = &rht {
-                    for blk in buf[..len].chunks_exact_mut(BLOCK) {
-                        nvfp4::rht_block(blk, s);
+                .into_par_iter()
+                .map(|c| {
+                    let mut buf = [0.0f32; CH];
+                    let len = CH.min(n - c * CH);
+                    src.read_into(c * CH, &mut buf[..len]);
+                    if let Some(s) = &rht {
+                        for blk in buf[..len].chunks_exact_mut(BLOCK) {
+                            nvfp4::rht_block(blk, s);
+                        }
                     }
-                }
-                simd::amax(&buf[..len])
-            })
-            .reduce(|| 0.0f32, nan_max)
+                    simd::amax(&buf[..len])
+                })
+                .reduce(|| 0.0f32, nan_max)
         };
         if !amax.is_finite() {
             bail!("{name}: cannot quantize a tensor holding NaN or Inf values");
@@ -153,25 +153,37 @@ impl QTensor {
                     _ => bail!("quantized codes and scales must be u8"),
                 };
                 let rows_per = (CH / k).max(1);
-                codes.par_chunks_mut(rows_per * k / 2).zip(scales.par_chunks_mut(rows_per * k / BLOCK)).enumerate().for_each(|(g, (pg, sg))| {
-                    let mut buf = [0.0f32; CH];
-                    for (j, (p, s)) in pg.chunks_mut(k / 2).zip(sg.chunks_mut(k / BLOCK)).enumerate() {
-                        let r = g * rows_per + j;
-                        // BF16 weights straight into the vector kernel (no f32 staging).
-                        if let (CpuFloats::BF16(v), None, None) = (src, &rht, opts.stochastic) {
-                            if simd::quantize_nvfp4_bf16(&v[r * k..(r + 1) * k], global, p, s).is_some() {
-                                continue;
+                codes
+                    .par_chunks_mut(rows_per * k / 2)
+                    .zip(scales.par_chunks_mut(rows_per * k / BLOCK))
+                    .enumerate()
+                    .for_each(|(g, (pg, sg))| {
+                        let mut buf = [0.0f32; CH];
+                        for (j, (p, s)) in pg.chunks_mut(k / 2).zip(sg.chunks_mut(k / BLOCK)).enumerate() {
+                            let r = g * rows_per + j;
+                            // BF16 weights straight into the vector kernel (no f32 staging).
+                            if let (CpuFloats::BF16(v), None, None) = (src, &rht, opts.stochastic) {
+                                if simd::quantize_nvfp4_bf16(&v[r * k..(r + 1) * k], global, p, s).is_some() {
+                                    continue;
+                                }
+                            }
+                            let mut at = 0;
+                            while at < k {
+                                let len = CH.min(k - at);
+                                src.read_into(r * k + at, &mut buf[..len]);
+                                simd::quantize_nvfp4(
+                                    &buf[..len],
+                                    global,
+                                    &opts,
+                                    rht.as_ref(),
+                                    (r * k + at) as u64,
+                                    &mut p[at / 2..(at + len) / 2],
+                                    &mut s[at / BLOCK..(at + len) / BLOCK],
+                                );
+                                at += len;
                             }
                         }
-                        let mut at = 0;
-                        while at < k {
-                            let len = CH.min(k - at);
-                            src.read_into(r * k + at, &mut buf[..len]);
-                            simd::quantize_nvfp4(&buf[..len], global, &opts, rht.as_ref(), (r * k + at) as u64, &mut p[at / 2..(at + len) / 2], &mut s[at / BLOCK..(at + len) / BLOCK]);
-                            at += len;
-                        }
-                    }
-                });
+                    });
             }
         }
         Ok(())
@@ -181,7 +193,9 @@ impl QTensor {
     pub fn view(&self) -> Result<CpuFloats<'_>> {
         Ok(match self.format {
             QFormat::Fp8 => CpuFloats::Fp8 { codes: self.codes_bytes()?, scale: self.scale },
-            QFormat::Nvfp4 => CpuFloats::Nvfp4 { packed: self.codes_bytes()?, scales: self.scales_bytes()?, global: self.scale },
+            QFormat::Nvfp4 => {
+                CpuFloats::Nvfp4 { packed: self.codes_bytes()?, scales: self.scales_bytes()?, global: self.scale }
+            }
         })
     }
 
@@ -218,6 +232,9 @@ mod tests {
         let e = q.requantize_cpu(CpuFloats::F32(&x), "model.layers.0.mlp.up_proj.weight").unwrap_err().to_string();
         assert!(e.contains("model.layers.0.mlp.up_proj.weight") && e.contains("NaN"), "{e}");
         assert_eq!(q.codes_ptr(), ptr);
-        assert!(QTensor::alloc(QFormat::Nvfp4, 2, 24, Nvfp4Opts::default()).unwrap_err().to_string().contains("multiple of 16"));
+        assert!(QTensor::alloc(QFormat::Nvfp4, 2, 24, Nvfp4Opts::default())
+            .unwrap_err()
+            .to_string()
+            .contains("multiple of 16"));
     }
 }

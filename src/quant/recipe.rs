@@ -89,11 +89,19 @@ pub struct Override {
 
 impl Recipe {
     /// A preset for a model of `num_layers` layers.
-    pub fn preset(name: &str, num_layers: usize, keep_bf16: &[String], kv_scale: KvScale, nvfp4: Nvfp4Opts) -> Result<Recipe> {
+    pub fn preset(
+        name: &str,
+        num_layers: usize,
+        keep_bf16: &[String],
+        kv_scale: KvScale,
+        nvfp4: Nvfp4Opts,
+    ) -> Result<Recipe> {
         let layer = match name {
             "bf16" => LayerRecipe::uniform(Precision::Native, false),
             "fp8" => LayerRecipe::uniform(Precision::Fp8, true),
-            "nvfp4" => LayerRecipe { weight: [Precision::Nvfp4; 7], input: [Precision::Nvfp4; 7], k_fp8: true, v_fp8: true },
+            "nvfp4" => {
+                LayerRecipe { weight: [Precision::Nvfp4; 7], input: [Precision::Nvfp4; 7], k_fp8: true, v_fp8: true }
+            }
             "fp8-kv" => LayerRecipe::uniform(Precision::Native, true),
             _ => bail!("unknown recipe '{name}': expected bf16, fp8, nvfp4 or fp8-kv"),
         };
@@ -138,7 +146,12 @@ impl Recipe {
         } else {
             o.linears
                 .iter()
-                .map(|l| LINEARS.iter().position(|x| x == l).ok_or_else(|| anyhow::anyhow!("unknown linear '{l}': expected one of {LINEARS:?}")))
+                .map(|l| {
+                    LINEARS
+                        .iter()
+                        .position(|x| x == l)
+                        .ok_or_else(|| anyhow::anyhow!("unknown linear '{l}': expected one of {LINEARS:?}"))
+                })
                 .collect::<Result<_>>()?
         };
         for &l in &o.layers {
@@ -178,7 +191,9 @@ impl Recipe {
 
     /// Calibrated scales are needed (quantized inputs, or an FP8 cache with calibrated scales).
     pub fn needs_calibration(&self) -> bool {
-        self.layers.iter().any(|l| l.input.iter().any(|p| *p != Precision::Native) || (l.kv_fp8() && self.kv_scale == KvScale::Calibrated))
+        self.layers.iter().any(|l| {
+            l.input.iter().any(|p| *p != Precision::Native) || (l.kv_fp8() && self.kv_scale == KvScale::Calibrated)
+        })
     }
 
     /// (keys, values) in FP8, per layer: what the engine's cache stores.
@@ -188,7 +203,10 @@ impl Recipe {
 
     /// KV-cache bytes per token with `native_bytes` per element for unquantized layers.
     pub fn kv_bytes_per_token(&self, kv_dim: usize, native_bytes: usize) -> usize {
-        self.layers.iter().map(|l| kv_dim * ((if l.k_fp8 { 1 } else { native_bytes }) + if l.v_fp8 { 1 } else { native_bytes })).sum()
+        self.layers
+            .iter()
+            .map(|l| kv_dim * ((if l.k_fp8 { 1 } else { native_bytes }) + if l.v_fp8 { 1 } else { native_bytes }))
+            .sum()
     }
 }
 
@@ -198,7 +216,8 @@ mod tests {
 
     #[test]
     fn mlp_only_nvfp4() {
-        let r = Recipe::preset("nvfp4", 3, &["attention".into(), "kv".into()], KvScale::Calibrated, Default::default()).unwrap();
+        let r = Recipe::preset("nvfp4", 3, &["attention".into(), "kv".into()], KvScale::Calibrated, Default::default())
+            .unwrap();
         for l in &r.layers {
             assert_eq!(&l.weight[..4], &[Precision::Native; 4]);
             assert_eq!(&l.weight[4..], &[Precision::Nvfp4; 3]);
@@ -210,21 +229,38 @@ mod tests {
 
     #[test]
     fn presets_and_exceptions() {
-        let r = Recipe::preset("fp8", 4, &["first-layer".into(), "last-layer".into()], KvScale::Calibrated, Default::default()).unwrap();
+        let r = Recipe::preset(
+            "fp8",
+            4,
+            &["first-layer".into(), "last-layer".into()],
+            KvScale::Calibrated,
+            Default::default(),
+        )
+        .unwrap();
         assert_eq!(r.layers[0], LayerRecipe::uniform(Precision::Native, false));
         assert_eq!(r.layers[3], LayerRecipe::uniform(Precision::Native, false));
         assert_eq!(r.layers[1].weight, [Precision::Fp8; 7]);
         assert!(r.layers[2].kv_fp8());
-        let r = Recipe::preset("fp8-kv", 3, &["first-layer-kv".into()], KvScale::Fixed(1.0), Default::default()).unwrap();
+        let r =
+            Recipe::preset("fp8-kv", 3, &["first-layer-kv".into()], KvScale::Fixed(1.0), Default::default()).unwrap();
         assert!(!r.layers[0].kv_fp8() && r.layers[1].kv_fp8() && !r.quantizes_weights() && !r.needs_calibration());
         // FP8 KV in bf16 bytes: 2 layers × 1 byte + 1 layer × 2 bytes, keys and values.
         assert_eq!(r.kv_bytes_per_token(8, 2), 2 * 8 * (2 + 1 + 1));
         assert!(Recipe::preset("bf16", 2, &[], KvScale::Calibrated, Default::default()).unwrap().is_standard());
-        assert!(Recipe::preset("int4", 2, &[], KvScale::Calibrated, Default::default()).unwrap_err().to_string().contains("unknown recipe 'int4'"));
+        assert!(Recipe::preset("int4", 2, &[], KvScale::Calibrated, Default::default())
+            .unwrap_err()
+            .to_string()
+            .contains("unknown recipe 'int4'"));
         let mut r = Recipe::preset("nvfp4", 2, &[], KvScale::Calibrated, Default::default()).unwrap();
         let e = r.apply(&Override { layers: vec![2], ..Default::default() }).unwrap_err().to_string();
         assert!(e.contains("layer index 2 is out of range"), "{e}");
-        r.apply(&Override { layers: vec![1], linears: vec!["down_proj".into()], weight: Some(Precision::Fp8), ..Default::default() }).unwrap();
+        r.apply(&Override {
+            layers: vec![1],
+            linears: vec!["down_proj".into()],
+            weight: Some(Precision::Fp8),
+            ..Default::default()
+        })
+        .unwrap();
         assert_eq!(r.layers[1].weight[6], Precision::Fp8);
         assert_eq!(r.layers[1].weight[5], Precision::Nvfp4);
     }

@@ -48,7 +48,11 @@ pub fn dir_name(step: u64) -> String {
 }
 
 fn f32_view(v: &[f32]) -> OwnedView {
-    OwnedView { dtype: safetensors::Dtype::F32, shape: vec![v.len()], bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
+    OwnedView {
+        dtype: safetensors::Dtype::F32,
+        shape: vec![v.len()],
+        bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
 }
 
 fn fsync_dir(d: &Path) {
@@ -72,7 +76,15 @@ pub const RING_FILE: &str = "stale_ring.safetensors";
 /// Writes checkpoint `step` of `trainer` into `out_dir` (with the gathered optimizer state `o`
 /// and the files `extra`, name → bytes); `text_dir` provides the tokenizer files. Everything is
 /// written into a temporary folder that is renamed into place.
-pub fn save(out_dir: &Path, step: u64, trainer: &Trainer, o: &OptState, job: &JobConfig, text_dir: Option<&Path>, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
+pub fn save(
+    out_dir: &Path,
+    step: u64,
+    trainer: &Trainer,
+    o: &OptState,
+    job: &JobConfig,
+    text_dir: Option<&Path>,
+    extra: &[(&str, Vec<u8>)],
+) -> Result<PathBuf> {
     let final_dir = out_dir.join(dir_name(step));
     if final_dir.exists() {
         bail!("{} already exists; refusing to overwrite a checkpoint", final_dir.display());
@@ -85,7 +97,10 @@ pub fn save(out_dir: &Path, step: u64, trainer: &Trainer, o: &OptState, job: &Jo
     let dtype = if job.checkpoint.dtype == "f32" { DType::F32 } else { DType::BF16 };
     trainer.weights.save(&trainer.cfg, &tmp, dtype)?;
     let torch = if dtype == DType::F32 { "float32" } else { "bfloat16" };
-    crate::util::write_atomic(&tmp.join("config.json"), serde_json::to_string_pretty(&trainer.cfg.to_hf_json(torch))?.as_bytes())?;
+    crate::util::write_atomic(
+        &tmp.join("config.json"),
+        serde_json::to_string_pretty(&trainer.cfg.to_hf_json(torch))?.as_bytes(),
+    )?;
     if let Some(src) = text_dir {
         for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"] {
             let p = src.join(f);
@@ -116,7 +131,8 @@ pub fn save(out_dir: &Path, step: u64, trainer: &Trainer, o: &OptState, job: &Jo
     };
     crate::util::write_atomic(&tmp.join(STATE_FILE), serde_json::to_string_pretty(&state)?.as_bytes())?;
     fsync_dir(&tmp);
-    std::fs::rename(&tmp, &final_dir).with_context(|| format!("cannot rename {} to {}", tmp.display(), final_dir.display()))?;
+    std::fs::rename(&tmp, &final_dir)
+        .with_context(|| format!("cannot rename {} to {}", tmp.display(), final_dir.display()))?;
     fsync_dir(out_dir);
     Ok(final_dir)
 }
@@ -172,7 +188,8 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
 pub fn load(dir: &Path, job: &JobConfig) -> Result<(TrainerState, Vec<f32>, Vec<f32>, Vec<f32>)> {
     let sp = dir.join(STATE_FILE);
     let text = std::fs::read_to_string(&sp).with_context(|| format!("cannot read {}", sp.display()))?;
-    let state: TrainerState = serde_json::from_str(&text).with_context(|| format!("{}: not a valid trainer state", sp.display()))?;
+    let state: TrainerState =
+        serde_json::from_str(&text).with_context(|| format!("{}: not a valid trainer state", sp.display()))?;
     let fp = fingerprint(job);
     if state.fingerprint != fp {
         bail!(
@@ -183,7 +200,8 @@ pub fn load(dir: &Path, job: &JobConfig) -> Result<(TrainerState, Vec<f32>, Vec<
     }
     let op = dir.join(OPT_FILE);
     let bytes = std::fs::read(&op).with_context(|| format!("cannot read {}", op.display()))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| anyhow::anyhow!("{}: invalid safetensors file: {e}", op.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| anyhow::anyhow!("{}: invalid safetensors file: {e}", op.display()))?;
     let get = |name: &str| -> Result<Vec<f32>> {
         match st.tensor(name) {
             Ok(t) => Ok(t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),

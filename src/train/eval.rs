@@ -3,9 +3,9 @@
 //! problem x's response tokens (samples pooled), K the mean over problems. Accuracy: the share of
 //! samples whose last boxed answer is correct.
 
-use crate::engine::rollout::{self, Rollout};
 use crate::data::answer;
 use crate::data::dataset::PromptItem;
+use crate::engine::rollout::{self, Rollout};
 use crate::engine::{Engine, Request, SamplingConfig};
 use crate::model::{ModelWeights, TextTools};
 use anyhow::Result;
@@ -39,9 +39,19 @@ fn score(engine: &mut Engine, w: &ModelWeights, rollouts: &[Rollout]) -> Result<
     for (i, r) in rollouts.iter().enumerate() {
         let mut seq = r.prompt.clone();
         seq.extend_from_slice(&r.response);
-        engine.add(Request { id: i as u64, sample: 0, prompt: seq, sampling: sampling.clone(), prompt_logprobs: true })?;
+        engine.add(Request {
+            id: i as u64,
+            sample: 0,
+            prompt: seq,
+            sampling: sampling.clone(),
+            prompt_logprobs: true,
+        })?;
     }
-    Ok(engine.run_to_completion(w, |_| {})?.into_iter().map(|c| c.prompt_logprobs[rollouts[c.id as usize].prompt.len() - 1..].to_vec()).collect())
+    Ok(engine
+        .run_to_completion(w, |_| {})?
+        .into_iter()
+        .map(|c| c.prompt_logprobs[rollouts[c.id as usize].prompt.len() - 1..].to_vec())
+        .collect())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -65,7 +75,8 @@ pub fn evaluate(
     for p in prompts {
         fp.push_str(&format!("|{:?}", p.tokens));
     }
-    let mut res = EvalResult { step, heldout: format!("{:016x}", crate::rand::fnv1a64(fp.as_bytes())), ..Default::default() };
+    let mut res =
+        EvalResult { step, heldout: format!("{:016x}", crate::rand::fnv1a64(fp.as_bytes())), ..Default::default() };
     let mut kl_sum = vec![0.0f64; prompts.len()];
     let mut kl_n = vec![0usize; prompts.len()];
     let mut acc = vec![0.0f64; prompts.len()];

@@ -120,17 +120,26 @@ pub fn summary_table(s: &JobSummary) -> String {
     if let (Some(a), Some(b)) = (first, last) {
         if !a.teacher.is_empty() {
             let rel = if a.kl != 0.0 { (b.kl / a.kl - 1.0) * 100.0 } else { 0.0 };
-            t.push_str(&format!("held-out KL    {:.4} (step {}) -> {:.4} (step {})  {:+.1}%\n", a.kl, a.step, b.kl, b.step, rel));
+            t.push_str(&format!(
+                "held-out KL    {:.4} (step {}) -> {:.4} (step {})  {:+.1}%\n",
+                a.kl, a.step, b.kl, b.step, rel
+            ));
         }
         t.push_str(&format!("accuracy       {:.1}% -> {:.1}%\n", a.accuracy * 100.0, b.accuracy * 100.0));
     }
     if let Some(m) = &s.last {
-        t.push_str(&format!("last step      loss {:.4}  entropy {:.3}  d_n {:.2e}  response {:.1} tokens", m.loss, m.entropy, m.mismatch.d_n, m.response_len));
+        t.push_str(&format!(
+            "last step      loss {:.4}  entropy {:.3}  d_n {:.2e}  response {:.1} tokens",
+            m.loss, m.entropy, m.mismatch.d_n, m.response_len
+        ));
         if let Some(r) = m.reward {
             t.push_str(&format!("  reward {r:.3}"));
         }
         if let Some(tr) = &m.triage {
-            t.push_str(&format!("  gated {} tokens, repair {}/{} segments", tr.gated_tokens, tr.repair_active, tr.repair_segments));
+            t.push_str(&format!(
+                "  gated {} tokens, repair {}/{} segments",
+                tr.gated_tokens, tr.repair_active, tr.repair_segments
+            ));
         }
         t.push('\n');
     }

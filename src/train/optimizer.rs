@@ -131,7 +131,15 @@ mod tests {
     use super::*;
 
     fn cfg(kind: &str) -> OptimizerConfig {
-        OptimizerConfig { kind: kind.into(), lr: 0.1, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 0.01, grad_clip: 0.0, warmup_steps: 0 }
+        OptimizerConfig {
+            kind: kind.into(),
+            lr: 0.1,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.01,
+            grad_clip: 0.0,
+            warmup_steps: 0,
+        }
     }
 
     #[test]

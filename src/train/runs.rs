@@ -17,14 +17,18 @@ pub struct RunDir {
 impl RunDir {
     pub fn open(path: &Path) -> Result<RunDir> {
         let cp = path.join("config.toml");
-        let config = JobConfig::from_file(&cp).with_context(|| format!("{} is not a colotrain run directory", path.display()))?;
+        let config = JobConfig::from_file(&cp)
+            .with_context(|| format!("{} is not a colotrain run directory", path.display()))?;
         let mp = path.join("metrics.jsonl");
         let metrics = crate::util::read_jsonl(&mp)?.into_iter().map(|(_, v)| v).collect();
         Ok(RunDir { path: path.to_path_buf(), config, metrics })
     }
 
     pub fn name(&self) -> String {
-        self.path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_else(|| self.path.display().to_string())
+        self.path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_else(|| self.path.display().to_string())
     }
 
     /// Steps with a held-out evaluation on disk.
@@ -32,7 +36,13 @@ impl RunDir {
         let mut v: Vec<u64> = std::fs::read_dir(self.path.join("eval"))
             .map(|d| {
                 d.filter_map(|e| e.ok())
-                    .filter_map(|e| e.file_name().to_string_lossy().strip_prefix("step-").and_then(|s| s.strip_suffix(".json")).and_then(|s| s.parse().ok()))
+                    .filter_map(|e| {
+                        e.file_name()
+                            .to_string_lossy()
+                            .strip_prefix("step-")
+                            .and_then(|s| s.strip_suffix(".json"))
+                            .and_then(|s| s.parse().ok())
+                    })
                     .collect()
             })
             .unwrap_or_default();
@@ -43,7 +53,11 @@ impl RunDir {
     pub fn eval_at(&self, step: u64) -> Result<EvalResult> {
         let p = self.path.join("eval").join(format!("step-{step:06}.json"));
         if !p.exists() {
-            bail!("run {} has no held-out evaluation at step {step} (evaluated at steps {:?})", self.path.display(), self.eval_steps());
+            bail!(
+                "run {} has no held-out evaluation at step {step} (evaluated at steps {:?})",
+                self.path.display(),
+                self.eval_steps()
+            );
         }
         let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
         serde_json::from_str(&text).with_context(|| format!("{}: not an evaluation file", p.display()))
@@ -65,7 +79,11 @@ impl RunDir {
 /// teachers or held-out sets.
 pub fn compare(run: &EvalResult, reference: &EvalResult, tau: f64, reps: usize) -> Result<Delta> {
     if run.heldout != reference.heldout || run.kl_per_problem.len() != reference.kl_per_problem.len() {
-        bail!("the runs were evaluated on different held-out sets (fingerprints {} and {}); Δ compares the same problems", run.heldout, reference.heldout);
+        bail!(
+            "the runs were evaluated on different held-out sets (fingerprints {} and {}); Δ compares the same problems",
+            run.heldout,
+            reference.heldout
+        );
     }
     if run.student != reference.student || run.teacher != reference.teacher {
         bail!(

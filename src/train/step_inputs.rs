@@ -6,8 +6,8 @@
 //! Owns: [`Objective`] (the configured objective), [`StepInputs`]. May call: `crate::objective`.
 //! Must not: run models.
 
-use crate::engine::rollout::Rollout;
 use crate::config::{JobConfig, LossAgg};
+use crate::engine::rollout::Rollout;
 use crate::objective::advantage::{self, Estimator};
 use crate::objective::grpo::{self, PgConfig};
 use crate::objective::triage::{self, TriageConfig, TriageStats};
@@ -19,9 +19,16 @@ use std::ops::Range;
 #[derive(Clone, Debug, PartialEq)]
 pub enum Objective {
     Sft,
-    Opd { offset: f64 },
+    Opd {
+        offset: f64,
+    },
     /// GRPO / REINFORCE (with TIS when `pg.tis_cap` is set), optionally TRIAGE on top.
-    Pg { pg: PgConfig, est: Estimator, offset: f64, triage: Option<TriageConfig> },
+    Pg {
+        pg: PgConfig,
+        est: Estimator,
+        offset: f64,
+        triage: Option<TriageConfig>,
+    },
 }
 
 impl Objective {
@@ -67,11 +74,17 @@ pub struct Evaluated {
 pub fn evaluate(obj: &Objective, s: &TokenStats, agg: LossAgg, k: u64) -> Result<Evaluated> {
     Ok(match obj {
         Objective::Sft => Evaluated { coefs: sft::coefficients(s, agg)?, triage: None, clipped: 0 },
-        Objective::Opd { offset } => Evaluated { coefs: opd::coefficients_with_offset(s, agg, *offset)?, triage: None, clipped: 0 },
+        Objective::Opd { offset } => {
+            Evaluated { coefs: opd::coefficients_with_offset(s, agg, *offset)?, triage: None, clipped: 0 }
+        }
         Objective::Pg { pg, triage: None, .. } => {
             let b = grpo::base(s, agg, pg)?;
             let loss = b.weights.iter().zip(&b.token_loss).map(|(w, l)| w * l).sum();
-            Evaluated { coefs: Coefficients { coef: b.coef.iter().map(|&x| x as f32).collect(), loss }, triage: None, clipped: b.clipped }
+            Evaluated {
+                coefs: Coefficients { coef: b.coef.iter().map(|&x| x as f32).collect(), loss },
+                triage: None,
+                clipped: b.clipped,
+            }
         }
         Objective::Pg { pg, triage: Some(tc), .. } => {
             let clipped = grpo::base(s, agg, pg)?.clipped;
@@ -105,7 +118,12 @@ pub struct StepInputs {
 
 impl StepInputs {
     /// `staleness`: (the trainer's weight version, the bound k) under an asynchronous schedule.
-    pub fn build(rollouts: &[Rollout], obj: &Objective, centering: bool, staleness: Option<(u64, u64)>) -> Result<StepInputs> {
+    pub fn build(
+        rollouts: &[Rollout],
+        obj: &Objective,
+        centering: bool,
+        staleness: Option<(u64, u64)>,
+    ) -> Result<StepInputs> {
         let mut s = StepInputs { offsets: vec![0], ..Default::default() };
         if let Some((now, k)) = staleness {
             let mut mask = Vec::new();
@@ -154,7 +172,8 @@ impl StepInputs {
             }
             let groups: Vec<u64> = rollouts.iter().map(|r| r.group).collect();
             let a = advantage::advantages(&rewards, &groups, *est, *offset)?;
-            s.adv_tokens = Some(rollouts.iter().zip(&a).flat_map(|(r, a)| std::iter::repeat_n(*a, r.response.len())).collect());
+            s.adv_tokens =
+                Some(rollouts.iter().zip(&a).flat_map(|(r, a)| std::iter::repeat_n(*a, r.response.len())).collect());
             s.adv_response = Some(a);
         }
         if centering {

@@ -7,16 +7,16 @@
 //!
 //! Owns: one device's compute weights, the trainable model, its optimizer shard and gradients.
 
-use super::optimizer::{Optimizer, StepInfo};
-use crate::engine::rollout::Rollout;
-use crate::config::{JobConfig, LossAgg};
-use crate::model::trainable::{TrainBatch, Trainable};
-use crate::device::{bf16_rne, DType};
-use crate::model::{ModelConfig, ModelWeights};
 use super::dp::{sum_triage, Dp};
 use super::optimizer::sum_sq;
+use super::optimizer::{Optimizer, StepInfo};
 use super::step_inputs::{evaluate, minibatches, Objective, StepInputs};
+use crate::config::{JobConfig, LossAgg};
+use crate::device::{bf16_rne, DType};
+use crate::engine::rollout::Rollout;
 use crate::model::learner_quant::LearnerQuant;
+use crate::model::trainable::{TrainBatch, Trainable};
+use crate::model::{ModelConfig, ModelWeights};
 use crate::objective::triage::TriageStats;
 use crate::objective::TokenStats;
 use crate::ops::lm_head::grad::Center;
@@ -63,9 +63,9 @@ pub struct Trainer {
     pub opt: Optimizer,
     ranges: Vec<Range<usize>>,
     grads: Vec<Vec<f32>>,
-    flat_grad: Vec<f32>, // (P) this device's gradient, every parameter
+    flat_grad: Vec<f32>,  // (P) this device's gradient, every parameter
     grad_shard: Vec<f32>, // (P / world) the reduce-scattered sum
-    gathered: Gathered,  // (P) all-gathered weights (world > 1)
+    gathered: Gathered,   // (P) all-gathered weights (world > 1)
     n_params: usize,
     /// A generator's copy: compute weights only (see [`Trainer::weights_only`]).
     weights_only: bool,
@@ -173,7 +173,12 @@ impl Trainer {
     /// (they grow to the largest micro-batch seen).
     pub fn state_bytes(&self) -> usize {
         let grads: usize = self.grads.iter().map(|g| g.len()).sum();
-        4 * (self.opt.master.len() + self.opt.m.len() + self.opt.v.len() + grads + self.flat_grad.len() + self.grad_shard.len())
+        4 * (self.opt.master.len()
+            + self.opt.m.len()
+            + self.opt.v.len()
+            + grads
+            + self.flat_grad.len()
+            + self.grad_shard.len())
             + self.gathered.bytes()
             + self.model.activation_bytes()
     }
@@ -220,7 +225,14 @@ impl Trainer {
             let b = Self::batch(&rollouts[mb.clone()]);
             let k = b.rows.len();
             self.model.forward(&ps, &b)?;
-            self.model.token_stats(&ps, &b, self.temperature, self.chunk, &mut logp[at..at + k], &mut entropy[at..at + k]);
+            self.model.token_stats(
+                &ps,
+                &b,
+                self.temperature,
+                self.chunk,
+                &mut logp[at..at + k],
+                &mut entropy[at..at + k],
+            );
             at += k;
         }
         Ok((logp, entropy, mbs.len()))
@@ -228,7 +240,12 @@ impl Trainer {
 
     /// The log-probs (and entropy sum) of responses `r` at the current weights: this device
     /// computes its share, the devices exchange them.
-    fn gathered_stats(&mut self, rollouts: &[Rollout], inp: &StepInputs, r: Range<usize>) -> Result<(Vec<f32>, f64, usize, Range<usize>)> {
+    fn gathered_stats(
+        &mut self,
+        rollouts: &[Rollout],
+        inp: &StepInputs,
+        r: Range<usize>,
+    ) -> Result<(Vec<f32>, f64, usize, Range<usize>)> {
         let mine = self.dp.split(rollouts, r.clone());
         let (lp, en, chunks) = self.token_stats(&rollouts[mine.clone()])?;
         let all = inp.tokens(&r);
@@ -250,7 +267,12 @@ impl Trainer {
         if rollouts.is_empty() {
             bail!("training step with no response tokens");
         }
-        let inp = StepInputs::build(&rollouts, &self.objective, self.centering, self.max_staleness.map(|k| (self.version, k)))?;
+        let inp = StepInputs::build(
+            &rollouts,
+            &self.objective,
+            self.centering,
+            self.max_staleness.map(|k| (self.version, k)),
+        )?;
         let k = self.rollout_steps;
         self.rollout_steps += 1;
         // Pass 1: π_old, the statistics of every response token at the step's start.
@@ -312,7 +334,10 @@ impl Trainer {
                 let reuse = first && parts.len() == 1 && n_chunks == 1;
                 let my = inp.tokens(&mine);
                 let (a, b) = (my.start - toks.start, my.end - toks.start);
-                let center = inp.center.as_ref().map(|(k, ids, p)| (*k, &ids[my.start * k..my.end * k], &p[my.start * k..my.end * k]));
+                let center = inp
+                    .center
+                    .as_ref()
+                    .map(|(k, ids, p)| (*k, &ids[my.start * k..my.end * k], &p[my.start * k..my.end * k]));
                 self.backward(&rollouts[mine.clone()], &ev.coefs.coef[a..b], center, reuse)?;
                 let info = self.apply()?;
                 if first {
@@ -341,7 +366,13 @@ impl Trainer {
 
     /// The fused loss pass and the backward over `rollouts` (micro-batch by micro-batch) into
     /// `flat_grad`; `reuse`: the model still holds these rollouts' activations (one micro-batch).
-    fn backward(&mut self, rollouts: &[Rollout], coef: &[f32], center: Option<(usize, &[u32], &[f32])>, reuse: bool) -> Result<()> {
+    fn backward(
+        &mut self,
+        rollouts: &[Rollout],
+        coef: &[f32],
+        center: Option<(usize, &[u32], &[f32])>,
+        reuse: bool,
+    ) -> Result<()> {
         for g in &mut self.grads {
             g.fill(0.0);
         }
@@ -356,8 +387,20 @@ impl Trainer {
                 if !(reuse && mbs.len() == 1) {
                     self.model.forward(&ps, &b)?;
                 }
-                let ct = center.map(|(kk, ids, p)| Center { k: kk, ids: &ids[at * kk..(at + k) * kk], probs: &p[at * kk..(at + k) * kk] });
-                self.model.backward_centered(&ps, &b, &coef[at..at + k], ct.as_ref(), self.temperature, self.chunk, &mut self.grads)?;
+                let ct = center.map(|(kk, ids, p)| Center {
+                    k: kk,
+                    ids: &ids[at * kk..(at + k) * kk],
+                    probs: &p[at * kk..(at + k) * kk],
+                });
+                self.model.backward_centered(
+                    &ps,
+                    &b,
+                    &coef[at..at + k],
+                    ct.as_ref(),
+                    self.temperature,
+                    self.chunk,
+                    &mut self.grads,
+                )?;
                 at += k;
             }
         }
@@ -463,7 +506,16 @@ impl Trainer {
     }
 
     /// Restores master weights, moments and counters (from a checkpoint), then the compute weights.
-    pub fn restore(&mut self, master: Vec<f32>, m: Vec<f32>, v: Vec<f32>, opt_step: u64, version: u64, skipped: u64, rollout_steps: u64) -> Result<()> {
+    pub fn restore(
+        &mut self,
+        master: Vec<f32>,
+        m: Vec<f32>,
+        v: Vec<f32>,
+        opt_step: u64,
+        version: u64,
+        skipped: u64,
+        rollout_steps: u64,
+    ) -> Result<()> {
         let n = self.n_params;
         if master.len() != n || (self.opt.kind == super::optimizer::Kind::AdamW && (m.len() != n || v.len() != n)) {
             bail!("checkpoint optimizer state has {} values, the model has {n} parameters", master.len());
@@ -503,7 +555,10 @@ impl Trainer {
 enum Gathered {
     F32(Vec<f32>),
     /// `shard`: this device's rounded shard, reused across updates.
-    Bf16 { full: Vec<u16>, shard: Vec<u16> },
+    Bf16 {
+        full: Vec<u16>,
+        shard: Vec<u16>,
+    },
 }
 
 impl Gathered {
@@ -525,4 +580,3 @@ impl Gathered {
         }
     }
 }
-

@@ -128,7 +128,12 @@ impl Drop for TempDir {
 /// A tiny model of `arch` for the f64 gradient checks (hidden `c`, MLP `i`, `heads` query heads
 /// on llama/qwen2, 4 of head_dim 6 on qwen3): every feature of its architecture on (llama:
 /// llama3 RoPE and all biases; qwen2: q/k/v bias and a tied head; qwen3: q/k norm).
-pub fn grad_cfg(arch: colotrain::model::config::Arch, c: usize, i: usize, heads: usize) -> colotrain::model::config::ModelConfig {
+pub fn grad_cfg(
+    arch: colotrain::model::config::Arch,
+    c: usize,
+    i: usize,
+    heads: usize,
+) -> colotrain::model::config::ModelConfig {
     use colotrain::model::config::{Arch, ModelConfig, Rope, RopeScaling};
     let llama = arch == Arch::Llama;
     ModelConfig {
@@ -142,7 +147,15 @@ pub fn grad_cfg(arch: colotrain::model::config::Arch, c: usize, i: usize, heads:
         head_dim: if arch == Arch::Qwen3 { 6 } else { c / heads },
         rms_norm_eps: 1e-6,
         rope: if llama {
-            Rope { theta: 10000.0, scaling: RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 4.0 } }
+            Rope {
+                theta: 10000.0,
+                scaling: RopeScaling::Llama3 {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 4.0,
+                },
+            }
         } else {
             Rope { theta: 100.0, scaling: RopeScaling::None }
         },
@@ -174,7 +187,9 @@ pub fn grad_params(specs: &[(String, Vec<usize>)], rng: &mut colotrain::rand::St
         .iter()
         .map(|(name, shape)| {
             let n: usize = shape.iter().product();
-            (0..n).map(|_| if name.ends_with("norm.weight") { 1.0 + 0.2 * rng.normal() } else { 0.4 * rng.normal() }).collect()
+            (0..n)
+                .map(|_| if name.ends_with("norm.weight") { 1.0 + 0.2 * rng.normal() } else { 0.4 * rng.normal() })
+                .collect()
         })
         .collect()
 }

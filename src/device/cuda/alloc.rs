@@ -75,7 +75,8 @@ impl Allocator {
             Ok(p) => p,
             Err(_) if self.cached > 0 => {
                 self.release(drv)?;
-                drv.malloc(class).map_err(|e| anyhow::anyhow!("{what}: device allocation of {bytes} bytes failed: {e}"))?
+                drv.malloc(class)
+                    .map_err(|e| anyhow::anyhow!("{what}: device allocation of {bytes} bytes failed: {e}"))?
             }
             Err(e) => bail!("{what}: device allocation of {bytes} bytes failed: {e}"),
         };

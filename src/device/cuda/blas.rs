@@ -88,7 +88,9 @@ impl Blas {
             bail!("libcublasLt (CUDA 13) could not be loaded: add the CUDA 13 libraries' folder to LD_LIBRARY_PATH");
         }
         let handle = std::panic::catch_unwind(lt::create_handle)
-            .map_err(|_| anyhow!("libcublasLt lacks a CUDA 13.0 symbol: it is older than the toolkit colotrain was built for"))?
+            .map_err(|_| {
+                anyhow!("libcublasLt lacks a CUDA 13.0 symbol: it is older than the toolkit colotrain was built for")
+            })?
             .map_err(|e| err("handle", e))?;
         Ok(Blas { handle, workspace, workspace_bytes, plans: HashMap::new() })
     }
@@ -121,7 +123,8 @@ impl Blas {
             }
         }
         let layout = |t: Elem, rows: usize, cols: usize| {
-            lt::create_matrix_layout(t.cuda(), rows as u64, cols as u64, rows as i64).map_err(|e| err("matrix layout", e))
+            lt::create_matrix_layout(t.cuda(), rows as u64, cols as u64, rows as i64)
+                .map_err(|e| err("matrix layout", e))
         };
         let la = layout(ab, k, n)?;
         let lb = layout(ab, k, m)?;

@@ -3,10 +3,10 @@
 //! KCHUNK keys at a time in f32, keys and values decoded from the cache's dtype. `super` checks
 //! the shapes.
 
-use crate::ops::isa::Isa;
-use crate::ops::vecmath::{exp_f32, exp_sub_with};
 use super::{cache_dims, AttnMeta};
 use crate::device::{CpuDevice, CpuStorage, Tensor};
+use crate::ops::isa::Isa;
+use crate::ops::vecmath::{exp_f32, exp_sub_with};
 use anyhow::{bail, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -25,24 +25,24 @@ pub fn kv_write(
 ) -> Result<()> {
     let (nb, hkv, bs, d) = cache_dims(k_cache)?;
     let m = meta.num_tokens;
-        let slots = meta.slot_mapping.u32s()?;
-        let (ks, vs) = (k.f32s()?, v.f32s()?);
-        for (src, cache, scale) in [(ks, k_cache, k_scale), (vs, v_cache, v_scale)] {
-            let st = cache.cpu_mut()?;
-            for t in 0..m {
-                let slot = slots[t] as usize;
-                let (blk, off) = (slot / bs, slot % bs);
-                if blk >= nb {
-                    bail!("kv_write: slot {slot} outside the cache ({nb} blocks of {bs})");
-                }
-                for h in 0..hkv {
-                    let dst = ((blk * hkv + h) * bs + off) * d;
-                    let s = &src[t * hkv * d + h * d..t * hkv * d + (h + 1) * d];
-                    store(st, dst, s, scale)?;
-                }
+    let slots = meta.slot_mapping.u32s()?;
+    let (ks, vs) = (k.f32s()?, v.f32s()?);
+    for (src, cache, scale) in [(ks, k_cache, k_scale), (vs, v_cache, v_scale)] {
+        let st = cache.cpu_mut()?;
+        for t in 0..m {
+            let slot = slots[t] as usize;
+            let (blk, off) = (slot / bs, slot % bs);
+            if blk >= nb {
+                bail!("kv_write: slot {slot} outside the cache ({nb} blocks of {bs})");
+            }
+            for h in 0..hkv {
+                let dst = ((blk * hkv + h) * bs + off) * d;
+                let s = &src[t * hkv * d + h * d..t * hkv * d + (h + 1) * d];
+                store(st, dst, s, scale)?;
             }
         }
-        Ok(())
+    }
+    Ok(())
 }
 
 fn store(st: &mut CpuStorage, at: usize, src: &[f32], scale: f32) -> Result<()> {
@@ -109,26 +109,26 @@ pub fn paged_attention(
 ) -> Result<()> {
     let (_nb, hkv, bs, d) = cache_dims(k_cache)?;
     let t_rows = meta.num_tokens;
-        let qs = q.f32s()?;
-        let qst = &meta.q_start.u32s()?[..meta.num_seqs + 1];
-        let ctx = &meta.ctx_len.u32s()?[..meta.num_seqs];
-        let bt = meta.block_tables.u32s()?;
-        let (kc, vc) = (Kv::of(k_cache, k_scale)?, Kv::of(v_cache, v_scale)?);
-        let os = out.f32s_mut()?;
-        let job = Rows { qs, qst, ctx, bt, kc, vc, hkv, bs, d, groups: heads / hkv, heads, maxb: meta.max_blocks };
-        let isa = Isa::detect();
-        dv.install(|| {
-            let items = t_rows * hkv;
-            os[..t_rows * heads * d].par_chunks_mut(job.groups * d).enumerate().for_each(|(item, o)| {
-                // A thread usually takes the next item next: its first keys and values
-                // (in other cache blocks, which no hardware stream finds) are asked for now.
-                if item + 1 < items {
-                    job.prefetch_first(item + 1);
-                }
-                SCRATCH.with(|sc| job.run(isa, item, o, &mut sc.borrow_mut()));
-            })
-        });
-        Ok(())
+    let qs = q.f32s()?;
+    let qst = &meta.q_start.u32s()?[..meta.num_seqs + 1];
+    let ctx = &meta.ctx_len.u32s()?[..meta.num_seqs];
+    let bt = meta.block_tables.u32s()?;
+    let (kc, vc) = (Kv::of(k_cache, k_scale)?, Kv::of(v_cache, v_scale)?);
+    let os = out.f32s_mut()?;
+    let job = Rows { qs, qst, ctx, bt, kc, vc, hkv, bs, d, groups: heads / hkv, heads, maxb: meta.max_blocks };
+    let isa = Isa::detect();
+    dv.install(|| {
+        let items = t_rows * hkv;
+        os[..t_rows * heads * d].par_chunks_mut(job.groups * d).enumerate().for_each(|(item, o)| {
+            // A thread usually takes the next item next: its first keys and values
+            // (in other cache blocks, which no hardware stream finds) are asked for now.
+            if item + 1 < items {
+                job.prefetch_first(item + 1);
+            }
+            SCRATCH.with(|sc| job.run(isa, item, o, &mut sc.borrow_mut()));
+        })
+    });
+    Ok(())
 }
 
 /// The read-only inputs of one CPU attention call; [`Rows::run`] computes one work item: one
@@ -198,7 +198,14 @@ impl Rows<'_> {
     #[target_feature(enable = "avx512f,avx2")]
     unsafe fn run512(&self, item: usize, o: &mut [f32], sc: &mut Vec<f32>) {
         // SAFETY: this function runs only where AVX-512F was detected.
-        self.item(Isa::Avx512, item, o, sc, |q, k, at, n, out| unsafe { x86::dots512(q, k, at, n, out) }, |o, p, at, v| unsafe { x86::pv512(o, p, at, v) })
+        self.item(
+            Isa::Avx512,
+            item,
+            o,
+            sc,
+            |q, k, at, n, out| unsafe { x86::dots512(q, k, at, n, out) },
+            |o, p, at, v| unsafe { x86::pv512(o, p, at, v) },
+        )
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -556,7 +563,9 @@ impl<'a> Kv<'a> {
             for line in (start..end).step_by(64) {
                 // SAFETY: a prefetch is a hint that cannot fault; the address is inside `bytes`.
                 unsafe {
-                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(bytes.as_ptr().add(line) as *const i8)
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                        bytes.as_ptr().add(line) as *const i8
+                    )
                 }
             }
         }
@@ -605,4 +614,3 @@ impl<'a> Kv<'a> {
         out
     }
 }
-

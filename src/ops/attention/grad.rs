@@ -32,7 +32,8 @@ fn gather<T: Real>(x: &[T], heads: usize, d: usize, r0: usize, n: usize, h0: usi
 
 fn scatter<T: Real>(y: &mut [T], heads: usize, d: usize, r0: usize, n: usize, h0: usize, g: usize, src: &[T]) {
     for i in 0..n {
-        y[(r0 + i) * heads * d + h0 * d..(r0 + i) * heads * d + (h0 + g) * d].copy_from_slice(&src[i * g * d..(i + 1) * g * d]);
+        y[(r0 + i) * heads * d + h0 * d..(r0 + i) * heads * d + (h0 + g) * d]
+            .copy_from_slice(&src[i * g * d..(i + 1) * g * d]);
     }
 }
 
@@ -100,7 +101,19 @@ pub fn fwd<T: Real>(s: &Shape, cu: &[usize], q: &[T], k: &[T], v: &[T], out: &mu
 
 /// dq (T, H·D), dk, dv (T, Hkv·D) (overwritten) from dout (T, H·D) and the forward's tensors.
 #[allow(clippy::too_many_arguments)]
-pub fn bwd<T: Real>(s: &Shape, cu: &[usize], q: &[T], k: &[T], v: &[T], out: &[T], lse: &[T], dout: &[T], dq: &mut [T], dk: &mut [T], dv: &mut [T]) {
+pub fn bwd<T: Real>(
+    s: &Shape,
+    cu: &[usize],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &[T],
+    lse: &[T],
+    dout: &[T],
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+) {
     let (h, hkv, d) = (s.heads, s.kv_heads, s.head_dim);
     let g = h / hkv;
     let scale = T::one() / T::from_usize(d).sqrt();
@@ -129,7 +142,8 @@ pub fn bwd<T: Real>(s: &Shape, cu: &[usize], q: &[T], k: &[T], v: &[T], out: &[T
             while i0 < n {
                 let i1 = (i0 + QB).min(n);
                 let (rows, keys) = ((i1 - i0) * g, i1);
-                let (qb, ob, dob) = (&qg[i0 * g * d..i1 * g * d], &og[i0 * g * d..i1 * g * d], &dog[i0 * g * d..i1 * g * d]);
+                let (qb, ob, dob) =
+                    (&qg[i0 * g * d..i1 * g * d], &og[i0 * g * d..i1 * g * d], &dog[i0 * g * d..i1 * g * d]);
                 let (pb, dpb) = (&mut p[..rows * keys], &mut dp[..rows * keys]);
                 serial::nt(rows, keys, d, qb, &kk[..keys * d], pb, false);
                 for (r, row) in pb.chunks_exact_mut(keys).enumerate() {

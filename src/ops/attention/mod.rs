@@ -96,6 +96,8 @@ pub fn paged_attention(
     check_rows(out, t_rows, heads * d, "attention output")?;
     match dev {
         Device::Cpu(d) => cpu::paged_attention(d, q, k_cache, v_cache, k_scale, v_scale, meta, out, heads),
-        Device::Cuda(c) => on_cuda!(c => cuda::paged_attention(c, q, k_cache, v_cache, k_scale, v_scale, meta, out, heads)),
+        Device::Cuda(c) => {
+            on_cuda!(c => cuda::paged_attention(c, q, k_cache, v_cache, k_scale, v_scale, meta, out, heads))
+        }
     }
 }

@@ -1,108 +1,108 @@
 //! Paged attention against a dense f64 reference, on every cache dtype and paging.
 
-    use super::cpu::dot;
+use super::cpu::dot;
 
-    #[test]
-    fn dot_is_the_documented_order_and_near_f64() {
-        let mut s = crate::rand::Stream::new(11, 0);
-        for n in [0usize, 1, 15, 16, 17, 31, 64, 100, 128, 257] {
-            let a: Vec<f32> = (0..n).map(|_| s.normal() as f32).collect();
-            let b: Vec<f32> = (0..n).map(|_| s.normal() as f32).collect();
-            let got = dot(&a, &b);
-            // The intrinsic versions give the same bits.
-            #[cfg(target_arch = "x86_64")]
-            for isa in crate::ops::isa::Isa::available() {
-                // SAFETY: `available` lists only detected instruction sets.
-                let v = match isa {
-                    crate::ops::isa::Isa::Avx512 => {
-                        let mut out = [0.0f32; 1];
-                        unsafe { super::cpu::x86::dots512(&a, &b, &[0; super::KCHUNK], 1, &mut out) };
-                        out[0]
-                    }
-                    crate::ops::isa::Isa::Avx2 => unsafe { super::cpu::x86::dot256(&a, &b) },
-                    crate::ops::isa::Isa::Portable => dot(&a, &b),
-                };
-                assert_eq!(v.to_bits(), got.to_bits(), "{isa:?}, n = {n}");
+#[test]
+fn dot_is_the_documented_order_and_near_f64() {
+    let mut s = crate::rand::Stream::new(11, 0);
+    for n in [0usize, 1, 15, 16, 17, 31, 64, 100, 128, 257] {
+        let a: Vec<f32> = (0..n).map(|_| s.normal() as f32).collect();
+        let b: Vec<f32> = (0..n).map(|_| s.normal() as f32).collect();
+        let got = dot(&a, &b);
+        // The intrinsic versions give the same bits.
+        #[cfg(target_arch = "x86_64")]
+        for isa in crate::ops::isa::Isa::available() {
+            // SAFETY: `available` lists only detected instruction sets.
+            let v = match isa {
+                crate::ops::isa::Isa::Avx512 => {
+                    let mut out = [0.0f32; 1];
+                    unsafe { super::cpu::x86::dots512(&a, &b, &[0; super::KCHUNK], 1, &mut out) };
+                    out[0]
+                }
+                crate::ops::isa::Isa::Avx2 => unsafe { super::cpu::x86::dot256(&a, &b) },
+                crate::ops::isa::Isa::Portable => dot(&a, &b),
+            };
+            assert_eq!(v.to_bits(), got.to_bits(), "{isa:?}, n = {n}");
+        }
+        // The order, spelled out: lane sums, then lanes l and l + 8, + 4, + 2, + 1, then the tail.
+        let full = n / 16 * 16;
+        let mut lane = [0.0f32; 16];
+        for i in 0..full {
+            lane[i % 16] += a[i] * b[i];
+        }
+        let h8: Vec<f32> = (0..8).map(|l| lane[l] + lane[l + 8]).collect();
+        let h4: Vec<f32> = (0..4).map(|l| h8[l] + h8[l + 4]).collect();
+        let h2: Vec<f32> = (0..2).map(|l| h4[l] + h4[l + 2]).collect();
+        let mut want = h2[0] + h2[1];
+        for i in full..n {
+            want += a[i] * b[i];
+        }
+        assert_eq!(got.to_bits(), want.to_bits(), "n = {n}");
+        // |dot − Σ a·b (f64)| ≤ 1e-6 + 1e-5·Σ|a·b|.
+        let r: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        let mag: f64 = a.iter().zip(&b).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum();
+        assert!((got as f64 - r).abs() <= 1e-6 + 1e-5 * mag, "n = {n}: {got} vs {r}");
+    }
+}
+
+#[test]
+fn sixteen_keys_at_once_are_sixteen_dots_bitwise() {
+    if !crate::ops::isa::Isa::available().contains(&crate::ops::isa::Isa::Avx512) {
+        eprintln!("skipped: no AVX-512 on this CPU");
+        return;
+    }
+    let mut s = crate::rand::Stream::new(12, 0);
+    for d in [0usize, 1, 15, 16, 17, 40, 64, 100, 128] {
+        // Keys at scattered offsets of one buffer (as cache slots are), some overlapping.
+        let base: Vec<f32> = (0..40 * d.max(1) + 7).map(|_| s.normal() as f32).collect();
+        let q: Vec<f32> = (0..d).map(|_| s.normal() as f32).collect();
+        let koff: [usize; super::KCHUNK] = std::array::from_fn(|j| (j * 37 * d.max(1) / 16 + j) % (39 * d.max(1)));
+        for n in [1usize, 5, 16] {
+            let mut got = [f32::NAN; 16];
+            // SAFETY: AVX-512 detected above; every row koff[j]..+d lies inside `base`.
+            unsafe { super::cpu::x86::dots512(&q, &base, &koff, n, &mut got[..n]) };
+            for j in 0..n {
+                let want = dot(&q, &base[koff[j]..koff[j] + d]);
+                assert_eq!(got[j].to_bits(), want.to_bits(), "d {d} n {n} key {j}");
             }
-            // The order, spelled out: lane sums, then lanes l and l + 8, + 4, + 2, + 1, then the tail.
-            let full = n / 16 * 16;
-            let mut lane = [0.0f32; 16];
-            for i in 0..full {
-                lane[i % 16] += a[i] * b[i];
-            }
-            let h8: Vec<f32> = (0..8).map(|l| lane[l] + lane[l + 8]).collect();
-            let h4: Vec<f32> = (0..4).map(|l| h8[l] + h8[l + 4]).collect();
-            let h2: Vec<f32> = (0..2).map(|l| h4[l] + h4[l + 2]).collect();
-            let mut want = h2[0] + h2[1];
-            for i in full..n {
-                want += a[i] * b[i];
-            }
-            assert_eq!(got.to_bits(), want.to_bits(), "n = {n}");
-            // |dot − Σ a·b (f64)| ≤ 1e-6 + 1e-5·Σ|a·b|.
-            let r: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            let mag: f64 = a.iter().zip(&b).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum();
-            assert!((got as f64 - r).abs() <= 1e-6 + 1e-5 * mag, "n = {n}: {got} vs {r}");
+            assert!(got[n..].iter().all(|x| x.is_nan()), "wrote past n");
         }
     }
+}
 
-    #[test]
-    fn sixteen_keys_at_once_are_sixteen_dots_bitwise() {
-        if !crate::ops::isa::Isa::available().contains(&crate::ops::isa::Isa::Avx512) {
-            eprintln!("skipped: no AVX-512 on this CPU");
-            return;
-        }
-        let mut s = crate::rand::Stream::new(12, 0);
-        for d in [0usize, 1, 15, 16, 17, 40, 64, 100, 128] {
-            // Keys at scattered offsets of one buffer (as cache slots are), some overlapping.
-            let base: Vec<f32> = (0..40 * d.max(1) + 7).map(|_| s.normal() as f32).collect();
-            let q: Vec<f32> = (0..d).map(|_| s.normal() as f32).collect();
-            let koff: [usize; super::KCHUNK] = std::array::from_fn(|j| (j * 37 * d.max(1) / 16 + j) % (39 * d.max(1)));
-            for n in [1usize, 5, 16] {
-                let mut got = [f32::NAN; 16];
-                // SAFETY: AVX-512 detected above; every row koff[j]..+d lies inside `base`.
-                unsafe { super::cpu::x86::dots512(&q, &base, &koff, n, &mut got[..n]) };
+#[test]
+fn register_blocked_value_sums_equal_key_by_key_bitwise() {
+    use crate::ops::isa::Isa;
+    let mut s = crate::rand::Stream::new(13, 0);
+    for d in [1usize, 8, 15, 16, 40, 64, 72, 128, 200] {
+        let base: Vec<f32> = (0..20 * d + 3).map(|_| s.normal() as f32).collect();
+        let voff: [usize; super::KCHUNK] = std::array::from_fn(|j| (j * 5 * d / 4 + 3) % (18 * d));
+        for n in [1usize, 7, 16] {
+            let p: Vec<f32> = (0..n).map(|_| s.normal().abs() as f32).collect();
+            let start: Vec<f32> = (0..d).map(|_| s.normal() as f32).collect();
+            let mut want = start.clone();
+            super::cpu::pv(&mut want, &p, &voff, &base);
+            for isa in Isa::available() {
+                let mut got = start.clone();
+                match isa {
+                    // SAFETY: `available` lists only detected instruction sets; rows lie in `base`.
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 => unsafe { super::cpu::x86::pv512(&mut got, &p, &voff, &base) },
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => unsafe { super::cpu::x86::pv256(&mut got, &p, &voff, &base) },
+                    _ => super::cpu::pv(&mut got, &p, &voff, &base),
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{isa:?} d {d} n {n}");
+            }
+            // And the spec, written out: per element, key by key.
+            for i in 0..d {
+                let mut a = start[i];
                 for j in 0..n {
-                    let want = dot(&q, &base[koff[j]..koff[j] + d]);
-                    assert_eq!(got[j].to_bits(), want.to_bits(), "d {d} n {n} key {j}");
+                    a += p[j] * base[voff[j] + i];
                 }
-                assert!(got[n..].iter().all(|x| x.is_nan()), "wrote past n");
+                assert_eq!(a.to_bits(), want[i].to_bits());
             }
         }
     }
-
-    #[test]
-    fn register_blocked_value_sums_equal_key_by_key_bitwise() {
-        use crate::ops::isa::Isa;
-        let mut s = crate::rand::Stream::new(13, 0);
-        for d in [1usize, 8, 15, 16, 40, 64, 72, 128, 200] {
-            let base: Vec<f32> = (0..20 * d + 3).map(|_| s.normal() as f32).collect();
-            let voff: [usize; super::KCHUNK] = std::array::from_fn(|j| (j * 5 * d / 4 + 3) % (18 * d));
-            for n in [1usize, 7, 16] {
-                let p: Vec<f32> = (0..n).map(|_| s.normal().abs() as f32).collect();
-                let start: Vec<f32> = (0..d).map(|_| s.normal() as f32).collect();
-                let mut want = start.clone();
-                super::cpu::pv(&mut want, &p, &voff, &base);
-                for isa in Isa::available() {
-                    let mut got = start.clone();
-                    match isa {
-                        // SAFETY: `available` lists only detected instruction sets; rows lie in `base`.
-                        #[cfg(target_arch = "x86_64")]
-                        Isa::Avx512 => unsafe { super::cpu::x86::pv512(&mut got, &p, &voff, &base) },
-                        #[cfg(target_arch = "x86_64")]
-                        Isa::Avx2 => unsafe { super::cpu::x86::pv256(&mut got, &p, &voff, &base) },
-                        _ => super::cpu::pv(&mut got, &p, &voff, &base),
-                    }
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&got), bits(&want), "{isa:?} d {d} n {n}");
-                }
-                // And the spec, written out: per element, key by key.
-                for i in 0..d {
-                    let mut a = start[i];
-                    for j in 0..n {
-                        a += p[j] * base[voff[j] + i];
-                    }
-                    assert_eq!(a.to_bits(), want[i].to_bits());
-                }
-            }
-        }
-    }
+}

@@ -1,8 +1,8 @@
 //! The CPU twins of the row-wise ops (the reference of csrc/kernels/elementwise.cu): one rayon
 //! task per block of rows. `super` checks the shapes.
 
-use crate::ops::{isa::Isa, rows_per_task, vecmath};
 use crate::device::{CpuDevice, CpuFloats, Tensor};
+use crate::ops::{isa::Isa, rows_per_task, vecmath};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 

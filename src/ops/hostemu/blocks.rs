@@ -32,7 +32,10 @@ fn setup(test: &str) -> Option<(PathBuf, PathBuf)> {
             let dir = std::env::temp_dir().join(format!("colotrain-hostemu-blocks-{}", std::process::id()));
             std::fs::create_dir_all(&dir).expect("temp dir");
             let exe = compile("blocks.cpp", &dir);
-            assert!(exe.is_some() || std::env::var_os("CI").is_none(), "CI needs a C++ compiler for the host emulation");
+            assert!(
+                exe.is_some() || std::env::var_os("CI").is_none(),
+                "CI needs a C++ compiler for the host emulation"
+            );
             exe
         })
         .clone()?;
@@ -43,7 +46,12 @@ fn setup(test: &str) -> Option<(PathBuf, PathBuf)> {
 
 fn run(exe: &Path, mode: &str, dir: &Path) {
     let out = Command::new(exe).arg(mode).arg(dir).output().expect("run the host emulation");
-    assert!(out.status.success(), "host emulation {mode} failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "host emulation {mode} failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 fn put(dir: &Path, name: &str, bytes: Vec<u8>) {
@@ -297,7 +305,10 @@ fn check_attention(dtype: i32, heads: usize, hkv: usize, d: usize, bs: usize) {
     // The launch shapes kernels.rs computes.
     let groups = heads / hkv;
     let (pf_grid, pf_smem) = crate::device::cuda::kernels::prefill_launch(rows, seqs.len(), groups, d);
-    dims.extend(le(&[crate::device::cuda::kernels::paged_attention_smem(groups, d), pf_grid, pf_smem].map(|x| x as i32), i32::to_le_bytes));
+    dims.extend(le(
+        &[crate::device::cuda::kernels::paged_attention_smem(groups, d), pf_grid, pf_smem].map(|x| x as i32),
+        i32::to_le_bytes,
+    ));
     put(&dir, "dims.bin", dims);
     put(&dir, "q.bin", le(&q, f32::to_le_bytes));
     put(&dir, "k_cache.bin", kb);
@@ -389,11 +400,7 @@ fn rmsnorm_with_residual_matches_the_cpu_twin() {
     crate::ops::norm::add_rmsnorm(&cpu, &mut xt, &rt, &wt, eps, &mut yt, rows).expect("CPU rmsnorm");
     // The residual sum is one f32 add: exact. The sum of squares is a block reduction (the CPU
     // sums in order): rstd, hence y, agree to a few ulps.
-    assert_eq!(
-        super::bits(&f32s(&read(&dir, "x_out.bin"))),
-        super::bits(xt.f32s().expect("x")),
-        "residual stream"
-    );
+    assert_eq!(super::bits(&f32s(&read(&dir, "x_out.bin"))), super::bits(xt.f32s().expect("x")), "residual stream");
     close(&f32s(&read(&dir, "y.bin")), yt.f32s().expect("y"), 1e-6, 2e-6, "rmsnorm output");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -404,7 +411,19 @@ fn the_kernels_exp_is_the_cpus_bit_for_bit() {
     let mut s = crate::rand::Stream::new(8, 8);
     let mut x: Vec<f32> = (0..100_000).map(|_| (-110.0 + 200.0 * s.uniform()) as f32).collect();
     x.extend((0..20_000).map(|_| (-2.0 * s.uniform()) as f32));
-    let edges = [0.0f32, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 88.72283, 88.722_84, -104.0, -103.9, -87.34, f32::MIN_POSITIVE];
+    let edges = [
+        0.0f32,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        88.72283,
+        88.722_84,
+        -104.0,
+        -103.9,
+        -87.34,
+        f32::MIN_POSITIVE,
+    ];
     x.extend(edges);
     put(&dir, "x.bin", le(&x, f32::to_le_bytes));
     run(&exe, "exp", &dir);
@@ -412,7 +431,10 @@ fn the_kernels_exp_is_the_cpus_bit_for_bit() {
     assert_eq!(y.len(), x.len());
     for (i, (&a, &xi)) in y.iter().zip(&x).enumerate() {
         let want = crate::ops::vecmath::exp_f32(xi);
-        assert!(a.to_bits() == want.to_bits() || (a.is_nan() && want.is_nan()), "exp({xi}) [{i}]: kernel {a:e}, CPU {want:e}");
+        assert!(
+            a.to_bits() == want.to_bits() || (a.is_nan() && want.is_nan()),
+            "exp({xi}) [{i}]: kernel {a:e}, CPU {want:e}"
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -114,7 +114,9 @@ fn kernels_match_the_cpu_twins_under_host_emulation() {
     // Every 4093rd f32 bit pattern but NaNs (their payloads are the GPU's business), and the
     // F16 rounding boundaries: the largest finite value, the overflow tie, the subnormal ties.
     let mut sweep: Vec<u32> = (0..=u32::MAX).step_by(4093).filter(|b| !f32::from_bits(*b).is_nan()).collect();
-    sweep.extend([0x477fe000, 0x477fefff, 0x477ff000, 0x33000000, 0x33000001, 0x33400000, 0x387fe000, 0x387ff000, 0x38800000]);
+    sweep.extend([
+        0x477fe000, 0x477fefff, 0x477ff000, 0x33000000, 0x33000001, 0x33400000, 0x387fe000, 0x387ff000, 0x38800000,
+    ]);
     sweep.extend(sweep.clone().iter().map(|b| b ^ 0x8000_0000));
     std::fs::write(dir.join("sweep.bin"), le(&sweep)).expect("write sweep");
     let run = Command::new(&exe).arg(&dir).output().expect("run the host emulation");
@@ -214,7 +216,8 @@ fn rows_and_activations(dir: &Path, x: &[f32], xb: &[half::bf16], ids: &[u32], p
     // The kernel's rows for the valid ids, in order, and its row for the bad one.
     let split = |got: &[f32]| -> (Vec<u32>, Vec<f32>) {
         let rows: Vec<&[f32]> = got.chunks_exact(c).collect();
-        let valid: Vec<f32> = rows.iter().enumerate().filter(|(i, _)| *i != bad).flat_map(|(_, r)| r.iter().copied()).collect();
+        let valid: Vec<f32> =
+            rows.iter().enumerate().filter(|(i, _)| *i != bad).flat_map(|(_, r)| r.iter().copied()).collect();
         (bits(&valid), rows[bad].to_vec())
     };
     for (tag, dt) in [("f32", DType::F32), ("bf16", DType::BF16)] {
@@ -240,19 +243,34 @@ fn rows_and_activations(dir: &Path, x: &[f32], xb: &[half::bf16], ids: &[u32], p
     same(&bits(&f32s(&read(dir, "bias_bf16"))), &bits(&want_bf16), "bias add, BF16 bias");
     let u16s = |b: Vec<u8>| b.chunks_exact(2).map(|p| u16::from_le_bytes([p[0], p[1]])).collect::<Vec<u16>>();
     same(&u16s(read(dir, "cast_bf16")), &xb.iter().map(|b| b.to_bits()).collect::<Vec<_>>(), "cast to BF16");
-    same(&u16s(read(dir, "cast_f16")), &x.iter().map(|f| half::f16::from_f32(*f).to_bits()).collect::<Vec<_>>(), "cast to F16");
-    let sweep: Vec<f32> = read(dir, "sweep.bin").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-    same(&u16s(read(dir, "cast_f16_sweep")), &sweep.iter().map(|f| half::f16::from_f32(*f).to_bits()).collect::<Vec<_>>(), "cast to F16, bit-pattern sweep");
+    same(
+        &u16s(read(dir, "cast_f16")),
+        &x.iter().map(|f| half::f16::from_f32(*f).to_bits()).collect::<Vec<_>>(),
+        "cast to F16",
+    );
+    let sweep: Vec<f32> =
+        read(dir, "sweep.bin").chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    same(
+        &u16s(read(dir, "cast_f16_sweep")),
+        &sweep.iter().map(|f| half::f16::from_f32(*f).to_bits()).collect::<Vec<_>>(),
+        "cast to F16, bit-pattern sweep",
+    );
     let up: Vec<f32> = x.iter().rev().copied().collect();
-    let (g, u) = (Tensor::from_f32_host(DType::F32, &[v, c], x).expect("gate"), Tensor::from_f32_host(DType::F32, &[v, c], &up).expect("up"));
+    let (g, u) = (
+        Tensor::from_f32_host(DType::F32, &[v, c], x).expect("gate"),
+        Tensor::from_f32_host(DType::F32, &[v, c], &up).expect("up"),
+    );
     let mut o = Tensor::cpu_zeros(DType::F32, &[v, c]);
     elementwise::swiglu(&cpu, &g, &u, &mut o, v).expect("swiglu");
     same(&bits(&f32s(&read(dir, "swiglu"))), &bits(&o.to_f32_vec().expect("read")), "swiglu");
     let inv: Vec<f32> = (0..32).map(|i| x[200 + i].abs() + 1e-6).collect();
-    let (pt, ft) = (Tensor::from_u32_host(&[pos.len()], pos.to_vec()).expect("pos"), Tensor::from_f32_host(DType::F32, &[32], &inv).expect("inv"));
-    let (mut cs, mut sn) = (Tensor::cpu_zeros(DType::F32, &[pos.len(), 32]), Tensor::cpu_zeros(DType::F32, &[pos.len(), 32]));
+    let (pt, ft) = (
+        Tensor::from_u32_host(&[pos.len()], pos.to_vec()).expect("pos"),
+        Tensor::from_f32_host(DType::F32, &[32], &inv).expect("inv"),
+    );
+    let (mut cs, mut sn) =
+        (Tensor::cpu_zeros(DType::F32, &[pos.len(), 32]), Tensor::cpu_zeros(DType::F32, &[pos.len(), 32]));
     rope::rope_table(&cpu, &pt, &ft, &mut cs, &mut sn, pos.len()).expect("rope table");
     same(&bits(&f32s(&read(dir, "rt_cos"))), &bits(&cs.to_f32_vec().expect("read")), "RoPE table cos");
     same(&bits(&f32s(&read(dir, "rt_sin"))), &bits(&sn.to_f32_vec().expect("read")), "RoPE table sin");
 }
-

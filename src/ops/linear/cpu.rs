@@ -55,7 +55,14 @@ pub fn linears<const J: usize>(
 }
 
 /// y[..m] = x[..m] · dequant(wq)ᵀ (+ bias), the weight decoded block by block in the kernel.
-pub fn linear_q(c: &CpuDevice, x: &Tensor, wq: &QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
+pub fn linear_q(
+    c: &CpuDevice,
+    x: &Tensor,
+    wq: &QTensor,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
     let (n, k) = (wq.rows, wq.k);
     let xs = x.f32s()?;
     let bf = bias.map(CpuFloats::of).transpose()?;
@@ -109,4 +116,3 @@ fn with_f32_biases<const J: usize, R>(bias: [Option<CpuFloats>; J], f: impl FnOn
         f(out)
     })
 }
-

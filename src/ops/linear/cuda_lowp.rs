@@ -57,7 +57,8 @@ pub fn quantize_act(d: &CudaDevice, x: &Tensor, m: usize, act: &ActQuant) -> Res
             if k % 16 != 0 {
                 bail!("NVFP4 activations need K % 16 == 0, got K = {k}");
             }
-            let (codes, scales) = (d.scratch(n / 2, "NVFP4 activation codes")?, d.scratch(n / 16, "NVFP4 activation scales")?);
+            let (codes, scales) =
+                (d.scratch(n / 2, "NVFP4 activation codes")?, d.scratch(n / 16, "NVFP4 activation scales")?);
             quant_rows_fixed(d, xp, m, k, act, codes.ptr, scales.ptr, 0)?;
             Ok(QAct { codes, scales: Some(scales), scale: global, rows: m, k })
         }
@@ -68,7 +69,16 @@ pub fn quantize_act(d: &CudaDevice, x: &Tensor, m: usize, act: &ActQuant) -> Res
 /// y[..m] (m, N) = quant(x) · wqᵀ (+ bias) through a real low-precision GEMM (the activation
 /// format must match the weight's: FP8 with FP8, NVFP4 with NVFP4). Returns the path taken.
 #[allow(clippy::too_many_arguments)]
-pub fn linear_act_q(d: &CudaDevice, x: &Tensor, act: &ActQuant, wq: &QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize, path: Path) -> Result<Path> {
+pub fn linear_act_q(
+    d: &CudaDevice,
+    x: &Tensor,
+    act: &ActQuant,
+    wq: &QTensor,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+    path: Path,
+) -> Result<Path> {
     match (act, wq.format) {
         (ActQuant::Fp8 { .. }, QFormat::Fp8) | (ActQuant::Nvfp4 { .. }, QFormat::Nvfp4) => {}
         _ => bail!("linear_act_q: activation format {act:?} does not match a {:?} weight", wq.format),
@@ -90,14 +100,31 @@ pub fn linear_act_q(d: &CudaDevice, x: &Tensor, act: &ActQuant, wq: &QTensor, bi
 }
 
 /// The W8A8 linear of an FP8 engine: activations quantized with the calibrated scale.
-pub fn linear_w8a8(d: &CudaDevice, x: &Tensor, act_scale: f32, wq: &QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<Path> {
+pub fn linear_w8a8(
+    d: &CudaDevice,
+    x: &Tensor,
+    act_scale: f32,
+    wq: &QTensor,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<Path> {
     linear_act_q(d, x, &ActQuant::Fp8 { scale: act_scale }, wq, bias, y, m, Path::Auto)
 }
 
 /// The W4A4 linear of an NVFP4 engine: activations with the calibrated global scale, dynamic
 /// block scales, and the recipe's RHT / stochastic rounding options.
 #[allow(clippy::too_many_arguments)]
-pub fn linear_w4a4(d: &CudaDevice, x: &Tensor, act_global: f32, opts: Nvfp4Opts, wq: &QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<Path> {
+pub fn linear_w4a4(
+    d: &CudaDevice,
+    x: &Tensor,
+    act_global: f32,
+    opts: Nvfp4Opts,
+    wq: &QTensor,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<Path> {
     linear_act_q(d, x, &ActQuant::Nvfp4 { global: act_global, opts }, wq, bias, y, m, Path::Auto)
 }
 
@@ -205,7 +232,8 @@ pub fn gemm_q(d: &CudaDevice, a: &QAct, w: &QTensor, y: u64, path: Path) -> Resu
             QFormat::Nvfp4 => {
                 let sa = a.scales.as_ref().map(|s| s.ptr).unwrap_or(0);
                 let (tsa, tsw) = (swizzle(d, sa, m, k)?, swizzle(d, ws, n, k)?);
-                d.gemm(Elem::E2M1, wc, a.codes.ptr, y, m, n, k, alpha, false, Some((tsw.ptr, tsa.ptr))).map(|_| Path::CublasLt)
+                d.gemm(Elem::E2M1, wc, a.codes.ptr, y, m, n, k, alpha, false, Some((tsw.ptr, tsa.ptr)))
+                    .map(|_| Path::CublasLt)
             }
         };
     }

@@ -22,7 +22,16 @@ fn gemm<T: Real>(m: usize, n: usize, k: usize, a: View<T>, b: View<T>, c: &mut [
 }
 
 #[allow(clippy::too_many_arguments)]
-fn gemm_par<T: Real>(m: usize, n: usize, k: usize, a: View<T>, b: View<T>, c: &mut [T], accumulate: bool, parallel: bool) {
+fn gemm_par<T: Real>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: View<T>,
+    b: View<T>,
+    c: &mut [T],
+    accumulate: bool,
+    parallel: bool,
+) {
     if m == 0 || n == 0 {
         return;
     }

@@ -31,10 +31,10 @@
 //! tensors.
 
 use super::gemm::SendPtr;
-use crate::ops::isa::Isa;
 use super::panels::Panels;
-use crate::ops::prefetch::Prefetch;
 use crate::device::CpuFloats;
+use crate::ops::isa::Isa;
+use crate::ops::prefetch::Prefetch;
 use rayon::prelude::*;
 use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicU64, Ordering};

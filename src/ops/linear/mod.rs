@@ -127,7 +127,16 @@ fn linears_acc<const J: usize>(
 /// the real W8A8 / W4A4 GEMM on the same codes (`xq` unused); only the FP32 summation order
 /// differs, which the device check bounds.
 #[allow(clippy::too_many_arguments)]
-pub fn linear_act_q(dev: &Device, x: &Tensor, xq: &mut Tensor, act: &ActQuant, wq: &QTensor, bias: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
+pub fn linear_act_q(
+    dev: &Device,
+    x: &Tensor,
+    xq: &mut Tensor,
+    act: &ActQuant,
+    wq: &QTensor,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
     match dev {
         Device::Cpu(_) => {
             let k = x.dim(x.shape().len() - 1);
@@ -135,7 +144,9 @@ pub fn linear_act_q(dev: &Device, x: &Tensor, xq: &mut Tensor, act: &ActQuant, w
             super::quantize::fake_quant_rows(dev, x, xq, m, act)?;
             linear_q(dev, xq, wq, bias, y, m)
         }
-        Device::Cuda(c) => on_cuda!(c => cuda_lowp::linear_act_q(c, x, act, wq, bias, y, m, cuda_lowp::Path::Auto).map(|_| ())),
+        Device::Cuda(c) => {
+            on_cuda!(c => cuda_lowp::linear_act_q(c, x, act, wq, bias, y, m, cuda_lowp::Path::Auto).map(|_| ()))
+        }
     }
 }
 
@@ -152,4 +163,3 @@ pub fn linear_q(dev: &Device, x: &Tensor, wq: &QTensor, bias: Option<&Tensor>, y
         Device::Cuda(c) => on_cuda!(c => cuda::linear_q(c, x, wq, bias, y, m)),
     }
 }
-

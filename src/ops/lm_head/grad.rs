@@ -39,7 +39,12 @@ pub struct Scratch<T> {
 
 impl<T: Real> Scratch<T> {
     pub fn new(chunk: usize, c: usize, v: usize) -> Scratch<T> {
-        Scratch { hc: vec![T::zero(); chunk * c], z: vec![T::zero(); chunk * v], lse: vec![T::zero(); chunk], dhc: vec![T::zero(); chunk * c] }
+        Scratch {
+            hc: vec![T::zero(); chunk * c],
+            z: vec![T::zero(); chunk * v],
+            lse: vec![T::zero(); chunk],
+            dhc: vec![T::zero(); chunk * c],
+        }
     }
     /// Bytes held: the bound on the loss pass's memory, independent of the number of tokens.
     pub fn size_bytes(&self) -> usize {
@@ -52,7 +57,18 @@ impl<T: Real> Scratch<T> {
 
 /// logp[i], entropy[i] of rows[i] with target targets[i].
 #[allow(clippy::too_many_arguments)]
-pub fn stats<T: Real>(c: usize, v: usize, rows: &[u32], targets: &[u32], h: &[T], wh: &[T], temperature: T, s: &mut Scratch<T>, logp: &mut [T], entropy: &mut [T]) {
+pub fn stats<T: Real>(
+    c: usize,
+    v: usize,
+    rows: &[u32],
+    targets: &[u32],
+    h: &[T],
+    wh: &[T],
+    temperature: T,
+    s: &mut Scratch<T>,
+    logp: &mut [T],
+    entropy: &mut [T],
+) {
     let chunk = s.chunk();
     let inv_t = T::one() / temperature;
     for (ci, (rs, ts)) in rows.chunks(chunk).zip(targets.chunks(chunk)).enumerate() {
@@ -85,7 +101,19 @@ pub struct Center<'a> {
 /// The fused loss pass: dh[rows] += dz·Wh, dwh += dzᵀ·h for dz_i = −coef_i (e_{y_i} − p_i)/T.
 /// Returns Σ_i −coef_i·logp_i (the surrogate loss value at these weights).
 #[allow(clippy::too_many_arguments)]
-pub fn grad<T: Real>(c: usize, v: usize, rows: &[u32], targets: &[u32], coef: &[T], h: &[T], wh: &[T], temperature: T, s: &mut Scratch<T>, dh: &mut [T], dwh: &mut [T]) -> T {
+pub fn grad<T: Real>(
+    c: usize,
+    v: usize,
+    rows: &[u32],
+    targets: &[u32],
+    coef: &[T],
+    h: &[T],
+    wh: &[T],
+    temperature: T,
+    s: &mut Scratch<T>,
+    dh: &mut [T],
+    dwh: &mut [T],
+) -> T {
     grad_centered(c, v, rows, targets, coef, None, h, wh, temperature, s, dh, dwh)
 }
 

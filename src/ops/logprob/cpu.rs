@@ -2,8 +2,8 @@
 //! the row normalizer that scoring, sampling and the kernels share, and the host ranking of
 //! score centering's top-k.
 
-use crate::ops::{rows_per_task, vecmath};
 use crate::device::{CpuDevice, Device, Tensor};
+use crate::ops::{rows_per_task, vecmath};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
@@ -22,7 +22,14 @@ pub fn row_log_normalizer(z: &[f32], temperature: f32) -> (f32, f64) {
 
 /// out[i] = log_softmax(logits[i] / T)[targets[i]] for i < m; a target outside the vocabulary
 /// is an error.
-pub fn log_softmax_gather(d: &CpuDevice, logits: &Tensor, targets: &Tensor, temperature: f32, out: &mut Tensor, m: usize) -> Result<()> {
+pub fn log_softmax_gather(
+    d: &CpuDevice,
+    logits: &Tensor,
+    targets: &Tensor,
+    temperature: f32,
+    out: &mut Tensor,
+    m: usize,
+) -> Result<()> {
     let v = logits.dim(logits.shape().len() - 1);
     let (z, y, o) = (logits.f32s()?, targets.u32s()?, out.f32s_mut()?);
     if let Some(bad) = y[..m].iter().find(|&&t| t as usize >= v) {

@@ -43,7 +43,14 @@ pub fn log_softmax_gather(
 /// (≤ 0: 1): ids (m·k) in descending probability (ties: lower id first) and
 /// lps (m·k) = log_softmax(z/T)[id]. Score centering's target (seed 000 App. B.1) is built from
 /// these. On CUDA the rows are copied to the host and ranked there (centering only).
-pub fn topk_logprobs(dev: &Device, logits: &Tensor, temps: &[f32], k: usize, ids: &mut Vec<u32>, lps: &mut Vec<f32>) -> Result<()> {
+pub fn topk_logprobs(
+    dev: &Device,
+    logits: &Tensor,
+    temps: &[f32],
+    k: usize,
+    ids: &mut Vec<u32>,
+    lps: &mut Vec<f32>,
+) -> Result<()> {
     let m = temps.len();
     let v = logits.dim(logits.shape().len() - 1);
     check_rows(logits, m, v, "topk_logprobs logits")?;

@@ -3,8 +3,8 @@
 //!
 //! Owns: the row kernel [`rms_rows`]. May call: `crate::device`. Must not: allocate.
 
-use crate::ops::rows_per_task;
 use crate::device::{CpuDevice, CpuFloats, Tensor};
+use crate::ops::rows_per_task;
 use anyhow::Result;
 use rayon::prelude::*;
 
@@ -47,15 +47,25 @@ pub fn rmsnorm(d: &CpuDevice, x: &Tensor, w: &Tensor, eps: f32, y: &mut Tensor, 
     let (xs, wf, ys) = (x.f32s()?, CpuFloats::of(w)?, y.f32s_mut()?);
     d.install(|| {
         let g = R * c;
-        ys[..m * c].par_chunks_mut(g).zip(xs[..m * c].par_chunks(g)).with_min_len(rows_per_task(g)).for_each(
-            |(yg, xg)| rms_rows(xg, c, wf, eps, yg),
-        )
+        ys[..m * c]
+            .par_chunks_mut(g)
+            .zip(xs[..m * c].par_chunks(g))
+            .with_min_len(rows_per_task(g))
+            .for_each(|(yg, xg)| rms_rows(xg, c, wf, eps, yg))
     });
     Ok(())
 }
 
 /// x[..m] += r[..m]; y = rmsnorm(x) · w.
-pub fn add_rmsnorm(d: &CpuDevice, x: &mut Tensor, r: &Tensor, w: &Tensor, eps: f32, y: &mut Tensor, m: usize) -> Result<()> {
+pub fn add_rmsnorm(
+    d: &CpuDevice,
+    x: &mut Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
     let c = w.numel();
     let (xs, rs, wf, ys) = (x.f32s_mut()?, r.f32s()?, CpuFloats::of(w)?, y.f32s_mut()?);
     d.install(|| {

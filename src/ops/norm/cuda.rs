@@ -28,7 +28,15 @@ pub fn rmsnorm(d: &CudaDevice, x: &Tensor, w: &Tensor, eps: f32, y: &mut Tensor,
     norm(d, yp, xp, None, w, eps, m, w.numel())
 }
 
-pub fn add_rmsnorm(d: &CudaDevice, x: &mut Tensor, r: &Tensor, w: &Tensor, eps: f32, y: &mut Tensor, m: usize) -> Result<()> {
+pub fn add_rmsnorm(
+    d: &CudaDevice,
+    x: &mut Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
     let xp = ptr(d, x, &[DType::F32], "add_rmsnorm residual")?;
     let rp = ptr(d, r, &[DType::F32], "add_rmsnorm update")?;
     let yp = ptr(d, y, &[DType::F32], "add_rmsnorm output")?;

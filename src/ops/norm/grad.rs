@@ -26,7 +26,17 @@ pub fn fwd<T: Real>(rows: usize, c: usize, x: &[T], w: &[T], eps: T, y: &mut [T]
 /// dx (rows, C) (+)= ∂/∂x, dw (C) += ∂/∂w, given dy (rows, C), the input x and the saved rstd.
 /// `dw_scratch` (threads × C) collects per-task partial sums so that dw is summed in a fixed
 /// order (rows in ascending blocks), independent of scheduling.
-pub fn bwd<T: Real>(rows: usize, c: usize, dy: &[T], x: &[T], w: &[T], rstd: &[T], dx: &mut [T], accumulate: bool, dw: &mut [T]) {
+pub fn bwd<T: Real>(
+    rows: usize,
+    c: usize,
+    dy: &[T],
+    x: &[T],
+    w: &[T],
+    rstd: &[T],
+    dx: &mut [T],
+    accumulate: bool,
+    dw: &mut [T],
+) {
     let block = rows_per_task(c).max(1);
     let nblocks = rows.div_ceil(block);
     let partial: Vec<Vec<T>> = (0..nblocks)

@@ -41,7 +41,11 @@ fn fake_quant_equals_the_scalar_encoders(dev: &Device) {
     nvfp4::quantize(&x, k, global, &Nvfp4Opts::default(), &mut p, &mut s);
     let mut want = vec![0.0f32; m * k];
     nvfp4::dequantize_into(&p, &s, global, 0, &mut want);
-    assert_eq!(y.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "nvfp4");
+    assert_eq!(
+        y.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        "nvfp4"
+    );
 }
 
 /// In-place re-quantization of a weight: FP8 codes e4m3(w / (amax/448)); NVFP4 codes and block
@@ -70,5 +74,13 @@ fn requantize_equals_the_scalar_encoders(dev: &Device) {
     assert!(e.contains("layer.w") && e.contains("NaN"), "{e}");
 }
 
-test_device!(fake_quant_equals_the_scalar_encoders, fake_quant_equals_the_scalar_encoders_cpu, fake_quant_equals_the_scalar_encoders_cuda);
-test_device!(requantize_equals_the_scalar_encoders, requantize_equals_the_scalar_encoders_cpu, requantize_equals_the_scalar_encoders_cuda);
+test_device!(
+    fake_quant_equals_the_scalar_encoders,
+    fake_quant_equals_the_scalar_encoders_cpu,
+    fake_quant_equals_the_scalar_encoders_cuda
+);
+test_device!(
+    requantize_equals_the_scalar_encoders,
+    requantize_equals_the_scalar_encoders_cpu,
+    requantize_equals_the_scalar_encoders_cuda
+);

@@ -1,8 +1,8 @@
 //! Rotary embeddings' CPU twin (the reference of csrc/kernels/rope.cu): the angle in f32, cos
 //! and sin in f64, the rotation in f32 without FMA. `super` checks the shapes.
 
-use crate::ops::rows_per_task;
 use crate::device::{CpuDevice, Tensor};
+use crate::ops::rows_per_task;
 use anyhow::Result;
 use rayon::prelude::*;
 

@@ -1,10 +1,10 @@
 //! Sampling's CPU twin: [`sample_row`] is the spec that csrc/kernels/sample.cu and
 //! sample_topk.cu follow, step for step.
 
-use crate::ops::logprob::row_log_normalizer;
-use crate::ops::vecmath;
 use super::SampleParams;
 use crate::device::{CpuDevice, Tensor};
+use crate::ops::logprob::row_log_normalizer;
+use crate::ops::vecmath;
 use anyhow::Result;
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -31,7 +31,13 @@ pub fn reserve(n: usize) {
 const WBLOCK: usize = 256;
 
 /// Draws tokens[i], logprobs[i] from row i of logits (S, V) with params[i], rows in parallel.
-pub fn sample(d: &CpuDevice, logits: &Tensor, params: &[SampleParams], tokens: &mut [u32], logprobs: &mut [f32]) -> Result<()> {
+pub fn sample(
+    d: &CpuDevice,
+    logits: &Tensor,
+    params: &[SampleParams],
+    tokens: &mut [u32],
+    logprobs: &mut [f32],
+) -> Result<()> {
     let (s, v) = (params.len(), logits.dim(logits.shape().len() - 1));
     let z = logits.f32s()?;
     d.install(|| {
@@ -152,4 +158,3 @@ fn weights_of(z: &[f32], ids: &[u32], t: f32, mx: f32, wts: &mut Vec<f32>) {
         vecmath::exp_shifted(&g[..ib.len()], t, mx, wb);
     }
 }
-

@@ -273,7 +273,10 @@ fn streamed_output_has_the_plain_bits() {
             for i in 0..m {
                 let (a, b) = (&plain[i * ldy..i * ldy + n], &streamed[i * ldy..i * ldy + n]);
                 assert!(a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} ({m},{n},{k}) row {i}");
-                assert!(streamed[i * ldy + n..(i + 1) * ldy].iter().all(|v| v.is_nan()), "{isa:?}: wrote past column {n}");
+                assert!(
+                    streamed[i * ldy + n..(i + 1) * ldy].iter().all(|v| v.is_nan()),
+                    "{isa:?}: wrote past column {n}"
+                );
             }
         }
     }
