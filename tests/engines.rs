@@ -182,7 +182,7 @@ fn stale_engine_reads_the_version_k_behind() {
     let mut rw = RolloutWeights::new(&dev, &spec("bf16", 0.0, 2), &c, &w, None, 0).unwrap();
     let mut history = vec![w.norm.to_f32_vec().unwrap()];
     for v in 1..=5u64 {
-        w.norm.write_f32(&vec![v as f32; 32]).unwrap();
+        w.norm.write_f32(&[v as f32; 32]).unwrap();
         history.push(w.norm.to_f32_vec().unwrap());
         rw.sync(&w, v).unwrap();
         let want = v.saturating_sub(2);

@@ -106,7 +106,7 @@ fn gradients_match_pytorch_autograd() {
 
 fn safetensors_has(model: &str, key: &str) -> bool {
     let f = std::fs::read(fixtures().join("grads").join(format!("{model}.safetensors"))).unwrap();
-    safetensors::SafeTensors::deserialize(&f).unwrap().names().iter().any(|n| *n == key)
+    safetensors::SafeTensors::deserialize(&f).unwrap().names().contains(&key)
 }
 
 /// The SGD reference check: lr 1, no weight decay, no clipping, F32 weights — one step from the

@@ -112,7 +112,8 @@ fn resume_continues_exactly() {
 #[test]
 fn tiny_job_runs_with_every_rollout_engine() {
     let t = TempDir::new("engines-job");
-    let cases: Vec<(&str, Box<dyn Fn(&mut JobConfig)>)> = vec![
+    type Edit = Box<dyn Fn(&mut JobConfig)>;
+    let cases: Vec<(&str, Edit)> = vec![
         (
             "fp8",
             Box::new(|j| {

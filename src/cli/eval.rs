@@ -222,7 +222,7 @@ fn run_budget(a: &Args) -> Result<()> {
                 let s = r.eval_steps();
                 common.retain(|x| s.contains(x));
             }
-            *common.iter().filter(|&&s| s > 0).last().context("the runs share no evaluated step > 0")?
+            *common.iter().rfind(|&&s| s > 0).context("the runs share no evaluated step > 0")?
         }
     };
     let re = reference.eval_at(step)?;

@@ -306,7 +306,7 @@ mod tests {
         let mut s = crate::rand::Stream::new(5, 1);
         let mut x = Vec::new();
         for b in 0..512 {
-            let oct = (b % 40) as i32 - 20;
+            let oct = (b % 40) - 20;
             for j in 0..BLOCK {
                 x.push((s.normal() as f32) * 2f32.powi(oct) * if j == 3 { 6.0 } else { 1.0 });
             }

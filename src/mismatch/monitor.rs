@@ -176,10 +176,10 @@ mod tests {
         let adv = [-1.0, 1.0];
         let lens = [5, 5];
         let s1: Vec<f32> = (0..10).map(|i| (i as f32 + 1.0) / 10.0).collect();
-        let r = m.observe(&adv, &lens, &vec![0.0; 10], &s1, 0);
+        let r = m.observe(&adv, &lens, &[0.0; 10], &s1, 0);
         assert!(r.tail_tau.is_none() && r.tail.is_none());
         let s2: Vec<f32> = (0..10).map(|i| -(i as f32) / 10.0).collect();
-        let r = m.observe(&adv, &lens, &vec![0.0; 10], &s2, 3);
+        let r = m.observe(&adv, &lens, &[0.0; 10], &s2, 3);
         // Pool: −1.0..−0.1 and 0..0.9 (20 values); numpy linear 5% quantile: position 0.95
         // between −1.0 and −0.9 → −0.905.
         let tau = r.tail_tau.unwrap();
@@ -187,7 +187,7 @@ mod tests {
         assert!((r.clip_frac - 0.3).abs() < 1e-12);
         // Step 2: δ = 0..0.9 ≥ 0: A⁻ is empty, A⁺ holds response 1's 5 tokens → ρ = 0/5.
         assert_eq!(r.rho_asym, Some(0.0));
-        let r3 = m.observe(&adv, &lens, &vec![0.0; 10], &s1, 0);
+        let r3 = m.observe(&adv, &lens, &[0.0; 10], &s1, 0);
         assert_eq!(r3.tail_tau, Some(tau), "τ stays fixed after calibration");
         // Step 3: response 0 has 5 tokens with δ < 0 (A⁻, |A| = 1), response 1 none with δ > 0.
         assert_eq!(r3.rho_asym, None);

@@ -123,7 +123,7 @@ impl Scheduler {
     }
 
     /// Rollouts of completions; a step's prompts are dropped once all its responses are out.
-    fn to_rollouts(&mut self, done: Vec<replica::Posted>, version: u64) -> Result<Vec<Rollout>> {
+    fn rollouts_of(&mut self, done: Vec<replica::Posted>, version: u64) -> Result<Vec<Rollout>> {
         let mut out = Vec::with_capacity(done.len());
         for (c, teacher) in done {
             let step = c.id >> 32;
@@ -169,7 +169,7 @@ impl Scheduler {
             })?;
             let busy = parts.iter().map(|p| p.1).collect();
             let done = replica::merge(parts.into_iter().map(|p| p.0).collect());
-            let rollouts = self.to_rollouts(done.into_iter().map(|c| (c, None)).collect(), version)?;
+            let rollouts = self.rollouts_of(done.into_iter().map(|c| (c, None)).collect(), version)?;
             return Ok(Batch { rollouts, busy, wait: None });
         }
         // Asynchronous: keep k steps of requests ahead, then wait for one step's groups.
@@ -194,7 +194,7 @@ impl Scheduler {
         };
         let wait = t0.elapsed().as_secs_f64();
         let done = self.link.board.take(need)?;
-        let rollouts = self.to_rollouts(done, version)?;
+        let rollouts = self.rollouts_of(done, version)?;
         Ok(Batch { rollouts, busy, wait: Some(wait) })
     }
 }

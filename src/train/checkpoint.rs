@@ -184,8 +184,11 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     }
 }
 
+/// A checkpoint's trainer state and its FP32 master weights and Adam moments (m, v).
+pub type Loaded = (TrainerState, Vec<f32>, Vec<f32>, Vec<f32>);
+
 /// Reads a checkpoint's state and optimizer tensors, checking that it belongs to `job`.
-pub fn load(dir: &Path, job: &JobConfig) -> Result<(TrainerState, Vec<f32>, Vec<f32>, Vec<f32>)> {
+pub fn load(dir: &Path, job: &JobConfig) -> Result<Loaded> {
     let sp = dir.join(STATE_FILE);
     let text = std::fs::read_to_string(&sp).with_context(|| format!("cannot read {}", sp.display()))?;
     let state: TrainerState =

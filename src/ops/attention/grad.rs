@@ -69,7 +69,7 @@ pub fn fwd<T: Real>(s: &Shape, cu: &[usize], q: &[T], k: &[T], v: &[T], out: &mu
                     let i = i0 + r / g;
                     let mut mx = T::neg_infinity();
                     for x in row[..=i].iter_mut() {
-                        *x = *x * scale;
+                        *x *= scale;
                         mx = mx.max(*x);
                     }
                     let mut sum = T::zero();

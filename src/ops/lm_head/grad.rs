@@ -22,7 +22,7 @@ fn normalize<T: Real>(n: usize, v: usize, z: &mut [T], inv_t: T, lse: &mut [T]) 
     z[..n * v].par_chunks_mut(v).zip(lse[..n].par_iter_mut()).for_each(|(row, l)| {
         let mut mx = T::neg_infinity();
         for x in row.iter_mut() {
-            *x = *x * inv_t;
+            *x *= inv_t;
             mx = mx.max(*x);
         }
         let s: T = row.iter().map(|&x| (x - mx).fexp()).sum();
