@@ -7,8 +7,8 @@
 //! every core, or RAYON_NUM_THREADS)
 
 use colotrain::device::CpuFloats;
-use colotrain::ops::linear_cpu::{linear_nt, linear_nt_panels, reserve};
-use colotrain::ops::linear_panels::Panels;
+use colotrain::ops::linear::kernel::{linear_nt, linear_nt_panels, reserve};
+use colotrain::ops::linear::Panels;
 use std::time::Instant;
 
 fn main() {

@@ -2,7 +2,7 @@
 // CUTLASS collective builders: tcgen05 MMA (accumulators in tensor memory, full FP32), 1-SM
 // 128x128x128 tiles, no clusters (any grid works), kernel schedule chosen by the builder.
 // d (m, n) f32 = alpha * a (m, k) . b (n, k)^T with alpha = activation scale * weight scale.
-// CPU twin: src/ops/matmul.rs linear_q on a fake-quantized input (the same products, FP32
+// CPU twin: src/ops/linear/cpu.rs linear_q on a fake-quantized input (the same products, FP32
 // accumulation in a different order). Needs k % 16 == 0 and n % 4 == 0. Compiles with the
 // pinned toolchain; not yet run on a GPU.
 #include "cute/tensor.hpp"

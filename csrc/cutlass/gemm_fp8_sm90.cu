@@ -1,7 +1,7 @@
 // gemm_fp8_sm90.cu: FP8 E4M3 W8A8 GEMM for Hopper (sm_90a), CUTLASS 3.x collective builders:
 // TMA loads, warp-specialized cooperative WGMMA kernel, 128x128x128 tiles, 1x2x1 clusters.
 // d (m, n) f32 = alpha * a (m, k) . b (n, k)^T with alpha = activation scale * weight scale.
-// CPU twin: src/ops/matmul.rs linear_q on a fake-quantized input (the same products; the
+// CPU twin: src/ops/linear/cpu.rs linear_q on a fake-quantized input (the same products; the
 // accumulation is FP32 here, with CUTLASS's periodic promotion of the WGMMA accumulators,
 // the non-"FastAccum" schedule, chosen for accuracy over the last ~10% of speed).
 // Needs k % 16 == 0 and n % 4 == 0 (TMA: 16-byte rows). Compiles with the pinned toolchain;

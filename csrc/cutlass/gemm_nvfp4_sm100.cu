@@ -5,7 +5,7 @@
 // activations * global scale of the weights. The scales must be in CUTLASS's tiled layout
 // (ct_swizzle_sf in csrc/kernels/quantize.cu writes it; ct_nvfp4_sf_bytes_sm100a reports the
 // sizes CUTLASS expects, which the device check compares with the Rust-side formula).
-// CPU twin: src/ops/matmul.rs linear_q on an NVFP4 fake-quantized input (the same products
+// CPU twin: src/ops/linear/cpu.rs linear_q on an NVFP4 fake-quantized input (the same products
 // q_a*bs_a*q_w*bs_w, exact in FP32; the sum in a different order). Needs k % 32 == 0 and
 // n % 4 == 0. Compiles with the pinned toolchain; not yet run on a GPU.
 #include "cute/tensor.hpp"

@@ -1,6 +1,6 @@
 // blocks.cpp: runs the block-level kernels of csrc/kernels (block reductions, scans, sorts,
 // shared memory) on the host with ct_emu::launch (see shim.h), with the launch shapes of
-// src/device/cuda/kernels.rs, over inputs that src/device/cuda/hostemu_blocks.rs writes into the
+// src/device/cuda/kernels.rs, over inputs that src/ops/hostemu/blocks.rs writes into the
 // folder argv[2]; outputs go to the same folder. Every kernel runs under the three thread orders
 // of ct_emu::schedule and must give the same bytes. Modes (argv[1]):
 //   sample     dims.bin (i32 rows, vocab; f32 temperature of the scoring pass), logits.bin

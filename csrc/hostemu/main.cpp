@@ -1,7 +1,7 @@
 // main.cpp: runs the element-wise kernels of csrc/kernels on the host (see shim.h) over the
 // inputs in the folder given as argv[1] (x.bin: f32 values, a multiple of 256; signs.bin: the
 // 16 RHT signs; ids.bin: u32 row ids, some out of range; pos.bin: u32 positions) and writes
-// their outputs there, for src/device/cuda/hostemu.rs to compare with
+// their outputs there, for src/ops/hostemu/mod.rs to compare with
 // the CPU quantizers. Build: c++ -std=c++17 -O2 -ffp-contract=off -include shim.h -Iinclude
 // -I../include main.cpp (the test does this).
 #include <algorithm>

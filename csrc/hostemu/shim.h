@@ -16,7 +16,7 @@
 //     the GPU). blocks.cpp runs the block-level kernels (reductions, sampling, attention).
 // The _rn intrinsics become single IEEE f32 operations (volatile, so never contracted into
 // FMAs); expf/logf/exp/log are the host libm's, which may differ from CUDA's by an ulp. Used by
-// the unit tests in src/device/cuda/hostemu*.rs: they check the kernels' arithmetic, indexing and
+// the unit tests in src/ops/hostemu/: they check the kernels' arithmetic, indexing and
 // synchronization against the CPU twins without a GPU; they say nothing about the GPU itself.
 #pragma once
 #include <ucontext.h>

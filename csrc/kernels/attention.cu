@@ -1,12 +1,12 @@
 // attention.cu: the paged KV cache write and paged attention (vLLM layout: caches of shape
 // (num_blocks, kv_heads, block_size, head_dim)), for prefill and decode rows alike.
-// CPU twins: src/ops/attention.rs kv_write (bit-exact: the same f32 division and E4M3 / BF16 /
+// CPU twins: src/ops/attention/cpu.rs kv_write (bit-exact: the same f32 division and E4M3 / BF16 /
 // F16 rounding) and paged_attention (the same online softmax in f32, but keys are processed in
 // tiles of CT_ATT_TILE and dot products are reduced across a warp, so results agree to
 // rounding). One block per (query row, KV head): the decode kernel. Batches that are mostly
 // prefill rows run attention_prefill.cu instead, which shares K/V tiles across rows (ops.rs
 // picks). Batch-1 decode uses only kv_heads blocks (no split-K yet). Not yet run on a GPU;
-// src/device/cuda/hostemu_blocks.rs runs it under host emulation against the CPU twin.
+// src/ops/hostemu/blocks.rs runs it under host emulation against the CPU twin.
 #include "common.cuh"
 
 #define CT_ATT_TILE 32

@@ -7,12 +7,12 @@
 //   R = max(1, QV / G) with QV = 64 query vectors per block (32 when head_dim > 128);
 //   grid.x = num_tokens / R + num_seqs, an upper bound on the tiles; block b finds its
 //   (sequence, first row) by walking q_start, and blocks past the last tile exit.
-// CPU twin: src/ops/attention.rs paged_attention, to rounding. This kernel differs from it in:
+// CPU twin: src/ops/attention/cpu.rs paged_attention, to rounding. This kernel differs from it in:
 //   - online softmax in f32 over tiles of CT_PF_KEYS keys (CPU: KCHUNK);
 //   - dot products summed in d order by one thread;
 //   - a tile whose first row has no valid position (ctx_len < q_len) is all NaN (the decode
 //     kernel NaNs only the bad rows); both raise CT_ERR_ATTN_META.
-// CUDA cores only (no tensor-core MMA yet). Not yet run on a GPU; src/device/cuda/hostemu_blocks.rs
+// CUDA cores only (no tensor-core MMA yet). Not yet run on a GPU; src/ops/hostemu/blocks.rs
 // runs it under host emulation against the CPU twin.
 #include "common.cuh"
 

@@ -4,7 +4,7 @@
 //   - ct_e2m1_encode / ct_e2m1_sr       <- src/quant/fp8.rs encode_e2m1_fast, nvfp4.rs sr_e2m1
 //   - ct_rht16                          <- src/quant/nvfp4.rs rht_block
 //   - ct_philox / ct_uniform_f64        <- src/rand.rs philox4x32_10, uniform_f64
-//   - ct_exp_f32                        <- src/ops/softmax_cpu.rs exp_f32 (softmax, SwiGLU)
+//   - ct_exp_f32                        <- src/ops/vecmath.rs exp_f32 (softmax, SwiGLU)
 // Bit-exactness needs the same f32 operations in the same order, so these use the _rn
 // intrinsics, which nvcc never contracts into FMAs. Not yet run on a GPU.
 #pragma once
@@ -106,7 +106,7 @@ __device__ __forceinline__ float ct_block_max(float v, float* scratch) {
   return ct_warp_max(t);
 }
 
-// src/ops/softmax_cpu.rs exp_f32, bit for bit: the same f32 operations in the same order, the
+// src/ops/vecmath.rs exp_f32, bit for bit: the same f32 operations in the same order, the
 // multiply-adds fused (__fmaf_rn), the constants spelled as there.
 __device__ __forceinline__ float ct_exp_f32(float x) {
   if (isnan(x)) return x;

@@ -1,6 +1,6 @@
 // elementwise.cu: row-wise data movement and activations.
-// CPU twins: src/ops/elementwise.rs (embedding, swiglu, gather_rows); the bias add and the f32
-// -> BF16/F16 cast are the pieces of src/ops/matmul.rs's linear that run around the cuBLASLt
+// CPU twins: src/ops/elementwise/cpu.rs (embedding, swiglu, gather_rows); the bias add and the f32
+// -> BF16/F16 cast are the pieces of src/ops/linear/cuda.rs's linear that run around the cuBLASLt
 // GEMM (bias: y += b as in the CPU loop; cast: the GEMM's BF16 input, round to nearest even as
 // half::bf16::from_f32). fill_normal has no CPU twin: it makes the device check's random inputs.
 // Out-of-range ids are reported through the error word and their rows set to NaN (the CPU

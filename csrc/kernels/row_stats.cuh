@@ -1,6 +1,6 @@
 // row_stats.cuh: the statistics of one row of logits that scoring and both sampling kernels
 // share: max_j z_j / T and the normalizer sum_j exp(z_j / T - max) in double (CPU twin:
-// src/ops/logprob.rs row_log_normalizer; the sum is reduced per thread chunk and then across
+// src/ops/logprob/cpu.rs row_log_normalizer; the sum is reduced per thread chunk and then across
 // chunks, not in the CPU's 16-lane order; the exponential is common.cuh's ct_exp_f32), and
 // the float -> orderable key map of the top-k kernel.
 #pragma once

@@ -1,6 +1,6 @@
 // sample_topk.cu: token sampling for rows with top-k / top-p truncation, one block of
 // CT_ROW_THREADS threads per row. It skips rows with truncated = 0, which are ct_sample's.
-// CPU twin: src/ops/sample.rs sample_row (its truncated branch). The steps follow the CPU's:
+// CPU twin: src/ops/sample/cpu.rs sample_row (its truncated branch). The steps follow the CPU's:
 //   1. Candidates: N = top_k when top-k truncates (top_k < V), else min(V, CT_TOPK_CAP). A top_k
 //      above CT_TOPK_CAP is left to the host.
 //   2. Select the N best tokens in the CPU's total order (z descending by f32::total_cmp, ties
@@ -17,7 +17,7 @@
 // Each weight is the CPU's, bit for bit (ct_exp_f32(z/T - max), widened to double), and the
 // candidates' weights are summed in the CPU's order. One thing differs: the whole-row sum (used
 // only without top-k) is reduced per chunk and then across chunks. So the drawn token equals the CPU's unless u or top_p lies within rounding distance of a
-// boundary. Not yet run on a GPU; src/device/cuda/hostemu_blocks.rs runs it under host
+// boundary. Not yet run on a GPU; src/ops/hostemu/blocks.rs runs it under host
 // emulation against the CPU twin.
 #include "row_stats.cuh"
 
