@@ -3,7 +3,7 @@
 //!
 //! Owns: [`JobConfig`]. May call: serde/toml. Must not: open models or touch devices.
 
-pub use crate::objective::LossAgg;
+pub use crate::objective::{LossAgg, ObjectiveKind};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -45,17 +45,22 @@ pub struct ScheduleConfig {
     /// "sync": rollout, then training, then resync, every step. "async": generation runs ahead
     /// of training; a token is trained only if its weights are at most `max_staleness` versions
     /// old.
-    pub mode: String,
+    pub mode: ScheduleMode,
     pub max_staleness: u64,
     /// "colocated" (every device generates and trains) or "split" (`rollout_devices` devices
     /// generate, the others train).
-    pub placement: String,
+    pub placement: Placement,
     pub rollout_devices: usize,
 }
 
 impl Default for ScheduleConfig {
     fn default() -> Self {
-        ScheduleConfig { mode: "sync".into(), max_staleness: 1, placement: "colocated".into(), rollout_devices: 1 }
+        ScheduleConfig {
+            mode: ScheduleMode::Sync,
+            max_staleness: 1,
+            placement: Placement::Colocated,
+            rollout_devices: 1,
+        }
     }
 }
 
@@ -123,7 +128,7 @@ impl Default for DataConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct RolloutConfig {
     /// "engine" (sample with the current weights) or "file" (precomputed rollouts).
-    pub source: String,
+    pub source: RolloutSource,
     pub file: Option<PathBuf>,
     pub prompts_per_step: usize,
     pub samples_per_prompt: usize,
@@ -142,7 +147,7 @@ pub struct RolloutConfig {
 impl Default for RolloutConfig {
     fn default() -> Self {
         RolloutConfig {
-            source: "engine".into(),
+            source: RolloutSource::Engine,
             file: None,
             prompts_per_step: 8,
             samples_per_prompt: 8,
@@ -161,10 +166,10 @@ impl Default for RolloutConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct ObjectiveConfig {
     /// "opd", "sft", "grpo", "reinforce" or "triage" (GRPO + TIS + the TRIAGE gate and repair).
-    pub kind: String,
+    pub kind: ObjectiveKind,
     /// "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum" (default: token-mean for
     /// opd/sft, seq-mean-token-mean for the RL objectives).
-    pub loss_agg: Option<String>,
+    pub loss_agg: Option<LossAgg>,
     /// Rows of logits held at once by the fused LM-head loss.
     pub chunk_size: usize,
     /// Tokens per micro-batch of the backward (activation memory bound); 0: the whole step.
@@ -192,7 +197,7 @@ pub struct ObjectiveConfig {
 impl Default for ObjectiveConfig {
     fn default() -> Self {
         ObjectiveConfig {
-            kind: "opd".into(),
+            kind: ObjectiveKind::Opd,
             loss_agg: None,
             chunk_size: 256,
             micro_batch_tokens: 0,
@@ -213,10 +218,10 @@ impl Default for ObjectiveConfig {
 
 impl ObjectiveConfig {
     pub fn is_rl(&self) -> bool {
-        matches!(self.kind.as_str(), "grpo" | "reinforce" | "triage")
+        self.kind.is_rl()
     }
     pub fn tis_enabled(&self) -> bool {
-        self.tis.unwrap_or(self.kind == "triage")
+        self.tis.unwrap_or(self.kind == ObjectiveKind::Triage)
     }
 }
 
@@ -226,7 +231,7 @@ impl ObjectiveConfig {
 pub struct LearnerConfig {
     /// "bf16" (the compute dtype) or "nvfp4": the chosen linears run with NVFP4 weights and
     /// activations (the engine's quantizer) and a straight-through backward.
-    pub precision: String,
+    pub precision: LearnerPrecision,
     /// Which linears of every layer (q_proj … down_proj); default: the MLP's.
     pub linears: Vec<String>,
 }
@@ -234,7 +239,7 @@ pub struct LearnerConfig {
 impl Default for LearnerConfig {
     fn default() -> Self {
         LearnerConfig {
-            precision: "bf16".into(),
+            precision: LearnerPrecision::Bf16,
             linears: vec!["gate_proj".into(), "up_proj".into(), "down_proj".into()],
         }
     }
@@ -244,7 +249,7 @@ impl Default for LearnerConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
     /// "adamw" or "sgd".
-    pub kind: String,
+    pub kind: OptimizerKind,
     pub lr: f64,
     pub betas: [f64; 2],
     pub eps: f64,
@@ -258,7 +263,7 @@ pub struct OptimizerConfig {
 impl Default for OptimizerConfig {
     fn default() -> Self {
         OptimizerConfig {
-            kind: "adamw".into(),
+            kind: OptimizerKind::AdamW,
             lr: 1e-6,
             betas: [0.9, 0.999],
             eps: 1e-8,
@@ -275,14 +280,14 @@ pub struct CheckpointConfig {
     /// Save every N steps (0: only at the end).
     pub every: u64,
     /// Stored weight dtype: bf16 or f32.
-    pub dtype: String,
+    pub dtype: CheckpointDtype,
     /// Checkpoints kept (older ones are removed after a newer one is durable); 0 keeps all.
     pub keep: usize,
 }
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { every: 0, dtype: "bf16".into(), keep: 2 }
+        CheckpointConfig { every: 0, dtype: CheckpointDtype::Bf16, keep: 2 }
     }
 }
 
@@ -414,6 +419,61 @@ impl EngineSection {
     }
 }
 
+crate::str_enum! {
+    /// When rollouts are made (`schedule.mode`).
+    pub enum ScheduleMode("schedule.mode", "expected {expected}, got '{s}'") {
+        /// Rollout, then training, then resync, every step.
+        Sync = "sync",
+        /// Generation runs ahead of training by at most `max_staleness` versions.
+        Async = "async",
+    }
+}
+
+crate::str_enum! {
+    /// Which devices generate and which train (`schedule.placement`).
+    pub enum Placement("schedule.placement", "expected {expected}, got '{s}'") {
+        /// Every device generates and trains, time-shared.
+        Colocated = "colocated",
+        /// The first `rollout_devices` devices generate, the others train.
+        Split = "split",
+    }
+}
+
+crate::str_enum! {
+    /// Where a step's rollouts come from (`rollout.source`).
+    pub enum RolloutSource("rollout.source", "unknown source '{s}': expected {expected}") {
+        Engine = "engine",
+        /// Precomputed rollouts read from `rollout.file`.
+        File = "file",
+    }
+}
+
+crate::str_enum! {
+    /// The trainer's forward precision (`learner.precision`).
+    pub enum LearnerPrecision("learner.precision", "expected {expected}, got '{s}'") {
+        Bf16 = "bf16",
+        /// The chosen linears on NVFP4 weights and activations, straight-through backward.
+        Nvfp4 = "nvfp4",
+    }
+}
+
+crate::str_enum! {
+    /// The optimizer over the FP32 master weights (`optimizer.kind`).
+    pub enum OptimizerKind("optimizer.kind", "unknown optimizer '{s}': expected {expected}") {
+        /// AdamW with PyTorch's semantics.
+        AdamW = "adamw",
+        Sgd = "sgd",
+    }
+}
+
+crate::str_enum! {
+    /// The dtype of a checkpoint's model weights (`checkpoint.dtype`).
+    pub enum CheckpointDtype("checkpoint.dtype", "expected {expected}, got '{s}'") {
+        Bf16 = "bf16",
+        F32 = "f32",
+    }
+}
+
 impl JobConfig {
     pub fn from_file(path: &Path) -> Result<JobConfig> {
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
@@ -434,9 +494,9 @@ impl JobConfig {
         self.run.out_dir.clone().unwrap_or_else(|| PathBuf::from("runs").join(&self.run.name))
     }
 
-    pub fn loss_agg(&self) -> Result<LossAgg> {
-        let default = if self.objective.is_rl() { "seq-mean-token-mean" } else { "token-mean" };
-        LossAgg::parse(self.objective.loss_agg.as_deref().unwrap_or(default))
+    pub fn loss_agg(&self) -> LossAgg {
+        let default = if self.objective.is_rl() { LossAgg::SeqMeanTokenMean } else { LossAgg::TokenMean };
+        self.objective.loss_agg.unwrap_or(default)
     }
 
     /// Checks values, not only types; every error names the key.
@@ -448,26 +508,26 @@ impl JobConfig {
         if self.run.steps == 0 {
             err("run.steps", "must be at least 1".into())?;
         }
-        crate::device::Device::parse(&self.run.device).map(|_| ()).or_else(|e| {
-            if self.run.device.starts_with("cuda") {
-                Ok(()) // availability is checked when the run starts
-            } else {
-                err("run.device", format!("{e:#}"))
-            }
-        })?;
-        match self.objective.kind.as_str() {
-            "opd" => {
+        // The spelling only: which devices exist is checked when the run starts.
+        crate::device::DeviceSpec::parse(&self.run.device)
+            .map(|_| ())
+            .or_else(|e| err("run.device", format!("{e:#}")))?;
+        match self.objective.kind {
+            ObjectiveKind::Opd => {
                 if self.teacher.is_none() {
                     err("teacher", "the opd objective needs a [teacher] model".into())?;
                 }
             }
-            "sft" => {}
-            "grpo" | "triage" if self.rollout.source == "engine" && self.rollout.samples_per_prompt < 2 => err(
+            ObjectiveKind::Sft => {}
+            ObjectiveKind::Grpo | ObjectiveKind::Triage
+                if self.rollout.source == RolloutSource::Engine && self.rollout.samples_per_prompt < 2 =>
+            {
+                err(
                 "rollout.samples_per_prompt",
                 format!("{} normalizes rewards within each prompt's group: its standard deviation is undefined with 1 sample per prompt (use at least 2, or objective.kind = \"reinforce\")", self.objective.kind),
-            )?,
-            "grpo" | "reinforce" | "triage" => {}
-            k => err("objective.kind", format!("unknown objective '{k}': expected opd, sft, grpo, reinforce or triage"))?,
+                )?
+            }
+            ObjectiveKind::Grpo | ObjectiveKind::Reinforce | ObjectiveKind::Triage => {}
         }
         let o = &self.objective;
         if !(o.clip_low >= 0.0 && o.clip_low < 1.0) || !(o.clip_high >= 0.0 && o.clip_high.is_finite()) {
@@ -485,7 +545,7 @@ impl JobConfig {
         if o.centering && o.centering_top_k == 0 {
             err("objective.centering_top_k", "must be at least 1".into())?;
         }
-        if o.centering && !(o.is_rl() || o.kind == "opd") {
+        if o.centering && !(o.is_rl() || o.kind == ObjectiveKind::Opd) {
             err(
                 "objective.centering",
                 format!(
@@ -497,22 +557,19 @@ impl JobConfig {
         if o.minibatches == 0 || o.updates_per_step == 0 {
             err("objective.minibatches", "minibatches and updates_per_step must be at least 1".into())?;
         }
-        if o.kind == "triage" {
+        if o.kind == ObjectiveKind::Triage {
             o.triage.validate().map_err(|e| anyhow::anyhow!("{file}: {e:#}"))?;
         }
-        match (self.schedule.mode.as_str(), self.schedule.placement.as_str()) {
-            ("sync", "colocated") | ("async", "colocated") | ("async", "split") => {}
-            ("sync", "split") => err(
+        if (self.schedule.mode, self.schedule.placement) == (ScheduleMode::Sync, Placement::Split) {
+            err(
                 "schedule.placement",
                 "the split placement needs schedule.mode = \"async\" (generators run ahead of the trainers)".into(),
-            )?,
-            (m, "colocated" | "split") => err("schedule.mode", format!("expected sync or async, got '{m}'"))?,
-            (_, p) => err("schedule.placement", format!("expected colocated or split, got '{p}'"))?,
+            )?;
         }
-        if self.schedule.placement == "split" && self.schedule.rollout_devices == 0 {
+        if self.schedule.placement == Placement::Split && self.schedule.rollout_devices == 0 {
             err("schedule.rollout_devices", "the split placement needs at least 1 rollout device".into())?;
         }
-        if self.schedule.mode == "async" && self.rollout.source != "engine" {
+        if self.schedule.mode == ScheduleMode::Async && self.rollout.source != RolloutSource::Engine {
             err(
                 "schedule.mode",
                 "the asynchronous schedule generates its rollouts: rollout.source must be \"engine\"".into(),
@@ -521,9 +578,9 @@ impl JobConfig {
         if self.monitor.segment_len == 0 {
             err("monitor.segment_len", "must be at least 1 token".into())?;
         }
-        match self.learner.precision.as_str() {
-            "bf16" => {}
-            "nvfp4" => {
+        match self.learner.precision {
+            LearnerPrecision::Bf16 => {}
+            LearnerPrecision::Nvfp4 => {
                 for l in &self.learner.linears {
                     if !crate::quant::recipe::LINEARS.contains(&l.as_str()) {
                         err(
@@ -533,20 +590,12 @@ impl JobConfig {
                     }
                 }
             }
-            p => err("learner.precision", format!("expected bf16 or nvfp4, got '{p}'"))?,
         }
-        self.loss_agg().map_err(|e| anyhow::anyhow!("{file}: objective.loss_agg: {e}"))?;
         if self.objective.chunk_size == 0 {
             err("objective.chunk_size", "must be at least 1".into())?;
         }
-        match self.rollout.source.as_str() {
-            "engine" => {}
-            "file" => {
-                if self.rollout.file.is_none() {
-                    err("rollout.file", "rollout.source = \"file\" needs rollout.file".into())?;
-                }
-            }
-            s => err("rollout.source", format!("unknown source '{s}': expected engine or file"))?,
+        if self.rollout.source == RolloutSource::File && self.rollout.file.is_none() {
+            err("rollout.file", "rollout.source = \"file\" needs rollout.file".into())?;
         }
         if self.rollout.prompts_per_step == 0 || self.rollout.samples_per_prompt == 0 {
             err("rollout.prompts_per_step", "prompts_per_step and samples_per_prompt must be at least 1".into())?;
@@ -559,10 +608,6 @@ impl JobConfig {
         }
         if self.rollout.max_new_tokens == 0 {
             err("rollout.max_new_tokens", "must be at least 1".into())?;
-        }
-        match self.optimizer.kind.as_str() {
-            "adamw" | "sgd" => {}
-            k => err("optimizer.kind", format!("unknown optimizer '{k}': expected adamw or sgd"))?,
         }
         if !(self.optimizer.lr >= 0.0 && self.optimizer.lr.is_finite()) {
             err("optimizer.lr", format!("must be a finite number >= 0, got {}", self.optimizer.lr))?;
@@ -577,10 +622,6 @@ impl JobConfig {
         }
         if !(self.optimizer.weight_decay >= 0.0) || !(self.optimizer.grad_clip >= 0.0) {
             err("optimizer.weight_decay", "weight_decay and grad_clip must be >= 0".into())?;
-        }
-        match self.checkpoint.dtype.as_str() {
-            "bf16" | "f32" => {}
-            d => err("checkpoint.dtype", format!("expected bf16 or f32, got '{d}'"))?,
         }
         for (key, m) in [("model.dtype", Some(&self.model)), ("teacher.dtype", self.teacher.as_ref())] {
             if let Some(d) = m.and_then(|m| m.dtype.as_deref()) {

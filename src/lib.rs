@@ -27,21 +27,21 @@
 //! - [`orchestrator`]: one process, N devices: plan, workers, schedules, the step loop.
 //! - [`cli`]: the subcommands of the `colotrain` binary.
 
-pub mod cli;
-pub mod config;
-pub mod data;
-pub mod device;
-pub mod engine;
-pub mod formats;
-pub mod mismatch;
-pub mod model;
-pub mod objective;
-pub mod ops;
-pub mod orchestrator;
-pub mod parallel;
-pub mod quant;
-pub mod rand;
-pub mod train;
 pub mod util;
+pub mod rand;
+pub mod parallel;
+pub mod formats;
+pub mod device;
+pub mod quant;
+pub mod ops;
+pub mod model;
+pub mod data;
+pub mod engine;
+pub mod mismatch;
+pub mod objective;
+pub mod config;
+pub mod train;
+pub mod orchestrator;
+pub mod cli;
 
 pub use anyhow::{Error, Result};

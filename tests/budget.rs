@@ -3,6 +3,7 @@
 
 mod common;
 
+use colotrain::config::CheckpointDtype;
 use colotrain::train::eval::EvalResult;
 use colotrain::train::runs::{compare, RunDir};
 use common::TempDir;
@@ -99,7 +100,7 @@ fn eval_of_a_runs_checkpoint_against_that_run_needs_no_flags() {
     j.data.heldout_size = 8;
     j.rollout.prompts_per_step = 2;
     j.rollout.samples_per_prompt = 2;
-    j.checkpoint.dtype = "f32".into();
+    j.checkpoint.dtype = CheckpointDtype::F32;
     j.validate("test").unwrap();
     let s = job::run(&j, &JobOptions::default()).unwrap();
     let logged = s.evals.last().unwrap().kl;

@@ -10,6 +10,7 @@
 mod common;
 
 use colotrain::config::JobConfig;
+use colotrain::config::{CheckpointDtype, OptimizerKind, Placement, ScheduleMode};
 use colotrain::orchestrator::{self as job, Fault, JobOptions};
 use colotrain::train::checkpoint;
 use common::TempDir;
@@ -28,7 +29,7 @@ fn tiny(out: &std::path::Path, devices: usize, edit: impl FnOnce(&mut JobConfig)
     j.data.heldout_size = 8;
     j.rollout.prompts_per_step = 4;
     j.rollout.samples_per_prompt = 4;
-    j.checkpoint.dtype = "f32".into();
+    j.checkpoint.dtype = CheckpointDtype::F32;
     edit(&mut j);
     j.validate("test").unwrap();
     j
@@ -56,7 +57,7 @@ fn one_two_and_three_devices_train_the_same_weights_on_the_same_samples() {
         // gradient's summation order (AdamW amplifies near-zero gradients' rounding through
         // m/√v, up to lr per step, whatever the number of devices).
         let j = tiny(&t.path().join(format!("n{n}")), n, |j| {
-            j.optimizer.kind = "sgd".into();
+            j.optimizer.kind = OptimizerKind::Sgd;
             j.optimizer.lr = 0.05;
         });
         let s = job::run(&j, &JobOptions::default()).unwrap();
@@ -121,7 +122,7 @@ fn async_schedule_trains_only_tokens_within_the_staleness_bound() {
     let t = TempDir::new("async");
     for k in [0u64, 1, 2] {
         let j = tiny(&t.path().join(format!("k{k}")), 2, |j| {
-            j.schedule.mode = "async".into();
+            j.schedule.mode = ScheduleMode::Async;
             j.schedule.max_staleness = k;
             j.run.steps = 5;
         });
@@ -149,7 +150,7 @@ fn async_schedule_trains_only_tokens_within_the_staleness_bound() {
     // so later steps train tokens one version old.
     let dir = t.path().join("ahead");
     let j = tiny(&dir, 1, |j| {
-        j.schedule.mode = "async".into();
+        j.schedule.mode = ScheduleMode::Async;
         j.schedule.max_staleness = 2;
         j.run.steps = 4;
     });
@@ -167,8 +168,8 @@ fn split_placement_generates_beside_training_within_the_staleness_bound() {
     for k in [0u64, 2] {
         let dir = t.path().join(format!("k{k}"));
         let j = tiny(&dir, 2, |j| {
-            j.schedule.mode = "async".into();
-            j.schedule.placement = "split".into();
+            j.schedule.mode = ScheduleMode::Async;
+            j.schedule.placement = Placement::Split;
             j.schedule.rollout_devices = 1;
             j.schedule.max_staleness = k;
             j.run.steps = 5;
@@ -204,8 +205,8 @@ fn split_placement_generates_beside_training_within_the_staleness_bound() {
 fn a_split_placement_without_a_training_device_is_refused() {
     let t = TempDir::new("split-bad");
     let j = tiny(&t.path().join("r"), 2, |j| {
-        j.schedule.mode = "async".into();
-        j.schedule.placement = "split".into();
+        j.schedule.mode = ScheduleMode::Async;
+        j.schedule.placement = Placement::Split;
         j.schedule.rollout_devices = 2;
     });
     let e = format!("{:#}", job::run(&j, &JobOptions::default()).unwrap_err());
@@ -420,8 +421,8 @@ fn split_generators_stamp_tokens_with_the_stale_engines_version() {
     let t = TempDir::new("split-stale");
     let dir = t.path().join("r");
     let j = tiny(&dir, 2, |j| {
-        j.schedule.mode = "async".into();
-        j.schedule.placement = "split".into();
+        j.schedule.mode = ScheduleMode::Async;
+        j.schedule.placement = Placement::Split;
         j.schedule.rollout_devices = 1;
         j.schedule.max_staleness = 0;
         j.engine.staleness = 1;
@@ -445,8 +446,8 @@ fn split_trainers_hold_only_what_their_role_needs() {
     let t = TempDir::new("split-roles");
     let dir = t.path().join("r");
     let j = tiny(&dir, 3, |j| {
-        j.schedule.mode = "async".into();
-        j.schedule.placement = "split".into();
+        j.schedule.mode = ScheduleMode::Async;
+        j.schedule.placement = Placement::Split;
         j.schedule.rollout_devices = 1;
         j.schedule.max_staleness = 1;
         j.run.steps = 3;

@@ -5,6 +5,7 @@
 mod common;
 
 use colotrain::config::JobConfig;
+use colotrain::config::{LearnerPrecision, ObjectiveKind, RolloutSource};
 use colotrain::orchestrator::{self as job, JobOptions};
 use common::TempDir;
 
@@ -61,7 +62,7 @@ fn nvfp4_learner_tracks_the_nvfp4_engine() {
     let w4 = tiny(&t.path().join("w4a4"), |j| j.run.steps = 2);
     let bf = tiny(&t.path().join("bf16"), |j| {
         j.run.steps = 2;
-        j.learner.precision = "bf16".into();
+        j.learner.precision = LearnerPrecision::Bf16;
     });
     job::run(&w4, &JobOptions::default()).unwrap();
     job::run(&bf, &JobOptions::default()).unwrap();
@@ -74,7 +75,7 @@ fn nvfp4_learner_tracks_the_nvfp4_engine() {
 fn centering_and_two_updates_per_step_run_end_to_end() {
     let t = TempDir::new("rl-center");
     let j = tiny(&t.path().join("run"), |j| {
-        j.objective.kind = "grpo".into();
+        j.objective.kind = ObjectiveKind::Grpo;
         j.objective.centering = true;
         j.objective.centering_top_k = 8;
         j.objective.minibatches = 2;
@@ -124,13 +125,13 @@ fn missing_rewards_and_singleton_groups_fail_the_step_clearly() {
     std::fs::write(&f, line(0, "") + &line(0, "")).unwrap();
     let run = |name: &str| -> String {
         let j = tiny(&t.path().join(name), |j| {
-            j.rollout.source = "file".into();
+            j.rollout.source = RolloutSource::File;
             j.rollout.file = Some(f.clone());
             j.run.steps = 1;
             j.data.heldout = None;
             j.engine.recipe = "bf16".into();
             j.engine.keep_bf16.clear();
-            j.learner.precision = "bf16".into();
+            j.learner.precision = LearnerPrecision::Bf16;
         });
         format!("{:#}", job::run(&j, &JobOptions::default()).unwrap_err())
     };

@@ -37,6 +37,33 @@ fn config_errors_name_the_key() {
     assert!(e.contains("rollout.file"), "{e}");
 }
 
+/// Every mode key: an unknown spelling names the file, the key, the line, the value and every
+/// spelling it accepts; the device string is checked without opening a device.
+#[test]
+fn unknown_modes_name_the_key_and_what_was_expected() {
+    for (section, key, value, want) in [
+        (
+            "objective",
+            "kind",
+            "ppo",
+            "objective.kind: unknown objective 'ppo': expected opd, sft, grpo, reinforce or triage",
+        ),
+        ("schedule", "mode", "eager", "schedule.mode: expected sync or async, got 'eager'"),
+        ("schedule", "placement", "mixed", "schedule.placement: expected colocated or split, got 'mixed'"),
+        ("rollout", "source", "web", "rollout.source: unknown source 'web': expected engine or file"),
+        ("learner", "precision", "fp8", "learner.precision: expected bf16 or nvfp4, got 'fp8'"),
+        ("optimizer", "kind", "adam", "optimizer.kind: unknown optimizer 'adam': expected adamw or sgd"),
+        ("checkpoint", "dtype", "f16", "checkpoint.dtype: expected bf16 or f32, got 'f16'"),
+    ] {
+        let e = cfg_err(&format!("{MIN}[{section}]\n{key} = \"{value}\"\n"));
+        assert!(e.contains("run.toml") && e.contains("line 6") && e.contains(want), "{section}.{key}: {e}");
+    }
+    let e = cfg_err(&format!("{MIN}[run]\ndevice = \"gpu:0\"\n"));
+    assert!(e.contains("run.toml: run.device: device 'gpu:0': expected 'cpu'"), "{e}");
+    // A GPU that this machine lacks is not opened while validating (only when the run starts).
+    assert!(JobConfig::from_toml(&format!("{MIN}[run]\ndevice = \"cuda:7\"\n"), "run.toml").is_ok());
+}
+
 #[test]
 fn model_errors_at_job_start() {
     let t = TempDir::new("jobbad");
@@ -129,7 +156,7 @@ fn shipped_configs_parse() {
     for f in ["configs/tiny-opd.toml", "configs/tiny-opd-split.toml", "configs/r1-distill-qwen-7b-opd.toml"] {
         let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(f);
         let j = JobConfig::from_file(&p).unwrap_or_else(|e| panic!("{f}: {e:#}"));
-        assert_eq!(j.objective.kind, "opd");
+        assert_eq!(j.objective.kind.as_str(), "opd");
     }
     let j = JobConfig::from_file(
         &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/r1-distill-qwen-7b-opd.toml"),
@@ -166,7 +193,7 @@ fn shipped_rl_configs_parse_with_the_papers_settings() {
     };
     for (f, kind) in [("r1-distill-qwen-7b-grpo.toml", "grpo"), ("r1-distill-qwen-7b-reinforce.toml", "reinforce")] {
         let j = open(f);
-        assert_eq!(j.objective.kind, kind, "{f}");
+        assert_eq!(j.objective.kind.as_str(), kind, "{f}");
         assert_eq!(
             (j.rollout.prompts_per_step, j.rollout.samples_per_prompt, j.rollout.max_new_tokens),
             (16, 8, 16384),
@@ -179,7 +206,7 @@ fn shipped_rl_configs_parse_with_the_papers_settings() {
     assert_eq!((g.objective.clip_low, g.objective.clip_high), (0.2, 0.28));
     for f in ["qwen3-4b-base-grpo-triage-nvfp4.toml", "tiny-grpo-triage.toml"] {
         let j = open(f);
-        assert_eq!(j.objective.kind, "triage", "{f}");
+        assert_eq!(j.objective.kind.as_str(), "triage", "{f}");
         assert_eq!((j.optimizer.betas, j.optimizer.weight_decay), ([0.9, 0.98], 0.1), "{f}");
         assert_eq!((j.objective.clip_low, j.objective.clip_high, j.objective.tis_cap), (0.2, 0.28, 2.0), "{f}");
         assert_eq!((j.learner.precision.as_str(), j.engine.recipe.as_str()), ("nvfp4", "nvfp4"), "{f}");

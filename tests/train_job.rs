@@ -4,6 +4,7 @@
 
 mod common;
 
+use colotrain::config::CheckpointDtype;
 use colotrain::config::JobConfig;
 use colotrain::device::{DType, Device};
 use colotrain::model::LoadedModel;
@@ -165,7 +166,7 @@ fn straight_vs_resumed(t: &TempDir, name: &str, base: &str, edit: &dyn Fn(&mut J
         j.data.heldout_size = 8;
         j.checkpoint.every = 3;
         j.checkpoint.keep = 0;
-        j.checkpoint.dtype = "f32".into();
+        j.checkpoint.dtype = CheckpointDtype::F32;
         j.rollout.prompts_per_step = 4;
         j.rollout.samples_per_prompt = 4;
         edit(&mut j);

@@ -17,6 +17,38 @@ pub use tensor::{bf16_rne, CpuFloats, CpuStorage, DType, Storage, Tensor};
 
 use anyhow::Result;
 
+/// A device as a config or a flag spells it, checked without opening anything: `cpu`,
+/// `cpu:<threads>`, `cuda` or `cuda:<ordinal>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// `threads`: None for `cpu` (all cores, or the run's share of them).
+    Cpu { threads: Option<usize> },
+    /// `ordinal`: None for `cuda` (the first GPU, or every visible one for a run).
+    Cuda { ordinal: Option<usize> },
+}
+
+impl DeviceSpec {
+    pub fn parse(spec: &str) -> Result<DeviceSpec> {
+        let spec = spec.trim();
+        match spec {
+            "cpu" => return Ok(DeviceSpec::Cpu { threads: None }),
+            "cuda" => return Ok(DeviceSpec::Cuda { ordinal: None }),
+            _ => {}
+        }
+        if let Some(n) = spec.strip_prefix("cpu:") {
+            let n: usize =
+                n.parse().map_err(|_| anyhow::anyhow!("device '{spec}': expected cpu:<threads>, e.g. cpu:4"))?;
+            return Ok(DeviceSpec::Cpu { threads: Some(n) });
+        }
+        if let Some(k) = spec.strip_prefix("cuda:") {
+            let k: usize =
+                k.parse().map_err(|_| anyhow::anyhow!("device '{spec}': expected cuda:<ordinal>, e.g. cuda:0"))?;
+            return Ok(DeviceSpec::Cuda { ordinal: Some(k) });
+        }
+        anyhow::bail!("device '{spec}': expected 'cpu', 'cpu:<threads>', 'cuda' or 'cuda:<ordinal>'")
+    }
+}
+
 /// A compute device. Cheap to clone (handles are reference counted).
 #[derive(Clone, Debug)]
 pub enum Device {
@@ -36,26 +68,12 @@ impl Device {
         Ok(Device::Cuda(CudaDevice::new(ordinal)?))
     }
 
-    /// Parses `cpu`, `cpu:N` (N threads) or `cuda:K`.
+    /// Parses `cpu`, `cpu:N` (N threads), `cuda` or `cuda:K` and opens that device.
     pub fn parse(spec: &str) -> Result<Device> {
-        let spec = spec.trim();
-        if spec == "cpu" {
-            return Device::cpu(0);
+        match DeviceSpec::parse(spec)? {
+            DeviceSpec::Cpu { threads } => Device::cpu(threads.unwrap_or(0)),
+            DeviceSpec::Cuda { ordinal } => Device::cuda(ordinal.unwrap_or(0)),
         }
-        if let Some(n) = spec.strip_prefix("cpu:") {
-            let n: usize =
-                n.parse().map_err(|_| anyhow::anyhow!("device '{spec}': expected cpu:<threads>, e.g. cpu:4"))?;
-            return Device::cpu(n);
-        }
-        if spec == "cuda" {
-            return Device::cuda(0);
-        }
-        if let Some(k) = spec.strip_prefix("cuda:") {
-            let k: usize =
-                k.parse().map_err(|_| anyhow::anyhow!("device '{spec}': expected cuda:<ordinal>, e.g. cuda:0"))?;
-            return Device::cuda(k);
-        }
-        anyhow::bail!("device '{spec}': expected 'cpu', 'cpu:<threads>', 'cuda' or 'cuda:<ordinal>'")
     }
 
     /// The memory this device may use for a run's plan: a CUDA device's allocator budget (from

@@ -14,24 +14,34 @@ pub mod triage;
 
 use anyhow::{bail, Result};
 
-/// How token losses are aggregated into the step's loss (`objective.loss_agg`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LossAgg {
-    TokenMean,
-    SeqMeanTokenMean,
-    SeqMeanTokenSum,
+crate::str_enum! {
+    /// How token losses are aggregated into the step's loss (`objective.loss_agg`).
+    pub enum LossAgg("objective.loss_agg", "unknown loss aggregation '{s}': expected {expected}") {
+        TokenMean = "token-mean",
+        SeqMeanTokenMean = "seq-mean-token-mean",
+        SeqMeanTokenSum = "seq-mean-token-sum",
+    }
 }
 
-impl LossAgg {
-    pub fn parse(s: &str) -> Result<LossAgg> {
-        Ok(match s {
-            "token-mean" => LossAgg::TokenMean,
-            "seq-mean-token-mean" => LossAgg::SeqMeanTokenMean,
-            "seq-mean-token-sum" => LossAgg::SeqMeanTokenSum,
-            _ => {
-                bail!("unknown loss aggregation '{s}': expected token-mean, seq-mean-token-mean or seq-mean-token-sum")
-            }
-        })
+crate::str_enum! {
+    /// What a step trains toward (`objective.kind`).
+    pub enum ObjectiveKind("objective.kind", "unknown objective '{s}': expected {expected}") {
+        /// On-policy distillation (seed 000 Eq. 1).
+        Opd = "opd",
+        /// Supervised fine-tuning on reference responses.
+        Sft = "sft",
+        /// GRPO (seed 004 Eq. 1).
+        Grpo = "grpo",
+        Reinforce = "reinforce",
+        /// GRPO + TIS + the TRIAGE gate and repair (seed 004 App. C).
+        Triage = "triage",
+    }
+}
+
+impl ObjectiveKind {
+    /// The RL objectives (rewards, group advantages).
+    pub fn is_rl(self) -> bool {
+        matches!(self, ObjectiveKind::Grpo | ObjectiveKind::Reinforce | ObjectiveKind::Triage)
     }
 }
 

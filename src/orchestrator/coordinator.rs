@@ -9,7 +9,7 @@
 use super::fault::Fault;
 use super::plan::{collective, engine_config, plan_devices};
 use super::replica::{self, Replica, Setup, Sources};
-use crate::config::JobConfig;
+use crate::config::{JobConfig, Placement, RolloutSource, ScheduleMode};
 use crate::data::answer;
 use crate::data::dataset::{Dataset, PromptItem};
 use crate::engine::rollout::{self, Rollout};
@@ -206,9 +206,11 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
     let cfg = ModelConfig::from_dir(&dir).with_context(|| format!("loading the student '{}'", job.model.path))?;
     // The tokenizer is needed for text data, rewards and accuracy; token-only runs do without.
     let text = if dir.join("tokenizer.json").exists() { Some(Arc::new(TextTools::load(&dir, &cfg)?)) } else { None };
-    let file_rollouts = match job.rollout.source.as_str() {
-        "file" => Some(rollout::read_file(job.rollout.file.as_deref().context("rollout.file")?, cfg.vocab_size)?),
-        _ => None,
+    let file_rollouts = match job.rollout.source {
+        RolloutSource::File => {
+            Some(rollout::read_file(job.rollout.file.as_deref().context("rollout.file")?, cfg.vocab_size)?)
+        }
+        RolloutSource::Engine => None,
     };
     // With file rollouts, data is only needed for held-out evaluation, and only if given.
     let data = match (&file_rollouts, &job.data.heldout) {
@@ -216,7 +218,7 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
         _ => Some(Dataset::open(&job.data.train, text.clone(), job.data.chat, cfg.vocab_size, job.run.seed)?),
     };
     // RL rewards need every training prompt's answer (checked now, not at the first step).
-    let rl = matches!(job.objective.kind.as_str(), "grpo" | "reinforce" | "triage");
+    let rl = job.objective.kind.is_rl();
     if let (true, None, Some(d)) = (rl, &file_rollouts, &data) {
         if let Some(i) = d.first_without_answer() {
             bail!(
@@ -244,7 +246,7 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
     let names = plan_devices(&job.run.device, job.run.devices)?;
     let n = names.len();
     // Split placement: the first rollout_devices generate, the others train (data-parallel).
-    let gens = if job.schedule.placement == "split" { job.schedule.rollout_devices } else { 0 };
+    let gens = if job.schedule.placement == Placement::Split { job.schedule.rollout_devices } else { 0 };
     if gens >= n {
         bail!(
             "schedule.placement = \"split\" with schedule.rollout_devices = {gens} needs at least {} devices (some generate, at least one trains), but the run has {n} (run.devices / --devices)",
@@ -254,7 +256,8 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
     let spec = job.engine.spec(cfg.num_layers).context("[engine]")?;
     let setup = Arc::new(Setup { job: job.clone(), sources: sources.clone(), spec, engine: engine_config(job) });
     let coll = collective(&names[gens..])?;
-    let cores = if job.run.device.starts_with("cpu") { crate::parallel::split_cores(n) } else { vec![Vec::new(); n] };
+    let on_cpu = matches!(crate::device::DeviceSpec::parse(&job.run.device)?, crate::device::DeviceSpec::Cpu { .. });
+    let cores = if on_cpu { crate::parallel::split_cores(n) } else { vec![Vec::new(); n] };
     let (s2, c2, names2) = (setup.clone(), coll.clone(), names.clone());
     let mut pool = WorkerPool::spawn(names.clone(), cores.clone(), move |rank| {
         let dev = match names2[rank].strip_prefix("cpu:") {
@@ -359,7 +362,7 @@ pub fn print_plan(h: &Coordinator) -> Result<()> {
         "plan: {} device(s), {} schedule{}, {}; student {} ({} layers)",
         plans.len(),
         job.schedule.mode,
-        if job.schedule.mode == "async" {
+        if job.schedule.mode == ScheduleMode::Async {
             format!(" (staleness ≤ {})", job.schedule.max_staleness)
         } else {
             String::new()

@@ -10,7 +10,7 @@ use super::coordinator::{print_plan, start};
 use super::fault::Fault;
 use super::replica::Sources;
 use super::schedule::Scheduler;
-use crate::config::JobConfig;
+use crate::config::{JobConfig, ObjectiveKind};
 use crate::engine::rollout;
 use crate::mismatch;
 use crate::mismatch::monitor::Monitor;
@@ -131,7 +131,7 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
         time.rollout = t0.elapsed().as_secs_f64();
         // 2. Teacher scoring.
         let t0 = Instant::now();
-        let teacher_util = if job.teacher.is_some() && job.objective.kind == "opd" {
+        let teacher_util = if job.teacher.is_some() && job.objective.kind == ObjectiveKind::Opd {
             Some(phase("teacher").in_scope(|| host.score_teacher(&mut rollouts))?)
         } else {
             None
@@ -185,7 +185,7 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
             response_len: gen_tokens as f64 / n_rollouts.max(1) as f64,
             length_cap_rate: truncated as f64 / n_rollouts.max(1) as f64,
             reward,
-            mismatch: if host.file_rollouts.is_none() && job.objective.kind != "sft" {
+            mismatch: if host.file_rollouts.is_none() && job.objective.kind != ObjectiveKind::Sft {
                 mismatch::step_mismatch(&sampler, &out.logp)
             } else {
                 Default::default()

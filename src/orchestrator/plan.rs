@@ -7,6 +7,7 @@
 
 use crate::config::JobConfig;
 use crate::data::dataset::PromptItem;
+use crate::device::DeviceSpec;
 use crate::engine::rollout::Rollout;
 use crate::engine::{EngineConfig, SamplingConfig};
 use crate::parallel::{Collective, InProcess};
@@ -28,25 +29,19 @@ pub fn engine_config(job: &JobConfig) -> EngineConfig {
 /// cores evenly (an error when there are more devices than cores); `cpu:T` gives each device T
 /// threads (oversubscription is the user's choice); `cuda`/`cuda:K` takes N GPUs from K on.
 pub fn plan_devices(spec: &str, n: usize) -> Result<Vec<String>> {
-    let spec = spec.trim();
     let cores = std::thread::available_parallelism().map(|c| c.get()).unwrap_or(1);
-    if spec == "cpu" {
-        let n = n.max(1);
-        if n > cores {
-            bail!("run.devices = {n} CPU devices, but this machine has {cores} cores: a CPU device needs at least one (set run.device = \"cpu:T\" to choose threads per device yourself)");
+    let first = match DeviceSpec::parse(spec).map_err(|e| anyhow::anyhow!("run.device: {e:#}"))? {
+        DeviceSpec::Cpu { threads: None } => {
+            let n = n.max(1);
+            if n > cores {
+                bail!(
+                    "run.devices = {n} CPU devices, but this machine has {cores} cores: a CPU device needs at least one (set run.device = \"cpu:T\" to choose threads per device yourself)"
+                );
+            }
+            return Ok((0..n).map(|_| format!("cpu:{}", cores / n)).collect());
         }
-        return Ok((0..n).map(|_| format!("cpu:{}", cores / n)).collect());
-    }
-    if let Some(t) = spec.strip_prefix("cpu:") {
-        let t: usize = t.parse().map_err(|_| anyhow::anyhow!("run.device '{spec}': expected cpu:<threads>"))?;
-        return Ok((0..n.max(1)).map(|_| format!("cpu:{t}")).collect());
-    }
-    let first = match spec {
-        "cuda" => 0,
-        s => match s.strip_prefix("cuda:") {
-            Some(k) => k.parse().map_err(|_| anyhow::anyhow!("run.device '{spec}': expected cuda:<ordinal>"))?,
-            None => bail!("run.device '{spec}': expected cpu, cpu:<threads>, cuda or cuda:<ordinal>"),
-        },
+        DeviceSpec::Cpu { threads: Some(t) } => return Ok((0..n.max(1)).map(|_| format!("cpu:{t}")).collect()),
+        DeviceSpec::Cuda { ordinal } => ordinal.unwrap_or(0),
     };
     // All visible GPUs (CUDA_VISIBLE_DEVICES decides what is visible) unless N is given; N more
     // than are visible is refused here, naming what is. (Built without CUDA, opening the first

@@ -9,7 +9,7 @@
 //! Owns: [`Replica`], [`Board`], [`GenLink`]. May call: engines, the trainer, rollouts. Must
 //! not: write run files other than the checkpoint the training lead is asked to write.
 
-use crate::config::JobConfig;
+use crate::config::{JobConfig, LearnerPrecision, ObjectiveKind, Placement};
 use crate::device::{DType, Device};
 use crate::engine::rollout::{self, Rollout, WorkQueue};
 use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
@@ -211,11 +211,11 @@ impl Replica {
         // Split placement: generators sample and teacher-score, trainers only train, and the
         // training lead evaluates (held-out KL needs the teacher); the other trainers need
         // neither a teacher nor a rollout engine.
-        let split = job.schedule.placement == "split";
+        let split = job.schedule.placement == Placement::Split;
         let lead_or_all = !split || dp.as_ref().map(|d| d.rank == 0).unwrap_or(true);
         let generates = !split || dp.is_none();
         let teacher = match &job.teacher {
-            Some(t) if job.objective.kind == "opd" && lead_or_all => {
+            Some(t) if job.objective.kind == ObjectiveKind::Opd && lead_or_all => {
                 let dir = s.sources.teacher.as_deref().context("the teacher's directory")?;
                 let tm = load(t, dir, &dev).with_context(|| format!("loading the teacher '{}'", t.path))?;
                 if tm.cfg.vocab_size != student.cfg.vocab_size {
@@ -364,7 +364,7 @@ impl Replica {
             calib,
             self.trainer.version,
         )?;
-        if s.job.learner.precision == "nvfp4" {
+        if s.job.learner.precision == LearnerPrecision::Nvfp4 {
             let mut lq = crate::model::learner_quant::LearnerQuant::new(
                 &s.job.learner.linears,
                 s.spec.recipe.nvfp4,

@@ -23,6 +23,7 @@ use super::coordinator::Coordinator;
 use super::fault::Fault;
 use super::plan::{reference_rollouts, sampling_of};
 use super::replica::{self, GenLink};
+use crate::config::{ObjectiveKind, ScheduleMode};
 use crate::data::dataset::PromptItem;
 use crate::engine::rollout::{self, Rollout};
 use crate::parallel::Pending;
@@ -57,12 +58,12 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(h: &Coordinator, _start: u64) -> Result<Scheduler> {
         Ok(Scheduler {
-            asynchronous: h.job.schedule.mode == "async",
+            asynchronous: h.job.schedule.mode == ScheduleMode::Async,
             prompts: BTreeMap::new(),
             link: Arc::new(GenLink::new(
                 h.job.rollout.samples_per_prompt,
                 h.generators.len(),
-                (h.split() && h.job.objective.kind == "opd" && h.job.teacher.is_some())
+                (h.split() && h.job.objective.kind == ObjectiveKind::Opd && h.job.teacher.is_some())
                     .then_some(h.job.rollout.temperature),
             )),
             generators: Vec::new(),
@@ -148,7 +149,7 @@ impl Scheduler {
         if let Some(f) = &h.file_rollouts {
             return Ok(none(f.clone()));
         }
-        if !self.asynchronous && h.job.objective.kind == "sft" {
+        if !self.asynchronous && h.job.objective.kind == ObjectiveKind::Sft {
             let prompts =
                 h.data.as_ref().context("no training data")?.train_prompts(step, h.job.rollout.prompts_per_step)?;
             if prompts.iter().all(|p| p.response.is_some()) {

@@ -4,8 +4,8 @@
 //! (or by `colotrain init-tiny --teacher`), into the cache directory, atomically.
 
 use crate::config::{
-    CheckpointConfig, DataConfig, EvalConfig, JobConfig, ModelSource, ObjectiveConfig, OptimizerConfig, RolloutConfig,
-    RunConfig,
+    CheckpointConfig, CheckpointDtype, DataConfig, EvalConfig, JobConfig, LossAgg, ModelSource, ObjectiveConfig,
+    ObjectiveKind, OptimizerConfig, OptimizerKind, RolloutConfig, RunConfig,
 };
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -80,13 +80,13 @@ pub fn sft_job(init: &Path, out: &Path) -> JobConfig {
             ..Default::default()
         },
         objective: ObjectiveConfig {
-            kind: "sft".into(),
-            loss_agg: Some("token-mean".into()),
+            kind: ObjectiveKind::Sft,
+            loss_agg: Some(LossAgg::TokenMean),
             chunk_size: 512,
             ..Default::default()
         },
         optimizer: OptimizerConfig {
-            kind: "adamw".into(),
+            kind: OptimizerKind::AdamW,
             lr: 3e-3,
             betas: [0.9, 0.98],
             eps: 1e-8,
@@ -94,7 +94,7 @@ pub fn sft_job(init: &Path, out: &Path) -> JobConfig {
             grad_clip: 1.0,
             warmup_steps: 50,
         },
-        checkpoint: CheckpointConfig { every: 100, dtype: "f32".into(), keep: 0 },
+        checkpoint: CheckpointConfig { every: 100, dtype: CheckpointDtype::F32, keep: 0 },
         eval: EvalConfig { every: 0, samples_per_prompt: 1, max_new_tokens: Some(12), ..Default::default() },
         engine: Default::default(),
         learner: Default::default(),

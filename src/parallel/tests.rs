@@ -98,7 +98,9 @@ fn all_gather_u16_moves_every_bit_pattern() {
     for world in 1..=4 {
         for total in [1usize, 2, 7, 10, 13] {
             let full: Vec<u16> = (0..total)
-                .map(|i| [0x7FC1, 0xFF81, 0x7F80, 0x0001, 0x8000, 0x3F80, 0x0000][i % 7] ^ ((i as u16 * 0x0100) & 0x0F00))
+                .map(|i| {
+                    [0x7FC1, 0xFF81, 0x7F80, 0x0001, 0x8000, 0x3F80, 0x0000][i % 7] ^ ((i as u16 * 0x0100) & 0x0F00)
+                })
                 .collect();
             let src = full.clone();
             let got = on_ranks(world, move |r, c| {

@@ -5,7 +5,7 @@
 //! and an existing one is never overwritten.
 
 use super::trainer::Trainer;
-use crate::config::JobConfig;
+use crate::config::{CheckpointDtype, JobConfig};
 use crate::device::DType;
 use crate::model::weights::{write_safetensors, OwnedView};
 use anyhow::{bail, Context, Result};
@@ -94,7 +94,10 @@ pub fn save(
         std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot clear {}", tmp.display()))?;
     }
     std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    let dtype = if job.checkpoint.dtype == "f32" { DType::F32 } else { DType::BF16 };
+    let dtype = match job.checkpoint.dtype {
+        CheckpointDtype::F32 => DType::F32,
+        CheckpointDtype::Bf16 => DType::BF16,
+    };
     trainer.weights.save(&trainer.cfg, &tmp, dtype)?;
     let torch = if dtype == DType::F32 { "float32" } else { "bfloat16" };
     crate::util::write_atomic(

@@ -6,13 +6,8 @@
 //! compute weights' storage (the trainer writes them from `master` after each step).
 
 use crate::config::OptimizerConfig;
+pub use crate::config::OptimizerKind as Kind;
 use anyhow::{bail, Result};
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Kind {
-    AdamW,
-    Sgd,
-}
 
 #[derive(Clone, Debug)]
 pub struct Optimizer {
@@ -38,11 +33,7 @@ pub struct StepInfo {
 
 impl Optimizer {
     pub fn new(cfg: &OptimizerConfig, master: Vec<f32>) -> Result<Optimizer> {
-        let kind = match cfg.kind.as_str() {
-            "adamw" => Kind::AdamW,
-            "sgd" => Kind::Sgd,
-            k => bail!("unknown optimizer '{k}'"),
-        };
+        let kind = cfg.kind;
         let n = master.len();
         let (m, v) = if kind == Kind::AdamW { (vec![0.0; n], vec![0.0; n]) } else { (Vec::new(), Vec::new()) };
         Ok(Optimizer { kind, cfg: cfg.clone(), master, m, v, step: 0 })
@@ -130,9 +121,9 @@ pub fn sum_sq(g: &[f32]) -> f64 {
 mod tests {
     use super::*;
 
-    fn cfg(kind: &str) -> OptimizerConfig {
+    fn cfg(kind: Kind) -> OptimizerConfig {
         OptimizerConfig {
-            kind: kind.into(),
+            kind,
             lr: 0.1,
             betas: [0.9, 0.999],
             eps: 1e-8,
@@ -145,7 +136,7 @@ mod tests {
     #[test]
     fn adamw_matches_the_torch_formula_over_three_steps() {
         // Reference: the same recurrences in f64 (torch.optim.AdamW, amsgrad=False).
-        let mut o = Optimizer::new(&cfg("adamw"), vec![1.0, -2.0]).unwrap();
+        let mut o = Optimizer::new(&cfg(Kind::AdamW), vec![1.0, -2.0]).unwrap();
         let grads = [[0.5f32, -0.25], [0.1, 0.3], [-0.2, 0.05]];
         let (mut p, mut m, mut v) = ([1.0f64, -2.0], [0.0f64; 2], [0.0f64; 2]);
         for (t, g) in grads.iter().enumerate() {
@@ -167,7 +158,7 @@ mod tests {
 
     #[test]
     fn sgd_clipping_warmup_and_nonfinite_skip() {
-        let mut c = cfg("sgd");
+        let mut c = cfg(Kind::Sgd);
         c.weight_decay = 0.0;
         c.grad_clip = 1.0;
         c.warmup_steps = 2;

@@ -6,7 +6,7 @@
 //! Owns: [`Objective`] (the configured objective), [`StepInputs`]. May call: `crate::objective`.
 //! Must not: run models.
 
-use crate::config::{JobConfig, LossAgg};
+use crate::config::{JobConfig, LossAgg, ObjectiveKind};
 use crate::engine::rollout::Rollout;
 use crate::objective::advantage::{self, Estimator};
 use crate::objective::grpo::{self, PgConfig};
@@ -35,23 +35,22 @@ impl Objective {
     pub fn from_job(job: &JobConfig) -> Result<Objective> {
         let o = &job.objective;
         let tis_cap = o.tis_enabled().then_some(o.tis_cap);
-        Ok(match o.kind.as_str() {
-            "sft" => Objective::Sft,
-            "opd" => Objective::Opd { offset: o.advantage_offset },
-            "grpo" | "triage" => Objective::Pg {
+        Ok(match o.kind {
+            ObjectiveKind::Sft => Objective::Sft,
+            ObjectiveKind::Opd => Objective::Opd { offset: o.advantage_offset },
+            ObjectiveKind::Grpo | ObjectiveKind::Triage => Objective::Pg {
                 pg: PgConfig { eps_low: o.clip_low, eps_high: o.clip_high, tis_cap },
                 est: Estimator::Grpo { population_std: o.population_std },
                 offset: o.advantage_offset,
-                triage: (o.kind == "triage").then(|| o.triage.clone()),
+                triage: (o.kind == ObjectiveKind::Triage).then(|| o.triage.clone()),
             },
             // REINFORCE: the ratio is never clipped.
-            "reinforce" => Objective::Pg {
+            ObjectiveKind::Reinforce => Objective::Pg {
                 pg: PgConfig { eps_low: f64::INFINITY, eps_high: f64::INFINITY, tis_cap },
                 est: Estimator::Reinforce,
                 offset: o.advantage_offset,
                 triage: None,
             },
-            k => bail!("objective '{k}' is not available in the trainer"),
         })
     }
 

@@ -11,7 +11,7 @@ use super::dp::{sum_triage, Dp};
 use super::optimizer::sum_sq;
 use super::optimizer::{Optimizer, StepInfo};
 use super::step_inputs::{evaluate, minibatches, Objective, StepInputs};
-use crate::config::{JobConfig, LossAgg};
+use crate::config::{JobConfig, LossAgg, ScheduleMode};
 use crate::device::{bf16_rne, DType};
 use crate::engine::rollout::Rollout;
 use crate::model::learner_quant::LearnerQuant;
@@ -145,7 +145,7 @@ impl Trainer {
             weights_only,
             dp,
             objective,
-            agg: job.loss_agg()?,
+            agg: job.loss_agg(),
             temperature: job.rollout.temperature,
             chunk: job.objective.chunk_size,
             micro_batch_tokens: job.objective.micro_batch_tokens,
@@ -154,7 +154,7 @@ impl Trainer {
             updates_per_step: job.objective.updates_per_step,
             version: 0,
             rollout_steps: 0,
-            max_staleness: (job.schedule.mode == "async").then_some(job.schedule.max_staleness),
+            max_staleness: (job.schedule.mode == ScheduleMode::Async).then_some(job.schedule.max_staleness),
             skipped_steps: 0,
         })
     }
