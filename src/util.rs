@@ -199,6 +199,88 @@ pub fn advise_huge_pages<T>(ptr: *const T, bytes: usize) {
     let _ = (ptr, bytes);
 }
 
+/// An enum of named modes that a config file or a flag spells as a string: `as_str` (the
+/// spelling), `Display`, `FromStr` and serde through those spellings, so the TOML stays as
+/// written and a `match` on the mode is checked by the compiler. An unknown spelling is the
+/// error `"{key}: {message}"`, where the message format names the value (`{s}`) and the
+/// spellings it expected (`{expected}`: "a, b or c").
+///
+/// ```ignore
+/// str_enum! {
+///     /// How rollout and training share the devices.
+///     pub enum Placement("schedule.placement", "expected {expected}, got '{s}'") {
+///         Colocated = "colocated",
+///         Split = "split",
+///     }
+/// }
+/// ```
+#[macro_export]
+macro_rules! str_enum {
+    ($(#[$m:meta])* $vis:vis enum $name:ident ($key:literal, $fmt:literal) {
+        $($(#[$vm:meta])* $var:ident = $s:literal),+ $(,)?
+    }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+        #[serde(try_from = "String", into = "&'static str")]
+        $vis enum $name {
+            $($(#[$vm])* $var),+
+        }
+
+        impl $name {
+            /// Every mode, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$var),+];
+
+            /// The spelling in config files and on the command line.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$var => $s),+
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = anyhow::Error;
+            fn from_str(s: &str) -> anyhow::Result<$name> {
+                match s {
+                    $($s => Ok($name::$var),)+
+                    _ => {
+                        let expected = $crate::util::or_list(&[$($s),+]);
+                        Err(anyhow::anyhow!(concat!("{key}: ", $fmt), key = $key, s = s, expected = expected))
+                    }
+                }
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = anyhow::Error;
+            fn try_from(s: String) -> anyhow::Result<$name> {
+                s.parse()
+            }
+        }
+
+        impl From<$name> for &'static str {
+            fn from(m: $name) -> &'static str {
+                m.as_str()
+            }
+        }
+    };
+}
+
+/// "a", "a or b", "a, b or c".
+pub fn or_list(items: &[&str]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.to_string(),
+        [init @ .., last] => format!("{} or {last}", init.join(", ")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     crate::str_enum! {
@@ -299,89 +381,5 @@ mod tests {
             assert!(holds(s, 200, 5));
             a.dealloc(s, Layout::from_size_align(200, 4).unwrap());
         }
-    }
-}
-
-/// An enum of named modes that a config file or a flag spells as a string: `as_str` (the
-/// spelling), `Display`, `FromStr` and serde through those spellings, so the TOML stays as
-/// written and a `match` on the mode is checked by the compiler. An unknown spelling is the
-/// error `"{key}: {message}"`, where the message format names the value (`{s}`) and the
-/// spellings it expected (`{expected}`: "a, b or c").
-///
-/// ```ignore
-/// str_enum! {
-///     /// How rollout and training share the devices.
-///     pub enum Placement("schedule.placement", "expected {expected}, got '{s}'") {
-///         Colocated = "colocated",
-///         Split = "split",
-///     }
-/// }
-/// ```
-#[macro_export]
-macro_rules! str_enum {
-    ($(#[$m:meta])* $vis:vis enum $name:ident ($key:literal, $fmt:literal) {
-        $($(#[$vm:meta])* $var:ident = $s:literal),+ $(,)?
-    }) => {
-        $(#[$m])*
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-        #[serde(try_from = "String", into = "&'static str")]
-        $vis enum $name {
-            $($(#[$vm])* $var),+
-        }
-
-        impl $name {
-            /// Every mode, in declaration order.
-            pub const ALL: &'static [$name] = &[$($name::$var),+];
-            /// The config key this mode is read from.
-            pub const KEY: &'static str = $key;
-
-            /// The spelling in config files and on the command line.
-            pub fn as_str(self) -> &'static str {
-                match self {
-                    $($name::$var => $s),+
-                }
-            }
-        }
-
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-
-        impl std::str::FromStr for $name {
-            type Err = anyhow::Error;
-            fn from_str(s: &str) -> anyhow::Result<$name> {
-                match s {
-                    $($s => Ok($name::$var),)+
-                    _ => {
-                        let expected = $crate::util::or_list(&[$($s),+]);
-                        Err(anyhow::anyhow!(concat!("{key}: ", $fmt), key = $key, s = s, expected = expected))
-                    }
-                }
-            }
-        }
-
-        impl TryFrom<String> for $name {
-            type Error = anyhow::Error;
-            fn try_from(s: String) -> anyhow::Result<$name> {
-                s.parse()
-            }
-        }
-
-        impl From<$name> for &'static str {
-            fn from(m: $name) -> &'static str {
-                m.as_str()
-            }
-        }
-    };
-}
-
-/// "a", "a or b", "a, b or c".
-pub fn or_list(items: &[&str]) -> String {
-    match items {
-        [] => String::new(),
-        [one] => one.to_string(),
-        [init @ .., last] => format!("{} or {last}", init.join(", ")),
     }
 }
