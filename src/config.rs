@@ -1,7 +1,11 @@
 //! The job config (TOML): every section, its defaults, and validation up front with errors that
 //! name the file, the key and what was expected (unknown keys included).
 //!
-//! Owns: [`JobConfig`]. May call: serde/toml. Must not: open models or touch devices.
+//! Owns: [`JobConfig`] and the modes only a job has ([`ScheduleMode`], [`Placement`],
+//! [`RolloutSource`], [`LearnerPrecision`], [`OptimizerKind`], [`CheckpointDtype`]). May call:
+//! serde/toml, and the types it validates from the layers below (`DeviceSpec`, the objective's
+//! modes, the engine's recipe, the monitor's settings). Must not: open models or devices, or be
+//! imported by the layers it validates.
 
 pub use crate::objective::{LossAgg, ObjectiveKind};
 use anyhow::{bail, Context, Result};

@@ -205,7 +205,7 @@ pub fn advise_huge_pages<T>(ptr: *const T, bytes: usize) {
 /// error `"{key}: {message}"`, where the message format names the value (`{s}`) and the
 /// spellings it expected (`{expected}`: "a, b or c").
 ///
-/// ```ignore
+/// ```text
 /// str_enum! {
 ///     /// How rollout and training share the devices.
 ///     pub enum Placement("schedule.placement", "expected {expected}, got '{s}'") {

@@ -1,10 +1,12 @@
 //! The decoding engine: continuous batching over a paged KV cache, prefill and decode in one
 //! flat batch per step, Philox sampling, stop conditions, and prompt scoring (log-probs of
-//! given tokens) through the same path.
+//! given tokens) through the same path; the rollout engines' weights (`rollout_weights`:
+//! quantized, noisy or stale views of the trainer's store) and rollouts (`rollout`: what a
+//! training step learns from).
 //!
 //! Owns: [`Engine`] (cache, scheduler, activation buffers, per-step host staging vectors that
-//! are reused, so steady-state decoding allocates nothing). May call: `crate::model`,
-//! `crate::ops`. Must not: own weights — every step reads the caller's [`ModelWeights`], which
+//! are reused, so steady-state decoding allocates nothing), rollouts. May call: `crate::model`,
+//! `crate::ops`, `crate::quant`, `crate::data` (prompts of rollouts). Must not: own weights — every step reads the caller's [`ModelWeights`], which
 //! is what lets a trainer and an engine share one weight store without copies.
 
 pub mod kv_cache;

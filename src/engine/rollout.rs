@@ -1,6 +1,9 @@
 //! Rollouts: what a training step learns from. Produced by the engine on the current weights
 //! (the engine reads the trainer's weight store directly), or read from a JSONL file of
 //! precomputed rollouts; then scored by the teacher (log p_T at the sampled tokens only).
+//!
+//! Owns: [`Rollout`], the work queue that devices generate from. May call: the engine, `data`'s
+//! prompts. Must not: train (the trainer consumes rollouts; `mismatch::admit` makes them too).
 
 use crate::data::dataset::PromptItem;
 use crate::engine::{Completion, Engine, FinishReason, Request, SamplingConfig, View};

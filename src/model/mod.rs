@@ -1,8 +1,11 @@
 //! Models: Hugging Face directories in (config, safetensors, tokenizer, chat template) and out,
 //! and the transformer forward shared by the decoding engine and the scorer.
 //!
-//! Owns: config parsing, weight loading/saving, tokenization, the forward pass.
-//! May call: `crate::device`, `crate::ops`. Must not: schedule requests or sample (engine/).
+//! Owns: config parsing, weight loading/saving, tokenization, the forward pass and its training
+//! twin (`trainable`, the NVFP4 learner in `learner_quant`), an engine's quantized weight set
+//! (`quant_state`) and calibration scales (`calib`), ModelOpt import / export, the tiny models'
+//! shapes (`tiny`). May call: `crate::device`, `crate::quant`, `crate::ops`. Must not: schedule
+//! requests or sample (engine/).
 
 pub mod calib;
 pub mod config;

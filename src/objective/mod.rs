@@ -3,8 +3,9 @@
 //! then produced by the fused LM-head pass, `ops::lm_head::grad::grad`). An objective is a cheap
 //! pass over the step's tokens; it never sees logits.
 //!
-//! Owns: the aggregation weights and each objective's coefficients and reported loss. May call
-//! nothing heavier than arithmetic. Must not: run models.
+//! Owns: [`ObjectiveKind`], [`LossAgg`], the aggregation weights and each objective's
+//! coefficients and reported loss. May call: arithmetic, and `crate::mismatch`'s segment
+//! statistics (TRIAGE's repair). Must not: run models.
 
 pub mod advantage;
 pub mod grpo;
