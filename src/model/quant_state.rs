@@ -35,6 +35,18 @@ fn dense(l: &crate::model::weights::LayerWeights, i: usize) -> &crate::device::T
     [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj][i]
 }
 
+/// The HF names of every layer's seven linears (for error messages; built once).
+fn linear_names(cfg: &ModelConfig) -> Vec<[String; 7]> {
+    (0..cfg.num_layers)
+        .map(|l| {
+            std::array::from_fn(|i| {
+                let block = if i < 4 { "self_attn" } else { "mlp" };
+                format!("model.layers.{l}.{block}.{}.weight", crate::quant::recipe::LINEARS[i])
+            })
+        })
+        .collect()
+}
+
 impl QuantState {
     /// Allocates every buffer the recipe needs; input and KV scales come from `calib`.
     pub fn new(
@@ -88,58 +100,31 @@ impl QuantState {
             };
             layers.push(QLayer { w: wq, act, k_scale, v_scale });
         }
-        let names = (0..cfg.num_layers)
-            .map(|l| {
-                std::array::from_fn(|i| {
-                    format!(
-                        "model.layers.{l}.{}.{}.weight",
-                        if i < 4 { "self_attn" } else { "mlp" },
-                        crate::quant::recipe::LINEARS[i]
-                    )
-                })
-            })
-            .collect();
+        let names = linear_names(cfg);
         Ok(QuantState { recipe: recipe.clone(), layers, syncs: 0, names })
     }
 
     /// A state from imported parts (a ModelOpt directory).
     pub fn from_parts(recipe: Recipe, layers: Vec<QLayer>, cfg: &ModelConfig) -> QuantState {
-        let names = (0..cfg.num_layers)
-            .map(|l| {
-                std::array::from_fn(|i| {
-                    format!(
-                        "model.layers.{l}.{}.{}.weight",
-                        if i < 4 { "self_attn" } else { "mlp" },
-                        crate::quant::recipe::LINEARS[i]
-                    )
-                })
-            })
-            .collect();
+        let names = linear_names(cfg);
         QuantState { recipe, layers, syncs: 0, names }
     }
 
     /// Re-quantizes every quantized weight in place from `w` (fused amax + quantize).
     pub fn sync(&mut self, dev: &Device, w: &ModelWeights) -> Result<()> {
-        let names = &self.names;
+        let targets = self.layers.iter_mut().zip(&w.layers).zip(&self.names).flat_map(|((ql, lw), names)| {
+            ql.w.iter_mut()
+                .enumerate()
+                .filter_map(move |(i, q)| q.as_mut().map(|q| (dense(lw, i), q, names[i].as_str())))
+        });
         if dev.is_cpu() {
             // Tensor by tensor, allocating nothing.
-            for (l, (ql, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
-                for (i, q) in ql.w.iter_mut().enumerate() {
-                    if let Some(q) = q {
-                        crate::ops::quantize::requantize(dev, dense(lw, i), q, &names[l][i])?;
-                    }
-                }
+            for (src, q, name) in targets {
+                crate::ops::quantize::requantize(dev, src, q, name)?;
             }
         } else {
             // One queue of kernels and one read-back of the scales for the whole model.
-            let mut items: Vec<(&crate::device::Tensor, &mut QTensor, &str)> = Vec::new();
-            for (l, (ql, lw)) in self.layers.iter_mut().zip(&w.layers).enumerate() {
-                for (i, q) in ql.w.iter_mut().enumerate() {
-                    if let Some(q) = q {
-                        items.push((dense(lw, i), q, names[l][i].as_str()));
-                    }
-                }
-            }
+            let mut items: Vec<_> = targets.collect();
             crate::ops::quantize::requantize_all(dev, &mut items)?;
         }
         self.syncs += 1;
