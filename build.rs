@@ -1,4 +1,5 @@
-//! Build script: compiles the CUDA code under `--features cuda`; does nothing otherwise.
+//! Build script: the simulated GPU's kernel library in every build (`build_sim`: csrc/kernels
+//! compiled for the host, see src/device/cuda/sim.rs), and the CUDA code under `--features cuda`.
 //!
 //! With the `cuda` feature (CARGO_FEATURE_CUDA) it
 //! 1. finds nvcc: `$CUDA_HOME/bin/nvcc`, `$CUDA_PATH/bin/nvcc`, then the pinned toolchain in
@@ -35,6 +36,10 @@ fn main() {
     for cfg in CUTLASS_CFGS {
         println!("cargo::rustc-check-cfg=cfg({cfg})");
     }
+    if let Err(e) = build_sim() {
+        eprintln!("\nerror: the simulated GPU's kernel library failed to build: {e}\n");
+        std::process::exit(1);
+    }
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
@@ -42,6 +47,59 @@ fn main() {
         eprintln!("\nerror: the CUDA build failed: {e}\n");
         std::process::exit(1);
     }
+}
+
+/// The simulated GPU's kernel library, in every build: the kernels of csrc/kernels compiled
+/// for the host with the shim of csrc/hostemu (csrc/hostemu/sim.cpp, one C entry point) into
+/// `$OUT_DIR/libcolotrain_sim.a`, linked with the C++ runtime. The compiler is `$CXX` (default
+/// `c++`); the object is reused while the compiler, flags and sources stay the same.
+fn build_sim() -> Res<()> {
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);
+    let out = PathBuf::from(std::env::var("OUT_DIR").map_err(|e| e.to_string())?);
+    let csrc = root.join("csrc");
+    println!("cargo:rerun-if-changed={}", csrc.join("kernels").display());
+    println!("cargo:rerun-if-changed={}", csrc.join("hostemu").display());
+    println!("cargo:rerun-if-changed={}", csrc.join("include").display());
+    let cxx = env("CXX").unwrap_or_else(|| "c++".into());
+    let emu = csrc.join("hostemu");
+    let obj = out.join("colotrain_sim.o");
+    let lib = out.join("libcolotrain_sim.a");
+    let args: Vec<String> = vec![
+        "-std=c++17".into(),
+        "-O2".into(),
+        "-ffp-contract=off".into(),
+        "-U_FORTIFY_SOURCE".into(),
+        "-fPIC".into(),
+        "-include".into(),
+        emu.join("shim.h").display().to_string(),
+        format!("-I{}", emu.join("include").display()),
+        format!("-I{}", csrc.join("include").display()),
+        "-c".into(),
+        emu.join("sim.cpp").display().to_string(),
+        "-o".into(),
+        obj.display().to_string(),
+    ];
+    let dirs = [csrc.join("kernels"), emu.clone(), emu.join("include"), csrc.join("include")];
+    let sources = hash_files(&dirs.iter().map(PathBuf::as_path).collect::<Vec<_>>(), &["cu", "cuh", "h", "cpp"])?;
+    let stamp = format!("{cxx}|{}|{sources:016x}", args.join(" "));
+    let stamp_path = out.join("colotrain_sim.stamp");
+    if !(lib.exists() && fs::read_to_string(&stamp_path).map(|s| s == stamp).unwrap_or(false)) {
+        let o =
+            Command::new(&cxx).args(&args).output().map_err(|e| format!("{cxx}: {e} (a C++17 compiler is needed)"))?;
+        if !o.status.success() {
+            return Err(format!("{cxx} csrc/hostemu/sim.cpp:\n{}", String::from_utf8_lossy(&o.stderr)));
+        }
+        let _ = fs::remove_file(&lib);
+        let a = Command::new("ar").arg("crs").arg(&lib).arg(&obj).output().map_err(|e| format!("ar: {e}"))?;
+        if !a.status.success() {
+            return Err(format!("ar: {}", String::from_utf8_lossy(&a.stderr)));
+        }
+        fs::write(&stamp_path, &stamp).map_err(|e| format!("{}: {e}", stamp_path.display()))?;
+    }
+    println!("cargo:rustc-link-search=native={}", out.display());
+    println!("cargo:rustc-link-lib=static=colotrain_sim");
+    println!("cargo:rustc-link-lib=dylib=stdc++");
+    Ok(())
 }
 
 type Res<T> = Result<T, String>;

@@ -19,6 +19,7 @@
 // the unit tests in src/ops/hostemu/: they check the kernels' arithmetic, indexing and
 // synchronization against the CPU twins without a GPU; they say nothing about the GPU itself.
 #pragma once
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <algorithm>
@@ -78,7 +79,9 @@ using std::signbit;
 namespace ct_emu {
 enum State { kRunning, kAtBlockBarrier, kAtWarpBarrier, kDone };
 struct Fiber {
-  ucontext_t ctx;
+  ucontext_t ctx;  // only to start the fiber on its stack
+  jmp_buf jb;      // where it resumes after parking
+  bool started;
   std::vector<char> stack;
   State state;
   unsigned tid;
@@ -87,6 +90,11 @@ struct Fiber {
 inline std::vector<Fiber> fibers;        // the threads of the running block (empty: direct call)
 inline size_t current = 0;               // index of the running fiber
 inline ucontext_t scheduler;
+// The scheduler's resume point. Fibers switch with _setjmp / _longjmp, which (unlike
+// swapcontext) make no system call to save and restore the signal mask: a 1024-thread block
+// passes tens of thousands of switches. swapcontext only starts a fiber on its own stack.
+// (Built with _FORTIFY_SOURCE off: its longjmp check refuses jumps between stacks.)
+inline jmp_buf sched_jb;
 inline std::function<void()> body;       // the kernel call every fiber of the block makes
 inline std::vector<uint64_t> exchange;   // one shuffle slot per thread
 inline std::vector<unsigned char> dyn_smem;
@@ -125,11 +133,17 @@ inline void fail(const char* what) {
 inline void park(State s) {
   Fiber& f = fibers[current];
   f.state = s;
-  if (swapcontext(&f.ctx, &scheduler) != 0) fail("swapcontext failed");
+  if (_setjmp(f.jb) == 0) _longjmp(sched_jb, 1);
 }
+// A fiber runs the kernel for every block of its launch: after each block it parks as done,
+// and the next block resumes it here (so a fiber is started once per launch, not per block).
 inline void fiber_entry() {
-  body();
-  fibers[current].state = kDone;  // returns to uc_link: the scheduler
+  for (;;) {
+    body();
+    Fiber& f = fibers[current];
+    f.state = kDone;
+    if (_setjmp(f.jb) == 0) _longjmp(sched_jb, 1);  // never returns through uc_link
+  }
 }
 inline void warp_sync() {
   if (fibers.empty()) return;
@@ -148,7 +162,15 @@ inline void run_block(const std::vector<size_t>& order) {
       if (fibers[i].state != kRunning) continue;
       current = i;
       threadIdx = {fibers[i].tid, 0, 0};
-      if (swapcontext(&scheduler, &fibers[i].ctx) != 0) fail("swapcontext failed");
+      if (_setjmp(sched_jb) == 0) {
+        Fiber& f = fibers[i];
+        if (!f.started) {
+          f.started = true;
+          if (swapcontext(&scheduler, &f.ctx) != 0) fail("swapcontext failed");
+        } else {
+          _longjmp(f.jb, 1);
+        }
+      }
     }
     bool any_live = false, released = false;
     for (size_t w = 0; w < n; w += 32) {
@@ -204,8 +226,29 @@ void launch(void (*kernel)(P), unsigned gx, unsigned gy, unsigned bx, size_t sme
   dyn_smem.assign(smem_bytes + kCanary, kCanaryByte);
   exchange.assign(bx, 0);
   body = [&] { kernel(params); };
+  // Stacks are kept from launch to launch (a 1024-thread block holds 64 MiB of them); only
+  // the canary at the far end of each is rewritten.
+  static std::vector<std::vector<char>> stacks;
+  if (stacks.size() < bx) stacks.resize(bx);
   fibers.assign(bx, Fiber{});
-  for (unsigned t = 0; t < bx; t++) fibers[t].stack.assign(kStack, kCanaryByte);
+  for (unsigned t = 0; t < bx; t++) {
+    if (stacks[t].size() != kStack) stacks[t].assign(kStack, 0);
+    std::memset(stacks[t].data(), kCanaryByte, kCanary);
+    fibers[t].stack.swap(stacks[t]);
+  }
+  // One getcontext per launch (it saves the signal mask with a system call); each fiber
+  // starts from a copy.
+  ucontext_t start_ctx;
+  if (getcontext(&start_ctx) != 0) fail("getcontext failed");
+  for (unsigned t = 0; t < bx; t++) {
+    Fiber& f = fibers[t];
+    f.started = false;
+    f.ctx = start_ctx;
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = &scheduler;
+    makecontext(&f.ctx, fiber_entry, 0);
+  }
   std::vector<size_t> order(bx);
   uint64_t rng = 0x9E3779B97F4A7C15ull * (++launches);
   for (unsigned by = 0; by < gy; by++) {
@@ -225,11 +268,6 @@ void launch(void (*kernel)(P), unsigned gx, unsigned gy, unsigned bx, size_t sme
         f.tid = t;
         f.state = kRunning;
         f.shuffles = f.barriers = 0;
-        if (getcontext(&f.ctx) != 0) fail("getcontext failed");
-        f.ctx.uc_stack.ss_sp = f.stack.data();
-        f.ctx.uc_stack.ss_size = f.stack.size();
-        f.ctx.uc_link = &scheduler;
-        makecontext(&f.ctx, fiber_entry, 0);
       }
       run_block(order);
       if (!canary_intact(dyn_smem.data() + smem_bytes)) fail("write past the dynamic shared memory");
@@ -237,6 +275,7 @@ void launch(void (*kernel)(P), unsigned gx, unsigned gy, unsigned bx, size_t sme
         if (!canary_intact(reinterpret_cast<unsigned char*>(f.stack.data()))) fail("a thread overflowed its 64 KiB stack");
     }
   }
+  for (unsigned t = 0; t < bx; t++) fibers[t].stack.swap(stacks[t]);
   fibers.clear();
   blockIdx = {0, 0, 0};
   threadIdx = {0, 0, 0};

@@ -1,19 +1,25 @@
-//! The CUDA device (feature `cuda`; without it `cuda_stub.rs` stands in with the same API).
+//! The CUDA device: the glue between tensors and kernels, the same code on a GPU and on the
+//! simulated GPU (`cuda-sim:K`). Everything that executes work goes through one seam,
+//! `cuda/driver.rs`: the real driver (`cuda/real.rs`, cudarc, feature `cuda`: a primary
+//! context and one stream per device, the cubins build.rs embedded for the GPU's
+//! architecture, cuBLASLt in `cuda/blas.rs`) or the simulator (`cuda/sim.rs`: the kernels
+//! compiled for the host, device memory as host memory with canaries and poison, a queue run
+//! at synchronization points, the hardware's launch rules checked, a reference GEMM in
+//! `cuda/sim_gemm.rs`).
 //!
-//! One primary context and one stream per device; device memory from a caching allocator with
-//! a budget (`cuda/alloc.rs`); the kernels of csrc/kernels/ loaded from the cubins build.rs
-//! embedded for this GPU's architecture (`cuda/kernels.rs`, never PTX JIT); cuBLASLt for BF16 /
-//! F32 / FP8 / NVFP4 GEMMs (`cuda/blas.rs`); how a tensor is passed to a kernel
-//! (`cuda/args.rs`); NVTX ranges (`cuda/nvtx.rs`). The ops' CUDA twins live in their rooms
-//! (`ops/<op>/cuda.rs`, the CUTLASS path in `ops/linear/cuda_lowp.rs`) and build on the
-//! public methods here; this layer names nothing above it. Tensors on the GPU keep the dtypes the CPU
+//! Above the seam: device memory from a caching allocator with a budget (`cuda/alloc.rs`), the
+//! typed kernel launchers (`cuda/kernels.rs`), how a tensor is passed to a kernel
+//! (`cuda/args.rs`), NVTX ranges (`cuda/nvtx.rs`). The ops' CUDA twins live in their rooms
+//! (`ops/<op>/cuda.rs`, the CUTLASS path in `ops/linear/cuda_lowp.rs`) and build on the public
+//! methods here; this layer names nothing above it. Tensors on the GPU keep the dtypes the CPU
 //! engine gives them: activations f32, weights f32 / BF16 / F16, FP8 KV caches and quantized
 //! weights u8. GEMMs with BF16 (F16) weights round their f32 input rows to BF16 (F16) and
-//! accumulate in FP32.
+//! accumulate in FP32. One ordinal is one device: opening it again returns the same context,
+//! stream and allocator.
 //!
-//! Honesty note: this code compiles and links on a machine without a GPU; none of it has run
-//! on one yet. `colotrain device-check` (bench/device_check.sh) compares every op with its CPU
-//! twin on a GPU machine; until it has passed there, treat every kernel as unverified.
+//! Honesty note: none of this has run on a GPU yet. The simulator runs it in CI;
+//! `colotrain device-check` (bench/device_check.sh) compares every op with its CPU twin on a
+//! GPU machine; until it has passed there, treat every kernel as unverified on hardware.
 //!
 //! Errors found by kernels (an out-of-vocabulary id, a bad cache slot) are written into a
 //! device error word and reported at the next synchronization or device-to-host read.
@@ -21,24 +27,42 @@
 //! `COLOTRAIN_CUDA_BUDGET_MB` sets the memory budget (default: 92% of the free memory).
 
 use super::{CpuStorage, DType, Storage, Tensor};
-use anyhow::{anyhow, bail, Context, Result};
-use cudarc::driver::{result as dr, sys, CudaContext, CudaStream};
+use anyhow::{anyhow, bail, Result};
+use driver::Driver;
 use half::{bf16, f16};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 #[path = "cuda/alloc.rs"]
 mod alloc;
 #[path = "cuda/args.rs"]
 pub mod args;
+#[cfg(feature = "cuda")]
 #[path = "cuda/blas.rs"]
 mod blas;
+#[path = "cuda/driver.rs"]
+mod driver;
 #[allow(non_camel_case_types, non_upper_case_globals, non_snake_case)]
 #[path = "cuda/ffi.rs"]
 pub mod ffi;
+
+// SAFETY: ct_sample_row is plain data with no padding: two u64 then six 4-byte fields, 40
+// bytes at alignment 8, as ffi.rs asserts at compile time (size, alignment, every offset).
+unsafe impl bytemuck::NoUninit for ffi::ct_sample_row {}
 #[path = "cuda/kernels.rs"]
 pub mod kernels;
 #[path = "cuda/nvtx.rs"]
 pub mod nvtx;
+#[cfg(feature = "cuda")]
+#[path = "cuda/real.rs"]
+mod real;
+#[path = "cuda/sim.rs"]
+mod sim;
+#[path = "cuda/sim_gemm.rs"]
+mod sim_gemm;
+#[cfg(test)]
+#[path = "cuda/sim_tests.rs"]
+mod sim_tests;
 
 /// One embedded cubin (build.rs writes the list).
 pub struct Cubin {
@@ -47,14 +71,18 @@ pub struct Cubin {
     pub bytes: &'static [u8],
 }
 
+#[cfg(feature = "cuda")]
 mod embedded {
     use super::Cubin;
     include!(concat!(env!("OUT_DIR"), "/cuda_kernels.rs"));
 }
+pub use driver::{Elem, GemmKey};
 /// The architectures this binary carries kernels for (COLOTRAIN_CUDA_ARCHS at build time).
-pub use blas::Elem;
+#[cfg(feature = "cuda")]
 pub use embedded::BUILT_ARCHS;
-use embedded::CUBINS;
+/// The architectures this binary carries kernels for: none without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub const BUILT_ARCHS: &[&str] = &[];
 
 /// A CUDA device. Cheap to clone; the context, stream, allocator and modules are shared.
 #[derive(Clone)]
@@ -68,15 +96,17 @@ struct Inner {
     cc: (i32, i32),
     arch: String,
     sm_count: u32,
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    kernels: kernels::Kernels,
+    driver: Driver,
     alloc: Mutex<alloc::Allocator>,
-    blas: Mutex<blas::Blas>,
     /// 4 bytes of device memory where kernels record the first bad input they met.
     err_word: u64,
+    /// Device memory held for the device's lifetime (cuBLASLt's workspace): (pointer, class).
+    held: Vec<(u64, usize)>,
     sync_launches: bool,
 }
+
+/// The devices open in this process, by (simulated, ordinal): opening one again shares it.
+static OPEN: Mutex<Option<HashMap<(bool, usize), Weak<Inner>>>> = Mutex::new(None);
 
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -84,28 +114,15 @@ impl std::fmt::Debug for CudaDevice {
     }
 }
 
-/// The allocator's view of the driver.
-struct DriverOps<'a> {
-    ctx: &'a Arc<CudaContext>,
-    stream: &'a Arc<CudaStream>,
-}
-
-impl alloc::Driver for DriverOps<'_> {
+impl alloc::Driver for Driver {
     fn malloc(&self, bytes: usize) -> Result<u64> {
-        self.ctx.bind_to_thread().map_err(|e| anyhow!("{e}"))?;
-        // SAFETY: a plain allocation in the bound context; the pointer is owned by the
-        // allocator until `free`.
-        unsafe { dr::malloc_sync(bytes) }.map_err(|e| anyhow!("{e}"))
+        Driver::malloc(self, bytes)
     }
     fn free(&self, ptr: u64) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: `ptr` came from malloc_sync and is in no free list any more; quiesce()
-            // ran first, so no queued work uses it.
-            let _ = unsafe { dr::free_sync(ptr) };
-        }
+        Driver::free(self, ptr)
     }
     fn quiesce(&self) -> Result<()> {
-        self.stream.synchronize().map_err(|e| anyhow!("synchronize before releasing memory: {e}"))
+        self.synchronize().map_err(|e| anyhow!("synchronize before releasing memory: {e}"))
     }
 }
 
@@ -123,28 +140,74 @@ fn budget_from_env(free: usize) -> Result<usize> {
 }
 
 impl CudaDevice {
-    /// Opens device `ordinal`: a clear error (no panic) when the driver or the GPU is missing,
-    /// or when this binary has no cubin for the GPU's architecture.
+    /// Opens GPU `ordinal` (or returns the device already open for it): a clear error (no
+    /// panic) when the driver or the GPU is missing, or when this binary has no cubin for the
+    /// GPU's architecture.
     pub fn new(ordinal: usize) -> Result<CudaDevice> {
-        // SAFETY: only tries to dlopen the driver library.
-        if !unsafe { sys::is_culib_present() } {
-            bail!(
-                "cuda:{ordinal}: no CUDA driver found (libcuda.so could not be loaded): this machine has no NVIDIA \
-                 driver, or its folder is not on LD_LIBRARY_PATH (this binary was built with CUDA kernels for {})",
-                BUILT_ARCHS.join(", ")
-            );
+        Self::shared(false, ordinal, || Self::open_real(ordinal))
+    }
+
+    /// Simulated GPU `ordinal` (`--device cuda-sim:K`; see `cuda/sim.rs`), of the architecture
+    /// `COLOTRAIN_SIM_ARCH` names, one of `COLOTRAIN_SIM_DEVICES` with `COLOTRAIN_SIM_MEM_MB`
+    /// of memory each.
+    pub fn sim(ordinal: usize) -> Result<CudaDevice> {
+        Self::sim_arch(ordinal, None)
+    }
+
+    /// [`CudaDevice::sim`] of architecture `arch` ("sm_90a" or "sm_100a"; None: the
+    /// environment's), for tests of both dispatch paths in one process. An ordinal already open
+    /// as another architecture is an error.
+    pub fn sim_arch(ordinal: usize, arch: Option<&str>) -> Result<CudaDevice> {
+        let want = match arch {
+            Some(a) => sim::Arch::named(a)?,
+            None => sim::Arch::from_env()?,
+        };
+        let d = Self::shared(true, ordinal, || {
+            let count = sim::device_count()?;
+            if ordinal >= count {
+                bail!("cuda-sim:{ordinal}: the simulator has {count} devices (COLOTRAIN_SIM_DEVICES)");
+            }
+            let arch = want;
+            let drv = Driver::Sim(sim::Sim::new(ordinal, arch));
+            let name = format!("simulated {}", if arch == sim::SM100A { "B300" } else { "H200" });
+            Self::with_driver(ordinal, name, arch.cc, arch.name.to_string(), arch.sm_count, sim::capacity()?, drv)
+        })?;
+        if d.inner.arch != want.name {
+            bail!("cuda-sim:{ordinal} is already open as {}, not {}", d.inner.arch, want.name);
         }
-        // cudarc panics when the driver lacks a symbol of the CUDA 13.0 API it was built for.
-        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
-            .map_err(|_| {
-                anyhow!("cuda:{ordinal}: the CUDA driver is older than CUDA 13.0 (a driver symbol is missing)")
-            })?
-            .map_err(|e| {
-                let count = CudaContext::device_count().unwrap_or(0);
-                anyhow!("cuda:{ordinal}: cannot open the device ({e}); the driver reports {count} CUDA device(s)")
-            })?;
-        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-        let cc = ctx.compute_capability().map_err(|e| anyhow!("cuda:{ordinal}: {e}"))?;
+        Ok(d)
+    }
+
+    /// How many simulated GPUs there are (`COLOTRAIN_SIM_DEVICES`, default 8).
+    pub fn sim_count() -> Result<usize> {
+        sim::device_count()
+    }
+
+    /// The open device for (sim, ordinal), or a new one from `open`.
+    fn shared(sim: bool, ordinal: usize, open: impl FnOnce() -> Result<Inner>) -> Result<CudaDevice> {
+        let mut reg = OPEN.lock().unwrap_or_else(|e| e.into_inner());
+        let reg = reg.get_or_insert_with(HashMap::new);
+        if let Some(inner) = reg.get(&(sim, ordinal)).and_then(Weak::upgrade) {
+            return Ok(CudaDevice { inner });
+        }
+        let inner = Arc::new(open()?);
+        reg.insert((sim, ordinal), Arc::downgrade(&inner));
+        Ok(CudaDevice { inner })
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn open_real(ordinal: usize) -> Result<Inner> {
+        bail!(
+            "cuda:{ordinal}: this colotrain binary was built without CUDA support; rebuild with `cargo build \
+             --release --features cuda` (see third_party/README.md), or run on the simulated GPU with \
+             --device cuda-sim:{ordinal}"
+        )
+    }
+
+    #[cfg(feature = "cuda")]
+    fn open_real(ordinal: usize) -> Result<Inner> {
+        let (mut real, props) = real::Real::open(ordinal)?;
+        let (name, cc) = (props.name.clone(), props.cc);
         let candidates = [format!("sm_{}{}a", cc.0, cc.1), format!("sm_{}{}", cc.0, cc.1)];
         let arch = candidates.iter().find(|a| BUILT_ARCHS.contains(&a.as_str())).cloned().ok_or_else(|| {
             anyhow!(
@@ -156,40 +219,58 @@ impl CudaDevice {
                 candidates[0]
             )
         })?;
-        let sm_count = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| anyhow!("cuda:{ordinal}: {e}"))? as u32;
-        let stream = ctx.new_stream().map_err(|e| anyhow!("cuda:{ordinal}: cannot create a stream: {e}"))?;
-        let kernels = kernels::Kernels::load(&ctx, &arch).with_context(|| format!("cuda:{ordinal} ({name})"))?;
-        let (free, _total) = ctx.mem_get_info().map_err(|e| anyhow!("cuda:{ordinal}: {e}"))?;
+        use anyhow::Context;
+        real.load_kernels(embedded::CUBINS, &arch).with_context(|| format!("cuda:{ordinal} ({name})"))?;
+        let mut inner = Self::with_driver(ordinal, name, cc, arch, props.sm_count, props.free, Driver::Real(real))?;
+        let (ws, class) = {
+            let mut a = inner.alloc.lock().unwrap_or_else(|e| e.into_inner());
+            a.alloc(&inner.driver, blas::WORKSPACE_BYTES, "the cuBLASLt workspace")?
+        };
+        if let Driver::Real(r) = &inner.driver {
+            r.set_workspace(ws, blas::WORKSPACE_BYTES);
+        }
+        inner.held.push((ws, class));
+        Ok(inner)
+    }
+
+    /// The device state around a driver: the allocator (92% of `free`, or the budget from the
+    /// environment) and the zeroed error word.
+    fn with_driver(
+        ordinal: usize,
+        name: String,
+        cc: (i32, i32),
+        arch: String,
+        sm_count: u32,
+        free: usize,
+        driver: Driver,
+    ) -> Result<Inner> {
         let mut allocator = alloc::Allocator::new(budget_from_env(free)?);
-        let drv = DriverOps { ctx: &ctx, stream: &stream };
-        let (err_word, _) = allocator.alloc(&drv, 4, "the error word")?;
-        let (ws, ws_bytes) = allocator.alloc(&drv, blas::WORKSPACE_BYTES, "the cuBLASLt workspace")?;
-        let blas = blas::Blas::new(ws, ws_bytes).with_context(|| format!("cuda:{ordinal} ({name})"))?;
-        let inner = Inner {
+        let (err_word, _) = allocator.alloc(&driver, 4, "the error word")?;
+        driver.memset0(err_word, 4)?;
+        driver.synchronize()?;
+        Ok(Inner {
             ordinal,
             name,
             cc,
             arch,
             sm_count,
-            ctx,
-            stream,
-            kernels,
+            driver,
             alloc: Mutex::new(allocator),
-            blas: Mutex::new(blas),
             err_word,
+            held: Vec::new(),
             sync_launches: std::env::var("COLOTRAIN_CUDA_SYNC").map(|v| v == "1").unwrap_or(false),
-        };
-        let dev = CudaDevice { inner: Arc::new(inner) };
-        dev.memset0(err_word, 4)?;
-        dev.synchronize()?;
-        Ok(dev)
+        })
     }
 
     pub fn name(&self) -> String {
         let i = &self.inner;
-        format!("cuda:{} ({}, sm_{}{}, kernels {})", i.ordinal, i.name, i.cc.0, i.cc.1, i.arch)
+        let kind = if self.is_sim() { "cuda-sim" } else { "cuda" };
+        format!("{kind}:{} ({}, sm_{}{}, kernels {})", i.ordinal, i.name, i.cc.0, i.cc.1, i.arch)
+    }
+
+    /// Whether this is a simulated GPU.
+    pub fn is_sim(&self) -> bool {
+        self.inner.driver.is_sim()
     }
 
     pub fn ordinal(&self) -> usize {
@@ -232,13 +313,11 @@ impl CudaDevice {
 
     /// Waits for the stream and reports any error a kernel recorded.
     pub fn synchronize(&self) -> Result<()> {
-        self.bind()?;
-        self.inner.stream.synchronize().map_err(|e| anyhow!("{}: {e}", self.name()))?;
-        let mut w = [0u32; 1];
-        // SAFETY: err_word is a live 4-byte device allocation owned by this device; the stream
-        // is idle, and `w` is a host buffer of 4 bytes.
-        unsafe { dr::memcpy_dtoh_async(&mut w, self.inner.err_word, self.stream()) }.map_err(|e| anyhow!("{e}"))?;
-        self.inner.stream.synchronize().map_err(|e| anyhow!("{}: {e}", self.name()))?;
+        let drv = &self.inner.driver;
+        drv.synchronize().map_err(|e| anyhow!("{}: {e:#}", self.name()))?;
+        let mut w = [0u8; 4];
+        drv.dtoh(&mut w, self.inner.err_word).map_err(|e| anyhow!("{}: {e:#}", self.name()))?;
+        let w = [u32::from_ne_bytes(w)];
         if w[0] != 0 {
             self.memset0(self.inner.err_word, 4)?;
             bail!("{}: {}", self.name(), describe_error(w[0]));
@@ -252,17 +331,13 @@ impl CudaDevice {
         (a.in_use, a.cached, a.peak, a.budget)
     }
 
-    /// Milliseconds of device time `f` takes on this device's stream (CUDA events).
+    /// Milliseconds of device time `f` takes on this device's stream (CUDA events; wall time
+    /// in the simulator).
     pub fn time_ms(&self, f: impl FnOnce() -> Result<()>) -> Result<f64> {
-        self.bind()?;
-        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let start = self.inner.ctx.new_event(flags).map_err(|e| anyhow!("{e}"))?;
-        let end = self.inner.ctx.new_event(flags).map_err(|e| anyhow!("{e}"))?;
-        start.record(&self.inner.stream).map_err(|e| anyhow!("{e}"))?;
-        f()?;
-        end.record(&self.inner.stream).map_err(|e| anyhow!("{e}"))?;
+        let mut f = Some(f);
+        let ms = self.inner.driver.time_ms(&mut || f.take().map(|f| f()).unwrap_or(Ok(())))?;
         self.synchronize()?;
-        Ok(start.elapsed_ms(&end).map_err(|e| anyhow!("{e}"))? as f64)
+        Ok(ms)
     }
 
     // ---- what the op rooms' CUDA twins build on ---------------------------------------------
@@ -274,29 +349,57 @@ impl CudaDevice {
 
     /// Makes this device's context current on the calling thread.
     pub fn bind(&self) -> Result<()> {
-        self.inner
-            .ctx
-            .bind_to_thread()
-            .map_err(|e| anyhow!("cuda:{}: cannot bind the context: {e}", self.inner.ordinal))
+        self.inner.driver.bind().map_err(|e| anyhow!("cuda:{}: {e:#}", self.inner.ordinal))
     }
 
-    /// The device's one stream: every launch and copy of this device is ordered on it.
-    pub fn stream(&self) -> sys::CUstream {
-        self.inner.stream.cu_stream()
+    /// The device's one stream, for the CUTLASS launchers (null on the simulator): every
+    /// launch and copy of this device is ordered on it.
+    pub fn stream_handle(&self) -> *mut std::ffi::c_void {
+        self.inner.driver.stream_handle()
+    }
+
+    fn driver(&self) -> &Driver {
+        &self.inner.driver
+    }
+
+    fn sm_count(&self) -> u32 {
+        self.inner.sm_count
+    }
+
+    fn sync_launches(&self) -> bool {
+        self.inner.sync_launches
+    }
+
+    /// y (m, n) f32 (+)= alpha · x (m, k) · w (n, k)ᵀ through cuBLASLt, w and x of element type
+    /// `ab` (device addresses); `scales`: NVFP4's (weight, activation) block-scale buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        ab: Elem,
+        w: u64,
+        x: u64,
+        y: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        accumulate: bool,
+        scales: Option<(u64, u64)>,
+    ) -> Result<()> {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        self.inner.driver.gemm(GemmKey { m, n, k, ab, accumulate }, w, x, y, alpha, scales)
     }
 
     fn allocator(&self) -> MutexGuard<'_, alloc::Allocator> {
         self.inner.alloc.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn blas(&self) -> MutexGuard<'_, blas::Blas> {
-        self.inner.blas.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Scratch device memory, returned to the cache when dropped.
     pub fn scratch(&self, bytes: usize, what: &str) -> Result<DevBuf> {
-        let drv = DriverOps { ctx: &self.inner.ctx, stream: &self.inner.stream };
-        let (ptr, class) = self.allocator().alloc(&drv, bytes, what)?;
+        let (ptr, class) = self.allocator().alloc(&self.inner.driver, bytes, what)?;
         Ok(DevBuf { ptr, class, dev: self.clone() })
     }
 
@@ -305,30 +408,21 @@ impl CudaDevice {
         if bytes == 0 {
             return Ok(());
         }
-        self.bind()?;
-        // SAFETY: `ptr` is a live allocation of at least `bytes` bytes on this device.
-        unsafe { dr::memset_d8_async(ptr, 0, bytes, self.stream()) }.map_err(|e| anyhow!("memset: {e}"))
+        self.inner.driver.memset0(ptr, bytes)
     }
 
     /// Copies `src` to `dst`, queued on the stream (the host data is staged before return).
-    pub fn htod<T>(&self, dst: u64, src: &[T]) -> Result<()> {
+    pub fn htod<T: bytemuck::NoUninit>(&self, dst: u64, src: &[T]) -> Result<()> {
         if src.is_empty() {
             return Ok(());
         }
-        self.bind()?;
-        // SAFETY: `dst` holds at least size_of_val(src) bytes. A copy from pageable memory is
-        // staged before the call returns, so `src` may be dropped afterwards.
-        unsafe { dr::memcpy_htod_async(dst, src, self.stream()) }.map_err(|e| anyhow!("host-to-device copy: {e}"))
+        self.inner.driver.htod(dst, bytemuck::cast_slice(src))
     }
 
     /// Copies to the host and waits; reports kernel-recorded errors (a synchronization point).
-    pub fn dtoh<T>(&self, dst: &mut [T], src: u64) -> Result<()> {
+    pub fn dtoh<T: bytemuck::Pod>(&self, dst: &mut [T], src: u64) -> Result<()> {
         if !dst.is_empty() {
-            self.bind()?;
-            // SAFETY: `src` holds at least size_of_val(dst) bytes; `dst` is borrowed mutably
-            // until the synchronization below, which completes the copy.
-            unsafe { dr::memcpy_dtoh_async(dst, src, self.stream()) }
-                .map_err(|e| anyhow!("device-to-host copy: {e}"))?;
+            self.inner.driver.dtoh(bytemuck::cast_slice_mut(dst), src)?;
         }
         self.synchronize()
     }
@@ -338,22 +432,18 @@ impl CudaDevice {
         if bytes == 0 {
             return Ok(());
         }
-        self.bind()?;
-        // SAFETY: both are live allocations of at least `bytes` bytes on this device.
-        unsafe { dr::memcpy_dtod_async(dst, src, bytes, self.stream()) }.map_err(|e| anyhow!("device copy: {e}"))
+        self.inner.driver.dtod(dst, src, bytes)
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let drv = DriverOps { ctx: &self.ctx, stream: &self.stream };
         if let Ok(mut a) = self.alloc.lock() {
-            let ws = self.blas.lock().map(|b| b.workspace()).ok();
             a.free(self.err_word, alloc::size_class(4));
-            if let Some((p, c)) = ws {
+            for &(p, c) in &self.held {
                 a.free(p, c);
             }
-            let _ = a.release(&drv);
+            let _ = a.release(&self.driver);
         }
     }
 }
@@ -470,7 +560,7 @@ impl CudaStorage {
     }
 
     /// The first `out.len()` raw elements (any dtype of that size; device check and tests).
-    pub fn read_raw<T: Copy>(&self, out: &mut [T]) -> Result<()> {
+    pub fn read_raw<T: bytemuck::Pod>(&self, out: &mut [T]) -> Result<()> {
         if std::mem::size_of_val(out) > self.len * self.dtype.size() {
             bail!("read of {} bytes from a tensor of {}", std::mem::size_of_val(out), self.len * self.dtype.size());
         }

@@ -1,13 +1,12 @@
 //! Devices and tensors.
 //!
 //! Owns: the [`Device`] handle (CPU thread pool, or a CUDA context), the [`Tensor`] type with its
-//! storage, and host<->device copies. May call: `rayon`, `cudarc` (feature `cuda`).
+//! storage, and host<->device copies; the CUDA device on a GPU or on the simulator. May call:
+//! `rayon`, `cudarc` (feature `cuda`), the simulator's kernel library.
 //! Must not: know about quantization, ops, models or anything above them (the op rooms of
 //! `ops` dispatch on [`Device`]; this layer imports only `util`, `rand` and `formats`).
 
 pub mod cpu;
-#[cfg_attr(feature = "cuda", path = "cuda.rs")]
-#[cfg_attr(not(feature = "cuda"), path = "cuda_stub.rs")]
 pub mod cuda;
 mod tensor;
 
@@ -18,13 +17,16 @@ pub use tensor::{bf16_rne, CpuFloats, CpuStorage, DType, Storage, Tensor};
 use anyhow::Result;
 
 /// A device as a config or a flag spells it, checked without opening anything: `cpu`,
-/// `cpu:<threads>`, `cuda` or `cuda:<ordinal>`.
+/// `cpu:<threads>`, `cuda`, `cuda:<ordinal>`, `cuda-sim` or `cuda-sim:<ordinal>` (the
+/// simulated GPU: the CUDA glue and kernels on the host).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceSpec {
     /// `threads`: None for `cpu` (all cores, or the run's share of them).
     Cpu { threads: Option<usize> },
     /// `ordinal`: None for `cuda` (the first GPU, or every visible one for a run).
     Cuda { ordinal: Option<usize> },
+    /// `ordinal`: None for `cuda-sim` (the first simulated GPU, or every one for a run).
+    CudaSim { ordinal: Option<usize> },
 }
 
 impl DeviceSpec {
@@ -33,6 +35,7 @@ impl DeviceSpec {
         match spec {
             "cpu" => return Ok(DeviceSpec::Cpu { threads: None }),
             "cuda" => return Ok(DeviceSpec::Cuda { ordinal: None }),
+            "cuda-sim" => return Ok(DeviceSpec::CudaSim { ordinal: None }),
             _ => {}
         }
         if let Some(n) = spec.strip_prefix("cpu:") {
@@ -40,12 +43,21 @@ impl DeviceSpec {
                 n.parse().map_err(|_| anyhow::anyhow!("device '{spec}': expected cpu:<threads>, e.g. cpu:4"))?;
             return Ok(DeviceSpec::Cpu { threads: Some(n) });
         }
+        if let Some(k) = spec.strip_prefix("cuda-sim:") {
+            let k: usize = k
+                .parse()
+                .map_err(|_| anyhow::anyhow!("device '{spec}': expected cuda-sim:<ordinal>, e.g. cuda-sim:0"))?;
+            return Ok(DeviceSpec::CudaSim { ordinal: Some(k) });
+        }
         if let Some(k) = spec.strip_prefix("cuda:") {
             let k: usize =
                 k.parse().map_err(|_| anyhow::anyhow!("device '{spec}': expected cuda:<ordinal>, e.g. cuda:0"))?;
             return Ok(DeviceSpec::Cuda { ordinal: Some(k) });
         }
-        anyhow::bail!("device '{spec}': expected 'cpu', 'cpu:<threads>', 'cuda' or 'cuda:<ordinal>'")
+        anyhow::bail!(
+            "device '{spec}': expected 'cpu', 'cpu:<threads>', 'cuda', 'cuda:<ordinal>', 'cuda-sim' or \
+             'cuda-sim:<ordinal>'"
+        )
     }
 }
 
@@ -68,11 +80,23 @@ impl Device {
         Ok(Device::Cuda(CudaDevice::new(ordinal)?))
     }
 
-    /// Parses `cpu`, `cpu:N` (N threads), `cuda` or `cuda:K` and opens that device.
+    /// Parses `cpu`, `cpu:N` (N threads), `cuda`, `cuda:K`, `cuda-sim` or `cuda-sim:K` and opens
+    /// that device.
     pub fn parse(spec: &str) -> Result<Device> {
         match DeviceSpec::parse(spec)? {
             DeviceSpec::Cpu { threads } => Device::cpu(threads.unwrap_or(0)),
             DeviceSpec::Cuda { ordinal } => Device::cuda(ordinal.unwrap_or(0)),
+            DeviceSpec::CudaSim { ordinal } => {
+                static ONCE: std::sync::Once = std::sync::Once::new();
+                let d = CudaDevice::sim(ordinal.unwrap_or(0))?;
+                ONCE.call_once(|| {
+                    eprintln!(
+                        "note: {} is a simulated GPU (the CUDA glue and kernels run on the host): not a GPU run",
+                        d.name()
+                    )
+                });
+                Ok(Device::Cuda(d))
+            }
         }
     }
 

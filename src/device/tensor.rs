@@ -62,6 +62,12 @@ pub enum Storage {
     Cuda(CudaStorage),
 }
 
+impl Storage {
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, Storage::Cpu(_))
+    }
+}
+
 #[derive(Debug)]
 pub struct Tensor {
     shape: Vec<usize>,

@@ -52,6 +52,15 @@ fn gaussian(seed: u64, name: &str, n: usize, scale: f64) -> Vec<half::bf16> {
 fn add_offset(dst: &mut crate::device::Tensor, src: &crate::device::Tensor, off: &[half::bf16]) -> Result<()> {
     use crate::device::CpuStorage;
     use rayon::prelude::*;
+    if !dst.storage().is_cpu() {
+        // On a GPU: the same arithmetic on the host, the result uploaded (one round trip per
+        // resync; a noise engine is a measurement tool, not the fast path).
+        let mut v = src.to_f32_vec()?;
+        for (x, o) in v.iter_mut().zip(off) {
+            *x += f32::from_bits((o.to_bits() as u32) << 16);
+        }
+        return dst.write_f32(&v);
+    }
     let s = crate::device::CpuFloats::of(src)?;
     match dst.cpu_mut()? {
         CpuStorage::BF16(d) => d.par_chunks_mut(4096).zip(off.par_chunks(4096)).enumerate().for_each(|(c, (d, o))| {

@@ -4,7 +4,7 @@
 //! A room `ops/<op>/` holds `mod.rs` (the public signatures, shape comments, argument checks
 //! and the dispatch by device, plus the op's parameter types), `cpu.rs` (the reference twin),
 //! `cuda.rs` (the CUDA twin: buffers and the typed launcher call of csrc/kernels/<op>.cu, no
-//! arithmetic of its own; feature `cuda`), `grad.rs` (the training twin: forward with saved
+//! arithmetic of its own; run by a GPU or by the simulated GPU), `grad.rs` (the training twin: forward with saved
 //! state and backward, generic over [`real::Real`]) and `tests.rs` (run on every device of the
 //! build through [`test_device!`]). Beside the rooms: the CPU helpers the twins share
 //! (`vecmath`: the vector exp / max / sums; `isa`, `prefetch`) and `real` (the training
@@ -19,32 +19,23 @@
 use crate::device::{Device, Tensor};
 use anyhow::{bail, Result};
 
-/// The CUDA arm of a dispatch: `on_cuda!(d => cuda::op(d, …))`. Without the `cuda` feature the
-/// CUDA device type is uninhabited and the arm is `match *d {}`, so no room needs a stub of
-/// its CUDA twin.
-#[cfg(feature = "cuda")]
-macro_rules! on_cuda {
-    ($d:ident => $e:expr) => {
-        $e
-    };
-}
-#[cfg(not(feature = "cuda"))]
-macro_rules! on_cuda {
-    ($d:ident => $e:expr) => {
-        match *$d {}
-    };
-}
-
 /// One op test on every device of the build, in the spirit of candle's `test_device!`:
-/// `test_device!(check, check_cpu, check_cuda)` defines the test `check_cpu` running
-/// `check(&Device)` on a 2-thread CPU device and, with the `cuda` feature, `check_cuda` on
-/// `cuda:0` (which fails on a machine without a GPU: run those where there is one).
+/// `test_device!(check, check_cpu, check_sim, check_cuda)` defines the tests `check_cpu`
+/// (`check(&Device)` on a 2-thread CPU device), `check_sim` (on the simulated GPU `cuda-sim:0`,
+/// so the CUDA twin, its launches and its kernel run in every build) and, with the `cuda`
+/// feature, `check_cuda` on `cuda:0` (which fails on a machine without a GPU: run those where
+/// there is one).
 #[cfg(test)]
 macro_rules! test_device {
-    ($f:ident, $cpu:ident, $cuda:ident) => {
+    ($f:ident, $cpu:ident, $sim:ident, $cuda:ident) => {
         #[test]
         fn $cpu() {
             let dev = crate::device::Device::cpu(2).expect("a CPU device");
+            $f(&dev)
+        }
+        #[test]
+        fn $sim() {
+            let dev = crate::device::Device::parse("cuda-sim:0").expect("cuda-sim:0");
             $f(&dev)
         }
         #[cfg(feature = "cuda")]
@@ -58,7 +49,7 @@ macro_rules! test_device {
 
 pub mod attention;
 pub mod elementwise;
-#[cfg(all(test, feature = "cuda"))]
+#[cfg(test)]
 mod hostemu;
 mod isa;
 pub mod linear;

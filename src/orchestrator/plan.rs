@@ -27,7 +27,8 @@ pub fn engine_config(job: &JobConfig) -> EngineConfig {
 
 /// The devices of a run: (name, threads per CPU device or 0 for CUDA) × N. `cpu` splits the
 /// cores evenly (an error when there are more devices than cores); `cpu:T` gives each device T
-/// threads (oversubscription is the user's choice); `cuda`/`cuda:K` takes N GPUs from K on.
+/// threads (oversubscription is the user's choice); `cuda`/`cuda:K` takes N GPUs from K on (all
+/// visible ones for N = 0); `cuda-sim`/`cuda-sim:K` N simulated GPUs from K on (one for N = 0).
 pub fn plan_devices(spec: &str, n: usize) -> Result<Vec<String>> {
     let cores = std::thread::available_parallelism().map(|c| c.get()).unwrap_or(1);
     let first = match DeviceSpec::parse(spec).map_err(|e| anyhow::anyhow!("run.device: {e:#}"))? {
@@ -42,6 +43,20 @@ pub fn plan_devices(spec: &str, n: usize) -> Result<Vec<String>> {
         }
         DeviceSpec::Cpu { threads: Some(t) } => return Ok((0..n.max(1)).map(|_| format!("cpu:{t}")).collect()),
         DeviceSpec::Cuda { ordinal } => ordinal.unwrap_or(0),
+        DeviceSpec::CudaSim { ordinal } => {
+            let first = ordinal.unwrap_or(0);
+            // One simulated GPU unless N is given (the simulator is a correctness tool: every
+            // device runs on the same host cores); more than there are is refused.
+            let count = crate::device::CudaDevice::sim_count()?.saturating_sub(first);
+            let n = n.max(1);
+            if n > count {
+                bail!(
+                    "run.devices = {n} simulated GPUs from cuda-sim:{first}, but the simulator has {count} from there \
+                     (COLOTRAIN_SIM_DEVICES)"
+                );
+            }
+            return Ok((first..first + n).map(|k| format!("cuda-sim:{k}")).collect());
+        }
     };
     // All visible GPUs (CUDA_VISIBLE_DEVICES decides what is visible) unless N is given; N more
     // than are visible is refused here, naming what is. (Built without CUDA, opening the first

@@ -91,8 +91,10 @@ pub struct Trainer {
 pub fn param_slices(w: &ModelWeights) -> Result<Vec<Cow<'_, [f32]>>> {
     w.tensors()
         .into_iter()
-        .map(|t| match t.dtype() {
-            crate::device::DType::F32 => Ok(Cow::Borrowed(t.f32s()?)),
+        .map(|t| match (t.dtype(), t.storage()) {
+            // F32 on the host: the trainer reads the buffer the engine reads.
+            (crate::device::DType::F32, crate::device::Storage::Cpu(_)) => Ok(Cow::Borrowed(t.f32s()?)),
+            // BF16 / F16, or any weight on a GPU (the trainer runs on the host): a widened copy.
             _ => Ok(Cow::Owned(t.to_f32_vec()?)),
         })
         .collect()

@@ -6,6 +6,7 @@
 //! cached. FP8 and NVFP4 here are the library baselines the device check times the CUTLASS
 //! kernels against. Not yet run on a GPU.
 
+use super::driver::{Elem, GemmKey};
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublaslt::{result as lt, sys};
 use std::collections::HashMap;
@@ -17,35 +18,15 @@ pub(super) const WORKSPACE_BYTES: usize = 32 << 20;
 const OP_N: i32 = 0;
 const OP_T: i32 = 1;
 
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum Elem {
-    F32,
-    BF16,
-    F16,
-    E4M3,
-    E2M1,
-}
-
-impl Elem {
-    fn cuda(self) -> sys::cudaDataType {
-        match self {
-            Elem::F32 => sys::cudaDataType::CUDA_R_32F,
-            Elem::BF16 => sys::cudaDataType::CUDA_R_16BF,
-            Elem::F16 => sys::cudaDataType::CUDA_R_16F,
-            Elem::E4M3 => sys::cudaDataType::CUDA_R_8F_E4M3,
-            Elem::E2M1 => sys::cudaDataType::CUDA_R_4F_E2M1,
-        }
+/// cuBLASLt's name of an element type.
+fn cuda_type(e: Elem) -> sys::cudaDataType {
+    match e {
+        Elem::F32 => sys::cudaDataType::CUDA_R_32F,
+        Elem::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        Elem::F16 => sys::cudaDataType::CUDA_R_16F,
+        Elem::E4M3 => sys::cudaDataType::CUDA_R_8F_E4M3,
+        Elem::E2M1 => sys::cudaDataType::CUDA_R_4F_E2M1,
     }
-}
-
-/// One GEMM shape; the output is always f32.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub(super) struct GemmKey {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub ab: Elem,
-    pub accumulate: bool,
 }
 
 struct Plan {
@@ -95,10 +76,6 @@ impl Blas {
         Ok(Blas { handle, workspace, workspace_bytes, plans: HashMap::new() })
     }
 
-    pub fn workspace(&self) -> (u64, usize) {
-        (self.workspace, self.workspace_bytes)
-    }
-
     fn plan(&mut self, key: GemmKey) -> Result<&Plan> {
         if !self.plans.contains_key(&key) {
             let p = self.build(key)?;
@@ -123,7 +100,7 @@ impl Blas {
             }
         }
         let layout = |t: Elem, rows: usize, cols: usize| {
-            lt::create_matrix_layout(t.cuda(), rows as u64, cols as u64, rows as i64)
+            lt::create_matrix_layout(cuda_type(t), rows as u64, cols as u64, rows as i64)
                 .map_err(|e| err("matrix layout", e))
         };
         let la = layout(ab, k, n)?;
@@ -216,27 +193,5 @@ impl Drop for Blas {
         }
         // SAFETY: the handle was created in `new` and is destroyed once.
         let _ = unsafe { lt::destroy_handle(self.handle) };
-    }
-}
-
-impl super::CudaDevice {
-    /// y (m, n) f32 (+)= alpha · x (m, k) · w (n, k)ᵀ through cuBLASLt, w and x of element type
-    /// `ab` (device addresses); `scales`: NVFP4's (weight, activation) block-scale buffers.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm(
-        &self,
-        ab: Elem,
-        w: u64,
-        x: u64,
-        y: u64,
-        m: usize,
-        n: usize,
-        k: usize,
-        alpha: f32,
-        accumulate: bool,
-        scales: Option<(u64, u64)>,
-    ) -> Result<()> {
-        self.bind()?;
-        self.blas().gemm(self.stream(), GemmKey { m, n, k, ab, accumulate }, w, x, y, alpha, scales)
     }
 }

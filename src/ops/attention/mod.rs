@@ -11,7 +11,6 @@
 //! caches). Must not: allocate in steady state (the CPU scratch is thread-local).
 
 mod cpu;
-#[cfg(feature = "cuda")]
 mod cuda;
 pub mod grad;
 #[cfg(test)]
@@ -66,7 +65,7 @@ pub fn kv_write(
     check_rows(v, m, hkv * d, "kv_write values")?;
     match dev {
         Device::Cpu(_) => cpu::kv_write(k, v, k_cache, v_cache, k_scale, v_scale, meta),
-        Device::Cuda(c) => on_cuda!(c => cuda::kv_write(c, k, v, k_cache, v_cache, k_scale, v_scale, meta)),
+        Device::Cuda(c) => cuda::kv_write(c, k, v, k_cache, v_cache, k_scale, v_scale, meta),
     }
 }
 
@@ -96,8 +95,6 @@ pub fn paged_attention(
     check_rows(out, t_rows, heads * d, "attention output")?;
     match dev {
         Device::Cpu(d) => cpu::paged_attention(d, q, k_cache, v_cache, k_scale, v_scale, meta, out, heads),
-        Device::Cuda(c) => {
-            on_cuda!(c => cuda::paged_attention(c, q, k_cache, v_cache, k_scale, v_scale, meta, out, heads))
-        }
+        Device::Cuda(c) => cuda::paged_attention(c, q, k_cache, v_cache, k_scale, v_scale, meta, out, heads),
     }
 }

@@ -6,13 +6,11 @@
 //! allocate.
 
 mod cpu;
-#[cfg(feature = "cuda")]
 mod cuda;
 pub mod grad;
 #[cfg(test)]
 mod tests;
 
-#[cfg(feature = "cuda")]
 pub use cuda::fill_normal;
 
 use super::check_rows;
@@ -25,7 +23,7 @@ pub fn embedding(dev: &Device, table: &Tensor, ids: &Tensor, out: &mut Tensor, m
     check_rows(out, m, table.dim(1), "embedding output")?;
     match dev {
         Device::Cpu(d) => cpu::embedding(d, table, ids, out, m),
-        Device::Cuda(d) => on_cuda!(d => cuda::embedding(d, table, ids, out, m)),
+        Device::Cuda(d) => cuda::embedding(d, table, ids, out, m),
     }
 }
 
@@ -37,7 +35,7 @@ pub fn swiglu(dev: &Device, gate: &Tensor, up: &Tensor, out: &mut Tensor, m: usi
     check_rows(out, m, i, "swiglu output")?;
     match dev {
         Device::Cpu(d) => cpu::swiglu(d, gate, up, out, m),
-        Device::Cuda(d) => on_cuda!(d => cuda::swiglu(d, gate, up, out, m)),
+        Device::Cuda(d) => cuda::swiglu(d, gate, up, out, m),
     }
 }
 
@@ -47,7 +45,7 @@ pub fn gather_rows(dev: &Device, src: &Tensor, idx: &Tensor, dst: &mut Tensor, r
     check_rows(dst, r, c, "gather_rows output")?;
     match dev {
         Device::Cpu(d) => cpu::gather_rows(d, src, idx, dst, r),
-        Device::Cuda(d) => on_cuda!(d => cuda::gather_rows(d, src, idx, dst, r)),
+        Device::Cuda(d) => cuda::gather_rows(d, src, idx, dst, r),
     }
 }
 
@@ -57,6 +55,6 @@ pub fn amax_rows(dev: &Device, x: &Tensor, m: usize) -> Result<f32> {
     check_rows(x, m, c, "amax input")?;
     match dev {
         Device::Cpu(d) => cpu::amax_rows(d, x, m),
-        Device::Cuda(d) => on_cuda!(d => cuda::amax_rows(d, x, m)),
+        Device::Cuda(d) => cuda::amax_rows(d, x, m),
     }
 }

@@ -42,4 +42,9 @@ fn rowwise_ops_match_references(dev: &Device) {
     assert!(r.is_err(), "out-of-vocabulary id accepted");
 }
 
-test_device!(rowwise_ops_match_references, rowwise_ops_match_references_cpu, rowwise_ops_match_references_cuda);
+test_device!(
+    rowwise_ops_match_references,
+    rowwise_ops_match_references_cpu,
+    rowwise_ops_match_references_sim,
+    rowwise_ops_match_references_cuda
+);

@@ -46,7 +46,7 @@ pub(super) fn compile(program: &str, out_dir: &Path) -> Option<PathBuf> {
     let exe = out_dir.join(program.trim_end_matches(".cpp"));
     let emu = root.join("csrc/hostemu");
     let built = Command::new(&cxx)
-        .args(["-std=c++17", "-O2", "-ffp-contract=off", "-include"])
+        .args(["-std=c++17", "-O2", "-ffp-contract=off", "-U_FORTIFY_SOURCE", "-include"])
         .arg(emu.join("shim.h"))
         .arg(format!("-I{}", emu.join("include").display()))
         .arg(format!("-I{}", root.join("csrc/include").display()))

@@ -151,6 +151,10 @@ type Launcher = unsafe extern "C" fn(*const ffi::ct_gemm_lp_args, *mut c_void, *
 
 /// The CUTLASS launcher for this GPU and format, if this build has one.
 fn cutlass_launcher(d: &CudaDevice, format: QFormat) -> Option<Launcher> {
+    if d.is_sim() {
+        // The simulator has no CUTLASS kernels (they are device code only): the emulated path.
+        return None;
+    }
     match (format, d.compute_capability().0) {
         #[cfg(colotrain_cutlass_sm90)]
         (QFormat::Fp8, 9) => Some(ffi::ct_fp8_gemm_sm90a as Launcher),
@@ -183,7 +187,7 @@ fn run_cutlass(d: &CudaDevice, f: Launcher, args: &ffi::ct_gemm_lp_args) -> Resu
     // SAFETY: `args` points at device buffers of the shapes it states (checked by the callers),
     // the workspace has the size CUTLASS asked for, and the stream is this device's, whose
     // context is current on this thread (the CUDA runtime inside the launcher adopts it).
-    let rc = unsafe { f(args, ws_ptr, std::ptr::null_mut(), d.stream() as *mut c_void) };
+    let rc = unsafe { f(args, ws_ptr, std::ptr::null_mut(), d.stream_handle()) };
     match rc {
         0 => Ok(true),
         -1 => Ok(false),

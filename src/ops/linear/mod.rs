@@ -9,9 +9,7 @@
 //! `crate::device`, `crate::quant`, `super::quantize`. Must not: allocate in steady state.
 
 mod cpu;
-#[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(feature = "cuda")]
 pub mod cuda_lowp;
 pub mod gemm;
 pub mod grad;
@@ -112,12 +110,12 @@ fn linears_acc<const J: usize>(
     let k = projs[0].w.dim(1);
     match dev {
         Device::Cpu(c) => cpu::linears(c, x, projs, m, k, accumulate, stream),
-        Device::Cuda(c) => on_cuda!(c => {
+        Device::Cuda(c) => {
             for p in projs {
                 cuda::linear(c, x, p.w, p.bias, p.y, m, accumulate)?;
             }
             Ok(())
-        }),
+        }
     }
 }
 
@@ -144,9 +142,7 @@ pub fn linear_act_q(
             super::quantize::fake_quant_rows(dev, x, xq, m, act)?;
             linear_q(dev, xq, wq, bias, y, m)
         }
-        Device::Cuda(c) => {
-            on_cuda!(c => cuda_lowp::linear_act_q(c, x, act, wq, bias, y, m, cuda_lowp::Path::Auto).map(|_| ()))
-        }
+        Device::Cuda(c) => cuda_lowp::linear_act_q(c, x, act, wq, bias, y, m, cuda_lowp::Path::Auto).map(|_| ()),
     }
 }
 
@@ -160,6 +156,6 @@ pub fn linear_q(dev: &Device, x: &Tensor, wq: &QTensor, bias: Option<&Tensor>, y
     check_rows(y, m, n, "linear output")?;
     match dev {
         Device::Cpu(c) => cpu::linear_q(c, x, wq, bias, y, m),
-        Device::Cuda(c) => on_cuda!(c => cuda::linear_q(c, x, wq, bias, y, m)),
+        Device::Cuda(c) => cuda::linear_q(c, x, wq, bias, y, m),
     }
 }

@@ -8,7 +8,6 @@
 //! is a second implementation). May call: `crate::device`. Must not: allocate on the CPU.
 
 mod cpu;
-#[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(test)]
 mod tests;
@@ -35,7 +34,7 @@ pub fn log_softmax_gather(
     }
     match dev {
         Device::Cpu(d) => cpu::log_softmax_gather(d, logits, targets, temperature, out, m),
-        Device::Cuda(c) => on_cuda!(c => cuda::log_softmax_gather(c, logits, targets, temperature, out, m)),
+        Device::Cuda(c) => cuda::log_softmax_gather(c, logits, targets, temperature, out, m),
     }
 }
 

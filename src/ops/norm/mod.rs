@@ -6,7 +6,6 @@
 //! (`grad.rs`: forward saving 1/rms, backward). May call: `crate::device`. Must not: allocate.
 
 mod cpu;
-#[cfg(feature = "cuda")]
 mod cuda;
 pub mod grad;
 #[cfg(test)]
@@ -23,7 +22,7 @@ pub fn rmsnorm(dev: &Device, x: &Tensor, w: &Tensor, eps: f32, y: &mut Tensor, m
     check_rows(y, m, c, "rmsnorm output")?;
     match dev {
         Device::Cpu(d) => cpu::rmsnorm(d, x, w, eps, y, m),
-        Device::Cuda(d) => on_cuda!(d => cuda::rmsnorm(d, x, w, eps, y, m)),
+        Device::Cuda(d) => cuda::rmsnorm(d, x, w, eps, y, m),
     }
 }
 
@@ -43,7 +42,7 @@ pub fn add_rmsnorm(
     check_rows(y, m, c, "add_rmsnorm output")?;
     match dev {
         Device::Cpu(d) => cpu::add_rmsnorm(d, x, r, w, eps, y, m),
-        Device::Cuda(d) => on_cuda!(d => cuda::add_rmsnorm(d, x, r, w, eps, y, m)),
+        Device::Cuda(d) => cuda::add_rmsnorm(d, x, r, w, eps, y, m),
     }
 }
 
@@ -53,6 +52,6 @@ pub fn head_rmsnorm(dev: &Device, x: &mut Tensor, w: &Tensor, eps: f32, m: usize
     check_rows(x, m, heads * d, "head_rmsnorm input")?;
     match dev {
         Device::Cpu(c) => cpu::head_rmsnorm(c, x, w, eps, m, heads),
-        Device::Cuda(c) => on_cuda!(c => cuda::head_rmsnorm(c, x, w, eps, m, heads)),
+        Device::Cuda(c) => cuda::head_rmsnorm(c, x, w, eps, m, heads),
     }
 }

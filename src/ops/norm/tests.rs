@@ -51,7 +51,7 @@ fn norms_match_f64(dev: &Device) {
     assert!(rmsnorm(dev, &t(&x, &[m, c]), &t(&hw, &[d]), 1e-6, &mut y, m).is_err());
 }
 
-test_device!(norms_match_f64, norms_match_f64_cpu, norms_match_f64_cuda);
+test_device!(norms_match_f64, norms_match_f64_cpu, norms_match_f64_sim, norms_match_f64_cuda);
 
 #[test]
 fn interleaved_rows_give_the_one_row_definition_bitwise() {

@@ -10,12 +10,10 @@
 //! `crate::device`, `crate::quant`. Must not: allocate on the CPU.
 
 mod cpu;
-#[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(test)]
 mod tests;
 
-#[cfg(feature = "cuda")]
 pub(crate) use cuda::{amax, dequant, quant_rows_fixed};
 
 use super::check_rows;
@@ -39,7 +37,7 @@ pub fn fake_quant_rows(dev: &Device, x: &Tensor, y: &mut Tensor, m: usize, q: &A
     check_rows(y, m, k, "fake_quant output")?;
     match dev {
         Device::Cpu(d) => cpu::fake_quant_rows(d, x, y, m, q),
-        Device::Cuda(d) => on_cuda!(d => cuda::fake_quant_rows(d, x, y, m, q)),
+        Device::Cuda(d) => cuda::fake_quant_rows(d, x, y, m, q),
     }
 }
 
@@ -54,6 +52,6 @@ pub fn requantize(dev: &Device, src: &Tensor, q: &mut QTensor, name: &str) -> Re
 pub fn requantize_all(dev: &Device, items: &mut [(&Tensor, &mut QTensor, &str)]) -> Result<()> {
     match dev {
         Device::Cpu(d) => cpu::requantize_all(d, items),
-        Device::Cuda(d) => on_cuda!(d => cuda::requantize_all(d, items)),
+        Device::Cuda(d) => cuda::requantize_all(d, items),
     }
 }

@@ -17,11 +17,11 @@ fn bytes(t: &Tensor) -> Vec<u8> {
     match t.storage() {
         Storage::Cpu(CpuStorage::U8(v)) => v.clone(),
         Storage::Cpu(_) => panic!("expected u8 codes"),
-        Storage::Cuda(c) => on_cuda!(c => {
+        Storage::Cuda(c) => {
             let mut b = vec![0u8; t.numel()];
             c.read_raw(&mut b).expect("device bytes");
             b
-        }),
+        }
     }
 }
 
@@ -77,10 +77,12 @@ fn requantize_equals_the_scalar_encoders(dev: &Device) {
 test_device!(
     fake_quant_equals_the_scalar_encoders,
     fake_quant_equals_the_scalar_encoders_cpu,
+    fake_quant_equals_the_scalar_encoders_sim,
     fake_quant_equals_the_scalar_encoders_cuda
 );
 test_device!(
     requantize_equals_the_scalar_encoders,
     requantize_equals_the_scalar_encoders_cpu,
+    requantize_equals_the_scalar_encoders_sim,
     requantize_equals_the_scalar_encoders_cuda
 );

@@ -7,7 +7,6 @@
 //! `crate::device`. Must not: allocate.
 
 mod cpu;
-#[cfg(feature = "cuda")]
 mod cuda;
 pub mod grad;
 #[cfg(test)]
@@ -31,7 +30,7 @@ pub fn rope_table(
     check_rows(sin, m, half, "rope sin")?;
     match dev {
         Device::Cpu(d) => cpu::rope_table(d, positions, inv_freq, cos, sin, m),
-        Device::Cuda(d) => on_cuda!(d => cuda::rope_table(d, positions, inv_freq, cos, sin, m)),
+        Device::Cuda(d) => cuda::rope_table(d, positions, inv_freq, cos, sin, m),
     }
 }
 
@@ -41,6 +40,6 @@ pub fn rope(dev: &Device, x: &mut Tensor, cos: &Tensor, sin: &Tensor, m: usize, 
     check_rows(x, m, heads * 2 * half, "rope input")?;
     match dev {
         Device::Cpu(d) => cpu::rope(d, x, cos, sin, m, heads),
-        Device::Cuda(d) => on_cuda!(d => cuda::rope(d, x, cos, sin, m, heads)),
+        Device::Cuda(d) => cuda::rope(d, x, cos, sin, m, heads),
     }
 }

@@ -42,4 +42,4 @@ fn rope_matches_f64(dev: &Device) {
     }
 }
 
-test_device!(rope_matches_f64, rope_matches_f64_cpu, rope_matches_f64_cuda);
+test_device!(rope_matches_f64, rope_matches_f64_cpu, rope_matches_f64_sim, rope_matches_f64_cuda);

@@ -20,13 +20,11 @@
 //! row normalizer. Must not: allocate in steady state (the CPU scratch is thread-local).
 
 mod cpu;
-#[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(test)]
 mod tests;
 
 pub use cpu::{reserve, sample_row};
-#[cfg(feature = "cuda")]
 #[cfg(test)]
 pub(crate) use cuda::sample_row_params;
 
@@ -79,6 +77,6 @@ pub fn sample(
     }
     match dev {
         Device::Cpu(d) => cpu::sample(d, logits, params, tokens, logprobs),
-        Device::Cuda(c) => on_cuda!(c => cuda::sample(c, logits, params, tokens, logprobs)),
+        Device::Cuda(c) => cuda::sample(c, logits, params, tokens, logprobs),
     }
 }

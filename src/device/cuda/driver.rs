@@ -1,0 +1,131 @@
+//! The one seam between the CUDA glue and what executes it. Everything above this file —
+//! `CudaDevice`, the typed kernel launchers, the allocator, the op rooms' CUDA twins, the
+//! engines — is the same code whether a real GPU runs it (`real.rs`, cudarc: feature `cuda`)
+//! or the simulator (`sim.rs`: the kernels compiled for the host, device memory as host
+//! memory). The operations are the ones the glue uses: memory, copies, synchronization, a
+//! kernel launch with its parameter struct, the cuBLASLt matmul.
+//!
+//! Owns: [`Driver`], the GEMM descriptor types ([`Elem`], [`GemmKey`]). May call: `real`,
+//! `sim`. Must not: know about tensors or ops.
+
+use super::kernels::Kernel;
+use anyhow::Result;
+
+/// Element types of a GEMM's inputs; the output is always f32.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Elem {
+    F32,
+    BF16,
+    F16,
+    E4M3,
+    E2M1,
+}
+
+/// One GEMM shape: y (m, n) f32 (+)= alpha · x (m, k) · w (n, k)ᵀ, w and x of type `ab`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub struct GemmKey {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub ab: Elem,
+    pub accumulate: bool,
+}
+
+/// What executes the glue's requests: a GPU through cudarc, or the simulator.
+pub(super) enum Driver {
+    #[cfg(feature = "cuda")]
+    Real(super::real::Real),
+    Sim(super::sim::Sim),
+}
+
+/// `match` on the driver, the same call on either.
+macro_rules! each {
+    ($d:expr, $x:ident => $e:expr) => {
+        match $d {
+            #[cfg(feature = "cuda")]
+            Driver::Real($x) => $e,
+            Driver::Sim($x) => $e,
+        }
+    };
+}
+
+impl Driver {
+    /// Makes the device current on the calling thread (a no-op in the simulator).
+    pub fn bind(&self) -> Result<()> {
+        each!(self, d => d.bind())
+    }
+
+    /// Runs everything queued, and waits for it.
+    pub fn synchronize(&self) -> Result<()> {
+        each!(self, d => d.synchronize())
+    }
+
+    pub fn malloc(&self, bytes: usize) -> Result<u64> {
+        each!(self, d => d.malloc(bytes))
+    }
+
+    /// Frees a block that no queued work uses any more (the allocator quiesces first).
+    pub fn free(&self, ptr: u64) {
+        each!(self, d => d.free(ptr))
+    }
+
+    /// Zeroes `bytes` at `ptr`, queued.
+    pub fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
+        each!(self, d => d.memset0(ptr, bytes))
+    }
+
+    /// Copies host bytes to `dst`, queued; the bytes are staged before this returns.
+    pub fn htod(&self, dst: u64, src: &[u8]) -> Result<()> {
+        each!(self, d => d.htod(dst, src))
+    }
+
+    /// Copies device bytes at `src` into `dst` and waits for the copy (and all work before it).
+    pub fn dtoh(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        each!(self, d => d.dtoh(dst, src))
+    }
+
+    /// Copies `bytes` from `src` to `dst` on the device, queued.
+    pub fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        each!(self, d => d.dtod(dst, src, bytes))
+    }
+
+    /// Raises kernel `k`'s dynamic shared memory limit to `bytes` (needed above 48 KiB).
+    pub fn set_max_dynamic_smem(&self, k: Kernel, bytes: u32) -> Result<()> {
+        each!(self, d => d.set_max_dynamic_smem(k, bytes))
+    }
+
+    /// Queues kernel `k` with a 1-D block of `block` threads, `smem` bytes of dynamic shared
+    /// memory and its parameter struct (`size` bytes at `params`, copied before this returns).
+    pub fn launch(
+        &self,
+        k: Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: *const std::ffi::c_void,
+        size: usize,
+    ) -> Result<()> {
+        each!(self, d => d.launch(k, grid, block, smem, params, size))
+    }
+
+    /// The cuBLASLt matmul of `key` (see `GemmKey`); `scales`: E2M1's tiled block scales of
+    /// (w, x).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(&self, key: GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) -> Result<()> {
+        each!(self, d => d.gemm(key, w, x, y, alpha, scales))
+    }
+
+    /// The stream handle the CUTLASS launchers take (null in the simulator, which has none).
+    pub fn stream_handle(&self) -> *mut std::ffi::c_void {
+        each!(self, d => d.stream_handle())
+    }
+
+    /// Milliseconds `f` takes on the device: CUDA events on a GPU, wall time in the simulator.
+    pub fn time_ms(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        each!(self, d => d.time_ms(f))
+    }
+
+    pub fn is_sim(&self) -> bool {
+        matches!(self, Driver::Sim(_))
+    }
+}

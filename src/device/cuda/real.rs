@@ -1,0 +1,215 @@
+//! The real driver (feature `cuda`): cudarc over the CUDA driver API. One primary context and
+//! one stream per device; the kernels loaded from the cubins build.rs embedded for this GPU's
+//! architecture (never PTX JIT); cuBLASLt opened at the first GEMM, so a machine without
+//! libcublasLt can still run and check every kernel that does not need it.
+//!
+//! Owns: the context, the stream, the loaded functions, the cuBLASLt handle. May call: cudarc.
+//! Must not: be reached except through `driver::Driver`.
+
+use super::blas::Blas;
+use super::driver::GemmKey;
+use super::kernels::Kernel;
+use super::Cubin;
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::{result as dr, sys, CudaContext, CudaFunction, CudaStream};
+use cudarc::nvrtc::Ptx;
+use std::sync::{Arc, Mutex};
+
+/// What opening a GPU tells the glue about it.
+pub(super) struct Props {
+    pub name: String,
+    pub cc: (i32, i32),
+    pub sm_count: u32,
+    pub free: usize,
+}
+
+pub(super) struct Real {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: Vec<CudaFunction>,
+    /// Created at the first GEMM; the workspace is the device's (allocated at open).
+    blas: Mutex<Option<Blas>>,
+    workspace: Mutex<(u64, usize)>,
+}
+
+impl Real {
+    /// Opens GPU `ordinal`: a clear error (no panic) when the driver or the GPU is missing.
+    pub fn open(ordinal: usize) -> Result<(Real, Props)> {
+        // SAFETY: only tries to dlopen the driver library.
+        if !unsafe { sys::is_culib_present() } {
+            bail!(
+                "cuda:{ordinal}: no CUDA driver found (libcuda.so could not be loaded): this machine has no NVIDIA \
+                 driver, or its folder is not on LD_LIBRARY_PATH (this binary was built with CUDA kernels for {}; \
+                 --device cuda-sim:{ordinal} runs them on the simulator)",
+                super::BUILT_ARCHS.join(", ")
+            );
+        }
+        // cudarc panics when the driver lacks a symbol of the CUDA 13.0 API it was built for.
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|_| {
+                anyhow!("cuda:{ordinal}: the CUDA driver is older than CUDA 13.0 (a driver symbol is missing)")
+            })?
+            .map_err(|e| {
+                let count = CudaContext::device_count().unwrap_or(0);
+                anyhow!("cuda:{ordinal}: cannot open the device ({e}); the driver reports {count} CUDA device(s)")
+            })?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let cc = ctx.compute_capability().map_err(|e| anyhow!("cuda:{ordinal}: {e}"))?;
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| anyhow!("cuda:{ordinal}: {e}"))? as u32;
+        let stream = ctx.new_stream().map_err(|e| anyhow!("cuda:{ordinal}: cannot create a stream: {e}"))?;
+        let (free, _total) = ctx.mem_get_info().map_err(|e| anyhow!("cuda:{ordinal}: {e}"))?;
+        let real = Real { ctx, stream, functions: Vec::new(), blas: Mutex::new(None), workspace: Mutex::new((0, 0)) };
+        Ok((real, Props { name, cc, sm_count, free }))
+    }
+
+    /// Loads every module's cubin for `arch` (never PTX: no JIT) and looks up every kernel.
+    pub fn load_kernels(&mut self, cubins: &[Cubin], arch: &str) -> Result<()> {
+        let mut modules = std::collections::HashMap::new();
+        for c in cubins.iter().filter(|c| c.arch == arch) {
+            let m = self.ctx.load_module(Ptx::from_binary(c.bytes.to_vec())).map_err(|e| {
+                anyhow!(
+                    "cannot load the {arch} cubin of csrc/kernels/{}.cu: {e} (a driver older than CUDA 13.0 \
+                     rejects cubins of the pinned 13.0 toolchain)",
+                    c.module
+                )
+            })?;
+            modules.insert(c.module, m);
+        }
+        let mut functions = Vec::with_capacity(Kernel::ALL.len());
+        for k in Kernel::ALL {
+            let (name, module) = k.symbol();
+            let m = modules.get(module).ok_or_else(|| anyhow!("no {arch} cubin of csrc/kernels/{module}.cu"))?;
+            functions.push(
+                m.load_function(name)
+                    .with_context(|| format!("kernel {name} missing from csrc/kernels/{module}.cu ({arch})"))?,
+            );
+        }
+        self.functions = functions;
+        Ok(())
+    }
+
+    /// The device memory cuBLASLt may use (allocated by the device's allocator at open).
+    pub fn set_workspace(&self, ptr: u64, bytes: usize) {
+        *self.workspace.lock().unwrap_or_else(|e| e.into_inner()) = (ptr, bytes);
+    }
+
+    pub fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| anyhow!("cannot bind the context: {e}"))
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.stream.synchronize().map_err(|e| anyhow!("{e}"))
+    }
+
+    pub fn malloc(&self, bytes: usize) -> Result<u64> {
+        self.bind()?;
+        // SAFETY: a plain allocation in the bound context; the pointer is owned by the
+        // allocator until `free`.
+        unsafe { dr::malloc_sync(bytes) }.map_err(|e| anyhow!("{e}"))
+    }
+
+    pub fn free(&self, ptr: u64) {
+        if self.bind().is_ok() {
+            // SAFETY: `ptr` came from malloc_sync and is in no free list any more; the
+            // allocator quiesced the stream first, so no queued work uses it.
+            let _ = unsafe { dr::free_sync(ptr) };
+        }
+    }
+
+    pub fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: `ptr` is a live allocation of at least `bytes` bytes on this device.
+        unsafe { dr::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }.map_err(|e| anyhow!("memset: {e}"))
+    }
+
+    pub fn htod(&self, dst: u64, src: &[u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: `dst` holds at least src.len() bytes. A copy from pageable memory is staged
+        // before the call returns, so `src` may be dropped afterwards.
+        unsafe { dr::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("host-to-device copy: {e}"))
+    }
+
+    pub fn dtoh(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        self.bind()?;
+        // SAFETY: `src` holds at least dst.len() bytes; `dst` is borrowed mutably until the
+        // synchronization below, which completes the copy.
+        unsafe { dr::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("device-to-host copy: {e}"))?;
+        self.synchronize()
+    }
+
+    pub fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: both are live allocations of at least `bytes` bytes on this device.
+        unsafe { dr::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("device copy: {e}"))
+    }
+
+    fn function(&self, k: Kernel) -> Result<&CudaFunction> {
+        self.functions.get(k.index()).ok_or_else(|| anyhow!("kernel {} is not loaded", k.name()))
+    }
+
+    pub fn set_max_dynamic_smem(&self, k: Kernel, bytes: u32) -> Result<()> {
+        let f = self.function(k)?;
+        // SAFETY: `f` is a live function of a loaded module; the attribute only raises the
+        // dynamic shared memory limit of later launches.
+        unsafe {
+            dr::function::set_function_attribute(
+                f.cu_function(),
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        }
+        .map_err(|e| anyhow!("{e}"))
+    }
+
+    pub fn launch(
+        &self,
+        k: Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: *const std::ffi::c_void,
+        _size: usize,
+    ) -> Result<()> {
+        let f = self.function(k)?;
+        let mut args = [params as *mut std::ffi::c_void];
+        // SAFETY: `params` points at the kernel's one parameter, its ct_*_params struct, which
+        // outlives this call; the driver copies the parameter at launch (see kernels.rs).
+        unsafe { dr::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, self.stream.cu_stream(), &mut args) }
+            .map_err(|e| anyhow!("{e}"))
+    }
+
+    pub fn gemm(&self, key: GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) -> Result<()> {
+        self.bind()?;
+        let mut blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        if blas.is_none() {
+            let (ws, ws_bytes) = *self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+            *blas = Some(Blas::new(ws, ws_bytes)?);
+        }
+        match blas.as_mut() {
+            Some(b) => b.gemm(self.stream.cu_stream(), key, w, x, y, alpha, scales),
+            None => bail!("cuBLASLt is not open"),
+        }
+    }
+
+    pub fn stream_handle(&self) -> *mut std::ffi::c_void {
+        self.stream.cu_stream() as *mut std::ffi::c_void
+    }
+
+    pub fn time_ms(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        self.bind()?;
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(flags).map_err(|e| anyhow!("{e}"))?;
+        let end = self.ctx.new_event(flags).map_err(|e| anyhow!("{e}"))?;
+        start.record(&self.stream).map_err(|e| anyhow!("{e}"))?;
+        f()?;
+        end.record(&self.stream).map_err(|e| anyhow!("{e}"))?;
+        self.synchronize()?;
+        Ok(start.elapsed_ms(&end).map_err(|e| anyhow!("{e}"))? as f64)
+    }
+}

@@ -1,0 +1,396 @@
+//! The simulated GPU (`--device cuda-sim:K`): the driver underneath the same CUDA glue, on the
+//! host. Device memory is host memory (a device address is a host address, so the kernels,
+//! compiled for the host by build.rs from csrc/kernels with the shim of csrc/hostemu, read and
+//! write it directly), with canary bytes around every allocation (checked at free and at every
+//! synchronize) and every fresh allocation poisoned with 0xFF bytes (NaN as f32). Work is queued
+//! as on a stream and runs at a synchronization point; a copy to the host synchronizes first,
+//! as the glue's `dtoh` does on a GPU. Each launch is checked against the hardware's rules
+//! before it is queued (threads per block, grid limits, dynamic shared memory above 48 KiB only
+//! after the function attribute, the architecture's shared memory limit). cuBLASLt is replaced
+//! by a reference GEMM that refuses what cuBLASLt refuses (`sim_gemm.rs`).
+//!
+//! What it cannot catch: real concurrency beyond the shim's varied thread orders, tensor-core
+//! and libm numerics, register or resource launch failures, driver and cubin loading, cuBLASLt
+//! heuristics, TMA, NCCL, speed. A kernel bug the shim detects (divergent warps, a thread at a
+//! different barrier, a stack overflow) ends the process with the shim's message.
+//!
+//! Owns: the simulated memory, queue and launch rules of one device. May call: the kernel
+//! library (`ct_sim_launch`), `sim_gemm`. Must not: be reached except through `driver::Driver`.
+
+use super::driver::GemmKey;
+use super::kernels::Kernel;
+use anyhow::{anyhow, bail, Result};
+use std::alloc::Layout;
+use std::collections::BTreeMap;
+use std::mem::MaybeUninit;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+unsafe extern "C" {
+    /// csrc/hostemu/sim.cpp: runs kernel `id` (Kernel::index) with grid (gx, gy), a block of
+    /// bx threads, `smem` bytes of dynamic shared memory, thread order `order`, on the
+    /// parameter struct at `params`. 0, or -1 for an unknown id.
+    fn ct_sim_launch(id: i32, gx: u32, gy: u32, bx: u32, smem: usize, order: i32, params: *const u8) -> i32;
+}
+
+/// The shim's state is global: one simulated launch at a time in the process.
+static SHIM: Mutex<()> = Mutex::new(());
+
+const CANARY: usize = 256;
+const CANARY_BYTE: u8 = 0xCB;
+const POISON_BYTE: u8 = 0xFF;
+/// Dynamic shared memory a kernel gets without raising its attribute.
+const SMEM_DEFAULT: u32 = 48 * 1024;
+
+/// The GPU a simulated device stands for (`COLOTRAIN_SIM_ARCH`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Arch {
+    pub name: &'static str,
+    pub cc: (i32, i32),
+    pub sm_count: u32,
+    /// The most dynamic shared memory one block may have (bytes).
+    pub smem_max: u32,
+}
+
+pub(super) const SM90A: Arch = Arch { name: "sm_90a", cc: (9, 0), sm_count: 132, smem_max: 227 * 1024 };
+pub(super) const SM100A: Arch = Arch { name: "sm_100a", cc: (10, 0), sm_count: 148, smem_max: 227 * 1024 };
+
+impl Arch {
+    /// `COLOTRAIN_SIM_ARCH`: sm_90a (H200, the default: NVFP4 emulated) or sm_100a (B300).
+    pub fn from_env() -> Result<Arch> {
+        match std::env::var("COLOTRAIN_SIM_ARCH").as_deref() {
+            Err(_) | Ok("") => Ok(SM90A),
+            Ok(a) => Self::named(a).map_err(|e| anyhow!("COLOTRAIN_SIM_ARCH: {e}")),
+        }
+    }
+
+    pub fn named(a: &str) -> Result<Arch> {
+        match a {
+            "sm_90a" => Ok(SM90A),
+            "sm_100a" => Ok(SM100A),
+            other => bail!("'{other}': expected sm_90a (H200) or sm_100a (B300)"),
+        }
+    }
+}
+
+/// How many simulated GPUs the machine has (`COLOTRAIN_SIM_DEVICES`, default 8).
+pub(super) fn device_count() -> Result<usize> {
+    env_usize("COLOTRAIN_SIM_DEVICES", 8)
+}
+
+/// Each simulated GPU's memory (`COLOTRAIN_SIM_MEM_MB`, default 4096 MiB: the host's memory is
+/// real).
+pub(super) fn capacity() -> Result<usize> {
+    Ok(env_usize("COLOTRAIN_SIM_MEM_MB", 4096)? << 20)
+}
+
+fn env_usize(name: &str, default: usize) -> Result<usize> {
+    match std::env::var(name) {
+        Err(_) => Ok(default),
+        Ok(s) => s.trim().parse().map_err(|_| anyhow!("{name}='{s}': expected a whole number")),
+    }
+}
+
+struct Alloc {
+    /// The start of the host block (the front canary); the device address is base + CANARY.
+    base: usize,
+    bytes: usize,
+}
+
+/// One queued piece of work.
+enum Op {
+    Memset { ptr: u64, bytes: usize },
+    Htod { dst: u64, data: Vec<u8> },
+    Dtod { dst: u64, src: u64, bytes: usize },
+    Launch { k: Kernel, grid: (u32, u32), block: u32, smem: u32, params: Vec<MaybeUninit<u64>> },
+    Gemm { key: GemmKey, w: u64, x: u64, y: u64, alpha: f32 },
+}
+
+#[derive(Default)]
+struct State {
+    /// Live allocations by device address.
+    allocs: BTreeMap<u64, Alloc>,
+    queue: Vec<Op>,
+    /// Rule violations found where no error can be returned (a free), reported by the next
+    /// synchronize.
+    violations: Vec<String>,
+    /// The dynamic shared memory limit set per kernel (Kernel::index).
+    smem_attr: Vec<u32>,
+    launches: u64,
+}
+
+pub(super) struct Sim {
+    pub arch: Arch,
+    ordinal: usize,
+    state: Mutex<State>,
+}
+
+fn layout(bytes: usize) -> Result<Layout> {
+    Layout::from_size_align(bytes + 2 * CANARY, 256).map_err(|e| anyhow!("simulated allocation of {bytes} bytes: {e}"))
+}
+
+impl Sim {
+    pub fn new(ordinal: usize, arch: Arch) -> Sim {
+        let state = State { smem_attr: vec![SMEM_DEFAULT; Kernel::ALL.len()], ..Default::default() };
+        Sim { arch, ordinal, state: Mutex::new(state) }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn name(&self) -> String {
+        format!("cuda-sim:{}", self.ordinal)
+    }
+
+    pub fn bind(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Runs the queue in order, then checks every allocation's canaries; reports the first
+    /// violation found since the last synchronize.
+    pub fn synchronize(&self) -> Result<()> {
+        let mut st = self.state();
+        if !st.violations.is_empty() {
+            let v = std::mem::take(&mut st.violations);
+            bail!("{}: {}", self.name(), v.join("; "));
+        }
+        let queue = std::mem::take(&mut st.queue);
+        for op in queue {
+            self.run(&mut st, op)?;
+        }
+        for (&ptr, a) in &st.allocs {
+            check_canaries(ptr, a).map_err(|e| anyhow!("{}: {e}", self.name()))?;
+        }
+        Ok(())
+    }
+
+    pub fn malloc(&self, bytes: usize) -> Result<u64> {
+        let l = layout(bytes)?;
+        // SAFETY: `l` has a non-zero size (two canaries) and a valid alignment.
+        let base = unsafe { std::alloc::alloc(l) };
+        if base.is_null() {
+            bail!("{}: the host could not back a simulated allocation of {bytes} bytes", self.name());
+        }
+        // SAFETY: `base` holds bytes + 2 CANARY bytes (just allocated, exclusively ours).
+        unsafe {
+            std::ptr::write_bytes(base, CANARY_BYTE, CANARY);
+            std::ptr::write_bytes(base.add(CANARY), POISON_BYTE, bytes);
+            std::ptr::write_bytes(base.add(CANARY + bytes), CANARY_BYTE, CANARY);
+        }
+        let ptr = base as u64 + CANARY as u64;
+        self.state().allocs.insert(ptr, Alloc { base: base as usize, bytes });
+        Ok(ptr)
+    }
+
+    /// Frees a block. Freeing it while work is queued (which may still use it), or after a
+    /// write past its ends, is a violation the next synchronize reports (free cannot fail).
+    pub fn free(&self, ptr: u64) {
+        let mut st = self.state();
+        if !st.queue.is_empty() {
+            let n = st.queue.len();
+            st.violations.push(format!("the block at {ptr:#x} was freed while {n} operations were queued"));
+        }
+        match st.allocs.remove(&ptr) {
+            Some(a) => {
+                if let Err(e) = check_canaries(ptr, &a) {
+                    st.violations.push(format!("{e:#}"));
+                }
+                if let Ok(l) = layout(a.bytes) {
+                    // SAFETY: `a.base` came from `alloc` with this layout and is freed once (it
+                    // was just removed from the map).
+                    unsafe { std::alloc::dealloc(a.base as *mut u8, l) };
+                }
+            }
+            None => st.violations.push(format!("free of {ptr:#x}, which is not an allocation")),
+        }
+    }
+
+    pub fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
+        let mut st = self.state();
+        check_range(&st, ptr, bytes, "memset")?;
+        st.queue.push(Op::Memset { ptr, bytes });
+        Ok(())
+    }
+
+    pub fn htod(&self, dst: u64, src: &[u8]) -> Result<()> {
+        let mut st = self.state();
+        check_range(&st, dst, src.len(), "host-to-device copy")?;
+        st.queue.push(Op::Htod { dst, data: src.to_vec() });
+        Ok(())
+    }
+
+    pub fn dtoh(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        self.synchronize()?;
+        let st = self.state();
+        check_range(&st, src, dst.len(), "device-to-host copy")?;
+        // SAFETY: [src, src + len) lies inside a live allocation (checked above) and the queue
+        // is empty, so nothing writes it meanwhile.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    pub fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        let mut st = self.state();
+        check_range(&st, src, bytes, "device copy source")?;
+        check_range(&st, dst, bytes, "device copy destination")?;
+        st.queue.push(Op::Dtod { dst, src, bytes });
+        Ok(())
+    }
+
+    pub fn set_max_dynamic_smem(&self, k: Kernel, bytes: u32) -> Result<()> {
+        if bytes > self.arch.smem_max {
+            bail!(
+                "{}: {bytes} bytes of dynamic shared memory for {}: the limit of {} is {} bytes",
+                self.name(),
+                k.name(),
+                self.arch.name,
+                self.arch.smem_max
+            );
+        }
+        self.state().smem_attr[k.index()] = bytes;
+        Ok(())
+    }
+
+    /// Checks the launch against the hardware's rules, copies the parameters and queues it.
+    pub fn launch(
+        &self,
+        k: Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: *const std::ffi::c_void,
+        size: usize,
+    ) -> Result<()> {
+        let rule = |what: String| anyhow!("{}: launch of {} refused: {what}", self.name(), k.name());
+        if block == 0 || block > 1024 {
+            return Err(rule(format!("{block} threads per block (the limit is 1024)")));
+        }
+        if grid.0 > i32::MAX as u32 || grid.1 > 65535 || grid.2 > 65535 {
+            return Err(rule(format!("grid {grid:?} (limits: x < 2^31, y and z ≤ 65535)")));
+        }
+        if grid.2 != 1 {
+            return Err(rule(format!("grid.z = {} (the simulator runs 2-D grids only)", grid.2)));
+        }
+        let mut st = self.state();
+        let attr = st.smem_attr[k.index()];
+        if smem > attr {
+            return Err(rule(if smem > SMEM_DEFAULT {
+                format!(
+                    "{smem} bytes of dynamic shared memory, above 48 KiB without the function attribute \
+                     (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES is {attr})"
+                )
+            } else {
+                format!("{smem} bytes of dynamic shared memory, above its attribute of {attr}")
+            }));
+        }
+        let words = size.div_ceil(8);
+        let mut buf = vec![MaybeUninit::<u64>::uninit(); words];
+        // SAFETY: `params` points at the kernel's parameter struct of `size` bytes (kernels.rs);
+        // an untyped copy into a buffer of at least `size` bytes, which is only ever handed
+        // back to C as bytes.
+        unsafe { std::ptr::copy_nonoverlapping(params as *const u8, buf.as_mut_ptr() as *mut u8, size) };
+        st.queue.push(Op::Launch { k, grid: (grid.0, grid.1), block, smem, params: buf });
+        Ok(())
+    }
+
+    pub fn gemm(&self, key: GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) -> Result<()> {
+        let mut st = self.state();
+        super::sim_gemm::check(&key, w, x, y, scales).map_err(|e| anyhow!("{}: cuBLASLt {e}", self.name()))?;
+        let (es, m, n, k) = (super::sim_gemm::elem_bytes(key.ab), key.m, key.n, key.k);
+        check_range(&st, w, n * k * es / super::sim_gemm::per_byte(key.ab), "GEMM weight")?;
+        check_range(&st, x, m * k * es / super::sim_gemm::per_byte(key.ab), "GEMM input")?;
+        check_range(&st, y, m * n * 4, "GEMM output")?;
+        st.queue.push(Op::Gemm { key, w, x, y, alpha });
+        Ok(())
+    }
+
+    pub fn stream_handle(&self) -> *mut std::ffi::c_void {
+        std::ptr::null_mut()
+    }
+
+    pub fn time_ms(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        let t = Instant::now();
+        f()?;
+        self.synchronize()?;
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    }
+
+    fn run(&self, st: &mut State, op: Op) -> Result<()> {
+        match op {
+            // SAFETY (the three copies): every range was checked against a live allocation when
+            // the op was queued, and an allocation is only freed with an empty queue.
+            Op::Memset { ptr, bytes } => unsafe { std::ptr::write_bytes(ptr as *mut u8, 0, bytes) },
+            Op::Htod { dst, data } => unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len())
+            },
+            Op::Dtod { dst, src, bytes } => unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) },
+            Op::Launch { k, grid, block, smem, params } => {
+                st.launches += 1;
+                let order = (st.launches % 3) as i32;
+                let _shim = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+                // SAFETY: `params` holds the kernel's parameter struct; the device pointers in
+                // it are host addresses of live simulated allocations (the caller keeps the
+                // tensors alive until the stream reaches the kernel, as on a GPU).
+                let rc = unsafe {
+                    ct_sim_launch(
+                        k.index() as i32,
+                        grid.0,
+                        grid.1,
+                        block,
+                        smem as usize,
+                        order,
+                        params.as_ptr() as *const u8,
+                    )
+                };
+                if rc != 0 {
+                    bail!("{}: the kernel library has no {} (id {})", self.name(), k.name(), k.index());
+                }
+            }
+            Op::Gemm { key, w, x, y, alpha } => super::sim_gemm::run(&key, w, x, y, alpha),
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        for (_, a) in std::mem::take(&mut st.allocs) {
+            if let Ok(l) = layout(a.bytes) {
+                // SAFETY: each block came from `alloc` with this layout and is freed once.
+                unsafe { std::alloc::dealloc(a.base as *mut u8, l) };
+            }
+        }
+    }
+}
+
+/// An error unless [ptr, ptr + bytes) lies inside one live allocation.
+fn check_range(st: &State, ptr: u64, bytes: usize, what: &str) -> Result<()> {
+    match st.allocs.range(..=ptr).next_back() {
+        Some((&start, a)) if ptr + bytes as u64 <= start + a.bytes as u64 => Ok(()),
+        Some((&start, a)) if ptr < start + a.bytes as u64 => bail!(
+            "{what} of {bytes} bytes at {ptr:#x} runs {} bytes past the end of its allocation ({} bytes at {start:#x})",
+            ptr + bytes as u64 - (start + a.bytes as u64),
+            a.bytes
+        ),
+        _ => bail!("{what} of {bytes} bytes at {ptr:#x}: not inside any allocation of this device"),
+    }
+}
+
+fn check_canaries(ptr: u64, a: &Alloc) -> Result<()> {
+    // SAFETY: the block [base, base + bytes + 2 CANARY) is a live host allocation.
+    let (front, back) = unsafe {
+        (
+            std::slice::from_raw_parts(a.base as *const u8, CANARY),
+            std::slice::from_raw_parts((a.base + CANARY + a.bytes) as *const u8, CANARY),
+        )
+    };
+    if let Some(i) = back.iter().rposition(|&b| b != CANARY_BYTE) {
+        bail!("a write up to {} bytes past the end of the allocation of {} bytes at {ptr:#x}", i + 1, a.bytes);
+    }
+    if let Some(i) = front.iter().position(|&b| b != CANARY_BYTE) {
+        bail!("a write up to {} bytes before the allocation of {} bytes at {ptr:#x}", CANARY - i, a.bytes);
+    }
+    Ok(())
+}

@@ -1,0 +1,87 @@
+//! The simulator's rules, each shown to bite: a deliberately broken launch or memory access
+//! fails with the simulator's error, naming the kernel and the rule. (Most of the simulator is
+//! exercised by running the real glue on it: the op rooms' `*_sim` tests and tests/sim.rs.)
+
+use super::driver::Driver;
+use super::kernels::Kernel;
+use super::sim::{Sim, SM100A, SM90A};
+use super::{ffi, CudaDevice};
+
+fn cast_params(x: u64, y: u64, n: i64) -> ffi::ct_cast_params {
+    ffi::ct_cast_params { x: x as *mut f32, y: y as *mut std::ffi::c_void, dtype: ffi::CT_DTYPE_BF16, n }
+}
+
+fn launch<P>(d: &Driver, k: Kernel, grid: (u32, u32, u32), block: u32, smem: u32, p: &P) -> String {
+    let r = d.launch(k, grid, block, smem, p as *const P as *const std::ffi::c_void, std::mem::size_of::<P>());
+    r.err().map(|e| format!("{e:#}")).unwrap_or_default()
+}
+
+#[test]
+fn launches_that_break_the_hardware_rules_are_refused() {
+    // A standalone driver: these launches are never run (nothing synchronizes it).
+    let d = Driver::Sim(Sim::new(99, SM90A));
+    let p = cast_params(0, 0, 0);
+    let e = launch(&d, Kernel::Cast, (1, 1, 1), 2048, 0, &p);
+    assert!(e.contains("ct_cast") && e.contains("2048 threads per block (the limit is 1024)"), "{e}");
+    let e = launch(&d, Kernel::Cast, (1, 70000, 1), 256, 0, &p);
+    assert!(e.contains("ct_cast") && e.contains("y and z ≤ 65535"), "{e}");
+    // Dynamic shared memory above 48 KiB needs the function attribute first.
+    let e = launch(&d, Kernel::PagedAttention, (1, 1, 1), 128, 64 * 1024, &p);
+    assert!(e.contains("ct_paged_attention") && e.contains("without the function attribute"), "{e}");
+    d.set_max_dynamic_smem(Kernel::PagedAttention, 64 * 1024).unwrap();
+    assert_eq!(launch(&d, Kernel::PagedAttention, (1, 1, 1), 128, 64 * 1024, &p), "");
+    // ... and never more than the architecture allows (227 KiB on sm_90 and sm_100).
+    for arch in [SM90A, SM100A] {
+        let d = Driver::Sim(Sim::new(98, arch));
+        let e = format!("{:#}", d.set_max_dynamic_smem(Kernel::PrefillAttention, 228 * 1024).unwrap_err());
+        assert!(e.contains("ct_prefill_attention") && e.contains(&format!("{} bytes", 227 * 1024)), "{e}");
+    }
+}
+
+#[test]
+fn memory_outside_an_allocation_and_late_frees_are_errors() {
+    let d = Driver::Sim(Sim::new(97, SM90A));
+    let p = d.malloc(1000).unwrap();
+    let e = format!("{:#}", d.memset0(p + 996, 8).unwrap_err());
+    assert!(e.contains("runs 4 bytes past the end of its allocation"), "{e}");
+    let e = format!("{:#}", d.htod(p + 4096, &[1, 2, 3]).unwrap_err());
+    assert!(e.contains("not inside any allocation"), "{e}");
+    // A block freed while queued work may still use it: reported at the next synchronize.
+    d.memset0(p, 1000).unwrap();
+    d.free(p);
+    let e = format!("{:#}", d.synchronize().unwrap_err());
+    assert!(e.contains("freed while 1 operations were queued"), "{e}");
+}
+
+#[test]
+fn a_kernel_writing_past_its_buffer_is_caught_at_the_next_synchronize() {
+    let dev = CudaDevice::sim_arch(5, Some("sm_90a")).unwrap();
+    // 512 bytes is a whole size class of the allocator, so the block ends where the request
+    // does (a write past the request but inside its class is not seen, as on a GPU).
+    let x = dev.scratch(257 * 4, "x").unwrap();
+    let y = dev.scratch(512, "y").unwrap();
+    dev.memset0(x.ptr, 257 * 4).unwrap();
+    dev.synchronize().unwrap();
+    // 257 BF16 values into 256 slots: one element, 2 bytes, past the end.
+    dev.k_cast(cast_params(x.ptr, y.ptr, 257)).unwrap();
+    let e = format!("{:#}", dev.synchronize().unwrap_err());
+    assert!(
+        e.contains("cuda-sim:5") && e.contains("a write up to 2 bytes past the end of the allocation of 512 bytes"),
+        "{e}"
+    );
+}
+
+#[test]
+fn poisoned_memory_and_the_same_device_for_the_same_ordinal() {
+    let a = CudaDevice::sim_arch(4, Some("sm_90a")).unwrap();
+    let b = CudaDevice::sim(4).unwrap();
+    assert!(std::sync::Arc::ptr_eq(&a.inner, &b.inner), "a second open of cuda-sim:4 must share the first");
+    let e = format!("{:#}", CudaDevice::sim_arch(4, Some("sm_100a")).unwrap_err());
+    assert!(e.contains("already open as sm_90a"), "{e}");
+    // A fresh allocation reads as NaN (0xFF bytes) until written: never as plausible zeros.
+    let buf = a.scratch(64, "fresh").unwrap();
+    let mut v = [0.0f32; 16];
+    a.dtoh(&mut v, buf.ptr).unwrap();
+    assert!(v.iter().all(|x| x.is_nan()), "{v:?}");
+    assert!(a.name().starts_with("cuda-sim:4") && a.is_sim());
+}

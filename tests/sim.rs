@@ -1,0 +1,134 @@
+//! The CUDA path on the simulated GPU (`cuda-sim`, src/device/cuda/sim.rs) against the CPU
+//! backend: the same glue, launches and kernels that a GPU would run, executed on the host.
+//! Tolerances: F32 weights |Δ log p| ≤ 1e-4 + 1e-4·|ref| (the CPU and the kernels sum in
+//! different orders); greedy and sampled tokens identical (the same Philox draws from logits
+//! that agree to rounding); BF16 weights |Δ log p| ≤ 5e-2 + 5e-2·|ref| (the CUDA linears round
+//! their f32 inputs to BF16, the CPU keeps them in f32). Both architecture profiles run: sm_90a
+//! (H200) on cuda-sim:0, sm_100a (B300) on cuda-sim:1.
+
+mod common;
+
+use colotrain::device::{CudaDevice, DType, Device};
+use colotrain::engine::{Completion, Engine, EngineConfig, Request, SamplingConfig};
+use colotrain::model::LoadedModel;
+use common::*;
+use std::sync::Arc;
+
+fn sims() -> Vec<Device> {
+    vec![
+        Device::Cuda(CudaDevice::sim_arch(0, Some("sm_90a")).expect("cuda-sim:0")),
+        Device::Cuda(CudaDevice::sim_arch(1, Some("sm_100a")).expect("cuda-sim:1")),
+    ]
+}
+
+/// Every request run to completion on `dev`, sorted by (id, sample).
+fn run(dev: &Device, lm: &LoadedModel, dtype: DType, reqs: &[Request]) -> Vec<Completion> {
+    let ec = EngineConfig { max_tokens_per_step: 24, ..Default::default() };
+    let mut e = Engine::new(dev, &lm.cfg, dtype, &ec, None).unwrap();
+    for r in reqs {
+        e.add(r.clone()).unwrap();
+    }
+    let mut done = e.run_to_completion(&lm.weights, |_| {}).unwrap();
+    done.sort_by_key(|c| (c.id, c.sample));
+    done
+}
+
+fn requests(vocab: usize, sampling: SamplingConfig, score: bool) -> Vec<Request> {
+    let s = Arc::new(sampling);
+    (0..3u64)
+        .map(|id| Request {
+            id,
+            sample: 0,
+            prompt: (0..(5 + 9 * id as usize) as u32).map(|x| (x * 11 + id as u32 * 3) % vocab as u32).collect(),
+            sampling: s.clone(),
+            prompt_logprobs: score,
+        })
+        .collect()
+}
+
+#[test]
+fn scoring_and_generation_on_the_simulator_equal_the_cpu() {
+    let cpu = Device::cpu(2).unwrap();
+    for name in FIXTURE_MODELS {
+        let lm_cpu = load_fixture(name, &cpu, DType::F32);
+        let v = lm_cpu.cfg.vocab_size;
+        let cases = [
+            ("score", SamplingConfig { max_new_tokens: 0, ..Default::default() }, true),
+            (
+                "greedy",
+                SamplingConfig { temperature: 0.0, max_new_tokens: 12, ignore_eos: true, ..Default::default() },
+                false,
+            ),
+            (
+                "sampled",
+                SamplingConfig {
+                    temperature: 1.0,
+                    max_new_tokens: 12,
+                    ignore_eos: true,
+                    seed: 5,
+                    ..Default::default()
+                },
+                false,
+            ),
+            (
+                "top-k top-p",
+                SamplingConfig {
+                    temperature: 0.8,
+                    top_k: 20,
+                    top_p: 0.9,
+                    max_new_tokens: 12,
+                    ignore_eos: true,
+                    seed: 6,
+                    ..Default::default()
+                },
+                false,
+            ),
+        ];
+        for (what, sampling, score) in cases {
+            let reqs = requests(v, sampling, score);
+            let want = run(&cpu, &lm_cpu, DType::F32, &reqs);
+            for dev in sims() {
+                let lm = load_fixture(name, &dev, DType::F32);
+                let got = run(&dev, &lm, DType::F32, &reqs);
+                for (g, w) in got.iter().zip(&want) {
+                    let at = format!("{name} {what} request {} on {}", g.id, dev.name());
+                    assert_eq!(g.tokens, w.tokens, "{at}: tokens");
+                    assert_close(&format!("{at}: log-probs"), &g.logprobs, &w.logprobs, 1e-4, 1e-4);
+                    assert_close(
+                        &format!("{at}: prompt log-probs"),
+                        &g.prompt_logprobs,
+                        &w.prompt_logprobs,
+                        1e-4,
+                        1e-4,
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_weights_on_the_simulator_stay_within_bf16_rounding_of_the_cpu() {
+    let cpu = Device::cpu(2).unwrap();
+    let name = "qwen2_tied_sharded";
+    let lm_cpu = load_fixture(name, &cpu, DType::BF16);
+    let reqs = requests(lm_cpu.cfg.vocab_size, SamplingConfig { max_new_tokens: 0, ..Default::default() }, true);
+    let want = run(&cpu, &lm_cpu, DType::BF16, &reqs);
+    let dev = Device::parse("cuda-sim:0").unwrap();
+    let lm = load_fixture(name, &dev, DType::BF16);
+    assert_eq!(lm.weights.dtype(), DType::BF16);
+    let got = run(&dev, &lm, DType::BF16, &reqs);
+    for (g, w) in got.iter().zip(&want) {
+        assert_close(&format!("bf16 request {}", g.id), &g.prompt_logprobs, &w.prompt_logprobs, 5e-2, 5e-2);
+    }
+}
+
+#[test]
+fn the_simulated_device_is_named_and_bounded() {
+    let e = format!("{:#}", Device::parse("cuda-sim:99").unwrap_err());
+    assert!(e.contains("cuda-sim:99") && e.contains("COLOTRAIN_SIM_DEVICES"), "{e}");
+    let e = format!("{:#}", Device::parse("cuda-sim:x").unwrap_err());
+    assert!(e.contains("expected cuda-sim:<ordinal>"), "{e}");
+    let d = Device::parse("cuda-sim").unwrap();
+    assert!(d.name().starts_with("cuda-sim:0") && d.name().contains("simulated"), "{}", d.name());
+}
