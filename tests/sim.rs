@@ -132,3 +132,77 @@ fn the_simulated_device_is_named_and_bounded() {
     let d = Device::parse("cuda-sim").unwrap();
     assert!(d.name().starts_with("cuda-sim:0") && d.name().contains("simulated"), "{}", d.name());
 }
+
+/// Every rollout engine built, synced in place twice (the weights move between the syncs) and
+/// scoring on the simulator, against the CPU engine of the same recipe on the same weights.
+/// The BF16 engines (standard, noisy, stale) within the F32 tolerance (1e-4 + 1e-4·|ref|). The
+/// quantized engines run the simulator's emulated low-precision path (no CUTLASS there): the
+/// same codes and products as the CPU's fake quantization, summed in another order, so an
+/// activation that lies within rounding of a quantization boundary can take the other code in
+/// a later layer; hence a mean bound (5e-3) and a max bound (0.1) in nats per token.
+#[test]
+fn every_rollout_engine_on_the_simulator_scores_like_its_cpu_twin() {
+    use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
+    use colotrain::model::calib::Calibration;
+    use colotrain::model::ModelWeights;
+    use colotrain::quant::recipe::{KvScale, Recipe};
+    let cpu = Device::cpu(2).unwrap();
+    let sim = Device::parse("cuda-sim:0").unwrap();
+    let lm = load_fixture("llama_gqa", &cpu, DType::F32);
+    let c = lm.cfg.clone();
+    let layers = c.num_layers;
+    let mut cal = Calibration::new(Calibration::fingerprint(&c), layers);
+    for l in 0..layers {
+        cal.input_amax[l] = [4.0; 4];
+        cal.k_amax[l] = 6.0;
+        cal.v_amax[l] = 3.0;
+    }
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 7 % c.vocab_size) as u32).collect();
+    let s = Arc::new(SamplingConfig { max_new_tokens: 0, ..Default::default() });
+    let engines: [(&str, &[&str], f64, usize); 7] = [
+        ("bf16", &[], 0.0, 0),
+        ("fp8", &[], 0.0, 0),
+        ("nvfp4", &[], 0.0, 0),
+        ("fp8-kv", &[], 0.0, 0),
+        ("fp8", &["first-layer", "last-layer"], 0.0, 0),
+        ("bf16", &[], 0.05, 0),
+        ("bf16", &[], 0.0, 2),
+    ];
+    for (recipe, keep, noise, staleness) in engines {
+        let keep: Vec<String> = keep.iter().map(|k| k.to_string()).collect();
+        let spec = EngineSpec {
+            recipe: Recipe::preset(recipe, layers, &keep, KvScale::Calibrated, Default::default()).unwrap(),
+            noise_sigma: noise,
+            noise_seed: 3,
+            staleness,
+        };
+        let what = format!("{recipe} keep {keep:?} noise {noise} staleness {staleness}");
+        let mut scores = Vec::new();
+        for dev in [&cpu, &sim] {
+            let mut w = ModelWeights::random(&c, dev, DType::F32, 11, 0.15).unwrap();
+            let mut rw = RolloutWeights::new(dev, &spec, &c, &w, Some(&cal), 0).unwrap();
+            // Move the weights and resync in place, twice (the stale ring advances).
+            for v in 1..=2u64 {
+                let mut g = w.layers[0].gate_proj.to_f32_vec().unwrap();
+                g.iter_mut().for_each(|x| *x *= 1.0 + 0.1 * v as f32);
+                w.layers[0].gate_proj.write_f32(&g).unwrap();
+                rw.sync(&w, v).unwrap();
+            }
+            let ec = EngineConfig { kv_fp8: spec.recipe.kv_layers(), ..Default::default() };
+            let mut e = Engine::new(dev, &c, DType::F32, &ec, None).unwrap();
+            e.add(Request { id: 0, sample: 0, prompt: prompt.clone(), sampling: s.clone(), prompt_logprobs: true })
+                .unwrap();
+            scores.push(e.run_to_completion(rw.view(&w), |_| {}).unwrap()[0].prompt_logprobs.clone());
+        }
+        let (want, got) = (&scores[0], &scores[1]);
+        assert_eq!(got.len(), prompt.len() - 1, "{what}");
+        let d: Vec<f64> = got.iter().zip(want).map(|(a, b)| (a - b).abs() as f64).collect();
+        let (mean, max) = (d.iter().sum::<f64>() / d.len() as f64, d.iter().cloned().fold(0.0, f64::max));
+        eprintln!("{what}: mean |Δ log p| {mean:.2e}, max {max:.2e}");
+        if spec.recipe.name == "bf16" {
+            assert_close(&what, got, want, 1e-4, 1e-4);
+        } else {
+            assert!(mean <= 5e-3 && max <= 0.1, "{what}: mean |Δ log p| {mean:.2e}, max {max:.2e}");
+        }
+    }
+}

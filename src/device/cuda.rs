@@ -504,6 +504,15 @@ impl CudaStorage {
         &self.buf.dev
     }
 
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// The ordinal of the device this storage lives on.
     pub fn ordinal(&self) -> usize {
         self.buf.dev.inner.ordinal

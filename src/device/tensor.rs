@@ -62,6 +62,23 @@ pub enum Storage {
     Cuda(CudaStorage),
 }
 
+impl CpuStorage {
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        match self {
+            CpuStorage::F32(v) => v.len(),
+            CpuStorage::BF16(v) => v.len(),
+            CpuStorage::F16(v) => v.len(),
+            CpuStorage::U8(v) => v.len(),
+            CpuStorage::U32(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 impl Storage {
     pub fn is_cpu(&self) -> bool {
         matches!(self, Storage::Cpu(_))
@@ -351,6 +368,25 @@ impl Tensor {
     pub fn reshape(&mut self, shape: &[usize]) -> Result<()> {
         if numel(shape) != self.numel() {
             bail!("cannot reshape {:?} to {:?}", self.shape, shape);
+        }
+        self.shape = shape.to_vec();
+        Ok(())
+    }
+
+    /// Elements the storage holds (at least `numel`).
+    pub fn capacity(&self) -> usize {
+        match &self.storage {
+            Storage::Cpu(c) => c.len(),
+            Storage::Cuda(c) => c.len(),
+        }
+    }
+
+    /// Views a scratch buffer as `shape`, which may cover less than its storage (the rest is
+    /// unused until a later view covers it): rows of another width in the same allocation.
+    pub fn reshape_within(&mut self, shape: &[usize]) -> Result<()> {
+        let capacity = self.capacity();
+        if numel(shape) > capacity {
+            bail!("cannot view a buffer of {capacity} elements ({:?}) as {shape:?}", self.shape);
         }
         self.shape = shape.to_vec();
         Ok(())

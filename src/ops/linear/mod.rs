@@ -138,7 +138,8 @@ pub fn linear_act_q(
     match dev {
         Device::Cpu(_) => {
             let k = x.dim(x.shape().len() - 1);
-            xq.reshape(&[xq.numel() / k, k])?;
+            // The scratch is sized for the widest K; view whole rows of this K in it.
+            xq.reshape_within(&[xq.capacity() / k, k])?;
             super::quantize::fake_quant_rows(dev, x, xq, m, act)?;
             linear_q(dev, xq, wq, bias, y, m)
         }
