@@ -1,6 +1,6 @@
 //! colotrain: a single-node trainer for on-policy post-training of LLMs (on-policy distillation
-//! and RL) with low-precision rollout engines. The architecture is in DESIGN.md (shared with the
-//! team) and the README.
+//! and RL) with low-precision rollout engines. The README describes the layout and the
+//! decisions behind it.
 //!
 //! The modules form layers: each imports only modules listed before it (a test that needs a
 //! higher layer lives in that layer or in `tests/`). Each module's header says what it owns,

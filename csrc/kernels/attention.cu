@@ -4,7 +4,7 @@
 // F16 rounding) and paged_attention (the same online softmax in f32, but keys are processed in
 // tiles of CT_ATT_TILE and dot products are reduced across a warp, so results agree to
 // rounding). One block per (query row, KV head): the decode kernel. Batches that are mostly
-// prefill rows run attention_prefill.cu instead, which shares K/V tiles across rows (ops.rs
+// prefill rows run attention_prefill.cu instead, which shares K/V tiles across rows (attention/cuda.rs
 // picks). Batch-1 decode uses only kv_heads blocks (no split-K yet). Not yet run on a GPU;
 // src/ops/hostemu/blocks.rs runs it under host emulation against the CPU twin.
 #include "common.cuh"

@@ -1,8 +1,8 @@
 // common.cuh: device helpers shared by the kernels in csrc/kernels/: element loads by dtype,
 // block reductions, and bit-exact ports of the CPU's number formats and random numbers:
-//   - ct_e4m3_encode / ct_e4m3_decode   <- src/quant/fp8.rs (encode_e4m3_fast, E4M3.encode/decode)
-//   - ct_e2m1_encode / ct_e2m1_sr       <- src/quant/fp8.rs encode_e2m1_fast, nvfp4.rs sr_e2m1
-//   - ct_rht16                          <- src/quant/nvfp4.rs rht_block
+//   - ct_e4m3_encode / ct_e4m3_decode   <- src/formats/fp8.rs (encode_e4m3_fast, E4M3.encode/decode)
+//   - ct_e2m1_encode / ct_e2m1_sr       <- src/formats/fp8.rs encode_e2m1_fast, nvfp4.rs sr_e2m1
+//   - ct_rht16                          <- src/formats/nvfp4.rs rht_block
 //   - ct_philox / ct_uniform_f64        <- src/rand.rs philox4x32_10, uniform_f64
 //   - ct_exp_f32                        <- src/ops/vecmath.rs exp_f32 (softmax, SwiGLU)
 // Bit-exactness needs the same f32 operations in the same order, so these use the _rn

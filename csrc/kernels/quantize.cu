@@ -1,11 +1,11 @@
 // quantize.cu: the fused amax + quantize passes of the low-precision engines, the decoders used
 // by the emulated GEMMs, and the scale-factor swizzle of the block-scaled GEMMs.
 // CPU twins (bit-exact: same f32 operations in the same order, see common.cuh):
-//   ct_amax          <- src/quant/qtensor.rs requantize_cpu's amax (with RHT: of the rotated
+//   ct_amax          <- src/quant/qtensor.rs QTensor::requantize_cpu's amax (with RHT: of the rotated
 //                       blocks) and src/ops/elementwise/cpu.rs amax_rows (NaN propagates)
 //   ct_quant_fp8     <- qtensor.rs FP8 branch (scale = amax/448, simd::encode_fp8) and
 //                       src/ops/quantize/cpu.rs fake_quant_rows FP8 (fixed scale, decoded back)
-//   ct_quant_nvfp4   <- src/quant/nvfp4.rs quantize_row (RHT, stochastic rounding keyed by the
+//   ct_quant_nvfp4   <- src/formats/nvfp4.rs quantize_row (RHT, stochastic rounding keyed by the
 //                       flat element index) and fake_quantize_rows (dequantize_into)
 //   ct_dequant       <- src/device/tensor.rs CpuFloats::Fp8 / Nvfp4 read_into
 // One difference from the CPU: the CPU checks the amax for NaN/Inf before writing any code;

@@ -3,7 +3,7 @@
 //! k older versions (seed 000 App. C.5); a weight-noise engine adds σ·s_w·ε_w to every projection
 //! matrix (App. C.4: s_w the matrix's std at the first sync, ε_w ~ N(0, I) from a Philox stream
 //! keyed by (seed, tensor name), fixed across syncs and devices, unseen by the trainer); a
-//! quantized engine re-quantizes its preallocated buffers (recipe, `quant::state`). They compose:
+//! quantized engine re-quantizes its preallocated buffers (recipe, `model::quant_state`). They compose:
 //! staleness, then noise, then quantization. Every buffer is allocated at construction; a sync
 //! rewrites them in place.
 

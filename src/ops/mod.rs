@@ -13,8 +13,8 @@
 //! Conventions (llm.c style): buffers are allocated once at their maximum size and ops take the
 //! number of active rows `m` explicitly; every tensor's logical shape is written next to it.
 //! CPU activations are f32; weights may be f32, bf16 or f16. Owns no state. May call:
-//! `crate::device`, `crate::quant`, `crate::rand`. Must not: allocate in steady state (CPU
-//! scratch is thread-local and reused), know about models.
+//! `crate::device`, `crate::quant`, `crate::rand`, `crate::util` (huge pages). Must not:
+//! allocate in steady state (CPU scratch is thread-local and reused), know about models.
 
 use crate::device::{Device, Tensor};
 use anyhow::{bail, Result};

@@ -3,8 +3,9 @@
 //! through commands to the workers: teacher scoring, rewards, the data-parallel training step,
 //! the resync, evaluation and checkpoints. Where rollouts come from is `schedule.rs`'s.
 //!
-//! Owns: [`Coordinator`]. May call: the worker pool, `replica`, `plan`, `fault`. Must not:
-//! touch a device's state except through commands to its worker.
+//! Owns: [`Coordinator`]. May call: the worker pool, `replica`, `plan`, `fault`, and the layers
+//! below (`train` for checkpoints and evaluation, `engine`, `model`, `data`, `mismatch`). Must
+//! not: touch a device's state except through commands to its worker.
 
 use super::fault::Fault;
 use super::plan::{collective, engine_config, plan_devices};

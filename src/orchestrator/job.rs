@@ -3,8 +3,9 @@
 //! metrics (one JSON line), periodic held-out evaluation and checkpoints; the run directory's
 //! files (metrics.jsonl, config.toml, eval/).
 //!
-//! Owns: the run directory. May call: `coordinator`, `schedule`. Must not: touch a device's
-//! state except through the coordinator.
+//! Owns: the run directory. May call: `coordinator`, `schedule`, `fault`, `replica` (its
+//! `Sources`), and `train`, `mismatch`, `engine` (metrics, checkpoints, digests). Must not:
+//! touch a device's state except through the coordinator.
 
 use super::coordinator::{print_plan, start};
 use super::fault::Fault;
@@ -58,9 +59,10 @@ fn truncate_metrics(path: &Path, upto: u64) -> Result<()> {
     crate::util::write_atomic(path, out.as_bytes())
 }
 
-/// Runs `job` with its models at `sources` (directories: `builtin:` names are resolved by the
-/// caller, see `orchestrator::run`).
-pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobSummary> {
+/// Runs `job`. `resolve` turns its model paths into directories (`orchestrator::sources`
+/// builds `builtin:` models; the tiny builder's own SFT run passes `Sources::plain`): called
+/// once the run directory is checked, as the devices start.
+pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opts: &JobOptions) -> Result<JobSummary> {
     let t_job = Instant::now();
     let out_dir = job.out_dir();
     let metrics_path = out_dir.join("metrics.jsonl");
@@ -78,7 +80,7 @@ pub fn run(job: &JobConfig, sources: &Sources, opts: &JobOptions) -> Result<JobS
         }
     };
     std::fs::create_dir_all(out_dir.join("eval")).with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let (mut host, start) = start(job, sources, resume.as_deref(), &out_dir)?;
+    let (mut host, start) = start(job, &resolve(job)?, resume.as_deref(), &out_dir)?;
     host.fault = opts.fault;
     if resume.is_some() {
         truncate_metrics(&metrics_path, start)?;

@@ -28,17 +28,25 @@ pub use replica::Sources;
 use crate::config::JobConfig;
 use anyhow::Result;
 
-/// The run's model directories: each `builtin:` name built (once, cached) and resolved.
+/// The run's model directories: each `builtin:` name built (once, cached) and resolved; the
+/// teacher only for the objective that loads it (OPD).
 pub fn sources(job: &JobConfig) -> Result<Sources> {
-    Ok(Sources {
-        student: tiny::resolve(&job.model.path)?,
-        teacher: job.teacher.as_ref().map(|t| tiny::resolve(&t.path)).transpose()?,
-    })
+    use anyhow::Context;
+    let student =
+        tiny::resolve(&job.model.path).with_context(|| format!("loading the student '{}'", job.model.path))?;
+    let teacher = match &job.teacher {
+        Some(t) if job.objective.kind == crate::config::ObjectiveKind::Opd => {
+            Some(tiny::resolve(&t.path).with_context(|| format!("loading the teacher '{}'", t.path))?)
+        }
+        _ => None,
+    };
+    Ok(Sources { student, teacher })
 }
 
-/// Runs the `train` job: its models resolved (see [`sources`]), then [`job::run`].
+/// Runs the `train` job: [`job::run`] with its models resolved by [`sources`] at the boundary
+/// between the config and the run.
 pub fn run(job: &JobConfig, opts: &JobOptions) -> Result<JobSummary> {
-    job::run(job, &sources(job)?, opts)
+    job::run(job, &sources, opts)
 }
 
 #[cfg(all(test, feature = "cuda"))]

@@ -2,8 +2,9 @@
 //! the collective between the training devices, the engine sizes and sampling settings taken
 //! from the job, and the reference rollouts of SFT.
 //!
-//! Owns: nothing. May call: `crate::config`, `crate::device`, `crate::parallel`. Must not:
-//! open a device other than to count the visible GPUs.
+//! Owns: nothing. May call: `crate::config`, `crate::device`, `crate::parallel`, `crate::engine`
+//! and `crate::data` (sampling settings, reference rollouts). Must not: open a device other
+//! than to count the visible GPUs.
 
 use crate::config::JobConfig;
 use crate::data::dataset::PromptItem;

@@ -17,7 +17,8 @@
 //!   completes late is trained late).
 //!
 //! Owns: [`Scheduler`] (prompts in flight, the board, the generators' commands). May call: the
-//! worker pool.
+//! worker pool, `coordinator`, `replica`, `plan`, `fault`, and `config`, `data`, `engine`
+//! (prompts and rollouts).
 
 use super::coordinator::Coordinator;
 use super::fault::Fault;

@@ -131,7 +131,8 @@ pub fn build(root: &Path) -> Result<()> {
     let w = crate::model::ModelWeights::random(&cfg, &dev, crate::device::DType::F32, 2, 0.02)?;
     crate::model::tiny::write_model_dir(&init, &cfg, &w, crate::device::DType::F32)?;
     let job = sft_job(&init, &tmp.join("sft"));
-    let s = super::job::run(&job, &super::replica::Sources::plain(&job), &super::job::JobOptions::default())?;
+    let plain = |j: &JobConfig| Ok(super::replica::Sources::plain(j));
+    let s = super::job::run(&job, &plain, &super::job::JobOptions::default())?;
     tracing::info!("tiny SFT: {}", crate::train::metrics::summary_table(&s).replace('\n', "; "));
     for (name, step) in [("student", STUDENT_STEP), ("teacher", TEACHER_STEP)] {
         let src = tmp.join("sft").join(crate::train::checkpoint::dir_name(step));

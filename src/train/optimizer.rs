@@ -2,7 +2,8 @@
 //! gradient-norm clipping (torch.nn.utils.clip_grad_norm_), and the learning-rate schedule.
 //! Parameters are one flat f32 vector (so a device can own a contiguous shard, ZeRO-1 style).
 //!
-//! Owns: master weights, moments, the step counter. May call: nothing. Must not: touch the
+//! Owns: master weights, moments, the step counter. May call: `config` (its settings and
+//! kind). Must not: touch the
 //! compute weights' storage (the trainer writes them from `master` after each step).
 
 use crate::config::OptimizerConfig;

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 /// the sum in f64 over 16 lanes joined by a fixed tree (see `vecmath`), so the value is the
 /// same bits on every CPU and does not depend on the summation order beyond f32 rounding of
 /// each term. Scoring and sampling use this one definition (the GPU twins the same exp in
-/// row_stats.cuh, summed in another order); the trainer's log-softmax (grad/lm_head.rs) agrees
+/// row_stats.cuh, summed in another order); the trainer's log-softmax (lm_head/grad.rs) agrees
 /// with it to rounding.
 #[inline]
 pub fn row_log_normalizer(z: &[f32], temperature: f32) -> (f32, f64) {

@@ -5,7 +5,8 @@
 //! Owns: the public signatures, their checks and the dispatch; the CPU twin (`cpu.rs`: the
 //! one definition of the row normalizer), the CUDA twin (`cuda.rs`, kernel
 //! csrc/kernels/logprob.cu). The trainer's log-softmax is `lm_head::grad` (see there for why it
-//! is a second implementation). May call: `crate::device`. Must not: allocate on the CPU.
+//! is a second implementation). May call: `crate::device`. Must not: allocate on the CPU
+//! in the scoring path (`topk_logprobs`, score centering's, sorts a copy of each row).
 
 mod cpu;
 mod cuda;

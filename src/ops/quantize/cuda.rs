@@ -137,7 +137,7 @@ pub fn fake_quant_rows(d: &CudaDevice, x: &Tensor, y: &mut Tensor, m: usize, q: 
 /// Quantizes f32 rows x (m, K) at `xp` with the fixed scale of `q` (FP8: scale; NVFP4: global,
 /// with dynamic block scales, RHT and stochastic rounding as its options), writing whichever of
 /// codes (`codes`), NVFP4 block scales (`scales`) and dequantized values (`dequant`) is non-zero.
-/// The one launch of the quantize kernels for activations (fake_quant_rows, lowp::quantize_act).
+/// The one launch of the quantize kernels for activations (fake_quant_rows, linear::cuda_lowp::quantize_act).
 #[allow(clippy::too_many_arguments)]
 pub fn quant_rows_fixed(
     d: &CudaDevice,
