@@ -106,7 +106,8 @@ struct Inner {
 }
 
 /// The devices open in this process, by (simulated, ordinal): opening one again shares it.
-static OPEN: Mutex<Option<HashMap<(bool, usize), Weak<Inner>>>> = Mutex::new(None);
+type Registry = HashMap<(bool, usize), Weak<Inner>>;
+static OPEN: Mutex<Option<Registry>> = Mutex::new(None);
 
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
