@@ -31,6 +31,19 @@ pub struct GemmKey {
     pub accumulate: bool,
 }
 
+/// One kernel launch: kernel `k` on a 2-D grid of 1-D blocks of `block` threads with `smem`
+/// bytes of dynamic shared memory, and its parameter struct (`size` bytes at `params`, which
+/// the driver copies before `launch` returns).
+#[derive(Clone, Copy)]
+pub(super) struct Launch {
+    pub k: Kernel,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub smem: u32,
+    pub params: *const std::ffi::c_void,
+    pub size: usize,
+}
+
 /// What executes the glue's requests: a GPU through cudarc, or the simulator.
 pub(super) enum Driver {
     #[cfg(feature = "cuda")]
@@ -94,18 +107,9 @@ impl Driver {
         each!(self, d => d.set_max_dynamic_smem(k, bytes))
     }
 
-    /// Queues kernel `k` with a 1-D block of `block` threads, `smem` bytes of dynamic shared
-    /// memory and its parameter struct (`size` bytes at `params`, copied before this returns).
-    pub fn launch(
-        &self,
-        k: Kernel,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        params: *const std::ffi::c_void,
-        size: usize,
-    ) -> Result<()> {
-        each!(self, d => d.launch(k, grid, block, smem, params, size))
+    /// Queues a kernel launch.
+    pub fn launch(&self, l: &Launch) -> Result<()> {
+        each!(self, d => d.launch(l))
     }
 
     /// The cuBLASLt matmul of `key` (see `GemmKey`); `scales`: E2M1's tiled block scales of

@@ -155,7 +155,8 @@ impl CudaDevice {
         // copies it before returning. The pointers inside `p` are device allocations kept alive
         // by the caller's tensors until the stream reaches the kernel (freed blocks are only
         // reused by later work on the same stream).
-        drv.launch(k, grid, block, smem, p as *const P as *const std::ffi::c_void, std::mem::size_of::<P>())
+        let params = p as *const P as *const std::ffi::c_void;
+        drv.launch(&super::driver::Launch { k, grid, block, smem, params, size: std::mem::size_of::<P>() })
             .map_err(|e| anyhow!("launch of {} on {} failed: {e:#}", k.name(), self.name()))?;
         if self.sync_launches() {
             self.synchronize().with_context(|| format!("after {}", k.name()))?;

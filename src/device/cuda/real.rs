@@ -7,7 +7,7 @@
 //! Must not: be reached except through `driver::Driver`.
 
 use super::blas::Blas;
-use super::driver::GemmKey;
+use super::driver::{GemmKey, Launch};
 use super::kernels::Kernel;
 use super::Cubin;
 use anyhow::{anyhow, bail, Context, Result};
@@ -167,21 +167,15 @@ impl Real {
         .map_err(|e| anyhow!("{e}"))
     }
 
-    pub fn launch(
-        &self,
-        k: Kernel,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        params: *const std::ffi::c_void,
-        _size: usize,
-    ) -> Result<()> {
-        let f = self.function(k)?;
-        let mut args = [params as *mut std::ffi::c_void];
+    pub fn launch(&self, l: &Launch) -> Result<()> {
+        let f = self.function(l.k)?;
+        let mut args = [l.params as *mut std::ffi::c_void];
         // SAFETY: `params` points at the kernel's one parameter, its ct_*_params struct, which
         // outlives this call; the driver copies the parameter at launch (see kernels.rs).
-        unsafe { dr::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, self.stream.cu_stream(), &mut args) }
-            .map_err(|e| anyhow!("{e}"))
+        unsafe {
+            dr::launch_kernel(f.cu_function(), l.grid, (l.block, 1, 1), l.smem, self.stream.cu_stream(), &mut args)
+        }
+        .map_err(|e| anyhow!("{e}"))
     }
 
     pub fn gemm(&self, key: GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) -> Result<()> {

@@ -17,7 +17,7 @@
 //! Owns: the simulated memory, queue and launch rules of one device. May call: the kernel
 //! library (`ct_sim_launch`), `sim_gemm`. Must not: be reached except through `driver::Driver`.
 
-use super::driver::GemmKey;
+use super::driver::{GemmKey, Launch};
 use super::kernels::Kernel;
 use anyhow::{anyhow, bail, Result};
 use std::alloc::Layout;
@@ -253,15 +253,8 @@ impl Sim {
     }
 
     /// Checks the launch against the hardware's rules, copies the parameters and queues it.
-    pub fn launch(
-        &self,
-        k: Kernel,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        params: *const std::ffi::c_void,
-        size: usize,
-    ) -> Result<()> {
+    pub fn launch(&self, l: &Launch) -> Result<()> {
+        let Launch { k, grid, block, smem, params, size } = *l;
         let rule = |what: String| anyhow!("{}: launch of {} refused: {what}", self.name(), k.name());
         if block == 0 || block > 1024 {
             return Err(rule(format!("{block} threads per block (the limit is 1024)")));

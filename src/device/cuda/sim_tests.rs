@@ -2,7 +2,7 @@
 //! fails with the simulator's error, naming the kernel and the rule. (Most of the simulator is
 //! exercised by running the real glue on it: the op rooms' `*_sim` tests and tests/sim.rs.)
 
-use super::driver::Driver;
+use super::driver::{Driver, Launch};
 use super::kernels::Kernel;
 use super::sim::{Sim, SM100A, SM90A};
 use super::{ffi, CudaDevice};
@@ -12,7 +12,8 @@ fn cast_params(x: u64, y: u64, n: i64) -> ffi::ct_cast_params {
 }
 
 fn launch<P>(d: &Driver, k: Kernel, grid: (u32, u32, u32), block: u32, smem: u32, p: &P) -> String {
-    let r = d.launch(k, grid, block, smem, p as *const P as *const std::ffi::c_void, std::mem::size_of::<P>());
+    let params = p as *const P as *const std::ffi::c_void;
+    let r = d.launch(&Launch { k, grid, block, smem, params, size: std::mem::size_of::<P>() });
     r.err().map(|e| format!("{e:#}")).unwrap_or_default()
 }
 
