@@ -76,7 +76,7 @@ mod embedded {
     use super::Cubin;
     include!(concat!(env!("OUT_DIR"), "/cuda_kernels.rs"));
 }
-pub use driver::{Elem, GemmKey};
+pub use driver::{Cutlass, CutlassArgs, Elem, GemmKey};
 /// The architectures this binary carries kernels for (COLOTRAIN_CUDA_ARCHS at build time).
 #[cfg(feature = "cuda")]
 pub use embedded::BUILT_ARCHS;
@@ -352,10 +352,36 @@ impl CudaDevice {
         self.inner.driver.bind().map_err(|e| anyhow!("cuda:{}: {e:#}", self.inner.ordinal))
     }
 
-    /// The device's one stream, for the CUTLASS launchers (null on the simulator): every
-    /// launch and copy of this device is ordered on it.
+    /// The device's one stream (null on the simulator): every launch and copy of this device
+    /// is ordered on it.
     pub fn stream_handle(&self) -> *mut std::ffi::c_void {
         self.inner.driver.stream_handle()
+    }
+
+    /// The CUTLASS GEMM for operands of element type `ab` (E4M3 or E2M1) on this device, if
+    /// there is one: FP8 on sm_90 and sm_100, NVFP4 on sm_100 only (Hopper has no native FP4),
+    /// when this build compiled it (the simulator's references stand for every one).
+    pub fn cutlass_kernel(&self, ab: Elem) -> Option<Cutlass> {
+        let g = match (ab, self.inner.cc.0) {
+            (Elem::E4M3, 9) => Cutlass::Fp8Sm90,
+            (Elem::E4M3, 10) => Cutlass::Fp8Sm100,
+            (Elem::E2M1, 10) => Cutlass::Nvfp4Sm100,
+            _ => return None,
+        };
+        self.driver().cutlass_built(g).then_some(g)
+    }
+
+    /// Runs CUTLASS GEMM `g` on this device's stream: workspace query, scratch, the GEMM.
+    /// Ok(false) when the kernel's `can_implement` refuses the problem.
+    pub fn cutlass_gemm(&self, g: Cutlass, a: &CutlassArgs) -> Result<bool> {
+        for (n, what) in [(a.m, "rows"), (a.n, "columns"), (a.k, "depth")] {
+            args::i32_of(n, &format!("CUTLASS GEMM {what}"))?;
+        }
+        self.bind()?;
+        let bytes = self.driver().cutlass_workspace(g, a)?;
+        let ws = self.scratch(bytes, "CUTLASS workspace")?;
+        let ws_ptr = if bytes == 0 { 0 } else { ws.ptr };
+        self.driver().cutlass(g, a, ws_ptr).map_err(|e| anyhow!("{}: {e:#}", self.name()))
     }
 
     fn driver(&self) -> &Driver {

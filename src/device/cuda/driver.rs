@@ -3,9 +3,10 @@
 //! engines — is the same code whether a real GPU runs it (`real.rs`, cudarc: feature `cuda`)
 //! or the simulator (`sim.rs`: the kernels compiled for the host, device memory as host
 //! memory). The operations are the ones the glue uses: memory, copies, synchronization, a
-//! kernel launch with its parameter struct, the cuBLASLt matmul.
+//! kernel launch with its parameter struct, the cuBLASLt matmul, the CUTLASS GEMMs.
 //!
-//! Owns: [`Driver`], the GEMM descriptor types ([`Elem`], [`GemmKey`]). May call: `real`,
+//! Owns: [`Driver`], the GEMM descriptor types ([`Elem`], [`GemmKey`], [`Cutlass`],
+//! [`CutlassArgs`]). May call: `real`,
 //! `sim`. Must not: know about tensors or ops.
 
 use super::kernels::Kernel;
@@ -29,6 +30,52 @@ pub struct GemmKey {
     pub k: usize,
     pub ab: Elem,
     pub accumulate: bool,
+}
+
+/// The CUTLASS GEMMs of csrc/cutlass: D (m, n) f32 = alpha · A (m, k) · B (n, k)ᵀ, A and B
+/// row-major with k contiguous.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cutlass {
+    /// E4M3 × E4M3, sm_90a (TMA warp-specialized WGMMA): gemm_fp8_sm90.cu.
+    Fp8Sm90,
+    /// E4M3 × E4M3, sm_100a / sm_103a (tcgen05): gemm_fp8_sm100.cu.
+    Fp8Sm100,
+    /// E2M1 × E2M1 with UE4M3 scales per 16 values in the swizzled 128×4 layout of sm_100
+    /// (`ct_swizzle_sf`): gemm_nvfp4_sm100.cu.
+    Nvfp4Sm100,
+}
+
+impl Cutlass {
+    /// The compute capability major the kernel was built for.
+    pub fn major(self) -> i32 {
+        match self {
+            Cutlass::Fp8Sm90 => 9,
+            Cutlass::Fp8Sm100 | Cutlass::Nvfp4Sm100 => 10,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Cutlass::Fp8Sm90 => "ct_fp8_gemm_sm90a",
+            Cutlass::Fp8Sm100 => "ct_fp8_gemm_sm100a",
+            Cutlass::Nvfp4Sm100 => "ct_nvfp4_gemm_sm100a",
+        }
+    }
+}
+
+/// The operands of a CUTLASS GEMM (device addresses; `sfa` / `sfb` the swizzled NVFP4 scales,
+/// 0 for FP8) — ct_gemm_lp_args of colotrain_kernels.h.
+#[derive(Clone, Copy, Debug)]
+pub struct CutlassArgs {
+    pub a: u64,
+    pub b: u64,
+    pub sfa: u64,
+    pub sfb: u64,
+    pub d: u64,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub alpha: f32,
 }
 
 /// One kernel launch: kernel `k` on a 2-D grid of 1-D blocks of `block` threads with `smem`
@@ -119,7 +166,25 @@ impl Driver {
         each!(self, d => d.gemm(key, w, x, y, alpha, scales))
     }
 
-    /// The stream handle the CUTLASS launchers take (null in the simulator, which has none).
+    /// Whether CUTLASS GEMM `g` can be called: a real GPU when this build compiled it, the
+    /// simulator always (its references stand for every CUTLASS kernel; the architecture rule
+    /// is checked at the call, as a GPU would fail to find the kernel's image).
+    pub fn cutlass_built(&self, g: Cutlass) -> bool {
+        each!(self, d => d.cutlass_built(g))
+    }
+
+    /// Bytes of workspace CUTLASS GEMM `g` needs for `a`.
+    pub fn cutlass_workspace(&self, g: Cutlass, a: &CutlassArgs) -> Result<usize> {
+        each!(self, d => d.cutlass_workspace(g, a))
+    }
+
+    /// Queues CUTLASS GEMM `g` with `ws` (of the size `cutlass_workspace` asked for); Ok(false)
+    /// when the kernel's `can_implement` refuses the problem (nothing is queued then).
+    pub fn cutlass(&self, g: Cutlass, a: &CutlassArgs, ws: u64) -> Result<bool> {
+        each!(self, d => d.cutlass(g, a, ws))
+    }
+
+    /// The stream handle (null in the simulator, which has none).
     pub fn stream_handle(&self) -> *mut std::ffi::c_void {
         each!(self, d => d.stream_handle())
     }

@@ -121,6 +121,19 @@ impl Kernel {
         self.symbol().0
     }
 
+    /// The smallest element (bytes) any pointer parameter of the kernel is read or written
+    /// as: the alignment the simulator requires of every device pointer in its parameters (a
+    /// misaligned load faults on a GPU). Coarse by design: a kernel that reads BF16 weights
+    /// and f32 rows is held to 2 bytes for both.
+    pub fn ptr_align(self) -> u64 {
+        use Kernel::*;
+        match self {
+            KvWrite | PagedAttention | PrefillAttention | QuantFp8 | QuantNvfp4 | Dequant | SwizzleSf => 1,
+            Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax => 2,
+            RopeTable | Rope | Swiglu | GatherRows | LogSoftmaxGather | Sample | SampleTopk => 4,
+        }
+    }
+
     /// The index of the kernel in [`Kernel::ALL`] (and `ct_sim_launch`'s id).
     pub fn index(self) -> usize {
         self as usize

@@ -7,9 +7,9 @@
 //! Must not: be reached except through `driver::Driver`.
 
 use super::blas::Blas;
-use super::driver::{GemmKey, Launch};
+use super::driver::{Cutlass, CutlassArgs, GemmKey, Launch};
 use super::kernels::Kernel;
-use super::Cubin;
+use super::{ffi, Cubin};
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{result as dr, sys, CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::Ptx;
@@ -191,6 +191,39 @@ impl Real {
         }
     }
 
+    /// Whether this build compiled CUTLASS GEMM `g` (build.rs: COLOTRAIN_CUDA_ARCHS).
+    pub fn cutlass_built(&self, g: Cutlass) -> bool {
+        launcher(g).is_some()
+    }
+
+    pub fn cutlass_workspace(&self, g: Cutlass, a: &CutlassArgs) -> Result<usize> {
+        let f = launcher(g).ok_or_else(|| anyhow!("this build has no {}", g.name()))?;
+        let args = ffi_args(a);
+        let mut bytes = 0usize;
+        // SAFETY: query mode (workspace_bytes non-null): the launcher only reads `args`.
+        let rc = unsafe { f(&args, std::ptr::null_mut(), &mut bytes, std::ptr::null_mut()) };
+        if rc != 0 {
+            bail!("{}: workspace query failed with status {rc}", g.name());
+        }
+        Ok(bytes)
+    }
+
+    pub fn cutlass(&self, g: Cutlass, a: &CutlassArgs, ws: u64) -> Result<bool> {
+        let f = launcher(g).ok_or_else(|| anyhow!("this build has no {}", g.name()))?;
+        self.bind()?;
+        let args = ffi_args(a);
+        // SAFETY: `args` points at device buffers of the shapes it states (checked by the
+        // callers), the workspace has the size the query asked for, and the stream is this
+        // device's, whose context is current on this thread (the CUDA runtime inside the
+        // launcher adopts it).
+        let rc = unsafe { f(&args, ws as *mut std::ffi::c_void, std::ptr::null_mut(), self.stream_handle()) };
+        match rc {
+            0 => Ok(true),
+            -1 => Ok(false),
+            s => bail!("{} m={} n={} k={} failed with cutlass::Status {s}", g.name(), a.m, a.n, a.k),
+        }
+    }
+
     pub fn stream_handle(&self) -> *mut std::ffi::c_void {
         self.stream.cu_stream() as *mut std::ffi::c_void
     }
@@ -205,5 +238,38 @@ impl Real {
         end.record(&self.stream).map_err(|e| anyhow!("{e}"))?;
         self.synchronize()?;
         Ok(start.elapsed_ms(&end).map_err(|e| anyhow!("{e}"))? as f64)
+    }
+}
+
+type Launcher =
+    unsafe extern "C" fn(*const ffi::ct_gemm_lp_args, *mut std::ffi::c_void, *mut usize, *mut std::ffi::c_void) -> i32;
+
+/// The launcher of CUTLASS GEMM `g`, if this build compiled it.
+fn launcher(g: Cutlass) -> Option<Launcher> {
+    match g {
+        #[cfg(colotrain_cutlass_sm90)]
+        Cutlass::Fp8Sm90 => Some(ffi::ct_fp8_gemm_sm90a as Launcher),
+        #[cfg(colotrain_cutlass_sm100)]
+        Cutlass::Fp8Sm100 => Some(ffi::ct_fp8_gemm_sm100a as Launcher),
+        #[cfg(colotrain_cutlass_sm100)]
+        Cutlass::Nvfp4Sm100 => Some(ffi::ct_nvfp4_gemm_sm100a as Launcher),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    }
+}
+
+fn ffi_args(a: &CutlassArgs) -> ffi::ct_gemm_lp_args {
+    let ptr = |p: u64| p as *const std::ffi::c_void;
+    ffi::ct_gemm_lp_args {
+        a: ptr(a.a),
+        b: ptr(a.b),
+        sfa: ptr(a.sfa),
+        sfb: ptr(a.sfb),
+        d: a.d as *mut f32,
+        // The callers checked that the sizes fit the kernels' 32-bit sizes.
+        m: a.m as i32,
+        n: a.n as i32,
+        k: a.k as i32,
+        alpha: a.alpha,
     }
 }

@@ -6,18 +6,22 @@
 //! as on a stream and runs at a synchronization point; a copy to the host synchronizes first,
 //! as the glue's `dtoh` does on a GPU. Each launch is checked against the hardware's rules
 //! before it is queued (threads per block, grid limits, dynamic shared memory above 48 KiB only
-//! after the function attribute, the architecture's shared memory limit). cuBLASLt is replaced
-//! by a reference GEMM that refuses what cuBLASLt refuses (`sim_gemm.rs`).
+//! after the function attribute, the architecture's shared memory limit, a pointer parameter
+//! into another simulated device's memory or misaligned for the kernel). cuBLASLt and the
+//! CUTLASS GEMMs are replaced by reference GEMMs that read the same operand layouts and refuse
+//! what the libraries refuse (`sim_gemm.rs`).
 //!
 //! What it cannot catch: real concurrency beyond the shim's varied thread orders, tensor-core
 //! and libm numerics, register or resource launch failures, driver and cubin loading, cuBLASLt
-//! heuristics, TMA, NCCL, speed. A kernel bug the shim detects (divergent warps, a thread at a
+//! heuristics, TMA, NCCL, speed. Pointer parameters are found by value (a parameter word that
+//! lies inside a live simulated allocation), so a pointer to freed or foreign host memory is
+//! not seen. A kernel bug the shim detects (divergent warps, a thread at a
 //! different barrier, a stack overflow) ends the process with the shim's message.
 //!
 //! Owns: the simulated memory, queue and launch rules of one device. May call: the kernel
 //! library (`ct_sim_launch`), `sim_gemm`. Must not: be reached except through `driver::Driver`.
 
-use super::driver::{GemmKey, Launch};
+use super::driver::{Cutlass, CutlassArgs, GemmKey, Launch};
 use super::kernels::Kernel;
 use anyhow::{anyhow, bail, Result};
 use std::alloc::Layout;
@@ -35,6 +39,14 @@ unsafe extern "C" {
 
 /// The shim's state is global: one simulated launch at a time in the process.
 static SHIM: Mutex<()> = Mutex::new(());
+
+/// Every live allocation of every simulated device in the process: device address → (bytes,
+/// ordinal), to name the device a pointer parameter belongs to.
+static OWNERS: Mutex<BTreeMap<u64, (usize, usize)>> = Mutex::new(BTreeMap::new());
+
+fn owners() -> MutexGuard<'static, BTreeMap<u64, (usize, usize)>> {
+    OWNERS.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 const CANARY: usize = 256;
 const CANARY_BYTE: u8 = 0xCB;
@@ -103,7 +115,8 @@ enum Op {
     Htod { dst: u64, data: Vec<u8> },
     Dtod { dst: u64, src: u64, bytes: usize },
     Launch { k: Kernel, grid: (u32, u32), block: u32, smem: u32, params: Vec<MaybeUninit<u64>> },
-    Gemm { key: GemmKey, w: u64, x: u64, y: u64, alpha: f32 },
+    Gemm { key: GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)> },
+    Cutlass { g: Cutlass, args: CutlassArgs },
 }
 
 #[derive(Default)]
@@ -180,6 +193,7 @@ impl Sim {
         }
         let ptr = base as u64 + CANARY as u64;
         self.state().allocs.insert(ptr, Alloc { base: base as usize, bytes });
+        owners().insert(ptr, (bytes, self.ordinal));
         Ok(ptr)
     }
 
@@ -193,6 +207,7 @@ impl Sim {
         }
         match st.allocs.remove(&ptr) {
             Some(a) => {
+                owners().remove(&ptr);
                 if let Err(e) = check_canaries(ptr, &a) {
                     st.violations.push(format!("{e:#}"));
                 }
@@ -283,6 +298,33 @@ impl Sim {
         // an untyped copy into a buffer of at least `size` bytes, which is only ever handed
         // back to C as bytes.
         unsafe { std::ptr::copy_nonoverlapping(params as *const u8, buf.as_mut_ptr() as *mut u8, size) };
+        // Pointer parameters: every 8-byte-aligned word of the struct (where C puts pointers)
+        // that lies inside a simulated allocation. Padding bytes are read as integers here and
+        // never interpreted otherwise.
+        let whole = size / 8;
+        for (i, w) in buf[..whole].iter().enumerate() {
+            // SAFETY: the first `whole` words were fully written by the copy above; any bit
+            // pattern is a valid u64.
+            let v = unsafe { w.assume_init() };
+            let owner = owners().range(..=v).next_back().filter(|(&s, &(b, _))| v < s + b as u64).map(|(_, o)| o.1);
+            match owner {
+                Some(o) if o != self.ordinal => {
+                    return Err(rule(format!(
+                        "the parameter at byte {} points into the memory of cuda-sim:{o} (a pointer that belongs to \
+                         another device)",
+                        i * 8
+                    )))
+                }
+                Some(_) if v % k.ptr_align() != 0 => {
+                    return Err(rule(format!(
+                        "the pointer parameter at byte {} ({v:#x}) is not aligned to the kernel's {}-byte elements",
+                        i * 8,
+                        k.ptr_align()
+                    )))
+                }
+                _ => {}
+            }
+        }
         st.queue.push(Op::Launch { k, grid: (grid.0, grid.1), block, smem, params: buf });
         Ok(())
     }
@@ -290,12 +332,45 @@ impl Sim {
     pub fn gemm(&self, key: GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) -> Result<()> {
         let mut st = self.state();
         super::sim_gemm::check(&key, w, x, y, scales).map_err(|e| anyhow!("{}: cuBLASLt {e}", self.name()))?;
-        let (es, m, n, k) = (super::sim_gemm::elem_bytes(key.ab), key.m, key.n, key.k);
-        check_range(&st, w, n * k * es / super::sim_gemm::per_byte(key.ab), "GEMM weight")?;
-        check_range(&st, x, m * k * es / super::sim_gemm::per_byte(key.ab), "GEMM input")?;
+        let (m, n, k) = (key.m, key.n, key.k);
+        check_range(&st, w, super::sim_gemm::matrix_bytes(key.ab, n, k), "GEMM weight")?;
+        check_range(&st, x, super::sim_gemm::matrix_bytes(key.ab, m, k), "GEMM input")?;
         check_range(&st, y, m * n * 4, "GEMM output")?;
-        st.queue.push(Op::Gemm { key, w, x, y, alpha });
+        if let Some((sw, sx)) = scales {
+            check_range(&st, sw, super::sim_gemm::sf_bytes(n, k), "GEMM weight block scales")?;
+            check_range(&st, sx, super::sim_gemm::sf_bytes(m, k), "GEMM input block scales")?;
+        }
+        st.queue.push(Op::Gemm { key, w, x, y, alpha, scales });
         Ok(())
+    }
+
+    /// The simulator's references stand for every CUTLASS kernel.
+    pub fn cutlass_built(&self, _g: Cutlass) -> bool {
+        true
+    }
+
+    pub fn cutlass_workspace(&self, _g: Cutlass, _a: &CutlassArgs) -> Result<usize> {
+        Ok(0)
+    }
+
+    /// Checks what the GPU and CUTLASS would check, the operands' ranges, and queues the
+    /// reference.
+    pub fn cutlass(&self, g: Cutlass, a: &CutlassArgs, _ws: u64) -> Result<bool> {
+        let mut st = self.state();
+        let ok = super::sim_gemm::cutlass_check(g, self.arch.cc.0, a).map_err(|e| anyhow!("{}: {e:#}", self.name()))?;
+        if !ok {
+            return Ok(false);
+        }
+        let e = if g == Cutlass::Nvfp4Sm100 { super::driver::Elem::E2M1 } else { super::driver::Elem::E4M3 };
+        check_range(&st, a.a, super::sim_gemm::matrix_bytes(e, a.m, a.k), "CUTLASS operand A")?;
+        check_range(&st, a.b, super::sim_gemm::matrix_bytes(e, a.n, a.k), "CUTLASS operand B")?;
+        check_range(&st, a.d, a.m * a.n * 4, "CUTLASS output D")?;
+        if g == Cutlass::Nvfp4Sm100 {
+            check_range(&st, a.sfa, super::sim_gemm::sf_bytes(a.m, a.k), "CUTLASS scales SFA")?;
+            check_range(&st, a.sfb, super::sim_gemm::sf_bytes(a.n, a.k), "CUTLASS scales SFB")?;
+        }
+        st.queue.push(Op::Cutlass { g, args: *a });
+        Ok(true)
     }
 
     pub fn stream_handle(&self) -> *mut std::ffi::c_void {
@@ -340,7 +415,8 @@ impl Sim {
                     bail!("{}: the kernel library has no {} (id {})", self.name(), k.name(), k.index());
                 }
             }
-            Op::Gemm { key, w, x, y, alpha } => super::sim_gemm::run(&key, w, x, y, alpha),
+            Op::Gemm { key, w, x, y, alpha, scales } => super::sim_gemm::run(&key, w, x, y, alpha, scales),
+            Op::Cutlass { g, args } => super::sim_gemm::run_cutlass(g, &args),
         }
         Ok(())
     }
@@ -349,7 +425,8 @@ impl Sim {
 impl Drop for Sim {
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        for (_, a) in std::mem::take(&mut st.allocs) {
+        for (ptr, a) in std::mem::take(&mut st.allocs) {
+            owners().remove(&ptr);
             if let Ok(l) = layout(a.bytes) {
                 // SAFETY: each block came from `alloc` with this layout and is freed once.
                 unsafe { std::alloc::dealloc(a.base as *mut u8, l) };

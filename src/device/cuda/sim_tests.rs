@@ -86,3 +86,57 @@ fn poisoned_memory_and_the_same_device_for_the_same_ordinal() {
     assert!(v.iter().all(|x| x.is_nan()), "{v:?}");
     assert!(a.name().starts_with("cuda-sim:4") && a.is_sim());
 }
+
+#[test]
+fn cutlass_kernels_exist_only_for_their_architecture_and_need_tma_alignment() {
+    use super::driver::{Cutlass, CutlassArgs};
+    let d = Driver::Sim(Sim::new(96, SM90A));
+    let (a, b, y) = (d.malloc(64 * 64).unwrap(), d.malloc(64 * 64).unwrap(), d.malloc(64 * 64 * 4).unwrap());
+    let args = CutlassArgs { a, b, sfa: 0, sfb: 0, d: y, m: 64, n: 64, k: 64, alpha: 1.0 };
+    // No Blackwell image on a Hopper GPU.
+    let e = format!("{:#}", d.cutlass(Cutlass::Nvfp4Sm100, &args, 0).unwrap_err());
+    assert!(e.contains("ct_nvfp4_gemm_sm100a") && e.contains("no image for this sm_90"), "{e}");
+    // TMA needs 16-byte aligned operands: an error (initialize fails), not a quiet refusal.
+    let e = format!("{:#}", d.cutlass(Cutlass::Fp8Sm90, &CutlassArgs { a: a + 8, ..args }, 0).unwrap_err());
+    assert!(e.contains("operand A") && e.contains("16-byte aligned"), "{e}");
+    // can_implement: K % 16 and N % 4 (16-byte strides), else Ok(false) and nothing queued.
+    assert!(!d.cutlass(Cutlass::Fp8Sm90, &CutlassArgs { k: 40, ..args }, 0).unwrap());
+    assert!(!d.cutlass(Cutlass::Fp8Sm90, &CutlassArgs { n: 62, ..args }, 0).unwrap());
+    // An operand smaller than the problem says.
+    let e = format!("{:#}", d.cutlass(Cutlass::Fp8Sm90, &CutlassArgs { m: 65, ..args }, 0).unwrap_err());
+    assert!(e.contains("CUTLASS operand A") && e.contains("past the end"), "{e}");
+    assert!(d.cutlass(Cutlass::Fp8Sm90, &args, 0).unwrap());
+    d.memset0(a, 64 * 64).unwrap();
+    d.memset0(b, 64 * 64).unwrap();
+    d.synchronize().unwrap();
+}
+
+#[test]
+fn pointer_parameters_must_belong_to_the_device_and_be_aligned() {
+    let (d0, d1) = (Driver::Sim(Sim::new(95, SM90A)), Driver::Sim(Sim::new(94, SM90A)));
+    let (x, y) = (d0.malloc(1024).unwrap(), d0.malloc(1024).unwrap());
+    let other = d1.malloc(1024).unwrap();
+    let swiglu = |gate: u64, up: u64, out: u64| ffi::ct_swiglu_params {
+        gate: gate as *const f32,
+        up: up as *const f32,
+        out: out as *mut f32,
+        n: 16,
+    };
+    assert_eq!(launch(&d0, Kernel::Swiglu, (1, 1, 1), 32, 0, &swiglu(x, x, y)), "");
+    let e = launch(&d0, Kernel::Swiglu, (1, 1, 1), 32, 0, &swiglu(x, other, y));
+    assert!(e.contains("ct_swiglu") && e.contains("byte 8") && e.contains("memory of cuda-sim:94"), "{e}");
+    // An f32 pointer 2 bytes into a block: a misaligned load on a GPU.
+    let e = launch(&d0, Kernel::Swiglu, (1, 1, 1), 32, 0, &swiglu(x, x, y + 2));
+    assert!(e.contains("ct_swiglu") && e.contains("byte 16") && e.contains("4-byte elements"), "{e}");
+    // A kernel that reads bytes (the FP8 KV cache, NVFP4 scales) takes any offset.
+    let p = ffi::ct_swizzle_sf_params {
+        src: (x + 3) as *const u8,
+        dst: y as *mut u8,
+        rows: 1,
+        sf_cols: 1,
+        padded_rows: 1,
+        padded_cols: 1,
+    };
+    assert_eq!(launch(&d0, Kernel::SwizzleSf, (1, 1, 1), 32, 0, &p), "");
+    d0.synchronize().unwrap();
+}

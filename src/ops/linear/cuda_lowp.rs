@@ -5,7 +5,8 @@
 //! Paths, chosen per call (`Path::Auto`) or forced (the device check times each):
 //! - `Cutlass`: csrc/cutlass: FP8 on sm_90a (TMA warp-specialized WGMMA) and sm_100a / sm_103a
 //!   (tcgen05); NVFP4 block-scaled on sm_100a / sm_103a. Needs the kernel's alignment (FP8:
-//!   K % 16, NVFP4: K % 32, and N % 4 for the f32 output) and a build with CUTLASS.
+//!   K % 16, NVFP4: K % 32, and N % 4 for the f32 output) and a build with CUTLASS; on the
+//!   simulator, the references of `device/cuda/sim_gemm.rs` for the profile's architecture.
 //! - `CublasLt`: the library's FP8 / block-scaled NVFP4 GEMMs (the baseline).
 //! - `Emulated`: decode both operands to their unit values in BF16 (e4m3, or q·bs for NVFP4:
 //!   exact), a BF16 GEMM with FP32 accumulation and alpha = product of the tensor scales: the
@@ -17,13 +18,12 @@
 
 use super::cuda::add_bias;
 use crate::device::cuda::args::{i32_of, ptr};
-use crate::device::cuda::{ffi, CudaDevice, DevBuf, Elem};
+use crate::device::cuda::{ffi, CudaDevice, Cutlass, CutlassArgs, DevBuf, Elem};
 use crate::device::{DType, Tensor};
 use crate::ops::quantize::{dequant, quant_rows_fixed, ActQuant};
 use crate::quant::nvfp4::Nvfp4Opts;
 use crate::quant::qtensor::{QFormat, QTensor};
 use anyhow::{bail, Result};
-use std::ffi::c_void;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Path {
@@ -147,52 +147,16 @@ fn swizzle(d: &CudaDevice, src: u64, rows: usize, k: usize) -> Result<DevBuf> {
     Ok(buf)
 }
 
-type Launcher = unsafe extern "C" fn(*const ffi::ct_gemm_lp_args, *mut c_void, *mut usize, *mut c_void) -> i32;
-
-/// The CUTLASS launcher for this GPU and format, if this build has one.
-fn cutlass_launcher(d: &CudaDevice, format: QFormat) -> Option<Launcher> {
-    if d.is_sim() {
-        // The simulator has no CUTLASS kernels (they are device code only): the emulated path.
-        return None;
-    }
-    match (format, d.compute_capability().0) {
-        #[cfg(colotrain_cutlass_sm90)]
-        (QFormat::Fp8, 9) => Some(ffi::ct_fp8_gemm_sm90a as Launcher),
-        #[cfg(colotrain_cutlass_sm100)]
-        (QFormat::Fp8, 10) => Some(ffi::ct_fp8_gemm_sm100a as Launcher),
-        #[cfg(colotrain_cutlass_sm100)]
-        (QFormat::Nvfp4, 10) => Some(ffi::ct_nvfp4_gemm_sm100a as Launcher),
-        _ => None,
-    }
+/// The CUTLASS GEMM for `format` on this device (the simulator's reference on cuda-sim), if
+/// there is one.
+fn cutlass_kernel(d: &CudaDevice, format: QFormat) -> Option<Cutlass> {
+    d.cutlass_kernel(if format == QFormat::Fp8 { Elem::E4M3 } else { Elem::E2M1 })
 }
 
 /// Whether a CUTLASS kernel exists here for `format` and suits the shape.
 pub fn cutlass_supports(d: &CudaDevice, format: QFormat, n: usize, k: usize) -> bool {
     let k_align = if format == QFormat::Fp8 { 16 } else { 32 };
-    cutlass_launcher(d, format).is_some() && k % k_align == 0 && n % 4 == 0
-}
-
-/// Runs a CUTLASS launcher: workspace query, then the GEMM on the device's stream. Ok(false)
-/// when the kernel rejects the shape.
-fn run_cutlass(d: &CudaDevice, f: Launcher, args: &ffi::ct_gemm_lp_args) -> Result<bool> {
-    d.bind()?;
-    let mut ws_bytes = 0usize;
-    // SAFETY: query mode (workspace_bytes non-null): the launcher only reads `args`.
-    let rc = unsafe { f(args, std::ptr::null_mut(), &mut ws_bytes, std::ptr::null_mut()) };
-    if rc != 0 {
-        bail!("CUTLASS workspace query failed with status {rc}");
-    }
-    let ws = d.scratch(ws_bytes, "CUTLASS workspace")?;
-    let ws_ptr = if ws_bytes == 0 { std::ptr::null_mut() } else { ws.ptr as *mut c_void };
-    // SAFETY: `args` points at device buffers of the shapes it states (checked by the callers),
-    // the workspace has the size CUTLASS asked for, and the stream is this device's, whose
-    // context is current on this thread (the CUDA runtime inside the launcher adopts it).
-    let rc = unsafe { f(args, ws_ptr, std::ptr::null_mut(), d.stream_handle()) };
-    match rc {
-        0 => Ok(true),
-        -1 => Ok(false),
-        s => bail!("CUTLASS GEMM m={} n={} k={} failed with cutlass::Status {s}", args.m, args.n, args.k),
-    }
+    cutlass_kernel(d, format).is_some() && k % k_align == 0 && n % 4 == 0
 }
 
 /// y (m, n) = a · wᵀ for quantized activations and weights, on `path`.
@@ -206,23 +170,23 @@ pub fn gemm_q(d: &CudaDevice, a: &QAct, w: &QTensor, y: u64, path: Path) -> Resu
     let ws = if w.format == QFormat::Nvfp4 { ptr(d, &w.block_scales, &[DType::U8], "weight block scales")? } else { 0 };
     let want_cutlass = matches!(path, Path::Auto | Path::Cutlass);
     if want_cutlass && cutlass_supports(d, w.format, n, k) {
-        if let Some(f) = cutlass_launcher(d, w.format) {
+        if let Some(g) = cutlass_kernel(d, w.format) {
             let (sa, sw) = match (&a.scales, w.format) {
                 (Some(s), QFormat::Nvfp4) => (Some(swizzle(d, s.ptr, m, k)?), Some(swizzle(d, ws, n, k)?)),
                 _ => (None, None),
             };
-            let args = ffi::ct_gemm_lp_args {
-                a: a.codes.ptr as *const c_void,
-                b: wc as *const c_void,
-                sfa: sa.as_ref().map(|b| b.ptr as *const c_void).unwrap_or(std::ptr::null()),
-                sfb: sw.as_ref().map(|b| b.ptr as *const c_void).unwrap_or(std::ptr::null()),
-                d: y as *mut f32,
-                m: i32_of(m, "GEMM rows")?,
-                n: i32_of(n, "GEMM columns")?,
-                k: i32_of(k, "GEMM depth")?,
+            let args = CutlassArgs {
+                a: a.codes.ptr,
+                b: wc,
+                sfa: sa.as_ref().map(|b| b.ptr).unwrap_or(0),
+                sfb: sw.as_ref().map(|b| b.ptr).unwrap_or(0),
+                d: y,
+                m,
+                n,
+                k,
                 alpha,
             };
-            if run_cutlass(d, f, &args)? {
+            if d.cutlass_gemm(g, &args)? {
                 return Ok(Path::Cutlass);
             }
         }
@@ -251,7 +215,7 @@ pub fn gemm_q(d: &CudaDevice, a: &QAct, w: &QTensor, y: u64, path: Path) -> Resu
         format: if w.format == QFormat::Fp8 { ffi::CT_FORMAT_FP8 } else { ffi::CT_FORMAT_NVFP4 },
         n: (m * k) as i64,
         scale: a.scale,
-        out: ab.ptr as *mut c_void,
+        out: ab.ptr as *mut std::ffi::c_void,
         out_dtype: ffi::CT_DTYPE_BF16,
     })?;
     d.gemm(Elem::BF16, wb.ptr, ab.ptr, y, m, n, k, alpha, false, None)?;

@@ -16,6 +16,8 @@ pub mod grad;
 pub mod kernel;
 pub mod panels;
 #[cfg(test)]
+mod lowp_tests;
+#[cfg(test)]
 mod tests;
 
 pub use panels::Panels;
