@@ -1,29 +1,44 @@
 #!/usr/bin/env bash
 # The device check of the CUDA backend, on a GPU machine: every CUDA op against its CPU twin on
-# fresh random inputs, then GEMM (BF16 / FP8 / NVFP4 vs cuBLASLt), decode (1.5B-shaped model,
-# batch 1 / 64 / 256 vs the bandwidth bound) and resync (7B-shaped model per recipe vs a copy)
-# timings. Prints one report and writes it as JSON. Needs no Rust toolchain: it runs a colotrain
-# binary built elsewhere with `cargo build --release --features cuda` (kernels for
-# sm_90a / sm_100a / sm_103a by default) and copied here.
+# fresh random inputs (first, with COLOTRAIN_CUDA_SYNC=1), then GEMM (BF16 / FP8 / NVFP4 vs
+# cuBLASLt), decode (1.5B-shaped model, batch 1 / 64 / 256 vs the bandwidth bound) and resync
+# (7B-shaped model per recipe vs a copy) timings. Each group runs in its own process: a failing,
+# crashing or hanging group is reported and the next one runs. Rows are printed and the JSON
+# report rewritten as they arrive. `device-check --list` names the groups.
 #
-# Usage: bench/device_check.sh [device-check options, e.g. --checks-only]
+# Needs no Rust toolchain: it runs a colotrain binary built elsewhere and copied here, stripped
+# (it must fit the 64 MiB a device session may carry; CI checks it stays under 60 MiB). The
+# default build carries cubins for sm_90a, sm_100a and sm_103a (17 MiB stripped); for an
+# H200 / H100 alone, Hopper's kernels suffice and build faster:
+#   COLOTRAIN_CUDA_ARCHS=sm_90a cargo build --release --features cuda
+#   strip -o colotrain-gpu target/release/colotrain      # then BIN=colotrain-gpu
+#
+# Before a GPU is lent, the same script runs on the simulated GPU, the checks only:
+#   DEVICE=cuda-sim:0 bench/device_check.sh --checks-only      (COLOTRAIN_SIM_ARCH=sm_100a: B300)
+#
+# Usage: bench/device_check.sh [device-check options, e.g. --checks-only, --groups dense,quant]
 # Env:   BIN       the binary (default target/release/colotrain)
 #        OUT       output folder (default runs/device-check)
-#        DEVICE    CUDA ordinal (default 0)
+#        DEVICE    CUDA ordinal, cuda:K or cuda-sim:K (default 0)
 #        CUDA_LIBS folder holding libcublasLt.so.13 (default: searched in the usual places and
 #                  in the site-packages of python3's pip wheels, e.g. nvidia-cublas)
-#        LIMIT     seconds before the run is stopped (default 470: the whole script stays under
-#                  8 minutes)
+#        LIMIT     seconds before the whole run is stopped (default 290: under 5 minutes); one
+#                  group is stopped after GROUP_LIMIT seconds (default 120)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release/colotrain}
 OUT=${OUT:-runs/device-check}
-LIMIT=${LIMIT:-470}
+LIMIT=${LIMIT:-290}
 if [ ! -x "$BIN" ]; then
   echo "device_check: no binary at $BIN; build it with 'cargo build --release --features cuda' and copy it here" >&2
   exit 1
 fi
 mkdir -p "$OUT"
+size=$(stat -c %s "$BIN")
+echo "binary $BIN: $((size / 1048576)) MiB"
+if [ "$size" -gt $((60 * 1048576)) ]; then
+  echo "device_check: the binary is over 60 MiB; strip it or build only sm_90a (see the header of this script)" >&2
+fi
 
 # libcuda.so.1 comes with the driver (usually already on the loader path); libcublasLt.so.13
 # with a CUDA 13 toolkit or the nvidia-cublas wheel. Put the first folder that has it in front.
@@ -42,16 +57,22 @@ find_cublaslt() {
   fi
   return 1
 }
-if LIB=$(find_cublaslt); then
-  export LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  echo "libcublasLt.so.13 from $LIB"
-else
-  echo "device_check: libcublasLt.so.13 not found; set CUDA_LIBS (or install the nvidia-cublas wheel for CUDA 13)" >&2
-fi
-command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+case "${DEVICE:-0}" in
+  cuda-sim*) echo "simulated GPU: no driver, no cuBLASLt needed" ;;
+  *)
+    if LIB=$(find_cublaslt); then
+      export LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      echo "libcublasLt.so.13 from $LIB"
+    else
+      echo "device_check: libcublasLt.so.13 not found; set CUDA_LIBS (or install the nvidia-cublas wheel for CUDA 13)" >&2
+    fi
+    command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    ;;
+esac
 
 set +e
-timeout "$LIMIT" "$BIN" device-check --device "${DEVICE:-0}" --out "$OUT/report.json" "$@" 2>&1 | tee "$OUT/report.txt"
+timeout "$LIMIT" "$BIN" device-check --device "${DEVICE:-0}" --group-timeout "${GROUP_LIMIT:-120}" \
+  --out "$OUT/report.json" "$@" 2>&1 | tee "$OUT/report.txt"
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" = 124 ]; then

@@ -217,10 +217,10 @@ fn the_tiny_opd_job_runs_with_its_engines_on_the_simulator() {
     use colotrain::config::JobConfig;
     use colotrain::orchestrator::{self as job, JobOptions};
     let t = TempDir::new("sim-job");
-    let run_on = |device: &str| {
+    let run_on = |device: &str, devices: usize| {
         let mut j = JobConfig::from_toml(include_str!("../configs/tiny-opd.toml"), "tiny-opd.toml").unwrap();
-        j.run.out_dir = Some(t.path().join(device.replace(':', "-")));
-        (j.run.steps, j.run.device, j.run.devices) = (2, device.into(), 1);
+        j.run.out_dir = Some(t.path().join(format!("{}-{devices}", device.replace(':', "-"))));
+        (j.run.steps, j.run.device, j.run.devices) = (2, device.into(), devices);
         (j.eval.every, j.data.heldout_size) = (0, 2);
         (j.rollout.prompts_per_step, j.rollout.samples_per_prompt) = (2, 2);
         j.validate("test").unwrap();
@@ -228,15 +228,22 @@ fn the_tiny_opd_job_runs_with_its_engines_on_the_simulator() {
         let text = std::fs::read_to_string(j.out_dir().join("metrics.jsonl")).unwrap();
         text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).collect::<Vec<_>>()
     };
-    let (cpu, sim) = (run_on("cpu:2"), run_on("cuda-sim:0"));
+    // One simulated GPU, and two (cuda-sim:2 and :3: data parallel with ZeRO-1, the
+    // in-process collectives over simulated device buffers), against one CPU device.
+    let cpu = run_on("cpu:2", 1);
     let first = |m: &[serde_json::Value]| m.iter().find(|l| l["step"] == 1).cloned().expect("step 1");
-    let (a, b) = (first(&cpu), first(&sim));
-    assert_eq!(a["samples_digest"], b["samples_digest"], "the same samples");
-    for key in ["loss", "grad_norm", "entropy"] {
-        let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
-        assert!((x - y).abs() <= 1e-6 + 1e-3 * x.abs(), "{key}: cpu {x}, cuda-sim {y}");
+    let a = first(&cpu);
+    for (device, n) in [("cuda-sim:0", 1), ("cuda-sim:2", 2)] {
+        let sim = run_on(device, n);
+        let b = first(&sim);
+        assert_eq!(a["samples_digest"], b["samples_digest"], "{device} × {n}: the same samples");
+        for key in ["loss", "grad_norm", "entropy"] {
+            let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
+            assert!((x - y).abs() <= 1e-6 + 1e-3 * x.abs(), "{device} × {n}: {key}: cpu {x}, cuda-sim {y}");
+        }
+        let (x, y) = (a["mismatch"]["abs_mean"].as_f64().unwrap(), b["mismatch"]["abs_mean"].as_f64().unwrap());
+        assert!(x < 1e-4 && y < 1e-4, "{device} × {n}: the standard engine agrees with the trainer: cpu {x}, sim {y}");
+        assert_eq!(sim.iter().filter(|l| l.get("loss").is_some()).count(), 2);
+        assert_eq!(b["utilization"].as_array().map(|u| u.len()), Some(n), "{device} × {n}");
     }
-    let (x, y) = (a["mismatch"]["abs_mean"].as_f64().unwrap(), b["mismatch"]["abs_mean"].as_f64().unwrap());
-    assert!(x < 1e-4 && y < 1e-4, "the standard engine agrees with the trainer: cpu {x}, cuda-sim {y}");
-    assert_eq!(sim.iter().filter(|l| l.get("loss").is_some()).count(), 2);
 }

@@ -1,5 +1,5 @@
 //! The timing half of `colotrain device-check` (the op-by-op comparison lives in
-//! src/cli/device_check.rs): GEMMs per format and path against cuBLASLt, decode throughput of a
+//! src/cli/device_check/): GEMMs per format and path against cuBLASLt, decode throughput of a
 //! random 1.5B-shaped model against the memory-bandwidth bound, and the in-place resync of a
 //! 7B-shaped model's linears per recipe against a device copy of the same bytes. Inputs are
 //! random (device Philox normals), never zeros. Device time by CUDA events, or wall time around

@@ -6,7 +6,6 @@
 mod admit;
 mod bench;
 mod breakdown;
-#[cfg(feature = "cuda")]
 mod device_bench;
 mod device_check;
 mod eval;

@@ -1,0 +1,89 @@
+//! `colotrain device-check --checks-only` on the simulated GPU: the script that will meet the
+//! first real GPU, run end to end in CI — every check group in its own process, each one
+//! passing on both architecture profiles, and a crashing group reported while the others go
+//! on.
+
+mod common;
+
+use common::TempDir;
+use serde_json::Value;
+use std::process::Command;
+
+fn device_check(arch: &str, device: &str, extra: &[&str]) -> (bool, String, Value) {
+    let dir = TempDir::new("device-check");
+    let out = dir.path().join("report.json");
+    let o = Command::new(env!("CARGO_BIN_EXE_colotrain"))
+        .args(["device-check", "--device", device, "--checks-only", "--out"])
+        .arg(&out)
+        .args(extra)
+        .env("COLOTRAIN_SIM_ARCH", arch)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let report: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    (o.status.success(), text, report)
+}
+
+fn check<'a>(r: &'a Value, op: &str, dtype: &str) -> &'a Value {
+    r["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["op"] == op && c["dtype"] == dtype)
+        .unwrap_or_else(|| panic!("no check '{op}' ({dtype})"))
+}
+
+#[test]
+fn every_check_group_passes_on_both_simulated_architectures() {
+    for (arch, dev) in [("sm_90a", "cuda-sim:0"), ("sm_100a", "cuda-sim:1")] {
+        let (ok, text, r) = device_check(arch, dev, &[]);
+        assert!(ok, "{arch}: {text}");
+        assert_eq!(r["simulated"], true);
+        let groups = r["groups"].as_array().unwrap();
+        let names: Vec<&str> = groups.iter().map(|g| g["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["dense", "rows", "attention", "attention-128", "quant", "scale-layout"], "{arch}");
+        assert!(groups.iter().all(|g| g["status"] == "ok"), "{arch}: {groups:?}");
+        let checks = r["checks"].as_array().unwrap();
+        assert!(checks.len() >= 60, "{arch}: {} checks", checks.len());
+        assert!(checks.iter().all(|c| c["pass"] != false), "{arch}");
+        // Rows are streamed as they are measured, under one header.
+        assert_eq!(text.matches("max|Δ|").count(), 1, "{text}");
+        assert!(text.contains("attention h14/kv2 d128, prefill kernel"), "{text}");
+        for dt in ["f32 cache", "bf16 cache", "u8 cache"] {
+            assert_eq!(check(&r, "attention h14/kv2 d128, decode kernel", dt)["pass"], true, "{arch} {dt}");
+        }
+        // The real W8A8 / W4A4 paths: CUTLASS's FP8 on both; its NVFP4 kernel only on sm_100.
+        assert_eq!(check(&r, "W8A8 GEMM via Cutlass", "fp8")["pass"], true, "{arch}");
+        assert_eq!(check(&r, "W4A4 GEMM via CublasLt", "nvfp4")["pass"], true, "{arch}");
+        let w4a4 = &check(&r, "W4A4 GEMM via Cutlass", "nvfp4")["pass"];
+        if arch == "sm_100a" {
+            assert_eq!(*w4a4, true, "{arch}");
+        } else {
+            assert!(w4a4.is_null(), "{arch}: NVFP4 CUTLASS on Hopper must be a skip, got {w4a4}");
+        }
+    }
+}
+
+#[test]
+fn a_crashing_group_is_reported_and_the_others_still_run() {
+    let (ok, text, r) =
+        device_check("sm_90a", "cuda-sim:2", &["--inject-crash", "rows", "--groups", "dense,rows,quant"]);
+    assert!(!ok, "{text}");
+    assert!(text.contains("groups not ok: rows"), "{text}");
+    let status: Vec<(String, String)> = r["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| (g["name"].as_str().unwrap().into(), g["status"].as_str().unwrap().into()))
+        .collect();
+    let want = [("dense", "ok"), ("rows", "crashed"), ("quant", "ok")];
+    assert_eq!(status, want.map(|(a, b)| (a.to_string(), b.to_string())), "{text}");
+    // The groups after the crash measured their rows.
+    assert_eq!(check(&r, "W8A8 GEMM via Emulated", "fp8")["pass"], true);
+    let e = Command::new(env!("CARGO_BIN_EXE_colotrain"))
+        .args(["device-check", "--device", "cuda-sim:0", "--groups", "nope"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&e.stderr);
+    assert!(!e.status.success() && err.contains("no group 'nope'") && err.contains("attention-128"), "{err}");
+}
