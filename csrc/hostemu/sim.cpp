@@ -12,6 +12,7 @@
 #include "../kernels/elementwise.cu"
 #include "../kernels/logprob.cu"
 #include "../kernels/norm.cu"
+#include "../kernels/optimizer.cu"
 #include "../kernels/quantize.cu"
 #include "../kernels/rope.cu"
 #include "../kernels/sample.cu"
@@ -50,6 +51,9 @@ extern "C" int ct_sim_launch(int id, unsigned gx, unsigned gy, unsigned bx, size
     case 17: run(ct_quant_nvfp4, gx, gy, bx, smem, params); break;
     case 18: run(ct_dequant, gx, gy, bx, smem, params); break;
     case 19: run(ct_swizzle_sf, gx, gy, bx, smem, params); break;
+    case 20: run(ct_optim, gx, gy, bx, smem, params); break;
+    case 21: run(ct_sum_sq, gx, gy, bx, smem, params); break;
+    case 22: run(ct_sum_sq_finish, gx, gy, bx, smem, params); break;
     default: return -1;
   }
   return 0;

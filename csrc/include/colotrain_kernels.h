@@ -299,6 +299,58 @@ typedef struct ct_swizzle_sf_params {
 
 /* ---- CUTLASS launchers (host functions; csrc/cutlass/) ---------------------------------- */
 
+/* ---- optimizer.cu: the optimizer step on the device ------------------------------------- */
+
+/* One piece of the multi-tensor optimizer: elements [start, start + len) of the flat vectors,
+ * all of tensor `tensor` (its amax slot). One block per chunk. */
+typedef struct ct_opt_chunk {
+  int64_t start;
+  int32_t len;
+  int32_t tensor;
+} ct_opt_chunk;
+
+/* Sum of g[i]^2 over [0, n) in f64, deterministic: block b sums elements
+ * [b * per_block, (b + 1) * per_block) into partial[b] (ct_sum_sq); then one block sums
+ * partial[0 .. blocks) into out[0] (ct_sum_sq_finish). Fixed order for a fixed launch shape. */
+typedef struct ct_sum_sq_params {
+  const float* g;
+  int64_t n;
+  int64_t per_block;
+  double* partial; /* (blocks) */
+  int32_t blocks;
+  double* out;     /* (1) */
+} ct_sum_sq_params;
+
+/* One step of AdamW (torch.optim.AdamW, single-tensor semantics) or SGD on the FP32 master,
+ * the f32 operations of src/ops/optim/cpu.rs in the same order: grad *= clip; SGD:
+ * g += wd * p, p -= lr * g; AdamW: p *= decay, m = b1 m + omb1 g, v = b2 v + (omb2 g) g,
+ * p -= (step_size m) / (sqrt(v) / bc2_sqrt + eps). Then the compute weights are written from
+ * the new master (rounded to compute_dtype) and, while they are, each tensor's amax of them
+ * (max |w| as f32 bits, atomicMax into amax_bits[tensor], which the caller zeroed). */
+typedef struct ct_optim_params {
+  float* master;          /* (n) */
+  float* m;               /* (n), AdamW only */
+  float* v;               /* (n), AdamW only */
+  float* grad;            /* (n), scaled by clip in place */
+  void* compute;          /* (n) compute_dtype, or NULL */
+  int32_t compute_dtype;
+  const ct_opt_chunk* chunks;
+  int32_t num_chunks;
+  uint32_t* amax_bits;    /* (tensors), or NULL */
+  int32_t adamw;          /* 1: AdamW, 0: SGD */
+  float clip;
+  float lr;
+  float wd;
+  float decay;
+  float b1;
+  float b2;
+  float omb1;
+  float omb2;
+  float eps;
+  float step_size;
+  float bc2_sqrt;
+} ct_optim_params;
+
 /* d (m, n) f32 row-major = alpha * a (m, k) . b (n, k)^T, FP32 accumulation.
  * FP8: a, b are E4M3 codes, row-major with k contiguous; sfa = sfb = NULL.
  * NVFP4: a, b are packed E2M1 (k/2 bytes per row); sfa, sfb the swizzled E4M3 block scales. */

@@ -56,6 +56,7 @@ pub mod linear;
 pub mod lm_head;
 pub mod logprob;
 pub mod norm;
+pub mod optim;
 mod prefetch;
 pub mod quantize;
 pub mod real;

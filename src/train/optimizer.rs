@@ -2,12 +2,13 @@
 //! gradient-norm clipping (torch.nn.utils.clip_grad_norm_), and the learning-rate schedule.
 //! Parameters are one flat f32 vector (so a device can own a contiguous shard, ZeRO-1 style).
 //!
-//! Owns: master weights, moments, the step counter. May call: `config` (its settings and
-//! kind). Must not: touch the
+//! Owns: master weights, moments, the step counter, clipping and skipping. May call: `config`
+//! (its settings and kind), `ops::optim` (the update's element loops). Must not: touch the
 //! compute weights' storage (the trainer writes them from `master` after each step).
 
 use crate::config::OptimizerConfig;
 pub use crate::config::OptimizerKind as Kind;
+use crate::ops::optim::{self, Rule};
 use anyhow::{bail, Result};
 
 #[derive(Clone, Debug)]
@@ -69,54 +70,23 @@ impl Optimizer {
         }
         // torch: clip_coef = max_norm / (total_norm + 1e-6), clamped to 1.
         let clip_coef = if self.cfg.grad_clip > 0.0 { (self.cfg.grad_clip / (norm + 1e-6)).min(1.0) } else { 1.0 };
-        if clip_coef < 1.0 {
-            let c = clip_coef as f32;
-            for g in grad.iter_mut() {
-                *g *= c;
-            }
-        }
+        let clip = if clip_coef < 1.0 { clip_coef as f32 } else { 1.0 };
         self.step += 1;
         let lr = self.lr_at(self.step);
         let wd = self.cfg.weight_decay;
-        match self.kind {
-            Kind::Sgd => {
-                // torch.optim.SGD: g += wd·p; p -= lr·g.
-                let (lr, wd) = (lr as f32, wd as f32);
-                for (p, &g) in self.master.iter_mut().zip(grad.iter()) {
-                    let g = if wd != 0.0 { g + wd * *p } else { g };
-                    *p -= lr * g;
-                }
-            }
-            Kind::AdamW => {
-                // torch.optim.AdamW (single-tensor path), in f32 like torch:
-                // p *= 1 − lr·wd; m = β1 m + (1−β1) g; v = β2 v + (1−β2) g²;
-                // p −= (lr / (1 − β1^t)) · m / (sqrt(v) / sqrt(1 − β2^t) + eps).
-                let [b1, b2] = self.cfg.betas;
-                let bc1 = 1.0 - b1.powi(self.step as i32);
-                let bc2_sqrt = (1.0 - b2.powi(self.step as i32)).sqrt();
-                let step_size = (lr / bc1) as f32;
-                let (b1, b2, eps) = (b1 as f32, b2 as f32, self.cfg.eps as f32);
-                let decay = (1.0 - lr * wd) as f32;
-                let bc2_sqrt = bc2_sqrt as f32;
-                for i in 0..self.master.len() {
-                    let g = grad[i];
-                    let p = &mut self.master[i];
-                    *p *= decay;
-                    self.m[i] = b1 * self.m[i] + (1.0 - b1) * g;
-                    self.v[i] = b2 * self.v[i] + (1.0 - b2) * g * g;
-                    let denom = self.v[i].sqrt() / bc2_sqrt + eps;
-                    *p -= step_size * self.m[i] / denom;
-                }
-            }
-        }
+        // The element loops are the optimizer op's CPU twin (`ops::optim::cpu`), which its
+        // CUDA kernel matches bit for bit.
+        let rule = match self.kind {
+            Kind::Sgd => Rule::sgd(lr, wd),
+            Kind::AdamW => Rule::adamw(lr, wd, self.cfg.betas, self.cfg.eps, self.step),
+        };
+        optim::cpu::update(&mut self.master, &mut self.m, &mut self.v, grad, clip, &rule);
         Ok(StepInfo { grad_norm: norm, clip_coef, lr, skipped: false })
     }
 }
 
 /// Σ g² accumulated in f64 (the squared L2 norm of a gradient or of a shard of it).
-pub fn sum_sq(g: &[f32]) -> f64 {
-    g.iter().map(|&x| (x as f64) * (x as f64)).sum()
-}
+pub use crate::ops::optim::cpu::sum_sq;
 
 #[cfg(test)]
 mod tests {

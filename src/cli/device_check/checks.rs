@@ -14,7 +14,9 @@
 //! - 1e-2 / 1e-2: linears with BF16 / F16 or quantized weights (the GPU rounds the f32 input
 //!   rows to BF16 / F16; outputs are ~N(0, 1));
 //! - 1e-3 / 1e-3: real W8A8 / W4A4 GEMMs against the CPU's emulation (the same products, FP32
-//!   sums in another order).
+//!   sums in another order);
+//! - exact: the optimizer step (master, moments, clipped gradient, compute weights, amax);
+//!   0 / 1e-6 for the squared norm (f64 sums in another order, compared as f32).
 //!
 //! Owns: the check groups and their table rows. May call: the ops, the device. Must not: time
 //! anything (`device_bench` does).
@@ -77,13 +79,14 @@ impl Check {
 }
 
 /// The check groups, in the order they run: (name, what it covers).
-pub const GROUPS: [(&str, &str); 6] = [
+pub const GROUPS: [(&str, &str); 7] = [
     ("dense", "linears, RMSNorm, head norm, RoPE"),
     ("rows", "embedding, SwiGLU, gathers, amax, log-probs, sampling"),
     ("attention", "KV writes, prefill and decode attention: head_dim 64, 3 query heads per KV head"),
     ("attention-128", "the same at head_dim 128 with 7 query heads per KV head (Qwen2.5-7B's shape)"),
     ("quant", "fake quantization, requantize, the W8A8 / W4A4 GEMM paths"),
     ("scale-layout", "NVFP4 scale layout sizes of the sm_100 CUTLASS kernels"),
+    ("optim", "the optimizer step (AdamW, SGD, clipping, compute weights and their amax), the squared norm"),
 ];
 
 /// Runs check group `name` on `cuda`, printing each row as it is recorded; returns the rows.
@@ -105,6 +108,7 @@ pub fn run_group(name: &str, cuda: &CudaDevice, seed: u64) -> Result<Vec<Check>>
         "attention-128" => check_attention(&mut x, 2, 14, 128),
         "quant" => check_quant(&mut x),
         "scale-layout" => check_scale_layout(&mut x),
+        "optim" => check_optim(&mut x),
         other => bail!("no check group '{other}'"),
     };
     r.map(|_| x.checks)
@@ -578,5 +582,53 @@ fn check_qlinear(x: &mut Ctx, xin: &Pair, qc: &QTensor, qg: &QTensor, name: &str
             Err(e) => return Err(e),
         }
     }
+    Ok(())
+}
+
+/// Two steps of each rule over tensors that cross chunk boundaries (the second step clipped),
+/// the compute weights in BF16 and F32, then the squared norm of a gradient of 2.5 chunks.
+fn check_optim(x: &mut Ctx) -> Result<()> {
+    use crate::ops::optim::{self, Compute, Layout, Rule, State, CHUNK};
+    let layout = Layout::new(vec![(0, 3), (3, CHUNK + 5), (CHUNK + 8, 2 * CHUNK)])?;
+    let n = layout.len();
+    for (adam, cdt) in [(true, DType::BF16), (false, DType::F32)] {
+        let name = if adam { "AdamW" } else { "SGD" };
+        let mut master = x.randp(DType::F32, &[n], 1.0)?;
+        let mut m = x.pair(DType::F32, &[n], &vec![0.0; n])?;
+        let mut v = x.pair(DType::F32, &[n], &vec![0.0; n])?;
+        let mut w = x.pair(cdt, &[n], &vec![f32::NAN; n])?;
+        let mut grad = x.pair(DType::F32, &[n], &vec![0.0; n])?;
+        let mut amax = [vec![f32::NAN; 3], vec![f32::NAN; 3]];
+        for t in 1..=2u64 {
+            let g = x.randn(n, 0.3);
+            grad.c.write_f32(&g)?;
+            grad.g.write_f32(&g)?;
+            let rule = if adam { Rule::adamw(1e-2, 0.1, [0.9, 0.999], 1e-8, t) } else { Rule::sgd(0.5, 0.01) };
+            let clip = if t == 2 { 0.25 } else { 1.0 };
+            for (i, gpu) in [false, true].into_iter().enumerate() {
+                let dev = if gpu { &x.gpu } else { &x.cpu };
+                let mut st = State {
+                    master: pick_mut(&mut master, gpu),
+                    m: adam.then(|| pick_mut(&mut m, gpu)),
+                    v: adam.then(|| pick_mut(&mut v, gpu)),
+                    layout: &layout,
+                };
+                let out = Compute { weights: pick_mut(&mut w, gpu), amax: Some(&mut amax[i]) };
+                optim::step(dev, &mut st, pick_mut(&mut grad, gpu), clip, &rule, Some(out))?;
+            }
+        }
+        x.cmp(&format!("optim {name}: master"), "f32", &master, Tol::Exact)?;
+        if adam {
+            x.cmp(&format!("optim {name}: moments m"), "f32", &m, Tol::Exact)?;
+            x.cmp(&format!("optim {name}: moments v"), "f32", &v, Tol::Exact)?;
+        }
+        x.cmp(&format!("optim {name}: clipped gradient"), "f32", &grad, Tol::Exact)?;
+        x.cmp(&format!("optim {name}: compute weights"), cdt.name(), &w, Tol::Exact)?;
+        let [ac, ag] = amax;
+        x.record(&format!("optim {name}: amax per tensor"), cdt.name(), &ac, &ag, Tol::Exact);
+    }
+    let g = x.randp(DType::F32, &[5 * CHUNK / 2], 2.0)?;
+    let (c, gg) = (optim::sum_sq(&x.cpu, &g.c)?, optim::sum_sq(&x.gpu, &g.g)?);
+    x.record("optim: squared norm", "f64", &[c as f32], &[gg as f32], Tol::Close(0.0, 1e-6));
     Ok(())
 }

@@ -41,6 +41,7 @@ pub fn prefill_launch(num_tokens: usize, num_seqs: usize, groups: usize, head_di
 
 const ELEMENTWISE_THREADS: u32 = 256;
 const NORM_THREADS: u32 = 256;
+const OPTIM_THREADS: u32 = 256;
 
 /// Every kernel of csrc/kernels, in the order of csrc/hostemu/sim.cpp's `ct_sim_launch` ids.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -65,10 +66,13 @@ pub enum Kernel {
     QuantNvfp4,
     Dequant,
     SwizzleSf,
+    Optim,
+    SumSq,
+    SumSqFinish,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 20] = [
+    pub const ALL: [Kernel; 23] = [
         Kernel::Rmsnorm,
         Kernel::RopeTable,
         Kernel::Rope,
@@ -89,6 +93,9 @@ impl Kernel {
         Kernel::QuantNvfp4,
         Kernel::Dequant,
         Kernel::SwizzleSf,
+        Kernel::Optim,
+        Kernel::SumSq,
+        Kernel::SumSqFinish,
     ];
 
     /// (the kernel's name, the csrc/kernels/ file that defines it, without `.cu`).
@@ -114,6 +121,9 @@ impl Kernel {
             Kernel::QuantNvfp4 => ("ct_quant_nvfp4", "quantize"),
             Kernel::Dequant => ("ct_dequant", "quantize"),
             Kernel::SwizzleSf => ("ct_swizzle_sf", "quantize"),
+            Kernel::Optim => ("ct_optim", "optimizer"),
+            Kernel::SumSq => ("ct_sum_sq", "optimizer"),
+            Kernel::SumSqFinish => ("ct_sum_sq_finish", "optimizer"),
         }
     }
 
@@ -129,8 +139,8 @@ impl Kernel {
         use Kernel::*;
         match self {
             KvWrite | PagedAttention | PrefillAttention | QuantFp8 | QuantNvfp4 | Dequant | SwizzleSf => 1,
-            Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax => 2,
-            RopeTable | Rope | Swiglu | GatherRows | LogSoftmaxGather | Sample | SampleTopk => 4,
+            Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax | Optim => 2,
+            RopeTable | Rope | Swiglu | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish => 4,
         }
     }
 
@@ -298,5 +308,19 @@ impl CudaDevice {
     pub fn k_swizzle_sf(&self, p: ffi::ct_swizzle_sf_params) -> Result<()> {
         let g = self.stride_grid(p.padded_rows as i64 * p.padded_cols as i64, ELEMENTWISE_THREADS);
         self.launch(Kernel::SwizzleSf, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+    }
+
+    /// One block per chunk of the table (`p.num_chunks`).
+    pub fn k_optim(&self, p: ffi::ct_optim_params) -> Result<()> {
+        let grid = (u32_dim(p.num_chunks as i64, "optimizer chunks")?, 1, 1);
+        self.launch(Kernel::Optim, grid, OPTIM_THREADS, 0, &p)
+    }
+
+    /// The squared norm: one block per `per_block` elements into `partial`, then one block
+    /// summing the partials into `out`.
+    pub fn k_sum_sq(&self, p: ffi::ct_sum_sq_params) -> Result<()> {
+        let grid = (u32_dim(p.blocks as i64, "squared-norm blocks")?, 1, 1);
+        self.launch(Kernel::SumSq, grid, OPTIM_THREADS, 0, &p)?;
+        self.launch(Kernel::SumSqFinish, (1, 1, 1), OPTIM_THREADS, 0, &p)
     }
 }
