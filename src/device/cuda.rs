@@ -76,7 +76,7 @@ mod embedded {
     use super::Cubin;
     include!(concat!(env!("OUT_DIR"), "/cuda_kernels.rs"));
 }
-pub use driver::{Cutlass, CutlassArgs, Elem, GemmKey};
+pub use driver::{Cutlass, CutlassArgs, Elem, Form, GemmKey};
 /// The architectures this binary carries kernels for (COLOTRAIN_CUDA_ARCHS at build time).
 #[cfg(feature = "cuda")]
 pub use embedded::BUILT_ARCHS;
@@ -416,7 +416,30 @@ impl CudaDevice {
             return Ok(());
         }
         self.bind()?;
-        self.inner.driver.gemm(GemmKey { m, n, k, ab, accumulate }, w, x, y, alpha, scales)
+        self.inner.driver.gemm(GemmKey { m, n, k, ab, accumulate, form: Form::Nt }, w, x, y, alpha, scales)
+    }
+
+    /// y (m, n) f32 (+)= alpha · op(x) · op(w) through cuBLASLt in `form` (`Form::Nn`: the
+    /// data gradient x·w, `Form::Tn`: the weight gradient xᵀ·w; F32, BF16 or F16 operands).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_form(
+        &self,
+        form: Form,
+        ab: Elem,
+        w: u64,
+        x: u64,
+        y: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        accumulate: bool,
+    ) -> Result<()> {
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        self.inner.driver.gemm(GemmKey { m, n, k, ab, accumulate, form }, w, x, y, alpha, None)
     }
 
     fn allocator(&self) -> MutexGuard<'_, alloc::Allocator> {

@@ -1,12 +1,14 @@
 //! cuBLASLt GEMMs, at the `cudarc::cublaslt::result` level: y (m, n) f32 (+)= alpha · x (m, k) ·
 //! w (n, k)ᵀ for an nn.Linear weight w, with CUBLAS_COMPUTE_32F (FP32 accumulation; never TF32),
 //! inputs F32, BF16, F16, FP8 E4M3, or NVFP4 (E2M1 with VEC16_UE4M3 block scales in the tiled
-//! layout). In cuBLASLt's column-major terms: D (n × m) = op(A) · B with A = w (k × n, transposed)
-//! and B = x (k × m). The descriptors and the heuristic's algorithm are built once per shape and
+//! layout), and the data- and weight-gradient forms (`Form::Nn`: y = x·w, `Form::Tn`: y = xᵀ·w).
+//! In cuBLASLt's column-major terms the row-major y (m, n) is D (n × m) = op(A) · op(B) with A
+//! the w side and B the x side: Nt: A = w as (k × n) transposed, B = x as (k × m); Nn: A = w as
+//! (n × k), B = x as (k × m); Tn: A = w as (n × k), B = x as (m × k) transposed. The descriptors and the heuristic's algorithm are built once per shape and
 //! cached. FP8 and NVFP4 here are the library baselines the device check times the CUTLASS
 //! kernels against. Not yet run on a GPU.
 
-use super::driver::{Elem, GemmKey};
+use super::driver::{Elem, Form, GemmKey};
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublaslt::{result as lt, sys};
 use std::collections::HashMap;
@@ -85,14 +87,22 @@ impl Blas {
     }
 
     fn build(&self, key: GemmKey) -> Result<Plan> {
-        let GemmKey { m, n, k, ab, .. } = key;
+        let GemmKey { m, n, k, ab, form, .. } = key;
+        if form != Form::Nt && !matches!(ab, Elem::F32 | Elem::BF16 | Elem::F16) {
+            bail!("cuBLASLt takes {ab:?} operands in the TN form only, not {form:?}");
+        }
+        let (op_a, op_b) = match form {
+            Form::Nt => (OP_T, OP_N),
+            Form::Nn => (OP_N, OP_N),
+            Form::Tn => (OP_N, OP_T),
+        };
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
             .map_err(|e| err("matmul descriptor", e))?;
         // SAFETY: `desc` is live; TRANSA/TRANSB take an int32 cublasOperation_t, the scale
         // modes a uint32 cublasLtMatmulMatrixScale_t.
         unsafe {
-            set_attr(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &OP_T)?;
-            set_attr(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &OP_N)?;
+            set_attr(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_a)?;
+            set_attr(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_b)?;
             if ab == Elem::E2M1 {
                 let mode = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3 as u32;
                 set_attr(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode)?;
@@ -103,8 +113,11 @@ impl Blas {
             lt::create_matrix_layout(cuda_type(t), rows as u64, cols as u64, rows as i64)
                 .map_err(|e| err("matrix layout", e))
         };
-        let la = layout(ab, k, n)?;
-        let lb = layout(ab, k, m)?;
+        let (la, lb) = match form {
+            Form::Nt => (layout(ab, k, n)?, layout(ab, k, m)?),
+            Form::Nn => (layout(ab, n, k)?, layout(ab, k, m)?),
+            Form::Tn => (layout(ab, n, k)?, layout(ab, m, k)?),
+        };
         let lc = layout(Elem::F32, n, m)?;
         let pref = lt::create_matmul_pref().map_err(|e| err("preference", e))?;
         let ws = self.workspace_bytes as u64;

@@ -22,7 +22,18 @@ pub enum Elem {
     E2M1,
 }
 
-/// One GEMM shape: y (m, n) f32 (+)= alpha · x (m, k) · w (n, k)ᵀ, w and x of type `ab`.
+/// How a GEMM reads its row-major operands: y (m, n) f32 (+)= alpha · op(x) · op(w).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Form {
+    /// x (m, k), w (n, k): y = x·wᵀ — a linear's forward (the only form FP8 and NVFP4 take).
+    Nt,
+    /// x (m, k), w (k, n): y = x·w — a linear's data gradient, dx = dy·W.
+    Nn,
+    /// x (k, m), w (k, n): y = xᵀ·w — a linear's weight gradient, dW = dyᵀ·x.
+    Tn,
+}
+
+/// One GEMM: y (m, n) f32 (+)= alpha · op(x) · op(w) in `form`, w and x of type `ab`.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub struct GemmKey {
     pub m: usize,
@@ -30,6 +41,7 @@ pub struct GemmKey {
     pub k: usize,
     pub ab: Elem,
     pub accumulate: bool,
+    pub form: Form,
 }
 
 /// The CUTLASS GEMMs of csrc/cutlass: D (m, n) f32 = alpha · A (m, k) · B (n, k)ᵀ, A and B

@@ -1,10 +1,11 @@
 //! The simulator's GEMM libraries: reference GEMMs that read the operands exactly as the real
 //! libraries are told to read them, and refuse what they refuse.
 //!
-//! - cuBLASLt: y (m, n) f32 (+)= alpha · x (m, k) · w (n, k)ᵀ read through the same descriptor
-//!   the real call builds (`GemmKey`: shape, element type, accumulate; TN form, FP32 compute;
-//!   NVFP4 with VEC16_UE4M3 block scales in the tiled layout). FP8 and NVFP4 need K % 16 (FP4:
-//!   K % 32, 16 bytes of a row) and 16-byte aligned operands and scales.
+//! - cuBLASLt: y (m, n) f32 (+)= alpha · op(x) · op(w) read through the same descriptor the
+//!   real call builds (`GemmKey`: shape, element type, accumulate, form — x·wᵀ, x·w or xᵀ·w;
+//!   FP32 compute; NVFP4 with VEC16_UE4M3 block scales in the tiled layout). FP8 and NVFP4 take
+//!   the x·wᵀ (TN) form only and need K % 16 (FP4: K % 32, 16 bytes of a row) and 16-byte
+//!   aligned operands and scales.
 //! - CUTLASS (csrc/cutlass): D (m, n) f32 = alpha · A (m, k) · B (n, k)ᵀ, A and B with k
 //!   contiguous; NVFP4 with UE4M3 scales in the swizzled layout of sm_100's block-scaled
 //!   kernels. Only the kernels of the device's architecture exist (no NVFP4 on sm_90), and the
@@ -21,7 +22,7 @@
 //!
 //! Owns: nothing. May call: `crate::formats`. Must not: be called except from `sim.rs`.
 
-use super::driver::{Cutlass, CutlassArgs, Elem, GemmKey};
+use super::driver::{Cutlass, CutlassArgs, Elem, Form, GemmKey};
 use crate::formats::fp8::{e4m3_table, E2M1_VALUES};
 use anyhow::{bail, Result};
 use half::{bf16, f16};
@@ -66,6 +67,9 @@ fn sf_offset(r: usize, kb: usize, k: usize) -> usize {
 
 /// What cuBLASLt would refuse for this call.
 pub(super) fn check(key: &GemmKey, w: u64, x: u64, y: u64, scales: Option<(u64, u64)>) -> Result<()> {
+    if key.form != Form::Nt && !matches!(key.ab, Elem::F32 | Elem::BF16 | Elem::F16) {
+        bail!("{:?} operands in the TN form only, not {:?}", key.ab, key.form);
+    }
     match key.ab {
         Elem::E4M3 | Elem::E2M1 => {
             let (name, k_mult) = if key.ab == Elem::E4M3 { ("FP8", 16) } else { ("NVFP4", 32) };
@@ -119,22 +123,30 @@ pub(super) fn cutlass_check(g: Cutlass, arch_major: i32, a: &CutlassArgs) -> Res
     Ok(a.m > 0 && a.n > 0 && a.k > 0 && a.k % k_mult == 0 && a.n % 4 == 0)
 }
 
-/// One operand as a library reads it: rows of k values of `e` at `ptr`, NVFP4 with the scales
-/// at `sf` in the swizzled layout.
+/// One operand as a library reads it: element (r, t) of `e` at `ptr` + r·rs + t·cs elements
+/// (r: the row of the output it feeds, t: the reduction index); NVFP4 (rs = k, cs = 1 only)
+/// with the scales at `sf` in the swizzled layout.
 #[derive(Clone, Copy)]
 struct Operand {
     e: Elem,
     ptr: u64,
     sf: u64,
     k: usize,
+    rs: usize,
+    cs: usize,
 }
 
 impl Operand {
+    /// Rows of k contiguous values (the TN form's operands).
+    fn rows(e: Elem, ptr: u64, sf: u64, k: usize) -> Operand {
+        Operand { e, ptr, sf, k, rs: k, cs: 1 }
+    }
+
     /// Element (r, t).
     ///
     /// SAFETY (callers): the operand's ranges were checked against live allocations.
     unsafe fn at(&self, r: usize, t: usize) -> f64 {
-        let i = r * self.k + t;
+        let i = r * self.rs + t * self.cs;
         // SAFETY: as documented above.
         unsafe {
             match self.e {
@@ -176,9 +188,16 @@ unsafe fn reference(m: usize, n: usize, k: usize, a: Operand, b: Operand, y: u64
 
 /// Runs a queued cuBLASLt GEMM (`scales`: the tiled block scales of (w, x) for NVFP4).
 pub(super) fn run(key: &GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) {
-    let GemmKey { m, n, k, ab, accumulate } = *key;
+    let GemmKey { m, n, k, ab, accumulate, form } = *key;
     let (sw, sx) = scales.unwrap_or((0, 0));
-    let (a, b) = (Operand { e: ab, ptr: x, sf: sx, k }, Operand { e: ab, ptr: w, sf: sw, k });
+    let (mut a, mut b) = (Operand::rows(ab, x, sx, k), Operand::rows(ab, w, sw, k));
+    // x (m, k) or, for Tn, (k, m); w (n, k) or, for Nn and Tn, (k, n).
+    if form == Form::Tn {
+        (a.rs, a.cs) = (1, m);
+    }
+    if form != Form::Nt {
+        (b.rs, b.cs) = (1, n);
+    }
     // SAFETY: the ranges were checked when the GEMM was queued (`Sim::gemm`).
     unsafe { reference(m, n, k, a, b, y, alpha, accumulate) }
 }
@@ -186,7 +205,7 @@ pub(super) fn run(key: &GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Opt
 /// Runs a queued CUTLASS GEMM.
 pub(super) fn run_cutlass(g: Cutlass, p: &CutlassArgs) {
     let e = if g == Cutlass::Nvfp4Sm100 { Elem::E2M1 } else { Elem::E4M3 };
-    let (a, b) = (Operand { e, ptr: p.a, sf: p.sfa, k: p.k }, Operand { e, ptr: p.b, sf: p.sfb, k: p.k });
+    let (a, b) = (Operand::rows(e, p.a, p.sfa, p.k), Operand::rows(e, p.b, p.sfb, p.k));
     // SAFETY: the ranges were checked when the GEMM was queued (`Sim::cutlass`).
     unsafe { reference(p.m, p.n, p.k, a, b, p.d, p.alpha, false) }
 }

@@ -116,3 +116,34 @@ fn with_f32_biases<const J: usize, R>(bias: [Option<CpuFloats>; J], f: impl FnOn
         f(out)
     })
 }
+
+/// The data gradient in f32 (`super::linear_dx`): the weight widened to f32.
+pub fn linear_dx(dy: &Tensor, w: &Tensor, dx: &mut Tensor, m: usize, accumulate: bool) -> Result<()> {
+    let (n, k) = (w.dim(0), w.dim(1));
+    let wf = w.to_f32_vec()?;
+    super::grad::nn(m, n, k, &dy.f32s()?[..m * n], &wf, &mut dx.f32s_mut()?[..m * k], accumulate);
+    Ok(())
+}
+
+/// The weight gradient in f32 (`super::linear_dw`), the operands rounded to BF16 first when
+/// asked.
+pub fn linear_dw(
+    dy: &Tensor,
+    x: &Tensor,
+    dw: &mut Tensor,
+    m: usize,
+    accumulate: bool,
+    operands: crate::device::DType,
+) -> Result<()> {
+    let (n, k) = (dw.dim(0), dw.dim(1));
+    let round = |v: &[f32]| -> Vec<f32> {
+        if operands == crate::device::DType::BF16 {
+            v.iter().map(|&a| crate::device::bf16_rne(a).to_f32()).collect()
+        } else {
+            v.to_vec()
+        }
+    };
+    let (dyr, xr) = (round(&dy.f32s()?[..m * n]), round(&x.f32s()?[..m * k]));
+    super::grad::tn(m, n, k, &dyr, &xr, dw.f32s_mut()?, accumulate);
+    Ok(())
+}

@@ -5,7 +5,7 @@
 //! GPU.
 
 use crate::device::cuda::args::{code, f32p, i32_of, ptr, vp, FLOATS};
-use crate::device::cuda::{ffi, CudaDevice, DevBuf, Elem};
+use crate::device::cuda::{ffi, CudaDevice, DevBuf, Elem, Form};
 use crate::device::{DType, Tensor};
 use crate::ops::quantize::dequant;
 use crate::quant::qtensor::QTensor;
@@ -74,5 +74,51 @@ pub fn linear_q(d: &CudaDevice, x: &Tensor, wq: &QTensor, b: Option<&Tensor>, y:
     match b {
         Some(b) => add_bias(d, yp, b, m, n),
         None => Ok(()),
+    }
+}
+
+/// dx (m, K) (+)= dy (m, N) · W (N, K): cuBLASLt's x·w form, dy rounded to a 16-bit weight's
+/// dtype first.
+pub fn linear_dx(d: &CudaDevice, dy: &Tensor, w: &Tensor, dx: &mut Tensor, m: usize, acc: bool) -> Result<()> {
+    let (n, k) = (w.dim(0), w.dim(1));
+    let dyp = ptr(d, dy, &[DType::F32], "linear output gradient")?;
+    let wp = ptr(d, w, FLOATS, "linear weight")?;
+    let dxp = ptr(d, dx, &[DType::F32], "linear input gradient")?;
+    if m == 0 {
+        return Ok(());
+    }
+    match w.dtype() {
+        DType::F32 => d.gemm_form(Form::Nn, Elem::F32, wp, dyp, dxp, m, k, n, 1.0, acc),
+        dt => {
+            let dyh = cast_rows(d, dyp, m * n, dt)?;
+            let e = if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
+            d.gemm_form(Form::Nn, e, wp, dyh.ptr, dxp, m, k, n, 1.0, acc)
+        }
+    }
+}
+
+/// dW (N, K) f32 (+)= dyᵀ · x over m rows: cuBLASLt's xᵀ·w form (x = dy stored (m, N), w = the
+/// layer input stored (m, K)), the operands rounded to BF16 first when asked.
+pub fn linear_dw(
+    d: &CudaDevice,
+    dy: &Tensor,
+    x: &Tensor,
+    dw: &mut Tensor,
+    m: usize,
+    acc: bool,
+    operands: DType,
+) -> Result<()> {
+    let (n, k) = (dw.dim(0), dw.dim(1));
+    let dyp = ptr(d, dy, &[DType::F32], "linear output gradient")?;
+    let xp = ptr(d, x, &[DType::F32], "linear input")?;
+    let dwp = ptr(d, dw, &[DType::F32], "linear weight gradient")?;
+    if m == 0 {
+        return if acc { Ok(()) } else { d.memset0(dwp, n * k * 4) };
+    }
+    if operands == DType::BF16 {
+        let (dyh, xh) = (cast_rows(d, dyp, m * n, DType::BF16)?, cast_rows(d, xp, m * k, DType::BF16)?);
+        d.gemm_form(Form::Tn, Elem::BF16, xh.ptr, dyh.ptr, dwp, n, k, m, 1.0, acc)
+    } else {
+        d.gemm_form(Form::Tn, Elem::F32, xp, dyp, dwp, n, k, m, 1.0, acc)
     }
 }

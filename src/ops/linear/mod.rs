@@ -162,3 +162,43 @@ pub fn linear_q(dev: &Device, x: &Tensor, wq: &QTensor, bias: Option<&Tensor>, y
         Device::Cuda(c) => cuda::linear_q(c, x, wq, bias, y, m),
     }
 }
+
+/// dx[..m] (m, K) (+)= dy[..m] (m, N) · w, w (N, K): a linear's data gradient. F32 weights: an
+/// FP32 GEMM; BF16 / F16 weights: dy rounded to the weight's dtype, FP32 accumulation (CUDA;
+/// the CPU twin widens the weight to f32).
+pub fn linear_dx(dev: &Device, dy: &Tensor, w: &Tensor, dx: &mut Tensor, m: usize, accumulate: bool) -> Result<()> {
+    let (n, k) = (w.dim(0), w.dim(1));
+    check_rows(dy, m, n, "linear output gradient")?;
+    check_rows(dx, m, k, "linear input gradient")?;
+    match dev {
+        Device::Cpu(_) => cpu::linear_dx(dy, w, dx, m, accumulate),
+        Device::Cuda(c) => cuda::linear_dx(c, dy, w, dx, m, accumulate),
+    }
+}
+
+/// dw (N, K) f32 (+)= dy[..m]ᵀ · x[..m], dy (m, N), x (m, K): a linear's weight gradient,
+/// accumulated in FP32. `operands`: F32, or BF16 (dy and x rounded to BF16 first, as mixed-
+/// precision training computes it; the CPU twin rounds them the same way).
+pub fn linear_dw(
+    dev: &Device,
+    dy: &Tensor,
+    x: &Tensor,
+    dw: &mut Tensor,
+    m: usize,
+    accumulate: bool,
+    operands: crate::device::DType,
+) -> Result<()> {
+    let (n, k) = (dw.dim(0), dw.dim(1));
+    check_rows(dy, m, n, "linear output gradient")?;
+    check_rows(x, m, k, "linear input")?;
+    if dw.dtype() != crate::device::DType::F32 {
+        bail!("linear weight gradient: an f32 tensor expected, found {}", dw.dtype().name());
+    }
+    if !matches!(operands, crate::device::DType::F32 | crate::device::DType::BF16) {
+        bail!("linear weight gradient: F32 or BF16 operands, not {}", operands.name());
+    }
+    match dev {
+        Device::Cpu(_) => cpu::linear_dw(dy, x, dw, m, accumulate, operands),
+        Device::Cuda(c) => cuda::linear_dw(c, dy, x, dw, m, accumulate, operands),
+    }
+}

@@ -80,3 +80,56 @@ fn a_misshapen_projection_is_an_error() {
     let e = linears(&dev, &x, [Proj { w: &w, panels: None, bias: Some(&b), y: &mut y }], 2).unwrap_err();
     assert!(format!("{e:#}").contains("bias"), "{e:#}");
 }
+
+/// The backward GEMMs on every device against f64: dx = dy·W (F32 and BF16 weights, plain and
+/// accumulating) and dW = dyᵀ·x (F32 and BF16 operands, FP32 accumulation). Tolerance
+/// |a − ref| ≤ 1e-5 + 1e-5·|ref| against f64 sums of the operands each device multiplies: with
+/// a BF16 weight, CUDA rounds dy to BF16 first, the CPU does not.
+fn backward_gemms(dev: &Device) {
+    let (m, n, k) = (37, 48, 40);
+    let (dys, xs, ws, start) = (data(m * n, 31), data(m * k, 32), data(n * k, 33), data(m * k, 34));
+    let close = |got: &[f32], want: &[f64], tol: f64, what: &str| {
+        for (i, (&g, &r)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - r).abs() <= tol + tol * r.abs(), "{} {what}[{i}]: {g} vs {r}", dev.name());
+        }
+    };
+    let dy = dev.from_f32(DType::F32, &[m, n], &dys).unwrap();
+    let x = dev.from_f32(DType::F32, &[m, k], &xs).unwrap();
+    for wdt in [DType::F32, DType::BF16] {
+        let w = dev.from_f32(wdt, &[n, k], &ws).unwrap();
+        let wv = w.to_f32_vec().unwrap();
+        let round_dy = wdt == DType::BF16 && !dev.is_cpu();
+        let dyv: Vec<f64> =
+            dys.iter().map(|&v| if round_dy { crate::device::bf16_rne(v).to_f32() as f64 } else { v as f64 }).collect();
+        for acc in [false, true] {
+            let mut dx = dev.from_f32(DType::F32, &[m, k], &start).unwrap();
+            linear_dx(dev, &dy, &w, &mut dx, m, acc).unwrap();
+            let want: Vec<f64> = (0..m * k)
+                .map(|ij| {
+                    let (i, j) = (ij / k, ij % k);
+                    let s: f64 = (0..n).map(|t| dyv[i * n + t] * wv[t * k + j] as f64).sum();
+                    s + if acc { start[ij] as f64 } else { 0.0 }
+                })
+                .collect();
+            close(&dx.to_f32_vec().unwrap(), &want, 1e-5, &format!("dx ({} weight, acc {acc})", wdt.name()));
+        }
+    }
+    let wstart = data(n * k, 35);
+    for operands in [DType::F32, DType::BF16] {
+        let r = |v: f32| if operands == DType::BF16 { crate::device::bf16_rne(v).to_f32() as f64 } else { v as f64 };
+        for acc in [false, true] {
+            let mut dw = dev.from_f32(DType::F32, &[n, k], &wstart).unwrap();
+            linear_dw(dev, &dy, &x, &mut dw, m, acc, operands).unwrap();
+            let want: Vec<f64> = (0..n * k)
+                .map(|ij| {
+                    let (i, j) = (ij / k, ij % k);
+                    let s: f64 = (0..m).map(|t| r(dys[t * n + i]) * r(xs[t * k + j])).sum();
+                    s + if acc { wstart[ij] as f64 } else { 0.0 }
+                })
+                .collect();
+            close(&dw.to_f32_vec().unwrap(), &want, 1e-5, &format!("dW ({} operands, acc {acc})", operands.name()));
+        }
+    }
+}
+
+test_device!(backward_gemms, backward_gemms_cpu, backward_gemms_sim, backward_gemms_cuda);
