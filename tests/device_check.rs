@@ -41,7 +41,11 @@ fn every_check_group_passes_on_both_simulated_architectures() {
         assert_eq!(r["simulated"], true);
         let groups = r["groups"].as_array().unwrap();
         let names: Vec<&str> = groups.iter().map(|g| g["name"].as_str().unwrap()).collect();
-        assert_eq!(names, ["dense", "rows", "attention", "attention-128", "quant", "scale-layout", "optim"], "{arch}");
+        assert_eq!(
+            names,
+            ["dense", "rows", "attention", "attention-128", "quant", "scale-layout", "optim", "train-gemm"],
+            "{arch}"
+        );
         assert!(groups.iter().all(|g| g["status"] == "ok"), "{arch}: {groups:?}");
         let checks = r["checks"].as_array().unwrap();
         assert!(checks.len() >= 60, "{arch}: {} checks", checks.len());

@@ -10,6 +10,7 @@
 #include "../kernels/attention.cu"
 #include "../kernels/attention_prefill.cu"
 #include "../kernels/elementwise.cu"
+#include "../kernels/lm_head.cu"
 #include "../kernels/logprob.cu"
 #include "../kernels/norm.cu"
 #include "../kernels/optimizer.cu"
@@ -54,6 +55,9 @@ extern "C" int ct_sim_launch(int id, unsigned gx, unsigned gy, unsigned bx, size
     case 20: run(ct_optim, gx, gy, bx, smem, params); break;
     case 21: run(ct_sum_sq, gx, gy, bx, smem, params); break;
     case 22: run(ct_sum_sq_finish, gx, gy, bx, smem, params); break;
+    case 23: run(ct_scatter_add_rows, gx, gy, bx, smem, params); break;
+    case 24: run(ct_lm_stats, gx, gy, bx, smem, params); break;
+    case 25: run(ct_lm_dz, gx, gy, bx, smem, params); break;
     default: return -1;
   }
   return 0;

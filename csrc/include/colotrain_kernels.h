@@ -108,6 +108,18 @@ typedef struct ct_gather_rows_params {
   uint32_t* err;
 } ct_gather_rows_params;
 
+/* dst[idx[i]] (cols) += src[i] (cols) for i < rows, dst (dst_rows, cols). The idx are distinct
+ * (every destination row gets at most one source row), so no two threads add to one value. */
+typedef struct ct_scatter_add_rows_params {
+  const float* src;
+  const uint32_t* idx;
+  float* dst;
+  int32_t rows;
+  int32_t cols;
+  int32_t dst_rows;
+  uint32_t* err;
+} ct_scatter_add_rows_params;
+
 /* y (rows, cols) += bias (cols) of `dtype`. */
 typedef struct ct_add_bias_params {
   float* y;
@@ -298,6 +310,31 @@ typedef struct ct_swizzle_sf_params {
 } ct_swizzle_sf_params;
 
 /* ---- CUTLASS launchers (host functions; csrc/cutlass/) ---------------------------------- */
+
+/* ---- lm_head.cu: the fused LM-head loss, one chunk of rows at a time ----------------------- */
+
+/* One chunk of the fused loss: z (rows, vocab) holds the chunk's logits h.Wh^T.
+ * ct_lm_stats: z *= inv_t in place; lse[r] = log sum_j exp(z_rj); logp[r] = z[r, y_r] - lse[r];
+ *   entropy[r] = lse[r] - sum_j softmax_rj * z_rj (logp / entropy may be NULL).
+ * ct_lm_dz (after ct_lm_stats): loss[r] = -c_r (z[r, y_r] - lse_r) (+ c_r sum_i q_ri (z[r, id_ri]
+ *   - lse_r) with centering), then z[r] = dz_r = (c_r / T) (softmax_r - e_{y_r}) (centering:
+ *   (c_r / T) (q~_r - e_{y_r})), the gradient of the loss term in the logits. */
+typedef struct ct_lm_params {
+  float* z;
+  const uint32_t* targets;
+  int32_t rows;
+  int32_t vocab;
+  float inv_t;
+  float* lse;
+  float* logp;
+  float* entropy;
+  const float* coef;
+  int32_t center_k;            /* 0: no centering */
+  const uint32_t* center_ids;  /* (rows, center_k) */
+  const float* center_probs;   /* (rows, center_k) */
+  float* loss;
+  uint32_t* err;
+} ct_lm_params;
 
 /* ---- optimizer.cu: the optimizer step on the device ------------------------------------- */
 

@@ -4,7 +4,8 @@
 // GEMM (bias: y += b as in the CPU loop; cast: the GEMM's BF16 input, round to nearest even as
 // half::bf16::from_f32). fill_normal has no CPU twin: it makes the device check's random inputs.
 // Out-of-range ids are reported through the error word and their rows set to NaN (the CPU
-// twin returns an error before writing). Not yet run on a GPU.
+// twin returns an error before writing). ct_scatter_add_rows is the fused loss's dh[rows] += dhc
+// (src/ops/lm_head/grad.rs grad_centered's last loop). Not yet run on a GPU.
 #include "common.cuh"
 
 // One thread per output element (row, col).
@@ -69,5 +70,21 @@ extern "C" __global__ void ct_fill_normal(ct_fill_normal_params p) {
     const double z0 = rad * cos(6.283185307179586 * u2), z1 = rad * sin(6.283185307179586 * u2);
     ct_store(p.out, p.dtype, 2 * j, p.mean + p.std * static_cast<float>(z0));
     if (2 * j + 1 < p.n) ct_store(p.out, p.dtype, 2 * j + 1, p.mean + p.std * static_cast<float>(z1));
+  }
+}
+
+// Grid-stride over rows x cols; the destination rows are distinct (see the header), so each
+// value has one writer.
+extern "C" __global__ void ct_scatter_add_rows(ct_scatter_add_rows_params p) {
+  const int64_t n = static_cast<int64_t>(p.rows) * p.cols;
+  CT_GRID_LOOP(i, n) {
+    const int64_t r = i / p.cols, c = i % p.cols;
+    const uint32_t d = p.idx[r];
+    if (d >= static_cast<uint32_t>(p.dst_rows)) {
+      ct_set_error(p.err, CT_ERR_GATHER_ROW);
+      continue;
+    }
+    float* o = p.dst + static_cast<int64_t>(d) * p.cols + c;
+    *o = __fadd_rn(*o, p.src[i]);
   }
 }

@@ -15,6 +15,9 @@
 //!   rows to BF16 / F16; outputs are ~N(0, 1));
 //! - 1e-3 / 1e-3: real W8A8 / W4A4 GEMMs against the CPU's emulation (the same products, FP32
 //!   sums in another order);
+//! - 1e-4 / 1e-4: the backward GEMMs with F32 operands; 1e-2 / 1e-2 with BF16 operands
+//!   (outputs ~N(0, 1)); 1e-5 / 1e-4: the fused LM-head loss with an F32 head (f32 logits,
+//!   sums in another order);
 //! - exact: the optimizer step (master, moments, clipped gradient, compute weights, amax);
 //!   0 / 1e-6 for the squared norm (f64 sums in another order, compared as f32).
 //!
@@ -79,7 +82,7 @@ impl Check {
 }
 
 /// The check groups, in the order they run: (name, what it covers).
-pub const GROUPS: [(&str, &str); 7] = [
+pub const GROUPS: [(&str, &str); 8] = [
     ("dense", "linears, RMSNorm, head norm, RoPE"),
     ("rows", "embedding, SwiGLU, gathers, amax, log-probs, sampling"),
     ("attention", "KV writes, prefill and decode attention: head_dim 64, 3 query heads per KV head"),
@@ -87,6 +90,7 @@ pub const GROUPS: [(&str, &str); 7] = [
     ("quant", "fake quantization, requantize, the W8A8 / W4A4 GEMM paths"),
     ("scale-layout", "NVFP4 scale layout sizes of the sm_100 CUTLASS kernels"),
     ("optim", "the optimizer step (AdamW, SGD, clipping, compute weights and their amax), the squared norm"),
+    ("train-gemm", "the backward GEMMs dx = dy·W, dW = dyᵀ·x and the fused LM-head loss (plain and centered)"),
 ];
 
 /// Runs check group `name` on `cuda`, printing each row as it is recorded; returns the rows.
@@ -109,6 +113,7 @@ pub fn run_group(name: &str, cuda: &CudaDevice, seed: u64) -> Result<Vec<Check>>
         "quant" => check_quant(&mut x),
         "scale-layout" => check_scale_layout(&mut x),
         "optim" => check_optim(&mut x),
+        "train-gemm" => check_train_gemm(&mut x),
         other => bail!("no check group '{other}'"),
     };
     r.map(|_| x.checks)
@@ -630,5 +635,73 @@ fn check_optim(x: &mut Ctx) -> Result<()> {
     let g = x.randp(DType::F32, &[5 * CHUNK / 2], 2.0)?;
     let (c, gg) = (optim::sum_sq(&x.cpu, &g.c)?, optim::sum_sq(&x.gpu, &g.g)?);
     x.record("optim: squared norm", "f64", &[c as f32], &[gg as f32], Tol::Close(0.0, 1e-6));
+    Ok(())
+}
+
+/// The backward GEMMs of a linear and the fused LM-head loss against their CPU twins.
+fn check_train_gemm(x: &mut Ctx) -> Result<()> {
+    use crate::ops::lm_head::{self, DevCenter, Rows};
+    let (m, n, k) = (M, N, C);
+    let dy = x.randp(DType::F32, &[m, n], 1.0 / (n as f32).sqrt())?;
+    let xin = x.randp(DType::F32, &[m, k], 1.0)?;
+    for (dt, tol) in [(DType::F32, Tol::Close(1e-4, 1e-4)), (DType::BF16, Tol::Close(1e-2, 1e-2))] {
+        let w = x.randp(dt, &[n, k], 1.0)?;
+        let mut dx = x.out(&[m, k])?;
+        x.both(|d, g| matmul::linear_dx(d, pick(&dy, g), pick(&w, g), pick_mut(&mut dx, g), m, false))?;
+        x.cmp("linear dx = dy·W", dt.name(), &dx, tol)?;
+        let mut dw = x.randp(DType::F32, &[n, k], 1.0)?;
+        x.both(|d, g| matmul::linear_dw(d, pick(&dy, g), pick(&xin, g), pick_mut(&mut dw, g), m, true, dt))?;
+        x.cmp("linear dW += dyᵀ·x", &format!("{} operands", dt.name()), &dw, tol)?;
+    }
+    // The fused loss: 29 of 40 hidden rows scored, chunks of 8, a vocabulary of 5003.
+    let (n_h, c, v, rows, k_c) = (40usize, 256usize, 5003usize, 29usize, 4usize);
+    let h = x.randp(DType::F32, &[n_h, c], 1.0)?;
+    let wh = x.randp(DType::F32, &[v, c], 1.0 / (c as f32).sqrt())?;
+    let mut perm: Vec<u32> = (0..n_h as u32).collect();
+    for i in (1..n_h).rev() {
+        perm.swap(i, x.rng.below(i as u64 + 1) as usize);
+    }
+    let idx = x.u32s(&[rows], perm[..rows].to_vec())?;
+    let tg = x.u32s(&[rows], (0..rows as u32).map(|i| (i * 2741 + 5) % v as u32).collect())?;
+    let ids = x.u32s(&[rows * k_c], (0..(rows * k_c) as u32).map(|i| (i * 577 + 3) % v as u32).collect())?;
+    let probs =
+        x.pair(DType::F32, &[rows * k_c], &(0..rows * k_c).map(|i| [0.4, 0.3, 0.2, 0.1][i % 4]).collect::<Vec<_>>())?;
+    let coef = x.randp(DType::F32, &[rows], 1.0)?;
+    let (mut lp, mut en) = (x.out(&[rows])?, x.out(&[rows])?);
+    x.both(|d, g| {
+        let r = Rows { rows: pick(&idx, g), targets: pick(&tg, g) };
+        let (l, e) = (pick_mut(&mut lp, g), pick_mut(&mut en, g));
+        lm_head::stats(d, pick(&h, g), pick(&wh, g), &r, 0.7, 8, l, e)
+    })?;
+    x.cmp("LM head log p(y)", "f32 head", &lp, Tol::Close(1e-5, 1e-4))?;
+    x.cmp("LM head entropy", "f32 head", &en, Tol::Close(1e-5, 1e-4))?;
+    for centered in [false, true] {
+        let name = if centered { "LM head loss (centered)" } else { "LM head loss" };
+        let mut dh = x.pair(DType::F32, &[n_h, c], &vec![0.0; n_h * c])?;
+        let mut dwh = x.pair(DType::F32, &[v, c], &vec![0.0; v * c])?;
+        let mut loss = [0.0f32; 2];
+        for (i, g) in [false, true].into_iter().enumerate() {
+            let dev = if g { &x.gpu } else { &x.cpu };
+            let r = Rows { rows: pick(&idx, g), targets: pick(&tg, g) };
+            let ct = DevCenter { k: k_c, ids: pick(&ids, g), probs: pick(&probs, g) };
+            let (a, b) = (pick_mut(&mut dh, g), pick_mut(&mut dwh, g));
+            loss[i] = lm_head::loss_grad(
+                dev,
+                pick(&h, g),
+                pick(&wh, g),
+                &r,
+                pick(&coef, g),
+                centered.then_some(&ct),
+                0.7,
+                8,
+                a,
+                b,
+            )? as f32;
+        }
+        x.gpu.synchronize()?;
+        x.record(&format!("{name}: value"), "f32 head", &loss[..1], &loss[1..], Tol::Close(1e-5, 1e-4));
+        x.cmp(&format!("{name}: dh"), "f32 head", &dh, Tol::Close(1e-5, 1e-4))?;
+        x.cmp(&format!("{name}: dWh"), "f32 head", &dwh, Tol::Close(1e-5, 1e-4))?;
+    }
     Ok(())
 }

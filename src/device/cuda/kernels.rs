@@ -42,6 +42,8 @@ pub fn prefill_launch(num_tokens: usize, num_seqs: usize, groups: usize, head_di
 const ELEMENTWISE_THREADS: u32 = 256;
 const NORM_THREADS: u32 = 256;
 const OPTIM_THREADS: u32 = 256;
+/// Threads per block of lm_head.cu's row kernels (CT_LM_THREADS).
+pub const LM_THREADS: u32 = 1024;
 
 /// Every kernel of csrc/kernels, in the order of csrc/hostemu/sim.cpp's `ct_sim_launch` ids.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -69,10 +71,13 @@ pub enum Kernel {
     Optim,
     SumSq,
     SumSqFinish,
+    ScatterAddRows,
+    LmStats,
+    LmDz,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 23] = [
+    pub const ALL: [Kernel; 26] = [
         Kernel::Rmsnorm,
         Kernel::RopeTable,
         Kernel::Rope,
@@ -96,6 +101,9 @@ impl Kernel {
         Kernel::Optim,
         Kernel::SumSq,
         Kernel::SumSqFinish,
+        Kernel::ScatterAddRows,
+        Kernel::LmStats,
+        Kernel::LmDz,
     ];
 
     /// (the kernel's name, the csrc/kernels/ file that defines it, without `.cu`).
@@ -124,6 +132,9 @@ impl Kernel {
             Kernel::Optim => ("ct_optim", "optimizer"),
             Kernel::SumSq => ("ct_sum_sq", "optimizer"),
             Kernel::SumSqFinish => ("ct_sum_sq_finish", "optimizer"),
+            Kernel::ScatterAddRows => ("ct_scatter_add_rows", "elementwise"),
+            Kernel::LmStats => ("ct_lm_stats", "lm_head"),
+            Kernel::LmDz => ("ct_lm_dz", "lm_head"),
         }
     }
 
@@ -140,7 +151,8 @@ impl Kernel {
         match self {
             KvWrite | PagedAttention | PrefillAttention | QuantFp8 | QuantNvfp4 | Dequant | SwizzleSf => 1,
             Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax | Optim => 2,
-            RopeTable | Rope | Swiglu | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish => 4,
+            RopeTable | Rope | Swiglu | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
+            | ScatterAddRows | LmStats | LmDz => 4,
         }
     }
 
@@ -322,5 +334,22 @@ impl CudaDevice {
         let grid = (u32_dim(p.blocks as i64, "squared-norm blocks")?, 1, 1);
         self.launch(Kernel::SumSq, grid, OPTIM_THREADS, 0, &p)?;
         self.launch(Kernel::SumSqFinish, (1, 1, 1), OPTIM_THREADS, 0, &p)
+    }
+
+    pub fn k_scatter_add_rows(&self, p: ffi::ct_scatter_add_rows_params) -> Result<()> {
+        let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
+        self.launch(Kernel::ScatterAddRows, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+    }
+
+    /// One block of LM_THREADS per row of the chunk.
+    pub fn k_lm_stats(&self, p: ffi::ct_lm_params) -> Result<()> {
+        let grid = (u32_dim(p.rows as i64, "loss rows")?, 1, 1);
+        self.launch(Kernel::LmStats, grid, LM_THREADS, 0, &p)
+    }
+
+    /// One block of LM_THREADS per row of the chunk.
+    pub fn k_lm_dz(&self, p: ffi::ct_lm_params) -> Result<()> {
+        let grid = (u32_dim(p.rows as i64, "loss rows")?, 1, 1);
+        self.launch(Kernel::LmDz, grid, LM_THREADS, 0, &p)
     }
 }

@@ -20,6 +20,7 @@ mod lowp_tests;
 #[cfg(test)]
 mod tests;
 
+pub use cuda::cast_rows;
 pub use panels::Panels;
 
 use super::check_rows;

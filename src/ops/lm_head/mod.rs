@@ -3,8 +3,110 @@
 //! statistics (log p of the target, entropy), and the logits gradient
 //! −c_t·(target_t − softmax(z_t / T)) / T folded straight into dh and dWh.
 //!
-//! Owns: the training twin (`grad.rs`). There is no forward-only twin here: decoding's LM head
-//! is a plain `linear`, and scoring's log-probs are `logprob`. May call: `super::linear`'s
-//! training GEMMs. Must not: materialize more than a chunk of logits.
+//! Owns: the training twin on slices (`grad.rs`, generic over f32 / f64: the CPU trainer's
+//! and the f64 reference), the device-level signatures below with their CPU arm (`cpu.rs`) and
+//! CUDA arm (`cuda.rs`: cuBLASLt GEMMs around csrc/kernels/lm_head.cu). There is no forward-only
+//! twin here: decoding's LM head is a plain `linear`, and scoring's log-probs are `logprob`.
+//! May call: `super::linear`'s training GEMMs, `super::elementwise`. Must not: materialize more
+//! than a chunk of logits.
 
+mod cpu;
+mod cuda;
 pub mod grad;
+#[cfg(test)]
+mod tests;
+
+use crate::device::{DType, Device, Tensor};
+use anyhow::{bail, Result};
+
+/// The scored rows of one pass: `rows` (n) u32 indices into h's rows (distinct: each position
+/// is scored once), `targets` (n) u32 token ids.
+pub struct Rows<'a> {
+    pub rows: &'a Tensor,
+    pub targets: &'a Tensor,
+}
+
+/// Score centering's target (seed 000 App. B.1) on the pass's device: the engine's k most likely
+/// tokens `ids` (n·k, u32) and their normalized probabilities `probs` (n·k, f32).
+pub struct DevCenter<'a> {
+    pub k: usize,
+    pub ids: &'a Tensor,
+    pub probs: &'a Tensor,
+}
+
+fn check(h: &Tensor, wh: &Tensor, r: &Rows<'_>, chunk: usize) -> Result<usize> {
+    let (c, n) = (wh.dim(1), r.rows.numel());
+    if h.dtype() != DType::F32 || h.dim(h.shape().len() - 1) != c {
+        bail!("LM head: hidden rows of {:?} {} for a head of width {c}", h.shape(), h.dtype().name());
+    }
+    if !matches!(wh.dtype(), DType::F32 | DType::BF16) {
+        bail!("LM head: an F32 or BF16 head weight, found {}", wh.dtype().name());
+    }
+    if r.rows.dtype() != DType::U32 || r.targets.dtype() != DType::U32 || r.targets.numel() != n {
+        bail!("LM head: {n} u32 row indices need as many u32 targets, found {}", r.targets.numel());
+    }
+    if chunk == 0 {
+        bail!("LM head: a chunk of 0 rows");
+    }
+    Ok(n)
+}
+
+/// logp[i] = log softmax(z_i/T)[y_i] and entropy[i] of softmax(z_i/T), z_i = h[rows[i]]·Whᵀ,
+/// `chunk` rows at a time.
+#[allow(clippy::too_many_arguments)]
+pub fn stats(
+    dev: &Device,
+    h: &Tensor,
+    wh: &Tensor,
+    r: &Rows<'_>,
+    temperature: f32,
+    chunk: usize,
+    logp: &mut Tensor,
+    entropy: &mut Tensor,
+) -> Result<()> {
+    let n = check(h, wh, r, chunk)?;
+    for (t, what) in [(&*logp, "log-probs"), (&*entropy, "entropies")] {
+        if t.numel() != n || t.dtype() != DType::F32 {
+            bail!("LM head {what}: {n} f32 values expected, found {} {}", t.numel(), t.dtype().name());
+        }
+    }
+    match dev {
+        Device::Cpu(_) => cpu::stats(h, wh, r, temperature, chunk, logp, entropy),
+        Device::Cuda(d) => cuda::stats(d, h, wh, r, temperature, chunk, logp, entropy),
+    }
+}
+
+/// The fused loss pass: dh[rows] += dz·Wh and dWh += dzᵀ·h for dz_i = −coef_i (e_{y_i} − p_i)/T
+/// (with `center`: −coef_i (e_{y_i} − q̃_i)/T), `chunk` rows at a time. dh (N, C) and dwh (V, C)
+/// are f32 and accumulated into. Returns the surrogate loss Σ_i −coef_i·logp_i (centered: as
+/// `grad::grad_centered`). A BF16 head runs its GEMMs on BF16 operands with FP32 accumulation.
+#[allow(clippy::too_many_arguments)]
+pub fn loss_grad(
+    dev: &Device,
+    h: &Tensor,
+    wh: &Tensor,
+    r: &Rows<'_>,
+    coef: &Tensor,
+    center: Option<&DevCenter<'_>>,
+    temperature: f32,
+    chunk: usize,
+    dh: &mut Tensor,
+    dwh: &mut Tensor,
+) -> Result<f64> {
+    let n = check(h, wh, r, chunk)?;
+    if coef.numel() != n || coef.dtype() != DType::F32 {
+        bail!("LM head: {n} f32 coefficients expected, found {} {}", coef.numel(), coef.dtype().name());
+    }
+    if let Some(ct) = center {
+        if ct.ids.numel() != n * ct.k || ct.probs.numel() != n * ct.k || ct.k == 0 {
+            bail!("LM head centering: {n}·k ids and probabilities expected (k = {})", ct.k);
+        }
+    }
+    if dh.numel() != h.numel() || dwh.numel() != wh.numel() || dh.dtype() != DType::F32 || dwh.dtype() != DType::F32 {
+        bail!("LM head gradients: f32 tensors of h's and Wh's shapes expected");
+    }
+    match dev {
+        Device::Cpu(_) => cpu::loss_grad(h, wh, r, coef, center, temperature, chunk, dh, dwh),
+        Device::Cuda(d) => cuda::loss_grad(d, h, wh, r, coef, center, temperature, chunk, dh, dwh),
+    }
+}

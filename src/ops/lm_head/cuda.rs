@@ -1,0 +1,193 @@
+//! The CUDA arm of the fused LM-head loss, per chunk of rows: gather the rows of h
+//! (ct_gather_rows), the logits z = hc·Whᵀ (cuBLASLt), their statistics (ct_lm_stats), and for
+//! the gradient dz in place of z (ct_lm_dz), dWh += dzᵀ·hc and dhc = dz·Wh (cuBLASLt's weight-
+//! and data-gradient forms), dh[rows] += dhc (ct_scatter_add_rows). At most `chunk × V` logits
+//! exist at once; only per-row numbers come back to the host (the loss terms). A BF16 head
+//! runs the GEMMs on BF16 operands (hc, dz rounded) with FP32 accumulation. Not yet run on a GPU.
+
+use super::{DevCenter, Rows};
+use crate::device::cuda::args::{err_word, i32_of, ptr};
+use crate::device::cuda::{ffi, CudaDevice, DevBuf, Elem, Form};
+use crate::device::{DType, Tensor};
+use crate::ops::linear::cast_rows;
+use anyhow::Result;
+
+/// The pointers one pass needs, checked once.
+struct Pass {
+    h: u64,
+    wh: u64,
+    rows: u64,
+    targets: u64,
+    n_h: usize,
+    v: usize,
+    c: usize,
+    bf16: bool,
+}
+
+impl Pass {
+    fn new(d: &CudaDevice, h: &Tensor, wh: &Tensor, r: &Rows<'_>) -> Result<Pass> {
+        let (v, c) = (wh.dim(0), wh.dim(1));
+        Ok(Pass {
+            h: ptr(d, h, &[DType::F32], "LM head hidden rows")?,
+            wh: ptr(d, wh, &[DType::F32, DType::BF16], "LM head weight")?,
+            rows: ptr(d, r.rows, &[DType::U32], "LM head row indices")?,
+            targets: ptr(d, r.targets, &[DType::U32], "LM head targets")?,
+            n_h: h.numel() / c.max(1),
+            v,
+            c,
+            bf16: wh.dtype() == DType::BF16,
+        })
+    }
+
+    fn elem(&self) -> Elem {
+        if self.bf16 {
+            Elem::BF16
+        } else {
+            Elem::F32
+        }
+    }
+
+    /// The chunk's rows of h gathered (n, C), and its logits z (n, V) = hc·Whᵀ.
+    fn logits(&self, d: &CudaDevice, start: usize, n: usize) -> Result<(DevBuf, DevBuf)> {
+        let hc = d.scratch(n * self.c * 4, "LM head rows")?;
+        d.k_gather_rows(ffi::ct_gather_rows_params {
+            src: self.h as *const f32,
+            idx: (self.rows + 4 * start as u64) as *const u32,
+            dst: hc.ptr as *mut f32,
+            rows: i32_of(n, "LM head rows")?,
+            cols: i32_of(self.c, "LM head width")?,
+            src_rows: i32_of(self.n_h, "hidden rows")?,
+            err: err_word(d),
+        })?;
+        let z = d.scratch(n * self.v * 4, "LM head logits chunk")?;
+        if self.bf16 {
+            let hb = cast_rows(d, hc.ptr, n * self.c, DType::BF16)?;
+            d.gemm(Elem::BF16, self.wh, hb.ptr, z.ptr, n, self.v, self.c, 1.0, false, None)?;
+        } else {
+            d.gemm(Elem::F32, self.wh, hc.ptr, z.ptr, n, self.v, self.c, 1.0, false, None)?;
+        }
+        Ok((hc, z))
+    }
+
+    fn params(
+        &self,
+        d: &CudaDevice,
+        z: u64,
+        start: usize,
+        n: usize,
+        inv_t: f32,
+        lse: u64,
+    ) -> Result<ffi::ct_lm_params> {
+        Ok(ffi::ct_lm_params {
+            z: z as *mut f32,
+            targets: (self.targets + 4 * start as u64) as *const u32,
+            rows: i32_of(n, "LM head rows")?,
+            vocab: i32_of(self.v, "vocabulary")?,
+            inv_t,
+            lse: lse as *mut f32,
+            logp: std::ptr::null_mut(),
+            entropy: std::ptr::null_mut(),
+            coef: std::ptr::null(),
+            center_k: 0,
+            center_ids: std::ptr::null(),
+            center_probs: std::ptr::null(),
+            loss: std::ptr::null_mut(),
+            err: err_word(d),
+        })
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn stats(
+    d: &CudaDevice,
+    h: &Tensor,
+    wh: &Tensor,
+    r: &Rows<'_>,
+    temperature: f32,
+    chunk: usize,
+    logp: &mut Tensor,
+    entropy: &mut Tensor,
+) -> Result<()> {
+    let pass = Pass::new(d, h, wh, r)?;
+    let (lp, en) = (ptr(d, logp, &[DType::F32], "log-probs")?, ptr(d, entropy, &[DType::F32], "entropies")?);
+    let total = r.rows.numel();
+    let inv_t = 1.0 / temperature;
+    let lse = d.scratch(chunk.min(total).max(1) * 4, "LM head normalizers")?;
+    for start in (0..total).step_by(chunk) {
+        let n = chunk.min(total - start);
+        let (_hc, z) = pass.logits(d, start, n)?;
+        let mut p = pass.params(d, z.ptr, start, n, inv_t, lse.ptr)?;
+        p.logp = (lp + 4 * start as u64) as *mut f32;
+        p.entropy = (en + 4 * start as u64) as *mut f32;
+        d.k_lm_stats(p)?;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn loss_grad(
+    d: &CudaDevice,
+    h: &Tensor,
+    wh: &Tensor,
+    r: &Rows<'_>,
+    coef: &Tensor,
+    center: Option<&DevCenter<'_>>,
+    temperature: f32,
+    chunk: usize,
+    dh: &mut Tensor,
+    dwh: &mut Tensor,
+) -> Result<f64> {
+    let pass = Pass::new(d, h, wh, r)?;
+    let cp = ptr(d, coef, &[DType::F32], "loss coefficients")?;
+    let dhp = ptr(d, dh, &[DType::F32], "hidden-row gradient")?;
+    let dwp = ptr(d, dwh, &[DType::F32], "LM head weight gradient")?;
+    let ct = match center {
+        Some(ct) => Some((
+            ct.k,
+            ptr(d, ct.ids, &[DType::U32], "centering token ids")?,
+            ptr(d, ct.probs, &[DType::F32], "centering probabilities")?,
+        )),
+        None => None,
+    };
+    let total = r.rows.numel();
+    let inv_t = 1.0 / temperature;
+    let (v, c, e) = (pass.v, pass.c, pass.elem());
+    let lse = d.scratch(chunk.min(total).max(1) * 4, "LM head normalizers")?;
+    let losses = d.scratch(total.max(1) * 4, "loss terms")?;
+    for start in (0..total).step_by(chunk) {
+        let n = chunk.min(total - start);
+        let (hc, z) = pass.logits(d, start, n)?;
+        let mut p = pass.params(d, z.ptr, start, n, inv_t, lse.ptr)?;
+        d.k_lm_stats(p)?;
+        p.coef = (cp + 4 * start as u64) as *const f32;
+        p.loss = (losses.ptr + 4 * start as u64) as *mut f32;
+        if let Some((k, ids, probs)) = ct {
+            p.center_k = i32_of(k, "centering k")?;
+            p.center_ids = (ids + 4 * (start * k) as u64) as *const u32;
+            p.center_probs = (probs + 4 * (start * k) as u64) as *const f32;
+        }
+        d.k_lm_dz(p)?;
+        // dWh (V, C) += dzᵀ·hc; dhc (n, C) = dz·Wh.
+        let dhc = d.scratch(n * c * 4, "LM head row gradients")?;
+        if pass.bf16 {
+            let (zb, hb) = (cast_rows(d, z.ptr, n * v, DType::BF16)?, cast_rows(d, hc.ptr, n * c, DType::BF16)?);
+            d.gemm_form(Form::Tn, e, hb.ptr, zb.ptr, dwp, v, c, n, 1.0, true)?;
+            d.gemm_form(Form::Nn, e, pass.wh, zb.ptr, dhc.ptr, n, c, v, 1.0, false)?;
+        } else {
+            d.gemm_form(Form::Tn, e, hc.ptr, z.ptr, dwp, v, c, n, 1.0, true)?;
+            d.gemm_form(Form::Nn, e, pass.wh, z.ptr, dhc.ptr, n, c, v, 1.0, false)?;
+        }
+        d.k_scatter_add_rows(ffi::ct_scatter_add_rows_params {
+            src: dhc.ptr as *const f32,
+            idx: (pass.rows + 4 * start as u64) as *const u32,
+            dst: dhp as *mut f32,
+            rows: i32_of(n, "LM head rows")?,
+            cols: i32_of(c, "LM head width")?,
+            dst_rows: i32_of(pass.n_h, "hidden rows")?,
+            err: err_word(d),
+        })?;
+    }
+    let mut terms = vec![0.0f32; total];
+    d.dtoh(&mut terms, losses.ptr)?;
+    Ok(terms.iter().map(|&t| t as f64).sum())
+}
