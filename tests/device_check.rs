@@ -43,7 +43,7 @@ fn every_check_group_passes_on_both_simulated_architectures() {
         let names: Vec<&str> = groups.iter().map(|g| g["name"].as_str().unwrap()).collect();
         assert_eq!(
             names,
-            ["dense", "rows", "attention", "attention-128", "quant", "scale-layout", "optim", "train-gemm"],
+            ["dense", "rows", "attention", "attention-128", "quant", "scale-layout", "optim", "train-gemm", "backward"],
             "{arch}"
         );
         assert!(groups.iter().all(|g| g["status"] == "ok"), "{arch}: {groups:?}");

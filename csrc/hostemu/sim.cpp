@@ -10,6 +10,7 @@
 #include "../kernels/attention.cu"
 #include "../kernels/attention_prefill.cu"
 #include "../kernels/elementwise.cu"
+#include "../kernels/grad.cu"
 #include "../kernels/lm_head.cu"
 #include "../kernels/logprob.cu"
 #include "../kernels/norm.cu"
@@ -58,6 +59,13 @@ extern "C" int ct_sim_launch(int id, unsigned gx, unsigned gy, unsigned bx, size
     case 23: run(ct_scatter_add_rows, gx, gy, bx, smem, params); break;
     case 24: run(ct_lm_stats, gx, gy, bx, smem, params); break;
     case 25: run(ct_lm_dz, gx, gy, bx, smem, params); break;
+    case 26: run(ct_rmsnorm_train, gx, gy, bx, smem, params); break;
+    case 27: run(ct_rmsnorm_bwd, gx, gy, bx, smem, params); break;
+    case 28: run(ct_rmsnorm_dw, gx, gy, bx, smem, params); break;
+    case 29: run(ct_swiglu_bwd, gx, gy, bx, smem, params); break;
+    case 30: run(ct_rope_bwd, gx, gy, bx, smem, params); break;
+    case 31: run(ct_col_sum, gx, gy, bx, smem, params); break;
+    case 32: run(ct_embed_bwd, gx, gy, bx, smem, params); break;
     default: return -1;
   }
   return 0;

@@ -311,6 +311,69 @@ typedef struct ct_swizzle_sf_params {
 
 /* ---- CUTLASS launchers (host functions; csrc/cutlass/) ---------------------------------- */
 
+/* ---- grad.cu: the backward kernels of the layers around the GEMMs ---------------------------- */
+
+/* Training RMSNorm: y (rows, cols) = x r w with r = (mean_j x_j^2 + eps)^(-1/2) saved in
+ * rstd (rows); w f32 (cols). */
+typedef struct ct_rmsnorm_train_params {
+  const float* x;
+  const float* w;
+  float* y;
+  float* rstd;
+  int32_t rows;
+  int32_t cols;
+  float eps;
+} ct_rmsnorm_train_params;
+
+/* RMSNorm backward (ct_rmsnorm_bwd, one block per row): dx (+)= r w dy - (r^3 / cols) x
+ * sum_j w_j dy_j x_j; (ct_rmsnorm_dw, one thread per column, rows in order) dw += sum_rows
+ * dy x r. */
+typedef struct ct_rmsnorm_bwd_params {
+  const float* dy;
+  const float* x;
+  const float* w;
+  const float* rstd;
+  float* dx;
+  float* dw;
+  int32_t rows;
+  int32_t cols;
+  int32_t accumulate;
+} ct_rmsnorm_bwd_params;
+
+/* SwiGLU backward over n values: s = sigmoid(g); du = da g s; dg = da u s (1 + g (1 - s)). */
+typedef struct ct_swiglu_bwd_params {
+  const float* da;
+  const float* g;
+  const float* u;
+  float* dg;
+  float* du;
+  int64_t n;
+} ct_swiglu_bwd_params;
+
+/* out (cols) += the column sums of x (rows, cols), rows in order (one thread per column): a
+ * bias gradient. */
+typedef struct ct_col_sum_params {
+  const float* x;
+  float* out;
+  int32_t rows;
+  int32_t cols;
+} ct_col_sum_params;
+
+/* Embedding backward: dtable[ids[t]] (cols) += dx[t] for t in order (one thread per column:
+ * deterministic with repeated ids), skipping ids equal to `skip` when has_skip (a padding
+ * index); an id >= vocab sets CT_ERR_TOKEN_ID. */
+typedef struct ct_embed_bwd_params {
+  const float* dx;
+  const uint32_t* ids;
+  float* dtable;
+  int32_t tokens;
+  int32_t cols;
+  int32_t vocab;
+  uint32_t skip;
+  int32_t has_skip;
+  uint32_t* err;
+} ct_embed_bwd_params;
+
 /* ---- lm_head.cu: the fused LM-head loss, one chunk of rows at a time ----------------------- */
 
 /* One chunk of the fused loss: z (rows, vocab) holds the chunk's logits h.Wh^T.

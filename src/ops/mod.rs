@@ -48,6 +48,8 @@ macro_rules! test_device {
 }
 
 pub mod attention;
+#[cfg(test)]
+mod backward_tests;
 pub mod elementwise;
 #[cfg(test)]
 mod hostemu;

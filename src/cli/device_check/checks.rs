@@ -38,7 +38,7 @@ use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy)]
-enum Tol {
+pub(super) enum Tol {
     Exact,
     Close(f64, f64),
 }
@@ -82,7 +82,7 @@ impl Check {
 }
 
 /// The check groups, in the order they run: (name, what it covers).
-pub const GROUPS: [(&str, &str); 8] = [
+pub const GROUPS: [(&str, &str); 9] = [
     ("dense", "linears, RMSNorm, head norm, RoPE"),
     ("rows", "embedding, SwiGLU, gathers, amax, log-probs, sampling"),
     ("attention", "KV writes, prefill and decode attention: head_dim 64, 3 query heads per KV head"),
@@ -91,6 +91,7 @@ pub const GROUPS: [(&str, &str); 8] = [
     ("scale-layout", "NVFP4 scale layout sizes of the sm_100 CUTLASS kernels"),
     ("optim", "the optimizer step (AdamW, SGD, clipping, compute weights and their amax), the squared norm"),
     ("train-gemm", "the backward GEMMs dx = dy·W, dW = dyᵀ·x and the fused LM-head loss (plain and centered)"),
+    ("backward", "the layers' backward kernels: RMSNorm, RoPE, SwiGLU, embedding, bias"),
 ];
 
 /// Runs check group `name` on `cuda`, printing each row as it is recorded; returns the rows.
@@ -112,25 +113,26 @@ pub fn run_group(name: &str, cuda: &CudaDevice, seed: u64) -> Result<Vec<Check>>
         "attention-128" => check_attention(&mut x, 2, 14, 128),
         "quant" => check_quant(&mut x),
         "scale-layout" => check_scale_layout(&mut x),
-        "optim" => check_optim(&mut x),
-        "train-gemm" => check_train_gemm(&mut x),
+        "optim" => super::train_checks::optim(&mut x),
+        "train-gemm" => super::train_checks::train_gemm(&mut x),
+        "backward" => super::train_checks::backward(&mut x),
         other => bail!("no check group '{other}'"),
     };
     r.map(|_| x.checks)
 }
 
-struct Ctx {
-    cpu: Device,
-    gpu: Device,
+pub(super) struct Ctx {
+    pub(super) cpu: Device,
+    pub(super) gpu: Device,
     cuda: CudaDevice,
-    rng: crate::rand::Stream,
+    pub(super) rng: crate::rand::Stream,
     checks: Vec<Check>,
 }
 
 /// A tensor on each device.
-struct Pair {
-    c: Tensor,
-    g: Tensor,
+pub(super) struct Pair {
+    pub(super) c: Tensor,
+    pub(super) g: Tensor,
 }
 
 fn bytes(t: &Tensor) -> Result<Vec<u8>> {
@@ -146,17 +148,17 @@ fn bytes(t: &Tensor) -> Result<Vec<u8>> {
 }
 
 impl Ctx {
-    fn randn(&mut self, n: usize, std: f32) -> Vec<f32> {
+    pub(super) fn randn(&mut self, n: usize, std: f32) -> Vec<f32> {
         (0..n).map(|_| (self.rng.normal() as f32) * std).collect()
     }
-    fn pair(&self, dtype: DType, shape: &[usize], data: &[f32]) -> Result<Pair> {
+    pub(super) fn pair(&self, dtype: DType, shape: &[usize], data: &[f32]) -> Result<Pair> {
         Ok(Pair { c: self.cpu.from_f32(dtype, shape, data)?, g: self.gpu.from_f32(dtype, shape, data)? })
     }
-    fn randp(&mut self, dtype: DType, shape: &[usize], std: f32) -> Result<Pair> {
+    pub(super) fn randp(&mut self, dtype: DType, shape: &[usize], std: f32) -> Result<Pair> {
         let d = self.randn(shape.iter().product(), std);
         self.pair(dtype, shape, &d)
     }
-    fn u32s(&self, shape: &[usize], data: Vec<u32>) -> Result<Pair> {
+    pub(super) fn u32s(&self, shape: &[usize], data: Vec<u32>) -> Result<Pair> {
         let h = Tensor::from_u32_host(shape, data)?;
         Ok(Pair { g: self.gpu.upload(h.try_clone()?)?, c: h })
     }
@@ -168,11 +170,11 @@ impl Ctx {
         Ok(Pair { g: self.gpu.upload(h.try_clone()?)?, c: h })
     }
     /// An f32 output on each device, poisoned with NaN.
-    fn out(&self, shape: &[usize]) -> Result<Pair> {
+    pub(super) fn out(&self, shape: &[usize]) -> Result<Pair> {
         let n: usize = shape.iter().product();
         self.pair(DType::F32, shape, &vec![f32::NAN; n])
     }
-    fn record(&mut self, op: &str, dtype: &str, c: &[f32], g: &[f32], tol: Tol) {
+    pub(super) fn record(&mut self, op: &str, dtype: &str, c: &[f32], g: &[f32], tol: Tol) {
         let (mut max_abs, mut max_rel, mut bad) = (0.0f64, 0.0f64, 0usize);
         for (&x, &y) in c.iter().zip(g) {
             let ok = match tol {
@@ -218,7 +220,7 @@ impl Ctx {
             println!("{}", c.row());
         }
     }
-    fn cmp(&mut self, op: &str, dtype: &str, p: &Pair, tol: Tol) -> Result<()> {
+    pub(super) fn cmp(&mut self, op: &str, dtype: &str, p: &Pair, tol: Tol) -> Result<()> {
         let (c, g) = (p.c.to_f32_vec()?, p.g.to_f32_vec()?);
         self.record(op, dtype, &c, &g, tol);
         Ok(())
@@ -244,14 +246,14 @@ impl Ctx {
         self.print_last();
     }
     /// Runs `f` on both devices (CPU first).
-    fn both(&self, mut f: impl FnMut(&Device, bool) -> Result<()>) -> Result<()> {
+    pub(super) fn both(&self, mut f: impl FnMut(&Device, bool) -> Result<()>) -> Result<()> {
         f(&self.cpu, false)?;
         f(&self.gpu, true)?;
         self.gpu.synchronize()
     }
 }
 
-fn pick(p: &Pair, gpu: bool) -> &Tensor {
+pub(super) fn pick(p: &Pair, gpu: bool) -> &Tensor {
     if gpu {
         &p.g
     } else {
@@ -259,7 +261,7 @@ fn pick(p: &Pair, gpu: bool) -> &Tensor {
     }
 }
 
-fn pick_mut(p: &mut Pair, gpu: bool) -> &mut Tensor {
+pub(super) fn pick_mut(p: &mut Pair, gpu: bool) -> &mut Tensor {
     if gpu {
         &mut p.g
     } else {
@@ -267,9 +269,9 @@ fn pick_mut(p: &mut Pair, gpu: bool) -> &mut Tensor {
     }
 }
 
-const M: usize = 37;
-const C: usize = 512;
-const N: usize = 384;
+pub(super) const M: usize = 37;
+pub(super) const C: usize = 512;
+pub(super) const N: usize = 384;
 
 fn check_dense(x: &mut Ctx) -> Result<()> {
     let xin = x.randp(DType::F32, &[M, C], 1.0)?;
@@ -586,122 +588,6 @@ fn check_qlinear(x: &mut Ctx, xin: &Pair, qc: &QTensor, qg: &QTensor, name: &str
             Err(e) if path != lowp::Path::Emulated => x.skip(&op, name, format!("{e:#}")),
             Err(e) => return Err(e),
         }
-    }
-    Ok(())
-}
-
-/// Two steps of each rule over tensors that cross chunk boundaries (the second step clipped),
-/// the compute weights in BF16 and F32, then the squared norm of a gradient of 2.5 chunks.
-fn check_optim(x: &mut Ctx) -> Result<()> {
-    use crate::ops::optim::{self, Compute, Layout, Rule, State, CHUNK};
-    let layout = Layout::new(vec![(0, 3), (3, CHUNK + 5), (CHUNK + 8, 2 * CHUNK)])?;
-    let n = layout.len();
-    for (adam, cdt) in [(true, DType::BF16), (false, DType::F32)] {
-        let name = if adam { "AdamW" } else { "SGD" };
-        let mut master = x.randp(DType::F32, &[n], 1.0)?;
-        let mut m = x.pair(DType::F32, &[n], &vec![0.0; n])?;
-        let mut v = x.pair(DType::F32, &[n], &vec![0.0; n])?;
-        let mut w = x.pair(cdt, &[n], &vec![f32::NAN; n])?;
-        let mut grad = x.pair(DType::F32, &[n], &vec![0.0; n])?;
-        let mut amax = [vec![f32::NAN; 3], vec![f32::NAN; 3]];
-        for t in 1..=2u64 {
-            let g = x.randn(n, 0.3);
-            grad.c.write_f32(&g)?;
-            grad.g.write_f32(&g)?;
-            let rule = if adam { Rule::adamw(1e-2, 0.1, [0.9, 0.999], 1e-8, t) } else { Rule::sgd(0.5, 0.01) };
-            let clip = if t == 2 { 0.25 } else { 1.0 };
-            for (i, gpu) in [false, true].into_iter().enumerate() {
-                let dev = if gpu { &x.gpu } else { &x.cpu };
-                let mut st = State {
-                    master: pick_mut(&mut master, gpu),
-                    m: adam.then(|| pick_mut(&mut m, gpu)),
-                    v: adam.then(|| pick_mut(&mut v, gpu)),
-                    layout: &layout,
-                };
-                let out = Compute { weights: pick_mut(&mut w, gpu), amax: Some(&mut amax[i]) };
-                optim::step(dev, &mut st, pick_mut(&mut grad, gpu), clip, &rule, Some(out))?;
-            }
-        }
-        x.cmp(&format!("optim {name}: master"), "f32", &master, Tol::Exact)?;
-        if adam {
-            x.cmp(&format!("optim {name}: moments m"), "f32", &m, Tol::Exact)?;
-            x.cmp(&format!("optim {name}: moments v"), "f32", &v, Tol::Exact)?;
-        }
-        x.cmp(&format!("optim {name}: clipped gradient"), "f32", &grad, Tol::Exact)?;
-        x.cmp(&format!("optim {name}: compute weights"), cdt.name(), &w, Tol::Exact)?;
-        let [ac, ag] = amax;
-        x.record(&format!("optim {name}: amax per tensor"), cdt.name(), &ac, &ag, Tol::Exact);
-    }
-    let g = x.randp(DType::F32, &[5 * CHUNK / 2], 2.0)?;
-    let (c, gg) = (optim::sum_sq(&x.cpu, &g.c)?, optim::sum_sq(&x.gpu, &g.g)?);
-    x.record("optim: squared norm", "f64", &[c as f32], &[gg as f32], Tol::Close(0.0, 1e-6));
-    Ok(())
-}
-
-/// The backward GEMMs of a linear and the fused LM-head loss against their CPU twins.
-fn check_train_gemm(x: &mut Ctx) -> Result<()> {
-    use crate::ops::lm_head::{self, DevCenter, Rows};
-    let (m, n, k) = (M, N, C);
-    let dy = x.randp(DType::F32, &[m, n], 1.0 / (n as f32).sqrt())?;
-    let xin = x.randp(DType::F32, &[m, k], 1.0)?;
-    for (dt, tol) in [(DType::F32, Tol::Close(1e-4, 1e-4)), (DType::BF16, Tol::Close(1e-2, 1e-2))] {
-        let w = x.randp(dt, &[n, k], 1.0)?;
-        let mut dx = x.out(&[m, k])?;
-        x.both(|d, g| matmul::linear_dx(d, pick(&dy, g), pick(&w, g), pick_mut(&mut dx, g), m, false))?;
-        x.cmp("linear dx = dy·W", dt.name(), &dx, tol)?;
-        let mut dw = x.randp(DType::F32, &[n, k], 1.0)?;
-        x.both(|d, g| matmul::linear_dw(d, pick(&dy, g), pick(&xin, g), pick_mut(&mut dw, g), m, true, dt))?;
-        x.cmp("linear dW += dyᵀ·x", &format!("{} operands", dt.name()), &dw, tol)?;
-    }
-    // The fused loss: 29 of 40 hidden rows scored, chunks of 8, a vocabulary of 5003.
-    let (n_h, c, v, rows, k_c) = (40usize, 256usize, 5003usize, 29usize, 4usize);
-    let h = x.randp(DType::F32, &[n_h, c], 1.0)?;
-    let wh = x.randp(DType::F32, &[v, c], 1.0 / (c as f32).sqrt())?;
-    let mut perm: Vec<u32> = (0..n_h as u32).collect();
-    for i in (1..n_h).rev() {
-        perm.swap(i, x.rng.below(i as u64 + 1) as usize);
-    }
-    let idx = x.u32s(&[rows], perm[..rows].to_vec())?;
-    let tg = x.u32s(&[rows], (0..rows as u32).map(|i| (i * 2741 + 5) % v as u32).collect())?;
-    let ids = x.u32s(&[rows * k_c], (0..(rows * k_c) as u32).map(|i| (i * 577 + 3) % v as u32).collect())?;
-    let probs =
-        x.pair(DType::F32, &[rows * k_c], &(0..rows * k_c).map(|i| [0.4, 0.3, 0.2, 0.1][i % 4]).collect::<Vec<_>>())?;
-    let coef = x.randp(DType::F32, &[rows], 1.0)?;
-    let (mut lp, mut en) = (x.out(&[rows])?, x.out(&[rows])?);
-    x.both(|d, g| {
-        let r = Rows { rows: pick(&idx, g), targets: pick(&tg, g) };
-        let (l, e) = (pick_mut(&mut lp, g), pick_mut(&mut en, g));
-        lm_head::stats(d, pick(&h, g), pick(&wh, g), &r, 0.7, 8, l, e)
-    })?;
-    x.cmp("LM head log p(y)", "f32 head", &lp, Tol::Close(1e-5, 1e-4))?;
-    x.cmp("LM head entropy", "f32 head", &en, Tol::Close(1e-5, 1e-4))?;
-    for centered in [false, true] {
-        let name = if centered { "LM head loss (centered)" } else { "LM head loss" };
-        let mut dh = x.pair(DType::F32, &[n_h, c], &vec![0.0; n_h * c])?;
-        let mut dwh = x.pair(DType::F32, &[v, c], &vec![0.0; v * c])?;
-        let mut loss = [0.0f32; 2];
-        for (i, g) in [false, true].into_iter().enumerate() {
-            let dev = if g { &x.gpu } else { &x.cpu };
-            let r = Rows { rows: pick(&idx, g), targets: pick(&tg, g) };
-            let ct = DevCenter { k: k_c, ids: pick(&ids, g), probs: pick(&probs, g) };
-            let (a, b) = (pick_mut(&mut dh, g), pick_mut(&mut dwh, g));
-            loss[i] = lm_head::loss_grad(
-                dev,
-                pick(&h, g),
-                pick(&wh, g),
-                &r,
-                pick(&coef, g),
-                centered.then_some(&ct),
-                0.7,
-                8,
-                a,
-                b,
-            )? as f32;
-        }
-        x.gpu.synchronize()?;
-        x.record(&format!("{name}: value"), "f32 head", &loss[..1], &loss[1..], Tol::Close(1e-5, 1e-4));
-        x.cmp(&format!("{name}: dh"), "f32 head", &dh, Tol::Close(1e-5, 1e-4))?;
-        x.cmp(&format!("{name}: dWh"), "f32 head", &dwh, Tol::Close(1e-5, 1e-4))?;
     }
     Ok(())
 }

@@ -14,6 +14,7 @@
 
 mod checks;
 mod timings;
+mod train_checks;
 
 use crate::device::cuda::CudaDevice;
 use crate::device::DeviceSpec;

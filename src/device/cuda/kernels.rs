@@ -74,10 +74,17 @@ pub enum Kernel {
     ScatterAddRows,
     LmStats,
     LmDz,
+    RmsnormTrain,
+    RmsnormBwd,
+    RmsnormDw,
+    SwigluBwd,
+    RopeBwd,
+    ColSum,
+    EmbedBwd,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 26] = [
+    pub const ALL: [Kernel; 33] = [
         Kernel::Rmsnorm,
         Kernel::RopeTable,
         Kernel::Rope,
@@ -104,6 +111,13 @@ impl Kernel {
         Kernel::ScatterAddRows,
         Kernel::LmStats,
         Kernel::LmDz,
+        Kernel::RmsnormTrain,
+        Kernel::RmsnormBwd,
+        Kernel::RmsnormDw,
+        Kernel::SwigluBwd,
+        Kernel::RopeBwd,
+        Kernel::ColSum,
+        Kernel::EmbedBwd,
     ];
 
     /// (the kernel's name, the csrc/kernels/ file that defines it, without `.cu`).
@@ -135,6 +149,13 @@ impl Kernel {
             Kernel::ScatterAddRows => ("ct_scatter_add_rows", "elementwise"),
             Kernel::LmStats => ("ct_lm_stats", "lm_head"),
             Kernel::LmDz => ("ct_lm_dz", "lm_head"),
+            Kernel::RmsnormTrain => ("ct_rmsnorm_train", "grad"),
+            Kernel::RmsnormBwd => ("ct_rmsnorm_bwd", "grad"),
+            Kernel::RmsnormDw => ("ct_rmsnorm_dw", "grad"),
+            Kernel::SwigluBwd => ("ct_swiglu_bwd", "grad"),
+            Kernel::RopeBwd => ("ct_rope_bwd", "grad"),
+            Kernel::ColSum => ("ct_col_sum", "grad"),
+            Kernel::EmbedBwd => ("ct_embed_bwd", "grad"),
         }
     }
 
@@ -153,6 +174,7 @@ impl Kernel {
             Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax | Optim => 2,
             RopeTable | Rope | Swiglu | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
             | ScatterAddRows | LmStats | LmDz => 4,
+            RmsnormTrain | RmsnormBwd | RmsnormDw | SwigluBwd | RopeBwd | ColSum | EmbedBwd => 4,
         }
     }
 
@@ -351,5 +373,39 @@ impl CudaDevice {
     pub fn k_lm_dz(&self, p: ffi::ct_lm_params) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "loss rows")?, 1, 1);
         self.launch(Kernel::LmDz, grid, LM_THREADS, 0, &p)
+    }
+
+    /// One block of NORM_THREADS per row.
+    pub fn k_rmsnorm_train(&self, p: ffi::ct_rmsnorm_train_params) -> Result<()> {
+        self.launch(Kernel::RmsnormTrain, (u32_dim(p.rows as i64, "RMSNorm rows")?, 1, 1), NORM_THREADS, 0, &p)
+    }
+
+    /// dx: one block per row; dw: one thread per column.
+    pub fn k_rmsnorm_bwd(&self, p: ffi::ct_rmsnorm_bwd_params) -> Result<()> {
+        self.launch(Kernel::RmsnormBwd, (u32_dim(p.rows as i64, "RMSNorm rows")?, 1, 1), NORM_THREADS, 0, &p)?;
+        let g = self.stride_grid(p.cols as i64, ELEMENTWISE_THREADS);
+        self.launch(Kernel::RmsnormDw, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+    }
+
+    pub fn k_swiglu_bwd(&self, p: ffi::ct_swiglu_bwd_params) -> Result<()> {
+        let g = self.stride_grid(p.n, ELEMENTWISE_THREADS);
+        self.launch(Kernel::SwigluBwd, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+    }
+
+    pub fn k_rope_bwd(&self, p: ffi::ct_rope_params) -> Result<()> {
+        let g = self.stride_grid(p.rows as i64 * p.heads as i64 * p.half as i64, ELEMENTWISE_THREADS);
+        self.launch(Kernel::RopeBwd, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+    }
+
+    /// One thread per column.
+    pub fn k_col_sum(&self, p: ffi::ct_col_sum_params) -> Result<()> {
+        let g = self.stride_grid(p.cols as i64, ELEMENTWISE_THREADS);
+        self.launch(Kernel::ColSum, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+    }
+
+    /// One thread per column.
+    pub fn k_embed_bwd(&self, p: ffi::ct_embed_bwd_params) -> Result<()> {
+        let g = self.stride_grid(p.cols as i64, ELEMENTWISE_THREADS);
+        self.launch(Kernel::EmbedBwd, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 }

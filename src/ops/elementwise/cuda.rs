@@ -63,3 +63,37 @@ pub fn fill_normal(d: &CudaDevice, t: &mut Tensor, seed: u64, stream: u64, mean:
         std,
     })
 }
+
+pub fn swiglu_bwd(d: &CudaDevice, da: &Tensor, g: &Tensor, u: &Tensor, dg: &mut Tensor, du: &mut Tensor) -> Result<()> {
+    let f = |t: &Tensor, what: &str| ptr(d, t, &[DType::F32], what);
+    d.k_swiglu_bwd(ffi::ct_swiglu_bwd_params {
+        da: f(da, "swiglu output gradient")? as *const f32,
+        g: f(g, "swiglu gate")? as *const f32,
+        u: f(u, "swiglu up")? as *const f32,
+        dg: f32p(f(dg, "swiglu gate gradient")?),
+        du: f32p(f(du, "swiglu up gradient")?),
+        n: da.numel() as i64,
+    })
+}
+
+pub fn embed_bwd(
+    d: &CudaDevice,
+    ids: &Tensor,
+    dx: &Tensor,
+    dt: &mut Tensor,
+    tokens: usize,
+    skip: Option<u32>,
+) -> Result<()> {
+    let (v, c) = (dt.dim(0), dt.dim(1));
+    d.k_embed_bwd(ffi::ct_embed_bwd_params {
+        dx: ptr(d, dx, &[DType::F32], "embedding output gradient")? as *const f32,
+        ids: u32p(ptr(d, ids, &[DType::U32], "token ids")?),
+        dtable: f32p(ptr(d, dt, &[DType::F32], "embedding gradient")?),
+        tokens: i32_of(tokens, "tokens")?,
+        cols: i32_of(c, "embedding width")?,
+        vocab: i32_of(v, "vocabulary")?,
+        skip: skip.unwrap_or(0),
+        has_skip: skip.is_some() as i32,
+        err: err_word(d),
+    })
+}

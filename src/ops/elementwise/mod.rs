@@ -58,3 +58,43 @@ pub fn amax_rows(dev: &Device, x: &Tensor, m: usize) -> Result<f32> {
         Device::Cuda(d) => cuda::amax_rows(d, x, m),
     }
 }
+
+/// SwiGLU backward over whole tensors: dg, du from da, the gate g and the up projection u.
+pub fn swiglu_bwd(dev: &Device, da: &Tensor, g: &Tensor, u: &Tensor, dg: &mut Tensor, du: &mut Tensor) -> Result<()> {
+    let n = da.numel();
+    if [g.numel(), u.numel(), dg.numel(), du.numel()].iter().any(|&x| x != n) {
+        anyhow::bail!("swiglu backward: tensors of {n} values expected");
+    }
+    match dev {
+        Device::Cpu(_) => {
+            grad::swiglu_bwd(da.f32s()?, g.f32s()?, u.f32s()?, dg.f32s_mut()?, du.f32s_mut()?);
+            Ok(())
+        }
+        Device::Cuda(d) => cuda::swiglu_bwd(d, da, g, u, dg, du),
+    }
+}
+
+/// Embedding backward: dtable[ids[t]] += dx[t] (t < tokens, in order: deterministic with
+/// repeated ids), lookups of `skip` (a padding index) contributing nothing. dtable (V, C) f32.
+pub fn embed_bwd(
+    dev: &Device,
+    ids: &Tensor,
+    dx: &Tensor,
+    dtable: &mut Tensor,
+    tokens: usize,
+    skip: Option<u32>,
+) -> Result<()> {
+    let c = dtable.dim(1);
+    check_rows(dx, tokens, c, "embedding output gradient")?;
+    match dev {
+        Device::Cpu(_) => {
+            let (idv, v) = (&ids.u32s()?[..tokens], dtable.dim(0));
+            if let Some(&bad) = idv.iter().find(|&&i| i as usize >= v && Some(i) != skip) {
+                anyhow::bail!("embedding backward: token id {bad} outside the vocabulary of {v}");
+            }
+            grad::embed_bwd(c, idv, dx.f32s()?, dtable.f32s_mut()?, skip);
+            Ok(())
+        }
+        Device::Cuda(d) => cuda::embed_bwd(d, ids, dx, dtable, tokens, skip),
+    }
+}

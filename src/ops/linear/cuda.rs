@@ -122,3 +122,13 @@ pub fn linear_dw(
         d.gemm_form(Form::Tn, Elem::F32, xp, dyp, dwp, n, k, m, 1.0, acc)
     }
 }
+
+/// db (N) += column sums of dy (m, N) (ct_col_sum, rows in order: bit-exact with the CPU).
+pub fn bias_grad(d: &CudaDevice, dy: &Tensor, db: &mut Tensor, m: usize) -> Result<()> {
+    d.k_col_sum(ffi::ct_col_sum_params {
+        x: ptr(d, dy, &[DType::F32], "linear output gradient")? as *const f32,
+        out: f32p(ptr(d, db, &[DType::F32], "bias gradient")?),
+        rows: i32_of(m, "rows")?,
+        cols: i32_of(db.numel(), "bias width")?,
+    })
+}

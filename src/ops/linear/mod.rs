@@ -203,3 +203,16 @@ pub fn linear_dw(
         Device::Cuda(c) => cuda::linear_dw(c, dy, x, dw, m, accumulate, operands),
     }
 }
+
+/// db (N) f32 += the column sums of dy[..m] (m, N), rows in order: a linear's bias gradient.
+pub fn bias_grad(dev: &Device, dy: &Tensor, db: &mut Tensor, m: usize) -> Result<()> {
+    let n = db.numel();
+    check_rows(dy, m, n, "linear output gradient")?;
+    match dev {
+        Device::Cpu(_) => {
+            grad::bias_grad(m, n, dy.f32s()?, db.f32s_mut()?);
+            Ok(())
+        }
+        Device::Cuda(c) => cuda::bias_grad(c, dy, db, m),
+    }
+}

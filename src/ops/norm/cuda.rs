@@ -47,3 +47,57 @@ pub fn head_rmsnorm(d: &CudaDevice, x: &mut Tensor, w: &Tensor, eps: f32, m: usi
     let xp = ptr(d, x, &[DType::F32], "head_rmsnorm input")?;
     norm(d, xp, xp, None, w, eps, m * heads, w.numel())
 }
+
+pub fn rmsnorm_train(
+    d: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    y: &mut Tensor,
+    rstd: &mut Tensor,
+    m: usize,
+) -> Result<()> {
+    let c = w.numel();
+    if m == 0 {
+        return Ok(());
+    }
+    d.k_rmsnorm_train(ffi::ct_rmsnorm_train_params {
+        x: ptr(d, x, &[DType::F32], "rmsnorm input")? as *const f32,
+        w: ptr(d, w, &[DType::F32], "rmsnorm weight")? as *const f32,
+        y: f32p(ptr(d, y, &[DType::F32], "rmsnorm output")?),
+        rstd: f32p(ptr(d, rstd, &[DType::F32], "rmsnorm saved 1/rms")?),
+        rows: i32_of(m, "rmsnorm rows")?,
+        cols: i32_of(c, "rmsnorm width")?,
+        eps,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_bwd(
+    d: &CudaDevice,
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+    dx: &mut Tensor,
+    accumulate: bool,
+    dw: &mut Tensor,
+    m: usize,
+) -> Result<()> {
+    let c = w.numel();
+    if m == 0 {
+        return Ok(());
+    }
+    let f = |t: &Tensor, what: &str| ptr(d, t, &[DType::F32], what);
+    d.k_rmsnorm_bwd(ffi::ct_rmsnorm_bwd_params {
+        dy: f(dy, "rmsnorm output gradient")? as *const f32,
+        x: f(x, "rmsnorm input")? as *const f32,
+        w: f(w, "rmsnorm weight")? as *const f32,
+        rstd: f(rstd, "rmsnorm saved 1/rms")? as *const f32,
+        dx: f32p(f(dx, "rmsnorm input gradient")?),
+        dw: f32p(f(dw, "rmsnorm weight gradient")?),
+        rows: i32_of(m, "rmsnorm rows")?,
+        cols: i32_of(c, "rmsnorm width")?,
+        accumulate: accumulate as i32,
+    })
+}

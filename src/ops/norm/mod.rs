@@ -55,3 +55,61 @@ pub fn head_rmsnorm(dev: &Device, x: &mut Tensor, w: &Tensor, eps: f32, m: usize
         Device::Cuda(c) => cuda::head_rmsnorm(c, x, w, eps, m, heads),
     }
 }
+
+/// Training RMSNorm: y[..m] (m, C) = x·r·w with r per row saved in rstd (m), w f32 (C). The
+/// same op serves the per-head q/k norm (rows = tokens × heads, C = head_dim).
+pub fn rmsnorm_train(
+    dev: &Device,
+    x: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    y: &mut Tensor,
+    rstd: &mut Tensor,
+    m: usize,
+) -> Result<()> {
+    let c = w.numel();
+    check_rows(x, m, c, "rmsnorm input")?;
+    check_rows(y, m, c, "rmsnorm output")?;
+    if rstd.numel() < m {
+        anyhow::bail!("rmsnorm saved 1/rms: {} values for {m} rows", rstd.numel());
+    }
+    match dev {
+        Device::Cpu(_) => {
+            grad::fwd(m, c, x.f32s()?, w.f32s()?, eps, y.f32s_mut()?, rstd.f32s_mut()?);
+            Ok(())
+        }
+        Device::Cuda(d) => cuda::rmsnorm_train(d, x, w, eps, y, rstd, m),
+    }
+}
+
+/// RMSNorm backward: dx[..m] (+)= ∂/∂x and dw (C) += ∂/∂w from dy, the input x and the saved
+/// rstd (`grad::bwd`).
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_bwd(
+    dev: &Device,
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+    dx: &mut Tensor,
+    accumulate: bool,
+    dw: &mut Tensor,
+    m: usize,
+) -> Result<()> {
+    let c = w.numel();
+    for (t, what) in [(dy, "rmsnorm output gradient"), (x, "rmsnorm input"), (&*dx, "rmsnorm input gradient")] {
+        check_rows(t, m, c, what)?;
+    }
+    if rstd.numel() < m {
+        anyhow::bail!("rmsnorm saved 1/rms: {} values for {m} rows", rstd.numel());
+    }
+    check_rows(dw, 1, c, "rmsnorm weight gradient")?;
+    match dev {
+        Device::Cpu(_) => {
+            let (dyv, xv, wv, rv) = (dy.f32s()?, x.f32s()?, w.f32s()?, rstd.f32s()?);
+            grad::bwd(m, c, dyv, xv, wv, rv, dx.f32s_mut()?, accumulate, dw.f32s_mut()?);
+            Ok(())
+        }
+        Device::Cuda(d) => cuda::rmsnorm_bwd(d, dy, x, w, rstd, dx, accumulate, dw, m),
+    }
+}

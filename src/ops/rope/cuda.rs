@@ -30,3 +30,15 @@ pub fn rope(d: &CudaDevice, x: &mut Tensor, c: &Tensor, s: &Tensor, m: usize, he
         half: i32_of(half, "rope half dimension")?,
     })
 }
+
+pub fn rope_bwd(d: &CudaDevice, x: &mut Tensor, c: &Tensor, s: &Tensor, m: usize, heads: usize) -> Result<()> {
+    let half = c.dim(c.shape().len() - 1);
+    d.k_rope_bwd(ffi::ct_rope_params {
+        x: f32p(ptr(d, x, &[DType::F32], "rope gradient")?),
+        cos: ptr(d, c, &[DType::F32], "rope cos")? as *const f32,
+        sin: ptr(d, s, &[DType::F32], "rope sin")? as *const f32,
+        rows: i32_of(m, "rope rows")?,
+        heads: i32_of(heads, "rope heads")?,
+        half: i32_of(half, "rope half dimension")?,
+    })
+}

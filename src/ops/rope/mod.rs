@@ -43,3 +43,16 @@ pub fn rope(dev: &Device, x: &mut Tensor, cos: &Tensor, sin: &Tensor, m: usize, 
         Device::Cuda(d) => cuda::rope(d, x, cos, sin, m, heads),
     }
 }
+
+/// RoPE backward in place: dx[..m] rotated by −angle (the transpose of the forward rotation).
+pub fn rope_bwd(dev: &Device, dx: &mut Tensor, cos: &Tensor, sin: &Tensor, m: usize, heads: usize) -> Result<()> {
+    let half = cos.dim(cos.shape().len() - 1);
+    check_rows(dx, m, heads * 2 * half, "rope gradient")?;
+    match dev {
+        Device::Cpu(_) => {
+            grad::bwd(m, heads, 2 * half, dx.f32s_mut()?, cos.f32s()?, sin.f32s()?);
+            Ok(())
+        }
+        Device::Cuda(d) => cuda::rope_bwd(d, dx, cos, sin, m, heads),
+    }
+}

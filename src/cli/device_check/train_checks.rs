@@ -1,0 +1,176 @@
+//! The training checks of `colotrain device-check`: the optimizer step, the backward GEMMs and
+//! the fused LM-head loss, the layers' backward kernels, each against its CPU twin on fresh
+//! random inputs (the context and tolerances of `checks`).
+//!
+//! Owns: the training check groups. May call: the ops. Must not: time anything.
+
+use super::checks::{pick, pick_mut, Ctx, Tol, C, M, N};
+use crate::device::DType;
+use crate::ops::linear as matmul;
+use anyhow::Result;
+
+/// Two steps of each rule over tensors that cross chunk boundaries (the second step clipped),
+/// the compute weights in BF16 and F32, then the squared norm of a gradient of 2.5 chunks.
+pub(super) fn optim(x: &mut Ctx) -> Result<()> {
+    use crate::ops::optim::{self, Compute, Layout, Rule, State, CHUNK};
+    let layout = Layout::new(vec![(0, 3), (3, CHUNK + 5), (CHUNK + 8, 2 * CHUNK)])?;
+    let n = layout.len();
+    for (adam, cdt) in [(true, DType::BF16), (false, DType::F32)] {
+        let name = if adam { "AdamW" } else { "SGD" };
+        let mut master = x.randp(DType::F32, &[n], 1.0)?;
+        let mut m = x.pair(DType::F32, &[n], &vec![0.0; n])?;
+        let mut v = x.pair(DType::F32, &[n], &vec![0.0; n])?;
+        let mut w = x.pair(cdt, &[n], &vec![f32::NAN; n])?;
+        let mut grad = x.pair(DType::F32, &[n], &vec![0.0; n])?;
+        let mut amax = [vec![f32::NAN; 3], vec![f32::NAN; 3]];
+        for t in 1..=2u64 {
+            let g = x.randn(n, 0.3);
+            grad.c.write_f32(&g)?;
+            grad.g.write_f32(&g)?;
+            let rule = if adam { Rule::adamw(1e-2, 0.1, [0.9, 0.999], 1e-8, t) } else { Rule::sgd(0.5, 0.01) };
+            let clip = if t == 2 { 0.25 } else { 1.0 };
+            for (i, gpu) in [false, true].into_iter().enumerate() {
+                let dev = if gpu { &x.gpu } else { &x.cpu };
+                let mut st = State {
+                    master: pick_mut(&mut master, gpu),
+                    m: adam.then(|| pick_mut(&mut m, gpu)),
+                    v: adam.then(|| pick_mut(&mut v, gpu)),
+                    layout: &layout,
+                };
+                let out = Compute { weights: pick_mut(&mut w, gpu), amax: Some(&mut amax[i]) };
+                optim::step(dev, &mut st, pick_mut(&mut grad, gpu), clip, &rule, Some(out))?;
+            }
+        }
+        x.cmp(&format!("optim {name}: master"), "f32", &master, Tol::Exact)?;
+        if adam {
+            x.cmp(&format!("optim {name}: moments m"), "f32", &m, Tol::Exact)?;
+            x.cmp(&format!("optim {name}: moments v"), "f32", &v, Tol::Exact)?;
+        }
+        x.cmp(&format!("optim {name}: clipped gradient"), "f32", &grad, Tol::Exact)?;
+        x.cmp(&format!("optim {name}: compute weights"), cdt.name(), &w, Tol::Exact)?;
+        let [ac, ag] = amax;
+        x.record(&format!("optim {name}: amax per tensor"), cdt.name(), &ac, &ag, Tol::Exact);
+    }
+    let g = x.randp(DType::F32, &[5 * CHUNK / 2], 2.0)?;
+    let (c, gg) = (optim::sum_sq(&x.cpu, &g.c)?, optim::sum_sq(&x.gpu, &g.g)?);
+    x.record("optim: squared norm", "f64", &[c as f32], &[gg as f32], Tol::Close(0.0, 1e-6));
+    Ok(())
+}
+
+/// The backward GEMMs of a linear and the fused LM-head loss against their CPU twins.
+pub(super) fn train_gemm(x: &mut Ctx) -> Result<()> {
+    use crate::ops::lm_head::{self, DevCenter, Rows};
+    let (m, n, k) = (M, N, C);
+    let dy = x.randp(DType::F32, &[m, n], 1.0 / (n as f32).sqrt())?;
+    let xin = x.randp(DType::F32, &[m, k], 1.0)?;
+    for (dt, tol) in [(DType::F32, Tol::Close(1e-4, 1e-4)), (DType::BF16, Tol::Close(1e-2, 1e-2))] {
+        let w = x.randp(dt, &[n, k], 1.0)?;
+        let mut dx = x.out(&[m, k])?;
+        x.both(|d, g| matmul::linear_dx(d, pick(&dy, g), pick(&w, g), pick_mut(&mut dx, g), m, false))?;
+        x.cmp("linear dx = dy·W", dt.name(), &dx, tol)?;
+        let mut dw = x.randp(DType::F32, &[n, k], 1.0)?;
+        x.both(|d, g| matmul::linear_dw(d, pick(&dy, g), pick(&xin, g), pick_mut(&mut dw, g), m, true, dt))?;
+        x.cmp("linear dW += dyᵀ·x", &format!("{} operands", dt.name()), &dw, tol)?;
+    }
+    // The fused loss: 29 of 40 hidden rows scored, chunks of 8, a vocabulary of 5003.
+    let (n_h, c, v, rows, k_c) = (40usize, 256usize, 5003usize, 29usize, 4usize);
+    let h = x.randp(DType::F32, &[n_h, c], 1.0)?;
+    let wh = x.randp(DType::F32, &[v, c], 1.0 / (c as f32).sqrt())?;
+    let mut perm: Vec<u32> = (0..n_h as u32).collect();
+    for i in (1..n_h).rev() {
+        perm.swap(i, x.rng.below(i as u64 + 1) as usize);
+    }
+    let idx = x.u32s(&[rows], perm[..rows].to_vec())?;
+    let tg = x.u32s(&[rows], (0..rows as u32).map(|i| (i * 2741 + 5) % v as u32).collect())?;
+    let ids = x.u32s(&[rows * k_c], (0..(rows * k_c) as u32).map(|i| (i * 577 + 3) % v as u32).collect())?;
+    let probs =
+        x.pair(DType::F32, &[rows * k_c], &(0..rows * k_c).map(|i| [0.4, 0.3, 0.2, 0.1][i % 4]).collect::<Vec<_>>())?;
+    let coef = x.randp(DType::F32, &[rows], 1.0)?;
+    let (mut lp, mut en) = (x.out(&[rows])?, x.out(&[rows])?);
+    x.both(|d, g| {
+        let r = Rows { rows: pick(&idx, g), targets: pick(&tg, g) };
+        let (l, e) = (pick_mut(&mut lp, g), pick_mut(&mut en, g));
+        lm_head::stats(d, pick(&h, g), pick(&wh, g), &r, 0.7, 8, l, e)
+    })?;
+    x.cmp("LM head log p(y)", "f32 head", &lp, Tol::Close(1e-5, 1e-4))?;
+    x.cmp("LM head entropy", "f32 head", &en, Tol::Close(1e-5, 1e-4))?;
+    for centered in [false, true] {
+        let name = if centered { "LM head loss (centered)" } else { "LM head loss" };
+        let mut dh = x.pair(DType::F32, &[n_h, c], &vec![0.0; n_h * c])?;
+        let mut dwh = x.pair(DType::F32, &[v, c], &vec![0.0; v * c])?;
+        let mut loss = [0.0f32; 2];
+        for (i, g) in [false, true].into_iter().enumerate() {
+            let dev = if g { &x.gpu } else { &x.cpu };
+            let r = Rows { rows: pick(&idx, g), targets: pick(&tg, g) };
+            let ct = DevCenter { k: k_c, ids: pick(&ids, g), probs: pick(&probs, g) };
+            let (a, b) = (pick_mut(&mut dh, g), pick_mut(&mut dwh, g));
+            loss[i] = lm_head::loss_grad(
+                dev,
+                pick(&h, g),
+                pick(&wh, g),
+                &r,
+                pick(&coef, g),
+                centered.then_some(&ct),
+                0.7,
+                8,
+                a,
+                b,
+            )? as f32;
+        }
+        x.gpu.synchronize()?;
+        x.record(&format!("{name}: value"), "f32 head", &loss[..1], &loss[1..], Tol::Close(1e-5, 1e-4));
+        x.cmp(&format!("{name}: dh"), "f32 head", &dh, Tol::Close(1e-5, 1e-4))?;
+        x.cmp(&format!("{name}: dWh"), "f32 head", &dwh, Tol::Close(1e-5, 1e-4))?;
+    }
+    Ok(())
+}
+
+/// The layers' backward kernels (`ops/backward_tests.rs` has the f64 references).
+pub(super) fn backward(x: &mut Ctx) -> Result<()> {
+    use crate::ops::{elementwise, norm, rope};
+    let tol = Tol::Close(1e-5, 1e-5);
+    for (rows, c) in [(M, C), (M * 7, 128)] {
+        let xin = x.randp(DType::F32, &[rows, c], 1.0)?;
+        let w = x.randp(DType::F32, &[c], 1.0)?;
+        let (mut y, mut rstd) = (x.out(&[rows, c])?, x.out(&[rows])?);
+        x.both(|d, g| {
+            norm::rmsnorm_train(d, pick(&xin, g), pick(&w, g), 1e-6, pick_mut(&mut y, g), pick_mut(&mut rstd, g), rows)
+        })?;
+        let shape = format!("{rows}x{c}");
+        x.cmp(&format!("rmsnorm train {shape}: y"), "f32", &y, tol)?;
+        x.cmp(&format!("rmsnorm train {shape}: 1/rms"), "f32", &rstd, tol)?;
+        let dy = x.randp(DType::F32, &[rows, c], 1.0)?;
+        let (mut dx, mut dw) = (x.randp(DType::F32, &[rows, c], 1.0)?, x.randp(DType::F32, &[c], 1.0)?);
+        let r = rstd.c.to_f32_vec()?;
+        let rs = x.pair(DType::F32, &[rows], &r)?;
+        x.both(|d, g| {
+            let (a, b) = (pick_mut(&mut dx, g), pick_mut(&mut dw, g));
+            norm::rmsnorm_bwd(d, pick(&dy, g), pick(&xin, g), pick(&w, g), pick(&rs, g), a, true, b, rows)
+        })?;
+        x.cmp(&format!("rmsnorm backward {shape}: dx"), "f32", &dx, Tol::Close(1e-5, 1e-4))?;
+        x.cmp(&format!("rmsnorm backward {shape}: dw"), "f32", &dw, Tol::Close(1e-4, 1e-4))?;
+    }
+    let (heads, d) = (7usize, 128usize);
+    let mut q = x.randp(DType::F32, &[M, heads * d], 1.0)?;
+    let (cs, sn) = (x.randp(DType::F32, &[M, d / 2], 1.0)?, x.randp(DType::F32, &[M, d / 2], 1.0)?);
+    x.both(|dv, g| rope::rope_bwd(dv, pick_mut(&mut q, g), pick(&cs, g), pick(&sn, g), M, heads))?;
+    x.cmp("rope backward", "f32", &q, Tol::Exact)?;
+    let (da, gt, up) =
+        (x.randp(DType::F32, &[M, N], 1.0)?, x.randp(DType::F32, &[M, N], 2.0)?, x.randp(DType::F32, &[M, N], 1.0)?);
+    let (mut dg, mut du) = (x.out(&[M, N])?, x.out(&[M, N])?);
+    x.both(|d, g| {
+        elementwise::swiglu_bwd(d, pick(&da, g), pick(&gt, g), pick(&up, g), pick_mut(&mut dg, g), pick_mut(&mut du, g))
+    })?;
+    x.cmp("swiglu backward: dg", "f32", &dg, Tol::Close(1e-6, 1e-5))?;
+    x.cmp("swiglu backward: du", "f32", &du, Tol::Close(1e-6, 1e-5))?;
+    let v = 1000usize;
+    let ids = x.u32s(&[M * 4], (0..(M * 4) as u32).map(|i| (i * i * 7 + 3) % 50).collect())?;
+    let dxe = x.randp(DType::F32, &[M * 4, C], 1.0)?;
+    let mut dt = x.randp(DType::F32, &[v, C], 1.0)?;
+    x.both(|d, g| elementwise::embed_bwd(d, pick(&ids, g), pick(&dxe, g), pick_mut(&mut dt, g), M * 4, Some(3)))?;
+    x.cmp("embedding backward (repeated ids)", "f32", &dt, Tol::Exact)?;
+    let mut db = x.randp(DType::F32, &[N], 1.0)?;
+    x.both(|d, g| matmul::bias_grad(d, pick(&da, g), pick_mut(&mut db, g), M))?;
+    x.cmp("bias gradient", "f32", &db, Tol::Exact)?;
+    Ok(())
+}

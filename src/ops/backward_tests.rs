@@ -1,0 +1,117 @@
+//! The layers' backward ops on every device (CPU, cuda-sim) against the f64 twins of their
+//! rooms' `grad.rs` on the same values: RMSNorm (forward with the saved 1/rms, backward with
+//! the weight gradient; a row wider than a block, and the per-head shape), RoPE, SwiGLU, the
+//! embedding (repeated ids, a padding id) and the bias gradient. Tolerance |a − ref| ≤ atol +
+//! rtol·|ref| with atol = rtol = 1e-5 (f32 arithmetic against f64; CUDA sums the RMSNorm rows
+//! in another order and evaluates exp with its own expf).
+
+use super::{elementwise, linear, norm, rope};
+use crate::device::{DType, Device, Tensor};
+
+fn data(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = crate::rand::Stream::new(seed, 9);
+    (0..n).map(|_| s.normal() as f32).collect()
+}
+
+fn f64s(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
+}
+
+fn close(dev: &Device, what: &str, got: &Tensor, want: &[f64]) {
+    let got = got.to_f32_vec().unwrap();
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (&g, &r)) in got.iter().zip(want).enumerate() {
+        assert!((g as f64 - r).abs() <= 1e-5 + 1e-5 * r.abs(), "{} {what}[{i}]: {g} vs {r}", dev.name());
+    }
+}
+
+fn backward_ops(dev: &Device) {
+    let t = |shape: &[usize], v: &[f32]| dev.from_f32(DType::F32, shape, v).unwrap();
+    // RMSNorm: 7 rows of 300 (wider than the kernel's 256 threads), then 12 heads' rows of 24.
+    for (m, c) in [(7usize, 300usize), (12, 24)] {
+        let (xs, ws, dys, dx0, dw0) = (data(m * c, 1), data(c, 2), data(m * c, 3), data(m * c, 4), data(c, 5));
+        let (x, w, dy) = (t(&[m, c], &xs), t(&[c], &ws), t(&[m, c], &dys));
+        let (mut y, mut rstd) = (t(&[m, c], &vec![f32::NAN; m * c]), t(&[m], &vec![f32::NAN; m]));
+        norm::rmsnorm_train(dev, &x, &w, 1e-6, &mut y, &mut rstd, m).unwrap();
+        let (mut y64, mut r64) = (vec![0.0; m * c], vec![0.0; m]);
+        norm::grad::fwd(m, c, &f64s(&xs), &f64s(&ws), 1e-6, &mut y64, &mut r64);
+        close(dev, "rmsnorm y", &y, &y64);
+        close(dev, "rmsnorm rstd", &rstd, &r64);
+        for acc in [false, true] {
+            let (mut dx, mut dw) = (t(&[m, c], &dx0), t(&[c], &dw0));
+            norm::rmsnorm_bwd(dev, &dy, &x, &w, &rstd, &mut dx, acc, &mut dw, m).unwrap();
+            let (mut dx64, mut dw64) = (f64s(&dx0), f64s(&dw0));
+            let rs = f64s(&rstd.to_f32_vec().unwrap());
+            norm::grad::bwd(m, c, &f64s(&dys), &f64s(&xs), &f64s(&ws), &rs, &mut dx64, acc, &mut dw64);
+            close(dev, &format!("rmsnorm dx (accumulate {acc})"), &dx, &dx64);
+            close(dev, &format!("rmsnorm dw (accumulate {acc})"), &dw, &dw64);
+        }
+    }
+    // RoPE backward: 5 rows of 3 heads of 16.
+    let (m, heads, d) = (5usize, 3usize, 16usize);
+    let (xs, cs, ss) = (data(m * heads * d, 6), data(m * d / 2, 7), data(m * d / 2, 8));
+    let mut x = t(&[m, heads * d], &xs);
+    rope::rope_bwd(dev, &mut x, &t(&[m, d / 2], &cs), &t(&[m, d / 2], &ss), m, heads).unwrap();
+    let mut x64 = f64s(&xs);
+    rope::grad::bwd(m, heads, d, &mut x64, &f64s(&cs), &f64s(&ss));
+    close(dev, "rope backward", &x, &x64);
+    // SwiGLU backward over 1000 values.
+    let n = 1000;
+    let (das, gs, us) = (data(n, 10), data(n, 11), data(n, 12));
+    let (mut dg, mut du) = (t(&[n], &vec![f32::NAN; n]), t(&[n], &vec![f32::NAN; n]));
+    elementwise::swiglu_bwd(dev, &t(&[n], &das), &t(&[n], &gs), &t(&[n], &us), &mut dg, &mut du).unwrap();
+    let (mut dg64, mut du64) = (vec![0.0; n], vec![0.0; n]);
+    elementwise::grad::swiglu_bwd(&f64s(&das), &f64s(&gs), &f64s(&us), &mut dg64, &mut du64);
+    close(dev, "swiglu dg", &dg, &dg64);
+    close(dev, "swiglu du", &du, &du64);
+    // Embedding backward: 9 tokens over a vocabulary of 6, ids repeated, id 0 the padding.
+    let (v, c) = (6usize, 33usize);
+    let ids = vec![3u32, 1, 3, 0, 5, 3, 1, 0, 2];
+    let (dxs, t0) = (data(ids.len() * c, 13), data(v * c, 14));
+    let idt = {
+        let h = Tensor::from_u32_host(&[ids.len()], ids.clone()).unwrap();
+        if dev.is_cpu() {
+            h
+        } else {
+            dev.upload(h).unwrap()
+        }
+    };
+    let mut dt = t(&[v, c], &t0);
+    elementwise::embed_bwd(dev, &idt, &t(&[ids.len(), c], &dxs), &mut dt, ids.len(), Some(0)).unwrap();
+    let mut dt64 = f64s(&t0);
+    elementwise::grad::embed_bwd(c, &ids, &f64s(&dxs), &mut dt64, Some(0));
+    close(dev, "embedding backward", &dt, &dt64);
+    // Bias gradient: column sums of 37 rows of 45.
+    let (m, n) = (37usize, 45usize);
+    let (dys, b0) = (data(m * n, 15), data(n, 16));
+    let mut db = t(&[n], &b0);
+    linear::bias_grad(dev, &t(&[m, n], &dys), &mut db, m).unwrap();
+    let mut db64 = f64s(&b0);
+    linear::grad::bias_grad(m, n, &f64s(&dys), &mut db64);
+    close(dev, "bias gradient", &db, &db64);
+}
+
+test_device!(backward_ops, backward_ops_cpu, backward_ops_sim, backward_ops_cuda);
+
+#[test]
+fn the_ordered_backward_kernels_equal_the_cpu_bit_for_bit() {
+    // RoPE, the bias gradient and the embedding backward add in the CPU's order.
+    let (cpu, sim) = (Device::cpu(1).unwrap(), Device::parse("cuda-sim:0").unwrap());
+    let run = |dev: &Device| {
+        let t = |shape: &[usize], v: &[f32]| dev.from_f32(DType::F32, shape, v).unwrap();
+        let mut x = t(&[4, 32], &data(128, 20));
+        rope::rope_bwd(dev, &mut x, &t(&[4, 8], &data(32, 21)), &t(&[4, 8], &data(32, 22)), 4, 2).unwrap();
+        let mut db = t(&[40], &data(40, 23));
+        linear::bias_grad(dev, &t(&[300, 40], &data(12000, 24)), &mut db, 300).unwrap();
+        let ids = vec![2u32, 2, 2, 1, 2, 0, 1];
+        let h = Tensor::from_u32_host(&[7], ids).unwrap();
+        let idt = if dev.is_cpu() { h } else { dev.upload(h).unwrap() };
+        let mut dt = t(&[3, 16], &data(48, 25));
+        elementwise::embed_bwd(dev, &idt, &t(&[7, 16], &data(112, 26)), &mut dt, 7, None).unwrap();
+        [x, db, dt].map(|t| t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>())
+    };
+    let (a, b) = (run(&cpu), run(&sim));
+    for (what, (x, y)) in ["rope backward", "bias gradient", "embedding backward"].iter().zip(a.iter().zip(&b)) {
+        assert_eq!(x, y, "{what}");
+    }
+}
