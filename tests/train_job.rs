@@ -184,7 +184,7 @@ fn straight_vs_resumed(t: &TempDir, name: &str, base: &str, edit: &dyn Fn(&mut J
     let y = master_of(&b6.run.out_dir.clone().unwrap().join("checkpoint-000006"), &b6);
     assert!(x.0 == y.0, "{name}: master weights differ after resume");
     let strip = |mut v: serde_json::Value| {
-        for k in ["time", "tokens_per_s", "updates_per_hour", "utilization", "heldout_kl", "heldout_acc"] {
+        for k in ["time", "tokens_per_s", "updates_per_hour", "utilization", "transfer", "heldout_kl", "heldout_acc"] {
             v.as_object_mut().unwrap().remove(k);
         }
         v

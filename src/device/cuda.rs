@@ -31,6 +31,7 @@ use anyhow::{anyhow, bail, Result};
 use driver::Driver;
 use half::{bf16, f16};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 #[path = "cuda/alloc.rs"]
@@ -83,6 +84,16 @@ pub use embedded::BUILT_ARCHS;
 /// The architectures this binary carries kernels for: none without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
 pub const BUILT_ARCHS: &[&str] = &[];
+
+/// Bytes copied host → device and device → host by every CUDA device of the process (GPU or
+/// simulated), for the per-step `transfer` metrics: monotonic counters, read as differences.
+static H2D_BYTES: AtomicU64 = AtomicU64::new(0);
+static D2H_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// (host → device, device → host) bytes copied so far by this process's CUDA devices.
+pub fn transfer_bytes() -> (u64, u64) {
+    (H2D_BYTES.load(Ordering::Relaxed), D2H_BYTES.load(Ordering::Relaxed))
+}
 
 /// A CUDA device. Cheap to clone; the context, stream, allocator and modules are shared.
 #[derive(Clone)]
@@ -316,6 +327,7 @@ impl CudaDevice {
     pub fn synchronize(&self) -> Result<()> {
         // The error word's copy to the host waits for everything queued before it.
         let mut w = [0u8; 4];
+        D2H_BYTES.fetch_add(4, Ordering::Relaxed);
         self.inner.driver.dtoh(&mut w, self.inner.err_word).map_err(|e| anyhow!("{}: {e:#}", self.name()))?;
         let w = [u32::from_ne_bytes(w)];
         if w[0] != 0 {
@@ -465,12 +477,14 @@ impl CudaDevice {
         if src.is_empty() {
             return Ok(());
         }
+        H2D_BYTES.fetch_add(std::mem::size_of_val(src) as u64, Ordering::Relaxed);
         self.inner.driver.htod(dst, bytemuck::cast_slice(src))
     }
 
     /// Copies to the host and waits; reports kernel-recorded errors (a synchronization point).
     pub fn dtoh<T: bytemuck::Pod>(&self, dst: &mut [T], src: u64) -> Result<()> {
         if !dst.is_empty() {
+            D2H_BYTES.fetch_add(std::mem::size_of_val(dst) as u64, Ordering::Relaxed);
             self.inner.driver.dtoh(bytemuck::cast_slice_mut(dst), src)?;
         }
         self.synchronize()

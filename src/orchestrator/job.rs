@@ -16,7 +16,7 @@ use crate::engine::rollout;
 use crate::mismatch;
 use crate::mismatch::monitor::Monitor;
 use crate::train::checkpoint;
-use crate::train::metrics::{JobSummary, LogpDifference, PhaseSeconds, StepMetrics};
+use crate::train::metrics::{JobSummary, LogpDifference, PhaseSeconds, StepMetrics, Transfer};
 use anyhow::{bail, Context, Result};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -123,6 +123,7 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         let _span = tracing::info_span!("step", step).entered();
         host.step.store(step, Ordering::Relaxed);
         let t_step = Instant::now();
+        let moved0 = crate::device::cuda::transfer_bytes();
         let mut time = PhaseSeconds::default();
         // 1. Rollout (the schedule decides how: synchronous, or ahead of training).
         let t0 = Instant::now();
@@ -199,6 +200,10 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
             skipped_steps: 0,
             devices: host.devices(),
             utilization,
+            transfer: {
+                let (h, d) = crate::device::cuda::transfer_bytes();
+                Transfer { h2d_bytes: h - moved0.0, d2h_bytes: d - moved0.1 }
+            },
             max_lag: out.max_lag,
             stale_tokens_masked: out.max_lag.map(|_| out.masked),
             max_token_age: out.max_age,

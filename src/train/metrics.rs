@@ -73,6 +73,8 @@ pub struct StepMetrics {
     /// Devices of the run and each one's busy share of the step's wall time.
     pub devices: usize,
     pub utilization: Vec<f64>,
+    /// Bytes that crossed PCIe during the step (every CUDA device of the process; zero on CPU).
+    pub transfer: Transfer,
     /// Asynchronous schedule: versions between the oldest trained token's weights and the
     /// trainer's, and tokens left out for being older than the staleness bound.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -90,6 +92,12 @@ pub struct StepMetrics {
     pub heldout_kl: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub heldout_acc: Option<f64>,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Transfer {
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
