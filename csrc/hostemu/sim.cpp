@@ -9,6 +9,7 @@
 // Build (build.rs): c++ -std=c++17 -O2 -ffp-contract=off -include shim.h -Iinclude -I../include sim.cpp
 #include "../kernels/attention.cu"
 #include "../kernels/attention_prefill.cu"
+#include "../kernels/attention_train.cu"
 #include "../kernels/elementwise.cu"
 #include "../kernels/grad.cu"
 #include "../kernels/lm_head.cu"
@@ -66,6 +67,9 @@ extern "C" int ct_sim_launch(int id, unsigned gx, unsigned gy, unsigned bx, size
     case 30: run(ct_rope_bwd, gx, gy, bx, smem, params); break;
     case 31: run(ct_col_sum, gx, gy, bx, smem, params); break;
     case 32: run(ct_embed_bwd, gx, gy, bx, smem, params); break;
+    case 33: run(ct_attn_fwd, gx, gy, bx, smem, params); break;
+    case 34: run(ct_attn_bwd_dq, gx, gy, bx, smem, params); break;
+    case 35: run(ct_attn_bwd_dkv, gx, gy, bx, smem, params); break;
     default: return -1;
   }
   return 0;

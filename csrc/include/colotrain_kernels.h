@@ -374,6 +374,37 @@ typedef struct ct_embed_bwd_params {
   uint32_t* err;
 } ct_embed_bwd_params;
 
+/* ---- attention_train.cu: causal GQA attention for training, over packed sequences ---------- */
+
+/* Rows cu[b] .. cu[b + 1] are sequence b (num_seqs + 1 offsets, cu[num_seqs] = tokens); query
+ * head h reads KV head h / (heads / kv_heads); q, o, dout, dq (tokens, heads * head_dim);
+ * k, v, dk, dv (tokens, kv_heads * head_dim); lse, delta (tokens, heads). head_dim <= 256.
+ * ct_attn_fwd (grid tokens x heads): o = softmax(scale q k^T, causal) v, lse saved.
+ * ct_attn_bwd_dq (grid tokens x heads): delta = rowsum(dout o); dq = scale dS k with
+ *   dS = P (dout v^T - delta).
+ * ct_attn_bwd_dkv (grid tokens x kv_heads, after ct_attn_bwd_dq): dk = scale dS^T q,
+ *   dv = P^T dout, summed over the query heads of the group and the later rows in order. */
+typedef struct ct_attn_train_params {
+  const float* q;
+  const float* k;
+  const float* v;
+  const float* out;
+  const float* dout;
+  float* o;
+  float* lse;
+  float* dq;
+  float* dk;
+  float* dv;
+  float* delta;
+  const uint32_t* cu;
+  int32_t num_seqs;
+  int32_t tokens;
+  int32_t heads;
+  int32_t kv_heads;
+  int32_t head_dim;
+  float scale;
+} ct_attn_train_params;
+
 /* ---- lm_head.cu: the fused LM-head loss, one chunk of rows at a time ----------------------- */
 
 /* One chunk of the fused loss: z (rows, vocab) holds the chunk's logits h.Wh^T.

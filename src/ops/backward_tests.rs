@@ -115,3 +115,68 @@ fn the_ordered_backward_kernels_equal_the_cpu_bit_for_bit() {
         assert_eq!(x, y, "{what}");
     }
 }
+
+/// Training attention on every device against the f64 twin: GQA ratios 1, 3 and 7 at head_dim
+/// 24, 64 and 128, packed sequences of 5, 1, 130 (across a 128-key tile), 0 and 9 tokens.
+/// Tolerance 2e-5 + 1e-4·|ref| (f32 dot products and softmax sums against f64).
+fn attention_train(dev: &Device) {
+    use super::attention::grad::{self as agrad, Shape};
+    use super::attention::train::{self, Packed};
+    let cu: Vec<u32> = vec![0, 5, 6, 136, 136, 145];
+    let t = 145usize;
+    let cu_t = {
+        let h = Tensor::from_u32_host(&[cu.len()], cu.clone()).unwrap();
+        if dev.is_cpu() {
+            h
+        } else {
+            dev.upload(h).unwrap()
+        }
+    };
+    let cus: Vec<usize> = cu.iter().map(|&x| x as usize).collect();
+    for (h, hkv, d) in [(2usize, 2usize, 24usize), (6, 2, 64), (7, 1, 128)] {
+        let s = Shape { heads: h, kv_heads: hkv, head_dim: d };
+        let (qs, ks, vs, dos) =
+            (data(t * h * d, 40), data(t * hkv * d, 41), data(t * hkv * d, 42), data(t * h * d, 43));
+        let f = |shape: &[usize], v: &[f32]| dev.from_f32(DType::F32, shape, v).unwrap();
+        let (q, k, v, dout) = (f(&[t, h * d], &qs), f(&[t, hkv * d], &ks), f(&[t, hkv * d], &vs), f(&[t, h * d], &dos));
+        let x = Packed { q: &q, k: &k, v: &v, cu: &cu_t };
+        let (mut out, mut lse) = (f(&[t, h * d], &vec![f32::NAN; t * h * d]), f(&[t, h], &vec![f32::NAN; t * h]));
+        train::fwd(dev, &s, &x, &mut out, &mut lse).unwrap();
+        let (mut o64, mut l64) = (vec![0.0; t * h * d], vec![0.0; t * h]);
+        agrad::fwd(&s, &cus, &f64s(&qs), &f64s(&ks), &f64s(&vs), &mut o64, &mut l64);
+        let what = format!("h{h}/kv{hkv} d{d}");
+        let close2 = |a: &Tensor, r: &[f64], name: &str| {
+            let g = a.to_f32_vec().unwrap();
+            for (i, (&x, &y)) in g.iter().zip(r).enumerate() {
+                assert!((x as f64 - y).abs() <= 2e-5 + 1e-4 * y.abs(), "{} {what} {name}[{i}]: {x} vs {y}", dev.name());
+            }
+        };
+        close2(&out, &o64, "out");
+        close2(&lse, &l64, "lse");
+        let (mut dq, mut dk, mut dv) = (
+            f(&[t, h * d], &vec![f32::NAN; t * h * d]),
+            f(&[t, hkv * d], &vec![f32::NAN; t * hkv * d]),
+            f(&[t, hkv * d], &vec![f32::NAN; t * hkv * d]),
+        );
+        train::bwd(dev, &s, &x, &out, &lse, &dout, &mut dq, &mut dk, &mut dv).unwrap();
+        let (mut dq64, mut dk64, mut dv64) = (vec![0.0; t * h * d], vec![0.0; t * hkv * d], vec![0.0; t * hkv * d]);
+        agrad::bwd(
+            &s,
+            &cus,
+            &f64s(&qs),
+            &f64s(&ks),
+            &f64s(&vs),
+            &o64,
+            &l64,
+            &f64s(&dos),
+            &mut dq64,
+            &mut dk64,
+            &mut dv64,
+        );
+        close2(&dq, &dq64, "dq");
+        close2(&dk, &dk64, "dk");
+        close2(&dv, &dv64, "dv");
+    }
+}
+
+test_device!(attention_train, attention_train_cpu, attention_train_sim, attention_train_cuda);

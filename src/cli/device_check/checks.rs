@@ -18,6 +18,8 @@
 //! - 1e-4 / 1e-4: the backward GEMMs with F32 operands; 1e-2 / 1e-2 with BF16 operands
 //!   (outputs ~N(0, 1)); 1e-5 / 1e-4: the fused LM-head loss with an F32 head (f32 logits,
 //!   sums in another order);
+//! - 2e-5 / 1e-4 (forward), 5e-5 / 1e-4 (backward): training attention (f32 dot products and
+//!   softmax sums in another order; the backward sums a column of rows);
 //! - exact: the optimizer step (master, moments, clipped gradient, compute weights, amax);
 //!   0 / 1e-6 for the squared norm (f64 sums in another order, compared as f32).
 //!
@@ -91,7 +93,7 @@ pub const GROUPS: [(&str, &str); 9] = [
     ("scale-layout", "NVFP4 scale layout sizes of the sm_100 CUTLASS kernels"),
     ("optim", "the optimizer step (AdamW, SGD, clipping, compute weights and their amax), the squared norm"),
     ("train-gemm", "the backward GEMMs dx = dy·W, dW = dyᵀ·x and the fused LM-head loss (plain and centered)"),
-    ("backward", "the layers' backward kernels: RMSNorm, RoPE, SwiGLU, embedding, bias"),
+    ("backward", "the layers' backward kernels: RMSNorm, RoPE, SwiGLU, embedding, bias, attention"),
 ];
 
 /// Runs check group `name` on `cuda`, printing each row as it is recorded; returns the rows.

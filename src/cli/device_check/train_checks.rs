@@ -172,5 +172,41 @@ pub(super) fn backward(x: &mut Ctx) -> Result<()> {
     let mut db = x.randp(DType::F32, &[N], 1.0)?;
     x.both(|d, g| matmul::bias_grad(d, pick(&da, g), pick_mut(&mut db, g), M))?;
     x.cmp("bias gradient", "f32", &db, Tol::Exact)?;
+    attention(x)
+}
+
+/// Training attention forward and backward at Qwen2.5-7B's head shape (14 query heads over 2
+/// KV heads of 128), packed sequences of 3, 150 and 40 tokens.
+fn attention(x: &mut Ctx) -> Result<()> {
+    use crate::ops::attention::grad::Shape;
+    use crate::ops::attention::train::{self, Packed};
+    let (h, hkv, d, t) = (14usize, 2usize, 128usize, 193usize);
+    let s = Shape { heads: h, kv_heads: hkv, head_dim: d };
+    let cu = x.u32s(&[4], vec![0, 3, 153, 193])?;
+    let (q, k, v) = (
+        x.randp(DType::F32, &[t, h * d], 1.0)?,
+        x.randp(DType::F32, &[t, hkv * d], 1.0)?,
+        x.randp(DType::F32, &[t, hkv * d], 1.0)?,
+    );
+    let dout = x.randp(DType::F32, &[t, h * d], 1.0)?;
+    let (mut o, mut lse) = (x.out(&[t, h * d])?, x.out(&[t, h])?);
+    x.both(|dv, g| {
+        let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g) };
+        train::fwd(dv, &s, &p, pick_mut(&mut o, g), pick_mut(&mut lse, g))
+    })?;
+    let tol = Tol::Close(2e-5, 1e-4);
+    x.cmp("training attention h14/kv2 d128: out", "f32", &o, tol)?;
+    x.cmp("training attention h14/kv2 d128: lse", "f32", &lse, tol)?;
+    let (mut dq, mut dk, mut dv) = (x.out(&[t, h * d])?, x.out(&[t, hkv * d])?, x.out(&[t, hkv * d])?);
+    x.both(|dev, g| {
+        let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g) };
+        let (a, b, c) = (pick_mut(&mut dq, g), pick_mut(&mut dk, g), pick_mut(&mut dv, g));
+        train::bwd(dev, &s, &p, pick(&o, g), pick(&lse, g), pick(&dout, g), a, b, c)
+    })?;
+    // The backward sums up to 150 rows' terms per value: more room for the summation order.
+    let tol = Tol::Close(5e-5, 1e-4);
+    x.cmp("training attention backward: dq", "f32", &dq, tol)?;
+    x.cmp("training attention backward: dk", "f32", &dk, tol)?;
+    x.cmp("training attention backward: dv", "f32", &dv, tol)?;
     Ok(())
 }

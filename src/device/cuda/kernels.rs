@@ -42,6 +42,8 @@ pub fn prefill_launch(num_tokens: usize, num_seqs: usize, groups: usize, head_di
 const ELEMENTWISE_THREADS: u32 = 256;
 const NORM_THREADS: u32 = 256;
 const OPTIM_THREADS: u32 = 256;
+/// Threads per block of attention_train.cu (CT_AT_TILE: keys per tile).
+pub const AT_TILE: u32 = 128;
 /// Threads per block of lm_head.cu's row kernels (CT_LM_THREADS).
 pub const LM_THREADS: u32 = 1024;
 
@@ -81,10 +83,13 @@ pub enum Kernel {
     RopeBwd,
     ColSum,
     EmbedBwd,
+    AttnFwd,
+    AttnBwdDq,
+    AttnBwdDkv,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 33] = [
+    pub const ALL: [Kernel; 36] = [
         Kernel::Rmsnorm,
         Kernel::RopeTable,
         Kernel::Rope,
@@ -118,6 +123,9 @@ impl Kernel {
         Kernel::RopeBwd,
         Kernel::ColSum,
         Kernel::EmbedBwd,
+        Kernel::AttnFwd,
+        Kernel::AttnBwdDq,
+        Kernel::AttnBwdDkv,
     ];
 
     /// (the kernel's name, the csrc/kernels/ file that defines it, without `.cu`).
@@ -156,6 +164,9 @@ impl Kernel {
             Kernel::RopeBwd => ("ct_rope_bwd", "grad"),
             Kernel::ColSum => ("ct_col_sum", "grad"),
             Kernel::EmbedBwd => ("ct_embed_bwd", "grad"),
+            Kernel::AttnFwd => ("ct_attn_fwd", "attention_train"),
+            Kernel::AttnBwdDq => ("ct_attn_bwd_dq", "attention_train"),
+            Kernel::AttnBwdDkv => ("ct_attn_bwd_dkv", "attention_train"),
         }
     }
 
@@ -175,6 +186,7 @@ impl Kernel {
             RopeTable | Rope | Swiglu | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
             | ScatterAddRows | LmStats | LmDz => 4,
             RmsnormTrain | RmsnormBwd | RmsnormDw | SwigluBwd | RopeBwd | ColSum | EmbedBwd => 4,
+            AttnFwd | AttnBwdDq | AttnBwdDkv => 4,
         }
     }
 
@@ -407,5 +419,18 @@ impl CudaDevice {
     pub fn k_embed_bwd(&self, p: ffi::ct_embed_bwd_params) -> Result<()> {
         let g = self.stride_grid(p.cols as i64, ELEMENTWISE_THREADS);
         self.launch(Kernel::EmbedBwd, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+    }
+
+    /// Grid (tokens, heads) of AT_TILE threads.
+    pub fn k_attn_fwd(&self, p: ffi::ct_attn_train_params) -> Result<()> {
+        let grid = (u32_dim(p.tokens as i64, "attention rows")?, u32_dim(p.heads as i64, "heads")?, 1);
+        self.launch(Kernel::AttnFwd, grid, AT_TILE, 0, &p)
+    }
+
+    /// dq and delta (grid tokens × heads), then dk and dv (grid tokens × KV heads).
+    pub fn k_attn_bwd(&self, p: ffi::ct_attn_train_params) -> Result<()> {
+        let rows = u32_dim(p.tokens as i64, "attention rows")?;
+        self.launch(Kernel::AttnBwdDq, (rows, u32_dim(p.heads as i64, "heads")?, 1), AT_TILE, 0, &p)?;
+        self.launch(Kernel::AttnBwdDkv, (rows, u32_dim(p.kv_heads as i64, "KV heads")?, 1), AT_TILE, 0, &p)
     }
 }

@@ -13,6 +13,7 @@
 mod cpu;
 mod cuda;
 pub mod grad;
+pub mod train;
 #[cfg(test)]
 mod tests;
 

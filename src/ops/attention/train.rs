@@ -1,0 +1,158 @@
+//! Attention for training on any device: causal GQA over packed sequences, forward saving the
+//! log-sum-exp and backward recomputing the probabilities (`grad.rs` is the CPU twin and, at
+//! T = f64, the reference; csrc/kernels/attention_train.cu the CUDA twin, a CUDA-core kernel
+//! that is the checked reference and fallback of the training attention, not its fast path).
+//!
+//! Owns: the device-level signatures and their checks. May call: `grad`, the CUDA launchers.
+//! Must not: hold a T × T matrix.
+
+use super::grad::{self, Shape};
+use crate::device::cuda::args::{i32_of, ptr};
+use crate::device::cuda::{ffi, CudaDevice};
+use crate::device::{DType, Device, Tensor};
+use anyhow::{bail, Result};
+
+/// The attention's tensors: q (T, H·D), k, v (T, Hkv·D), `cu` (sequences + 1) u32 row offsets
+/// of the packed sequences (cu[0] = 0, cu[last] = T).
+pub struct Packed<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub cu: &'a Tensor,
+}
+
+fn check(s: &Shape, x: &Packed<'_>) -> Result<usize> {
+    let (h, hkv, d) = (s.heads, s.kv_heads, s.head_dim);
+    if hkv == 0 || h % hkv != 0 || d == 0 || d > 256 {
+        bail!("training attention: {h} heads over {hkv} KV heads of dimension {d} (a multiple, D ≤ 256)");
+    }
+    let t = x.q.numel() / (h * d);
+    for (a, want, what) in [(x.q, t * h * d, "queries"), (x.k, t * hkv * d, "keys"), (x.v, t * hkv * d, "values")] {
+        if a.numel() != want || a.dtype() != DType::F32 {
+            bail!("training attention {what}: {want} f32 values expected, found {} {}", a.numel(), a.dtype().name());
+        }
+    }
+    if x.cu.dtype() != DType::U32 || x.cu.numel() < 2 {
+        bail!("training attention: the sequence offsets must be u32, at least [0, T]");
+    }
+    Ok(t)
+}
+
+/// Host copy of the offsets, checked: 0 first, T last, never decreasing.
+fn offsets(cu: &Tensor, t: usize) -> Result<Vec<usize>> {
+    let v: Vec<usize> = match cu.storage() {
+        crate::device::Storage::Cpu(_) => cu.u32s()?.iter().map(|&x| x as usize).collect(),
+        crate::device::Storage::Cuda(s) => {
+            let mut h = vec![0u32; cu.numel()];
+            s.read_raw(&mut h)?;
+            h.into_iter().map(|x| x as usize).collect()
+        }
+    };
+    if v[0] != 0 || v[v.len() - 1] != t || v.windows(2).any(|w| w[0] > w[1]) {
+        bail!("training attention: sequence offsets {v:?} do not run from 0 to {t}");
+    }
+    Ok(v)
+}
+
+/// out (T, H·D) and lse (T, H) of causal attention (`grad::fwd`).
+pub fn fwd(dev: &Device, s: &Shape, x: &Packed<'_>, out: &mut Tensor, lse: &mut Tensor) -> Result<()> {
+    let t = check(s, x)?;
+    if out.numel() != x.q.numel() || lse.numel() != t * s.heads {
+        bail!("training attention: the output must match the queries and lse hold T·H values");
+    }
+    match dev {
+        Device::Cpu(_) => {
+            let cu = offsets(x.cu, t)?;
+            grad::fwd(s, &cu, x.q.f32s()?, x.k.f32s()?, x.v.f32s()?, out.f32s_mut()?, lse.f32s_mut()?);
+            Ok(())
+        }
+        Device::Cuda(d) => {
+            offsets(x.cu, t)?;
+            let mut p = params(d, s, x, t)?;
+            p.o = ptr(d, out, &[DType::F32], "attention output")? as *mut f32;
+            p.lse = ptr(d, lse, &[DType::F32], "attention log-sum-exp")? as *mut f32;
+            d.k_attn_fwd(p)
+        }
+    }
+}
+
+/// dq (T, H·D), dk, dv (T, Hkv·D), overwritten, from dout and the forward's out and lse
+/// (`grad::bwd`).
+#[allow(clippy::too_many_arguments)]
+pub fn bwd(
+    dev: &Device,
+    s: &Shape,
+    x: &Packed<'_>,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    dq: &mut Tensor,
+    dk: &mut Tensor,
+    dv: &mut Tensor,
+) -> Result<()> {
+    let t = check(s, x)?;
+    if out.numel() != x.q.numel() || dout.numel() != x.q.numel() || dq.numel() != x.q.numel() {
+        bail!("training attention backward: out, dout and dq must match the queries");
+    }
+    if dk.numel() != x.k.numel() || dv.numel() != x.v.numel() || lse.numel() != t * s.heads {
+        bail!("training attention backward: dk and dv must match the keys, lse hold T·H values");
+    }
+    match dev {
+        Device::Cpu(_) => {
+            let cu = offsets(x.cu, t)?;
+            let (q, k, v) = (x.q.f32s()?, x.k.f32s()?, x.v.f32s()?);
+            grad::bwd(
+                s,
+                &cu,
+                q,
+                k,
+                v,
+                out.f32s()?,
+                lse.f32s()?,
+                dout.f32s()?,
+                dq.f32s_mut()?,
+                dk.f32s_mut()?,
+                dv.f32s_mut()?,
+            );
+            Ok(())
+        }
+        Device::Cuda(d) => {
+            offsets(x.cu, t)?;
+            let delta = d.scratch(t * s.heads * 4, "attention backward row sums")?;
+            let mut p = params(d, s, x, t)?;
+            let f = |a: &Tensor, what: &str| ptr(d, a, &[DType::F32], what);
+            p.out = f(out, "attention output")? as *const f32;
+            p.lse = f(lse, "attention log-sum-exp")? as *mut f32;
+            p.dout = f(dout, "attention output gradient")? as *const f32;
+            p.dq = f(dq, "query gradient")? as *mut f32;
+            p.dk = f(dk, "key gradient")? as *mut f32;
+            p.dv = f(dv, "value gradient")? as *mut f32;
+            p.delta = delta.ptr as *mut f32;
+            d.k_attn_bwd(p)
+        }
+    }
+}
+
+fn params(d: &CudaDevice, s: &Shape, x: &Packed<'_>, t: usize) -> Result<ffi::ct_attn_train_params> {
+    let f = |a: &Tensor, what: &str| ptr(d, a, &[DType::F32], what);
+    Ok(ffi::ct_attn_train_params {
+        q: f(x.q, "queries")? as *const f32,
+        k: f(x.k, "keys")? as *const f32,
+        v: f(x.v, "values")? as *const f32,
+        out: std::ptr::null(),
+        dout: std::ptr::null(),
+        o: std::ptr::null_mut(),
+        lse: std::ptr::null_mut(),
+        dq: std::ptr::null_mut(),
+        dk: std::ptr::null_mut(),
+        dv: std::ptr::null_mut(),
+        delta: std::ptr::null_mut(),
+        cu: ptr(d, x.cu, &[DType::U32], "sequence offsets")? as *const u32,
+        num_seqs: i32_of(x.cu.numel() - 1, "sequences")?,
+        tokens: i32_of(t, "attention rows")?,
+        heads: i32_of(s.heads, "heads")?,
+        kv_heads: i32_of(s.kv_heads, "KV heads")?,
+        head_dim: i32_of(s.head_dim, "head dimension")?,
+        scale: 1.0 / (s.head_dim as f32).sqrt(),
+    })
+}
