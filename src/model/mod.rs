@@ -16,6 +16,7 @@ pub mod rope;
 pub mod tiny;
 pub mod tokenizer;
 pub mod trainable;
+pub mod trainable_device;
 pub mod transformer;
 pub mod weights;
 

@@ -54,25 +54,69 @@ impl TrainBatch {
 
 /// Indices (into parameter order) of one layer's tensors.
 #[derive(Clone, Copy, Debug)]
-struct LayerIdx {
-    ln1: usize,
-    q: usize,
-    k: usize,
-    v: usize,
-    o: usize,
-    qb: Option<usize>,
-    kb: Option<usize>,
-    vb: Option<usize>,
-    ob: Option<usize>,
-    qn: Option<usize>,
-    kn: Option<usize>,
-    ln2: usize,
-    gate: usize,
-    up: usize,
-    down: usize,
-    gb: Option<usize>,
-    ub: Option<usize>,
-    db: Option<usize>,
+pub(super) struct LayerIdx {
+    pub ln1: usize,
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub o: usize,
+    pub qb: Option<usize>,
+    pub kb: Option<usize>,
+    pub vb: Option<usize>,
+    pub ob: Option<usize>,
+    pub qn: Option<usize>,
+    pub kn: Option<usize>,
+    pub ln2: usize,
+    pub gate: usize,
+    pub up: usize,
+    pub down: usize,
+    pub gb: Option<usize>,
+    pub ub: Option<usize>,
+    pub db: Option<usize>,
+}
+
+/// Where each tensor sits in parameter order ([`param_specs`]).
+pub(super) struct Indices {
+    pub layers: Vec<LayerIdx>,
+    pub embed: usize,
+    pub norm_f: usize,
+    /// The embedding's index for a tied head.
+    pub head: usize,
+}
+
+pub(super) fn indices(cfg: &ModelConfig) -> Indices {
+    let specs = param_specs(cfg);
+    let ix: HashMap<&str, usize> = specs.iter().enumerate().map(|(i, (n, _))| (n.as_str(), i)).collect();
+    let get = |n: String| ix.get(n.as_str()).copied();
+    let req = |n: String| ix[n.as_str()];
+    let layers = (0..cfg.num_layers)
+        .map(|l| {
+            let p = format!("model.layers.{l}");
+            LayerIdx {
+                ln1: req(format!("{p}.input_layernorm.weight")),
+                q: req(format!("{p}.self_attn.q_proj.weight")),
+                k: req(format!("{p}.self_attn.k_proj.weight")),
+                v: req(format!("{p}.self_attn.v_proj.weight")),
+                o: req(format!("{p}.self_attn.o_proj.weight")),
+                qb: get(format!("{p}.self_attn.q_proj.bias")),
+                kb: get(format!("{p}.self_attn.k_proj.bias")),
+                vb: get(format!("{p}.self_attn.v_proj.bias")),
+                ob: get(format!("{p}.self_attn.o_proj.bias")),
+                qn: get(format!("{p}.self_attn.q_norm.weight")),
+                kn: get(format!("{p}.self_attn.k_norm.weight")),
+                ln2: req(format!("{p}.post_attention_layernorm.weight")),
+                gate: req(format!("{p}.mlp.gate_proj.weight")),
+                up: req(format!("{p}.mlp.up_proj.weight")),
+                down: req(format!("{p}.mlp.down_proj.weight")),
+                gb: get(format!("{p}.mlp.gate_proj.bias")),
+                ub: get(format!("{p}.mlp.up_proj.bias")),
+                db: get(format!("{p}.mlp.down_proj.bias")),
+            }
+        })
+        .collect();
+    let embed = ix["model.embed_tokens.weight"];
+    let head = if cfg.tie_word_embeddings { embed } else { ix["lm_head.weight"] };
+    Indices { layers, embed, norm_f: ix["model.norm.weight"], head }
 }
 
 #[derive(Default)]
@@ -130,43 +174,13 @@ fn resize<T: Real>(v: &mut Vec<T>, n: usize) {
 
 impl<T: Real> Trainable<T> {
     pub fn new(cfg: &ModelConfig) -> Trainable<T> {
-        let specs = param_specs(cfg);
-        let ix: HashMap<&str, usize> = specs.iter().enumerate().map(|(i, (n, _))| (n.as_str(), i)).collect();
-        let get = |n: String| ix.get(n.as_str()).copied();
-        let req = |n: String| ix[n.as_str()];
-        let layers = (0..cfg.num_layers)
-            .map(|l| {
-                let p = format!("model.layers.{l}");
-                LayerIdx {
-                    ln1: req(format!("{p}.input_layernorm.weight")),
-                    q: req(format!("{p}.self_attn.q_proj.weight")),
-                    k: req(format!("{p}.self_attn.k_proj.weight")),
-                    v: req(format!("{p}.self_attn.v_proj.weight")),
-                    o: req(format!("{p}.self_attn.o_proj.weight")),
-                    qb: get(format!("{p}.self_attn.q_proj.bias")),
-                    kb: get(format!("{p}.self_attn.k_proj.bias")),
-                    vb: get(format!("{p}.self_attn.v_proj.bias")),
-                    ob: get(format!("{p}.self_attn.o_proj.bias")),
-                    qn: get(format!("{p}.self_attn.q_norm.weight")),
-                    kn: get(format!("{p}.self_attn.k_norm.weight")),
-                    ln2: req(format!("{p}.post_attention_layernorm.weight")),
-                    gate: req(format!("{p}.mlp.gate_proj.weight")),
-                    up: req(format!("{p}.mlp.up_proj.weight")),
-                    down: req(format!("{p}.mlp.down_proj.weight")),
-                    gb: get(format!("{p}.mlp.gate_proj.bias")),
-                    ub: get(format!("{p}.mlp.up_proj.bias")),
-                    db: get(format!("{p}.mlp.down_proj.bias")),
-                }
-            })
-            .collect();
-        let embed = ix["model.embed_tokens.weight"];
-        let head = if cfg.tie_word_embeddings { embed } else { ix["lm_head.weight"] };
+        let Indices { layers, embed, norm_f, head } = indices(cfg);
         Trainable {
             cfg: cfg.clone(),
             inv_freq: super::rope::inv_freq(&cfg.rope, cfg.head_dim),
             layers,
             embed,
-            norm_f: ix["model.norm.weight"],
+            norm_f,
             head,
             acts: (0..cfg.num_layers).map(|_| LayerActs::default()).collect(),
             cos: Vec::new(),

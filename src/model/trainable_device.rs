@@ -1,0 +1,455 @@
+//! The transformer for training on any device, op for op the twin of [`super::trainable`]
+//! (whose f32 / f64 loops are its reference): the forward over packed sequences saving what
+//! the backward needs in device tensors, the LM head's per-token statistics, the fused loss
+//! pass and the backward of every layer into gradients in parameter order — built from the op
+//! rooms' device-level training ops (`ops::{linear, norm, rope, attention::train, elementwise,
+//! lm_head}`), so on a CUDA device nothing but the batch's token ids, the per-token
+//! coefficients and the per-token results crosses to the host.
+//!
+//! Not yet: the NVFP4 learner's quantized MLP (refused), activation arenas from the memory
+//! plan (the caching allocator reuses the blocks between steps), and the trainer that keeps its
+//! state here (`train::trainer` still trains with [`super::trainable::Trainable`]).
+//!
+//! Owns: [`DeviceTrainable`] (RoPE frequencies and saved activations on the device). May call:
+//! the ops' device-level signatures. Must not: own weights or optimizer state.
+
+use super::config::ModelConfig;
+use super::trainable::{indices, Indices, TrainBatch};
+use crate::device::{DType, Device, Tensor};
+use crate::ops::attention::grad::Shape;
+use crate::ops::attention::train::{self as attention, Packed};
+use crate::ops::lm_head::{self, DevCenter, Rows};
+use crate::ops::{elementwise, linear, norm, rope};
+use anyhow::{bail, Result};
+
+/// One layer's saved activations (device tensors).
+struct Acts {
+    x: Tensor,     // (N, C) layer input
+    rstd1: Tensor, // (N)
+    h1: Tensor,    // (N, C)
+    qraw: Tensor,  // (N, H*D) before q-norm / RoPE
+    kraw: Tensor,  // (N, Hkv*D)
+    rq: Tensor,    // (N*H) q-norm 1/rms
+    rk: Tensor,    // (N*Hkv)
+    q: Tensor,     // (N, H*D) after RoPE
+    k: Tensor,     // (N, Hkv*D)
+    v: Tensor,     // (N, Hkv*D)
+    att: Tensor,   // (N, H*D)
+    lse: Tensor,   // (N, H)
+    x2: Tensor,    // (N, C) after the attention residual
+    rstd2: Tensor, // (N)
+    h2: Tensor,    // (N, C)
+    g: Tensor,     // (N, I)
+    u: Tensor,     // (N, I)
+    a: Tensor,     // (N, I)
+}
+
+/// The batch on the device.
+struct DevBatch {
+    n: usize,
+    tokens: Tensor,  // (N) u32
+    cu: Tensor,      // (B+1) u32
+    rows: Tensor,    // (M) u32
+    targets: Tensor, // (M) u32
+}
+
+pub struct DeviceTrainable {
+    pub cfg: ModelConfig,
+    dev: Device,
+    ix: Indices,
+    inv_freq: Tensor, // (D/2) f32
+    acts: Vec<Acts>,
+    cos: Tensor,   // (N, D/2)
+    sin: Tensor,   // (N, D/2)
+    xf: Tensor,    // (N, C) final residual stream
+    rstdf: Tensor, // (N)
+    hf: Tensor,    // (N, C) final normed hidden states
+    batch: Option<DevBatch>,
+}
+
+fn up(dev: &Device, v: Vec<u32>) -> Result<Tensor> {
+    let h = Tensor::from_u32_host(&[v.len()], v)?;
+    if dev.is_cpu() {
+        Ok(h)
+    } else {
+        dev.upload(h)
+    }
+}
+
+impl DeviceTrainable {
+    pub fn new(cfg: &ModelConfig, dev: &Device) -> Result<DeviceTrainable> {
+        let f = super::rope::inv_freq(&cfg.rope, cfg.head_dim);
+        let z = |shape: &[usize]| dev.zeros(DType::F32, shape);
+        Ok(DeviceTrainable {
+            cfg: cfg.clone(),
+            dev: dev.clone(),
+            ix: indices(cfg),
+            inv_freq: dev.from_f32(DType::F32, &[f.len()], &f)?,
+            acts: Vec::new(),
+            cos: z(&[1])?,
+            sin: z(&[1])?,
+            xf: z(&[1])?,
+            rstdf: z(&[1])?,
+            hf: z(&[1])?,
+            batch: None,
+        })
+    }
+
+    fn zeros(&self, shape: &[usize]) -> Result<Tensor> {
+        self.dev.zeros(DType::F32, shape)
+    }
+
+    /// Forward over `b` with parameters `p` (device tensors in `param_specs` order). Saves the
+    /// activations.
+    pub fn forward(&mut self, p: &[&Tensor], b: &TrainBatch) -> Result<()> {
+        let cfg = self.cfg.clone();
+        let n_params = super::weights::param_specs(&cfg).len();
+        if p.len() != n_params {
+            bail!("forward: {} parameter tensors for {n_params} parameters", p.len());
+        }
+        let (c, i_dim, h, hkv, d) =
+            (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let (qd, kd) = (h * d, hkv * d);
+        let n = b.tokens.len();
+        if n == 0 || b.cu.last() != Some(&n) {
+            bail!("forward: malformed batch ({} tokens, cu {:?})", n, b.cu.last());
+        }
+        if let Some(t) = b.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            bail!("forward: token {t} outside the vocabulary ({})", cfg.vocab_size);
+        }
+        let dev = self.dev.clone();
+        let eps = cfg.rms_norm_eps as f32;
+        let batch = DevBatch {
+            n,
+            tokens: up(&dev, b.tokens.clone())?,
+            cu: up(&dev, b.cu.iter().map(|&x| x as u32).collect())?,
+            rows: up(&dev, b.rows.clone())?,
+            targets: up(&dev, b.targets.clone())?,
+        };
+        let positions = up(&dev, b.positions.clone())?;
+        self.cos = self.zeros(&[n, d / 2])?;
+        self.sin = self.zeros(&[n, d / 2])?;
+        rope::rope_table(&dev, &positions, &self.inv_freq, &mut self.cos, &mut self.sin, n)?;
+        let shape = Shape { heads: h, kv_heads: hkv, head_dim: d };
+        let mut x = self.zeros(&[n, c])?;
+        elementwise::embedding(&dev, p[self.ix.embed], &batch.tokens, &mut x, n)?;
+        let mut acts = Vec::with_capacity(cfg.num_layers);
+        for li in &self.ix.layers {
+            let z = |shape: &[usize]| dev.zeros(DType::F32, shape);
+            let mut a = Acts {
+                x,
+                rstd1: z(&[n])?,
+                h1: z(&[n, c])?,
+                qraw: z(&[n, qd])?,
+                kraw: z(&[n, kd])?,
+                rq: z(&[n * h])?,
+                rk: z(&[n * hkv])?,
+                q: z(&[n, qd])?,
+                k: z(&[n, kd])?,
+                v: z(&[n, kd])?,
+                att: z(&[n, qd])?,
+                lse: z(&[n, h])?,
+                x2: z(&[n, c])?,
+                rstd2: z(&[n])?,
+                h2: z(&[n, c])?,
+                g: z(&[n, i_dim])?,
+                u: z(&[n, i_dim])?,
+                a: z(&[n, i_dim])?,
+            };
+            let bias = |i: Option<usize>| i.map(|i| p[i]);
+            norm::rmsnorm_train(&dev, &a.x, p[li.ln1], eps, &mut a.h1, &mut a.rstd1, n)?;
+            linear::linear(&dev, &a.h1, p[li.q], bias(li.qb), &mut a.qraw, n, false)?;
+            linear::linear(&dev, &a.h1, p[li.k], bias(li.kb), &mut a.kraw, n, false)?;
+            linear::linear(&dev, &a.h1, p[li.v], bias(li.vb), &mut a.v, n, false)?;
+            match (li.qn, li.kn) {
+                (Some(qn), Some(kn)) => {
+                    for (raw, out, rs, heads, w) in
+                        [(&mut a.qraw, &mut a.q, &mut a.rq, h, p[qn]), (&mut a.kraw, &mut a.k, &mut a.rk, hkv, p[kn])]
+                    {
+                        raw.reshape(&[n * heads, d])?;
+                        out.reshape(&[n * heads, d])?;
+                        norm::rmsnorm_train(&dev, raw, w, eps, out, rs, n * heads)?;
+                        raw.reshape(&[n, heads * d])?;
+                        out.reshape(&[n, heads * d])?;
+                    }
+                }
+                _ => {
+                    a.q.copy_from(&a.qraw)?;
+                    a.k.copy_from(&a.kraw)?;
+                }
+            }
+            rope::rope(&dev, &mut a.q, &self.cos, &self.sin, n, h)?;
+            rope::rope(&dev, &mut a.k, &self.cos, &self.sin, n, hkv)?;
+            let packed = Packed { q: &a.q, k: &a.k, v: &a.v, cu: &batch.cu };
+            attention::fwd(&dev, &shape, &packed, &mut a.att, &mut a.lse)?;
+            // x2 = x + att·Woᵀ (+ bo)
+            a.x2.copy_from(&a.x)?;
+            linear::linear(&dev, &a.att, p[li.o], bias(li.ob), &mut a.x2, n, true)?;
+            norm::rmsnorm_train(&dev, &a.x2, p[li.ln2], eps, &mut a.h2, &mut a.rstd2, n)?;
+            linear::linear(&dev, &a.h2, p[li.gate], bias(li.gb), &mut a.g, n, false)?;
+            linear::linear(&dev, &a.h2, p[li.up], bias(li.ub), &mut a.u, n, false)?;
+            elementwise::swiglu(&dev, &a.g, &a.u, &mut a.a, n)?;
+            // x = x2 + a·Wdᵀ (+ bd)
+            x = dev.zeros(DType::F32, &[n, c])?;
+            x.copy_from(&a.x2)?;
+            linear::linear(&dev, &a.a, p[li.down], bias(li.db), &mut x, n, true)?;
+            acts.push(a);
+        }
+        self.acts = acts;
+        self.rstdf = self.zeros(&[n])?;
+        self.hf = self.zeros(&[n, c])?;
+        norm::rmsnorm_train(&dev, &x, p[self.ix.norm_f], eps, &mut self.hf, &mut self.rstdf, n)?;
+        self.xf = x;
+        self.batch = Some(batch);
+        Ok(())
+    }
+
+    fn batch(&self) -> Result<&DevBatch> {
+        self.batch.as_ref().ok_or_else(|| anyhow::anyhow!("no forward before the loss pass"))
+    }
+
+    /// logp and entropy (M) of the batch's scored rows at temperature `t`, after
+    /// [`Self::forward`] (f32 tensors on the device).
+    pub fn token_stats(
+        &self,
+        p: &[&Tensor],
+        t: f32,
+        chunk: usize,
+        logp: &mut Tensor,
+        entropy: &mut Tensor,
+    ) -> Result<()> {
+        let b = self.batch()?;
+        let r = Rows { rows: &b.rows, targets: &b.targets };
+        lm_head::stats(&self.dev, &self.hf, p[self.ix.head], &r, t, chunk, logp, entropy)
+    }
+
+    /// The fused loss pass and the backward of every layer: gradients of Σ_i −coef_i·logp_i
+    /// (with `center`: the centered score) accumulated into `grads` (f32 device tensors in
+    /// parameter order). Returns that loss value.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &mut self,
+        p: &[&Tensor],
+        coef: &Tensor,
+        center: Option<&DevCenter<'_>>,
+        t: f32,
+        chunk: usize,
+        grads: &mut [Tensor],
+    ) -> Result<f64> {
+        let cfg = self.cfg.clone();
+        let (c, i_dim, h, hkv, d) =
+            (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let (qd, kd) = (h * d, hkv * d);
+        let dev = self.dev.clone();
+        let b = self.batch.take().ok_or_else(|| anyhow::anyhow!("backward: no forward before it"))?;
+        let n = b.n;
+        let z = |shape: &[usize]| dev.zeros(DType::F32, shape);
+        // LM head + loss.
+        let mut dh = z(&[n, c])?;
+        let r = Rows { rows: &b.rows, targets: &b.targets };
+        let head = self.ix.head;
+        let loss = lm_head::loss_grad(&dev, &self.hf, p[head], &r, coef, center, t, chunk, &mut dh, &mut grads[head])?;
+        // Final norm.
+        let mut dx = z(&[n, c])?;
+        let nf = self.ix.norm_f;
+        norm::rmsnorm_bwd(&dev, &dh, &self.xf, p[nf], &self.rstdf, &mut dx, false, &mut grads[nf], n)?;
+        let shape = Shape { heads: h, kv_heads: hkv, head_dim: d };
+        let (mut da, mut dg, mut du) = (z(&[n, i_dim])?, z(&[n, i_dim])?, z(&[n, i_dim])?);
+        let (mut dh2, mut datt, mut dh1) = (z(&[n, c])?, z(&[n, qd])?, z(&[n, c])?);
+        let (mut dq, mut dk, mut dv) = (z(&[n, qd])?, z(&[n, kd])?, z(&[n, kd])?);
+        let (mut dqr, mut dkr) = (z(&[n, qd])?, z(&[n, kd])?);
+        let wgrad = DType::F32;
+        for l in (0..cfg.num_layers).rev() {
+            let li = self.ix.layers[l];
+            let a = &mut self.acts[l];
+            // MLP: x_out = x2 + down(a).
+            linear::linear_dx(&dev, &dx, p[li.down], &mut da, n, false)?;
+            linear::linear_dw(&dev, &dx, &a.a, &mut grads[li.down], n, true, wgrad)?;
+            if let Some(bi) = li.db {
+                linear::bias_grad(&dev, &dx, &mut grads[bi], n)?;
+            }
+            elementwise::swiglu_bwd(&dev, &da, &a.g, &a.u, &mut dg, &mut du)?;
+            linear::linear_dx(&dev, &dg, p[li.gate], &mut dh2, n, false)?;
+            linear::linear_dx(&dev, &du, p[li.up], &mut dh2, n, true)?;
+            linear::linear_dw(&dev, &dg, &a.h2, &mut grads[li.gate], n, true, wgrad)?;
+            linear::linear_dw(&dev, &du, &a.h2, &mut grads[li.up], n, true, wgrad)?;
+            if let Some(bi) = li.gb {
+                linear::bias_grad(&dev, &dg, &mut grads[bi], n)?;
+            }
+            if let Some(bi) = li.ub {
+                linear::bias_grad(&dev, &du, &mut grads[bi], n)?;
+            }
+            norm::rmsnorm_bwd(&dev, &dh2, &a.x2, p[li.ln2], &a.rstd2, &mut dx, true, &mut grads[li.ln2], n)?;
+            // Attention block: x2 = x + o(att).
+            linear::linear_dx(&dev, &dx, p[li.o], &mut datt, n, false)?;
+            linear::linear_dw(&dev, &dx, &a.att, &mut grads[li.o], n, true, wgrad)?;
+            if let Some(bi) = li.ob {
+                linear::bias_grad(&dev, &dx, &mut grads[bi], n)?;
+            }
+            let packed = Packed { q: &a.q, k: &a.k, v: &a.v, cu: &b.cu };
+            attention::bwd(&dev, &shape, &packed, &a.att, &a.lse, &datt, &mut dq, &mut dk, &mut dv)?;
+            rope::rope_bwd(&dev, &mut dq, &self.cos, &self.sin, n, h)?;
+            rope::rope_bwd(&dev, &mut dk, &self.cos, &self.sin, n, hkv)?;
+            match (li.qn, li.kn) {
+                (Some(qn), Some(kn)) => {
+                    for (g, raw, rs, out, heads, wi) in [
+                        (&mut dq, &mut a.qraw, &a.rq, &mut dqr, h, qn),
+                        (&mut dk, &mut a.kraw, &a.rk, &mut dkr, hkv, kn),
+                    ] {
+                        for t in [&mut *g, &mut *raw, &mut *out] {
+                            t.reshape(&[n * heads, d])?;
+                        }
+                        norm::rmsnorm_bwd(&dev, g, raw, p[wi], rs, out, false, &mut grads[wi], n * heads)?;
+                        for t in [g, raw, out] {
+                            t.reshape(&[n, heads * d])?;
+                        }
+                    }
+                }
+                _ => {
+                    dqr.copy_from(&dq)?;
+                    dkr.copy_from(&dk)?;
+                }
+            }
+            linear::linear_dx(&dev, &dqr, p[li.q], &mut dh1, n, false)?;
+            linear::linear_dx(&dev, &dkr, p[li.k], &mut dh1, n, true)?;
+            linear::linear_dx(&dev, &dv, p[li.v], &mut dh1, n, true)?;
+            linear::linear_dw(&dev, &dqr, &a.h1, &mut grads[li.q], n, true, wgrad)?;
+            linear::linear_dw(&dev, &dkr, &a.h1, &mut grads[li.k], n, true, wgrad)?;
+            linear::linear_dw(&dev, &dv, &a.h1, &mut grads[li.v], n, true, wgrad)?;
+            for (bi, g) in [(li.qb, &dqr), (li.kb, &dkr), (li.vb, &dv)] {
+                if let Some(bi) = bi {
+                    linear::bias_grad(&dev, g, &mut grads[bi], n)?;
+                }
+            }
+            norm::rmsnorm_bwd(&dev, &dh1, &a.x, p[li.ln1], &a.rstd1, &mut dx, true, &mut grads[li.ln1], n)?;
+        }
+        let embed = self.ix.embed;
+        elementwise::embed_bwd(&dev, &b.tokens, &dx, &mut grads[embed], n, cfg.pad_token_id)?;
+        self.batch = Some(b);
+        Ok(loss)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The device twin against the f64 reference (`Trainable<f64>` on the same values) on the
+    //! CPU and on cuda-sim: token statistics within 1e-4 + 1e-4·|ref|, the loss within 1e-4
+    //! relative, and every parameter's gradient within a relative norm error of 1e-4 (f32 ops
+    //! in other orders against f64), for llama (llama3 RoPE, untied head), qwen2 (q/k/v biases,
+    //! tied head) and qwen3 (q/k norm), with and without score centering.
+    use super::*;
+    use crate::model::tiny::{tiny_config, TinySpec};
+    use crate::model::trainable::Trainable;
+    use crate::model::weights::param_specs;
+    use crate::ops::lm_head::grad::Center;
+
+    fn data(n: usize, seed: u64, std: f64, mean: f64) -> Vec<f32> {
+        let mut s = crate::rand::Stream::new(seed, 11);
+        (0..n).map(|_| (mean + s.normal() * std) as f32).collect()
+    }
+
+    fn batch() -> TrainBatch {
+        let mut b = TrainBatch::default();
+        b.push(&[5, 17, 3], &[44, 2, 90, 13]);
+        b.push(&[7], &[1, 96, 30, 30, 8, 61, 12, 5, 40, 77, 3]);
+        b
+    }
+
+    fn check(arch: &str, dev: &Device, centered: bool) {
+        let spec = TinySpec {
+            arch: arch.into(),
+            layers: 2,
+            hidden: 32,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: Some(8),
+            intermediate: Some(48),
+            vocab: 300,
+            max_position: 64,
+            tie: arch == "qwen2",
+        };
+        let cfg = tiny_config(&spec).unwrap();
+        let specs = param_specs(&cfg);
+        let params: Vec<Vec<f32>> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, (name, shape))| {
+                let n: usize = shape.iter().product();
+                if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
+                    data(n, 100 + i as u64, 0.1, 1.0)
+                } else {
+                    data(n, 100 + i as u64, 0.2, 0.0)
+                }
+            })
+            .collect();
+        let b = batch();
+        let m = b.rows.len();
+        let coef = data(m, 7, 1.0, 0.0);
+        let k = 3;
+        let ids: Vec<u32> = (0..(m * k) as u32).map(|i| (i * 37 + 1) % 300).collect();
+        let probs: Vec<f32> = (0..m * k).map(|i| [0.6, 0.3, 0.1][i % k]).collect();
+        // The f64 reference.
+        let p64: Vec<Vec<f64>> = params.iter().map(|v| v.iter().map(|&x| x as f64).collect()).collect();
+        let mut r = Trainable::<f64>::new(&cfg);
+        let refs: Vec<&[f64]> = p64.iter().map(|v| &v[..]).collect();
+        r.forward(&refs, &b).unwrap();
+        let (mut lp64, mut en64) = (vec![0.0; m], vec![0.0; m]);
+        r.token_stats(&refs, &b, 0.8, 4, &mut lp64, &mut en64);
+        let mut g64: Vec<Vec<f64>> = p64.iter().map(|v| vec![0.0; v.len()]).collect();
+        let c64: Vec<f64> = coef.iter().map(|&x| x as f64).collect();
+        let ct = Center { k, ids: &ids, probs: &probs };
+        let loss64 = r.backward_centered(&refs, &b, &c64, centered.then_some(&ct), 0.8, 4, &mut g64).unwrap();
+        // The device twin.
+        let pt: Vec<Tensor> =
+            specs.iter().zip(&params).map(|((_, s), v)| dev.from_f32(DType::F32, s, v).unwrap()).collect();
+        let pr: Vec<&Tensor> = pt.iter().collect();
+        let mut t = DeviceTrainable::new(&cfg, dev).unwrap();
+        t.forward(&pr, &b).unwrap();
+        let (mut lp, mut en) = (dev.zeros(DType::F32, &[m]).unwrap(), dev.zeros(DType::F32, &[m]).unwrap());
+        t.token_stats(&pr, 0.8, 4, &mut lp, &mut en).unwrap();
+        let what = format!("{} {arch} centered {centered}", dev.name());
+        for (name, got, want) in [("logp", &lp, &lp64), ("entropy", &en, &en64)] {
+            for (i, (&g, &w)) in got.to_f32_vec().unwrap().iter().zip(want).enumerate() {
+                assert!((g as f64 - w).abs() <= 1e-4 + 1e-4 * w.abs(), "{what}: {name}[{i}] {g} vs {w}");
+            }
+        }
+        let mut grads: Vec<Tensor> = specs.iter().map(|(_, s)| dev.zeros(DType::F32, s).unwrap()).collect();
+        let coef_t = dev.from_f32(DType::F32, &[m], &coef).unwrap();
+        let ids_t = up(dev, ids.clone()).unwrap();
+        let probs_t = dev.from_f32(DType::F32, &[m * k], &probs).unwrap();
+        let dc = DevCenter { k, ids: &ids_t, probs: &probs_t };
+        let loss = t.backward(&pr, &coef_t, centered.then_some(&dc), 0.8, 4, &mut grads).unwrap();
+        assert!((loss - loss64).abs() <= 1e-4 * loss64.abs().max(1.0), "{what}: loss {loss} vs {loss64}");
+        for ((name, _), (g, w)) in specs.iter().zip(grads.iter().zip(&g64)) {
+            let g = g.to_f32_vec().unwrap();
+            let diff: f64 = g.iter().zip(w).map(|(&a, &b)| (a as f64 - b).powi(2)).sum::<f64>().sqrt();
+            let norm: f64 = w.iter().map(|b| b * b).sum::<f64>().sqrt();
+            assert!(norm > 0.0, "{what}: {name} has no gradient in the reference");
+            assert!(diff <= 1e-4 * norm, "{what}: {name} relative gradient error {:e}", diff / norm);
+        }
+    }
+
+    fn every_arch(dev: &Device) {
+        for arch in ["llama", "qwen2", "qwen3"] {
+            for centered in [false, true] {
+                check(arch, dev, centered);
+            }
+        }
+    }
+
+    #[test]
+    fn device_twin_cpu() {
+        every_arch(&Device::cpu(2).unwrap());
+    }
+
+    #[test]
+    fn device_twin_sim() {
+        every_arch(&Device::parse("cuda-sim:0").unwrap());
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn device_twin_cuda() {
+        every_arch(&Device::cuda(0).unwrap());
+    }
+}
