@@ -314,10 +314,11 @@ typedef struct ct_swizzle_sf_params {
 /* ---- grad.cu: the backward kernels of the layers around the GEMMs ---------------------------- */
 
 /* Training RMSNorm: y (rows, cols) = x r w with r = (mean_j x_j^2 + eps)^(-1/2) saved in
- * rstd (rows); w f32 (cols). */
+ * rstd (rows); w (cols) of w_dtype (the compute weights' dtype). */
 typedef struct ct_rmsnorm_train_params {
   const float* x;
-  const float* w;
+  const void* w;
+  int32_t w_dtype;
   float* y;
   float* rstd;
   int32_t rows;
@@ -331,7 +332,8 @@ typedef struct ct_rmsnorm_train_params {
 typedef struct ct_rmsnorm_bwd_params {
   const float* dy;
   const float* x;
-  const float* w;
+  const void* w;
+  int32_t w_dtype;
   const float* rstd;
   float* dx;
   float* dw;

@@ -19,7 +19,7 @@ extern "C" __global__ void ct_rmsnorm_train(ct_rmsnorm_train_params p) {
   for (int j = threadIdx.x; j < p.cols; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(x[j], x[j]));
   ss = ct_block_sum(ss, scratch);
   const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(p.cols)), p.eps)));
-  for (int j = threadIdx.x; j < p.cols; j += blockDim.x) y[j] = __fmul_rn(__fmul_rn(x[j], r), p.w[j]);
+  for (int j = threadIdx.x; j < p.cols; j += blockDim.x) y[j] = __fmul_rn(__fmul_rn(x[j], r), ct_load(p.w, p.w_dtype, j));
   if (threadIdx.x == 0) p.rstd[row] = r;
 }
 
@@ -32,11 +32,11 @@ extern "C" __global__ void ct_rmsnorm_bwd(ct_rmsnorm_bwd_params p) {
   float* dx = p.dx + row * p.cols;
   const float r = p.rstd[row];
   float dot = 0.0f;
-  for (int j = threadIdx.x; j < p.cols; j += blockDim.x) dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(p.w[j], dy[j]), x[j]));
+  for (int j = threadIdx.x; j < p.cols; j += blockDim.x) dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(ct_load(p.w, p.w_dtype, j), dy[j]), x[j]));
   dot = ct_block_sum(dot, scratch);
   const float k = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(r, r), r), dot), static_cast<float>(p.cols));
   for (int j = threadIdx.x; j < p.cols; j += blockDim.x) {
-    const float g = __fsub_rn(__fmul_rn(__fmul_rn(r, p.w[j]), dy[j]), __fmul_rn(k, x[j]));
+    const float g = __fsub_rn(__fmul_rn(__fmul_rn(r, ct_load(p.w, p.w_dtype, j)), dy[j]), __fmul_rn(k, x[j]));
     dx[j] = p.accumulate ? __fadd_rn(dx[j], g) : g;
   }
 }

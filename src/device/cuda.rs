@@ -85,14 +85,25 @@ pub use embedded::BUILT_ARCHS;
 #[cfg(not(feature = "cuda"))]
 pub const BUILT_ARCHS: &[&str] = &[];
 
-/// Bytes copied host → device and device → host by every CUDA device of the process (GPU or
-/// simulated), for the per-step `transfer` metrics: monotonic counters, read as differences.
-static H2D_BYTES: AtomicU64 = AtomicU64::new(0);
-static D2H_BYTES: AtomicU64 = AtomicU64::new(0);
-
-/// (host → device, device → host) bytes copied so far by this process's CUDA devices.
-pub fn transfer_bytes() -> (u64, u64) {
-    (H2D_BYTES.load(Ordering::Relaxed), D2H_BYTES.load(Ordering::Relaxed))
+/// (host → device, device → host) bytes copied so far by the open CUDA devices among `names`
+/// (device strings such as `cuda:1`, `cuda-sim:0`; CPU devices and devices not open count
+/// nothing): monotonic counters for the per-step `transfer` metrics, read as differences.
+pub fn transfer_bytes_of(names: &[String]) -> (u64, u64) {
+    let reg = OPEN.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(reg) = reg.as_ref() else { return (0, 0) };
+    let mut total = (0, 0);
+    for name in names {
+        let key = match super::DeviceSpec::parse(name) {
+            Ok(super::DeviceSpec::Cuda { ordinal }) => (false, ordinal.unwrap_or(0)),
+            Ok(super::DeviceSpec::CudaSim { ordinal }) => (true, ordinal.unwrap_or(0)),
+            _ => continue,
+        };
+        if let Some(inner) = reg.get(&key).and_then(Weak::upgrade) {
+            total.0 += inner.h2d.load(Ordering::Relaxed);
+            total.1 += inner.d2h.load(Ordering::Relaxed);
+        }
+    }
+    total
 }
 
 /// A CUDA device. Cheap to clone; the context, stream, allocator and modules are shared.
@@ -114,6 +125,9 @@ struct Inner {
     /// Device memory held for the device's lifetime (cuBLASLt's workspace): (pointer, class).
     held: Vec<(u64, usize)>,
     sync_launches: bool,
+    /// Bytes copied host → device and device → host (`transfer_bytes_of`).
+    h2d: AtomicU64,
+    d2h: AtomicU64,
 }
 
 /// The devices open in this process, by (simulated, ordinal): opening one again shares it.
@@ -271,6 +285,8 @@ impl CudaDevice {
             err_word,
             held: Vec::new(),
             sync_launches: std::env::var("COLOTRAIN_CUDA_SYNC").map(|v| v == "1").unwrap_or(false),
+            h2d: AtomicU64::new(0),
+            d2h: AtomicU64::new(0),
         })
     }
 
@@ -327,7 +343,7 @@ impl CudaDevice {
     pub fn synchronize(&self) -> Result<()> {
         // The error word's copy to the host waits for everything queued before it.
         let mut w = [0u8; 4];
-        D2H_BYTES.fetch_add(4, Ordering::Relaxed);
+        self.inner.d2h.fetch_add(4, Ordering::Relaxed);
         self.inner.driver.dtoh(&mut w, self.inner.err_word).map_err(|e| anyhow!("{}: {e:#}", self.name()))?;
         let w = [u32::from_ne_bytes(w)];
         if w[0] != 0 {
@@ -477,14 +493,14 @@ impl CudaDevice {
         if src.is_empty() {
             return Ok(());
         }
-        H2D_BYTES.fetch_add(std::mem::size_of_val(src) as u64, Ordering::Relaxed);
+        self.inner.h2d.fetch_add(std::mem::size_of_val(src) as u64, Ordering::Relaxed);
         self.inner.driver.htod(dst, bytemuck::cast_slice(src))
     }
 
     /// Copies to the host and waits; reports kernel-recorded errors (a synchronization point).
     pub fn dtoh<T: bytemuck::Pod>(&self, dst: &mut [T], src: u64) -> Result<()> {
         if !dst.is_empty() {
-            D2H_BYTES.fetch_add(std::mem::size_of_val(dst) as u64, Ordering::Relaxed);
+            self.inner.d2h.fetch_add(std::mem::size_of_val(dst) as u64, Ordering::Relaxed);
             self.inner.driver.dtoh(bytemuck::cast_slice_mut(dst), src)?;
         }
         self.synchronize()
@@ -565,6 +581,11 @@ impl CudaStorage {
 
     fn dev(&self) -> &CudaDevice {
         &self.buf.dev
+    }
+
+    /// The device the storage lives on.
+    pub fn device(&self) -> &CudaDevice {
+        self.dev()
     }
 
     /// Elements held.

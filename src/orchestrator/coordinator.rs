@@ -43,6 +43,8 @@ pub struct Coordinator {
     /// the first `schedule.rollout_devices`, split). Trainer `trainers[i]` is data-parallel rank i.
     pub trainers: Vec<usize>,
     pub generators: Vec<usize>,
+    /// The devices' names (`cpu:4`, `cuda:0`, `cuda-sim:1`), in rank order.
+    pub names: Vec<String>,
     /// Tests: the fault to inject, and the step running now (which phases compare with it).
     pub fault: Option<Fault>,
     pub step: std::sync::atomic::AtomicU64,
@@ -347,6 +349,7 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
         out_dir: out_dir.to_path_buf(),
         trainers,
         generators,
+        names,
         fault: None,
         step: Default::default(),
     };

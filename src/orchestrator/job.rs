@@ -123,7 +123,7 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         let _span = tracing::info_span!("step", step).entered();
         host.step.store(step, Ordering::Relaxed);
         let t_step = Instant::now();
-        let moved0 = crate::device::cuda::transfer_bytes();
+        let moved0 = crate::device::cuda::transfer_bytes_of(&host.names);
         let mut time = PhaseSeconds::default();
         // 1. Rollout (the schedule decides how: synchronous, or ahead of training).
         let t0 = Instant::now();
@@ -201,7 +201,7 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
             devices: host.devices(),
             utilization,
             transfer: {
-                let (h, d) = crate::device::cuda::transfer_bytes();
+                let (h, d) = crate::device::cuda::transfer_bytes_of(&host.names);
                 Transfer { h2d_bytes: h - moved0.0, d2h_bytes: d - moved0.1 }
             },
             max_lag: out.max_lag,

@@ -380,7 +380,7 @@ impl Replica {
                     }
                 }
             }
-            self.trainer.set_learner_quant(Some(lq));
+            self.trainer.set_learner_quant(Some(lq))?;
         }
         self.rw = Some(rw);
         Ok(())

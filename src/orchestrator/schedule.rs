@@ -79,7 +79,7 @@ impl Scheduler {
             return h.resync();
         }
         let (v, master) =
-            h.pool.run_on(h.lead(), "publish", |r| Ok((r.trainer.version, Arc::new(r.trainer.full_weights()))))?;
+            h.pool.run_on(h.lead(), "publish", |r| Ok((r.trainer.version, Arc::new(r.trainer.full_weights()?))))?;
         self.link.publish(v, master)
     }
 

@@ -9,6 +9,7 @@
 
 pub mod calibrate;
 pub mod checkpoint;
+mod device_state;
 pub mod dp;
 pub mod eval;
 pub mod metrics;

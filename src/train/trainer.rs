@@ -5,8 +5,14 @@
 //! holds this device's ZeRO-1 shard and the weights are all-gathered after each update (in BF16
 //! when the compute weights are BF16, else the FP32 master).
 //!
+//! On a single CUDA device the whole step runs there (`device_state.rs`: master, moments and
+//! gradients on the device, the model's device twin, the fused optimizer writing the compute
+//! weights in place); with several devices, or the NVFP4 learner, the step runs on the host as
+//! before (reading widened copies of the compute weights).
+//!
 //! Owns: one device's compute weights, the trainable model, its optimizer shard and gradients.
 
+use super::device_state::DeviceState;
 use super::dp::{sum_triage, Dp};
 use super::optimizer::sum_sq;
 use super::optimizer::{Optimizer, StepInfo};
@@ -59,6 +65,9 @@ pub struct Trainer {
     /// The compute weights: the store the rollout engine reads (no copy).
     pub weights: ModelWeights,
     model: Trainable<f32>,
+    /// One CUDA training device: the state lives there and `opt` keeps only the settings and
+    /// the step counter (its vectors are empty).
+    dstate: Option<DeviceState>,
     /// The optimizer over this device's shard of the flat parameters.
     pub opt: Optimizer,
     ranges: Vec<Range<usize>>,
@@ -119,17 +128,24 @@ impl Trainer {
 
     fn build(cfg: &ModelConfig, weights: ModelWeights, job: &JobConfig, dp: Dp, weights_only: bool) -> Result<Trainer> {
         let objective = Objective::from_job(job)?;
+        let on_cuda = weights.tensors().first().map(|t| !t.storage().is_cpu()).unwrap_or(false);
+        let dstate = if on_cuda && dp.world == 1 && !weights_only {
+            Some(DeviceState::new(cfg, &weights, job.optimizer.kind == super::optimizer::Kind::AdamW)?)
+        } else {
+            None
+        };
+        let host = !weights_only && dstate.is_none();
         let mut ranges = Vec::new();
         let mut master = Vec::new();
         let mut n = 0;
         for t in weights.tensors() {
             ranges.push(n..n + t.numel());
             n += t.numel();
-            if !weights_only {
+            if host {
                 master.extend_from_slice(&t.to_f32_vec()?);
             }
         }
-        let grads = ranges.iter().map(|r| vec![0.0; if weights_only { 0 } else { r.len() }]).collect();
+        let grads = ranges.iter().map(|r| vec![0.0; if host { r.len() } else { 0 }]).collect();
         let shard = if weights_only { 0..0 } else { dp.shard(n) };
         let master = if dp.world == 1 { master } else { master[shard.clone()].to_vec() };
         let gathered = Gathered::new(&weights, if dp.world == 1 || weights_only { 0 } else { n }, shard.len());
@@ -137,10 +153,11 @@ impl Trainer {
             cfg: cfg.clone(),
             weights,
             model: Trainable::new(cfg),
+            dstate,
             opt: Optimizer::new(&job.optimizer, master)?,
             ranges,
             grads,
-            flat_grad: vec![0.0; if weights_only { 0 } else { n }],
+            flat_grad: vec![0.0; if host { n } else { 0 }],
             grad_shard: vec![0.0; shard.len()],
             gathered,
             n_params: n,
@@ -161,9 +178,26 @@ impl Trainer {
         })
     }
 
-    /// Runs the chosen MLP linears of the learner's forward in NVFP4 (None: off).
-    pub fn set_learner_quant(&mut self, q: Option<LearnerQuant>) {
+    /// Runs the chosen MLP linears of the learner's forward in NVFP4 (None: off). The device
+    /// twin has no NVFP4 learner yet: its state moves to the host path.
+    pub fn set_learner_quant(&mut self, q: Option<LearnerQuant>) -> Result<()> {
+        if q.is_some() {
+            if let Some(ds) = self.dstate.take() {
+                tracing::warn!("the NVFP4 learner trains on the host (no device twin yet)");
+                let (master, m, v) = ds.gather()?;
+                let n = master.len();
+                (self.opt.master, self.opt.m, self.opt.v) = (master, m, v);
+                self.grads = self.ranges.iter().map(|r| vec![0.0; r.len()]).collect();
+                self.flat_grad = vec![0.0; n];
+            }
+        }
         self.model.set_quant(q);
+        Ok(())
+    }
+
+    /// Whether the training step runs on a CUDA device (its state there).
+    pub fn on_device(&self) -> bool {
+        self.dstate.is_some()
     }
 
     pub fn num_params(&self) -> usize {
@@ -183,6 +217,7 @@ impl Trainer {
             + self.grad_shard.len())
             + self.gathered.bytes()
             + self.model.activation_bytes()
+            + self.dstate.as_ref().map(|d| d.bytes()).unwrap_or(0)
     }
 
     /// Micro-batches (rollout index ranges) of at most `micro_batch_tokens` tokens each.
@@ -219,6 +254,17 @@ impl Trainer {
         let (mut logp, mut entropy) = (vec![0.0f32; m], vec![0.0f32; m]);
         if rollouts.is_empty() {
             return Ok((logp, entropy, 0));
+        }
+        if let Some(ds) = self.dstate.as_mut() {
+            let mut at = 0;
+            for mb in &mbs {
+                let b = Self::batch(&rollouts[mb.clone()]);
+                let (lp, en) = ds.token_stats(&self.weights, &b, self.temperature, self.chunk)?;
+                logp[at..at + lp.len()].copy_from_slice(&lp);
+                entropy[at..at + en.len()].copy_from_slice(&en);
+                at += lp.len();
+            }
+            return Ok((logp, entropy, mbs.len()));
         }
         let params = param_slices(&self.weights)?;
         let ps: Vec<&[f32]> = params.iter().map(|c| c.as_ref()).collect();
@@ -375,6 +421,22 @@ impl Trainer {
         center: Option<(usize, &[u32], &[f32])>,
         reuse: bool,
     ) -> Result<()> {
+        if self.dstate.is_some() {
+            let mbs = self.micro_batches(rollouts);
+            let (t, chunk) = (self.temperature, self.chunk);
+            let Some(ds) = self.dstate.as_mut() else { return Ok(()) };
+            ds.zero_grads()?;
+            let mut at = 0;
+            for mb in &mbs {
+                let b = Self::batch(&rollouts[mb.clone()]);
+                let k = b.rows.len();
+                let ct = center.map(|(kk, ids, p)| (kk, &ids[at * kk..(at + k) * kk], &p[at * kk..(at + k) * kk]));
+                let forward = !(reuse && mbs.len() == 1);
+                ds.backward(&self.weights, &b, &coef[at..at + k], ct, t, chunk, forward)?;
+                at += k;
+            }
+            return Ok(());
+        }
         for g in &mut self.grads {
             g.fill(0.0);
         }
@@ -415,6 +477,9 @@ impl Trainer {
     /// The optimizer update from `flat_grad`: reduce-scatter over devices, the global norm, this
     /// device's shard of AdamW/SGD, then the all-gather into the compute weights.
     fn apply(&mut self) -> Result<StepInfo> {
+        if let Some(ds) = self.dstate.as_mut() {
+            return ds.apply(&mut self.opt, &mut self.weights);
+        }
         let info = if self.dp.world == 1 {
             self.opt.update(&mut self.flat_grad)?
         } else {
@@ -442,6 +507,14 @@ impl Trainer {
     /// Rewrites the compute weights in place from the FP32 master (rounded to their dtype): this
     /// device's own master with one device, the all-gathered weights with several.
     pub fn write_compute_weights(&mut self) -> Result<()> {
+        if let Some(ds) = &self.dstate {
+            // After a restore: the compute weights from the device master (one round trip).
+            let (master, _, _) = ds.gather()?;
+            for (t, r) in self.weights.tensors_mut().into_iter().zip(&self.ranges) {
+                t.write_f32(&master[r.clone()])?;
+            }
+            return Ok(());
+        }
         let mut wide = Vec::new();
         for (t, r) in self.weights.tensors_mut().into_iter().zip(&self.ranges) {
             match (self.dp.world, &self.gathered) {
@@ -462,12 +535,15 @@ impl Trainer {
     /// placement's generators): this device's FP32 master with one device, the all-gathered
     /// weights with several (the FP32 master, or its BF16 rounding when the compute weights
     /// are BF16: the same compute weights once a generator rounds it).
-    pub fn full_weights(&self) -> Vec<f32> {
-        match (self.dp.world, &self.gathered) {
+    pub fn full_weights(&self) -> Result<Vec<f32>> {
+        if let Some(ds) = &self.dstate {
+            return Ok(ds.gather()?.0);
+        }
+        Ok(match (self.dp.world, &self.gathered) {
             (1, _) => self.opt.master.clone(),
             (_, Gathered::F32(full)) => full.clone(),
             (_, Gathered::Bf16 { full, .. }) => full.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect(),
-        }
+        })
     }
 
     /// A generator's copy of published weights: the compute weights rewritten in place from the
@@ -488,6 +564,9 @@ impl Trainer {
     pub fn gather_state(&mut self) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         if self.weights_only {
             bail!("this device only generates (split placement): it holds no optimizer state");
+        }
+        if let Some(ds) = &self.dstate {
+            return ds.gather();
         }
         if self.dp.world == 1 {
             return Ok((self.opt.master.clone(), self.opt.m.clone(), self.opt.v.clone()));
@@ -525,6 +604,15 @@ impl Trainer {
         if self.weights_only {
             self.load_weights(&master, version)?;
             (self.skipped_steps, self.rollout_steps) = (skipped, rollout_steps);
+            return Ok(());
+        }
+        if let Some(ds) = self.dstate.as_mut() {
+            ds.restore(&master, &m, &v)?;
+            (self.opt.step, self.version, self.skipped_steps, self.rollout_steps) =
+                (opt_step, version, skipped, rollout_steps);
+            for (t, r) in self.weights.tensors_mut().into_iter().zip(&self.ranges) {
+                t.write_f32(&master[r.clone()])?;
+            }
             return Ok(());
         }
         // Each device keeps its shard; the compute weights come from the whole master.

@@ -63,7 +63,8 @@ pub fn rmsnorm_train(
     }
     d.k_rmsnorm_train(ffi::ct_rmsnorm_train_params {
         x: ptr(d, x, &[DType::F32], "rmsnorm input")? as *const f32,
-        w: ptr(d, w, &[DType::F32], "rmsnorm weight")? as *const f32,
+        w: vp(ptr(d, w, FLOATS, "rmsnorm weight")?),
+        w_dtype: code(w.dtype()),
         y: f32p(ptr(d, y, &[DType::F32], "rmsnorm output")?),
         rstd: f32p(ptr(d, rstd, &[DType::F32], "rmsnorm saved 1/rms")?),
         rows: i32_of(m, "rmsnorm rows")?,
@@ -92,7 +93,8 @@ pub fn rmsnorm_bwd(
     d.k_rmsnorm_bwd(ffi::ct_rmsnorm_bwd_params {
         dy: f(dy, "rmsnorm output gradient")? as *const f32,
         x: f(x, "rmsnorm input")? as *const f32,
-        w: f(w, "rmsnorm weight")? as *const f32,
+        w: vp(ptr(d, w, FLOATS, "rmsnorm weight")?),
+        w_dtype: code(w.dtype()),
         rstd: f(rstd, "rmsnorm saved 1/rms")? as *const f32,
         dx: f32p(f(dx, "rmsnorm input gradient")?),
         dw: f32p(f(dw, "rmsnorm weight gradient")?),

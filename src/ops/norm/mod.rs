@@ -56,7 +56,8 @@ pub fn head_rmsnorm(dev: &Device, x: &mut Tensor, w: &Tensor, eps: f32, m: usize
     }
 }
 
-/// Training RMSNorm: y[..m] (m, C) = x·r·w with r per row saved in rstd (m), w f32 (C). The
+/// Training RMSNorm: y[..m] (m, C) = x·r·w with r per row saved in rstd (m), w (C) f32 or the
+/// compute weights' BF16 / F16. The
 /// same op serves the per-head q/k norm (rows = tokens × heads, C = head_dim).
 pub fn rmsnorm_train(
     dev: &Device,
@@ -75,7 +76,8 @@ pub fn rmsnorm_train(
     }
     match dev {
         Device::Cpu(_) => {
-            grad::fwd(m, c, x.f32s()?, w.f32s()?, eps, y.f32s_mut()?, rstd.f32s_mut()?);
+            let wv = w.to_f32_vec()?;
+            grad::fwd(m, c, x.f32s()?, &wv, eps, y.f32s_mut()?, rstd.f32s_mut()?);
             Ok(())
         }
         Device::Cuda(d) => cuda::rmsnorm_train(d, x, w, eps, y, rstd, m),
@@ -106,8 +108,8 @@ pub fn rmsnorm_bwd(
     check_rows(dw, 1, c, "rmsnorm weight gradient")?;
     match dev {
         Device::Cpu(_) => {
-            let (dyv, xv, wv, rv) = (dy.f32s()?, x.f32s()?, w.f32s()?, rstd.f32s()?);
-            grad::bwd(m, c, dyv, xv, wv, rv, dx.f32s_mut()?, accumulate, dw.f32s_mut()?);
+            let (dyv, xv, wv, rv) = (dy.f32s()?, x.f32s()?, w.to_f32_vec()?, rstd.f32s()?);
+            grad::bwd(m, c, dyv, xv, &wv, rv, dx.f32s_mut()?, accumulate, dw.f32s_mut()?);
             Ok(())
         }
         Device::Cuda(d) => cuda::rmsnorm_bwd(d, dy, x, w, rstd, dx, accumulate, dw, m),
