@@ -26,6 +26,15 @@ __device__ __forceinline__ float ct_dot(const float* a, const float* b, int d) {
   return s;
 }
 
+// acc[a] (the dims d = threadIdx.x + a * blockDim.x < D) += sum_jj w[jj] x[row0 + jj][d], jj < n,
+// rows `stride` apart from `base`: one tile's weighted sum of key or value rows, in jj order.
+__device__ __forceinline__ void ct_at_tile_sum(float* acc, const float* w, int n, const float* base, int64_t row0,
+                                               int64_t stride, int D) {
+  for (int a = 0, d = threadIdx.x; d < D; a++, d += blockDim.x) {
+    for (int jj = 0; jj < n; jj++) acc[a] = __fadd_rn(acc[a], __fmul_rn(w[jj], base[(row0 + jj) * stride + d]));
+  }
+}
+
 // Grid (tokens, heads), CT_AT_TILE threads.
 extern "C" __global__ void ct_attn_fwd(ct_attn_train_params p) {
   CT_SHARED(float, qs, CT_AT_MAX_D);
@@ -58,10 +67,7 @@ extern "C" __global__ void ct_attn_fwd(ct_attn_train_params p) {
     const int j = tile + static_cast<int>(threadIdx.x);
     ps[threadIdx.x] = j <= i ? expf(__fsub_rn(__fmul_rn(p.scale, ct_dot(qs, p.k + j * kstride + koff, D)), lse)) : 0.0f;
     __syncthreads();
-    const int n = min(CT_AT_TILE, i - tile + 1);
-    for (int a = 0, d = threadIdx.x; d < D; a++, d += blockDim.x) {
-      for (int jj = 0; jj < n; jj++) acc[a] = __fadd_rn(acc[a], __fmul_rn(ps[jj], p.v[(tile + jj) * kstride + koff + d]));
-    }
+    ct_at_tile_sum(acc, ps, min(CT_AT_TILE, i - tile + 1), p.v + koff, tile, kstride, D);
     __syncthreads();
   }
   for (int a = 0, d = threadIdx.x; d < D; a++, d += blockDim.x) p.o[qrow + d] = acc[a];
@@ -98,10 +104,7 @@ extern "C" __global__ void ct_attn_bwd_dq(ct_attn_train_params p) {
     }
     ps[threadIdx.x] = ds;
     __syncthreads();
-    const int n = min(CT_AT_TILE, i - tile + 1);
-    for (int a = 0, d = threadIdx.x; d < D; a++, d += blockDim.x) {
-      for (int jj = 0; jj < n; jj++) acc[a] = __fadd_rn(acc[a], __fmul_rn(ps[jj], p.k[(tile + jj) * kstride + koff + d]));
-    }
+    ct_at_tile_sum(acc, ps, min(CT_AT_TILE, i - tile + 1), p.k + koff, tile, kstride, D);
     __syncthreads();
   }
   for (int a = 0, d = threadIdx.x; d < D; a++, d += blockDim.x) p.dq[qrow + d] = acc[a];

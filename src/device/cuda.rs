@@ -440,11 +440,7 @@ impl CudaDevice {
         accumulate: bool,
         scales: Option<(u64, u64)>,
     ) -> Result<()> {
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        self.bind()?;
-        self.inner.driver.gemm(GemmKey { m, n, k, ab, accumulate, form: Form::Nt }, w, x, y, alpha, scales)
+        self.run_gemm(GemmKey { m, n, k, ab, accumulate, form: Form::Nt }, w, x, y, alpha, scales)
     }
 
     /// y (m, n) f32 (+)= alpha · op(x) · op(w) through cuBLASLt in `form` (`Form::Nn`: the
@@ -463,11 +459,15 @@ impl CudaDevice {
         alpha: f32,
         accumulate: bool,
     ) -> Result<()> {
-        if m == 0 || n == 0 {
+        self.run_gemm(GemmKey { m, n, k, ab, accumulate, form }, w, x, y, alpha, None)
+    }
+
+    fn run_gemm(&self, key: GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) -> Result<()> {
+        if key.m == 0 || key.n == 0 {
             return Ok(());
         }
         self.bind()?;
-        self.inner.driver.gemm(GemmKey { m, n, k, ab, accumulate, form }, w, x, y, alpha, None)
+        self.inner.driver.gemm(key, w, x, y, alpha, scales)
     }
 
     fn allocator(&self) -> MutexGuard<'_, alloc::Allocator> {

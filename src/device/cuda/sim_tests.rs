@@ -140,3 +140,21 @@ fn pointer_parameters_must_belong_to_the_device_and_be_aligned() {
     assert_eq!(launch(&d0, Kernel::SwizzleSf, (1, 1, 1), 32, 0, &p), "");
     d0.synchronize().unwrap();
 }
+
+#[test]
+fn a_read_that_skips_the_synchronization_sees_poison_not_the_data() {
+    // The seam offers no unsynchronized read (every dtoh waits for the stream). Work is queued,
+    // so memory read behind the stream's back still holds the 0xFF poison: what such a read
+    // would see is garbage, as on a GPU, never the data by luck.
+    let d = Driver::Sim(Sim::new(93, SM90A));
+    let p = d.malloc(16).unwrap();
+    d.htod(p, &[7u8; 16]).unwrap();
+    // SAFETY: `p` is a live simulated allocation of 16 bytes (host memory); nothing runs
+    // concurrently (the queue runs only at a synchronization).
+    let early = unsafe { std::slice::from_raw_parts(p as *const u8, 16) }.to_vec();
+    assert_eq!(early, vec![0xFF; 16], "the queued copy must not have run yet");
+    let mut late = [0u8; 16];
+    d.dtoh(&mut late, p).unwrap();
+    assert_eq!(late, [7u8; 16], "the seam's read waits for the queued copy");
+    d.free(p);
+}
