@@ -119,6 +119,10 @@ impl DeviceTrainable {
         }
         let dev = self.dev.clone();
         let eps = cfg.rms_norm_eps as f32;
+        // The previous micro-batch's activations go back to the allocator first: at most one
+        // micro-batch's set is alive.
+        self.acts.clear();
+        self.batch = None;
         let batch = DevBatch {
             n,
             tokens: up(&dev, b.tokens.clone())?,
@@ -202,6 +206,12 @@ impl DeviceTrainable {
         self.xf = x;
         self.batch = Some(batch);
         Ok(())
+    }
+
+    /// Returns the saved activations to the allocator (between steps, while the engine decodes).
+    pub fn release(&mut self) {
+        self.acts.clear();
+        self.batch = None;
     }
 
     fn batch(&self) -> Result<&DevBatch> {

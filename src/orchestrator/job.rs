@@ -202,7 +202,7 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
             utilization,
             transfer: {
                 let (h, d) = crate::device::cuda::transfer_bytes_of(&host.names);
-                Transfer { h2d_bytes: h - moved0.0, d2h_bytes: d - moved0.1 }
+                Transfer { h2d_bytes: h.saturating_sub(moved0.0), d2h_bytes: d.saturating_sub(moved0.1) }
             },
             max_lag: out.max_lag,
             stale_tokens_masked: out.max_lag.map(|_| out.masked),

@@ -246,9 +246,11 @@ impl Replica {
         let mut std_ec = s.engine.clone();
         let mut roll_ec = rollout_ec.clone();
         let mut teacher_ec = s.engine.clone();
-        // What lives on the device before its KV caches: the trainer's state does only on CPU
-        // devices (on CUDA the trainer still runs on the host).
-        let trainer_here = if dev.is_cpu() { trainer.state_bytes() } else { 0 };
+        // What lives on the device before its KV caches: the trainer's state on CPU devices and
+        // on a CUDA device that trains there (one training GPU: master, moments, gradients;
+        // its activations are not planned yet and live in the tenth kept free below); with
+        // several GPUs the trainer runs on the host.
+        let trainer_here = if dev.is_cpu() || trainer.on_device() { trainer.state_bytes() } else { 0 };
         let teacher_bytes = teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0);
         let used = trainer.weights.size_bytes() + trainer_here + teacher_bytes + engine_buffers;
         let budget = job.run.memory_budget_mb.map(|m| m << 20).or(dev.memory_budget());

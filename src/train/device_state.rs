@@ -83,6 +83,11 @@ impl DeviceState {
         Ok((lp.to_f32_vec()?, en.to_f32_vec()?))
     }
 
+    /// Frees the saved activations (the step is over).
+    pub fn release(&mut self) {
+        self.model.release();
+    }
+
     pub fn zero_grads(&mut self) -> Result<()> {
         for g in &mut self.grads {
             *g = self.dev.zeros(DType::F32, g.shape())?;

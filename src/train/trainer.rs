@@ -158,7 +158,7 @@ impl Trainer {
             ranges,
             grads,
             flat_grad: vec![0.0; if host { n } else { 0 }],
-            grad_shard: vec![0.0; shard.len()],
+            grad_shard: vec![0.0; if host { shard.len() } else { 0 }],
             gathered,
             n_params: n,
             weights_only,
@@ -182,13 +182,16 @@ impl Trainer {
     /// twin has no NVFP4 learner yet: its state moves to the host path.
     pub fn set_learner_quant(&mut self, q: Option<LearnerQuant>) -> Result<()> {
         if q.is_some() {
-            if let Some(ds) = self.dstate.take() {
+            if let Some(ds) = &self.dstate {
                 tracing::warn!("the NVFP4 learner trains on the host (no device twin yet)");
+                // Gathered before the device state is dropped: a failure leaves it in place.
                 let (master, m, v) = ds.gather()?;
                 let n = master.len();
                 (self.opt.master, self.opt.m, self.opt.v) = (master, m, v);
                 self.grads = self.ranges.iter().map(|r| vec![0.0; r.len()]).collect();
                 self.flat_grad = vec![0.0; n];
+                self.grad_shard = vec![0.0; n];
+                self.dstate = None;
             }
         }
         self.model.set_quant(q);
@@ -405,6 +408,9 @@ impl Trainer {
             t.repair_mass /= parts.len() as f64;
         }
         out.updates = applied;
+        if let Some(ds) = self.dstate.as_mut() {
+            ds.release();
+        }
         if applied == 0 {
             self.skipped_steps += 1;
             out.skipped = true;
@@ -507,13 +513,8 @@ impl Trainer {
     /// Rewrites the compute weights in place from the FP32 master (rounded to their dtype): this
     /// device's own master with one device, the all-gathered weights with several.
     pub fn write_compute_weights(&mut self) -> Result<()> {
-        if let Some(ds) = &self.dstate {
-            // After a restore: the compute weights from the device master (one round trip).
-            let (master, _, _) = ds.gather()?;
-            for (t, r) in self.weights.tensors_mut().into_iter().zip(&self.ranges) {
-                t.write_f32(&master[r.clone()])?;
-            }
-            return Ok(());
+        if self.dstate.is_some() {
+            bail!("write_compute_weights: on the device the optimizer step writes the compute weights");
         }
         let mut wide = Vec::new();
         for (t, r) in self.weights.tensors_mut().into_iter().zip(&self.ranges) {
