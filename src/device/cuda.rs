@@ -588,6 +588,11 @@ impl CudaStorage {
         self.dev()
     }
 
+    /// Zeroes every element, queued on the device's stream.
+    pub fn fill_zero(&mut self) -> Result<()> {
+        self.dev().memset0(self.ptr, self.len * self.dtype.size())
+    }
+
     /// Elements held.
     pub fn len(&self) -> usize {
         self.len

@@ -311,6 +311,21 @@ impl Tensor {
         }
     }
 
+    /// Sets every element to zero, in place (on a CUDA device, a memset queued on its stream).
+    pub fn fill_zero(&mut self) -> Result<()> {
+        match &mut self.storage {
+            Storage::Cpu(c) => match c {
+                CpuStorage::F32(v) => v.fill(0.0),
+                CpuStorage::BF16(v) => v.fill(half::bf16::ZERO),
+                CpuStorage::F16(v) => v.fill(f16::ZERO),
+                CpuStorage::U8(v) => v.fill(0),
+                CpuStorage::U32(v) => v.fill(0),
+            },
+            Storage::Cuda(c) => c.fill_zero()?,
+        }
+        Ok(())
+    }
+
     /// Overwrites the first `data.len()` elements of a float tensor from host f32 values.
     pub fn write_f32(&mut self, data: &[f32]) -> Result<()> {
         if data.len() > self.numel() {

@@ -67,13 +67,9 @@ pub struct DeviceTrainable {
     batch: Option<DevBatch>,
 }
 
+/// `v` as a u32 tensor on `dev` (no copy on CPU).
 fn up(dev: &Device, v: Vec<u32>) -> Result<Tensor> {
-    let h = Tensor::from_u32_host(&[v.len()], v)?;
-    if dev.is_cpu() {
-        Ok(h)
-    } else {
-        dev.upload(h)
-    }
+    dev.upload(Tensor::from_u32_host(&[v.len()], v)?)
 }
 
 impl DeviceTrainable {

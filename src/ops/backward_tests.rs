@@ -68,14 +68,7 @@ fn backward_ops(dev: &Device) {
     let (v, c) = (6usize, 33usize);
     let ids = vec![3u32, 1, 3, 0, 5, 3, 1, 0, 2];
     let (dxs, t0) = (data(ids.len() * c, 13), data(v * c, 14));
-    let idt = {
-        let h = Tensor::from_u32_host(&[ids.len()], ids.clone()).unwrap();
-        if dev.is_cpu() {
-            h
-        } else {
-            dev.upload(h).unwrap()
-        }
-    };
+    let idt = dev.upload(Tensor::from_u32_host(&[ids.len()], ids.clone()).unwrap()).unwrap();
     let mut dt = t(&[v, c], &t0);
     elementwise::embed_bwd(dev, &idt, &t(&[ids.len(), c], &dxs), &mut dt, ids.len(), Some(0)).unwrap();
     let mut dt64 = f64s(&t0);
@@ -105,7 +98,7 @@ fn the_ordered_backward_kernels_equal_the_cpu_bit_for_bit() {
         linear::bias_grad(dev, &t(&[300, 40], &data(12000, 24)), &mut db, 300).unwrap();
         let ids = vec![2u32, 2, 2, 1, 2, 0, 1];
         let h = Tensor::from_u32_host(&[7], ids).unwrap();
-        let idt = if dev.is_cpu() { h } else { dev.upload(h).unwrap() };
+        let idt = dev.upload(h).unwrap();
         let mut dt = t(&[3, 16], &data(48, 25));
         elementwise::embed_bwd(dev, &idt, &t(&[7, 16], &data(112, 26)), &mut dt, 7, None).unwrap();
         [x, db, dt].map(|t| t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>())
@@ -124,14 +117,7 @@ fn attention_train(dev: &Device) {
     use super::attention::train::{self, Packed};
     let cu: Vec<u32> = vec![0, 5, 6, 136, 136, 145];
     let t = 145usize;
-    let cu_t = {
-        let h = Tensor::from_u32_host(&[cu.len()], cu.clone()).unwrap();
-        if dev.is_cpu() {
-            h
-        } else {
-            dev.upload(h).unwrap()
-        }
-    };
+    let cu_t = dev.upload(Tensor::from_u32_host(&[cu.len()], cu.clone()).unwrap()).unwrap();
     let cus: Vec<usize> = cu.iter().map(|&x| x as usize).collect();
     for (h, hkv, d) in [(2usize, 2usize, 24usize), (6, 2, 64), (7, 1, 128)] {
         let s = Shape { heads: h, kv_heads: hkv, head_dim: d };

@@ -31,10 +31,6 @@ pub(super) struct DeviceState {
     layouts: Vec<Layout>,
 }
 
-fn up_u32(dev: &Device, v: Vec<u32>) -> Result<Tensor> {
-    dev.upload(Tensor::from_u32_host(&[v.len()], v)?)
-}
-
 impl DeviceState {
     /// The state for `weights` (on a CUDA device), the master initialized from them.
     pub fn new(cfg: &ModelConfig, weights: &ModelWeights, adam: bool) -> Result<DeviceState> {
@@ -89,10 +85,7 @@ impl DeviceState {
     }
 
     pub fn zero_grads(&mut self) -> Result<()> {
-        for g in &mut self.grads {
-            *g = self.dev.zeros(DType::F32, g.shape())?;
-        }
-        Ok(())
+        self.grads.iter_mut().try_for_each(|g| g.fill_zero())
     }
 
     /// The fused loss pass and the backward of micro-batch `b` into the gradients (`forward`:
@@ -114,9 +107,11 @@ impl DeviceState {
         }
         let c = self.dev.from_f32(DType::F32, &[coef.len()], coef)?;
         let ct = match center {
-            Some((k, ids, probs)) => {
-                Some((k, up_u32(&self.dev, ids.to_vec())?, self.dev.from_f32(DType::F32, &[probs.len()], probs)?))
-            }
+            Some((k, ids, probs)) => Some((
+                k,
+                self.dev.upload(Tensor::from_u32_host(&[ids.len()], ids.to_vec())?)?,
+                self.dev.from_f32(DType::F32, &[probs.len()], probs)?,
+            )),
             None => None,
         };
         let dc = ct.as_ref().map(|(k, ids, probs)| DevCenter { k: *k, ids, probs });
@@ -124,15 +119,11 @@ impl DeviceState {
         Ok(())
     }
 
-    /// The optimizer update on the device: the global norm (per-tensor f64 sums, added on the
-    /// host), clipping and skipping decided by `opt` as on the host, then one fused step per
+    /// The optimizer update on the device: the global norm (per-tensor f64 sums, read back
+    /// together and added on the host), clipping and skipping decided by `opt` as on the host, then one fused step per
     /// tensor that rewrites that tensor's compute weights in place.
     pub fn apply(&mut self, opt: &mut Optimizer, weights: &mut ModelWeights) -> Result<StepInfo> {
-        let mut sq = 0.0;
-        for g in &self.grads {
-            sq += optim::sum_sq(&self.dev, g)?;
-        }
-        let norm = sq.sqrt();
+        let norm = optim::sum_sq_all(&self.dev, &self.grads.iter().collect::<Vec<_>>())?.sqrt();
         if !norm.is_finite() {
             return Ok(StepInfo { grad_norm: norm, clip_coef: 0.0, lr: 0.0, skipped: true });
         }

@@ -82,14 +82,7 @@ fn rel_norm(got: &[f32], want: &[f64]) -> f64 {
 fn fused_loss(dev: &Device) {
     let x = inputs();
     let n = x.rows.len();
-    let up = |v: Vec<u32>| {
-        let t = Tensor::from_u32_host(&[v.len()], v).unwrap();
-        if dev.is_cpu() {
-            t
-        } else {
-            dev.upload(t).unwrap()
-        }
-    };
+    let up = |v: Vec<u32>| dev.upload(Tensor::from_u32_host(&[v.len()], v).unwrap()).unwrap();
     let (rows, targets, ids) = (up(x.rows.clone()), up(x.targets.clone()), up(x.ids.clone()));
     let h = dev.from_f32(DType::F32, &[N_H, C], &x.h).unwrap();
     let coef = dev.from_f32(DType::F32, &[n], &x.coef).unwrap();

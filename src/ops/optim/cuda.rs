@@ -113,24 +113,31 @@ pub fn step(
     Ok(())
 }
 
-pub fn sum_sq(d: &CudaDevice, g: &Tensor) -> Result<f64> {
-    let n = g.numel();
-    if n == 0 {
+/// Each tensor's Σ g² into its own f64 slot (ct_sum_sq, then ct_sum_sq_finish), one read back.
+pub fn sum_sq_all(d: &CudaDevice, gs: &[&Tensor]) -> Result<f64> {
+    if gs.is_empty() {
         return Ok(0.0);
     }
-    let blocks = n.div_ceil(CHUNK);
-    let partial = d.scratch(blocks * 8, "squared-norm partial sums")?;
-    let out = d.scratch(8, "squared norm")?;
-    let p = ffi::ct_sum_sq_params {
-        g: ptr(d, g, &[DType::F32], "gradient")? as *const f32,
-        n: n as i64,
-        per_block: CHUNK as i64,
-        partial: partial.ptr as *mut f64,
-        blocks: i32_of(blocks, "squared-norm blocks")?,
-        out: out.ptr as *mut f64,
-    };
-    d.k_sum_sq(p)?;
-    let mut r = [0.0f64];
+    let out = d.scratch(gs.len() * 8, "squared norms")?;
+    d.memset0(out.ptr, gs.len() * 8)?;
+    let most = gs.iter().map(|g| g.numel().div_ceil(CHUNK)).max().unwrap_or(0);
+    let partial = d.scratch(most.max(1) * 8, "squared-norm partial sums")?;
+    for (i, g) in gs.iter().enumerate() {
+        let n = g.numel();
+        if n == 0 {
+            continue;
+        }
+        let blocks = n.div_ceil(CHUNK);
+        d.k_sum_sq(ffi::ct_sum_sq_params {
+            g: ptr(d, g, &[DType::F32], "gradient")? as *const f32,
+            n: n as i64,
+            per_block: CHUNK as i64,
+            partial: partial.ptr as *mut f64,
+            blocks: i32_of(blocks, "squared-norm blocks")?,
+            out: (out.ptr + 8 * i as u64) as *mut f64,
+        })?;
+    }
+    let mut r = vec![0.0f64; gs.len()];
     d.dtoh(&mut r, out.ptr)?;
-    Ok(r[0])
+    Ok(r.iter().sum())
 }

@@ -174,9 +174,17 @@ pub fn step(
 /// Σ g² of a flat F32 tensor, in f64 (the square of its L2 norm). The CUDA twin sums in
 /// another (fixed) order: equal to the CPU's within f64 rounding.
 pub fn sum_sq(dev: &Device, g: &Tensor) -> Result<f64> {
-    check_flat(g, g.numel(), &[DType::F32], "gradient")?;
+    sum_sq_all(dev, &[g])
+}
+
+/// Σ g² over every tensor of `gs` (F32, any shape), in f64: each tensor's sum (as
+/// [`sum_sq`]) added in order. The CUDA twin reads all the sums back in one copy.
+pub fn sum_sq_all(dev: &Device, gs: &[&Tensor]) -> Result<f64> {
+    for g in gs {
+        check_flat(g, g.numel(), &[DType::F32], "gradient")?;
+    }
     match dev {
-        Device::Cpu(_) => Ok(cpu::sum_sq(g.f32s()?)),
-        Device::Cuda(d) => cuda::sum_sq(d, g),
+        Device::Cpu(_) => gs.iter().map(|g| Ok(cpu::sum_sq(g.f32s()?))).sum(),
+        Device::Cuda(d) => cuda::sum_sq_all(d, gs),
     }
 }
