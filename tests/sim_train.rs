@@ -164,3 +164,61 @@ fn bf16_compute_weights_on_the_simulator_step_like_the_cpu() {
         }
     }
 }
+
+/// The fused amax end to end: after a device update (AdamW, BF16 compute weights), an FP8 and an
+/// NVFP4 rollout engine resynced from the optimizer's amax (`Trainer::weight_amax`) hold the
+/// very codes, block scales and scales of an engine that requantizes with its own amax pass.
+#[test]
+fn a_quantized_engine_resyncs_from_the_optimizers_amax() {
+    use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
+    use colotrain::model::calib::Calibration;
+    use colotrain::quant::recipe::{KvScale, Recipe};
+    let sim = Device::Cuda(CudaDevice::sim_arch(0, Some("sm_90a")).unwrap());
+    let c = &cases()[0];
+    let lm = load_fixture(c.model, &sim, DType::BF16);
+    let cfg = lm.cfg.clone();
+    let rollouts = read_file(&c.rollouts, cfg.vocab_size).unwrap();
+    let toml = c.toml.replace("kind = \"sgd\"\nlr = 1.0", "kind = \"adamw\"\nlr = 1e-3");
+    let mut tr = Trainer::new(&cfg, lm.weights, &JobConfig::from_toml(&toml, "inline").unwrap()).unwrap();
+    assert!(tr.weight_amax().is_none(), "no amax before the first update");
+    tr.step(&rollouts).unwrap();
+    let amax = tr.weight_amax().expect("the device update's amax");
+    let mut cal = Calibration::new(Calibration::fingerprint(&cfg), cfg.num_layers);
+    for l in 0..cfg.num_layers {
+        (cal.input_amax[l], cal.k_amax[l], cal.v_amax[l]) = ([4.0; 4], 6.0, 3.0);
+    }
+    for recipe in ["fp8", "nvfp4"] {
+        let spec = EngineSpec {
+            recipe: Recipe::preset(recipe, cfg.num_layers, &[], KvScale::Fixed(1.0), Default::default()).unwrap(),
+            noise_sigma: 0.0,
+            noise_seed: 0,
+            staleness: 0,
+        };
+        let mut fused = RolloutWeights::new(&sim, &spec, &cfg, &tr.weights, Some(&cal), 0).unwrap();
+        let mut plain = RolloutWeights::new(&sim, &spec, &cfg, &tr.weights, Some(&cal), 0).unwrap();
+        fused.sync_with_amax(&tr.weights, 1, Some(amax)).unwrap();
+        plain.sync(&tr.weights, 1).unwrap();
+        let (fq, pq) = (fused.quant.as_ref().unwrap(), plain.quant.as_ref().unwrap());
+        let mut checked = 0;
+        for (fl, pl) in fq.layers.iter().zip(&pq.layers) {
+            for (f, p) in fl.w.iter().zip(&pl.w) {
+                let (Some(f), Some(p)) = (f, p) else { continue };
+                assert_eq!(f.scale.to_bits(), p.scale.to_bits(), "{recipe}: scale");
+                let raw = |t: &colotrain::device::Tensor| match t.storage() {
+                    colotrain::device::Storage::Cuda(s) => {
+                        let mut b = vec![0u8; t.numel()];
+                        s.read_raw(&mut b).unwrap();
+                        b
+                    }
+                    _ => panic!("engine buffers on the device"),
+                };
+                assert_eq!(raw(&f.codes), raw(&p.codes), "{recipe}: codes");
+                if recipe == "nvfp4" {
+                    assert_eq!(raw(&f.block_scales), raw(&p.block_scales), "{recipe}: block scales");
+                }
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 7 * cfg.num_layers, "{recipe}: every linear quantized and compared");
+    }
+}

@@ -436,10 +436,14 @@ typedef struct ct_lm_params {
 
 /* One piece of the multi-tensor optimizer: elements [start, start + len) of the flat vectors,
  * all of tensor `tensor` (its amax slot). One block per chunk. */
+/* One chunk of the multi-tensor step: values [start, start + len) of the flat master, moments
+ * and gradient, all in parameter `tensor`, whose compute weights for this chunk start at
+ * `compute` (the tensor's own buffer, offset to the chunk; NULL: none written). */
 typedef struct ct_opt_chunk {
   int64_t start;
   int32_t len;
   int32_t tensor;
+  void* compute;
 } ct_opt_chunk;
 
 /* Sum of g[i]^2 over [0, n) in f64, deterministic: block b sums elements
@@ -458,15 +462,15 @@ typedef struct ct_sum_sq_params {
  * the f32 operations of src/ops/optim/cpu.rs in the same order: grad *= clip; SGD:
  * g += wd * p, p -= lr * g; AdamW: p *= decay, m = b1 m + omb1 g, v = b2 v + (omb2 g) g,
  * p -= (step_size m) / (sqrt(v) / bc2_sqrt + eps). Then the compute weights are written from
- * the new master (rounded to compute_dtype) and, while they are, each tensor's amax of them
+ * the new master (rounded to compute_dtype, into each chunk's `compute`: the compute weights
+ * are the parameters' own tensors, not one flat buffer) and, while they are, each tensor's amax of them
  * (max |w| as f32 bits, atomicMax into amax_bits[tensor], which the caller zeroed). */
 typedef struct ct_optim_params {
   float* master;          /* (n) */
   float* m;               /* (n), AdamW only */
   float* v;               /* (n), AdamW only */
   float* grad;            /* (n), scaled by clip in place */
-  void* compute;          /* (n) compute_dtype, or NULL */
-  int32_t compute_dtype;
+  int32_t compute_dtype;  /* of every chunk's compute weights */
   const ct_opt_chunk* chunks;
   int32_t num_chunks;
   uint32_t* amax_bits;    /* (tensors), or NULL */

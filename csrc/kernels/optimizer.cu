@@ -5,6 +5,8 @@
 //   ct_optim          <- src/ops/optim/cpu.rs update (AdamW / SGD, clipping) and compute_from_master
 //                        (the compute weights rounded from the master, each tensor's amax of them)
 //   ct_sum_sq(+finish) <- src/ops/optim/cpu.rs sum_sq (f64; the order differs, so not bitwise)
+// The compute weights are each parameter's own tensor (the engine's buffers): each chunk
+// carries the address of its part, so one launch covers every parameter.
 // The per-tensor amax is what a quantized engine's in-place requantize needs before it can
 // quantize (FP8's scale, NVFP4's global scale): reduced here while the weights are written,
 // the requantize reads the weights once. (The per-16 NVFP4 block amax needs no pass of its
@@ -56,9 +58,9 @@ extern "C" __global__ void ct_optim(ct_optim_params p) {
       w = __fsub_rn(w, __fmul_rn(p.lr, gd));
     }
     p.master[i] = w;
-    if (p.compute != nullptr) {
-      ct_store(p.compute, p.compute_dtype, i, w);
-      amax = fmaxf(amax, fabsf(ct_load(p.compute, p.compute_dtype, i)));
+    if (c.compute != nullptr) {
+      ct_store(c.compute, p.compute_dtype, j, w);
+      amax = fmaxf(amax, fabsf(ct_load(c.compute, p.compute_dtype, j)));
     }
   }
   if (p.amax_bits != nullptr) {

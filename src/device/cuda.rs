@@ -552,9 +552,11 @@ impl Drop for DevBuf {
     }
 }
 
-/// The storage of a CUDA tensor: `len` elements of `dtype` in one device allocation.
+/// The storage of a CUDA tensor: `len` elements of `dtype` at `ptr`, inside one device
+/// allocation that it owns or shares with other views of it ([`CudaStorage::view`]: the
+/// allocation is freed when its last view is dropped).
 pub struct CudaStorage {
-    buf: DevBuf,
+    buf: std::sync::Arc<DevBuf>,
     ptr: u64,
     len: usize,
     dtype: DType,
@@ -576,7 +578,18 @@ impl std::fmt::Debug for CudaStorage {
 impl CudaStorage {
     fn alloc(dev: &CudaDevice, dtype: DType, len: usize, what: &str) -> Result<CudaStorage> {
         let buf = dev.scratch(len * dtype.size(), what)?;
-        Ok(CudaStorage { ptr: buf.ptr, buf, len, dtype })
+        Ok(CudaStorage { ptr: buf.ptr, buf: std::sync::Arc::new(buf), len, dtype })
+    }
+
+    /// A view of `len` elements from element `offset` of this storage, sharing its allocation
+    /// (the flat trainer buffers with per-tensor views). Writes through either are writes to
+    /// the same device memory: the stream orders them, as for any two tensors.
+    pub fn view(&self, offset: usize, len: usize) -> Result<CudaStorage> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            bail!("a view of {len} values at {offset} of a tensor of {}", self.len);
+        }
+        let ptr = self.ptr + (offset * self.dtype.size()) as u64;
+        Ok(CudaStorage { buf: self.buf.clone(), ptr, len, dtype: self.dtype })
     }
 
     fn dev(&self) -> &CudaDevice {

@@ -267,6 +267,31 @@ impl Tensor {
         }
     }
 
+    /// A tensor of `shape` over this one's elements from `offset`, sharing its device memory
+    /// (CUDA only: the flat trainer buffers with per-tensor views; host tensors own their
+    /// vectors).
+    pub fn view(&self, offset: usize, shape: &[usize]) -> Result<Tensor> {
+        match &self.storage {
+            Storage::Cuda(c) => Ok(Tensor::from_storage(shape, Storage::Cuda(c.view(offset, numel(shape))?))),
+            Storage::Cpu(_) => bail!("a view of a host tensor (views are for device buffers)"),
+        }
+    }
+
+    /// Copies a U32 tensor to the host (any device).
+    pub fn to_u32_vec(&self) -> Result<Vec<u32>> {
+        if self.dtype() != DType::U32 {
+            bail!("to_u32_vec on a {} tensor", self.dtype().name());
+        }
+        match &self.storage {
+            Storage::Cpu(_) => Ok(self.u32s()?.to_vec()),
+            Storage::Cuda(c) => {
+                let mut out = vec![0u32; c.len()];
+                c.read_raw(&mut out)?;
+                Ok(out)
+            }
+        }
+    }
+
     /// Copies the first `out.len()` elements of a float tensor of any dtype to the host as f32.
     pub fn read_f32_into_any(&self, out: &mut [f32]) -> Result<()> {
         if out.len() > self.numel() {

@@ -150,6 +150,18 @@ impl RolloutWeights {
 
     /// Rewrites the engine's buffers from the trainer's weights `w` at `version`, in place.
     pub fn sync(&mut self, w: &ModelWeights, version: u64) -> Result<()> {
+        self.sync_with_amax(w, version, None)
+    }
+
+    /// [`Self::sync`], given each parameter's amax of `w` as the device optimizer reduced it
+    /// (`Trainer::weight_amax`): a quantized view made from `w` itself (no staleness ring, no
+    /// noise copy) then skips its own amax pass.
+    pub fn sync_with_amax(
+        &mut self,
+        w: &ModelWeights,
+        version: u64,
+        amax: Option<&crate::device::Tensor>,
+    ) -> Result<()> {
         // Staleness: the ring holds versions v−k..v; the oldest slot is reused for v.
         let base_version = if self.spec.staleness > 0 {
             if let Some((v, _)) = self.ring.back() {
@@ -193,7 +205,10 @@ impl RolloutWeights {
             None => base,
         };
         if let Some(q) = &mut self.quant {
-            q.sync(&self.dev, dense)?;
+            match amax {
+                Some(a) if std::ptr::eq(dense, w) => q.sync_known(&self.dev, dense, a)?,
+                _ => q.sync(&self.dev, dense)?,
+            }
         }
         self.version = base_version;
         self.syncs += 1;

@@ -131,6 +131,26 @@ impl QuantState {
         Ok(())
     }
 
+    /// [`Self::sync`] on CUDA with each parameter's amax of `w` already on the device (`amax`:
+    /// f32 bits in parameter order, what the device optimizer reduced while it wrote `w`): one
+    /// encode kernel per quantized weight, no amax pass.
+    pub fn sync_known(&mut self, dev: &Device, w: &ModelWeights, amax: &crate::device::Tensor) -> Result<()> {
+        // Each quantized weight's parameter index, by identity with w's tensors.
+        let index: std::collections::HashMap<usize, usize> =
+            w.tensors().iter().enumerate().map(|(i, t)| (*t as *const _ as usize, i)).collect();
+        let targets = self.layers.iter_mut().zip(&w.layers).zip(&self.names).flat_map(|((ql, lw), names)| {
+            ql.w.iter_mut()
+                .enumerate()
+                .filter_map(move |(i, q)| q.as_mut().map(|q| (dense(lw, i), q, names[i].as_str())))
+        });
+        let mut items: Vec<_> = targets.collect();
+        let slots: Vec<Option<usize>> =
+            items.iter().map(|(src, _, _)| index.get(&(*src as *const _ as usize)).copied()).collect();
+        crate::ops::quantize::requantize_all_known(dev, &mut items, amax, &slots)?;
+        self.syncs += 1;
+        Ok(())
+    }
+
     /// Bytes of the quantized weight buffers.
     pub fn size_bytes(&self) -> usize {
         self.layers.iter().flat_map(|l| l.w.iter().flatten()).map(|q| q.size_bytes()).sum()

@@ -73,6 +73,25 @@ fn up(dev: &Device, v: Vec<u32>) -> Result<Tensor> {
 }
 
 impl DeviceTrainable {
+    /// Peak device bytes of one micro-batch of `tokens` tokens (f32 throughout): what
+    /// [`Self::forward`] saves (every layer's `Acts`, the final stream, the RoPE tables, the
+    /// batch's ids), the backward's working buffers, and the fused loss's chunk of logits with
+    /// its gathered rows — what the memory plan reserves before it sizes the KV caches. The
+    /// BF16 operand copies of the GEMMs (one (tokens, max(C, I, H·D)) at a time) are counted.
+    pub fn activation_bytes(cfg: &ModelConfig, tokens: usize, chunk: usize) -> usize {
+        let (c, i, h, hkv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let (qd, kd) = (h * d, hkv * d);
+        // Saved per layer: x h1 x2 h2 | qraw q att | kraw k v | rq lse rk | rstd1 rstd2 | g u a.
+        let layer = 4 * c + 3 * qd + 3 * kd + 2 * h + hkv + 2 + 3 * i;
+        // Final stream and norm (xf hf rstdf), RoPE tables (cos sin), tokens positions rows targets.
+        let once = 2 * c + 1 + d + 4;
+        // Backward: dh dx dh2 dh1 | da dg du | datt dq dqr | dk dv dkr.
+        let bwd = 4 * c + 3 * i + 3 * qd + 3 * kd;
+        let per_token = 4 * (cfg.num_layers * layer + once + bwd) + 2 * c.max(i).max(qd);
+        let rows = chunk.min(tokens);
+        tokens * per_token + 4 * rows * (cfg.vocab_size + 2 * c)
+    }
+
     pub fn new(cfg: &ModelConfig, dev: &Device) -> Result<DeviceTrainable> {
         let f = super::rope::inv_freq(&cfg.rope, cfg.head_dim);
         let z = |shape: &[usize]| dev.zeros(DType::F32, shape);
@@ -451,6 +470,53 @@ mod tests {
     #[test]
     fn device_twin_sim() {
         every_arch(&Device::parse("cuda-sim:0").unwrap());
+    }
+
+    /// The memory plan's activation reserve covers what a step allocates beyond the weights:
+    /// the forward's saved state, the loss pass and the backward of 16 sequences of 20 tokens
+    /// on a device of its own (cuda-sim:7), measured by the allocator's high-water mark; and it
+    /// is no more than twice that (the plan does not waste the KV cache's room).
+    #[test]
+    fn the_planned_activation_bytes_cover_a_step() {
+        let dev = Device::parse("cuda-sim:7").unwrap();
+        let Device::Cuda(cd) = &dev else { panic!("a simulated CUDA device") };
+        let spec = TinySpec {
+            arch: "qwen3".into(),
+            layers: 2,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: Some(16),
+            intermediate: Some(160),
+            vocab: 300,
+            max_position: 64,
+            tie: false,
+        };
+        let cfg = tiny_config(&spec).unwrap();
+        let specs = param_specs(&cfg);
+        let pt: Vec<Tensor> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, (_, s))| dev.from_f32(DType::F32, s, &data(s.iter().product(), i as u64, 0.1, 0.0)).unwrap())
+            .collect();
+        let pr: Vec<&Tensor> = pt.iter().collect();
+        let mut grads: Vec<Tensor> = specs.iter().map(|(_, s)| dev.zeros(DType::F32, s).unwrap()).collect();
+        let mut b = TrainBatch::default();
+        for i in 0..16u32 {
+            b.push(&[1 + i, 2, 3, 4, 5], &(0..15).map(|j| (i * 7 + j * 3) % 300).collect::<Vec<_>>());
+        }
+        let (n, m, chunk) = (b.tokens.len(), b.rows.len(), 64);
+        let coef = dev.from_f32(DType::F32, &[m], &data(m, 1, 1.0, 0.0)).unwrap();
+        let (mut lp, mut en) = (dev.zeros(DType::F32, &[m]).unwrap(), dev.zeros(DType::F32, &[m]).unwrap());
+        let mut t = DeviceTrainable::new(&cfg, &dev).unwrap();
+        let (in_use, cached, _, _) = cd.memory();
+        t.forward(&pr, &b).unwrap();
+        t.token_stats(&pr, 1.0, chunk, &mut lp, &mut en).unwrap();
+        t.backward(&pr, &coef, None, 1.0, chunk, &mut grads).unwrap();
+        let used = cd.memory().2 - (in_use + cached);
+        let planned = DeviceTrainable::activation_bytes(&cfg, n, chunk);
+        eprintln!("{n} tokens: {used} bytes used, {planned} planned");
+        assert!(used <= planned && planned <= 2 * used, "{n} tokens: {used} bytes used, {planned} planned");
     }
 
     #[cfg(feature = "cuda")]

@@ -185,6 +185,8 @@ pub struct Replica {
     rw: Option<RolloutWeights>,
     pub teacher: Option<(ModelWeights, Engine)>,
     pub student_dir: std::path::PathBuf,
+    /// The activation bytes the plan reserved for a device trainer (0 on the host path).
+    activations: usize,
 }
 
 /// Loads the model at `dir` with the dtype of its source (the config's `dtype`; default F32
@@ -247,10 +249,15 @@ impl Replica {
         let mut roll_ec = rollout_ec.clone();
         let mut teacher_ec = s.engine.clone();
         // What lives on the device before its KV caches: the trainer's state on CPU devices and
-        // on a CUDA device that trains there (one training GPU: master, moments, gradients;
-        // its activations are not planned yet and live in the tenth kept free below); with
-        // several GPUs the trainer runs on the host.
-        let trainer_here = if dev.is_cpu() || trainer.on_device() { trainer.state_bytes() } else { 0 };
+        // on a CUDA device that trains there (one training GPU: master, moments, gradient, and
+        // the activations of one micro-batch — with objective.micro_batch_tokens = 0, of a
+        // whole step's responses at max_new_tokens each plus as many prompt tokens, a bound
+        // the data does not give before it is read); with several GPUs the trainer runs on the
+        // host.
+        let step_tokens =
+            2 * job.rollout.prompts_per_step * job.rollout.samples_per_prompt * job.rollout.max_new_tokens;
+        let activations = trainer.activation_plan_bytes(step_tokens);
+        let trainer_here = if dev.is_cpu() || trainer.on_device() { trainer.state_bytes() + activations } else { 0 };
         let teacher_bytes = teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0);
         let used = trainer.weights.size_bytes() + trainer_here + teacher_bytes + engine_buffers;
         let budget = job.run.memory_budget_mb.map(|m| m << 20).or(dev.memory_budget());
@@ -340,7 +347,17 @@ impl Replica {
         let std_engine = Engine::new(&dev, &cfg, dtype, &std_ec, student.text.clone())?;
         let rollout_engine =
             if standard { None } else { Some(Engine::new(&dev, &cfg, dtype, &roll_ec, student.text.clone())?) };
-        Ok(Replica { rank, dev, trainer, std_engine, rollout_engine, rw: None, teacher, student_dir: student.dir })
+        Ok(Replica {
+            rank,
+            dev,
+            trainer,
+            std_engine,
+            rollout_engine,
+            rw: None,
+            teacher,
+            student_dir: student.dir,
+            activations,
+        })
     }
 
     /// The calibration pass on the standard engine (one device runs it; all use the result).
@@ -511,11 +528,12 @@ impl Replica {
     }
 
     /// The engine's resync after an update: a standard engine reads the trainer's weights in
-    /// place (nothing to do); the others rewrite their preallocated buffers.
+    /// place (nothing to do); the others rewrite their preallocated buffers (a quantized one
+    /// from the amax the device optimizer reduced, when the trainer is on the device).
     pub fn resync(&mut self) -> Result<()> {
         let v = self.trainer.version;
         let rw = self.rw.as_mut().context("the rollout engine is not initialized")?;
-        rw.sync(&self.trainer.weights, v)
+        rw.sync_with_amax(&self.trainer.weights, v, self.trainer.weight_amax())
     }
 
     /// The stale engine's older versions for a checkpoint (None without staleness).
@@ -543,7 +561,7 @@ impl Replica {
         Ok(Plan {
             device: self.dev.name(),
             weights: self.trainer.weights.size_bytes(),
-            trainer: self.trainer.state_bytes(),
+            trainer: self.trainer.state_bytes() + self.activations,
             teacher: self.teacher.as_ref().map(|(w, e)| w.size_bytes() + e.cache.size_bytes()).unwrap_or(0),
             engine_buffers: self.rw()?.extra_bytes(),
             kv_cache: kv,

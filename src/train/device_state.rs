@@ -1,9 +1,11 @@
-//! The trainer's state on a CUDA device (one training device): the FP32 master and Adam
-//! moments per parameter tensor, the FP32 gradient per tensor, and the model's device twin
+//! The trainer's state on a CUDA device (one training device): the flat FP32 master, Adam
+//! moments and gradient (one allocation each; the backward writes per-parameter views of the
+//! gradient), each parameter's amax of its compute weights, and the model's device twin
 //! ([`DeviceTrainable`]). The forward and the backward read the compute weights in place (the
 //! very tensors the rollout engine reads), and the optimizer op (`ops::optim`) rewrites them in
-//! place from the new master: in a step only token ids, per-token coefficients and per-token
-//! results cross PCIe (see the `transfer` metrics).
+//! place from the new master, in one multi-tensor launch that also reduces the amax a
+//! quantized engine's requantize needs: in a step only token ids, per-token coefficients and
+//! per-token results cross PCIe (see the `transfer` metrics).
 //!
 //! Not yet: data parallelism over several GPUs (their collectives still stage through the
 //! host, so `Trainer` keeps the host path there), the NVFP4 learner, arenas from the memory
@@ -24,15 +26,24 @@ use anyhow::{bail, Result};
 pub(super) struct DeviceState {
     dev: Device,
     model: DeviceTrainable,
-    master: Vec<Tensor>,
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
+    /// Flat FP32 (n): the master, the Adam moments (empty under SGD), the gradient.
+    master: Tensor,
+    m: Option<Tensor>,
+    v: Option<Tensor>,
+    grad: Tensor,
+    /// One view of `grad` per parameter, of its shape (what the backward writes).
     grads: Vec<Tensor>,
-    layouts: Vec<Layout>,
+    layout: Layout,
+    /// Each parameter's amax of its compute weights as the last update wrote them (f32 bits,
+    /// U32 per tensor): what a quantized engine's requantize reads instead of its own amax
+    /// pass. `amax_valid`: an update wrote it, and nothing rewrote the weights since.
+    amax: Tensor,
+    amax_valid: bool,
 }
 
 impl DeviceState {
-    /// The state for `weights` (on a CUDA device), the master initialized from them.
+    /// The state for `weights` (on a CUDA device), the master initialized from them: each
+    /// flat buffer one allocation, the gradient's per-parameter tensors views of it.
     pub fn new(cfg: &ModelConfig, weights: &ModelWeights, adam: bool) -> Result<DeviceState> {
         let dev = match weights.tensors().first() {
             Some(t) => match t.storage() {
@@ -41,25 +52,48 @@ impl DeviceState {
             },
             None => bail!("device trainer state: a model without parameters"),
         };
-        let (mut master, mut m, mut v, mut grads, mut layouts) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut spans, mut host) = (Vec::new(), Vec::new());
         for t in weights.tensors() {
-            let n = t.numel();
-            // One upload at start (the master is the compute weights' value).
-            master.push(dev.from_f32(DType::F32, &[n], &t.to_f32_vec()?)?);
-            if adam {
-                m.push(dev.zeros(DType::F32, &[n])?);
-                v.push(dev.zeros(DType::F32, &[n])?);
-            }
-            grads.push(dev.zeros(DType::F32, t.shape())?);
-            layouts.push(Layout::new(vec![(0, n)])?);
+            spans.push((host.len(), t.numel()));
+            host.extend(t.to_f32_vec()?);
         }
-        Ok(DeviceState { model: DeviceTrainable::new(cfg, &dev)?, dev, master, m, v, grads, layouts })
+        let n = host.len();
+        // One upload at start (the master is the compute weights' value).
+        let master = dev.from_f32(DType::F32, &[n], &host)?;
+        let moment = || if adam { dev.zeros(DType::F32, &[n]).map(Some) } else { Ok(None) };
+        let (m, v) = (moment()?, moment()?);
+        let grad = dev.zeros(DType::F32, &[n])?;
+        let grads = weights
+            .tensors()
+            .iter()
+            .zip(&spans)
+            .map(|(t, &(off, _))| grad.view(off, t.shape()))
+            .collect::<Result<Vec<_>>>()?;
+        let amax = dev.upload(Tensor::from_u32_host(&[spans.len()], vec![0; spans.len()])?)?;
+        Ok(DeviceState {
+            model: DeviceTrainable::new(cfg, &dev)?,
+            dev,
+            master,
+            m,
+            v,
+            grad,
+            grads,
+            layout: Layout::new(spans)?,
+            amax,
+            amax_valid: false,
+        })
     }
 
-    /// Bytes held on the device: master, moments, gradients.
+    /// Bytes held on the device: master, moments, gradient.
     pub fn bytes(&self) -> usize {
-        [&self.master, &self.m, &self.v, &self.grads].iter().flat_map(|v| v.iter()).map(|t| t.numel() * 4).sum()
+        let moments = [&self.m, &self.v].iter().filter_map(|t| t.as_ref()).map(|t| t.numel()).sum::<usize>();
+        4 * (self.master.numel() + moments + self.grad.numel() + self.amax.numel())
+    }
+
+    /// Each parameter's amax of its compute weights (f32 bits, U32 per tensor in parameter
+    /// order), when the last update wrote both and nothing rewrote the weights since.
+    pub fn weight_amax(&self) -> Option<&Tensor> {
+        self.amax_valid.then_some(&self.amax)
     }
 
     /// logp, entropy of `b`'s scored rows at the current weights (the forward's activations stay
@@ -85,7 +119,7 @@ impl DeviceState {
     }
 
     pub fn zero_grads(&mut self) -> Result<()> {
-        self.grads.iter_mut().try_for_each(|g| g.fill_zero())
+        self.grad.fill_zero()
     }
 
     /// The fused loss pass and the backward of micro-batch `b` into the gradients (`forward`:
@@ -119,11 +153,12 @@ impl DeviceState {
         Ok(())
     }
 
-    /// The optimizer update on the device: the global norm (per-tensor f64 sums, read back
-    /// together and added on the host), clipping and skipping decided by `opt` as on the host, then one fused step per
-    /// tensor that rewrites that tensor's compute weights in place.
+    /// The optimizer update on the device: the global norm (one f64 reduction of the flat
+    /// gradient, read back), clipping and skipping decided by `opt` as on the host, then one
+    /// multi-tensor step that rewrites every parameter's compute weights in place and reduces
+    /// each one's amax of them while it writes them.
     pub fn apply(&mut self, opt: &mut Optimizer, weights: &mut ModelWeights) -> Result<StepInfo> {
-        let norm = optim::sum_sq_all(&self.dev, &self.grads.iter().collect::<Vec<_>>())?.sqrt();
+        let norm = optim::sum_sq(&self.dev, &self.grad)?.sqrt();
         if !norm.is_finite() {
             return Ok(StepInfo { grad_norm: norm, clip_coef: 0.0, lr: 0.0, skipped: true });
         }
@@ -136,47 +171,36 @@ impl DeviceState {
             Kind::Sgd => Rule::sgd(lr, cfg.weight_decay),
             Kind::AdamW => Rule::adamw(lr, cfg.weight_decay, cfg.betas, cfg.eps, opt.step),
         };
-        let adam = opt.kind == Kind::AdamW;
-        for (i, w) in weights.tensors_mut().into_iter().enumerate() {
-            let (m, v) = if adam { (self.m.get_mut(i), self.v.get_mut(i)) } else { (None, None) };
-            let mut st = State { master: &mut self.master[i], m, v, layout: &self.layouts[i] };
-            // The step reads flat tensors: view the weight and its gradient as such.
-            let shape = w.shape().to_vec();
-            let g = &mut self.grads[i];
-            w.reshape(&[w.numel()])?;
-            g.reshape(&[g.numel()])?;
-            let r = optim::step(&self.dev, &mut st, g, clip, &rule, Some(Compute { weights: w, amax: None }));
-            g.reshape(&shape)?;
-            w.reshape(&shape)?;
-            r?;
-        }
+        let mut st = State { master: &mut self.master, m: self.m.as_mut(), v: self.v.as_mut(), layout: &self.layout };
+        let mut ws = weights.tensors_mut();
+        self.amax_valid = false;
+        optim::step(
+            &self.dev,
+            &mut st,
+            &mut self.grad,
+            clip,
+            &rule,
+            Some(Compute { weights: &mut ws, amax: Some(&mut self.amax) }),
+        )?;
+        self.amax_valid = true;
         Ok(StepInfo { grad_norm: norm, clip_coef, lr, skipped: false })
     }
 
     /// (master, exp_avg, exp_avg_sq) as host vectors in parameter order (moments empty under
     /// SGD).
     pub fn gather(&self) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-        let flat = |ts: &[Tensor]| -> Result<Vec<f32>> {
-            let mut out = Vec::new();
-            for t in ts {
-                out.extend(t.to_f32_vec()?);
-            }
-            Ok(out)
-        };
-        Ok((flat(&self.master)?, flat(&self.m)?, flat(&self.v)?))
+        let host = |t: &Option<Tensor>| t.as_ref().map(|t| t.to_f32_vec()).unwrap_or(Ok(Vec::new()));
+        Ok((self.master.to_f32_vec()?, host(&self.m)?, host(&self.v)?))
     }
 
-    /// Restores the master and the moments from host vectors in parameter order.
+    /// Restores the master and the moments from host vectors in parameter order (the caller
+    /// rewrites the compute weights: their amax is stale until the next update).
     pub fn restore(&mut self, master: &[f32], m: &[f32], v: &[f32]) -> Result<()> {
-        let mut at = 0;
-        for i in 0..self.master.len() {
-            let n = self.master[i].numel();
-            self.master[i].write_f32(&master[at..at + n])?;
-            if !self.m.is_empty() {
-                self.m[i].write_f32(&m[at..at + n])?;
-                self.v[i].write_f32(&v[at..at + n])?;
-            }
-            at += n;
+        self.amax_valid = false;
+        self.master.write_f32(master)?;
+        if let (Some(mt), Some(vt)) = (self.m.as_mut(), self.v.as_mut()) {
+            mt.write_f32(m)?;
+            vt.write_f32(v)?;
         }
         Ok(())
     }

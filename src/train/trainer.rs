@@ -198,6 +198,13 @@ impl Trainer {
         Ok(())
     }
 
+    /// Each parameter's amax of the compute weights as the last device update wrote them
+    /// (f32 bits, U32 in parameter order), for a quantized engine's requantize; None on the
+    /// host path or before the first update (and after a restore).
+    pub fn weight_amax(&self) -> Option<&crate::device::Tensor> {
+        self.dstate.as_ref().and_then(|d| d.weight_amax())
+    }
+
     /// Whether the training step runs on a CUDA device (its state there).
     pub fn on_device(&self) -> bool {
         self.dstate.is_some()
@@ -221,6 +228,17 @@ impl Trainer {
             + self.gathered.bytes()
             + self.model.activation_bytes()
             + self.dstate.as_ref().map(|d| d.bytes()).unwrap_or(0)
+    }
+
+    /// Bytes the memory plan reserves for the activations of a device trainer: one micro-batch
+    /// of `objective.micro_batch_tokens` tokens, or with 0 (the whole step at once) `step_tokens`
+    /// (the caller's bound on a step's tokens). 0 on the host path (its arenas are host memory).
+    pub fn activation_plan_bytes(&self, step_tokens: usize) -> usize {
+        if self.dstate.is_none() {
+            return 0;
+        }
+        let tokens = if self.micro_batch_tokens == 0 { step_tokens } else { self.micro_batch_tokens };
+        crate::model::trainable_device::DeviceTrainable::activation_bytes(&self.cfg, tokens, self.chunk)
     }
 
     /// Micro-batches (rollout index ranges) of at most `micro_batch_tokens` tokens each.

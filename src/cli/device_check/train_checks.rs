@@ -5,7 +5,7 @@
 //! Owns: the training check groups. May call: the ops. Must not: time anything.
 
 use super::checks::{pick, pick_mut, Ctx, Tol, C, M, N};
-use crate::device::DType;
+use crate::device::{DType, Tensor};
 use crate::ops::linear as matmul;
 use anyhow::Result;
 
@@ -13,6 +13,7 @@ use anyhow::Result;
 /// the compute weights in BF16 and F32, then the squared norm of a gradient of 2.5 chunks.
 pub(super) fn optim(x: &mut Ctx) -> Result<()> {
     use crate::ops::optim::{self, Compute, Layout, Rule, State, CHUNK};
+    let sizes = [3, CHUNK + 5, 2 * CHUNK];
     let layout = Layout::new(vec![(0, 3), (3, CHUNK + 5), (CHUNK + 8, 2 * CHUNK)])?;
     let n = layout.len();
     for (adam, cdt) in [(true, DType::BF16), (false, DType::F32)] {
@@ -20,9 +21,11 @@ pub(super) fn optim(x: &mut Ctx) -> Result<()> {
         let mut master = x.randp(DType::F32, &[n], 1.0)?;
         let mut m = x.pair(DType::F32, &[n], &vec![0.0; n])?;
         let mut v = x.pair(DType::F32, &[n], &vec![0.0; n])?;
-        let mut w = x.pair(cdt, &[n], &vec![f32::NAN; n])?;
+        // The compute weights: one tensor per parameter (the engine's own buffers).
+        let mut w = sizes.iter().map(|&k| x.pair(cdt, &[k], &vec![f32::NAN; k])).collect::<Result<Vec<_>>>()?;
         let mut grad = x.pair(DType::F32, &[n], &vec![0.0; n])?;
-        let mut amax = [vec![f32::NAN; 3], vec![f32::NAN; 3]];
+        let nan = || Tensor::from_u32_host(&[3], vec![f32::NAN.to_bits(); 3]);
+        let mut amax = [x.cpu.upload(nan()?)?, x.gpu.upload(nan()?)?];
         for t in 1..=2u64 {
             let g = x.randn(n, 0.3);
             grad.c.write_f32(&g)?;
@@ -37,7 +40,8 @@ pub(super) fn optim(x: &mut Ctx) -> Result<()> {
                     v: adam.then(|| pick_mut(&mut v, gpu)),
                     layout: &layout,
                 };
-                let out = Compute { weights: pick_mut(&mut w, gpu), amax: Some(&mut amax[i]) };
+                let mut ws: Vec<&mut Tensor> = w.iter_mut().map(|p| pick_mut(p, gpu)).collect();
+                let out = Compute { weights: &mut ws, amax: Some(&mut amax[i]) };
                 optim::step(dev, &mut st, pick_mut(&mut grad, gpu), clip, &rule, Some(out))?;
             }
         }
@@ -47,9 +51,11 @@ pub(super) fn optim(x: &mut Ctx) -> Result<()> {
             x.cmp(&format!("optim {name}: moments v"), "f32", &v, Tol::Exact)?;
         }
         x.cmp(&format!("optim {name}: clipped gradient"), "f32", &grad, Tol::Exact)?;
-        x.cmp(&format!("optim {name}: compute weights"), cdt.name(), &w, Tol::Exact)?;
-        let [ac, ag] = amax;
-        x.record(&format!("optim {name}: amax per tensor"), cdt.name(), &ac, &ag, Tol::Exact);
+        for (t, wt) in w.iter().enumerate() {
+            x.cmp(&format!("optim {name}: compute weights of tensor {t}"), cdt.name(), wt, Tol::Exact)?;
+        }
+        let [ac, ag] = amax.map(|a| a.to_u32_vec().map(|b| b.into_iter().map(f32::from_bits).collect::<Vec<_>>()));
+        x.record(&format!("optim {name}: amax per tensor (fused)"), cdt.name(), &ac?, &ag?, Tol::Exact);
     }
     let g = x.randp(DType::F32, &[5 * CHUNK / 2], 2.0)?;
     let (c, gg) = (optim::sum_sq(&x.cpu, &g.c)?, optim::sum_sq(&x.gpu, &g.g)?);

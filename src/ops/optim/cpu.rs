@@ -41,23 +41,36 @@ pub fn update(master: &mut [f32], m: &mut [f32], v: &mut [f32], grad: &mut [f32]
 
 /// The compute weights rounded from `master` (RNE), and each tensor's max |w| of the rounded
 /// values.
-pub fn compute_from_master(master: &[f32], c: Compute<'_>, tensors: &[(usize, usize)]) -> Result<()> {
-    match c.weights.cpu_mut()? {
-        CpuStorage::F32(w) => w.copy_from_slice(master),
-        CpuStorage::BF16(w) => w.iter_mut().zip(master).for_each(|(o, &x)| *o = bf16_rne(x)),
-        CpuStorage::F16(w) => w.iter_mut().zip(master).for_each(|(o, &x)| *o = f16::from_f32(x)),
-        _ => bail!("optimizer compute weights: not a float tensor"),
-    }
-    if let Some(amax) = c.amax {
-        let vals = c.weights.to_f32_vec()?;
-        for (a, &(off, len)) in amax.iter_mut().zip(tensors) {
-            *a = vals[off..off + len].iter().fold(0.0f32, |m, &x| m.max(x.abs()));
+pub fn compute_from_master(master: &[f32], c: Compute<'_, '_>, tensors: &[(usize, usize)]) -> Result<()> {
+    let mut amax = match c.amax {
+        Some(a) => Some(a.u32s_mut()?),
+        None => None,
+    };
+    for (t, (w, &(off, len))) in c.weights.iter_mut().zip(tensors).enumerate() {
+        let src = &master[off..off + len];
+        let m = match w.cpu_mut()? {
+            CpuStorage::F32(w) => {
+                w.copy_from_slice(src);
+                w.iter().fold(0.0f32, |m, &x| m.max(x.abs()))
+            }
+            CpuStorage::BF16(w) => {
+                w.iter_mut().zip(src).for_each(|(o, &x)| *o = bf16_rne(x));
+                w.iter().fold(0.0f32, |m, &x| m.max(x.to_f32().abs()))
+            }
+            CpuStorage::F16(w) => {
+                w.iter_mut().zip(src).for_each(|(o, &x)| *o = f16::from_f32(x));
+                w.iter().fold(0.0f32, |m, &x| m.max(x.to_f32().abs()))
+            }
+            _ => bail!("optimizer compute weights: not a float tensor"),
+        };
+        if let Some(a) = amax.as_deref_mut() {
+            a[t] = m.to_bits();
         }
     }
     Ok(())
 }
 
-pub fn step(st: &mut State<'_>, grad: &mut Tensor, clip: f32, rule: &Rule, out: Option<Compute<'_>>) -> Result<()> {
+pub fn step(st: &mut State<'_>, grad: &mut Tensor, clip: f32, rule: &Rule, out: Option<Compute<'_, '_>>) -> Result<()> {
     let (mut m0, mut v0) = (Vec::new(), Vec::new());
     let m = match st.m.as_deref_mut() {
         Some(t) => t.f32s_mut()?,

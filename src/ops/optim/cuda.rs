@@ -1,34 +1,42 @@
 //! The CUDA twin of the optimizer step: launches of csrc/kernels/optimizer.cu, no arithmetic
 //! of its own. The step and the compute weights are bit-exact with `cpu.rs`; the squared norm
 //! is a fixed-order f64 reduction (deterministic, equal to the CPU's within f64 rounding). The
-//! chunk table is uploaded at the first step on a device and kept (`Layout`). Not yet run on a
-//! GPU.
+//! chunk table (with each chunk's compute-weight address) is uploaded at the first step on a
+//! device and kept (`Layout`); the per-tensor amax stays on the device for the requantize. Not
+//! yet run on a GPU.
 
 use super::{Compute, Rule, State, CHUNK};
-use crate::device::cuda::args::{code, i32_of, ptr, vp};
+use crate::device::cuda::args::{code, i32_of, ptr};
 use crate::device::cuda::{ffi, CudaDevice};
 use crate::device::{CpuStorage, DType, Tensor};
 use anyhow::{bail, Result};
 
-/// The device copy of the layout's chunk table (ct_opt_chunk: 16 bytes each), uploaded once.
-fn chunk_table(d: &CudaDevice, st: &State<'_>) -> Result<(u64, usize)> {
+/// The device copy of the layout's chunk table (ct_opt_chunk: 24 bytes each) for compute
+/// weights at `bases` (one address per tensor; zeros: none written), uploaded again only when
+/// the device or an address changes.
+fn chunk_table(d: &CudaDevice, st: &State<'_>, bases: &[u64], elem: usize) -> Result<(u64, usize)> {
     let mut slot = st.layout.device_table.lock().unwrap_or_else(|e| e.into_inner());
     let chunks = st.layout.chunks();
-    if !matches!(&*slot, Some((name, _)) if *name == d.name()) {
-        let mut bytes = Vec::with_capacity(chunks.len() * 16);
+    if !matches!(&*slot, Some((name, b, _)) if *name == d.name() && b == bases) {
+        let tensors = st.layout.tensors();
+        let mut bytes = Vec::with_capacity(chunks.len() * 24);
         for &(start, len, tensor) in &chunks {
+            let base = bases[tensor];
+            let at = if base == 0 { 0 } else { base + ((start - tensors[tensor].0) * elem) as u64 };
             bytes.extend_from_slice(&(start as i64).to_le_bytes());
             bytes.extend_from_slice(&(len as i32).to_le_bytes());
             bytes.extend_from_slice(&i32_of(tensor, "optimizer tensors")?.to_le_bytes());
+            bytes.extend_from_slice(&at.to_le_bytes());
         }
+        debug_assert_eq!(std::mem::size_of::<ffi::ct_opt_chunk>(), 24);
         let mut h = Tensor::cpu_zeros(DType::U8, &[bytes.len()]);
         if let CpuStorage::U8(v) = h.cpu_mut()? {
             v.copy_from_slice(&bytes);
         }
-        *slot = Some((d.name(), d.upload(&h)?));
+        *slot = Some((d.name(), bases.to_vec(), d.upload(&h)?));
     }
     match &*slot {
-        Some((_, t)) => Ok((ptr(d, t, &[DType::U8], "optimizer chunk table")?, chunks.len())),
+        Some((_, _, t)) => Ok((ptr(d, t, &[DType::U8], "optimizer chunk table")?, chunks.len())),
         None => bail!("optimizer chunk table missing"),
     }
 }
@@ -39,9 +47,30 @@ pub fn step(
     grad: &mut Tensor,
     clip: f32,
     rule: &Rule,
-    out: Option<Compute<'_>>,
+    out: Option<Compute<'_, '_>>,
 ) -> Result<()> {
-    let (table, num_chunks) = chunk_table(d, st)?;
+    let tensors = st.layout.tensors().len();
+    let floats = &[DType::F32, DType::BF16, DType::F16];
+    let (bases, dtype, elem, amax) = match out {
+        Some(c) => {
+            let mut bases = Vec::with_capacity(tensors);
+            for w in c.weights.iter() {
+                bases.push(ptr(d, w, floats, "compute weights")?);
+            }
+            let dt = c.weights.first().map(|w| w.dtype()).unwrap_or(DType::F32);
+            let amax = match c.amax {
+                Some(a) => {
+                    let p = ptr(d, a, &[DType::U32], "optimizer amax")?;
+                    d.memset0(p, tensors * 4)?;
+                    p
+                }
+                None => 0,
+            };
+            (bases, code(dt), dt.size(), amax)
+        }
+        None => (vec![0; tensors], 0, 4, 0),
+    };
+    let (table, num_chunks) = chunk_table(d, st, &bases, elem)?;
     if num_chunks == 0 {
         return Ok(());
     }
@@ -52,32 +81,15 @@ pub fn step(
         (Some(m), Some(v)) => (f32p(m, "first moment")?, f32p(v, "second moment")?),
         _ => (0, 0),
     };
-    let tensors = st.layout.tensors().len();
-    let (compute, dtype, amax_buf) = match &out {
-        Some(c) => {
-            let w = ptr(d, c.weights, &[DType::F32, DType::BF16, DType::F16], "compute weights")?;
-            let amax = match &c.amax {
-                Some(_) => {
-                    let b = d.scratch(tensors * 4, "optimizer amax")?;
-                    d.memset0(b.ptr, tensors * 4)?;
-                    Some(b)
-                }
-                None => None,
-            };
-            (w, code(c.weights.dtype()), amax)
-        }
-        None => (0, 0, None),
-    };
     let mut p = ffi::ct_optim_params {
         master: master as *mut f32,
         m: m as *mut f32,
         v: v as *mut f32,
         grad: g as *mut f32,
-        compute: vp(compute),
         compute_dtype: dtype,
         chunks: table as *const ffi::ct_opt_chunk,
         num_chunks: i32_of(num_chunks, "optimizer chunks")?,
-        amax_bits: amax_buf.as_ref().map(|b| b.ptr as *mut u32).unwrap_or(std::ptr::null_mut()),
+        amax_bits: amax as *mut u32,
         adamw: 0,
         clip,
         lr: 0.0,
@@ -102,15 +114,7 @@ pub fn step(
                 (decay, b1, b2, omb1, omb2, eps, step_size, bc2_sqrt);
         }
     }
-    d.k_optim(p)?;
-    if let (Some(c), Some(b)) = (out, amax_buf) {
-        if let Some(a) = c.amax {
-            let mut bits = vec![0u32; tensors];
-            d.dtoh(&mut bits, b.ptr)?;
-            a.iter_mut().zip(&bits).for_each(|(o, &x)| *o = f32::from_bits(x));
-        }
-    }
-    Ok(())
+    d.k_optim(p)
 }
 
 /// Each tensor's Σ g² into its own f64 slot (ct_sum_sq, then ct_sum_sq_finish), one read back.

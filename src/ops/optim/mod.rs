@@ -58,12 +58,13 @@ impl Rule {
 }
 
 /// Where each tensor lies in the flat vectors: (offset, length), in order, back to back. The
-/// CUDA twin keeps its chunk table on the device after the first step.
+/// CUDA twin keeps its chunk table on the device (uploaded again only when the compute
+/// weights' addresses change, which in-place training never does).
 #[derive(Debug)]
 pub struct Layout {
     tensors: Vec<(usize, usize)>,
     n: usize,
-    device_table: Mutex<Option<(String, Tensor)>>,
+    device_table: Mutex<Option<(String, Vec<u64>, Tensor)>>,
 }
 
 impl Layout {
@@ -118,11 +119,14 @@ pub struct State<'a> {
     pub layout: &'a Layout,
 }
 
-/// Where the step writes the compute weights: a flat (n) tensor of F32, BF16 or F16, and
-/// optionally each tensor's amax of the written values.
-pub struct Compute<'a> {
-    pub weights: &'a mut Tensor,
-    pub amax: Option<&'a mut [f32]>,
+/// Where the step writes the compute weights: one tensor per layout tensor (any shape, as many
+/// values as that tensor, all of one dtype: F32, BF16 or F16; the parameters' own tensors,
+/// which the engine reads), and optionally each tensor's amax of the written values as f32 bit
+/// patterns into a U32 tensor of one value per layout tensor, on the step's device (the input
+/// of a quantized engine's requantize, `ops::quantize::requantize_all_known`).
+pub struct Compute<'a, 'b> {
+    pub weights: &'b mut [&'a mut Tensor],
+    pub amax: Option<&'b mut Tensor>,
 }
 
 fn check_flat(t: &Tensor, n: usize, dtypes: &[DType], what: &str) -> Result<()> {
@@ -143,7 +147,7 @@ pub fn step(
     grad: &mut Tensor,
     clip: f32,
     rule: &Rule,
-    out: Option<Compute<'_>>,
+    out: Option<Compute<'_, '_>>,
 ) -> Result<()> {
     let n = st.layout.len();
     check_flat(st.master, n, &[DType::F32], "master weights")?;
@@ -158,11 +162,19 @@ pub fn step(
         }
     }
     if let Some(c) = &out {
-        check_flat(c.weights, n, &[DType::F32, DType::BF16, DType::F16], "compute weights")?;
+        let tensors = st.layout.tensors();
+        if c.weights.len() != tensors.len() {
+            bail!("optimizer: {} compute tensors for a layout of {} tensors", c.weights.len(), tensors.len());
+        }
+        let dt = c.weights.first().map(|w| w.dtype()).unwrap_or(DType::F32);
+        for (i, (w, &(_, len))) in c.weights.iter().zip(tensors).enumerate() {
+            check_flat(w, len, &[dt], &format!("compute weights of tensor {i}"))?;
+        }
+        if ![DType::F32, DType::BF16, DType::F16].contains(&dt) {
+            bail!("optimizer compute weights: a {} tensor, expected F32, BF16 or F16", dt.name());
+        }
         if let Some(a) = &c.amax {
-            if a.len() != st.layout.tensors().len() {
-                bail!("optimizer: {} amax slots for {} tensors", a.len(), st.layout.tensors().len());
-            }
+            check_flat(a, tensors.len(), &[DType::U32], "amax")?;
         }
     }
     match dev {

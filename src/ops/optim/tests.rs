@@ -46,15 +46,19 @@ fn run(dev: &Device, adam: bool, cdt: DType) -> Run {
     let mut master = dev.from_f32(DType::F32, &[n], &data(n, 1, 1.0)).unwrap();
     let mut m = dev.from_f32(DType::F32, &[n], &vec![0.0; n]).unwrap();
     let mut v = dev.from_f32(DType::F32, &[n], &vec![0.0; n]).unwrap();
-    let mut compute = dev.from_f32(cdt, &[n], &vec![f32::NAN; n]).unwrap();
-    let mut amax = vec![f32::NAN; 3];
+    // The compute weights are one tensor per parameter, of its own shape.
+    let shapes = [vec![5], vec![CHUNK + 7], vec![3, 1]];
+    let mut compute: Vec<Tensor> =
+        shapes.iter().map(|s| dev.from_f32(cdt, s, &vec![f32::NAN; s.iter().product()]).unwrap()).collect();
+    let mut amax = dev.upload(Tensor::from_u32_host(&[3], vec![u32::MAX; 3]).unwrap()).unwrap();
     let mut grad = dev.from_f32(DType::F32, &[n], &vec![0.0; n]).unwrap();
     for t in 1..=3u64 {
         grad.write_f32(&data(n, 10 + t, 0.3)).unwrap();
         let clip = if t == 2 { 0.5 } else { 1.0 };
         let rule = if adam { Rule::adamw(1e-2, 0.1, [0.9, 0.999], 1e-8, t) } else { Rule::sgd(0.5, 0.01) };
         let mut st = State { master: &mut master, m: adam.then_some(&mut m), v: adam.then_some(&mut v), layout: &l };
-        let out = Compute { weights: &mut compute, amax: Some(&mut amax) };
+        let mut ws: Vec<&mut Tensor> = compute.iter_mut().collect();
+        let out = Compute { weights: &mut ws, amax: Some(&mut amax) };
         step(dev, &mut st, &mut grad, clip, &rule, Some(out)).unwrap();
     }
     Run {
@@ -62,8 +66,8 @@ fn run(dev: &Device, adam: bool, cdt: DType) -> Run {
         m: m.to_f32_vec().unwrap(),
         v: v.to_f32_vec().unwrap(),
         grad: grad.to_f32_vec().unwrap(),
-        compute: compute.to_f32_vec().unwrap(),
-        amax,
+        compute: compute.iter().flat_map(|t| t.to_f32_vec().unwrap()).collect(),
+        amax: amax.to_u32_vec().unwrap().into_iter().map(f32::from_bits).collect(),
     }
 }
 

@@ -30,12 +30,35 @@ pub fn amax(d: &CudaDevice, x: u64, dt: DType, n: usize, rht: Option<&[f32; 16]>
 /// Re-quantizes every (source, buffer, name) in place: per tensor an amax kernel and a quantize
 /// kernel that reads that amax on the device, all queued on the stream, then one read-back of
 /// every amax (one wait per resync instead of one per tensor) for the host-side scales.
-pub fn requantize_all(d: &CudaDevice, items: &mut [(&Tensor, &mut QTensor, &str)]) -> Result<()> {
+/// `known`: amaxes already on the device (f32 bits, U32) and each item's slot in them: such an
+/// item gets no amax kernel, its quantize kernel reads the slot (the weights are read once). An
+/// item under the RHT always gets its own (its amax is of the rotated blocks).
+pub fn requantize_all(
+    d: &CudaDevice,
+    items: &mut [(&Tensor, &mut QTensor, &str)],
+    known: Option<(&Tensor, &[Option<usize>])>,
+) -> Result<()> {
     if items.is_empty() {
         return Ok(());
     }
     let buf = d.scratch(4 * items.len(), "amax")?;
     d.memset0(buf.ptr, 4 * items.len())?;
+    let known = match known {
+        Some((t, slots)) => {
+            if slots.len() != items.len() {
+                bail!("requantize: {} amax slots for {} tensors", slots.len(), items.len());
+            }
+            if let Some(s) = slots.iter().flatten().find(|&&s| s >= t.numel()) {
+                bail!("requantize: amax slot {s} of {}", t.numel());
+            }
+            Some((ptr(d, t, &[DType::U32], "known amax")?, t.numel(), slots))
+        }
+        None => None,
+    };
+    let slot_of = |t: usize, q: &QTensor| match known {
+        Some((_, _, slots)) if q.opts.rht.is_none() => slots[t],
+        _ => None,
+    };
     for (t, (src, q, name)) in items.iter().enumerate() {
         let n = q.rows * q.k;
         if src.numel() != n {
@@ -43,15 +66,21 @@ pub fn requantize_all(d: &CudaDevice, items: &mut [(&Tensor, &mut QTensor, &str)
         }
         let sp = ptr(d, src, FLOATS, name)?;
         let signs = q.opts.rht.map(nvfp4::rht_signs);
-        let amax = buf.ptr + 4 * t as u64;
-        d.k_amax(ffi::ct_amax_params {
-            x: sp as *const c_void,
-            dtype: code(src.dtype()),
-            n: n as i64,
-            rht: signs.is_some() as i32,
-            signs: signs.unwrap_or([1.0; 16]),
-            amax_bits: amax as *mut u32,
-        })?;
+        let amax = match (slot_of(t, q), known) {
+            (Some(s), Some((kp, _, _))) => kp + 4 * s as u64,
+            _ => {
+                let amax = buf.ptr + 4 * t as u64;
+                d.k_amax(ffi::ct_amax_params {
+                    x: sp as *const c_void,
+                    dtype: code(src.dtype()),
+                    n: n as i64,
+                    rht: signs.is_some() as i32,
+                    signs: signs.unwrap_or([1.0; 16]),
+                    amax_bits: amax as *mut u32,
+                })?;
+                amax
+            }
+        };
         let codes = ptr(d, &q.codes, &[DType::U8], "quantized codes")?;
         match q.format {
             QFormat::Fp8 => d.k_quant_fp8(ffi::ct_quant_fp8_params {
@@ -86,6 +115,15 @@ pub fn requantize_all(d: &CudaDevice, items: &mut [(&Tensor, &mut QTensor, &str)
     }
     let mut bits = vec![0u32; items.len()];
     d.dtoh(&mut bits, buf.ptr)?;
+    if let Some((kp, kn, _)) = known {
+        let mut kb = vec![0u32; kn];
+        d.dtoh(&mut kb, kp)?;
+        for (t, (_, q, _)) in items.iter().enumerate() {
+            if let Some(s) = slot_of(t, q) {
+                bits[t] = kb[s];
+            }
+        }
+    }
     for ((_, q, name), b) in items.iter_mut().zip(bits) {
         let amax = f32::from_bits(b);
         if !amax.is_finite() {

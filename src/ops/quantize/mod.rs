@@ -1,7 +1,8 @@
 //! Quantization on a device: activation rows quantized with a fixed (calibrated) scale and
 //! dequantized back, as the real kernels would consume them (the emulated low-precision
 //! engines), and the in-place re-quantization of weights at each resync (one amax pass, one
-//! encode pass). FP8: per-tensor E4M3 with scale amax/448. NVFP4: dynamic E4M3 block scales per
+//! encode pass; on CUDA after a device update, the encode pass alone, reading the amax the
+//! optimizer reduced while it wrote the weights). FP8: per-tensor E4M3 with scale amax/448. NVFP4: dynamic E4M3 block scales per
 //! 16 values under a global scale (amax/2688), optionally rotated by the RHT. The arithmetic is
 //! `crate::quant`'s; this room runs it over tensors.
 //!
@@ -52,6 +53,23 @@ pub fn requantize(dev: &Device, src: &Tensor, q: &mut QTensor, name: &str) -> Re
 pub fn requantize_all(dev: &Device, items: &mut [(&Tensor, &mut QTensor, &str)]) -> Result<()> {
     match dev {
         Device::Cpu(d) => cpu::requantize_all(d, items),
-        Device::Cuda(d) => cuda::requantize_all(d, items),
+        Device::Cuda(d) => cuda::requantize_all(d, items, None),
+    }
+}
+
+/// As [`requantize_all`], with amaxes already reduced on the device — the optimizer's, written
+/// while it wrote the weights (`ops::optim::Compute::amax`): `amax` holds f32 bit patterns (U32),
+/// `slots[i]` item i's (None: reduce it here). Such an item's weights are read once, by its
+/// quantize kernel. Items under the RHT reduce their own (theirs is of the rotated blocks).
+/// A CUDA path: the CPU trainer keeps no device amax, and its requantize reduces its own.
+pub fn requantize_all_known(
+    dev: &Device,
+    items: &mut [(&Tensor, &mut QTensor, &str)],
+    amax: &Tensor,
+    slots: &[Option<usize>],
+) -> Result<()> {
+    match dev {
+        Device::Cpu(_) => anyhow::bail!("requantize with known amaxes: a CUDA path (the CPU reduces its own)"),
+        Device::Cuda(d) => cuda::requantize_all(d, items, Some((amax, slots))),
     }
 }

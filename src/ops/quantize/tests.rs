@@ -86,3 +86,56 @@ test_device!(
     requantize_equals_the_scalar_encoders_sim,
     requantize_equals_the_scalar_encoders_cuda
 );
+
+/// The fused amax: the optimizer step writes BF16 weights and reduces each tensor's amax while
+/// it does (`ops::optim`), and the requantize that reads those amaxes (no amax kernel) gives
+/// the codes, block scales and scales of today's two-kernel path bit for bit — FP8, NVFP4, and
+/// NVFP4 under the RHT (which reduces its own: its amax is of the rotated blocks). An amax
+/// twice the true one is what the encode then uses (scale 2·amax/448): the slot is read, not
+/// recomputed.
+#[test]
+fn the_optimizers_amax_feeds_the_requantize_bit_for_bit() {
+    use crate::ops::optim::{self, Compute, Layout, Rule, State};
+    let dev = Device::parse("cuda-sim:0").unwrap();
+    let (n, k) = (16usize, 64usize);
+    let layout = Layout::new(vec![(0, n * k), (n * k, n * k)]).unwrap();
+    let mut master = dev.from_f32(DType::F32, &[2 * n * k], &data(2 * n * k, 3)).unwrap();
+    let mut grad = dev.from_f32(DType::F32, &[2 * n * k], &data(2 * n * k, 4)).unwrap();
+    let mut w = [dev.zeros(DType::BF16, &[n, k]).unwrap(), dev.zeros(DType::BF16, &[n, k]).unwrap()];
+    let mut amax = dev.upload(Tensor::from_u32_host(&[2], vec![0; 2]).unwrap()).unwrap();
+    let mut st = State { master: &mut master, m: None, v: None, layout: &layout };
+    let mut ws: Vec<&mut Tensor> = w.iter_mut().collect();
+    let out = Compute { weights: &mut ws, amax: Some(&mut amax) };
+    optim::step(&dev, &mut st, &mut grad, 1.0, &Rule::sgd(0.1, 0.0), Some(out)).unwrap();
+    let rht = Nvfp4Opts { rht: Some(7), stochastic: None };
+    let alloc = || {
+        [
+            QTensor::alloc_on(&dev, QFormat::Fp8, n, k, Nvfp4Opts::default()).unwrap(),
+            QTensor::alloc_on(&dev, QFormat::Nvfp4, n, k, Nvfp4Opts::default()).unwrap(),
+            QTensor::alloc_on(&dev, QFormat::Nvfp4, n, k, rht).unwrap(),
+        ]
+    };
+    let ([mut a8, mut a4, mut ar], [mut b8, mut b4, mut br]) = (alloc(), alloc());
+    requantize_all(&dev, &mut [(&w[0], &mut a8, "w0"), (&w[1], &mut a4, "w1"), (&w[1], &mut ar, "w1 rht")]).unwrap();
+    let mut items = [(&w[0], &mut b8, "w0"), (&w[1], &mut b4, "w1"), (&w[1], &mut br, "w1 rht")];
+    requantize_all_known(&dev, &mut items, &amax, &[Some(0), Some(1), Some(1)]).unwrap();
+    for (what, a, b) in [("fp8", &a8, &b8), ("nvfp4", &a4, &b4), ("nvfp4 rht", &ar, &br)] {
+        assert_eq!(a.scale.to_bits(), b.scale.to_bits(), "{what}: scale");
+        assert_eq!(bytes(&a.codes), bytes(&b.codes), "{what}: codes");
+        if a.format == QFormat::Nvfp4 {
+            assert_eq!(bytes(&a.block_scales), bytes(&b.block_scales), "{what}: block scales");
+        }
+    }
+    // The optimizer's amax is the max |w| of the BF16 values it wrote.
+    let w0 = w[0].to_f32_vec().unwrap();
+    let true_amax = w0.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    assert_eq!(amax.to_u32_vec().unwrap()[0], true_amax.to_bits());
+    let doubled = dev.upload(Tensor::from_u32_host(&[1], vec![(2.0 * true_amax).to_bits()]).unwrap()).unwrap();
+    requantize_all_known(&dev, &mut [(&w[0], &mut b8, "w0")], &doubled, &[Some(0)]).unwrap();
+    assert_eq!(b8.scale, 2.0 * true_amax / E4M3.max());
+    let want: Vec<u8> = w0.iter().map(|&v| E4M3.encode(v / b8.scale)).collect();
+    assert_eq!(bytes(&b8.codes), want, "fp8 codes under the given amax");
+    let e =
+        format!("{:#}", requantize_all_known(&dev, &mut [(&w[0], &mut b8, "w0")], &doubled, &[Some(3)]).unwrap_err());
+    assert!(e.contains("slot 3 of 1"), "{e}");
+}
