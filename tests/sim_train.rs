@@ -167,7 +167,8 @@ fn bf16_compute_weights_on_the_simulator_step_like_the_cpu() {
 
 /// The fused amax end to end: after a device update (AdamW, BF16 compute weights), an FP8 and an
 /// NVFP4 rollout engine resynced from the optimizer's amax (`Trainer::weight_amax`) hold the
-/// very codes, block scales and scales of an engine that requantizes with its own amax pass.
+/// very codes, block scales and scales of an engine that requantizes with its own amax pass;
+/// given twice that amax, its scales double (the amax it is given is the one it uses).
 #[test]
 fn a_quantized_engine_resyncs_from_the_optimizers_amax() {
     use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
@@ -220,5 +221,19 @@ fn a_quantized_engine_resyncs_from_the_optimizers_amax() {
             }
         }
         assert_eq!(checked, 7 * cfg.num_layers, "{recipe}: every linear quantized and compared");
+        // The view reads the amax it is given (no pass of its own): twice the optimizer's gives
+        // twice the scales.
+        let doubled: Vec<u32> =
+            amax.to_u32_vec().unwrap().into_iter().map(|b| (2.0 * f32::from_bits(b)).to_bits()).collect();
+        let doubled = sim.upload(colotrain::device::Tensor::from_u32_host(&[doubled.len()], doubled).unwrap()).unwrap();
+        fused.sync_with_amax(&tr.weights, 2, Some(&doubled)).unwrap();
+        let fq = fused.quant.as_ref().unwrap();
+        for (fl, pl) in fq.layers.iter().zip(&pq.layers) {
+            for (f, p) in fl.w.iter().zip(&pl.w) {
+                if let (Some(f), Some(p)) = (f, p) {
+                    assert_eq!(f.scale, 2.0 * p.scale, "{recipe}: the given amax is the one used");
+                }
+            }
+        }
     }
 }
