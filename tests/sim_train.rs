@@ -237,3 +237,45 @@ fn a_quantized_engine_resyncs_from_the_optimizers_amax() {
         }
     }
 }
+
+/// The NVFP4 learner trains on the device (`[learner] precision = "nvfp4"`, the emulated W4A4
+/// path): one SGD step (lr 1, F32) of OPD with the MLP linears in NVFP4 (RHT on) moves every
+/// parameter like the CPU trainer's NVFP4 step, within 1e-3 relative norm per tensor (f32 in
+/// other orders; a value at an NVFP4 decision boundary may round the other way), with the
+/// trainer's state on the device.
+#[test]
+fn the_nvfp4_learner_steps_on_the_simulator_like_the_cpu() {
+    use colotrain::model::learner_quant::LearnerQuant;
+    use colotrain::quant::nvfp4::Nvfp4Opts;
+    let sim = Device::Cuda(CudaDevice::sim_arch(1, Some("sm_100a")).unwrap());
+    let cpu = Device::cpu(2).unwrap();
+    // llama_gqa: C and I multiples of 16 (NVFP4 blocks along K).
+    let c = &cases()[0];
+    let mut moved = Vec::new();
+    for dev in [&cpu, &sim] {
+        let lm = load_fixture(c.model, dev, DType::F32);
+        let before: Vec<Vec<f32>> = lm.weights.tensors().iter().map(|t| t.to_f32_vec().unwrap()).collect();
+        let rollouts = read_file(&c.rollouts, lm.cfg.vocab_size).unwrap();
+        let job = JobConfig::from_toml(&c.toml, "inline").unwrap();
+        let layers = lm.cfg.num_layers;
+        let mut tr = Trainer::new(&lm.cfg, lm.weights, &job).unwrap();
+        let names: Vec<String> = ["gate_proj", "up_proj", "down_proj"].iter().map(|s| s.to_string()).collect();
+        let lq = LearnerQuant::new(&names, Nvfp4Opts { rht: Some(1), stochastic: None }, layers).unwrap();
+        tr.set_learner_quant(Some(lq)).unwrap();
+        assert_eq!(tr.on_device(), !dev.is_cpu(), "{}: where the state lives", dev.name());
+        tr.step(&rollouts).unwrap();
+        let after = tr.weights.tensors().iter().map(|t| t.to_f32_vec().unwrap()).collect::<Vec<_>>();
+        moved.push(
+            before
+                .iter()
+                .zip(&after)
+                .map(|(b, a)| b.iter().zip(a).map(|(x, y)| x - y).collect())
+                .collect::<Vec<Vec<f32>>>(),
+        );
+    }
+    let specs = param_specs(&load_fixture(c.model, &cpu, DType::F32).cfg);
+    for ((pname, _), (d_cpu, d_sim)) in specs.iter().zip(moved[0].iter().zip(&moved[1])) {
+        let e = rel_err(d_sim, d_cpu);
+        assert!(e <= 1e-3, "nvfp4 learner {pname}: update vs the CPU's, relative error {e:e}");
+    }
+}

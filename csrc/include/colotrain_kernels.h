@@ -236,7 +236,8 @@ typedef struct ct_sample_params {
 
 /* *amax_bits = max over i < n of the |x| bit pattern (atomicMax; the caller zeroes it first).
  * With rht, every 16-value block is rotated (random Hadamard transform) before. NaN
- * propagates (its bit pattern is above every finite one). */
+ * propagates (its bit pattern is above every finite one). row_k > 0 (a multiple of 16): one
+ * amax per row of row_k values, into amax_bits[row] (the learner's per-token scales). */
 typedef struct ct_amax_params {
   const void* x;
   int32_t dtype;
@@ -244,6 +245,7 @@ typedef struct ct_amax_params {
   int32_t rht;
   float signs[16];
   uint32_t* amax_bits;
+  int32_t row_k;
 } ct_amax_params;
 
 /* FP8 E4M3 per-tensor quantization: scale = fixed_scale if > 0, else amax / 448 (1 when amax
@@ -281,6 +283,8 @@ typedef struct ct_quant_nvfp4_params {
   uint8_t* scales;
   float* dequant;
   float* global_out;
+  int32_t row_k;    /* > 0: one global per row of row_k values, from amax_bits[row] */
+  int32_t unrotate; /* with rht: dequant rotated back (inverse RHT), the learner's domain */
 } ct_quant_nvfp4_params;
 
 /* Decodes n quantized weight values. out_dtype F32: the exact CPU values (FP8: e4m3 * scale;

@@ -6,7 +6,8 @@
 //   ct_quant_fp8     <- qtensor.rs FP8 branch (scale = amax/448, simd::encode_fp8) and
 //                       src/ops/quantize/cpu.rs fake_quant_rows FP8 (fixed scale, decoded back)
 //   ct_quant_nvfp4   <- src/formats/nvfp4.rs quantize_row (RHT, stochastic rounding keyed by the
-//                       flat element index) and fake_quantize_rows (dequantize_into)
+//                       flat element index) and fake_quantize_rows (dequantize_into); with
+//                       row_k / unrotate: learner_round (per-row globals, the inverse RHT)
 //   ct_dequant       <- src/device/tensor.rs CpuFloats::Fp8 / Nvfp4 read_into
 // One difference from the CPU: the CPU checks the amax for NaN/Inf before writing any code;
 // here the amax and the codes are computed in one stream of work and the host checks the amax
@@ -23,6 +24,21 @@ __device__ __forceinline__ void ct_warp_atomic_max(uint32_t local, uint32_t* dst
 
 // Grid-stride; every thread of every block reaches the warp reduction (no early return).
 extern "C" __global__ void ct_amax(ct_amax_params p) {
+  if (p.row_k > 0) {
+    // One amax per row: each 16-value block into its row's slot (uniform branch).
+    const int64_t blocks = p.n / 16;
+    CT_GRID_LOOP(b, blocks) {
+      float x[16];
+#pragma unroll
+      for (int i = 0; i < 16; i++) x[i] = ct_load(p.x, p.dtype, b * 16 + i);
+      if (p.rht) ct_rht16(x, p.signs);
+      uint32_t mb = 0;
+#pragma unroll
+      for (int i = 0; i < 16; i++) mb = max(mb, ct_abs_bits(x[i]));
+      atomicMax(&p.amax_bits[(b * 16) / p.row_k], mb);
+    }
+    return;
+  }
   uint32_t m = 0;
   if (p.rht) {
     const int64_t blocks = p.n / 16;
@@ -57,14 +73,18 @@ extern "C" __global__ void ct_quant_fp8(ct_quant_fp8_params p) {
 // One thread per 16-value block.
 extern "C" __global__ void ct_quant_nvfp4(ct_quant_nvfp4_params p) {
   float global = p.fixed_global;
-  if (!(global > 0.0f)) {
+  if (!(global > 0.0f) && p.row_k == 0) {
     const float amax = __uint_as_float(*p.amax_bits);
     global = amax > 0.0f ? __fdiv_rn(amax, 2688.0f) : 1.0f;
   }
   if (p.global_out && blockIdx.x == 0 && threadIdx.x == 0) *p.global_out = global;
-  const float denom6 = __fmul_rn(6.0f, global);
   const int64_t blocks = p.n / 16;
   CT_GRID_LOOP(b, blocks) {
+    if (!(p.fixed_global > 0.0f) && p.row_k > 0) {
+      const float amax = __uint_as_float(p.amax_bits[(b * 16) / p.row_k]);
+      global = amax > 0.0f ? __fdiv_rn(amax, 2688.0f) : 1.0f;
+    }
+    const float denom6 = __fmul_rn(6.0f, global);
     float x[16];
 #pragma unroll
     for (int i = 0; i < 16; i++) x[i] = ct_load(p.x, p.dtype, b * 16 + i);
@@ -94,8 +114,18 @@ extern "C" __global__ void ct_quant_nvfp4(ct_quant_nvfp4_params p) {
     }
     if (p.scales) p.scales[b] = static_cast<uint8_t>(bs);
     if (p.dequant) {
+      float y[16];
 #pragma unroll
-      for (int i = 0; i < 16; i++) p.dequant[b * 16 + i] = __fmul_rn(__fmul_rn(ct_e2m1_value(codes[i]), bsv), global);
+      for (int i = 0; i < 16; i++) y[i] = __fmul_rn(__fmul_rn(ct_e2m1_value(codes[i]), bsv), global);
+      if (p.rht && p.unrotate) {
+        // The inverse RHT (nvfp4.rs rht_block_inverse): H/4 again, then the signs.
+        const float ones[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+        ct_rht16(y, ones);
+#pragma unroll
+        for (int i = 0; i < 16; i++) y[i] = __fmul_rn(y[i], p.signs[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < 16; i++) p.dequant[b * 16 + i] = y[i];
     }
   }
 }

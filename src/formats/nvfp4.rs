@@ -194,6 +194,50 @@ pub fn fake_quantize_rows(x: &mut [f32], k: usize, global: f32, opts: &Nvfp4Opts
     });
 }
 
+/// Where the learner's rounding takes its global scale: the tensor's amax (of the rotated
+/// values), each row's, or a fixed (calibrated) one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Global {
+    Tensor,
+    Row,
+    Fixed(f32),
+}
+
+/// The learner's NVFP4 rounding (seed 004 §5.1, App. B.1), in place on rows (n, k) (k a
+/// multiple of 16): every block rotated by the RHT (when `opts.rht`), rounded onto the NVFP4 grid
+/// under `global` (stochastic keys: the flat element index, as in the engine), decoded, and
+/// rotated back — the learner's operands live in the unrotated domain. Returns the tensor amax
+/// (of the rotated values; 0 unless `global` is Tensor) for the caller's NaN check. The CUDA
+/// twin: ct_amax + ct_quant_nvfp4 with row_k and unrotate.
+pub fn learner_round(x: &mut [f32], k: usize, global: Global, opts: &Nvfp4Opts) -> f32 {
+    let signs = opts.rht.map(rht_signs);
+    if let Some(s) = &signs {
+        x.par_chunks_mut(BLOCK).for_each(|b| rht_block(b, s));
+    }
+    let amax = |v: &[f32]| v.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let tensor = match global {
+        Global::Tensor => x.par_chunks(k.max(1)).map(amax).reduce(|| 0.0, f32::max),
+        _ => 0.0,
+    };
+    x.par_chunks_mut(k).enumerate().for_each(|(r, row)| {
+        let g = match global {
+            Global::Tensor => global_scale(tensor),
+            Global::Row => global_scale(amax(row)),
+            Global::Fixed(g) => g,
+        };
+        let mut p = [0u8; BLOCK / 2];
+        let mut s = [0u8; 1];
+        for (b, blk) in row.chunks_exact_mut(BLOCK).enumerate() {
+            quantize_row(blk, g, opts, None, (r * k + b * BLOCK) as u64, &mut p, &mut s);
+            dequantize_into(&p, &s, g, 0, blk);
+            if let Some(sg) = &signs {
+                rht_block_inverse(blk, sg);
+            }
+        }
+    });
+    tensor
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,9 +11,8 @@
 //! (quantized copies live in the trainable model's arenas).
 
 use crate::ops::real::Real;
-use crate::quant::nvfp4::{self, Nvfp4Opts, BLOCK};
+use crate::quant::nvfp4::{self, Global, Nvfp4Opts, BLOCK};
 use anyhow::{bail, Result};
-use rayon::prelude::*;
 
 /// Index of the MLP linears in `quant::recipe::LINEARS` order.
 pub const GATE: usize = 4;
@@ -52,30 +51,30 @@ impl LearnerQuant {
     /// out = Q(w) for a weight (rows, k), as the engine's `ops::quantize::requantize` rounds it.
     pub fn weight<T: Real>(&self, w: &[T], k: usize, out: &mut Vec<T>) -> Result<()> {
         let mut x: Vec<f32> = w.iter().map(|v| Real::to_f64(*v) as f32).collect();
-        let signs = self.opts.rht.map(nvfp4::rht_signs);
         check_k(k)?;
-        rotate(&mut x, signs.as_ref(), false);
-        let amax = x.par_iter().fold(|| 0.0f32, |a, v| a.max(v.abs())).reduce(|| 0.0, f32::max);
+        let amax = nvfp4::learner_round(&mut x, k, Global::Tensor, &self.opts);
         if !amax.is_finite() {
             bail!("learner NVFP4: a weight holds NaN or Inf values");
         }
-        let g = nvfp4::global_scale(amax);
-        round_rows(&mut x, k, &|_| g, &self.opts, signs.as_ref());
         out.clear();
         out.extend(x.iter().map(|&v| T::from_f64(v as f64)));
         Ok(())
+    }
+
+    /// How linear `linear` of layer `layer` scales its input: the engine's calibrated global,
+    /// or each token's own.
+    pub fn act_global(&self, layer: usize, linear: usize) -> Global {
+        match self.act_global.get(layer).and_then(|a| a[linear]) {
+            Some(g) => Global::Fixed(g),
+            None => Global::Row,
+        }
     }
 
     /// Fake-quantizes activation rows x (n, k) in place for linear `linear` of layer `layer`.
     pub fn act<T: Real>(&self, layer: usize, linear: usize, x: &mut [T], k: usize) -> Result<()> {
         check_k(k)?;
         let mut v: Vec<f32> = x.iter().map(|a| Real::to_f64(*a) as f32).collect();
-        let signs = self.opts.rht.map(nvfp4::rht_signs);
-        rotate(&mut v, signs.as_ref(), false);
-        let fixed = self.act_global.get(layer).and_then(|a| a[linear]);
-        let global =
-            |row: &[f32]| fixed.unwrap_or_else(|| nvfp4::global_scale(row.iter().fold(0.0f32, |a, v| a.max(v.abs()))));
-        round_rows(&mut v, k, &global, &self.opts, signs.as_ref());
+        nvfp4::learner_round(&mut v, k, self.act_global(layer, linear), &self.opts);
         for (a, b) in x.iter_mut().zip(&v) {
             *a = T::from_f64(*b as f64);
         }
@@ -88,35 +87,6 @@ fn check_k(k: usize) -> Result<()> {
         bail!("learner NVFP4: the reduction dimension {k} is not a multiple of {BLOCK}");
     }
     Ok(())
-}
-
-/// Applies the RHT (or its inverse) to every 16-value block.
-fn rotate(x: &mut [f32], signs: Option<&[f32; BLOCK]>, inverse: bool) {
-    if let Some(s) = signs {
-        x.par_chunks_mut(BLOCK)
-            .for_each(|b| if inverse { nvfp4::rht_block_inverse(b, s) } else { nvfp4::rht_block(b, s) });
-    }
-}
-
-/// Rounds rotated rows (n, k) onto the NVFP4 grid with global scale `global(row)` and rotates
-/// them back. Stochastic rounding keys are the flat element index, as in the engine.
-fn round_rows(
-    x: &mut [f32],
-    k: usize,
-    global: &(dyn Fn(&[f32]) -> f32 + Sync),
-    opts: &Nvfp4Opts,
-    signs: Option<&[f32; BLOCK]>,
-) {
-    x.par_chunks_mut(k).enumerate().for_each(|(r, row)| {
-        let g = global(row);
-        let mut p = [0u8; BLOCK / 2];
-        let mut s = [0u8; 1];
-        for (b, blk) in row.chunks_exact_mut(BLOCK).enumerate() {
-            nvfp4::quantize_row(blk, g, opts, None, (r * k + b * BLOCK) as u64, &mut p, &mut s);
-            nvfp4::dequantize_into(&p, &s, g, 0, blk);
-        }
-    });
-    rotate(x, signs, true);
 }
 
 #[cfg(test)]

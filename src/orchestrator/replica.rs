@@ -256,7 +256,8 @@ impl Replica {
         // host.
         let step_tokens =
             2 * job.rollout.prompts_per_step * job.rollout.samples_per_prompt * job.rollout.max_new_tokens;
-        let activations = trainer.activation_plan_bytes(step_tokens);
+        let nvfp4 = job.learner.precision == LearnerPrecision::Nvfp4;
+        let activations = trainer.activation_plan_bytes(step_tokens, nvfp4);
         let trainer_here = if dev.is_cpu() || trainer.on_device() { trainer.state_bytes() + activations } else { 0 };
         let teacher_bytes = teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0);
         let used = trainer.weights.size_bytes() + trainer_here + teacher_bytes + engine_buffers;

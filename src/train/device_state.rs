@@ -8,8 +8,7 @@
 //! per-token results cross PCIe (see the `transfer` metrics).
 //!
 //! Not yet: data parallelism over several GPUs (their collectives still stage through the
-//! host, so `Trainer` keeps the host path there), the NVFP4 learner, arenas from the memory
-//! plan.
+//! host, so `Trainer` keeps the host path there).
 //!
 //! Owns: the device tensors of one trainer. May call: `model::trainable_device`, `ops::optim`.
 //! Must not: decide clipping, skipping or the learning rate (`super::optimizer` does).
@@ -111,6 +110,11 @@ impl DeviceState {
         let (mut lp, mut en) = (self.dev.zeros(DType::F32, &[m])?, self.dev.zeros(DType::F32, &[m])?);
         self.model.token_stats(&p, t, chunk, &mut lp, &mut en)?;
         Ok((lp.to_f32_vec()?, en.to_f32_vec()?))
+    }
+
+    /// The NVFP4 learner's forward on the device twin (None: off).
+    pub fn set_quant(&mut self, q: Option<crate::model::learner_quant::LearnerQuant>) {
+        self.model.set_quant(q);
     }
 
     /// Frees the saved activations (the step is over).

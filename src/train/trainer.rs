@@ -178,21 +178,11 @@ impl Trainer {
         })
     }
 
-    /// Runs the chosen MLP linears of the learner's forward in NVFP4 (None: off). The device
-    /// twin has no NVFP4 learner yet: its state moves to the host path.
+    /// Runs the chosen MLP linears of the learner's forward in NVFP4 (None: off), on the host
+    /// model and, for a trainer on the device, on its device twin.
     pub fn set_learner_quant(&mut self, q: Option<LearnerQuant>) -> Result<()> {
-        if q.is_some() {
-            if let Some(ds) = &self.dstate {
-                tracing::warn!("the NVFP4 learner trains on the host (no device twin yet)");
-                // Gathered before the device state is dropped: a failure leaves it in place.
-                let (master, m, v) = ds.gather()?;
-                let n = master.len();
-                (self.opt.master, self.opt.m, self.opt.v) = (master, m, v);
-                self.grads = self.ranges.iter().map(|r| vec![0.0; r.len()]).collect();
-                self.flat_grad = vec![0.0; n];
-                self.grad_shard = vec![0.0; n];
-                self.dstate = None;
-            }
+        if let Some(ds) = self.dstate.as_mut() {
+            ds.set_quant(q.clone());
         }
         self.model.set_quant(q);
         Ok(())
@@ -233,12 +223,14 @@ impl Trainer {
     /// Bytes the memory plan reserves for the activations of a device trainer: one micro-batch
     /// of `objective.micro_batch_tokens` tokens, or with 0 (the whole step at once) `step_tokens`
     /// (the caller's bound on a step's tokens). 0 on the host path (its arenas are host memory).
-    pub fn activation_plan_bytes(&self, step_tokens: usize) -> usize {
+    /// `nvfp4`: the NVFP4 learner will run (its rounded operands are counted; the plan is made
+    /// before the learner's scales are calibrated and set).
+    pub fn activation_plan_bytes(&self, step_tokens: usize, nvfp4: bool) -> usize {
         if self.dstate.is_none() {
             return 0;
         }
         let tokens = if self.micro_batch_tokens == 0 { step_tokens } else { self.micro_batch_tokens };
-        crate::model::trainable_device::DeviceTrainable::activation_bytes(&self.cfg, tokens, self.chunk)
+        crate::model::trainable_device::DeviceTrainable::activation_bytes(&self.cfg, tokens, self.chunk, nvfp4)
     }
 
     /// Micro-batches (rollout index ranges) of at most `micro_batch_tokens` tokens each.

@@ -533,6 +533,17 @@ fn check_quant(x: &mut Ctx) -> Result<()> {
                 check_qlinear(x, &xin, &qc, &qg, name, amax)?;
             }
         }
+        // The NVFP4 learner's operands (rotated, rounded, rotated back): a weight under its
+        // tensor amax, activation rows under their own or a fixed global scale.
+        use crate::quant::nvfp4::Global;
+        let rht = Nvfp4Opts { rht: Some(3), stochastic: Some(4) };
+        for (label, global) in
+            [("tensor", Global::Tensor), ("row", Global::Row), ("fixed", Global::Fixed(amax / 2688.0))]
+        {
+            let mut y = x.out(&[rows, k])?;
+            x.both(|d, g| quantize::learner_round(d, pick(&w, g), pick_mut(&mut y, g), rows, global, &rht))?;
+            x.cmp(&format!("learner_round {label} global, rht+sr"), src_dt.name(), &y, Tol::Exact)?;
+        }
     }
     Ok(())
 }

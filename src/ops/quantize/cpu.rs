@@ -38,3 +38,22 @@ pub fn requantize_all(d: &CpuDevice, items: &mut [(&Tensor, &mut QTensor, &str)]
     }
     Ok(())
 }
+
+/// The learner's NVFP4 rounding of x's first m rows into out (F32).
+pub fn learner_round(
+    d: &CpuDevice,
+    x: &Tensor,
+    out: &mut Tensor,
+    m: usize,
+    k: usize,
+    global: nvfp4::Global,
+    opts: &nvfp4::Nvfp4Opts,
+) -> Result<()> {
+    let ys = &mut out.f32s_mut()?[..m * k];
+    CpuFloats::of(x)?.read_into(0, ys);
+    let amax = d.install(|| nvfp4::learner_round(ys, k, global, opts));
+    if !amax.is_finite() {
+        anyhow::bail!("learner NVFP4: a weight holds NaN or Inf values");
+    }
+    Ok(())
+}

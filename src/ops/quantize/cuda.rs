@@ -21,6 +21,7 @@ pub fn amax(d: &CudaDevice, x: u64, dt: DType, n: usize, rht: Option<&[f32; 16]>
         rht: rht.is_some() as i32,
         signs: rht.copied().unwrap_or([1.0; 16]),
         amax_bits: buf.ptr as *mut u32,
+        row_k: 0,
     })?;
     let mut bits = [0u32; 1];
     d.dtoh(&mut bits, buf.ptr)?;
@@ -77,6 +78,7 @@ pub fn requantize_all(
                     rht: signs.is_some() as i32,
                     signs: signs.unwrap_or([1.0; 16]),
                     amax_bits: amax as *mut u32,
+                    row_k: 0,
                 })?;
                 amax
             }
@@ -109,6 +111,8 @@ pub fn requantize_all(
                     scales: scales as *mut u8,
                     dequant: std::ptr::null_mut(),
                     global_out: std::ptr::null_mut(),
+                    row_k: 0,
+                    unrotate: 0,
                 })?
             }
         }
@@ -228,7 +232,65 @@ pub fn quant_rows_fixed(
                 scales: out(scales),
                 dequant: f32p(dequant),
                 global_out: std::ptr::null_mut(),
+                row_k: 0,
+                unrotate: 0,
             })
         }
     }
+}
+
+/// The learner's NVFP4 rounding of x's first m rows into out (F32): the amax kernel (per tensor
+/// or per row, over the rotated blocks) and the encode kernel writing the decoded values
+/// rotated back.
+pub fn learner_round(
+    d: &CudaDevice,
+    x: &Tensor,
+    out: &mut Tensor,
+    m: usize,
+    k: usize,
+    global: nvfp4::Global,
+    opts: &nvfp4::Nvfp4Opts,
+) -> Result<()> {
+    let n = m * k;
+    if n == 0 {
+        return Ok(());
+    }
+    let xp = ptr(d, x, FLOATS, "learner NVFP4 input")?;
+    let op = ptr(d, out, &[DType::F32], "learner NVFP4 output")?;
+    let signs = opts.rht.map(nvfp4::rht_signs);
+    let (slots, row_k, fixed) = match global {
+        nvfp4::Global::Tensor => (1, 0, 0.0),
+        nvfp4::Global::Row => (m, k, 0.0),
+        nvfp4::Global::Fixed(g) => (0, 0, g),
+    };
+    let buf = d.scratch(4 * slots.max(1), "learner NVFP4 amax")?;
+    if slots > 0 {
+        d.memset0(buf.ptr, 4 * slots)?;
+        d.k_amax(ffi::ct_amax_params {
+            x: xp as *const c_void,
+            dtype: code(x.dtype()),
+            n: n as i64,
+            rht: signs.is_some() as i32,
+            signs: signs.unwrap_or([1.0; 16]),
+            amax_bits: buf.ptr as *mut u32,
+            row_k: row_k as i32,
+        })?;
+    }
+    d.k_quant_nvfp4(ffi::ct_quant_nvfp4_params {
+        x: xp as *const c_void,
+        dtype: code(x.dtype()),
+        n: n as i64,
+        amax_bits: if slots > 0 { buf.ptr as *const u32 } else { std::ptr::null() },
+        fixed_global: fixed,
+        rht: signs.is_some() as i32,
+        signs: signs.unwrap_or([1.0; 16]),
+        stochastic: opts.stochastic.is_some() as i32,
+        sr_seed: opts.stochastic.unwrap_or(0),
+        packed: std::ptr::null_mut(),
+        scales: std::ptr::null_mut(),
+        dequant: op as *mut f32,
+        global_out: std::ptr::null_mut(),
+        row_k: row_k as i32,
+        unrotate: 1,
+    })
 }

@@ -19,7 +19,7 @@ pub(crate) use cuda::{amax, dequant, quant_rows_fixed};
 
 use super::check_rows;
 use crate::device::{Device, Tensor};
-use crate::quant::nvfp4::Nvfp4Opts;
+use crate::quant::nvfp4::{self, Nvfp4Opts};
 use crate::quant::qtensor::QTensor;
 use anyhow::Result;
 
@@ -39,6 +39,39 @@ pub fn fake_quant_rows(dev: &Device, x: &Tensor, y: &mut Tensor, m: usize, q: &A
     match dev {
         Device::Cpu(d) => cpu::fake_quant_rows(d, x, y, m, q),
         Device::Cuda(d) => cuda::fake_quant_rows(d, x, y, m, q),
+    }
+}
+
+/// The NVFP4 learner's operand (seed 004 §5.1): out (m, k) F32 = the first m rows of x (any
+/// float dtype) rounded by [`nvfp4::learner_round`] — rotated by the RHT, onto the NVFP4 grid
+/// under `global`, decoded and rotated back. On CUDA: an amax kernel (per tensor or per row;
+/// none for a fixed global) and the encode kernel writing the decoded values; the host
+/// checks nothing there (the optimizer never writes a non-finite weight: it skips such a step),
+/// where the CPU refuses a non-finite tensor amax.
+pub fn learner_round(
+    dev: &Device,
+    x: &Tensor,
+    out: &mut Tensor,
+    m: usize,
+    global: nvfp4::Global,
+    opts: &Nvfp4Opts,
+) -> Result<()> {
+    let k = x.dim(x.shape().len() - 1);
+    if k == 0 || k % nvfp4::BLOCK != 0 {
+        anyhow::bail!("learner NVFP4: the reduction dimension {k} is not a multiple of {}", nvfp4::BLOCK);
+    }
+    if x.numel() < m * k {
+        anyhow::bail!("learner NVFP4: {m} rows of {k} from a tensor of {} values", x.numel());
+    }
+    check_rows(out, m, k, "learner NVFP4 output")?;
+    if let nvfp4::Global::Fixed(g) = global {
+        if !(g > 0.0 && g.is_finite()) {
+            anyhow::bail!("learner NVFP4: a fixed global scale must be positive and finite, got {g}");
+        }
+    }
+    match dev {
+        Device::Cpu(d) => cpu::learner_round(d, x, out, m, k, global, opts),
+        Device::Cuda(d) => cuda::learner_round(d, x, out, m, k, global, opts),
     }
 }
 

@@ -139,3 +139,43 @@ fn the_optimizers_amax_feeds_the_requantize_bit_for_bit() {
         format!("{:#}", requantize_all_known(&dev, &mut [(&w[0], &mut b8, "w0")], &doubled, &[Some(3)]).unwrap_err());
     assert!(e.contains("slot 3 of 1"), "{e}");
 }
+
+/// The learner's NVFP4 operand on every device equals `nvfp4::learner_round` on the host bit
+/// for bit — per-tensor, per-row and fixed global scales, with and without the RHT and
+/// stochastic rounding, from F32 and BF16 inputs, over the first m of more rows.
+fn learner_round_equals_the_reference(dev: &Device) {
+    use crate::quant::nvfp4::Global;
+    let (rows, m, k) = (7usize, 5usize, 48usize);
+    let x = data(rows * k, 11);
+    for dt in [DType::F32, DType::BF16] {
+        let xt = dev.from_f32(dt, &[rows, k], &x).unwrap();
+        let xs = xt.to_f32_vec().unwrap();
+        for opts in [
+            Nvfp4Opts::default(),
+            Nvfp4Opts { rht: Some(3), stochastic: None },
+            Nvfp4Opts { rht: Some(3), stochastic: Some(5) },
+        ] {
+            for global in [Global::Tensor, Global::Row, Global::Fixed(0.004)] {
+                let mut out = dev.from_f32(DType::F32, &[rows, k], &vec![f32::NAN; rows * k]).unwrap();
+                learner_round(dev, &xt, &mut out, m, global, &opts).unwrap();
+                let mut want = xs[..m * k].to_vec();
+                nvfp4::learner_round(&mut want, k, global, &opts);
+                let got = out.to_f32_vec().unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got[..m * k]), bits(&want), "{} {dt:?} {opts:?} {global:?}", dev.name());
+                assert!(got[m * k..].iter().all(|v| v.is_nan()), "rows past m untouched");
+            }
+        }
+    }
+    let xt = dev.from_f32(DType::F32, &[2, 40], &vec![1.0; 80]).unwrap();
+    let mut out = dev.zeros(DType::F32, &[2, 40]).unwrap();
+    let e = format!("{:#}", learner_round(dev, &xt, &mut out, 2, Global::Row, &Nvfp4Opts::default()).unwrap_err());
+    assert!(e.contains("40 is not a multiple of 16"), "{e}");
+}
+
+test_device!(
+    learner_round_equals_the_reference,
+    learner_round_equals_the_reference_cpu,
+    learner_round_equals_the_reference_sim,
+    learner_round_equals_the_reference_cuda
+);
