@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The device check of the CUDA backend, on a GPU machine: every CUDA op against its CPU twin on
 # fresh random inputs (first, with COLOTRAIN_CUDA_SYNC=1), then GEMM (BF16 / FP8 / NVFP4 vs
-# cuBLASLt), decode (1.5B-shaped model, batch 1 / 64 / 256 vs the bandwidth bound) and resync
-# (7B-shaped model per recipe vs a copy) timings. Each group runs in its own process: a failing,
+# cuBLASLt), decode (1.5B-shaped model, batch 1 / 64 / 256 vs the bandwidth bound), resync
+# (7B-shaped model per recipe vs a copy) and training attention (16k tokens, CUDA-core vs
+# tensor-core forward, backward; then PyTorch's SDPA at the same shape,
+# bench/attention_sdpa.py) timings. Each group runs in its own process: a failing,
 # crashing or hanging group is reported and the next one runs. Rows are printed and the JSON
 # report rewritten as they arrive. `device-check --list` names the groups.
 #
@@ -78,4 +80,14 @@ set -e
 if [ "$rc" = 124 ]; then
   echo "device_check: stopped after $LIMIT s (partial output in $OUT/report.txt)" >&2
 fi
+# PyTorch's SDPA at the attention timing's shape, side by side in the same run (a GPU with
+# torch only; 60 s at most).
+case "${DEVICE:-0} $*" in
+  cuda-sim*|*--checks-only*) ;;
+  *)
+    if command -v python3 >/dev/null 2>&1; then
+      timeout 60 python3 bench/attention_sdpa.py 2>&1 | tee "$OUT/attention_sdpa.json" || true
+    fi
+    ;;
+esac
 exit "$rc"

@@ -32,6 +32,7 @@
 #include <map>
 #include <vector>
 
+#define CT_HOSTEMU 1
 #define __device__
 #define __global__
 #define __forceinline__ inline
@@ -97,6 +98,7 @@ inline ucontext_t scheduler;
 inline jmp_buf sched_jb;
 inline std::function<void()> body;       // the kernel call every fiber of the block makes
 inline std::vector<uint64_t> exchange;   // one shuffle slot per thread
+inline std::vector<uint32_t> mma_slots;  // six per thread: a warp's mma fragments
 inline std::vector<unsigned char> dyn_smem;
 // Order in which runnable threads run between barriers: 0 by thread index, 1 reversed, 2 a
 // shuffle seeded by the block and the launch. A race on shared memory (a read not separated
@@ -225,6 +227,7 @@ void launch(void (*kernel)(P), unsigned gx, unsigned gy, unsigned bx, size_t sme
   blockDim = {bx, 1, 1};
   dyn_smem.assign(smem_bytes + kCanary, kCanaryByte);
   exchange.assign(bx, 0);
+  mma_slots.assign(6 * static_cast<size_t>(bx), 0);
   body = [&] { kernel(params); };
   // Stacks are kept from launch to launch (a 1024-thread block holds 64 MiB of them); only
   // the canary at the far end of each is rewritten.
@@ -371,4 +374,43 @@ inline __half __float2half_rn(float f) {
   }
   if (rem > half_ulp || (rem == half_ulp && (r & 1u))) r++;
   return {static_cast<uint16_t>(sign | r)};
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, a warp-collective: every lane publishes
+// its fragments (a: 4 registers of 2 bf16, b: 2), the warp exchanges, and each lane computes
+// its 4 accumulators from the whole A (16 x 16) and B (16 x 8). Fragment layout (PTX ISA,
+// "matrix fragments for mma.m16n8k16"), g = lane / 4, t = lane % 4, the lower half of a
+// register the lower column: a0 (row g, cols 2t, 2t+1), a1 (row g+8, same cols), a2 (row g,
+// cols 2t+8, 2t+9), a3 (row g+8, cols 2t+8, 2t+9); b0 (k 2t, 2t+1; col g), b1 (k 2t+8, 2t+9;
+// col g); c/d: c0, c1 (row g, cols 2t, 2t+1), c2, c3 (row g+8, cols 2t, 2t+1). The products of
+// bf16 values are exact in f32; the sum runs k = 0..15 after c (the hardware's order is
+// unspecified: the kernels' twins are compared within tolerances).
+inline void ct_emu_mma_16816(float* d, const uint32_t* a, const uint32_t* b, const float* c) {
+  const unsigned lane = threadIdx.x & 31u, base = threadIdx.x & ~31u;
+  uint32_t* mine = &ct_emu::mma_slots[6 * static_cast<size_t>(threadIdx.x)];
+  for (int i = 0; i < 4; i++) mine[i] = a[i];
+  mine[4] = b[0];
+  mine[5] = b[1];
+  ct_emu::warp_sync();
+  auto lo = [](uint32_t r) { return __uint_as_float(r << 16); };
+  auto hi = [](uint32_t r) { return __uint_as_float(r & 0xffff0000u); };
+  float A[16][16], B[16][8];
+  for (unsigned l = 0; l < 32; l++) {
+    const uint32_t* f = &ct_emu::mma_slots[6 * static_cast<size_t>(base + l)];
+    const unsigned g = l >> 2, t = l & 3u;
+    A[g][2 * t] = lo(f[0]), A[g][2 * t + 1] = hi(f[0]);
+    A[g + 8][2 * t] = lo(f[1]), A[g + 8][2 * t + 1] = hi(f[1]);
+    A[g][2 * t + 8] = lo(f[2]), A[g][2 * t + 9] = hi(f[2]);
+    A[g + 8][2 * t + 8] = lo(f[3]), A[g + 8][2 * t + 9] = hi(f[3]);
+    B[2 * t][g] = lo(f[4]), B[2 * t + 1][g] = hi(f[4]);
+    B[2 * t + 8][g] = lo(f[5]), B[2 * t + 9][g] = hi(f[5]);
+  }
+  ct_emu::warp_sync();
+  const unsigned g = lane >> 2, t = lane & 3u;
+  const unsigned rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  for (int i = 0; i < 4; i++) {
+    float acc = c[i];
+    for (int k = 0; k < 16; k++) acc += A[rows[i]][k] * B[k][cols[i]];
+    d[i] = acc;
+  }
 }

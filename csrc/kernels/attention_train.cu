@@ -160,3 +160,339 @@ extern "C" __global__ void ct_attn_bwd_dkv(ct_attn_train_params p) {
     p.dv[krow + d] = accv[a];
   }
 }
+
+// ---- The tensor-core forward -------------------------------------------------------------
+// ct_attn_fwd_tc: the same o and lse as ct_attn_fwd (params and formulas alike), on the tensor
+// cores (mma.sync m16n8k16, BF16 operands, FP32 accumulation), flash-attention 2 style: a block
+// of 4 warps takes CT_TC_Q query rows of one head (16 per warp), walks the keys in tiles of
+// CT_TC_K (K and V staged in shared memory as BF16), S = Q K^T and O += P V on the tensor cores
+// with the online softmax in registers (P reuses S's accumulator layout as the A operand).
+// A block's rows may span sequences: each row masks keys outside [start of its sequence, row].
+// q, k, v and P are rounded to BF16 (the twin's tolerance says so); head_dim a multiple of 16,
+// at most CT_TC_MAX_D. Grid (ceil(tokens / CT_TC_Q), heads), 128 threads.
+#define CT_TC_Q 64
+#define CT_TC_K 64
+#define CT_TC_MAX_D 128
+#define CT_TC_LD (CT_TC_MAX_D + 8)  // shared row stride (bf16 values): staggers the banks
+
+// Stages rows row0 .. row0 + CT_TC_K - 1 (zeros past `tokens`) of a (tokens, stride) f32 tensor,
+// columns off .. off + D - 1, into dst (CT_TC_K x CT_TC_LD bf16 bits). All threads of the block.
+__device__ __forceinline__ void ct_tc_stage(uint16_t* dst, const float* src, int row0, int tokens, int64_t stride,
+                                            int64_t off, int D) {
+  for (int idx = threadIdx.x; idx < CT_TC_K * D; idx += blockDim.x) {
+    const int jj = idx / D, d = idx % D, j = row0 + jj;
+    dst[jj * CT_TC_LD + d] = static_cast<uint16_t>(ct_bf16_bits(j < tokens ? src[j * stride + off + d] : 0.0f));
+  }
+}
+
+// B fragment of B[k][n] = tile[n][k] (the tile's rows are B's columns: K for S = QK^T): rows
+// n8 * 8 .. + 7, columns st * 16 .. + 15.
+__device__ __forceinline__ void ct_tc_b_rows(uint32_t* b, const uint16_t* tile, int n8, int st, int g, int t) {
+  const uint16_t* r = tile + (n8 * 8 + g) * CT_TC_LD + st * 16 + 2 * t;
+  b[0] = r[0] | (static_cast<uint32_t>(r[1]) << 16);
+  b[1] = r[8] | (static_cast<uint32_t>(r[9]) << 16);
+}
+
+// B fragment of B[k][n] = tile[k][n] (the tile's rows run along k: V for O += PV): rows
+// kk * 16 .. + 15, columns n8 * 8 .. + 7.
+__device__ __forceinline__ void ct_tc_b_cols(uint32_t* b, const uint16_t* tile, int kk, int n8, int g, int t) {
+  const uint16_t* c = tile + (kk * 16 + 2 * t) * CT_TC_LD + n8 * 8 + g;
+  b[0] = c[0] | (static_cast<uint32_t>(c[CT_TC_LD]) << 16);
+  b[1] = c[8 * CT_TC_LD] | (static_cast<uint32_t>(c[9 * CT_TC_LD]) << 16);
+}
+
+// The A fragment of columns 16 kk .. 16 kk + 15 of a 16-row accumulator block s[n8][4] (C layout
+// of n-tiles 2 kk and 2 kk + 1), rounded to bf16.
+__device__ __forceinline__ void ct_tc_acc_a(uint32_t* a, const float (*s)[4], int kk) {
+  a[0] = ct_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = ct_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = ct_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = ct_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// The A fragments (D / 16 of them) of 16 rows of a (tokens, stride) f32 tensor at column off:
+// rows[x] is the thread's row g (x = 0) or g + 8 (x = 1), zeros where !valid[x].
+__device__ __forceinline__ void ct_tc_load_a(uint32_t (*a)[4], const float* src, const int* rows, const bool* valid,
+                                             int64_t stride, int64_t off, int D, int t) {
+  for (int s = 0; s < D / 16; s++) {
+    for (int r = 0; r < 4; r++) {
+      const int x = r & 1, col = s * 16 + 2 * t + 8 * (r >> 1);
+      const float* v = src + rows[x] * stride + off + col;
+      a[s][r] = valid[x] ? ct_pack_bf16(v[0], v[1]) : 0u;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128) ct_attn_fwd_tc(ct_attn_train_params p) {
+  CT_SHARED(uint16_t, ks, CT_TC_K * CT_TC_LD);
+  CT_SHARED(uint16_t, vs, CT_TC_K * CT_TC_LD);
+  const int D = p.head_dim, h = blockIdx.y, kh = h / (p.heads / p.kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int r0 = blockIdx.x * CT_TC_Q;
+  const int64_t qstride = static_cast<int64_t>(p.heads) * D, kstride = static_cast<int64_t>(p.kv_heads) * D;
+  const int64_t qoff = static_cast<int64_t>(h) * D, koff = static_cast<int64_t>(kh) * D;
+  // This thread's two rows (g and g + 8 of its warp's 16) and the first key each may see.
+  int rows[2], starts[2];
+  bool valid[2];
+  for (int x = 0; x < 2; x++) {
+    rows[x] = r0 + warp * 16 + g + 8 * x;
+    valid[x] = rows[x] < p.tokens;
+    starts[x] = valid[x] ? static_cast<int>(p.cu[ct_seq_of(p.cu, p.num_seqs, rows[x])]) : 0;
+  }
+  const int last = min(r0 + CT_TC_Q, p.tokens) - 1;
+  const int kfirst = static_cast<int>(p.cu[ct_seq_of(p.cu, p.num_seqs, r0)]);
+  // The warp's Q as A fragments, one per 16 dims (rows past the end are zeros).
+  uint32_t qa[CT_TC_MAX_D / 16][4];
+  ct_tc_load_a(qa, p.q, rows, valid, qstride, qoff, D, t);
+  float o[CT_TC_MAX_D / 8][4];
+  for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  for (int kt = kfirst; kt <= last; kt += CT_TC_K) {
+    __syncthreads();  // the previous tile's readers are done
+    ct_tc_stage(ks, p.k, kt, p.tokens, kstride, koff, D);
+    ct_tc_stage(vs, p.v, kt, p.tokens, kstride, koff, D);
+    __syncthreads();
+    // S (16 x 64 per warp) = Q K^T: B[k = dim][n = key] is K's row n, so b reads K row-major.
+    float s[CT_TC_K / 8][4];
+    for (int n = 0; n < CT_TC_K / 8; n++) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      for (int st = 0; st < D / 16; st++) {
+        uint32_t b[2];
+        ct_tc_b_rows(b, ks, n, st, g, t);
+        ct_mma_16816(s[n], qa[st], b, s[n]);
+      }
+    }
+    // Scale, mask, and the online softmax of each of the thread's two rows (its 4-lane group
+    // holds a row's 64 scores).
+    for (int x = 0; x < 2; x++) {
+      float mx = -INFINITY;
+      for (int n = 0; n < CT_TC_K / 8; n++) {
+        for (int e = 0; e < 2; e++) {
+          const int j = kt + n * 8 + 2 * t + e;
+          const bool ok = valid[x] && j >= starts[x] && j <= rows[x];
+          const float v = ok ? __fmul_rn(p.scale, s[n][2 * x + e]) : -INFINITY;
+          s[n][2 * x + e] = v;
+          mx = fmaxf(mx, v);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mnew = fmaxf(m[x], mx);
+      const float corr = mnew == -INFINITY ? 1.0f : expf(__fsub_rn(m[x], mnew));
+      l[x] = __fmul_rn(l[x], corr);
+      for (int n = 0; n < D / 8; n++) {
+        o[n][2 * x] = __fmul_rn(o[n][2 * x], corr);
+        o[n][2 * x + 1] = __fmul_rn(o[n][2 * x + 1], corr);
+      }
+      for (int n = 0; n < CT_TC_K / 8; n++) {
+        for (int e = 0; e < 2; e++) {
+          const float v = s[n][2 * x + e];
+          const float pv = v == -INFINITY ? 0.0f : expf(__fsub_rn(v, mnew));
+          s[n][2 * x + e] = pv;
+          l[x] = __fadd_rn(l[x], pv);
+        }
+      }
+      m[x] = mnew;
+    }
+    // O += P V: P's accumulators of key tiles 2kk, 2kk + 1 are the A fragment of keys
+    // 16kk .. 16kk + 15; B[k = key][n = dim] reads V's column n down 16 keys.
+    for (int kk = 0; kk < CT_TC_K / 16; kk++) {
+      uint32_t a[4];
+      ct_tc_acc_a(a, s, kk);
+      for (int n = 0; n < D / 8; n++) {
+        uint32_t b[2];
+        ct_tc_b_cols(b, vs, kk, n, g, t);
+        ct_mma_16816(o[n], a, b, o[n]);
+      }
+    }
+  }
+  // The row sums over the 4-lane group, then o / l and lse = m + log l.
+  for (int x = 0; x < 2; x++) {
+    float L = l[x];
+    L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 1));
+    L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 2));
+    if (!valid[x]) continue;
+    float* out = p.o + rows[x] * qstride + qoff;
+    for (int n = 0; n < D / 8; n++) {
+      out[n * 8 + 2 * t] = __fdiv_rn(o[n][2 * x], L);
+      out[n * 8 + 2 * t + 1] = __fdiv_rn(o[n][2 * x + 1], L);
+    }
+    if (t == 0) p.lse[static_cast<int64_t>(rows[x]) * p.heads + h] = __fadd_rn(m[x], logf(L));
+  }
+}
+
+// ---- The tensor-core backward ------------------------------------------------------------
+// The same dq, dk, dv (and delta) as ct_attn_bwd_dq / ct_attn_bwd_dkv, flash-attention 2 style
+// without atomics (every output element written by one thread, sums in a fixed order):
+// ct_attn_bwd_dq_tc (grid ceil(T / CT_TC_Q) x heads): delta = rowsum(dout o) for the block's rows,
+//   then over the key tiles S = Q K^T, P = exp(scale S - lse), dP = dO V^T, dS = P (dP - delta),
+//   dq += dS K; dq = scale dq.
+// ct_attn_bwd_dkv_tc (grid ceil(T / CT_TC_K) x kv_heads, after it): each warp 16 keys; for each
+//   query head of the group in order and each query tile: S^T = K Q^T, P^T, dv += P^T dO,
+//   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dk += dS^T Q; dk = scale dk.
+// Operands (q, k, v, dout, P, dS) rounded to BF16, FP32 accumulation.
+
+extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dq_tc(ct_attn_train_params p) {
+  CT_SHARED(uint16_t, ks, CT_TC_K * CT_TC_LD);
+  CT_SHARED(uint16_t, vs, CT_TC_K * CT_TC_LD);
+  const int D = p.head_dim, h = blockIdx.y, kh = h / (p.heads / p.kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int r0 = blockIdx.x * CT_TC_Q;
+  const int64_t qstride = static_cast<int64_t>(p.heads) * D, kstride = static_cast<int64_t>(p.kv_heads) * D;
+  const int64_t qoff = static_cast<int64_t>(h) * D, koff = static_cast<int64_t>(kh) * D;
+  int rows[2], starts[2];
+  bool valid[2];
+  float lse[2], delta[2];
+  for (int x = 0; x < 2; x++) {
+    rows[x] = r0 + warp * 16 + g + 8 * x;
+    valid[x] = rows[x] < p.tokens;
+    starts[x] = valid[x] ? static_cast<int>(p.cu[ct_seq_of(p.cu, p.num_seqs, rows[x])]) : 0;
+    lse[x] = valid[x] ? p.lse[static_cast<int64_t>(rows[x]) * p.heads + h] : 0.0f;
+    // delta = sum_d dout o over the row, the 4 lanes of the group a quarter each.
+    float acc = 0.0f;
+    if (valid[x]) {
+      const float* dr = p.dout + rows[x] * qstride + qoff;
+      const float* orow = p.out + rows[x] * qstride + qoff;
+      for (int d = t; d < D; d += 4) acc = __fadd_rn(acc, __fmul_rn(dr[d], orow[d]));
+    }
+    acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
+    acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
+    delta[x] = acc;
+    if (valid[x] && t == 0) p.delta[static_cast<int64_t>(rows[x]) * p.heads + h] = acc;
+  }
+  const int last = min(r0 + CT_TC_Q, p.tokens) - 1;
+  const int kfirst = static_cast<int>(p.cu[ct_seq_of(p.cu, p.num_seqs, r0)]);
+  uint32_t qa[CT_TC_MAX_D / 16][4], da[CT_TC_MAX_D / 16][4];
+  ct_tc_load_a(qa, p.q, rows, valid, qstride, qoff, D, t);
+  ct_tc_load_a(da, p.dout, rows, valid, qstride, qoff, D, t);
+  float dq[CT_TC_MAX_D / 8][4];
+  for (int n = 0; n < D / 8; n++) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+  for (int kt = kfirst; kt <= last; kt += CT_TC_K) {
+    __syncthreads();
+    ct_tc_stage(ks, p.k, kt, p.tokens, kstride, koff, D);
+    ct_tc_stage(vs, p.v, kt, p.tokens, kstride, koff, D);
+    __syncthreads();
+    float s[CT_TC_K / 8][4], dp[CT_TC_K / 8][4];
+    for (int n = 0; n < CT_TC_K / 8; n++) {
+      for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+      for (int st = 0; st < D / 16; st++) {
+        uint32_t b[2];
+        ct_tc_b_rows(b, ks, n, st, g, t);
+        ct_mma_16816(s[n], qa[st], b, s[n]);
+        ct_tc_b_rows(b, vs, n, st, g, t);
+        ct_mma_16816(dp[n], da[st], b, dp[n]);
+      }
+      // dS = P (dP - delta), P = exp(scale s - lse) on the row's own causal keys.
+      for (int e = 0; e < 4; e++) {
+        const int x = e >> 1, j = kt + n * 8 + 2 * t + (e & 1);
+        const bool ok = valid[x] && j >= starts[x] && j <= rows[x];
+        const float pv = ok ? expf(__fsub_rn(__fmul_rn(p.scale, s[n][e]), lse[x])) : 0.0f;
+        s[n][e] = __fmul_rn(pv, __fsub_rn(dp[n][e], delta[x]));
+      }
+    }
+    for (int kk = 0; kk < CT_TC_K / 16; kk++) {
+      uint32_t a[4];
+      ct_tc_acc_a(a, s, kk);
+      for (int n = 0; n < D / 8; n++) {
+        uint32_t b[2];
+        ct_tc_b_cols(b, ks, kk, n, g, t);
+        ct_mma_16816(dq[n], a, b, dq[n]);
+      }
+    }
+  }
+  for (int x = 0; x < 2; x++) {
+    if (!valid[x]) continue;
+    float* out = p.dq + rows[x] * qstride + qoff;
+    for (int n = 0; n < D / 8; n++) {
+      out[n * 8 + 2 * t] = __fmul_rn(p.scale, dq[n][2 * x]);
+      out[n * 8 + 2 * t + 1] = __fmul_rn(p.scale, dq[n][2 * x + 1]);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dkv_tc(ct_attn_train_params p) {
+  CT_SHARED(uint16_t, qs, CT_TC_Q * CT_TC_LD);
+  CT_SHARED(uint16_t, ds, CT_TC_Q * CT_TC_LD);
+  CT_SHARED(float, lses, CT_TC_Q);
+  CT_SHARED(float, deltas, CT_TC_Q);
+  const int D = p.head_dim, kh = blockIdx.y, group = p.heads / p.kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int k0 = blockIdx.x * CT_TC_K;
+  const int64_t qstride = static_cast<int64_t>(p.heads) * D, kstride = static_cast<int64_t>(p.kv_heads) * D;
+  const int64_t koff = static_cast<int64_t>(kh) * D;
+  // This thread's two keys and the end of each one's sequence (queries j .. end - 1 see key j).
+  int keys[2], ends[2];
+  bool valid[2];
+  for (int x = 0; x < 2; x++) {
+    keys[x] = k0 + warp * 16 + g + 8 * x;
+    valid[x] = keys[x] < p.tokens;
+    ends[x] = valid[x] ? static_cast<int>(p.cu[ct_seq_of(p.cu, p.num_seqs, keys[x]) + 1]) : 0;
+  }
+  const int klast = min(k0 + CT_TC_K, p.tokens) - 1;
+  const int qend = static_cast<int>(p.cu[ct_seq_of(p.cu, p.num_seqs, klast) + 1]);
+  uint32_t ka[CT_TC_MAX_D / 16][4], va[CT_TC_MAX_D / 16][4];
+  ct_tc_load_a(ka, p.k, keys, valid, kstride, koff, D, t);
+  ct_tc_load_a(va, p.v, keys, valid, kstride, koff, D, t);
+  float dk[CT_TC_MAX_D / 8][4], dv[CT_TC_MAX_D / 8][4];
+  for (int n = 0; n < D / 8; n++) {
+    for (int e = 0; e < 4; e++) dk[n][e] = dv[n][e] = 0.0f;
+  }
+  for (int gi = 0; gi < group; gi++) {
+    const int h = kh * group + gi;
+    const int64_t qoff = static_cast<int64_t>(h) * D;
+    for (int qt = k0; qt < qend; qt += CT_TC_Q) {
+      __syncthreads();
+      ct_tc_stage(qs, p.q, qt, p.tokens, qstride, qoff, D);
+      ct_tc_stage(ds, p.dout, qt, p.tokens, qstride, qoff, D);
+      for (int i = threadIdx.x; i < CT_TC_Q; i += blockDim.x) {
+        const bool in = qt + i < p.tokens;
+        lses[i] = in ? p.lse[static_cast<int64_t>(qt + i) * p.heads + h] : 0.0f;
+        deltas[i] = in ? p.delta[static_cast<int64_t>(qt + i) * p.heads + h] : 0.0f;
+      }
+      __syncthreads();
+      // S^T (16 keys x 64 queries) = K Q^T and dP^T = V dO^T, then P^T and dS^T in place.
+      float s[CT_TC_Q / 8][4], dp[CT_TC_Q / 8][4];
+      for (int n = 0; n < CT_TC_Q / 8; n++) {
+        for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+        for (int st = 0; st < D / 16; st++) {
+          uint32_t b[2];
+          ct_tc_b_rows(b, qs, n, st, g, t);
+          ct_mma_16816(s[n], ka[st], b, s[n]);
+          ct_tc_b_rows(b, ds, n, st, g, t);
+          ct_mma_16816(dp[n], va[st], b, dp[n]);
+        }
+        for (int e = 0; e < 4; e++) {
+          const int x = e >> 1, ii = n * 8 + 2 * t + (e & 1), i = qt + ii;
+          const bool ok = valid[x] && i >= keys[x] && i < ends[x];
+          const float pv = ok ? expf(__fsub_rn(__fmul_rn(p.scale, s[n][e]), lses[ii])) : 0.0f;
+          s[n][e] = pv;
+          dp[n][e] = __fmul_rn(pv, __fsub_rn(dp[n][e], deltas[ii]));
+        }
+      }
+      // dv += P^T dO, dk += dS^T Q: the accumulators of P^T and dS^T as A (k = queries).
+      for (int kk = 0; kk < CT_TC_Q / 16; kk++) {
+        uint32_t a[4], a2[4];
+        ct_tc_acc_a(a, s, kk);
+        ct_tc_acc_a(a2, dp, kk);
+        for (int n = 0; n < D / 8; n++) {
+          uint32_t b[2];
+          ct_tc_b_cols(b, ds, kk, n, g, t);
+          ct_mma_16816(dv[n], a, b, dv[n]);
+          ct_tc_b_cols(b, qs, kk, n, g, t);
+          ct_mma_16816(dk[n], a2, b, dk[n]);
+        }
+      }
+    }
+  }
+  for (int x = 0; x < 2; x++) {
+    if (!valid[x]) continue;
+    float* dko = p.dk + keys[x] * kstride + koff;
+    float* dvo = p.dv + keys[x] * kstride + koff;
+    for (int n = 0; n < D / 8; n++) {
+      for (int e = 0; e < 2; e++) {
+        dko[n * 8 + 2 * t + e] = __fmul_rn(p.scale, dk[n][2 * x + e]);
+        dvo[n * 8 + 2 * t + e] = dv[n][2 * x + e];
+      }
+    }
+  }
+}

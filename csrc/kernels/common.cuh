@@ -273,3 +273,29 @@ __device__ __forceinline__ double ct_uniform_f64(uint32_t a, uint32_t b) {
 #define CT_GRID_LOOP(i, n)                                                      \
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; \
        i < (n); i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+// d = a . b + c on the tensor cores, one warp: mma.sync m16n8k16, BF16 operands (a: 4 registers,
+// b: 2, each two bf16 with the lower column in the lower half), FP32 accumulators (sm_80+).
+// The host emulation (shim.h ct_emu_mma_16816) rebuilds the warp's matrices from the same
+// fragment layout.
+__device__ __forceinline__ void ct_mma_16816(float* d, const uint32_t* a, const uint32_t* b, const float* c) {
+#ifdef CT_HOSTEMU
+  ct_emu_mma_16816(d, a, b, c);
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %11, %12, %13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+        "f"(c[3]));
+#endif
+}
+
+// The bf16 bits of x (round to nearest even) and two of them packed into one mma register.
+__device__ __forceinline__ uint32_t ct_bf16_bits(float x) {
+  const __nv_bfloat16 b = __float2bfloat16_rn(x);
+  uint16_t u;
+  memcpy(&u, &b, 2);
+  return u;
+}
+__device__ __forceinline__ uint32_t ct_pack_bf16(float lo, float hi) { return ct_bf16_bits(lo) | (ct_bf16_bits(hi) << 16); }

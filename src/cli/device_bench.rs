@@ -333,3 +333,60 @@ pub fn resync(d: &CudaDevice, cfg: &crate::model::ModelConfig) -> Result<Vec<Res
     }
     Ok(rows)
 }
+
+/// One row of the training attention timing.
+#[derive(Debug, serde::Serialize)]
+pub struct AttentionRow {
+    pub kernel: String,
+    pub ms: f64,
+    /// Causal attention's FLOPs (4·T²/2·H·D forward, 2.5× that for the backward) per second.
+    pub tflops: f64,
+}
+
+/// The training attention at `t` tokens (one sequence), `heads` over `kv_heads` of `d`: the
+/// forward and the backward on CUDA cores and on tensor cores, each the mean of
+/// `iters` runs after one warm-up (at 16k tokens the CUDA-core kernels take seconds).
+pub fn attention(
+    d: &CudaDevice,
+    t: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    iters: usize,
+) -> Result<Vec<AttentionRow>> {
+    use crate::ops::attention::grad::Shape;
+    use crate::ops::attention::train::{self, Packed};
+    let dev = Device::Cuda(d.clone());
+    let s = Shape { heads, kv_heads, head_dim: hd };
+    let q = random(d, DType::F32, &[t, heads * hd], 1, 1.0)?;
+    let k = random(d, DType::F32, &[t, kv_heads * hd], 2, 1.0)?;
+    let v = random(d, DType::F32, &[t, kv_heads * hd], 3, 1.0)?;
+    let dout = random(d, DType::F32, &[t, heads * hd], 4, 1.0)?;
+    let cu = dev.upload(Tensor::from_u32_host(&[2], vec![0, t as u32])?)?;
+    let x = Packed { q: &q, k: &k, v: &v, cu: &cu };
+    let (mut o, mut lse) = (d.zeros(DType::F32, &[t, heads * hd])?, d.zeros(DType::F32, &[t, heads])?);
+    let (mut dq, mut dk, mut dv) = (
+        d.zeros(DType::F32, &[t, heads * hd])?,
+        d.zeros(DType::F32, &[t, kv_heads * hd])?,
+        d.zeros(DType::F32, &[t, kv_heads * hd])?,
+    );
+    let fwd_flop = 4.0 * (t * t) as f64 / 2.0 * (heads * hd) as f64;
+    let mut rows = Vec::new();
+    let mut row = |kernel: &str, ms: f64, flop: f64| {
+        rows.push(AttentionRow { kernel: kernel.into(), ms, tflops: flop / (ms * 1e-3) / 1e12 });
+    };
+    let once = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        f()?;
+        let total = d.time_ms(|| (0..iters).try_for_each(|_| f()))?;
+        Ok(total / iters as f64)
+    };
+    let ms = once(&mut || train::fwd(&dev, &s, &x, &mut o, &mut lse))?;
+    row("forward, CUDA cores (f32)", ms, fwd_flop);
+    let ms = once(&mut || train::fwd_tensor_cores(&dev, &s, &x, &mut o, &mut lse))?;
+    row("forward, tensor cores (bf16 mma)", ms, fwd_flop);
+    let ms = once(&mut || train::bwd(&dev, &s, &x, &o, &lse, &dout, &mut dq, &mut dk, &mut dv))?;
+    row("backward, CUDA cores (f32)", ms, 2.5 * fwd_flop);
+    let ms = once(&mut || train::bwd_tensor_cores(&dev, &s, &x, &o, &lse, &dout, &mut dq, &mut dk, &mut dv))?;
+    row("backward, tensor cores (bf16 mma)", ms, 2.5 * fwd_flop);
+    Ok(rows)
+}

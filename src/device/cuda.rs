@@ -81,6 +81,7 @@ pub use driver::{Cutlass, CutlassArgs, Elem, Form, GemmKey};
 /// The architectures this binary carries kernels for (COLOTRAIN_CUDA_ARCHS at build time).
 #[cfg(feature = "cuda")]
 pub use embedded::BUILT_ARCHS;
+pub use kernels::TC_MAX_D;
 /// The architectures this binary carries kernels for: none without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
 pub const BUILT_ARCHS: &[&str] = &[];

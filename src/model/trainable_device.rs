@@ -224,7 +224,13 @@ impl DeviceTrainable {
             rope::rope(&dev, &mut a.q, &self.cos, &self.sin, n, h)?;
             rope::rope(&dev, &mut a.k, &self.cos, &self.sin, n, hkv)?;
             let packed = Packed { q: &a.q, k: &a.k, v: &a.v, cu: &batch.cu };
-            attention::fwd(&dev, &shape, &packed, &mut a.att, &mut a.lse)?;
+            // Low-precision compute weights: the tensor-core forward and backward (BF16
+            // operands, as the linears' GEMMs); F32 weights keep the exact CUDA-core kernels.
+            if p[li.q].dtype() != DType::F32 && attention::tensor_cores_fit(&shape) {
+                attention::fwd_tensor_cores(&dev, &shape, &packed, &mut a.att, &mut a.lse)?;
+            } else {
+                attention::fwd(&dev, &shape, &packed, &mut a.att, &mut a.lse)?;
+            }
             // x2 = x + att·Woᵀ (+ bo)
             a.x2.copy_from(&a.x)?;
             linear::linear(&dev, &a.att, p[li.o], bias(li.ob), &mut a.x2, n, true)?;
@@ -372,7 +378,11 @@ impl DeviceTrainable {
                 linear::bias_grad(&dev, &dx, &mut grads[bi], n)?;
             }
             let packed = Packed { q: &a.q, k: &a.k, v: &a.v, cu: &b.cu };
-            attention::bwd(&dev, &shape, &packed, &a.att, &a.lse, &datt, &mut dq, &mut dk, &mut dv)?;
+            if p[li.q].dtype() != DType::F32 && attention::tensor_cores_fit(&shape) {
+                attention::bwd_tensor_cores(&dev, &shape, &packed, &a.att, &a.lse, &datt, &mut dq, &mut dk, &mut dv)?;
+            } else {
+                attention::bwd(&dev, &shape, &packed, &a.att, &a.lse, &datt, &mut dq, &mut dk, &mut dv)?;
+            }
             rope::rope_bwd(&dev, &mut dq, &self.cos, &self.sin, n, h)?;
             rope::rope_bwd(&dev, &mut dk, &self.cos, &self.sin, n, hkv)?;
             match (li.qn, li.kn) {

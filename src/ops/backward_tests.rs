@@ -166,3 +166,90 @@ fn attention_train(dev: &Device) {
 }
 
 test_device!(attention_train, attention_train_cpu, attention_train_sim, attention_train_cuda);
+
+/// The backward's tolerance, |Δ| ≤ BWD_TOL·(1 + |ref|): P and dS rounded to BF16 before their
+/// products, sums over up to 130 rows; the worst seen on these inputs is 8e-3 (dv, d128).
+const BWD_TOL: f64 = 2e-2;
+
+/// The tensor-core forward (ct_attn_fwd_tc) against the f64 twin on the BF16-rounded q, k, v:
+/// what is left is the BF16 rounding of the probabilities before P·V and the FP32 sums, so
+/// out within 5e-3 + 5e-3·|ref| and lse (from the unrounded FP32 probabilities) within 1e-4 +
+/// 1e-4·|ref|. GQA ratios 1, 3, 7 at head_dim 16, 64, 128; the packed sequences (5, 1, 130, 0,
+/// 9 tokens) put several sequences in one 64-row block and cross key tiles. On a CUDA device
+/// the result also differs from the CUDA-core forward's (the rounding is there: the tensor-core
+/// kernel ran). Then the tensor-core backward (dq, dk, dv from the f64 forward's out and lse)
+/// against the f64 twin within BWD_TOL.
+fn attention_tensor_cores(dev: &Device) {
+    use super::attention::grad::{self as agrad, Shape};
+    use super::attention::train::{self, Packed};
+    let cu: Vec<u32> = vec![0, 5, 6, 136, 136, 145];
+    let t = 145usize;
+    let cu_t = dev.upload(Tensor::from_u32_host(&[cu.len()], cu.clone()).unwrap()).unwrap();
+    let cus: Vec<usize> = cu.iter().map(|&x| x as usize).collect();
+    let bf = |v: Vec<f32>| v.into_iter().map(|x| crate::device::bf16_rne(x).to_f32()).collect::<Vec<f32>>();
+    for (h, hkv, d) in [(2usize, 2usize, 16usize), (6, 2, 64), (7, 1, 128)] {
+        let s = Shape { heads: h, kv_heads: hkv, head_dim: d };
+        assert!(train::tensor_cores_fit(&s));
+        let (qs, ks, vs) = (bf(data(t * h * d, 50)), bf(data(t * hkv * d, 51)), bf(data(t * hkv * d, 52)));
+        let f = |shape: &[usize], v: &[f32]| dev.from_f32(DType::F32, shape, v).unwrap();
+        let (q, k, v) = (f(&[t, h * d], &qs), f(&[t, hkv * d], &ks), f(&[t, hkv * d], &vs));
+        let x = Packed { q: &q, k: &k, v: &v, cu: &cu_t };
+        let (mut out, mut lse) = (f(&[t, h * d], &vec![f32::NAN; t * h * d]), f(&[t, h], &vec![f32::NAN; t * h]));
+        train::fwd_tensor_cores(dev, &s, &x, &mut out, &mut lse).unwrap();
+        let (mut o64, mut l64) = (vec![0.0; t * h * d], vec![0.0; t * h]);
+        agrad::fwd(&s, &cus, &f64s(&qs), &f64s(&ks), &f64s(&vs), &mut o64, &mut l64);
+        let what = format!("{} tensor cores h{h}/kv{hkv} d{d}", dev.name());
+        for (name, a, r, tol) in [("out", &out, &o64, 5e-3), ("lse", &lse, &l64, 1e-4)] {
+            for (i, (&x, &y)) in a.to_f32_vec().unwrap().iter().zip(r).enumerate() {
+                assert!((x as f64 - y).abs() <= tol + tol * y.abs(), "{what} {name}[{i}]: {x} vs {y}");
+            }
+        }
+        if !dev.is_cpu() {
+            let (mut o2, mut l2) = (f(&[t, h * d], &vec![0.0; t * h * d]), f(&[t, h], &vec![0.0; t * h]));
+            train::fwd(dev, &s, &x, &mut o2, &mut l2).unwrap();
+            let (a, b) = (out.to_f32_vec().unwrap(), o2.to_f32_vec().unwrap());
+            assert!(a.iter().zip(&b).any(|(x, y)| x != y), "{what}: identical to the CUDA-core forward");
+        }
+        // The backward from the f64 forward's out and lse (so only the backward's own rounding
+        // is measured), against the f64 twin.
+        let dos = bf(data(t * h * d, 53));
+        let (o64f, l64f): (Vec<f32>, Vec<f32>) =
+            (o64.iter().map(|&x| x as f32).collect(), l64.iter().map(|&x| x as f32).collect());
+        let (o_t, l_t, dout) = (f(&[t, h * d], &o64f), f(&[t, h], &l64f), f(&[t, h * d], &dos));
+        let nan = |n: usize, w: usize| f(&[t, w], &vec![f32::NAN; n]);
+        let (mut dq, mut dk, mut dv) = (nan(t * h * d, h * d), nan(t * hkv * d, hkv * d), nan(t * hkv * d, hkv * d));
+        train::bwd_tensor_cores(dev, &s, &x, &o_t, &l_t, &dout, &mut dq, &mut dk, &mut dv).unwrap();
+        let (mut dq64, mut dk64, mut dv64) = (vec![0.0; t * h * d], vec![0.0; t * hkv * d], vec![0.0; t * hkv * d]);
+        agrad::bwd(
+            &s,
+            &cus,
+            &f64s(&qs),
+            &f64s(&ks),
+            &f64s(&vs),
+            &f64s(&o64f),
+            &f64s(&l64f),
+            &f64s(&dos),
+            &mut dq64,
+            &mut dk64,
+            &mut dv64,
+        );
+        for (name, a, r) in [("dq", &dq, &dq64), ("dk", &dk, &dk64), ("dv", &dv, &dv64)] {
+            let g = a.to_f32_vec().unwrap();
+            let worst =
+                g.iter().zip(r.iter()).map(|(&x, &y)| (x as f64 - y).abs() / (1.0 + y.abs())).fold(0.0, f64::max);
+            eprintln!("{what} {name}: worst |Δ|/(1+|ref|) {worst:.2e}");
+            for (i, (&x, &y)) in g.iter().zip(r.iter()).enumerate() {
+                assert!((x as f64 - y).abs() <= BWD_TOL * (1.0 + y.abs()), "{what} {name}[{i}]: {x} vs {y}");
+            }
+        }
+    }
+    let s = Shape { heads: 2, kv_heads: 2, head_dim: 24 };
+    assert!(!train::tensor_cores_fit(&s), "head_dim 24 stays on the CUDA cores");
+}
+
+test_device!(
+    attention_tensor_cores,
+    attention_tensor_cores_cpu,
+    attention_tensor_cores_sim,
+    attention_tensor_cores_cuda
+);

@@ -10,10 +10,14 @@ use crate::device::cuda::CudaDevice;
 use anyhow::{bail, Context, Result};
 
 /// The timing groups, in the order they run: (name, what it measures).
-pub const GROUPS: [(&str, &str); 3] = [
+pub const GROUPS: [(&str, &str); 4] = [
     ("gemm", "BF16 / FP8 / NVFP4 GEMMs per path against cuBLASLt (8192³ and Qwen2.5-7B's linears)"),
     ("decode", "decode of a random Qwen2-1.5B-shaped model at batch 1 / 64 / 256 against the bandwidth bound"),
     ("resync", "in-place resync of a Qwen2.5-7B-shaped model per recipe against a copy of the same bytes"),
+    (
+        "attention",
+        "training attention at 16k tokens, head_dim 128, GQA 7:1: forward and backward, CUDA cores vs tensor cores (PyTorch's SDPA: bench/attention_sdpa.py)",
+    ),
 ];
 
 fn qwen2(
@@ -49,6 +53,7 @@ pub fn run_group(name: &str, d: &CudaDevice, iters: usize, steps: usize) -> Resu
         "gemm" => gemm(d, iters),
         "decode" => decode(d, steps),
         "resync" => resync(d),
+        "attention" => attention(d, iters),
         other => bail!("no timing group '{other}'"),
     }
 }
@@ -123,6 +128,16 @@ fn resync(d: &CudaDevice) -> Result<serde_json::Value> {
             r.copy_ms,
             r.vs_copy
         );
+    }
+    Ok(serde_json::to_value(rows)?)
+}
+
+fn attention(d: &CudaDevice, iters: usize) -> Result<serde_json::Value> {
+    // Qwen2.5-7B's heads (28 over 4 KV heads of 128) over one 16k-token response.
+    let rows = bench::attention(d, 16384, 28, 4, 128, iters.clamp(1, 2)).context("attention timing")?;
+    println!("{:<36} {:>10} {:>10}", "attention, T 16384, h28/kv4, d128", "ms", "TFLOP/s");
+    for r in &rows {
+        println!("{:<36} {:>10.2} {:>10.1}", r.kernel, r.ms, r.tflops);
     }
     Ok(serde_json::to_value(rows)?)
 }

@@ -181,8 +181,8 @@ pub(super) fn backward(x: &mut Ctx) -> Result<()> {
     attention(x)
 }
 
-/// Training attention forward and backward at Qwen2.5-7B's head shape (14 query heads over 2
-/// KV heads of 128), packed sequences of 3, 150 and 40 tokens.
+/// Training attention forward and backward (CUDA cores and tensor cores) at Qwen2.5-7B's head
+/// shape (14 query heads over 2 KV heads of 128), packed sequences of 3, 150 and 40 tokens.
 fn attention(x: &mut Ctx) -> Result<()> {
     use crate::ops::attention::grad::Shape;
     use crate::ops::attention::train::{self, Packed};
@@ -203,6 +203,16 @@ fn attention(x: &mut Ctx) -> Result<()> {
     let tol = Tol::Close(2e-5, 1e-4);
     x.cmp("training attention h14/kv2 d128: out", "f32", &o, tol)?;
     x.cmp("training attention h14/kv2 d128: lse", "f32", &lse, tol)?;
+    // The tensor-core forward against the CPU's f32 forward: q, k, v and P rounded to BF16.
+    let (mut otc, mut ltc) = (x.out(&[t, h * d])?, x.out(&[t, h])?);
+    x.both(|dv, g| {
+        let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g) };
+        train::fwd_tensor_cores(dv, &s, &p, pick_mut(&mut otc, g), pick_mut(&mut ltc, g))
+    })?;
+    // BF16 q·k over 128 dims: |Δ score| ~ 2^-8 · |q||k| / √D; 1e-2 seen at most, 3e-2 allowed.
+    let tol = Tol::Close(3e-2, 2e-2);
+    x.cmp("training attention tensor cores: out", "bf16 ops", &otc, tol)?;
+    x.cmp("training attention tensor cores: lse", "bf16 ops", &ltc, tol)?;
     let (mut dq, mut dk, mut dv) = (x.out(&[t, h * d])?, x.out(&[t, hkv * d])?, x.out(&[t, hkv * d])?);
     x.both(|dev, g| {
         let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g) };
@@ -214,5 +224,18 @@ fn attention(x: &mut Ctx) -> Result<()> {
     x.cmp("training attention backward: dq", "f32", &dq, tol)?;
     x.cmp("training attention backward: dk", "f32", &dk, tol)?;
     x.cmp("training attention backward: dv", "f32", &dv, tol)?;
+    // The tensor-core backward against the CPU's f32 backward (from the same out and lse).
+    let (mut dq, mut dk, mut dv) = (x.out(&[t, h * d])?, x.out(&[t, hkv * d])?, x.out(&[t, hkv * d])?);
+    x.both(|dev, g| {
+        let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g) };
+        let (a, b, c) = (pick_mut(&mut dq, g), pick_mut(&mut dk, g), pick_mut(&mut dv, g));
+        train::bwd_tensor_cores(dev, &s, &p, pick(&o, g), pick(&lse, g), pick(&dout, g), a, b, c)
+    })?;
+    // Every operand rounded to BF16 (q, k, v, dout, P, dS), sums over up to 150 rows: errors
+    // of 2^-8·√150 ≈ 5e-2 of a term's size; 3.7e-2 seen at most on the simulator.
+    let tol = Tol::Close(1e-1, 5e-2);
+    x.cmp("training attention backward tensor cores: dq", "bf16 ops", &dq, tol)?;
+    x.cmp("training attention backward tensor cores: dk", "bf16 ops", &dk, tol)?;
+    x.cmp("training attention backward tensor cores: dv", "bf16 ops", &dv, tol)?;
     Ok(())
 }

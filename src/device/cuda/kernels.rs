@@ -44,6 +44,10 @@ const NORM_THREADS: u32 = 256;
 const OPTIM_THREADS: u32 = 256;
 /// Threads per block of attention_train.cu (CT_AT_TILE: keys per tile).
 pub const AT_TILE: u32 = 128;
+/// Query rows per block of the tensor-core forward (CT_TC_Q), and its largest head_dim
+/// (CT_TC_MAX_D; a multiple of 16 below it).
+pub const TC_Q: i64 = 64;
+pub const TC_MAX_D: usize = 128;
 /// Threads per block of lm_head.cu's row kernels (CT_LM_THREADS).
 pub const LM_THREADS: u32 = 1024;
 
@@ -86,10 +90,13 @@ pub enum Kernel {
     AttnFwd,
     AttnBwdDq,
     AttnBwdDkv,
+    AttnFwdTc,
+    AttnBwdDqTc,
+    AttnBwdDkvTc,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 36] = [
+    pub const ALL: [Kernel; 39] = [
         Kernel::Rmsnorm,
         Kernel::RopeTable,
         Kernel::Rope,
@@ -126,6 +133,9 @@ impl Kernel {
         Kernel::AttnFwd,
         Kernel::AttnBwdDq,
         Kernel::AttnBwdDkv,
+        Kernel::AttnFwdTc,
+        Kernel::AttnBwdDqTc,
+        Kernel::AttnBwdDkvTc,
     ];
 
     /// (the kernel's name, the csrc/kernels/ file that defines it, without `.cu`).
@@ -167,6 +177,9 @@ impl Kernel {
             Kernel::AttnFwd => ("ct_attn_fwd", "attention_train"),
             Kernel::AttnBwdDq => ("ct_attn_bwd_dq", "attention_train"),
             Kernel::AttnBwdDkv => ("ct_attn_bwd_dkv", "attention_train"),
+            Kernel::AttnFwdTc => ("ct_attn_fwd_tc", "attention_train"),
+            Kernel::AttnBwdDqTc => ("ct_attn_bwd_dq_tc", "attention_train"),
+            Kernel::AttnBwdDkvTc => ("ct_attn_bwd_dkv_tc", "attention_train"),
         }
     }
 
@@ -186,7 +199,7 @@ impl Kernel {
             RopeTable | Rope | Swiglu | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
             | ScatterAddRows | LmStats | LmDz => 4,
             RmsnormTrain | RmsnormBwd | RmsnormDw | SwigluBwd | RopeBwd | ColSum | EmbedBwd => 4,
-            AttnFwd | AttnBwdDq | AttnBwdDkv => 4,
+            AttnFwd | AttnBwdDq | AttnBwdDkv | AttnFwdTc | AttnBwdDqTc | AttnBwdDkvTc => 4,
         }
     }
 
@@ -425,6 +438,21 @@ impl CudaDevice {
     pub fn k_attn_fwd(&self, p: ffi::ct_attn_train_params) -> Result<()> {
         let grid = (u32_dim(p.tokens as i64, "attention rows")?, u32_dim(p.heads as i64, "heads")?, 1);
         self.launch(Kernel::AttnFwd, grid, AT_TILE, 0, &p)
+    }
+
+    /// The tensor-core forward: grid (⌈tokens / TC_Q⌉, heads) of 4 warps.
+    pub fn k_attn_fwd_tc(&self, p: ffi::ct_attn_train_params) -> Result<()> {
+        let tiles = (p.tokens as i64 + TC_Q - 1) / TC_Q;
+        let grid = (u32_dim(tiles, "attention row tiles")?, u32_dim(p.heads as i64, "heads")?, 1);
+        self.launch(Kernel::AttnFwdTc, grid, 128, 0, &p)
+    }
+
+    /// The tensor-core backward: dq and delta (grid ⌈tokens / TC_Q⌉ × heads), then dk and dv
+    /// (grid ⌈tokens / TC_Q⌉ × KV heads), 4 warps each.
+    pub fn k_attn_bwd_tc(&self, p: ffi::ct_attn_train_params) -> Result<()> {
+        let tiles = u32_dim((p.tokens as i64 + TC_Q - 1) / TC_Q, "attention row tiles")?;
+        self.launch(Kernel::AttnBwdDqTc, (tiles, u32_dim(p.heads as i64, "heads")?, 1), 128, 0, &p)?;
+        self.launch(Kernel::AttnBwdDkvTc, (tiles, u32_dim(p.kv_heads as i64, "KV heads")?, 1), 128, 0, &p)
     }
 
     /// dq and delta (grid tokens × heads), then dk and dv (grid tokens × KV heads).

@@ -1,7 +1,8 @@
 //! Attention for training on any device: causal GQA over packed sequences, forward saving the
 //! log-sum-exp and backward recomputing the probabilities (`grad.rs` is the CPU twin and, at
-//! T = f64, the reference; csrc/kernels/attention_train.cu the CUDA twin, a CUDA-core kernel
-//! that is the checked reference and fallback of the training attention, not its fast path).
+//! T = f64, the reference; csrc/kernels/attention_train.cu the CUDA twin: CUDA-core kernels,
+//! the checked reference and fallback, and the tensor-core forward `fwd_tensor_cores`; the
+//! backward still runs on CUDA cores).
 //!
 //! Owns: the device-level signatures and their checks. May call: `grad`, the CUDA launchers.
 //! Must not: hold a T × T matrix.
@@ -76,6 +77,56 @@ pub fn fwd(dev: &Device, s: &Shape, x: &Packed<'_>, out: &mut Tensor, lse: &mut 
     }
 }
 
+/// Whether the tensor-core forward takes this shape: head_dim a multiple of 16, at most 128.
+pub fn tensor_cores_fit(s: &Shape) -> bool {
+    s.head_dim % 16 == 0 && s.head_dim <= crate::device::cuda::TC_MAX_D
+}
+
+/// [`fwd`] on the tensor cores (ct_attn_fwd_tc, flash-attention 2 style: q, k, v and the
+/// probabilities rounded to BF16, FP32 accumulation and softmax): out and lse within BF16
+/// rounding of [`fwd`]'s. On the CPU it is [`fwd`] (the f32 twin the tolerances refer to).
+pub fn fwd_tensor_cores(dev: &Device, s: &Shape, x: &Packed<'_>, out: &mut Tensor, lse: &mut Tensor) -> Result<()> {
+    if !tensor_cores_fit(s) {
+        bail!("training attention on the tensor cores: head_dim {} is not a multiple of 16 up to 128", s.head_dim);
+    }
+    match dev {
+        Device::Cpu(_) => fwd(dev, s, x, out, lse),
+        Device::Cuda(d) => {
+            let t = check(s, x)?;
+            if out.numel() != x.q.numel() || lse.numel() != t * s.heads {
+                bail!("training attention: the output must match the queries and lse hold T·H values");
+            }
+            offsets(x.cu, t)?;
+            let mut p = params(d, s, x, t)?;
+            p.o = ptr(d, out, &[DType::F32], "attention output")? as *mut f32;
+            p.lse = ptr(d, lse, &[DType::F32], "attention log-sum-exp")? as *mut f32;
+            d.k_attn_fwd_tc(p)
+        }
+    }
+}
+
+/// The backward's shapes, checked; T.
+#[allow(clippy::too_many_arguments)]
+fn check_bwd(
+    s: &Shape,
+    x: &Packed<'_>,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    dq: &Tensor,
+    dk: &Tensor,
+    dv: &Tensor,
+) -> Result<usize> {
+    let t = check(s, x)?;
+    if out.numel() != x.q.numel() || dout.numel() != x.q.numel() || dq.numel() != x.q.numel() {
+        bail!("training attention backward: out, dout and dq must match the queries");
+    }
+    if dk.numel() != x.k.numel() || dv.numel() != x.v.numel() || lse.numel() != t * s.heads {
+        bail!("training attention backward: dk and dv must match the keys, lse hold T·H values");
+    }
+    Ok(t)
+}
+
 /// dq (T, H·D), dk, dv (T, Hkv·D), overwritten, from dout and the forward's out and lse
 /// (`grad::bwd`).
 #[allow(clippy::too_many_arguments)]
@@ -90,13 +141,7 @@ pub fn bwd(
     dk: &mut Tensor,
     dv: &mut Tensor,
 ) -> Result<()> {
-    let t = check(s, x)?;
-    if out.numel() != x.q.numel() || dout.numel() != x.q.numel() || dq.numel() != x.q.numel() {
-        bail!("training attention backward: out, dout and dq must match the queries");
-    }
-    if dk.numel() != x.k.numel() || dv.numel() != x.v.numel() || lse.numel() != t * s.heads {
-        bail!("training attention backward: dk and dv must match the keys, lse hold T·H values");
-    }
+    let t = check_bwd(s, x, out, lse, dout, dq, dk, dv)?;
     match dev {
         Device::Cpu(_) => {
             let cu = offsets(x.cu, t)?;
@@ -116,20 +161,66 @@ pub fn bwd(
             );
             Ok(())
         }
+        Device::Cuda(d) => bwd_cuda(d, s, x, t, out, lse, dout, dq, dk, dv, false),
+    }
+}
+
+/// [`bwd`] on the tensor cores (ct_attn_bwd_dq_tc, ct_attn_bwd_dkv_tc: q, k, v, dout, the
+/// probabilities and dS rounded to BF16, FP32 accumulation, no atomics): within BF16 rounding of
+/// [`bwd`]'s. On the CPU it is [`bwd`] (the f32 twin the tolerances refer to).
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_tensor_cores(
+    dev: &Device,
+    s: &Shape,
+    x: &Packed<'_>,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    dq: &mut Tensor,
+    dk: &mut Tensor,
+    dv: &mut Tensor,
+) -> Result<()> {
+    if !tensor_cores_fit(s) {
+        bail!("training attention on the tensor cores: head_dim {} is not a multiple of 16 up to 128", s.head_dim);
+    }
+    match dev {
+        Device::Cpu(_) => bwd(dev, s, x, out, lse, dout, dq, dk, dv),
         Device::Cuda(d) => {
-            offsets(x.cu, t)?;
-            let delta = d.scratch(t * s.heads * 4, "attention backward row sums")?;
-            let mut p = params(d, s, x, t)?;
-            let f = |a: &Tensor, what: &str| ptr(d, a, &[DType::F32], what);
-            p.out = f(out, "attention output")? as *const f32;
-            p.lse = f(lse, "attention log-sum-exp")? as *mut f32;
-            p.dout = f(dout, "attention output gradient")? as *const f32;
-            p.dq = f(dq, "query gradient")? as *mut f32;
-            p.dk = f(dk, "key gradient")? as *mut f32;
-            p.dv = f(dv, "value gradient")? as *mut f32;
-            p.delta = delta.ptr as *mut f32;
-            d.k_attn_bwd(p)
+            let t = check_bwd(s, x, out, lse, dout, dq, dk, dv)?;
+            bwd_cuda(d, s, x, t, out, lse, dout, dq, dk, dv, true)
         }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bwd_cuda(
+    d: &CudaDevice,
+    s: &Shape,
+    x: &Packed<'_>,
+    t: usize,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    dq: &mut Tensor,
+    dk: &mut Tensor,
+    dv: &mut Tensor,
+    tensor_cores: bool,
+) -> Result<()> {
+    offsets(x.cu, t)?;
+    let delta = d.scratch(t * s.heads * 4, "attention backward row sums")?;
+    let mut p = params(d, s, x, t)?;
+    let f = |a: &Tensor, what: &str| ptr(d, a, &[DType::F32], what);
+    p.out = f(out, "attention output")? as *const f32;
+    p.lse = f(lse, "attention log-sum-exp")? as *mut f32;
+    p.dout = f(dout, "attention output gradient")? as *const f32;
+    p.dq = f(dq, "query gradient")? as *mut f32;
+    p.dk = f(dk, "key gradient")? as *mut f32;
+    p.dv = f(dv, "value gradient")? as *mut f32;
+    p.delta = delta.ptr as *mut f32;
+    if tensor_cores {
+        d.k_attn_bwd_tc(p)
+    } else {
+        d.k_attn_bwd(p)
     }
 }
 
