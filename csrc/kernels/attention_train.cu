@@ -214,7 +214,9 @@ __device__ __forceinline__ void ct_tc_acc_a(uint32_t* a, const float (*s)[4], in
 // rows[x] is the thread's row g (x = 0) or g + 8 (x = 1), zeros where !valid[x].
 __device__ __forceinline__ void ct_tc_load_a(uint32_t (*a)[4], const float* src, const int* rows, const bool* valid,
                                              int64_t stride, int64_t off, int D, int t) {
+  #pragma unroll
   for (int s = 0; s < D / 16; s++) {
+    #pragma unroll
     for (int r = 0; r < 4; r++) {
       const int x = r & 1, col = s * 16 + 2 * t + 8 * (r >> 1);
       const float* v = src + rows[x] * stride + off + col;
@@ -223,10 +225,10 @@ __device__ __forceinline__ void ct_tc_load_a(uint32_t (*a)[4], const float* src,
   }
 }
 
-extern "C" __global__ void __launch_bounds__(128) ct_attn_fwd_tc(ct_attn_train_params p) {
-  CT_SHARED(uint16_t, ks, CT_TC_K * CT_TC_LD);
-  CT_SHARED(uint16_t, vs, CT_TC_K * CT_TC_LD);
-  const int D = p.head_dim, h = blockIdx.y, kh = h / (p.heads / p.kv_heads);
+template <int DT>
+__device__ __forceinline__ void ct_attn_fwd_tc_body(const ct_attn_train_params& p, uint16_t* ks, uint16_t* vs, float*,
+                                                    float*) {
+  const int D = DT > 0 ? DT : p.head_dim, h = blockIdx.y, kh = h / (p.heads / p.kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int r0 = blockIdx.x * CT_TC_Q;
   const int64_t qstride = static_cast<int64_t>(p.heads) * D, kstride = static_cast<int64_t>(p.kv_heads) * D;
@@ -234,6 +236,7 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_fwd_tc(ct_attn_train_p
   // This thread's two rows (g and g + 8 of its warp's 16) and the first key each may see.
   int rows[2], starts[2];
   bool valid[2];
+  #pragma unroll
   for (int x = 0; x < 2; x++) {
     rows[x] = r0 + warp * 16 + g + 8 * x;
     valid[x] = rows[x] < p.tokens;
@@ -245,6 +248,7 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_fwd_tc(ct_attn_train_p
   uint32_t qa[CT_TC_MAX_D / 16][4];
   ct_tc_load_a(qa, p.q, rows, valid, qstride, qoff, D, t);
   float o[CT_TC_MAX_D / 8][4];
+  #pragma unroll
   for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   for (int kt = kfirst; kt <= last; kt += CT_TC_K) {
@@ -254,8 +258,10 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_fwd_tc(ct_attn_train_p
     __syncthreads();
     // S (16 x 64 per warp) = Q K^T: B[k = dim][n = key] is K's row n, so b reads K row-major.
     float s[CT_TC_K / 8][4];
+    #pragma unroll
     for (int n = 0; n < CT_TC_K / 8; n++) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      #pragma unroll
       for (int st = 0; st < D / 16; st++) {
         uint32_t b[2];
         ct_tc_b_rows(b, ks, n, st, g, t);
@@ -264,9 +270,12 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_fwd_tc(ct_attn_train_p
     }
     // Scale, mask, and the online softmax of each of the thread's two rows (its 4-lane group
     // holds a row's 64 scores).
+    #pragma unroll
     for (int x = 0; x < 2; x++) {
       float mx = -INFINITY;
+      #pragma unroll
       for (int n = 0; n < CT_TC_K / 8; n++) {
+        #pragma unroll
         for (int e = 0; e < 2; e++) {
           const int j = kt + n * 8 + 2 * t + e;
           const bool ok = valid[x] && j >= starts[x] && j <= rows[x];
@@ -280,11 +289,14 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_fwd_tc(ct_attn_train_p
       const float mnew = fmaxf(m[x], mx);
       const float corr = mnew == -INFINITY ? 1.0f : expf(__fsub_rn(m[x], mnew));
       l[x] = __fmul_rn(l[x], corr);
+      #pragma unroll
       for (int n = 0; n < D / 8; n++) {
         o[n][2 * x] = __fmul_rn(o[n][2 * x], corr);
         o[n][2 * x + 1] = __fmul_rn(o[n][2 * x + 1], corr);
       }
+      #pragma unroll
       for (int n = 0; n < CT_TC_K / 8; n++) {
+        #pragma unroll
         for (int e = 0; e < 2; e++) {
           const float v = s[n][2 * x + e];
           const float pv = v == -INFINITY ? 0.0f : expf(__fsub_rn(v, mnew));
@@ -296,9 +308,11 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_fwd_tc(ct_attn_train_p
     }
     // O += P V: P's accumulators of key tiles 2kk, 2kk + 1 are the A fragment of keys
     // 16kk .. 16kk + 15; B[k = key][n = dim] reads V's column n down 16 keys.
+    #pragma unroll
     for (int kk = 0; kk < CT_TC_K / 16; kk++) {
       uint32_t a[4];
       ct_tc_acc_a(a, s, kk);
+      #pragma unroll
       for (int n = 0; n < D / 8; n++) {
         uint32_t b[2];
         ct_tc_b_cols(b, vs, kk, n, g, t);
@@ -307,12 +321,14 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_fwd_tc(ct_attn_train_p
     }
   }
   // The row sums over the 4-lane group, then o / l and lse = m + log l.
+  #pragma unroll
   for (int x = 0; x < 2; x++) {
     float L = l[x];
     L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 1));
     L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 2));
     if (!valid[x]) continue;
     float* out = p.o + rows[x] * qstride + qoff;
+    #pragma unroll
     for (int n = 0; n < D / 8; n++) {
       out[n * 8 + 2 * t] = __fdiv_rn(o[n][2 * x], L);
       out[n * 8 + 2 * t + 1] = __fdiv_rn(o[n][2 * x + 1], L);
@@ -332,10 +348,10 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_fwd_tc(ct_attn_train_p
 //   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dk += dS^T Q; dk = scale dk.
 // Operands (q, k, v, dout, P, dS) rounded to BF16, FP32 accumulation.
 
-extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dq_tc(ct_attn_train_params p) {
-  CT_SHARED(uint16_t, ks, CT_TC_K * CT_TC_LD);
-  CT_SHARED(uint16_t, vs, CT_TC_K * CT_TC_LD);
-  const int D = p.head_dim, h = blockIdx.y, kh = h / (p.heads / p.kv_heads);
+template <int DT>
+__device__ __forceinline__ void ct_attn_bwd_dq_tc_body(const ct_attn_train_params& p, uint16_t* ks, uint16_t* vs,
+                                                       float*, float*) {
+  const int D = DT > 0 ? DT : p.head_dim, h = blockIdx.y, kh = h / (p.heads / p.kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int r0 = blockIdx.x * CT_TC_Q;
   const int64_t qstride = static_cast<int64_t>(p.heads) * D, kstride = static_cast<int64_t>(p.kv_heads) * D;
@@ -343,6 +359,7 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dq_tc(ct_attn_trai
   int rows[2], starts[2];
   bool valid[2];
   float lse[2], delta[2];
+  #pragma unroll
   for (int x = 0; x < 2; x++) {
     rows[x] = r0 + warp * 16 + g + 8 * x;
     valid[x] = rows[x] < p.tokens;
@@ -366,6 +383,7 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dq_tc(ct_attn_trai
   ct_tc_load_a(qa, p.q, rows, valid, qstride, qoff, D, t);
   ct_tc_load_a(da, p.dout, rows, valid, qstride, qoff, D, t);
   float dq[CT_TC_MAX_D / 8][4];
+  #pragma unroll
   for (int n = 0; n < D / 8; n++) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
   for (int kt = kfirst; kt <= last; kt += CT_TC_K) {
     __syncthreads();
@@ -373,8 +391,11 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dq_tc(ct_attn_trai
     ct_tc_stage(vs, p.v, kt, p.tokens, kstride, koff, D);
     __syncthreads();
     float s[CT_TC_K / 8][4], dp[CT_TC_K / 8][4];
+    #pragma unroll
     for (int n = 0; n < CT_TC_K / 8; n++) {
+      #pragma unroll
       for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+      #pragma unroll
       for (int st = 0; st < D / 16; st++) {
         uint32_t b[2];
         ct_tc_b_rows(b, ks, n, st, g, t);
@@ -383,6 +404,7 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dq_tc(ct_attn_trai
         ct_mma_16816(dp[n], da[st], b, dp[n]);
       }
       // dS = P (dP - delta), P = exp(scale s - lse) on the row's own causal keys.
+      #pragma unroll
       for (int e = 0; e < 4; e++) {
         const int x = e >> 1, j = kt + n * 8 + 2 * t + (e & 1);
         const bool ok = valid[x] && j >= starts[x] && j <= rows[x];
@@ -390,9 +412,11 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dq_tc(ct_attn_trai
         s[n][e] = __fmul_rn(pv, __fsub_rn(dp[n][e], delta[x]));
       }
     }
+    #pragma unroll
     for (int kk = 0; kk < CT_TC_K / 16; kk++) {
       uint32_t a[4];
       ct_tc_acc_a(a, s, kk);
+      #pragma unroll
       for (int n = 0; n < D / 8; n++) {
         uint32_t b[2];
         ct_tc_b_cols(b, ks, kk, n, g, t);
@@ -400,9 +424,11 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dq_tc(ct_attn_trai
       }
     }
   }
+  #pragma unroll
   for (int x = 0; x < 2; x++) {
     if (!valid[x]) continue;
     float* out = p.dq + rows[x] * qstride + qoff;
+    #pragma unroll
     for (int n = 0; n < D / 8; n++) {
       out[n * 8 + 2 * t] = __fmul_rn(p.scale, dq[n][2 * x]);
       out[n * 8 + 2 * t + 1] = __fmul_rn(p.scale, dq[n][2 * x + 1]);
@@ -410,12 +436,10 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dq_tc(ct_attn_trai
   }
 }
 
-extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dkv_tc(ct_attn_train_params p) {
-  CT_SHARED(uint16_t, qs, CT_TC_Q * CT_TC_LD);
-  CT_SHARED(uint16_t, ds, CT_TC_Q * CT_TC_LD);
-  CT_SHARED(float, lses, CT_TC_Q);
-  CT_SHARED(float, deltas, CT_TC_Q);
-  const int D = p.head_dim, kh = blockIdx.y, group = p.heads / p.kv_heads;
+template <int DT>
+__device__ __forceinline__ void ct_attn_bwd_dkv_tc_body(const ct_attn_train_params& p, uint16_t* qs, uint16_t* ds,
+                                                        float* lses, float* deltas) {
+  const int D = DT > 0 ? DT : p.head_dim, kh = blockIdx.y, group = p.heads / p.kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int k0 = blockIdx.x * CT_TC_K;
   const int64_t qstride = static_cast<int64_t>(p.heads) * D, kstride = static_cast<int64_t>(p.kv_heads) * D;
@@ -423,6 +447,7 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dkv_tc(ct_attn_tra
   // This thread's two keys and the end of each one's sequence (queries j .. end - 1 see key j).
   int keys[2], ends[2];
   bool valid[2];
+  #pragma unroll
   for (int x = 0; x < 2; x++) {
     keys[x] = k0 + warp * 16 + g + 8 * x;
     valid[x] = keys[x] < p.tokens;
@@ -434,7 +459,9 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dkv_tc(ct_attn_tra
   ct_tc_load_a(ka, p.k, keys, valid, kstride, koff, D, t);
   ct_tc_load_a(va, p.v, keys, valid, kstride, koff, D, t);
   float dk[CT_TC_MAX_D / 8][4], dv[CT_TC_MAX_D / 8][4];
+  #pragma unroll
   for (int n = 0; n < D / 8; n++) {
+    #pragma unroll
     for (int e = 0; e < 4; e++) dk[n][e] = dv[n][e] = 0.0f;
   }
   for (int gi = 0; gi < group; gi++) {
@@ -452,8 +479,11 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dkv_tc(ct_attn_tra
       __syncthreads();
       // S^T (16 keys x 64 queries) = K Q^T and dP^T = V dO^T, then P^T and dS^T in place.
       float s[CT_TC_Q / 8][4], dp[CT_TC_Q / 8][4];
+      #pragma unroll
       for (int n = 0; n < CT_TC_Q / 8; n++) {
+        #pragma unroll
         for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+        #pragma unroll
         for (int st = 0; st < D / 16; st++) {
           uint32_t b[2];
           ct_tc_b_rows(b, qs, n, st, g, t);
@@ -461,6 +491,7 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dkv_tc(ct_attn_tra
           ct_tc_b_rows(b, ds, n, st, g, t);
           ct_mma_16816(dp[n], va[st], b, dp[n]);
         }
+        #pragma unroll
         for (int e = 0; e < 4; e++) {
           const int x = e >> 1, ii = n * 8 + 2 * t + (e & 1), i = qt + ii;
           const bool ok = valid[x] && i >= keys[x] && i < ends[x];
@@ -470,10 +501,12 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dkv_tc(ct_attn_tra
         }
       }
       // dv += P^T dO, dk += dS^T Q: the accumulators of P^T and dS^T as A (k = queries).
+      #pragma unroll
       for (int kk = 0; kk < CT_TC_Q / 16; kk++) {
         uint32_t a[4], a2[4];
         ct_tc_acc_a(a, s, kk);
         ct_tc_acc_a(a2, dp, kk);
+        #pragma unroll
         for (int n = 0; n < D / 8; n++) {
           uint32_t b[2];
           ct_tc_b_cols(b, ds, kk, n, g, t);
@@ -484,11 +517,14 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dkv_tc(ct_attn_tra
       }
     }
   }
+  #pragma unroll
   for (int x = 0; x < 2; x++) {
     if (!valid[x]) continue;
     float* dko = p.dk + keys[x] * kstride + koff;
     float* dvo = p.dv + keys[x] * kstride + koff;
+    #pragma unroll
     for (int n = 0; n < D / 8; n++) {
+      #pragma unroll
       for (int e = 0; e < 2; e++) {
         dko[n * 8 + 2 * t + e] = __fmul_rn(p.scale, dk[n][2 * x + e]);
         dvo[n * 8 + 2 * t + e] = dv[n][2 * x + e];
@@ -496,3 +532,23 @@ extern "C" __global__ void __launch_bounds__(128) ct_attn_bwd_dkv_tc(ct_attn_tra
     }
   }
 }
+
+// The kernels: one body per head_dim class. head_dim 64 and 128 (the common ones) are compile-
+// time constants, so every fragment loop unrolls and the accumulators stay in registers; other
+// multiples of 16 run the generic body (runtime loop bounds: its arrays live in local memory).
+// The shared tiles are declared here once, for whichever body runs.
+#define CT_TC_DISPATCH(name)                                                           \
+  extern "C" __global__ void __launch_bounds__(128) name(ct_attn_train_params p) {       \
+    CT_SHARED(uint16_t, ta, CT_TC_K * CT_TC_LD);                                       \
+    CT_SHARED(uint16_t, tb, CT_TC_K * CT_TC_LD);                                       \
+    CT_SHARED(float, fa, CT_TC_Q);                                                     \
+    CT_SHARED(float, fb, CT_TC_Q);                                                     \
+    switch (p.head_dim) {                                                              \
+      case 64: name##_body<64>(p, ta, tb, fa, fb); break;                              \
+      case 128: name##_body<128>(p, ta, tb, fa, fb); break;                            \
+      default: name##_body<0>(p, ta, tb, fa, fb); break;                               \
+    }                                                                                  \
+  }
+CT_TC_DISPATCH(ct_attn_fwd_tc)
+CT_TC_DISPATCH(ct_attn_bwd_dq_tc)
+CT_TC_DISPATCH(ct_attn_bwd_dkv_tc)
