@@ -21,22 +21,6 @@ use colotrain::objective::TokenStats;
 use colotrain::train::trainer::{param_slices, Trainer};
 use common::*;
 
-const TRIAGE: &str = r#"
-[objective.triage]
-segment_len = 3
-repair_segment_len = 3
-tau_tail = -1.0
-k_tail = 2.0
-tau_sev = -0.4
-tau_neg = -0.1
-w_sev = 0.2
-w_neg = 0.6
-tau_rep = -0.05
-beta = 0.1
-lambda_rep = 0.5
-k_rep = 0
-"#;
-
 fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| ((*x - *y) as f64).powi(2)).sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();

@@ -22,22 +22,6 @@ use colotrain::model::weights::param_specs;
 use colotrain::train::trainer::Trainer;
 use common::*;
 
-const TRIAGE: &str = r#"
-[objective.triage]
-segment_len = 3
-repair_segment_len = 3
-tau_tail = -1.0
-k_tail = 2.0
-tau_sev = -0.4
-tau_neg = -0.1
-w_sev = 0.2
-w_neg = 0.6
-tau_rep = -0.05
-beta = 0.1
-lambda_rep = 0.5
-k_rep = 0
-"#;
-
 const SGD: &str = "[optimizer]\nkind = \"sgd\"\nlr = 1.0\nweight_decay = 0.0\ngrad_clip = 0.0\n";
 
 fn rel_err(a: &[f32], b: &[f32]) -> f64 {

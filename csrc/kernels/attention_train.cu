@@ -210,13 +210,47 @@ __device__ __forceinline__ void ct_tc_acc_a(uint32_t* a, const float (*s)[4], in
   a[3] = ct_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
+// s (16 x 64: 8 n-tiles of the warp's 16 rows) = A . tile^T over D dims: A the warp's rows as
+// fragments (D / 16), the tile's 64 rows the columns (S = Q K^T, dP = dO V^T, and transposed).
+__device__ __forceinline__ void ct_tc_rows_product(float (*s)[4], const uint32_t (*a)[4], const uint16_t* tile, int D,
+                                                   int g, int t) {
+#pragma unroll
+  for (int n = 0; n < CT_TC_K / 8; n++) {
+    s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int st = 0; st < D / 16; st++) {
+      uint32_t b[2];
+      ct_tc_b_rows(b, tile, n, st, g, t);
+      ct_mma_16816(s[n], a[st], b, s[n]);
+    }
+  }
+}
+
+// acc (16 x D: D / 8 n-tiles) += w . tile: w the warp's 16 x 64 accumulators (rounded to bf16 as
+// the A operand, k = the tile's 64 rows), the tile's columns the output dims (O += P V,
+// dq += dS K, dv += P^T dO, dk += dS^T Q).
+__device__ __forceinline__ void ct_tc_acc_product(float (*acc)[4], const float (*w)[4], const uint16_t* tile, int D,
+                                                  int g, int t) {
+#pragma unroll
+  for (int kk = 0; kk < CT_TC_K / 16; kk++) {
+    uint32_t a[4];
+    ct_tc_acc_a(a, w, kk);
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+      uint32_t b[2];
+      ct_tc_b_cols(b, tile, kk, n, g, t);
+      ct_mma_16816(acc[n], a, b, acc[n]);
+    }
+  }
+}
+
 // The A fragments (D / 16 of them) of 16 rows of a (tokens, stride) f32 tensor at column off:
 // rows[x] is the thread's row g (x = 0) or g + 8 (x = 1), zeros where !valid[x].
 __device__ __forceinline__ void ct_tc_load_a(uint32_t (*a)[4], const float* src, const int* rows, const bool* valid,
                                              int64_t stride, int64_t off, int D, int t) {
-  #pragma unroll
+#pragma unroll
   for (int s = 0; s < D / 16; s++) {
-    #pragma unroll
+#pragma unroll
     for (int r = 0; r < 4; r++) {
       const int x = r & 1, col = s * 16 + 2 * t + 8 * (r >> 1);
       const float* v = src + rows[x] * stride + off + col;
@@ -236,7 +270,7 @@ __device__ __forceinline__ void ct_attn_fwd_tc_body(const ct_attn_train_params& 
   // This thread's two rows (g and g + 8 of its warp's 16) and the first key each may see.
   int rows[2], starts[2];
   bool valid[2];
-  #pragma unroll
+#pragma unroll
   for (int x = 0; x < 2; x++) {
     rows[x] = r0 + warp * 16 + g + 8 * x;
     valid[x] = rows[x] < p.tokens;
@@ -248,7 +282,7 @@ __device__ __forceinline__ void ct_attn_fwd_tc_body(const ct_attn_train_params& 
   uint32_t qa[CT_TC_MAX_D / 16][4];
   ct_tc_load_a(qa, p.q, rows, valid, qstride, qoff, D, t);
   float o[CT_TC_MAX_D / 8][4];
-  #pragma unroll
+#pragma unroll
   for (int n = 0; n < D / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   for (int kt = kfirst; kt <= last; kt += CT_TC_K) {
@@ -258,24 +292,15 @@ __device__ __forceinline__ void ct_attn_fwd_tc_body(const ct_attn_train_params& 
     __syncthreads();
     // S (16 x 64 per warp) = Q K^T: B[k = dim][n = key] is K's row n, so b reads K row-major.
     float s[CT_TC_K / 8][4];
-    #pragma unroll
-    for (int n = 0; n < CT_TC_K / 8; n++) {
-      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-      #pragma unroll
-      for (int st = 0; st < D / 16; st++) {
-        uint32_t b[2];
-        ct_tc_b_rows(b, ks, n, st, g, t);
-        ct_mma_16816(s[n], qa[st], b, s[n]);
-      }
-    }
+    ct_tc_rows_product(s, qa, ks, D, g, t);
     // Scale, mask, and the online softmax of each of the thread's two rows (its 4-lane group
     // holds a row's 64 scores).
-    #pragma unroll
+#pragma unroll
     for (int x = 0; x < 2; x++) {
       float mx = -INFINITY;
-      #pragma unroll
+#pragma unroll
       for (int n = 0; n < CT_TC_K / 8; n++) {
-        #pragma unroll
+#pragma unroll
         for (int e = 0; e < 2; e++) {
           const int j = kt + n * 8 + 2 * t + e;
           const bool ok = valid[x] && j >= starts[x] && j <= rows[x];
@@ -289,14 +314,14 @@ __device__ __forceinline__ void ct_attn_fwd_tc_body(const ct_attn_train_params& 
       const float mnew = fmaxf(m[x], mx);
       const float corr = mnew == -INFINITY ? 1.0f : expf(__fsub_rn(m[x], mnew));
       l[x] = __fmul_rn(l[x], corr);
-      #pragma unroll
+#pragma unroll
       for (int n = 0; n < D / 8; n++) {
         o[n][2 * x] = __fmul_rn(o[n][2 * x], corr);
         o[n][2 * x + 1] = __fmul_rn(o[n][2 * x + 1], corr);
       }
-      #pragma unroll
+#pragma unroll
       for (int n = 0; n < CT_TC_K / 8; n++) {
-        #pragma unroll
+#pragma unroll
         for (int e = 0; e < 2; e++) {
           const float v = s[n][2 * x + e];
           const float pv = v == -INFINITY ? 0.0f : expf(__fsub_rn(v, mnew));
@@ -308,27 +333,17 @@ __device__ __forceinline__ void ct_attn_fwd_tc_body(const ct_attn_train_params& 
     }
     // O += P V: P's accumulators of key tiles 2kk, 2kk + 1 are the A fragment of keys
     // 16kk .. 16kk + 15; B[k = key][n = dim] reads V's column n down 16 keys.
-    #pragma unroll
-    for (int kk = 0; kk < CT_TC_K / 16; kk++) {
-      uint32_t a[4];
-      ct_tc_acc_a(a, s, kk);
-      #pragma unroll
-      for (int n = 0; n < D / 8; n++) {
-        uint32_t b[2];
-        ct_tc_b_cols(b, vs, kk, n, g, t);
-        ct_mma_16816(o[n], a, b, o[n]);
-      }
-    }
+    ct_tc_acc_product(o, s, vs, D, g, t);
   }
   // The row sums over the 4-lane group, then o / l and lse = m + log l.
-  #pragma unroll
+#pragma unroll
   for (int x = 0; x < 2; x++) {
     float L = l[x];
     L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 1));
     L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 2));
     if (!valid[x]) continue;
     float* out = p.o + rows[x] * qstride + qoff;
-    #pragma unroll
+#pragma unroll
     for (int n = 0; n < D / 8; n++) {
       out[n * 8 + 2 * t] = __fdiv_rn(o[n][2 * x], L);
       out[n * 8 + 2 * t + 1] = __fdiv_rn(o[n][2 * x + 1], L);
@@ -359,7 +374,7 @@ __device__ __forceinline__ void ct_attn_bwd_dq_tc_body(const ct_attn_train_param
   int rows[2], starts[2];
   bool valid[2];
   float lse[2], delta[2];
-  #pragma unroll
+#pragma unroll
   for (int x = 0; x < 2; x++) {
     rows[x] = r0 + warp * 16 + g + 8 * x;
     valid[x] = rows[x] < p.tokens;
@@ -383,7 +398,7 @@ __device__ __forceinline__ void ct_attn_bwd_dq_tc_body(const ct_attn_train_param
   ct_tc_load_a(qa, p.q, rows, valid, qstride, qoff, D, t);
   ct_tc_load_a(da, p.dout, rows, valid, qstride, qoff, D, t);
   float dq[CT_TC_MAX_D / 8][4];
-  #pragma unroll
+#pragma unroll
   for (int n = 0; n < D / 8; n++) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
   for (int kt = kfirst; kt <= last; kt += CT_TC_K) {
     __syncthreads();
@@ -391,20 +406,12 @@ __device__ __forceinline__ void ct_attn_bwd_dq_tc_body(const ct_attn_train_param
     ct_tc_stage(vs, p.v, kt, p.tokens, kstride, koff, D);
     __syncthreads();
     float s[CT_TC_K / 8][4], dp[CT_TC_K / 8][4];
-    #pragma unroll
+    ct_tc_rows_product(s, qa, ks, D, g, t);
+    ct_tc_rows_product(dp, da, vs, D, g, t);
+#pragma unroll
     for (int n = 0; n < CT_TC_K / 8; n++) {
-      #pragma unroll
-      for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
-      #pragma unroll
-      for (int st = 0; st < D / 16; st++) {
-        uint32_t b[2];
-        ct_tc_b_rows(b, ks, n, st, g, t);
-        ct_mma_16816(s[n], qa[st], b, s[n]);
-        ct_tc_b_rows(b, vs, n, st, g, t);
-        ct_mma_16816(dp[n], da[st], b, dp[n]);
-      }
       // dS = P (dP - delta), P = exp(scale s - lse) on the row's own causal keys.
-      #pragma unroll
+#pragma unroll
       for (int e = 0; e < 4; e++) {
         const int x = e >> 1, j = kt + n * 8 + 2 * t + (e & 1);
         const bool ok = valid[x] && j >= starts[x] && j <= rows[x];
@@ -412,23 +419,13 @@ __device__ __forceinline__ void ct_attn_bwd_dq_tc_body(const ct_attn_train_param
         s[n][e] = __fmul_rn(pv, __fsub_rn(dp[n][e], delta[x]));
       }
     }
-    #pragma unroll
-    for (int kk = 0; kk < CT_TC_K / 16; kk++) {
-      uint32_t a[4];
-      ct_tc_acc_a(a, s, kk);
-      #pragma unroll
-      for (int n = 0; n < D / 8; n++) {
-        uint32_t b[2];
-        ct_tc_b_cols(b, ks, kk, n, g, t);
-        ct_mma_16816(dq[n], a, b, dq[n]);
-      }
-    }
+    ct_tc_acc_product(dq, s, ks, D, g, t);
   }
-  #pragma unroll
+#pragma unroll
   for (int x = 0; x < 2; x++) {
     if (!valid[x]) continue;
     float* out = p.dq + rows[x] * qstride + qoff;
-    #pragma unroll
+#pragma unroll
     for (int n = 0; n < D / 8; n++) {
       out[n * 8 + 2 * t] = __fmul_rn(p.scale, dq[n][2 * x]);
       out[n * 8 + 2 * t + 1] = __fmul_rn(p.scale, dq[n][2 * x + 1]);
@@ -447,7 +444,7 @@ __device__ __forceinline__ void ct_attn_bwd_dkv_tc_body(const ct_attn_train_para
   // This thread's two keys and the end of each one's sequence (queries j .. end - 1 see key j).
   int keys[2], ends[2];
   bool valid[2];
-  #pragma unroll
+#pragma unroll
   for (int x = 0; x < 2; x++) {
     keys[x] = k0 + warp * 16 + g + 8 * x;
     valid[x] = keys[x] < p.tokens;
@@ -459,9 +456,9 @@ __device__ __forceinline__ void ct_attn_bwd_dkv_tc_body(const ct_attn_train_para
   ct_tc_load_a(ka, p.k, keys, valid, kstride, koff, D, t);
   ct_tc_load_a(va, p.v, keys, valid, kstride, koff, D, t);
   float dk[CT_TC_MAX_D / 8][4], dv[CT_TC_MAX_D / 8][4];
-  #pragma unroll
+#pragma unroll
   for (int n = 0; n < D / 8; n++) {
-    #pragma unroll
+#pragma unroll
     for (int e = 0; e < 4; e++) dk[n][e] = dv[n][e] = 0.0f;
   }
   for (int gi = 0; gi < group; gi++) {
@@ -479,19 +476,11 @@ __device__ __forceinline__ void ct_attn_bwd_dkv_tc_body(const ct_attn_train_para
       __syncthreads();
       // S^T (16 keys x 64 queries) = K Q^T and dP^T = V dO^T, then P^T and dS^T in place.
       float s[CT_TC_Q / 8][4], dp[CT_TC_Q / 8][4];
-      #pragma unroll
+      ct_tc_rows_product(s, ka, qs, D, g, t);
+      ct_tc_rows_product(dp, va, ds, D, g, t);
+#pragma unroll
       for (int n = 0; n < CT_TC_Q / 8; n++) {
-        #pragma unroll
-        for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
-        #pragma unroll
-        for (int st = 0; st < D / 16; st++) {
-          uint32_t b[2];
-          ct_tc_b_rows(b, qs, n, st, g, t);
-          ct_mma_16816(s[n], ka[st], b, s[n]);
-          ct_tc_b_rows(b, ds, n, st, g, t);
-          ct_mma_16816(dp[n], va[st], b, dp[n]);
-        }
-        #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; e++) {
           const int x = e >> 1, ii = n * 8 + 2 * t + (e & 1), i = qt + ii;
           const bool ok = valid[x] && i >= keys[x] && i < ends[x];
@@ -501,30 +490,18 @@ __device__ __forceinline__ void ct_attn_bwd_dkv_tc_body(const ct_attn_train_para
         }
       }
       // dv += P^T dO, dk += dS^T Q: the accumulators of P^T and dS^T as A (k = queries).
-      #pragma unroll
-      for (int kk = 0; kk < CT_TC_Q / 16; kk++) {
-        uint32_t a[4], a2[4];
-        ct_tc_acc_a(a, s, kk);
-        ct_tc_acc_a(a2, dp, kk);
-        #pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-          uint32_t b[2];
-          ct_tc_b_cols(b, ds, kk, n, g, t);
-          ct_mma_16816(dv[n], a, b, dv[n]);
-          ct_tc_b_cols(b, qs, kk, n, g, t);
-          ct_mma_16816(dk[n], a2, b, dk[n]);
-        }
-      }
+      ct_tc_acc_product(dv, s, ds, D, g, t);
+      ct_tc_acc_product(dk, dp, qs, D, g, t);
     }
   }
-  #pragma unroll
+#pragma unroll
   for (int x = 0; x < 2; x++) {
     if (!valid[x]) continue;
     float* dko = p.dk + keys[x] * kstride + koff;
     float* dvo = p.dv + keys[x] * kstride + koff;
-    #pragma unroll
+#pragma unroll
     for (int n = 0; n < D / 8; n++) {
-      #pragma unroll
+#pragma unroll
       for (int e = 0; e < 2; e++) {
         dko[n * 8 + 2 * t + e] = __fmul_rn(p.scale, dk[n][2 * x + e]);
         dvo[n * 8 + 2 * t + e] = dv[n][2 * x + e];

@@ -22,34 +22,30 @@ __device__ __forceinline__ void ct_warp_atomic_max(uint32_t local, uint32_t* dst
   if (threadIdx.x % CT_WARP == 0) atomicMax(dst, local);
 }
 
+// The largest |x| bit pattern of 16-value block b (rotated first under the RHT).
+__device__ __forceinline__ uint32_t ct_block_amax16(const ct_amax_params& p, int64_t b) {
+  float x[16];
+#pragma unroll
+  for (int i = 0; i < 16; i++) x[i] = ct_load(p.x, p.dtype, b * 16 + i);
+  if (p.rht) ct_rht16(x, p.signs);
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 16; i++) m = max(m, ct_abs_bits(x[i]));
+  return m;
+}
+
 // Grid-stride; every thread of every block reaches the warp reduction (no early return).
 extern "C" __global__ void ct_amax(ct_amax_params p) {
   if (p.row_k > 0) {
     // One amax per row: each 16-value block into its row's slot (uniform branch).
     const int64_t blocks = p.n / 16;
-    CT_GRID_LOOP(b, blocks) {
-      float x[16];
-#pragma unroll
-      for (int i = 0; i < 16; i++) x[i] = ct_load(p.x, p.dtype, b * 16 + i);
-      if (p.rht) ct_rht16(x, p.signs);
-      uint32_t mb = 0;
-#pragma unroll
-      for (int i = 0; i < 16; i++) mb = max(mb, ct_abs_bits(x[i]));
-      atomicMax(&p.amax_bits[(b * 16) / p.row_k], mb);
-    }
+    CT_GRID_LOOP(b, blocks) { atomicMax(&p.amax_bits[(b * 16) / p.row_k], ct_block_amax16(p, b)); }
     return;
   }
   uint32_t m = 0;
   if (p.rht) {
     const int64_t blocks = p.n / 16;
-    CT_GRID_LOOP(b, blocks) {
-      float x[16];
-#pragma unroll
-      for (int i = 0; i < 16; i++) x[i] = ct_load(p.x, p.dtype, b * 16 + i);
-      ct_rht16(x, p.signs);
-#pragma unroll
-      for (int i = 0; i < 16; i++) m = max(m, ct_abs_bits(x[i]));
-    }
+    CT_GRID_LOOP(b, blocks) { m = max(m, ct_block_amax16(p, b)); }
   } else {
     CT_GRID_LOOP(i, p.n) { m = max(m, ct_abs_bits(ct_load(p.x, p.dtype, i))); }
   }

@@ -444,6 +444,22 @@ mod tests {
         (0..n).map(|_| (mean + s.normal() * std) as f32).collect()
     }
 
+    /// Random parameters: norm gains near 1, the rest centered, seeded by `seed` + index.
+    fn random_params(specs: &[(String, Vec<usize>)], seed: u64) -> Vec<Vec<f32>> {
+        specs
+            .iter()
+            .enumerate()
+            .map(|(i, (name, shape))| {
+                let n: usize = shape.iter().product();
+                if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
+                    data(n, seed + i as u64, 0.1, 1.0)
+                } else {
+                    data(n, seed + i as u64, 0.2, 0.0)
+                }
+            })
+            .collect()
+    }
+
     fn batch() -> TrainBatch {
         let mut b = TrainBatch::default();
         b.push(&[5, 17, 3], &[44, 2, 90, 13]);
@@ -466,18 +482,7 @@ mod tests {
         };
         let cfg = tiny_config(&spec).unwrap();
         let specs = param_specs(&cfg);
-        let params: Vec<Vec<f32>> = specs
-            .iter()
-            .enumerate()
-            .map(|(i, (name, shape))| {
-                let n: usize = shape.iter().product();
-                if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
-                    data(n, 100 + i as u64, 0.1, 1.0)
-                } else {
-                    data(n, 100 + i as u64, 0.2, 0.0)
-                }
-            })
-            .collect();
+        let params = random_params(&specs, 100);
         let b = batch();
         let m = b.rows.len();
         let coef = data(m, 7, 1.0, 0.0);
@@ -548,15 +553,7 @@ mod tests {
         };
         let cfg = tiny_config(&spec).unwrap();
         let specs = param_specs(&cfg);
-        let params: Vec<Vec<f32>> = specs
-            .iter()
-            .enumerate()
-            .map(|(i, (name, shape))| {
-                let n: usize = shape.iter().product();
-                let mean = if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") { 1.0 } else { 0.0 };
-                data(n, 200 + i as u64, if mean == 1.0 { 0.1 } else { 0.2 }, mean)
-            })
-            .collect();
+        let params = random_params(&specs, 200);
         let b = batch();
         let m = b.rows.len();
         let coef = data(m, 8, 1.0, 0.0);

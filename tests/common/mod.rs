@@ -193,3 +193,21 @@ pub fn grad_params(specs: &[(String, Vec<usize>)], rng: &mut colotrain::rand::St
         })
         .collect()
 }
+
+/// The [objective.triage] table of the RL fixture steps (tests/fixtures/rl): the gate and the
+/// repair both active on the fixture batch.
+pub const TRIAGE: &str = r#"
+[objective.triage]
+segment_len = 3
+repair_segment_len = 3
+tau_tail = -1.0
+k_tail = 2.0
+tau_sev = -0.4
+tau_neg = -0.1
+w_sev = 0.2
+w_neg = 0.6
+tau_rep = -0.05
+beta = 0.1
+lambda_rep = 0.5
+k_rep = 0
+"#;

@@ -10,19 +10,25 @@ use crate::quant::qtensor::{QFormat, QTensor};
 use anyhow::{bail, Result};
 use std::ffi::c_void;
 
+/// ct_amax over n values of x (dtype code `dt`) into `amax` (u32 bits; the caller zeroes it),
+/// over the rotated blocks under the RHT (`signs`), one slot per row of `row_k` values if > 0.
+fn k_amax(d: &CudaDevice, x: u64, dt: i32, n: i64, signs: Option<[f32; 16]>, amax: u64, row_k: i32) -> Result<()> {
+    d.k_amax(ffi::ct_amax_params {
+        x: x as *const c_void,
+        dtype: dt,
+        n,
+        rht: signs.is_some() as i32,
+        signs: signs.unwrap_or([1.0; 16]),
+        amax_bits: amax as *mut u32,
+        row_k,
+    })
+}
+
 /// The max |x| bit pattern of n values (with the RHT: of the rotated 16-blocks), as f32.
 pub fn amax(d: &CudaDevice, x: u64, dt: DType, n: usize, rht: Option<&[f32; 16]>) -> Result<f32> {
     let buf = d.scratch(4, "amax")?;
     d.memset0(buf.ptr, 4)?;
-    d.k_amax(ffi::ct_amax_params {
-        x: x as *const c_void,
-        dtype: code(dt),
-        n: n as i64,
-        rht: rht.is_some() as i32,
-        signs: rht.copied().unwrap_or([1.0; 16]),
-        amax_bits: buf.ptr as *mut u32,
-        row_k: 0,
-    })?;
+    k_amax(d, x, code(dt), n as i64, rht.copied(), buf.ptr, 0)?;
     let mut bits = [0u32; 1];
     d.dtoh(&mut bits, buf.ptr)?;
     Ok(f32::from_bits(bits[0]))
@@ -71,15 +77,7 @@ pub fn requantize_all(
             (Some(s), Some((kp, _, _))) => kp + 4 * s as u64,
             _ => {
                 let amax = buf.ptr + 4 * t as u64;
-                d.k_amax(ffi::ct_amax_params {
-                    x: sp as *const c_void,
-                    dtype: code(src.dtype()),
-                    n: n as i64,
-                    rht: signs.is_some() as i32,
-                    signs: signs.unwrap_or([1.0; 16]),
-                    amax_bits: amax as *mut u32,
-                    row_k: 0,
-                })?;
+                k_amax(d, sp, code(src.dtype()), n as i64, signs, amax, 0)?;
                 amax
             }
         };
@@ -266,15 +264,7 @@ pub fn learner_round(
     let buf = d.scratch(4 * slots.max(1), "learner NVFP4 amax")?;
     if slots > 0 {
         d.memset0(buf.ptr, 4 * slots)?;
-        d.k_amax(ffi::ct_amax_params {
-            x: xp as *const c_void,
-            dtype: code(x.dtype()),
-            n: n as i64,
-            rht: signs.is_some() as i32,
-            signs: signs.unwrap_or([1.0; 16]),
-            amax_bits: buf.ptr as *mut u32,
-            row_k: row_k as i32,
-        })?;
+        k_amax(d, xp, code(x.dtype()), n as i64, signs, buf.ptr, row_k as i32)?;
     }
     d.k_quant_nvfp4(ffi::ct_quant_nvfp4_params {
         x: xp as *const c_void,
