@@ -390,3 +390,78 @@ pub fn attention(
     row("backward, tensor cores (bf16 mma)", ms, 2.5 * fwd_flop);
     Ok(rows)
 }
+
+/// One row of the fused-loss timing.
+#[derive(Debug, serde::Serialize)]
+pub struct LossRow {
+    pub path: String,
+    pub ms: f64,
+    /// The allocator's high-water mark above what was held before the run (bytes).
+    pub peak_bytes: usize,
+}
+
+/// The fused LM-head loss forward + backward (`ops::lm_head::stats` then `loss_grad`, chunks of
+/// `chunk` rows) at `tokens` × `hidden` against vocabulary `vocab` (BF16 head), against the bare
+/// GEMMs it is built from (logits = h·Whᵀ, dh = dz·Wh, dWh = dzᵀ·h over all rows at once, the
+/// (tokens, vocab) logits materialized): time and peak memory of each, the mean of `iters` runs
+/// after one warm-up.
+pub fn fused_loss(
+    d: &CudaDevice,
+    tokens: usize,
+    hidden: usize,
+    vocab: usize,
+    chunk: usize,
+    iters: usize,
+) -> Result<Vec<LossRow>> {
+    use crate::ops::{linear, lm_head};
+    let dev = Device::Cuda(d.clone());
+    let h = random(d, DType::F32, &[tokens, hidden], 5, 1.0)?;
+    let wh = random(d, DType::BF16, &[vocab, hidden], 6, 0.02)?;
+    let rows = dev.upload(Tensor::from_u32_host(&[tokens], (0..tokens as u32).collect())?)?;
+    let targets =
+        dev.upload(Tensor::from_u32_host(&[tokens], (0..tokens as u32).map(|i| i * 7919 % vocab as u32).collect())?)?;
+    let coef = d.zeros(DType::F32, &[tokens])?;
+    let r = lm_head::Rows { rows: &rows, targets: &targets };
+    let timed = |path: &str, f: &mut dyn FnMut() -> Result<()>| -> Result<LossRow> {
+        d.synchronize()?;
+        let (in_use, cached, _, _) = d.memory();
+        f()?;
+        let ms = d.time_ms(|| (0..iters).try_for_each(|_| f()))? / iters as f64;
+        let peak = d.memory().2.saturating_sub(in_use + cached);
+        Ok(LossRow { path: path.into(), ms, peak_bytes: peak })
+    };
+    let mut rows_out = Vec::new();
+    rows_out.push(timed("fused loss (stats + loss_grad)", &mut || {
+        let (mut lp, mut en) = (d.zeros(DType::F32, &[tokens])?, d.zeros(DType::F32, &[tokens])?);
+        lm_head::stats(&dev, &h, &wh, &r, 1.0, chunk, &mut lp, &mut en)?;
+        let (mut dh, mut dwh) = (d.zeros(DType::F32, &[tokens, hidden])?, d.zeros(DType::F32, &[vocab, hidden])?);
+        lm_head::loss_grad(&dev, &h, &wh, &r, &coef, None, 1.0, chunk, &mut dh, &mut dwh)?;
+        Ok(())
+    })?);
+    rows_out.push(timed("bare GEMMs (logits, dh, dWh)", &mut || {
+        let mut z = d.zeros(DType::F32, &[tokens, vocab])?;
+        linear::linear(&dev, &h, &wh, None, &mut z, tokens, false)?;
+        let (mut dh, mut dwh) = (d.zeros(DType::F32, &[tokens, hidden])?, d.zeros(DType::F32, &[vocab, hidden])?);
+        linear::linear_dx(&dev, &z, &wh, &mut dh, tokens, false)?;
+        linear::linear_dw(&dev, &z, &h, &mut dwh, tokens, false, DType::BF16)?;
+        Ok(())
+    })?);
+    Ok(rows_out)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The training timings run end to end on the simulated GPU at small shapes (their numbers
+    /// mean nothing there; this checks their launches before a GPU's time is spent on them):
+    /// the fused loss holds less memory than the bare GEMMs' materialized logits.
+    #[test]
+    fn the_training_timings_run_on_the_simulator() {
+        let d = crate::device::CudaDevice::sim(0).unwrap();
+        let rows = super::attention(&d, 150, 6, 2, 64, 1).unwrap();
+        assert_eq!(rows.len(), 4);
+        assert!(rows.iter().all(|r| r.ms.is_finite() && r.ms >= 0.0), "{rows:?}");
+        let rows = super::fused_loss(&d, 512, 32, 3000, 64, 1).unwrap();
+        assert_eq!(rows.len(), 2);
+        assert!(rows[0].peak_bytes < rows[1].peak_bytes, "{rows:?}");
+    }
+}

@@ -10,7 +10,7 @@ use crate::device::cuda::CudaDevice;
 use anyhow::{bail, Context, Result};
 
 /// The timing groups, in the order they run: (name, what it measures).
-pub const GROUPS: [(&str, &str); 4] = [
+pub const GROUPS: [(&str, &str); 5] = [
     ("gemm", "BF16 / FP8 / NVFP4 GEMMs per path against cuBLASLt (8192³ and Qwen2.5-7B's linears)"),
     ("decode", "decode of a random Qwen2-1.5B-shaped model at batch 1 / 64 / 256 against the bandwidth bound"),
     ("resync", "in-place resync of a Qwen2.5-7B-shaped model per recipe against a copy of the same bytes"),
@@ -18,6 +18,7 @@ pub const GROUPS: [(&str, &str); 4] = [
         "attention",
         "training attention at 16k tokens, head_dim 128, GQA 7:1: forward and backward, CUDA cores vs tensor cores (PyTorch's SDPA: bench/attention_sdpa.py)",
     ),
+    ("loss", "the fused LM-head loss forward + backward at V 151936, H 4096, 8192 tokens against the bare GEMMs, with peak memory"),
 ];
 
 fn qwen2(
@@ -54,6 +55,7 @@ pub fn run_group(name: &str, d: &CudaDevice, iters: usize, steps: usize) -> Resu
         "decode" => decode(d, steps),
         "resync" => resync(d),
         "attention" => attention(d, iters),
+        "loss" => loss(d, iters),
         other => bail!("no timing group '{other}'"),
     }
 }
@@ -138,6 +140,18 @@ fn attention(d: &CudaDevice, iters: usize) -> Result<serde_json::Value> {
     println!("{:<36} {:>10} {:>10}", "attention, T 16384, h28/kv4, d128", "ms", "TFLOP/s");
     for r in &rows {
         println!("{:<36} {:>10.2} {:>10.1}", r.kernel, r.ms, r.tflops);
+    }
+    Ok(serde_json::to_value(rows)?)
+}
+
+fn loss(d: &CudaDevice, iters: usize) -> Result<serde_json::Value> {
+    let rows = bench::fused_loss(d, 8192, 4096, 151936, 256, iters.clamp(1, 5)).context("fused loss timing")?;
+    println!("{:<36} {:>10} {:>12}", "LM-head loss, 8192 x 4096, V 151936", "ms", "peak GiB");
+    for r in &rows {
+        println!("{:<36} {:>10.2} {:>12.2}", r.path, r.ms, r.peak_bytes as f64 / (1u64 << 30) as f64);
+    }
+    if let [fused, bare] = &rows[..] {
+        println!("{:<36} {:>10.2}", "fused / bare time", fused.ms / bare.ms);
     }
     Ok(serde_json::to_value(rows)?)
 }
