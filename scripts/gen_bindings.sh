@@ -9,6 +9,7 @@
 # `pip install --target DIR libclang` and LIBCLANG_PATH=DIR/clang/native, with
 # BINDGEN_EXTRA_CLANG_ARGS=-I/usr/lib/gcc/x86_64-linux-gnu/12/include for stddef.h).
 #   scripts/gen_bindings.sh            # or BINDGEN=/path/to/bindgen scripts/gen_bindings.sh
+# then: python3 scripts/gen_ptr_fields.py (the pointer-field table the simulator checks with)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HEADER=csrc/include/colotrain_kernels.h

@@ -52,6 +52,8 @@ pub mod ffi;
 unsafe impl bytemuck::NoUninit for ffi::ct_sample_row {}
 #[path = "cuda/kernels.rs"]
 pub mod kernels;
+#[path = "cuda/ptr_fields.rs"]
+mod ptr_fields;
 #[path = "cuda/nvtx.rs"]
 pub mod nvtx;
 #[cfg(feature = "cuda")]

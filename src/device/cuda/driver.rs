@@ -101,6 +101,9 @@ pub(super) struct Launch {
     pub smem: u32,
     pub params: *const std::ffi::c_void,
     pub size: usize,
+    /// The byte offsets of the struct's pointer fields (`ptr_fields.rs`), for the simulator's
+    /// address checks; None: every aligned word is checked.
+    pub ptrs: Option<&'static [usize]>,
 }
 
 /// What executes the glue's requests: a GPU through cudarc, or the simulator.

@@ -238,7 +238,8 @@ impl CudaDevice {
         // by the caller's tensors until the stream reaches the kernel (freed blocks are only
         // reused by later work on the same stream).
         let params = p as *const P as *const std::ffi::c_void;
-        drv.launch(&super::driver::Launch { k, grid, block, smem, params, size: std::mem::size_of::<P>() })
+        let ptrs = super::ptr_fields::pointer_offsets(std::any::type_name::<P>());
+        drv.launch(&super::driver::Launch { k, grid, block, smem, params, size: std::mem::size_of::<P>(), ptrs })
             .map_err(|e| anyhow!("launch of {} on {} failed: {e:#}", k.name(), self.name()))?;
         if self.sync_launches() {
             self.synchronize().with_context(|| format!("after {}", k.name()))?;

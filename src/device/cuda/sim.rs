@@ -269,7 +269,7 @@ impl Sim {
 
     /// Checks the launch against the hardware's rules, copies the parameters and queues it.
     pub fn launch(&self, l: &Launch) -> Result<()> {
-        let Launch { k, grid, block, smem, params, size } = *l;
+        let Launch { k, grid, block, smem, params, size, ptrs } = *l;
         let rule = |what: String| anyhow!("{}: launch of {} refused: {what}", self.name(), k.name());
         if block == 0 || block > 1024 {
             return Err(rule(format!("{block} threads per block (the limit is 1024)")));
@@ -298,14 +298,19 @@ impl Sim {
         // an untyped copy into a buffer of at least `size` bytes, which is only ever handed
         // back to C as bytes.
         unsafe { std::ptr::copy_nonoverlapping(params as *const u8, buf.as_mut_ptr() as *mut u8, size) };
-        // Pointer parameters: every 8-byte-aligned word of the struct (where C puts pointers)
-        // that lies inside a simulated allocation. Padding bytes are read as integers here and
-        // never interpreted otherwise.
+        // Pointer parameters: the struct's pointer fields (`ptr_fields.rs`; without a table,
+        // every 8-byte-aligned word, where C puts pointers) that lie inside a simulated
+        // allocation. Only the pointer words are read as addresses: an i32 and the padding after
+        // it hold arbitrary bytes that can look like one.
         let whole = size / 8;
-        for (i, w) in buf[..whole].iter().enumerate() {
+        let words: Vec<usize> = match ptrs {
+            Some(offs) => offs.iter().filter(|&&o| o % 8 == 0 && o / 8 < whole).map(|&o| o / 8).collect(),
+            None => (0..whole).collect(),
+        };
+        for i in words {
             // SAFETY: the first `whole` words were fully written by the copy above; any bit
             // pattern is a valid u64.
-            let v = unsafe { w.assume_init() };
+            let v = unsafe { buf[i].assume_init() };
             let owner = owners().range(..=v).next_back().filter(|(&s, &(b, _))| v < s + b as u64).map(|(_, o)| o.1);
             match owner {
                 Some(o) if o != self.ordinal => {

@@ -13,7 +13,8 @@ fn cast_params(x: u64, y: u64, n: i64) -> ffi::ct_cast_params {
 
 fn launch<P>(d: &Driver, k: Kernel, grid: (u32, u32, u32), block: u32, smem: u32, p: &P) -> String {
     let params = p as *const P as *const std::ffi::c_void;
-    let r = d.launch(&Launch { k, grid, block, smem, params, size: std::mem::size_of::<P>() });
+    let ptrs = super::ptr_fields::pointer_offsets(std::any::type_name::<P>());
+    let r = d.launch(&Launch { k, grid, block, smem, params, size: std::mem::size_of::<P>(), ptrs });
     r.err().map(|e| format!("{e:#}")).unwrap_or_default()
 }
 
@@ -157,4 +158,33 @@ fn a_read_that_skips_the_synchronization_sees_poison_not_the_data() {
     d.dtoh(&mut late, p).unwrap();
     assert_eq!(late, [7u8; 16], "the seam's read waits for the queued copy");
     d.free(p);
+}
+
+/// Only pointer fields are read as addresses: an i32 field whose padding happens to hold the
+/// upper half of another device's address (the bytes a struct literal leaves there are
+/// arbitrary) is not a pointer into that device's memory; the same address in a pointer field
+/// still is.
+#[test]
+fn an_integer_and_its_padding_are_not_read_as_a_pointer() {
+    let (a, b) = (Driver::Sim(Sim::new(96, SM90A)), Driver::Sim(Sim::new(95, SM90A)));
+    let (mine, theirs) = (a.malloc(4096).unwrap(), b.malloc(1 << 20).unwrap());
+    let target = theirs + 64;
+    // ct_gather_rows_params: src, idx, dst (pointers), rows, cols, src_rows (i32), 4 bytes of
+    // padding at 36, err (pointer) at 40.
+    let mut p = ffi::ct_gather_rows_params {
+        src: mine as *const f32,
+        idx: mine as *const u32,
+        dst: mine as *mut f32,
+        rows: 1,
+        cols: 1,
+        src_rows: (target & 0xffff_ffff) as i32,
+        err: mine as *mut u32,
+    };
+    // SAFETY: bytes 36..40 are the struct's padding (ffi.rs asserts err at 40, src_rows at 32);
+    // writing them changes no field.
+    unsafe { ((&mut p as *mut _ as *mut u8).add(36) as *mut u32).write_unaligned((target >> 32) as u32) };
+    assert_eq!(launch(&a, Kernel::GatherRows, (1, 1, 1), 32, 0, &p), "");
+    p.err = target as *mut u32;
+    let e = launch(&a, Kernel::GatherRows, (1, 1, 1), 32, 0, &p);
+    assert!(e.contains("byte 40") && e.contains("another device"), "{e}");
 }
