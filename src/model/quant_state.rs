@@ -47,6 +47,17 @@ fn linear_names(cfg: &ModelConfig) -> Vec<[String; 7]> {
         .collect()
 }
 
+/// Every quantized weight with its dense source in `w` and its name, in layer and linear order.
+fn targets<'a>(
+    layers: &'a mut [QLayer],
+    w: &'a ModelWeights,
+    names: &'a [[String; 7]],
+) -> impl Iterator<Item = (&'a crate::device::Tensor, &'a mut QTensor, &'a str)> {
+    layers.iter_mut().zip(&w.layers).zip(names).flat_map(|((ql, lw), names)| {
+        ql.w.iter_mut().enumerate().filter_map(move |(i, q)| q.as_mut().map(|q| (dense(lw, i), q, names[i].as_str())))
+    })
+}
+
 impl QuantState {
     /// Allocates every buffer the recipe needs; input and KV scales come from `calib`.
     pub fn new(
@@ -112,11 +123,7 @@ impl QuantState {
 
     /// Re-quantizes every quantized weight in place from `w` (fused amax + quantize).
     pub fn sync(&mut self, dev: &Device, w: &ModelWeights) -> Result<()> {
-        let targets = self.layers.iter_mut().zip(&w.layers).zip(&self.names).flat_map(|((ql, lw), names)| {
-            ql.w.iter_mut()
-                .enumerate()
-                .filter_map(move |(i, q)| q.as_mut().map(|q| (dense(lw, i), q, names[i].as_str())))
-        });
+        let targets = targets(&mut self.layers, w, &self.names);
         if dev.is_cpu() {
             // Tensor by tensor, allocating nothing.
             for (src, q, name) in targets {
@@ -138,11 +145,7 @@ impl QuantState {
         // Each quantized weight's parameter index, by identity with w's tensors.
         let index: std::collections::HashMap<usize, usize> =
             w.tensors().iter().enumerate().map(|(i, t)| (*t as *const _ as usize, i)).collect();
-        let targets = self.layers.iter_mut().zip(&w.layers).zip(&self.names).flat_map(|((ql, lw), names)| {
-            ql.w.iter_mut()
-                .enumerate()
-                .filter_map(move |(i, q)| q.as_mut().map(|q| (dense(lw, i), q, names[i].as_str())))
-        });
+        let targets = targets(&mut self.layers, w, &self.names);
         let mut items: Vec<_> = targets.collect();
         let slots: Vec<Option<usize>> =
             items.iter().map(|(src, _, _)| index.get(&(*src as *const _ as usize)).copied()).collect();

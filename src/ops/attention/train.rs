@@ -57,6 +57,25 @@ fn offsets(cu: &Tensor, t: usize) -> Result<Vec<usize>> {
 
 /// out (T, H·D) and lse (T, H) of causal attention (`grad::fwd`).
 pub fn fwd(dev: &Device, s: &Shape, x: &Packed<'_>, out: &mut Tensor, lse: &mut Tensor) -> Result<()> {
+    fwd_on(dev, s, x, out, lse, false)
+}
+
+/// Whether the tensor-core forward takes this shape: head_dim a multiple of 16, at most 128.
+pub fn tensor_cores_fit(s: &Shape) -> bool {
+    s.head_dim % 16 == 0 && s.head_dim <= crate::device::cuda::TC_MAX_D
+}
+
+/// [`fwd`] on the tensor cores (ct_attn_fwd_tc, flash-attention 2 style: q, k, v and the
+/// probabilities rounded to BF16, FP32 accumulation and softmax): out and lse within BF16
+/// rounding of [`fwd`]'s. On the CPU it is [`fwd`] (the f32 twin the tolerances refer to).
+pub fn fwd_tensor_cores(dev: &Device, s: &Shape, x: &Packed<'_>, out: &mut Tensor, lse: &mut Tensor) -> Result<()> {
+    if !tensor_cores_fit(s) {
+        bail!("training attention on the tensor cores: head_dim {} is not a multiple of 16 up to 128", s.head_dim);
+    }
+    fwd_on(dev, s, x, out, lse, true)
+}
+
+fn fwd_on(dev: &Device, s: &Shape, x: &Packed<'_>, out: &mut Tensor, lse: &mut Tensor, tc: bool) -> Result<()> {
     let t = check(s, x)?;
     if out.numel() != x.q.numel() || lse.numel() != t * s.heads {
         bail!("training attention: the output must match the queries and lse hold T·H values");
@@ -72,35 +91,11 @@ pub fn fwd(dev: &Device, s: &Shape, x: &Packed<'_>, out: &mut Tensor, lse: &mut 
             let mut p = params(d, s, x, t)?;
             p.o = ptr(d, out, &[DType::F32], "attention output")? as *mut f32;
             p.lse = ptr(d, lse, &[DType::F32], "attention log-sum-exp")? as *mut f32;
-            d.k_attn_fwd(p)
-        }
-    }
-}
-
-/// Whether the tensor-core forward takes this shape: head_dim a multiple of 16, at most 128.
-pub fn tensor_cores_fit(s: &Shape) -> bool {
-    s.head_dim % 16 == 0 && s.head_dim <= crate::device::cuda::TC_MAX_D
-}
-
-/// [`fwd`] on the tensor cores (ct_attn_fwd_tc, flash-attention 2 style: q, k, v and the
-/// probabilities rounded to BF16, FP32 accumulation and softmax): out and lse within BF16
-/// rounding of [`fwd`]'s. On the CPU it is [`fwd`] (the f32 twin the tolerances refer to).
-pub fn fwd_tensor_cores(dev: &Device, s: &Shape, x: &Packed<'_>, out: &mut Tensor, lse: &mut Tensor) -> Result<()> {
-    if !tensor_cores_fit(s) {
-        bail!("training attention on the tensor cores: head_dim {} is not a multiple of 16 up to 128", s.head_dim);
-    }
-    match dev {
-        Device::Cpu(_) => fwd(dev, s, x, out, lse),
-        Device::Cuda(d) => {
-            let t = check(s, x)?;
-            if out.numel() != x.q.numel() || lse.numel() != t * s.heads {
-                bail!("training attention: the output must match the queries and lse hold T·H values");
+            if tc {
+                d.k_attn_fwd_tc(p)
+            } else {
+                d.k_attn_fwd(p)
             }
-            offsets(x.cu, t)?;
-            let mut p = params(d, s, x, t)?;
-            p.o = ptr(d, out, &[DType::F32], "attention output")? as *mut f32;
-            p.lse = ptr(d, lse, &[DType::F32], "attention log-sum-exp")? as *mut f32;
-            d.k_attn_fwd_tc(p)
         }
     }
 }
