@@ -4,7 +4,8 @@
 # cuBLASLt), decode (1.5B-shaped model, batch 1 / 64 / 256 vs the bandwidth bound), resync
 # (7B-shaped model per recipe vs a copy) and training attention (16k tokens, CUDA-core vs
 # tensor-core forward, backward; then PyTorch's SDPA at the same shape,
-# bench/attention_sdpa.py) timings. Each group runs in its own process: a failing,
+# bench/attention_sdpa.py), fused loss and training-step (1.5B-shaped, 8 x 2048 tokens; then
+# PyTorch eager at the same shape, bench/train_step_torch.py) timings. Each group runs in its own process: a failing,
 # crashing or hanging group is reported and the next one runs. Rows are printed and the JSON
 # report rewritten as they arrive. `device-check --list` names the groups.
 #
@@ -80,13 +81,14 @@ set -e
 if [ "$rc" = 124 ]; then
   echo "device_check: stopped after $LIMIT s (partial output in $OUT/report.txt)" >&2
 fi
-# PyTorch's SDPA at the attention timing's shape, side by side in the same run (a GPU with
-# torch only; 60 s at most).
+# PyTorch's SDPA at the attention timing's shape and PyTorch eager's training step at the train
+# timing's, side by side in the same run (a GPU with torch only; 60 s and 120 s at most).
 case "${DEVICE:-0} $*" in
   cuda-sim*|*--checks-only*) ;;
   *)
     if command -v python3 >/dev/null 2>&1; then
       timeout 60 python3 bench/attention_sdpa.py 2>&1 | tee "$OUT/attention_sdpa.json" || true
+      timeout 120 python3 bench/train_step_torch.py 2>&1 | tee "$OUT/train_step_torch.json" || true
     fi
     ;;
 esac

@@ -73,6 +73,7 @@ extern "C" int ct_sim_launch(int id, unsigned gx, unsigned gy, unsigned bx, size
     case 36: run(ct_attn_fwd_tc, gx, gy, bx, smem, params); break;
     case 37: run(ct_attn_bwd_dq_tc, gx, gy, bx, smem, params); break;
     case 38: run(ct_attn_bwd_dkv_tc, gx, gy, bx, smem, params); break;
+    case 39: run(ct_nvfp4_scale_out, gx, gy, bx, smem, params); break;
     default: return -1;
   }
   return 0;

@@ -129,6 +129,23 @@ typedef struct ct_add_bias_params {
   int32_t cols;
 } ct_add_bias_params;
 
+/* dst (rows, cols) (+)= src (rows, cols) * g_row * g_col: the output of an NVFP4 GEMM run with
+ * alpha 1 scaled by its operands' global scales, each by ct_quant_nvfp4's rule: fixed if > 0,
+ * else amax / 2688 (1 when amax is 0) from the amax bits (row side: row_amax[row] when per_row,
+ * else row_amax[0]; column side: col_amax[0]). The learner's W4A4 linear on CUTLASS, whose
+ * activation scales are per row or on the device (no scalar alpha known to the host). */
+typedef struct ct_nvfp4_scale_out_params {
+  const float* src;
+  float* dst;
+  int32_t rows;
+  int32_t cols;
+  const uint32_t* row_amax;
+  int32_t per_row;
+  float row_fixed;
+  const uint32_t* col_amax;
+  int32_t accumulate;
+} ct_nvfp4_scale_out_params;
+
 /* y[i] = dtype(x[i]) (round to nearest even) for i < n; dtype BF16 or F16. */
 typedef struct ct_cast_params {
   const float* x;

@@ -53,6 +53,24 @@ extern "C" __global__ void ct_add_bias(ct_add_bias_params p) {
   }
 }
 
+// ct_quant_nvfp4's global scale from an amax (or the fixed value when positive).
+__device__ __forceinline__ float ct_nvfp4_global(const uint32_t* amax_bits, int64_t slot, float fixed) {
+  if (fixed > 0.0f) return fixed;
+  const float amax = __uint_as_float(amax_bits[slot]);
+  return amax > 0.0f ? __fdiv_rn(amax, 2688.0f) : 1.0f;
+}
+
+extern "C" __global__ void ct_nvfp4_scale_out(ct_nvfp4_scale_out_params p) {
+  const int64_t n = static_cast<int64_t>(p.rows) * p.cols;
+  const float gc = ct_nvfp4_global(p.col_amax, 0, 0.0f);
+  CT_GRID_LOOP(idx, n) {
+    const int64_t row = idx / p.cols;
+    const float gr = ct_nvfp4_global(p.row_amax, p.per_row ? row : 0, p.row_fixed);
+    const float v = __fmul_rn(__fmul_rn(p.src[idx], gr), gc);
+    p.dst[idx] = p.accumulate ? __fadd_rn(p.dst[idx], v) : v;
+  }
+}
+
 extern "C" __global__ void ct_cast(ct_cast_params p) {
   CT_GRID_LOOP(i, p.n) { ct_store(p.y, p.dtype, i, p.x[i]); }
 }

@@ -158,17 +158,8 @@ pub struct DecodeRow {
     pub fraction_of_bound: f64,
 }
 
-/// Decode steps of a random BF16 model of `cfg` at each batch size, every sequence at
-/// `context` cached tokens: forward, LM head and sampling (T = 1), as the engine runs them.
-pub fn decode(
-    d: &CudaDevice,
-    cfg: &crate::model::ModelConfig,
-    batches: &[usize],
-    context: usize,
-    steps: usize,
-) -> Result<Vec<DecodeRow>> {
-    use crate::model::transformer::{ForwardBuffers, KvLayer, Transformer};
-    let dev = Device::Cuda(d.clone());
+/// A random BF16 model of `cfg` on `d`: norms 1, biases 0, the rest N(0, 0.02²).
+fn random_weights(d: &CudaDevice, cfg: &crate::model::ModelConfig) -> Result<crate::model::ModelWeights> {
     let mut tensors = Vec::new();
     for (i, (name, shape)) in crate::model::weights::param_specs(cfg).into_iter().enumerate() {
         let mut t = d.zeros(DType::BF16, &shape)?;
@@ -182,7 +173,21 @@ pub fn decode(
         fill_normal(d, &mut t, 7, i as u64, mean, std)?;
         tensors.push(t);
     }
-    let w = crate::model::ModelWeights::from_ordered(cfg, tensors)?;
+    crate::model::ModelWeights::from_ordered(cfg, tensors)
+}
+
+/// Decode steps of a random BF16 model of `cfg` at each batch size, every sequence at
+/// `context` cached tokens: forward, LM head and sampling (T = 1), as the engine runs them.
+pub fn decode(
+    d: &CudaDevice,
+    cfg: &crate::model::ModelConfig,
+    batches: &[usize],
+    context: usize,
+    steps: usize,
+) -> Result<Vec<DecodeRow>> {
+    use crate::model::transformer::{ForwardBuffers, KvLayer, Transformer};
+    let dev = Device::Cuda(d.clone());
+    let w = random_weights(d, cfg)?;
     let tf = Transformer::new(&dev, cfg.clone())?;
     let bw = copy_bandwidth(d, 2 << 30)?;
     let bs = 16usize;
@@ -449,6 +454,75 @@ pub fn fused_loss(
     Ok(rows_out)
 }
 
+/// The training-step timing.
+#[derive(Debug, serde::Serialize)]
+pub struct TrainRow {
+    pub seqs: usize,
+    pub seq_len: usize,
+    pub ms: f64,
+    pub tokens_per_s: f64,
+    /// The model FLOPs of the step's passes (6·params·tokens for forward + backward, 2·params·tokens
+    /// for the old-log-prob pass, plus causal attention) per second.
+    pub tflops: f64,
+    pub peak_bytes: usize,
+}
+
+/// One OPD training step (`Trainer::step`: the log-prob pass, the forward, fused loss and
+/// backward per micro-batch of one sequence, AdamW writing the BF16 weights) of a random BF16
+/// model of `cfg` on `seqs` sequences of `seq_len` tokens (16 prompt tokens each), the mean of
+/// `iters` steps after one warm-up — the shape `bench/train_step_torch.py` runs in PyTorch eager.
+pub fn train_step(
+    d: &CudaDevice,
+    cfg: &crate::model::ModelConfig,
+    seqs: usize,
+    seq_len: usize,
+    iters: usize,
+) -> Result<TrainRow> {
+    use crate::engine::rollout::Rollout;
+    let prompt = 16.min(seq_len / 2);
+    let toml = format!(
+        "[model]\npath = \"unused\"\n[teacher]\npath = \"unused\"\n[objective]\nkind = \"opd\"\nmicro_batch_tokens = {seq_len}\n[optimizer]\nkind = \"adamw\"\nlr = 1e-6\n"
+    );
+    let job = crate::config::JobConfig::from_toml(&toml, "train-step timing")?;
+    let mut tr = crate::train::trainer::Trainer::new(cfg, random_weights(d, cfg)?, &job)?;
+    if !tr.on_device() {
+        anyhow::bail!("the trainer fell back to the host for {}", d.name());
+    }
+    let mut s = crate::rand::Stream::new(31, 0);
+    let vocab = cfg.vocab_size as u64;
+    let rollouts: Vec<Rollout> = (0..seqs)
+        .map(|i| {
+            let n = seq_len - prompt;
+            Rollout {
+                prompt_id: i as u64,
+                group: i as u64,
+                prompt: (0..prompt).map(|_| s.below(vocab) as u32).collect(),
+                response: (0..n).map(|_| s.below(vocab) as u32).collect(),
+                sampler_logprobs: vec![-12.0; n],
+                teacher_logprobs: Some((0..n).map(|_| -12.0 + s.normal() as f32).collect()),
+                ..Default::default()
+            }
+        })
+        .collect();
+    tr.step(&rollouts)?;
+    d.synchronize()?;
+    let (in_use, cached, _, _) = d.memory();
+    let ms = d.time_ms(|| (0..iters).try_for_each(|_| tr.step(&rollouts).map(|_| ())))? / iters as f64;
+    let peak = d.memory().2.saturating_sub(in_use + cached);
+    let tokens = seqs * seq_len;
+    let params = tr.num_params() as f64;
+    let attn = 4.0 * (seq_len * seq_len) as f64 / 2.0 * (cfg.num_heads * cfg.head_dim * cfg.num_layers * seqs) as f64;
+    let flop = 8.0 * params * tokens as f64 + 4.5 * attn;
+    Ok(TrainRow {
+        seqs,
+        seq_len,
+        ms,
+        tokens_per_s: tokens as f64 / (ms * 1e-3),
+        tflops: flop / (ms * 1e-3) / 1e12,
+        peak_bytes: peak,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     /// The training timings run end to end on the simulated GPU at small shapes (their numbers
@@ -463,5 +537,20 @@ mod tests {
         let rows = super::fused_loss(&d, 512, 32, 3000, 64, 1).unwrap();
         assert_eq!(rows.len(), 2);
         assert!(rows[0].peak_bytes < rows[1].peak_bytes, "{rows:?}");
+        let cfg = crate::model::tiny::tiny_config(&crate::model::tiny::TinySpec {
+            arch: "qwen2".into(),
+            layers: 2,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: None,
+            intermediate: Some(96),
+            vocab: 500,
+            max_position: 256,
+            tie: true,
+        })
+        .unwrap();
+        let r = super::train_step(&d, &cfg, 2, 40, 1).unwrap();
+        assert!(r.ms.is_finite() && r.ms >= 0.0 && r.tokens_per_s > 0.0 && r.peak_bytes > 0, "{r:?}");
     }
 }

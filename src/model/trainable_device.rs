@@ -7,8 +7,9 @@
 //! coefficients and the per-token results crosses to the host.
 //!
 //! The NVFP4 learner (`set_quant`): the chosen MLP linears run on the learner's rounded
-//! operands (`ops::quantize::learner_round`, the emulated W4A4 path on every architecture; a
-//! CUTLASS block-scaled GEMM on sm_100a is not wired here yet), straight-through backward —
+//! operands (`ops::quantize::learner_round`): through the CUTLASS block-scaled W4A4 GEMM where
+//! the device has one (sm_100a / sm_103a; the simulator's sm_100a profile), else the emulated
+//! path (Hopper: the rounded copies through the BF16/F32 GEMM); straight-through backward —
 //! as the CPU twin. The activations come from the caching allocator (blocks reused between
 //! steps); the memory plan reserves [`DeviceTrainable::activation_bytes`] for them.
 //!
@@ -235,15 +236,21 @@ impl DeviceTrainable {
             a.x2.copy_from(&a.x)?;
             linear::linear(&dev, &a.att, p[li.o], bias(li.ob), &mut a.x2, n, true)?;
             norm::rmsnorm_train(&dev, &a.x2, p[li.ln2], eps, &mut a.h2, &mut a.rstd2, n)?;
-            // The NVFP4 learner: the chosen MLP linears on rounded weights and inputs.
+            // The NVFP4 learner: the chosen MLP linears on rounded weights and inputs — through
+            // the CUTLASS W4A4 GEMM where there is one (codes written by the same launches as
+            // the rounded copies the backward reads), else on the rounded copies.
             let l = acts.len();
+            let mut wc: [Option<quantize::LearnerCodes>; 3] = Default::default();
+            let (mut xc, mut ac) = (None, None);
             if let Some(q) = &lq {
                 for (j, (lin, w)) in [(GATE, li.gate), (UP, li.up), (DOWN, li.down)].into_iter().enumerate() {
                     self.qw[l][j] = match q.on(lin) {
                         true => {
                             let (rows, k) = (p[w].dim(0), p[w].dim(1));
                             let mut t = dev.zeros(DType::F32, &[rows, k])?;
-                            quantize::learner_round(&dev, p[w], &mut t, rows, Global::Tensor, &q.opts)?;
+                            let fast = linear::learner_w4a4_here(&dev, rows, k);
+                            wc[j] =
+                                quantize::learner_round_codes(&dev, p[w], &mut t, rows, Global::Tensor, &q.opts, fast)?;
                             Some(t)
                         }
                         false => None,
@@ -252,7 +259,8 @@ impl DeviceTrainable {
                 if q.on(GATE) || q.on(UP) {
                     let mut t = dev.zeros(DType::F32, &[n, c])?;
                     let g = q.act_global(l, if q.on(GATE) { GATE } else { UP });
-                    quantize::learner_round(&dev, &a.h2, &mut t, n, g, &q.opts)?;
+                    let fast = wc[0].is_some() || wc[1].is_some();
+                    xc = quantize::learner_round_codes(&dev, &a.h2, &mut t, n, g, &q.opts, fast)?;
                     a.h2q = Some(t);
                 }
             }
@@ -261,18 +269,42 @@ impl DeviceTrainable {
             let on = |i: usize| lq.as_ref().is_some_and(|q| q.on(i));
             let xg = if on(GATE) { a.h2q.as_ref().unwrap_or(&a.h2) } else { &a.h2 };
             let xu = if on(UP) { a.h2q.as_ref().unwrap_or(&a.h2) } else { &a.h2 };
-            linear::linear(&dev, xg, wq(0, li.gate), bias(li.gb), &mut a.g, n, false)?;
-            linear::linear(&dev, xu, wq(1, li.up), bias(li.ub), &mut a.u, n, false)?;
+            // One of the MLP's linears: W4A4 on the codes when both operands have them.
+            let lin = |x: &Tensor,
+                       xc: &Option<quantize::LearnerCodes>,
+                       j: usize,
+                       dense: usize,
+                       b: Option<&Tensor>,
+                       y: &mut Tensor,
+                       acc: bool|
+             -> Result<()> {
+                if let (Some(xc), Some(wc)) = (xc, &wc[j]) {
+                    if linear::learner_w4a4(&dev, xc, wc, b, y, acc)? {
+                        return Ok(());
+                    }
+                }
+                linear::linear(&dev, x, wq(j, dense), b, y, n, acc)
+            };
+            lin(xg, if on(GATE) { &xc } else { &None }, 0, li.gate, bias(li.gb), &mut a.g, false)?;
+            lin(xu, if on(UP) { &xc } else { &None }, 1, li.up, bias(li.ub), &mut a.u, false)?;
             elementwise::swiglu(&dev, &a.g, &a.u, &mut a.a, n)?;
             if let (Some(q), true) = (&lq, on(DOWN)) {
                 let mut t = dev.zeros(DType::F32, &[n, i_dim])?;
-                quantize::learner_round(&dev, &a.a, &mut t, n, q.act_global(l, DOWN), &q.opts)?;
+                ac = quantize::learner_round_codes(
+                    &dev,
+                    &a.a,
+                    &mut t,
+                    n,
+                    q.act_global(l, DOWN),
+                    &q.opts,
+                    wc[2].is_some(),
+                )?;
                 a.aq = Some(t);
             }
             // x = x2 + a·Wdᵀ (+ bd)
             x = dev.zeros(DType::F32, &[n, c])?;
             x.copy_from(&a.x2)?;
-            linear::linear(&dev, a.aq.as_ref().unwrap_or(&a.a), wq(2, li.down), bias(li.db), &mut x, n, true)?;
+            lin(a.aq.as_ref().unwrap_or(&a.a), &ac, 2, li.down, bias(li.db), &mut x, true)?;
             acts.push(a);
         }
         self.acts = acts;
@@ -611,6 +643,13 @@ mod tests {
         check_nvfp4(&Device::parse("cuda-sim:0").unwrap());
     }
 
+    /// On the B300 profile the gate and up linears (K = 32) run on the CUTLASS W4A4 GEMM, the
+    /// down linear (K = 48, not a multiple of 32) on the rounded copies.
+    #[test]
+    fn nvfp4_learner_twin_sim_cutlass() {
+        check_nvfp4(&Device::Cuda(crate::device::cuda::CudaDevice::sim_arch(7, Some("sm_100a")).unwrap()));
+    }
+
     fn every_arch(dev: &Device) {
         for arch in ["llama", "qwen2", "qwen3"] {
             for centered in [false, true] {
@@ -631,11 +670,12 @@ mod tests {
 
     /// The memory plan's activation reserve covers what a step allocates beyond the weights:
     /// the forward's saved state, the loss pass and the backward of 16 sequences of 20 tokens
-    /// on a device of its own (cuda-sim:7), measured by the allocator's high-water mark; and it
+    /// on a device of its own (cuda-sim:3), measured by the allocator's high-water mark; and it
     /// is no more than twice that (the plan does not waste the KV cache's room).
     #[test]
     fn the_planned_activation_bytes_cover_a_step() {
-        let dev = Device::parse("cuda-sim:7").unwrap();
+        // An ordinal no other lib test opens (cuda-sim:7 is the sm_100a one).
+        let dev = Device::Cuda(crate::device::cuda::CudaDevice::sim_arch(3, Some("sm_90a")).unwrap());
         let Device::Cuda(cd) = &dev else { panic!("a simulated CUDA device") };
         let spec = TinySpec {
             arch: "qwen3".into(),

@@ -10,7 +10,7 @@ use crate::device::cuda::CudaDevice;
 use anyhow::{bail, Context, Result};
 
 /// The timing groups, in the order they run: (name, what it measures).
-pub const GROUPS: [(&str, &str); 5] = [
+pub const GROUPS: [(&str, &str); 6] = [
     ("gemm", "BF16 / FP8 / NVFP4 GEMMs per path against cuBLASLt (8192³ and Qwen2.5-7B's linears)"),
     ("decode", "decode of a random Qwen2-1.5B-shaped model at batch 1 / 64 / 256 against the bandwidth bound"),
     ("resync", "in-place resync of a Qwen2.5-7B-shaped model per recipe against a copy of the same bytes"),
@@ -19,6 +19,10 @@ pub const GROUPS: [(&str, &str); 5] = [
         "training attention at 16k tokens, head_dim 128, GQA 7:1: forward and backward, CUDA cores vs tensor cores (PyTorch's SDPA: bench/attention_sdpa.py)",
     ),
     ("loss", "the fused LM-head loss forward + backward at V 151936, H 4096, 8192 tokens against the bare GEMMs, with peak memory"),
+    (
+        "train",
+        "one OPD training step of a random Qwen2-1.5B-shaped BF16 model at 8 x 2048 tokens with AdamW (PyTorch eager: bench/train_step_torch.py)",
+    ),
 ];
 
 fn qwen2(
@@ -56,6 +60,7 @@ pub fn run_group(name: &str, d: &CudaDevice, iters: usize, steps: usize) -> Resu
         "resync" => resync(d),
         "attention" => attention(d, iters),
         "loss" => loss(d, iters),
+        "train" => train(d, iters),
         other => bail!("no timing group '{other}'"),
     }
 }
@@ -154,4 +159,22 @@ fn loss(d: &CudaDevice, iters: usize) -> Result<serde_json::Value> {
         println!("{:<36} {:>10.2}", "fused / bare time", fused.ms / bare.ms);
     }
     Ok(serde_json::to_value(rows)?)
+}
+
+fn train(d: &CudaDevice, iters: usize) -> Result<serde_json::Value> {
+    let cfg = qwen2(28, 1536, 12, 2, 8960, 151936, true)?;
+    let r = bench::train_step(d, &cfg, 8, 2048, iters.clamp(1, 3)).context("training-step timing")?;
+    println!(
+        "{:<36} {:>10} {:>12} {:>10} {:>10}",
+        "train step, 1.5B, 8 x 2048 tokens", "ms", "tokens/s", "TFLOP/s", "peak GiB"
+    );
+    println!(
+        "{:<36} {:>10.1} {:>12.0} {:>10.1} {:>10.2}",
+        "colotrain (OPD, AdamW)",
+        r.ms,
+        r.tokens_per_s,
+        r.tflops,
+        r.peak_bytes as f64 / (1u64 << 30) as f64
+    );
+    Ok(serde_json::to_value(r)?)
 }

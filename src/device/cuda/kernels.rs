@@ -93,10 +93,11 @@ pub enum Kernel {
     AttnFwdTc,
     AttnBwdDqTc,
     AttnBwdDkvTc,
+    Nvfp4ScaleOut,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 39] = [
+    pub const ALL: [Kernel; 40] = [
         Kernel::Rmsnorm,
         Kernel::RopeTable,
         Kernel::Rope,
@@ -136,6 +137,7 @@ impl Kernel {
         Kernel::AttnFwdTc,
         Kernel::AttnBwdDqTc,
         Kernel::AttnBwdDkvTc,
+        Kernel::Nvfp4ScaleOut,
     ];
 
     /// (the kernel's name, the csrc/kernels/ file that defines it, without `.cu`).
@@ -180,6 +182,7 @@ impl Kernel {
             Kernel::AttnFwdTc => ("ct_attn_fwd_tc", "attention_train"),
             Kernel::AttnBwdDqTc => ("ct_attn_bwd_dq_tc", "attention_train"),
             Kernel::AttnBwdDkvTc => ("ct_attn_bwd_dkv_tc", "attention_train"),
+            Kernel::Nvfp4ScaleOut => ("ct_nvfp4_scale_out", "elementwise"),
         }
     }
 
@@ -197,7 +200,7 @@ impl Kernel {
             KvWrite | PagedAttention | PrefillAttention | QuantFp8 | QuantNvfp4 | Dequant | SwizzleSf => 1,
             Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax | Optim => 2,
             RopeTable | Rope | Swiglu | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
-            | ScatterAddRows | LmStats | LmDz => 4,
+            | ScatterAddRows | LmStats | LmDz | Nvfp4ScaleOut => 4,
             RmsnormTrain | RmsnormBwd | RmsnormDw | SwigluBwd | RopeBwd | ColSum | EmbedBwd => 4,
             AttnFwd | AttnBwdDq | AttnBwdDkv | AttnFwdTc | AttnBwdDqTc | AttnBwdDkvTc => 4,
         }
@@ -279,6 +282,11 @@ impl CudaDevice {
     pub fn k_add_bias(&self, p: ffi::ct_add_bias_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
         self.launch(Kernel::AddBias, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+    }
+
+    pub fn k_nvfp4_scale_out(&self, p: ffi::ct_nvfp4_scale_out_params) -> Result<()> {
+        let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
+        self.launch(Kernel::Nvfp4ScaleOut, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
     }
 
     pub fn k_cast(&self, p: ffi::ct_cast_params) -> Result<()> {

@@ -51,6 +51,12 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_scatter_add_rows_params, err),
         ],
         "ct_add_bias_params" => &[offset_of!(ffi::ct_add_bias_params, y), offset_of!(ffi::ct_add_bias_params, bias)],
+        "ct_nvfp4_scale_out_params" => &[
+            offset_of!(ffi::ct_nvfp4_scale_out_params, src),
+            offset_of!(ffi::ct_nvfp4_scale_out_params, dst),
+            offset_of!(ffi::ct_nvfp4_scale_out_params, row_amax),
+            offset_of!(ffi::ct_nvfp4_scale_out_params, col_amax),
+        ],
         "ct_cast_params" => &[offset_of!(ffi::ct_cast_params, x), offset_of!(ffi::ct_cast_params, y)],
         "ct_fill_normal_params" => &[offset_of!(ffi::ct_fill_normal_params, out)],
         "ct_kv_write_params" => &[

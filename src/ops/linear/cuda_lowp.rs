@@ -20,7 +20,7 @@ use super::cuda::add_bias;
 use crate::device::cuda::args::{i32_of, ptr};
 use crate::device::cuda::{ffi, CudaDevice, Cutlass, CutlassArgs, DevBuf, Elem};
 use crate::device::{DType, Tensor};
-use crate::ops::quantize::{dequant, quant_rows_fixed, ActQuant};
+use crate::ops::quantize::{dequant, quant_rows_fixed, ActQuant, LearnerCodes};
 use crate::quant::nvfp4::Nvfp4Opts;
 use crate::quant::qtensor::{QFormat, QTensor};
 use anyhow::{bail, Result};
@@ -220,6 +220,52 @@ pub fn gemm_q(d: &CudaDevice, a: &QAct, w: &QTensor, y: u64, path: Path) -> Resu
     })?;
     d.gemm(Elem::BF16, wb.ptr, ab.ptr, y, m, n, k, alpha, false, None)?;
     Ok(Path::Emulated)
+}
+
+/// y[..m] (m, N) (+)= x · wᵀ (+ bias) for the NVFP4 learner's operands (codes of the same
+/// rounding as their decoded copies): the CUTLASS block-scaled GEMM with alpha 1 into a
+/// scratch, then one kernel multiplying by the operands' global scales read on the device
+/// (per row for per-token activation scales) and adding into y. Ok(false) when this device has
+/// no CUTLASS NVFP4 GEMM for the shape (the caller multiplies the decoded copies instead).
+pub fn learner_w4a4(
+    d: &CudaDevice,
+    x: &LearnerCodes,
+    w: &LearnerCodes,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    accumulate: bool,
+) -> Result<bool> {
+    let (m, n, k) = (x.rows, w.rows, w.k);
+    if x.k != k || w.per_row || w.fixed > 0.0 {
+        bail!("learner W4A4: activations of K = {} for a weight of K = {k} (per-tensor scale)", x.k);
+    }
+    let yp = ptr(d, y, &[DType::F32], "learner linear output")?;
+    crate::ops::check_rows(y, m, n, "learner linear output")?;
+    let Some(g) = cutlass_kernel(d, QFormat::Nvfp4).filter(|_| cutlass_supports(d, QFormat::Nvfp4, n, k)) else {
+        return Ok(false);
+    };
+    let (sa, sw) = (swizzle(d, x.scales.ptr, m, k)?, swizzle(d, w.scales.ptr, n, k)?);
+    let raw = d.scratch(m * n * 4, "learner W4A4 product")?;
+    let args =
+        CutlassArgs { a: x.packed.ptr, b: w.packed.ptr, sfa: sa.ptr, sfb: sw.ptr, d: raw.ptr, m, n, k, alpha: 1.0 };
+    if !d.cutlass_gemm(g, &args)? {
+        return Ok(false);
+    }
+    d.k_nvfp4_scale_out(ffi::ct_nvfp4_scale_out_params {
+        src: raw.ptr as *const f32,
+        dst: yp as *mut f32,
+        rows: i32_of(m, "learner linear rows")?,
+        cols: i32_of(n, "learner linear columns")?,
+        row_amax: x.amax.ptr as *const u32,
+        per_row: x.per_row as i32,
+        row_fixed: x.fixed,
+        col_amax: w.amax.ptr as *const u32,
+        accumulate: accumulate as i32,
+    })?;
+    if let Some(b) = bias {
+        add_bias(d, yp, b, m, n)?;
+    }
+    Ok(true)
 }
 
 /// The sizes of CUTLASS's scale tensors for an (m, n, k) NVFP4 problem, when this build has

@@ -112,3 +112,55 @@ fn lowp_gemm_paths_on_sim_sm100a() {
     paths_on("sm_100a", 7, 256);
     paths_on("sm_100a", 7, 272);
 }
+
+/// The NVFP4 learner's W4A4 linear (`learner_w4a4`: CUTLASS block-scaled GEMM on the learner's
+/// codes, globals applied on the device) against f64 over the host's `learner_round` copies,
+/// for every activation global (per tensor, per row, fixed) with and without RHT + stochastic
+/// rounding, with a bias, accumulating into y. Taken on sm_100a; refused (Ok(false): the
+/// caller multiplies the rounded copies) on sm_90a, which has no NVFP4 CUTLASS kernel.
+/// Tolerance |gpu − ref| ≤ 1e-5 + 1e-4·|ref|: the same grid values on both sides, only the
+/// f32 summation order (and, under the RHT, the f32 rotation back of the copies) differ.
+#[test]
+fn the_learners_w4a4_linear_multiplies_its_rounded_operands() {
+    use crate::formats::nvfp4::Global;
+    let (m, n, k) = (37, 52, 64);
+    let xs = data(m * k, 11, 1.0);
+    let ws = data(n * k, 12, 0.05);
+    let bs = data(n, 13, 0.1);
+    let y0 = data(m * n, 14, 0.3);
+    for (arch, ordinal) in [("sm_100a", 7), ("sm_90a", 6)] {
+        let dev = Device::Cuda(CudaDevice::sim_arch(ordinal, Some(arch)).unwrap());
+        for opts in [Nvfp4Opts::default(), Nvfp4Opts { rht: Some(5), stochastic: Some(17) }] {
+            for global in [Global::Tensor, Global::Row, Global::Fixed(0.004)] {
+                let what = format!("{arch} {global:?} {opts:?}");
+                let x = dev.from_f32(DType::F32, &[m, k], &xs).unwrap();
+                let w = dev.from_f32(DType::F32, &[n, k], &ws).unwrap();
+                let bias = dev.from_f32(DType::F32, &[n], &bs).unwrap();
+                let (mut xr, mut wr) =
+                    (dev.zeros(DType::F32, &[m, k]).unwrap(), dev.zeros(DType::F32, &[n, k]).unwrap());
+                let xc = quantize::learner_round_codes(&dev, &x, &mut xr, m, global, &opts, true).unwrap();
+                let wc = quantize::learner_round_codes(&dev, &w, &mut wr, n, Global::Tensor, &opts, true).unwrap();
+                let (xc, wc) = (xc.expect("codes on CUDA"), wc.expect("codes on CUDA"));
+                let mut y = dev.from_f32(DType::F32, &[m, n], &y0).unwrap();
+                let taken = super::learner_w4a4(&dev, &xc, &wc, Some(&bias), &mut y, true).unwrap();
+                assert_eq!(taken, arch == "sm_100a", "{what}: the CUTLASS path taken or not");
+                if !taken {
+                    continue;
+                }
+                let (mut hx, mut hw) = (xs.clone(), ws.clone());
+                crate::formats::nvfp4::learner_round(&mut hx, k, global, &opts);
+                crate::formats::nvfp4::learner_round(&mut hw, k, Global::Tensor, &opts);
+                assert_eq!(xr.to_f32_vec().unwrap(), hx, "{what}: the rounded activations");
+                let got = y.to_f32_vec().unwrap();
+                for i in 0..m {
+                    for j in 0..n {
+                        let dot: f64 = (0..k).map(|t| hx[i * k + t] as f64 * hw[j * k + t] as f64).sum();
+                        let want = y0[i * n + j] as f64 + bs[j] as f64 + dot;
+                        let g = got[i * n + j] as f64;
+                        assert!((g - want).abs() <= 1e-5 + 1e-4 * want.abs(), "{what}: y[{i},{j}] {g} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -24,7 +24,7 @@ pub use cuda::cast_rows;
 pub use panels::Panels;
 
 use super::check_rows;
-use super::quantize::ActQuant;
+use super::quantize::{ActQuant, LearnerCodes};
 use crate::device::{Device, Tensor};
 use crate::quant::qtensor::QTensor;
 use anyhow::{bail, Result};
@@ -161,6 +161,32 @@ pub fn linear_q(dev: &Device, x: &Tensor, wq: &QTensor, bias: Option<&Tensor>, y
     match dev {
         Device::Cpu(c) => cpu::linear_q(c, x, wq, bias, y, m),
         Device::Cuda(c) => cuda::linear_q(c, x, wq, bias, y, m),
+    }
+}
+
+/// Whether the NVFP4 learner's linear of a weight (n, k) runs on a real W4A4 GEMM on `dev`: a
+/// CUTLASS NVFP4 GEMM (sm_100a / sm_103a, or the simulator with that profile) that suits the
+/// shape. Elsewhere (the CPU, Hopper) the linear multiplies the rounded operands (emulated).
+pub fn learner_w4a4_here(dev: &Device, n: usize, k: usize) -> bool {
+    match dev {
+        Device::Cpu(_) => false,
+        Device::Cuda(c) => cuda_lowp::cutlass_supports(c, crate::quant::qtensor::QFormat::Nvfp4, n, k),
+    }
+}
+
+/// y[..m] (+)= x · wᵀ (+ bias) on the learner's NVFP4 codes (`quantize::learner_round_codes`)
+/// through the CUTLASS block-scaled GEMM; Ok(false) when there is none for the shape here.
+pub fn learner_w4a4(
+    dev: &Device,
+    x: &LearnerCodes,
+    w: &LearnerCodes,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    accumulate: bool,
+) -> Result<bool> {
+    match dev {
+        Device::Cpu(_) => Ok(false),
+        Device::Cuda(c) => cuda_lowp::learner_w4a4(c, x, w, bias, y, accumulate),
     }
 }
 

@@ -3,7 +3,7 @@
 
 use super::ActQuant;
 use crate::device::cuda::args::{code, f32p, ptr, vp, FLOATS};
-use crate::device::cuda::{ffi, CudaDevice};
+use crate::device::cuda::{ffi, CudaDevice, DevBuf};
 use crate::device::{DType, Tensor};
 use crate::quant::nvfp4;
 use crate::quant::qtensor::{QFormat, QTensor};
@@ -237,9 +237,24 @@ pub fn quant_rows_fixed(
     }
 }
 
+/// The NVFP4 codes of a learner operand (rotated domain under the RHT), for the real W4A4
+/// GEMM: packed E2M1 codes, E4M3 block scales and the amax its global scale(s) come from
+/// (per row or per tensor, or the fixed global) — the global stays on the device.
+pub struct LearnerCodes {
+    pub packed: DevBuf,
+    pub scales: DevBuf,
+    pub amax: DevBuf,
+    pub per_row: bool,
+    pub fixed: f32,
+    pub rows: usize,
+    pub k: usize,
+}
+
 /// The learner's NVFP4 rounding of x's first m rows into out (F32): the amax kernel (per tensor
 /// or per row, over the rotated blocks) and the encode kernel writing the decoded values
-/// rotated back.
+/// rotated back — and, with `codes`, in the same launch the codes and block scales the real
+/// GEMM reads (the same rounding, so the STE backward sees what the forward multiplied).
+#[allow(clippy::too_many_arguments)]
 pub fn learner_round(
     d: &CudaDevice,
     x: &Tensor,
@@ -248,10 +263,11 @@ pub fn learner_round(
     k: usize,
     global: nvfp4::Global,
     opts: &nvfp4::Nvfp4Opts,
-) -> Result<()> {
+    codes: bool,
+) -> Result<Option<LearnerCodes>> {
     let n = m * k;
     if n == 0 {
-        return Ok(());
+        return Ok(None);
     }
     let xp = ptr(d, x, FLOATS, "learner NVFP4 input")?;
     let op = ptr(d, out, &[DType::F32], "learner NVFP4 output")?;
@@ -266,6 +282,11 @@ pub fn learner_round(
         d.memset0(buf.ptr, 4 * slots)?;
         k_amax(d, xp, code(x.dtype()), n as i64, signs, buf.ptr, row_k as i32)?;
     }
+    let (packed, scales) = match codes {
+        true => (Some(d.scratch(n / 2, "learner NVFP4 codes")?), Some(d.scratch(n / 16, "learner NVFP4 scales")?)),
+        false => (None, None),
+    };
+    let raw = |b: &Option<DevBuf>| b.as_ref().map(|b| b.ptr as *mut u8).unwrap_or(std::ptr::null_mut());
     d.k_quant_nvfp4(ffi::ct_quant_nvfp4_params {
         x: xp as *const c_void,
         dtype: code(x.dtype()),
@@ -276,11 +297,17 @@ pub fn learner_round(
         signs: signs.unwrap_or([1.0; 16]),
         stochastic: opts.stochastic.is_some() as i32,
         sr_seed: opts.stochastic.unwrap_or(0),
-        packed: std::ptr::null_mut(),
-        scales: std::ptr::null_mut(),
+        packed: raw(&packed),
+        scales: raw(&scales),
         dequant: op as *mut f32,
         global_out: std::ptr::null_mut(),
         row_k: row_k as i32,
         unrotate: 1,
+    })?;
+    Ok(match (packed, scales) {
+        (Some(packed), Some(scales)) => {
+            Some(LearnerCodes { packed, scales, amax: buf, per_row: row_k > 0, fixed, rows: m, k })
+        }
+        _ => None,
     })
 }

@@ -15,6 +15,7 @@ mod cuda;
 #[cfg(test)]
 mod tests;
 
+pub use cuda::LearnerCodes;
 pub(crate) use cuda::{amax, dequant, quant_rows_fixed};
 
 use super::check_rows;
@@ -56,6 +57,20 @@ pub fn learner_round(
     global: nvfp4::Global,
     opts: &Nvfp4Opts,
 ) -> Result<()> {
+    learner_round_codes(dev, x, out, m, global, opts, false).map(|_| ())
+}
+
+/// [`learner_round`], and with `codes` on CUDA, written by the same launch, the NVFP4 codes
+/// that the real W4A4 GEMM reads (`linear::learner_w4a4`); None on the CPU.
+pub fn learner_round_codes(
+    dev: &Device,
+    x: &Tensor,
+    out: &mut Tensor,
+    m: usize,
+    global: nvfp4::Global,
+    opts: &Nvfp4Opts,
+    codes: bool,
+) -> Result<Option<LearnerCodes>> {
     let k = x.dim(x.shape().len() - 1);
     if k == 0 || k % nvfp4::BLOCK != 0 {
         anyhow::bail!("learner NVFP4: the reduction dimension {k} is not a multiple of {}", nvfp4::BLOCK);
@@ -70,8 +85,8 @@ pub fn learner_round(
         }
     }
     match dev {
-        Device::Cpu(d) => cpu::learner_round(d, x, out, m, k, global, opts),
-        Device::Cuda(d) => cuda::learner_round(d, x, out, m, k, global, opts),
+        Device::Cpu(d) => cpu::learner_round(d, x, out, m, k, global, opts).map(|_| None),
+        Device::Cuda(d) => cuda::learner_round(d, x, out, m, k, global, opts, codes),
     }
 }
 
