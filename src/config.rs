@@ -40,6 +40,28 @@ pub struct JobConfig {
     pub monitor: crate::mismatch::monitor::MonitorConfig,
     #[serde(default)]
     pub schedule: ScheduleConfig,
+    #[serde(default)]
+    pub reward: RewardConfig,
+}
+
+/// How responses are rewarded: the built-in math rule (`data::answer`: the last `\boxed{}`
+/// against the prompt's reference answer) or a plug-in command (`reward::plugin`).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RewardConfig {
+    /// The plug-in's command line (program and arguments), started once per run; empty: the
+    /// built-in rule.
+    pub command: Vec<String>,
+    /// Seconds a plug-in may take to answer one batch.
+    pub timeout_s: f64,
+    /// Responses per batch sent to the plug-in (also the bound on responses waiting for it).
+    pub batch: usize,
+}
+
+impl Default for RewardConfig {
+    fn default() -> Self {
+        RewardConfig { command: Vec::new(), timeout_s: 60.0, batch: 64 }
+    }
 }
 
 /// How rollout and training share the devices (seed 000 §5.4, App. C.5).
@@ -597,6 +619,15 @@ impl JobConfig {
         }
         if self.objective.chunk_size == 0 {
             err("objective.chunk_size", "must be at least 1".into())?;
+        }
+        if self.reward.command.first().is_some_and(|p| p.trim().is_empty()) {
+            err("reward.command", "the program (its first element) is empty".into())?;
+        }
+        if !(self.reward.timeout_s > 0.0 && self.reward.timeout_s.is_finite()) {
+            err("reward.timeout_s", format!("must be a positive number of seconds, got {}", self.reward.timeout_s))?;
+        }
+        if self.reward.batch == 0 {
+            err("reward.batch", "must be at least 1".into())?;
         }
         if self.rollout.source == RolloutSource::File && self.rollout.file.is_none() {
             err("rollout.file", "rollout.source = \"file\" needs rollout.file".into())?;

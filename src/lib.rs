@@ -23,6 +23,7 @@
 //!   budgets, admission.
 //! - [`objective`]: token statistics to per-token coefficients (OPD, SFT, GRPO / TIS, TRIAGE).
 //! - [`config`]: the job's TOML, validated up front.
+//! - [`reward`]: the built-in math rule or a plug-in command, scoring responses as they finish.
 //! - [`train`]: the training step, optimizer, checkpoints, evaluation, metrics.
 //! - [`orchestrator`]: one process, N devices: plan, workers, schedules, the step loop.
 //! - [`cli`]: the subcommands of the `colotrain` binary.
@@ -40,6 +41,7 @@ pub mod engine;
 pub mod mismatch;
 pub mod objective;
 pub mod config;
+pub mod reward;
 pub mod train;
 pub mod orchestrator;
 pub mod cli;

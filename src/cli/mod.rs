@@ -14,6 +14,7 @@ mod init_tiny;
 mod inspect;
 mod quantize;
 mod report;
+mod reward;
 mod score;
 mod train;
 
@@ -42,6 +43,8 @@ pub enum Command {
     Generate(generate::Args),
     /// Log-probabilities of given token sequences under a model.
     Score(score::Args),
+    /// Reward given responses with a run's rule (built-in math rule or `[reward]` plug-in).
+    Reward(reward::Args),
     /// Architecture, parameter count, dtypes and memory estimate of a model directory.
     Inspect(inspect::Args),
     /// Held-out KL and accuracy of a checkpoint, Δ against a reference run, budget brackets.
@@ -150,6 +153,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::InitTiny(a) => init_tiny::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Score(a) => score::run(a),
+        Command::Reward(a) => reward::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Quantize(a) => quantize::run(a),

@@ -67,6 +67,7 @@ pub fn run(a: Args) -> Result<()> {
                         tokens: encode_prompt(l, lm.text.as_deref(), false, p)?,
                         answer: None,
                         response: None,
+                        meta: None,
                     })
                 })
                 .collect::<Result<_>>()?;

@@ -17,6 +17,8 @@ pub struct PromptItem {
     pub answer: Option<String>,
     /// Reference response tokens, EOS included (for SFT), if known.
     pub response: Option<Vec<u32>>,
+    /// The line's `meta` field, passed to a reward plug-in (e.g. a code task's tests).
+    pub meta: Option<serde_json::Value>,
 }
 
 pub enum Dataset {
@@ -28,12 +30,18 @@ fn arith_item(text: &TextTools, p: &arith::Problem, id: u64) -> Result<PromptIte
     let eos = *text.eos_ids.first().context("the tokenizer defines no EOS token")?;
     let mut response = text.encode(&p.response(), false)?;
     response.push(eos);
-    Ok(PromptItem { id, tokens: text.encode(&p.prompt(), false)?, answer: Some(p.answer()), response: Some(response) })
+    Ok(PromptItem {
+        id,
+        tokens: text.encode(&p.prompt(), false)?,
+        answer: Some(p.answer()),
+        response: Some(response),
+        meta: None,
+    })
 }
 
 impl Dataset {
     /// `spec` is `builtin:arith` or a JSONL path (fields as in `generate`, plus optional
-    /// "answer" and "response").
+    /// "answer", "response" and "meta", the last passed to a reward plug-in as it is).
     pub fn open(
         spec: &str,
         text: Option<std::sync::Arc<TextTools>>,
@@ -68,7 +76,8 @@ impl Dataset {
                 }
                 None => None,
             };
-            items.push(PromptItem { id: i as u64, tokens, answer, response });
+            let meta = l.extra.get("meta").cloned();
+            items.push(PromptItem { id: i as u64, tokens, answer, response, meta });
         }
         Ok(Dataset::Items { items, seed })
     }

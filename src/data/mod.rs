@@ -7,4 +7,9 @@
 pub mod answer;
 pub mod arith;
 pub mod dataset;
+pub mod math_cmp;
+pub mod math_eval;
+pub mod math_expr;
+pub mod math_lex;
+pub mod math_norm;
 pub mod prompts;

@@ -80,6 +80,18 @@ pub fn run_queue<'a>(
     queue: &WorkQueue,
     inflight: usize,
 ) -> Result<Vec<Completion>> {
+    run_queue_with(engine, w, queue, inflight, &mut |_| Ok(()))
+}
+
+/// [`run_queue`], calling `on_done` with each completion as soon as the engine step that
+/// finished it returns (the reward service scores it while generation goes on).
+pub fn run_queue_with<'a>(
+    engine: &mut Engine,
+    w: impl Into<View<'a>>,
+    queue: &WorkQueue,
+    inflight: usize,
+    on_done: &mut (dyn FnMut(&Completion) -> Result<()> + Send),
+) -> Result<Vec<Completion>> {
     let w: View<'a> = w.into();
     let dev = engine.device().clone();
     dev.install(|| -> Result<Vec<Completion>> {
@@ -89,7 +101,10 @@ pub fn run_queue<'a>(
             if !engine.has_work() {
                 return Ok(out);
             }
-            out.extend(engine.step(w)?);
+            for c in engine.step(w)? {
+                on_done(&c)?;
+                out.push(c);
+            }
         }
     })
 }

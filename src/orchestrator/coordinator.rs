@@ -11,12 +11,13 @@ use super::fault::Fault;
 use super::plan::{collective, engine_config, plan_devices};
 use super::replica::{self, Replica, Setup, Sources};
 use crate::config::{JobConfig, Placement, RolloutSource, ScheduleMode};
-use crate::data::answer;
 use crate::data::dataset::{Dataset, PromptItem};
 use crate::engine::rollout::{self, Rollout};
 use crate::mismatch::monitor::Monitor;
 use crate::model::{ModelConfig, TextTools};
 use crate::parallel::{Collective, WorkerPool};
+use crate::reward::scorer::{Key, Scorer};
+use crate::reward::{Job, Outcome};
 use crate::train::checkpoint::{self, OptState};
 use crate::train::dp::Dp;
 use crate::train::eval::{self, EvalResult};
@@ -48,6 +49,8 @@ pub struct Coordinator {
     /// Tests: the fault to inject, and the step running now (which phases compare with it).
     pub fault: Option<Fault>,
     pub step: std::sync::atomic::AtomicU64,
+    /// The reward service (the built-in rule or the run's plug-in), scoring as engines finish.
+    pub scorer: Arc<Scorer>,
 }
 
 impl Coordinator {
@@ -65,19 +68,50 @@ impl Coordinator {
         self.trainers[0]
     }
 
-    /// Rewards of every rollout that lacks one and has a reference answer (0 when cut at the
-    /// length limit); the step's mean reward.
-    pub fn rewards(&self, rollouts: &mut [Rollout]) -> Result<Option<f64>> {
-        let mut rewards = Vec::new();
-        for r in rollouts.iter_mut() {
-            if let (None, Some(text)) = (r.reward, &self.text) {
-                if let Some(ans) = &r.answer {
-                    r.reward = Some(answer::rollout_reward(r.truncated, &text.decode(&r.response)?, ans));
+    /// Rewards of every rollout that lacks one: collected from the reward service for those
+    /// this run's engines generated (`keys`, scored as they finished), scored now for the rest
+    /// (a rollout file). The built-in rule rewards responses to prompts with a reference answer
+    /// (0 when cut at the length limit), a plug-in every response. The step's mean reward and
+    /// the outcomes of the responses rewarded here.
+    pub fn rewards(&self, rollouts: &mut [Rollout], keys: &[Option<Key>]) -> Result<(Option<f64>, Vec<Outcome>)> {
+        let posted: Vec<Key> = keys.iter().flatten().copied().collect();
+        let mut got = self.scorer.take_posted(&posted)?.into_iter();
+        let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(rollouts.len());
+        let mut later = Vec::new();
+        for (i, r) in rollouts.iter().enumerate() {
+            let o = match keys.get(i).copied().flatten() {
+                Some(_) => got.next().flatten(),
+                None => None,
+            };
+            if o.is_none() && r.reward.is_none() && (r.answer.is_some() || self.scorer.is_plugin()) {
+                if let Some(text) = &self.text {
+                    later.push((
+                        i,
+                        Job {
+                            response: text.decode(&r.response)?,
+                            answer: r.answer.clone(),
+                            prompt: self.scorer.is_plugin().then(|| text.decode(&r.prompt)).transpose()?,
+                            meta: None,
+                            truncated: r.truncated,
+                        },
+                    ));
                 }
+            }
+            outcomes.push(o);
+        }
+        let (idx, jobs): (Vec<usize>, Vec<Job>) = later.into_iter().unzip();
+        for (i, o) in idx.into_iter().zip(self.scorer.score_now(jobs)?) {
+            outcomes[i] = Some(o);
+        }
+        let mut rewards = Vec::new();
+        for (r, o) in rollouts.iter_mut().zip(&outcomes) {
+            if r.reward.is_none() {
+                r.reward = o.as_ref().and_then(|o| o.reward);
             }
             rewards.extend(r.reward.map(|x| x as f64));
         }
-        Ok((!rewards.is_empty()).then(|| rewards.iter().sum::<f64>() / rewards.len() as f64))
+        let mean = (!rewards.is_empty()).then(|| rewards.iter().sum::<f64>() / rewards.len() as f64);
+        Ok((mean, outcomes.into_iter().flatten().collect()))
     }
 
     /// Teacher log-probs for every rollout, scored on the training devices from a shared queue.
@@ -220,12 +254,13 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
         (Some(_), None) => None,
         _ => Some(Dataset::open(&job.data.train, text.clone(), job.data.chat, cfg.vocab_size, job.run.seed)?),
     };
-    // RL rewards need every training prompt's answer (checked now, not at the first step).
+    // RL rewards of the built-in rule need every training prompt's answer (checked now, not at
+    // the first step); a reward plug-in decides what it needs.
     let rl = job.objective.kind.is_rl();
     if let (true, None, Some(d)) = (rl, &file_rollouts, &data) {
-        if let Some(i) = d.first_without_answer() {
+        if let (Some(i), true) = (d.first_without_answer(), job.reward.command.is_empty()) {
             bail!(
-                "data.train '{}': prompt #{} (in file order) has no \"answer\": the {} objective rewards the response's last \\boxed{{}} against it",
+                "data.train '{}': prompt #{} (in file order) has no \"answer\": the {} objective rewards the response's last \\boxed{{}} against it (or set [reward] command to a plug-in)",
                 job.data.train,
                 i + 1,
                 job.objective.kind
@@ -337,7 +372,9 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
     }
     let (trainers, generators) =
         if gens > 0 { ((gens..n).collect(), (0..gens).collect()) } else { ((0..n).collect(), (0..n).collect()) };
+    let scorer = Arc::new(Scorer::start(&job.reward, text.clone())?);
     let host = Coordinator {
+        scorer,
         job: Arc::new(job.clone()),
         pool,
         coll,

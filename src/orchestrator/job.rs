@@ -15,6 +15,7 @@ use crate::config::{JobConfig, ObjectiveKind};
 use crate::engine::rollout;
 use crate::mismatch;
 use crate::mismatch::monitor::Monitor;
+use crate::reward::RewardStats;
 use crate::train::checkpoint;
 use crate::train::metrics::{JobSummary, LogpDifference, PhaseSeconds, StepMetrics, Transfer};
 use anyhow::{bail, Context, Result};
@@ -117,6 +118,8 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         }
     }
     let mut sum_time = PhaseSeconds::default();
+    // The reward service's seconds busy and plug-in restarts at the last step.
+    let (mut reward_busy, mut reward_restarts) = host.scorer.counters()?;
     let t_loop = Instant::now();
     let mut last_step = start;
     for step in start + 1..=job.run.steps {
@@ -142,8 +145,17 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         time.teacher = t0.elapsed().as_secs_f64();
         // 3. Rewards.
         let t0 = Instant::now();
-        let reward = phase("reward").in_scope(|| host.rewards(&mut rollouts))?;
+        let (reward, outcomes) = phase("reward").in_scope(|| host.rewards(&mut rollouts, &batch.keys))?;
         time.reward = t0.elapsed().as_secs_f64();
+        let (busy_s, restarts) = host.scorer.counters()?;
+        let reward_stats = (!outcomes.is_empty()).then(|| {
+            let cut = rollouts.iter().filter(|r| r.truncated && r.reward.is_some()).count();
+            RewardStats::of(&outcomes, cut, busy_s - reward_busy, restarts)
+        });
+        if restarts > reward_restarts {
+            tracing::warn!("step {step}: the reward plug-in was restarted ({restarts} restarts so far)");
+        }
+        (reward_busy, reward_restarts) = (busy_s, restarts);
         // 4. Train (data-parallel over the devices).
         let t0 = Instant::now();
         let gen_tokens: usize = rollouts.iter().map(|r| r.response.len()).sum();
@@ -188,6 +200,7 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
             response_len: gen_tokens as f64 / n_rollouts.max(1) as f64,
             length_cap_rate: truncated as f64 / n_rollouts.max(1) as f64,
             reward,
+            reward_stats,
             mismatch: if host.file_rollouts.is_none() && job.objective.kind != ObjectiveKind::Sft {
                 mismatch::step_mismatch(&sampler, &out.logp)
             } else {

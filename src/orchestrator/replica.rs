@@ -16,6 +16,7 @@ use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
 use crate::engine::{Completion, Engine, EngineConfig};
 use crate::model::calib::Calibration;
 use crate::model::{LoadedModel, ModelConfig, ModelWeights};
+use crate::reward::scorer::Scorer;
 use crate::train::dp::Dp;
 use crate::train::trainer::{StepOut, Trainer};
 use anyhow::{bail, Context, Result};
@@ -110,12 +111,15 @@ pub struct GenLink {
     /// Generators also teacher-score what they generate (at this temperature), off the
     /// trainers' path, as the paper's separate teacher devices do (seed 000 Figure 10).
     pub teacher_temperature: Option<f32>,
+    /// The run's reward service: generators post each completion as it finishes.
+    pub scorer: Arc<Scorer>,
 }
 
 impl GenLink {
-    pub fn new(samples: usize, generators: usize, teacher_temperature: Option<f32>) -> GenLink {
+    pub fn new(samples: usize, generators: usize, teacher_temperature: Option<f32>, scorer: Arc<Scorer>) -> GenLink {
         GenLink {
             teacher_temperature,
+            scorer,
             queue: queue(Vec::new()),
             board: Arc::new(Board::new(samples)),
             published: Mutex::new(None),
@@ -410,19 +414,27 @@ impl Replica {
         self.rw.as_ref().context("the rollout engine is not initialized")
     }
 
-    /// Generates from the shared queue with the rollout engine on the current weights.
-    pub fn generate(&mut self, queue: &WorkQueue, inflight: usize) -> Result<Vec<Completion>> {
+    /// Generates from the shared queue with the rollout engine on the current weights, posting
+    /// each completion to the reward service as it finishes.
+    pub fn generate(&mut self, queue: &WorkQueue, inflight: usize, scorer: &Scorer) -> Result<Vec<Completion>> {
         let rw = self.rw.as_ref().context("the rollout engine is not initialized")?;
         let engine = self.rollout_engine.as_mut().unwrap_or(&mut self.std_engine);
         engine.set_version(rw.version);
-        rollout::run_queue(engine, rw.view(&self.trainer.weights), queue, inflight)
+        rollout::run_queue_with(engine, rw.view(&self.trainer.weights), queue, inflight, &mut |c| scorer.completed(c))
     }
 
     /// The asynchronous schedule's generation: pulls from the shared queue and reports every
     /// completion to `board` until it holds `need` complete prompt groups. Sequences still
     /// running stay in this device's engine and resume under the next weights (each token
     /// records the version it was sampled with).
-    pub fn generate_until(&mut self, queue: &WorkQueue, board: &Board, need: usize, inflight: usize) -> Result<()> {
+    pub fn generate_until(
+        &mut self,
+        queue: &WorkQueue,
+        board: &Board,
+        need: usize,
+        inflight: usize,
+        scorer: &Scorer,
+    ) -> Result<()> {
         let rw = self.rw.as_ref().context("the rollout engine is not initialized")?;
         let w = rw.view(&self.trainer.weights);
         let engine = self.rollout_engine.as_mut().unwrap_or(&mut self.std_engine);
@@ -436,6 +448,7 @@ impl Replica {
                     return Ok(());
                 }
                 for c in engine.step(w)? {
+                    scorer.completed(&c)?;
                     board.post(c, None)?;
                 }
             }
@@ -510,6 +523,7 @@ impl Replica {
                         }
                     }
                     let lp = scores.as_mut().and_then(|s| s.next());
+                    link.scorer.completed(&c)?;
                     link.board.post(c, lp)?;
                 }
                 link.busy_ns[slot].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);

@@ -100,6 +100,7 @@ pub fn sft_job(init: &Path, out: &Path) -> JobConfig {
         learner: Default::default(),
         monitor: Default::default(),
         schedule: Default::default(),
+        reward: Default::default(),
     }
 }
 

@@ -59,6 +59,10 @@ pub struct StepMetrics {
     pub response_len: f64,
     pub length_cap_rate: f64,
     pub reward: Option<f64>,
+    /// How the step's responses were rewarded: extraction failures of the built-in rule (no
+    /// boxed answer, undecidable), truncations, the scorer's busy seconds, plug-in restarts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reward_stats: Option<crate::reward::RewardStats>,
     pub mismatch: StepMismatch,
     /// The same mean / max |log q − log p_θ| under the name other trainers log.
     pub sampling_logp_difference: LogpDifference,
