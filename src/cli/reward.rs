@@ -117,7 +117,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     crate::util::write_atomic(out_path, out.as_bytes())?;
     let cut = jobs.iter().filter(|j| j.truncated).count();
-    let st = RewardStats::of(&outcomes, cut, 0.0, rule.restarts());
+    let st = RewardStats::of(&outcomes, cut, rule.restarts());
     let mean = outcomes.iter().filter_map(|o| o.reward).map(f64::from).sum::<f64>() / st.scored.max(1) as f64;
     eprintln!(
         "rewarded {} responses with {} -> {}: mean reward {mean:.4}, no boxed answer {}, undecided {}, truncated {}",

@@ -94,6 +94,10 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         .open(&metrics_path)
         .with_context(|| format!("cannot open {}", metrics_path.display()))?;
     let mut summary = JobSummary { out_dir: out_dir.clone(), ..Default::default() };
+    if resume.is_some() {
+        // The summary covers the whole run: the evaluations made before the resume count.
+        summary.evals = crate::train::runs::evals_up_to(&out_dir, start)?;
+    }
     let evaluate = !host.heldout.is_empty();
     if start == 0 && evaluate {
         let r = host.evaluate(0)?;
@@ -150,11 +154,12 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         let (busy_s, restarts) = host.scorer.counters()?;
         let reward_stats = (!outcomes.is_empty()).then(|| {
             let cut = rollouts.iter().filter(|r| r.truncated && r.reward.is_some()).count();
-            RewardStats::of(&outcomes, cut, busy_s - reward_busy, restarts)
+            RewardStats::of(&outcomes, cut, restarts)
         });
         if restarts > reward_restarts {
             tracing::warn!("step {step}: the reward plug-in was restarted ({restarts} restarts so far)");
         }
+        time.reward_busy = busy_s - reward_busy;
         (reward_busy, reward_restarts) = (busy_s, restarts);
         // 4. Train (data-parallel over the devices).
         let t0 = Instant::now();

@@ -59,9 +59,7 @@ pub struct RewardStats {
     pub undecided: usize,
     /// Responses cut at the length limit (reward 0, not sent to a plug-in).
     pub truncated: usize,
-    /// Seconds the scorer spent on this step's responses (mostly while the engines generated),
-    /// and plug-in restarts so far.
-    pub busy_s: f64,
+    /// Plug-in restarts so far (the scorer's busy seconds are `time.reward_busy`).
     pub plugin_restarts: usize,
     /// Means of a plug-in's extra numeric fields over the responses that had them.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
@@ -70,7 +68,7 @@ pub struct RewardStats {
 
 impl RewardStats {
     /// Counts `outcomes` (the step's), with `truncated` of them cut at the length limit.
-    pub fn of(outcomes: &[Outcome], truncated: usize, busy_s: f64, plugin_restarts: usize) -> RewardStats {
+    pub fn of(outcomes: &[Outcome], truncated: usize, plugin_restarts: usize) -> RewardStats {
         let mut sums: BTreeMap<String, (f64, usize)> = BTreeMap::new();
         for o in outcomes {
             for (k, v) in &o.extra {
@@ -84,7 +82,6 @@ impl RewardStats {
             no_answer: outcomes.iter().filter(|o| o.no_answer).count(),
             undecided: outcomes.iter().filter(|o| o.undecided).count(),
             truncated,
-            busy_s,
             plugin_restarts,
             extra: sums.into_iter().map(|(k, (s, n))| (k, s / n as f64)).collect(),
         }

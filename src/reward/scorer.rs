@@ -262,7 +262,7 @@ mod tests {
         assert_eq!(rewards, vec![Some(1.0), Some(0.0), Some(0.0), Some(0.0), None]);
         assert!(out[2].no_answer && !out[1].no_answer);
         assert_eq!(out[0].extracted.as_deref(), Some("\\frac12"));
-        let st = super::super::RewardStats::of(&out, 1, 0.0, 0);
+        let st = super::super::RewardStats::of(&out, 1, 0);
         assert_eq!((st.scored, st.no_answer, st.truncated), (4, 1, 1));
     }
 

@@ -19,6 +19,9 @@ pub struct PhaseSeconds {
     /// The trainer's wait for generation and teacher scoring (synchronous: their sum).
     pub wait: f64,
     pub total: f64,
+    /// Seconds the reward service spent scoring the step's responses, mostly while the engines
+    /// generated (off the critical path; `reward` is what the step waited for).
+    pub reward_busy: f64,
 }
 
 impl PhaseSeconds {
@@ -30,6 +33,7 @@ impl PhaseSeconds {
         self.resync += o.resync;
         self.wait += o.wait;
         self.total += o.total;
+        self.reward_busy += o.reward_busy;
     }
     pub fn scaled(&self, f: f64) -> PhaseSeconds {
         PhaseSeconds {
@@ -40,6 +44,7 @@ impl PhaseSeconds {
             resync: self.resync * f,
             wait: self.wait * f,
             total: self.total * f,
+            reward_busy: self.reward_busy * f,
         }
     }
 }
