@@ -209,3 +209,40 @@ fn report_plots_one_run_and_compares_several() {
     assert_ne!(c, 0);
     assert!(e.contains("no metrics.jsonl"), "{e}");
 }
+
+/// A new user's Ctrl-C and resume: `train --resume RUN_DIR` with no --config continues with
+/// the run's own config.toml (the built-in default's fingerprint differs from a run made with
+/// another config), from a checkpoint directory too; the summary printed after the resume
+/// starts from the run's first evaluation (step 0), not from the resume; a directory that is
+/// no run is a clear error.
+#[test]
+fn resume_without_config_continues_the_run_with_its_own_config() {
+    let t = TempDir::new("resume-cli");
+    let run = t.path().join("run");
+    let cfg = t.path().join("short.toml");
+    let text = include_str!("../configs/tiny-opd.toml")
+        .replace("steps = 300", "steps = 4")
+        .replace("heldout_size = 128", "heldout_size = 8")
+        .replace("prompts_per_step = 8", "prompts_per_step = 2")
+        .replace("samples_per_prompt = 8", "samples_per_prompt = 2")
+        .replace("[eval]\nevery = 50", "[eval]\nevery = 2")
+        .replace("[checkpoint]\nevery = 0", "[checkpoint]\nevery = 2");
+    assert!(text.contains("every = 2\nsamples_per_prompt"), "the eval edit applied");
+    std::fs::write(&cfg, text).unwrap();
+    let r = run.to_str().unwrap();
+    ok(&["train", "--config", cfg.to_str().unwrap(), "--out-dir", r, "--steps", "2"]);
+    // (The first part ran with --steps 2, which its config.toml records: the run is complete.)
+    let o = ok(&["train", "--resume", r]);
+    assert!(o.contains("steps          2"), "{o}");
+    let o = ok(&["train", "--resume", r, "--steps", "4"]);
+    assert!(o.contains("held-out KL") && o.contains("(step 0) ->") && o.contains("(step 4)"), "{o}");
+    let m = lines(&run.join("metrics.jsonl"));
+    assert_eq!(m.last().unwrap()["step"].as_u64(), Some(4), "the resumed run ran to step 4");
+    assert!(m.iter().any(|l| l["step"] == 3 && l.get("loss").is_some()), "step 3 trained after the resume");
+    // From a checkpoint directory: its parent's config; --steps still overrides.
+    let ck = run.join("checkpoint-000004");
+    let o = ok(&["train", "--resume", ck.to_str().unwrap(), "--steps", "6"]);
+    assert!(o.contains("(step 0) ->") && o.contains("(step 6)"), "{o}");
+    let (c, _, e) = cli(&["train", "--resume", t.path().to_str().unwrap()]);
+    assert!(c != 0 && e.contains("no config.toml"), "{e}");
+}

@@ -3,9 +3,10 @@
 
 use crate::config::JobConfig;
 use crate::orchestrator::{self as job, JobOptions};
-use anyhow::Result;
+use crate::train::checkpoint;
+use anyhow::{bail, Result};
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -13,7 +14,8 @@ pub const TINY_OPD: &str = include_str!("../../configs/tiny-opd.toml");
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Job config (TOML). Default: the built-in tiny OPD job.
+    /// Job config (TOML). Default: the built-in tiny OPD job, or with --resume the run's own
+    /// config.toml.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Continue from a checkpoint directory, or from a run directory's newest checkpoint.
@@ -39,10 +41,36 @@ pub struct Args {
     pub print_metrics: bool,
 }
 
+/// The run directory of `--resume PATH` (a run directory, or one of its checkpoint-N).
+fn run_dir_of(path: &Path) -> Result<PathBuf> {
+    if path.join("config.toml").exists() {
+        return Ok(path.to_path_buf());
+    }
+    if path.join(checkpoint::STATE_FILE).exists() {
+        if let Some(parent) = path.parent().filter(|p| p.join("config.toml").exists()) {
+            return Ok(parent.to_path_buf());
+        }
+    }
+    bail!(
+        "--resume {}: no config.toml there or in its parent (not a run directory or one of its checkpoints); pass the run's --config",
+        path.display()
+    )
+}
+
 pub fn run(a: Args) -> Result<()> {
-    let mut job = match &a.config {
-        Some(p) => JobConfig::from_file(p)?,
-        None => JobConfig::from_toml(TINY_OPD, "built-in configs/tiny-opd.toml")?,
+    let mut job = match (&a.config, &a.resume) {
+        (Some(p), _) => JobConfig::from_file(p)?,
+        // Resuming without --config: the run's own config, kept in its directory (and the run
+        // continues there, wherever the directory now is).
+        (None, Some(r)) => {
+            let dir = run_dir_of(r)?;
+            let cp = dir.join("config.toml");
+            let mut j = JobConfig::from_file(&cp)?;
+            j.run.out_dir = Some(dir);
+            eprintln!("resuming with the run's own {}", cp.display());
+            j
+        }
+        (None, None) => JobConfig::from_toml(TINY_OPD, "built-in configs/tiny-opd.toml")?,
     };
     if let Some(s) = a.steps {
         job.run.steps = s;

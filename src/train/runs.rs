@@ -8,6 +8,39 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
+/// Steps with a held-out evaluation in run directory `dir` (eval/step-NNNNNN.json), in order.
+pub fn eval_steps_in(dir: &Path) -> Vec<u64> {
+    let mut v: Vec<u64> = std::fs::read_dir(dir.join("eval"))
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .strip_prefix("step-")
+                        .and_then(|s| s.strip_suffix(".json"))
+                        .and_then(|s| s.parse().ok())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// The held-out evaluations of run directory `dir` at steps ≤ `step` (a resumed run's summary
+/// starts from its first evaluation, not from the resume).
+pub fn evals_up_to(dir: &Path, step: u64) -> Result<Vec<EvalResult>> {
+    eval_steps_in(dir)
+        .into_iter()
+        .filter(|&s| s <= step)
+        .map(|s| {
+            let p = dir.join("eval").join(format!("step-{s:06}.json"));
+            let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
+            serde_json::from_str(&text).with_context(|| format!("{}: not a held-out evaluation", p.display()))
+        })
+        .collect()
+}
+
 pub struct RunDir {
     pub path: PathBuf,
     pub config: JobConfig,
@@ -33,21 +66,7 @@ impl RunDir {
 
     /// Steps with a held-out evaluation on disk.
     pub fn eval_steps(&self) -> Vec<u64> {
-        let mut v: Vec<u64> = std::fs::read_dir(self.path.join("eval"))
-            .map(|d| {
-                d.filter_map(|e| e.ok())
-                    .filter_map(|e| {
-                        e.file_name()
-                            .to_string_lossy()
-                            .strip_prefix("step-")
-                            .and_then(|s| s.strip_suffix(".json"))
-                            .and_then(|s| s.parse().ok())
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
+        eval_steps_in(&self.path)
     }
 
     pub fn eval_at(&self, step: u64) -> Result<EvalResult> {
