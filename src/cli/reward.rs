@@ -71,10 +71,11 @@ fn serve() -> Result<()> {
         let line = line.context("reading stdin")?;
         let ctx = || format!("stdin:{}", i + 1);
         let v: Value = serde_json::from_str(&line).with_context(|| format!("{}: not JSON", ctx()))?;
-        let o = rule.score(&[job_of(&v, false, &ctx)?])?.pop().context("no outcome")?;
+        // A prompt without a reference answer earns 0 (no_answer), as from the built-in rule.
+        let o = rule.score(&[job_of(&v, true, &ctx)?])?.pop().context("no outcome")?;
         let reply = json!({
             "reward": o.reward.unwrap_or(0.0),
-            "no_answer": o.no_answer as u8,
+            "no_answer": (o.no_answer || o.reward.is_none()) as u8,
             "undecided": o.undecided as u8,
         });
         writeln!(out, "{reply}")?;

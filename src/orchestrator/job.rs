@@ -154,7 +154,7 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         let (busy_s, restarts) = host.scorer.counters()?;
         let reward_stats = (!outcomes.is_empty()).then(|| {
             let cut = rollouts.iter().filter(|r| r.truncated && r.reward.is_some()).count();
-            RewardStats::of(&outcomes, cut, restarts)
+            RewardStats::of(&outcomes, cut, restarts - reward_restarts)
         });
         if restarts > reward_restarts {
             tracing::warn!("step {step}: the reward plug-in was restarted ({restarts} restarts so far)");

@@ -51,6 +51,8 @@ pub struct Scheduler {
     /// Steps with requests not yet turned into rollouts: their prompts (request id =
     /// step·2³² + index) and how many responses are outstanding.
     prompts: BTreeMap<u64, (Arc<Vec<PromptItem>>, usize)>,
+    /// The last step whose requests were queued.
+    queued_through: Option<u64>,
     /// The queue, the board and (split placement) the generators' mailbox and counters.
     link: Arc<GenLink>,
     /// Split placement: each generator's long-running command, started at the first step, and
@@ -64,6 +66,7 @@ impl Scheduler {
         Ok(Scheduler {
             asynchronous: h.job.schedule.mode == ScheduleMode::Async,
             prompts: BTreeMap::new(),
+            queued_through: None,
             link: Arc::new(GenLink::new(
                 h.job.rollout.samples_per_prompt,
                 h.generators.len(),
@@ -113,19 +116,23 @@ impl Scheduler {
         first
     }
 
-    /// Queues the requests of `step` (once).
+    /// Queues the requests of `step` (once: steps are queued in increasing order, and a step
+    /// whose responses were all taken early — the asynchronous schedule's board can hand out a
+    /// later step's groups — is not queued again).
     fn enqueue(&mut self, h: &Coordinator, step: u64) -> Result<()> {
-        if self.prompts.contains_key(&step) {
+        if self.queued_through.is_some_and(|q| step <= q) {
             return Ok(());
         }
+        self.queued_through = Some(step);
         let prompts =
             h.data.as_ref().context("no training data")?.train_prompts(step, h.job.rollout.prompts_per_step)?;
         let sampling = Arc::new(sampling_of(&h.job));
         let reqs = rollout::requests(&prompts, h.job.rollout.samples_per_prompt as u32, &sampling, step);
         let n = reqs.len();
-        self.link.queue.lock().map_err(|_| anyhow::anyhow!("the rollout queue was poisoned"))?.extend(reqs);
         let prompts = Arc::new(prompts);
+        // Known to the reward service before a generator can finish one of them.
         h.scorer.register(step, prompts.clone())?;
+        self.link.queue.lock().map_err(|_| anyhow::anyhow!("the rollout queue was poisoned"))?.extend(reqs);
         self.prompts.insert(step, (prompts, n));
         Ok(())
     }

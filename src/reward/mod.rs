@@ -59,7 +59,7 @@ pub struct RewardStats {
     pub undecided: usize,
     /// Responses cut at the length limit (reward 0, not sent to a plug-in).
     pub truncated: usize,
-    /// Plug-in restarts so far (the scorer's busy seconds are `time.reward_busy`).
+    /// Plug-in restarts during the step (the scorer's busy seconds are `time.reward_busy`).
     pub plugin_restarts: usize,
     /// Means of a plug-in's extra numeric fields over the responses that had them.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]

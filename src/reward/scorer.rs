@@ -71,7 +71,25 @@ impl Scorer {
         let batch = cfg.batch.max(1);
         let worker = std::thread::Builder::new()
             .name("reward".into())
-            .spawn(move || serve(rule, rx, s2, batch))
+            .spawn(move || {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(rule, rx, &s2, batch)));
+                // However the thread ends, no taker waits for it: a panic (or a poisoned state)
+                // becomes the service's error; after a normal end (the queue closed) nobody takes.
+                let why = match r {
+                    Ok(()) => "the reward service has stopped".to_string(),
+                    Err(p) => format!(
+                        "the reward rule panicked: {}",
+                        p.downcast_ref::<String>()
+                            .map(String::as_str)
+                            .or(p.downcast_ref::<&str>().copied())
+                            .unwrap_or("?")
+                    ),
+                };
+                if let Ok(mut s) = s2.state.lock() {
+                    s.failed.get_or_insert(why);
+                }
+                s2.cv.notify_all();
+            })
             .context("cannot start the reward thread")?;
         Ok(Scorer {
             tx: Mutex::new(Some(tx)),
@@ -101,17 +119,20 @@ impl Scorer {
         Ok(())
     }
 
-    /// Posts a finished completion for scoring (its prompt must be registered). Without a
-    /// tokenizer, or for a prompt that the rule has nothing to reward against, it does nothing.
+    /// Posts a finished completion for scoring (its step's prompts must be registered: an
+    /// error otherwise). Without a tokenizer, or for a prompt that the built-in rule has nothing
+    /// to reward against, it does nothing.
     pub fn completed(&self, c: &Completion) -> Result<()> {
         let Some(text) = &self.text else { return Ok(()) };
         let item = {
             let reg = self.prompts.lock().map_err(|_| anyhow!("the reward registry was poisoned"))?;
-            let Some(p) = reg.get(&(c.id >> 32)) else { return Ok(()) };
-            match p.get((c.id & 0xffff_ffff) as usize) {
-                Some(item) => item.clone(),
-                None => return Ok(()),
-            }
+            let step = c.id >> 32;
+            let p = reg.get(&step).with_context(|| {
+                format!("reward service: a completion of step {step}, whose prompts are not registered")
+            })?;
+            p.get((c.id & 0xffff_ffff) as usize)
+                .with_context(|| format!("reward service: completion {:#x} names no prompt of step {step}", c.id))?
+                .clone()
         };
         if item.answer.is_none() && !self.plugin {
             return Ok(());
@@ -207,7 +228,7 @@ impl Drop for Scorer {
 
 /// The scoring thread: whatever is waiting, up to `batch`, scored together, until the queue
 /// closes. After an error it records it and drains the queue (so no poster blocks forever).
-fn serve(mut rule: Rule, rx: Receiver<(Key, Job)>, shared: Arc<Shared>, batch: usize) {
+fn serve(mut rule: Rule, rx: Receiver<(Key, Job)>, shared: &Shared, batch: usize) {
     while let Ok(first) = rx.recv() {
         let mut work = vec![first];
         while work.len() < batch {
