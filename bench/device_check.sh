@@ -87,8 +87,8 @@ case "${DEVICE:-0} $*" in
   cuda-sim*|*--checks-only*) ;;
   *)
     if command -v python3 >/dev/null 2>&1; then
-      timeout 60 python3 bench/attention_sdpa.py 2>&1 | tee "$OUT/attention_sdpa.json" || true
-      timeout 120 python3 bench/train_step_torch.py 2>&1 | tee "$OUT/train_step_torch.json" || true
+      timeout 60 python3 bench/attention_sdpa.py 2> "$OUT/attention_sdpa.err" | tee "$OUT/attention_sdpa.json" || true
+      timeout 120 python3 bench/train_step_torch.py 2> "$OUT/train_step_torch.err" | tee "$OUT/train_step_torch.json" || true
     fi
     ;;
 esac

@@ -5,14 +5,16 @@ next to `colotrain device-check --groups train`): one OPD step of a random Qwen2
 head) on SEQS sequences of SEQ_LEN tokens, the work colotrain's step does:
 
   per sequence (one micro-batch, gradients accumulated):
-    a no-grad forward for the step's log-probs log p(y_t) (colotrain's stats pass),
+    a no-grad forward for the step's log-probs log p(y_t) and entropy (colotrain's stats pass),
     the forward with autograd, loss = -sum_t c_t * log p(y_t) / tokens with the OPD coefficient
     c_t = log q_teacher(y_t) - log p(y_t) (detached), its backward;
-  then one fused AdamW step (torch.optim.AdamW(fused=True)) on the FP32 parameters.
+  then the global gradient norm with clipping at 1 and one fused AdamW step
+  (torch.optim.AdamW(fused=True)) on the FP32 parameters.
 
 The usual mixed-precision recipe: FP32 parameters and optimizer state, BF16 autocast for the
 matmuls, SDPA (is_causal, enable_gqa) for attention, log-softmax over the full logits. Timed with
-CUDA events, the mean of ITERS steps after one warm-up. Prints one JSON object; prints
+CUDA events, the mean of ITERS steps after one warm-up; peak memory as the rise above what is
+allocated after the warm-up (as colotrain reports it) and in total. Prints one JSON object; prints
 {"skipped": why} without torch or CUDA."""
 import json
 import os
@@ -67,7 +69,8 @@ def main() -> None:
     pos = torch.arange(seq_len, device=dev, dtype=torch.float32)
     inv = 1.0 / (1e6 ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd))
     ang = torch.outer(pos, inv)
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    # BF16 tables: q and k stay BF16 under autocast (an FP32 table would promote them).
+    cos, sin = torch.cat([ang.cos()] * 2, -1).bfloat16(), torch.cat([ang.sin()] * 2, -1).bfloat16()
 
     def rope(x):  # (1, h, T, hd)
         x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
@@ -77,7 +80,7 @@ def main() -> None:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
 
-    def logprobs(ids, targets):
+    def logprobs(ids, targets, entropy=False):
         x = F.embedding(ids, emb)
         for b in blocks:
             h = rms(x, b["ln1"])
@@ -89,7 +92,10 @@ def main() -> None:
             h = rms(x, b["ln2"])
             x = x + F.linear(F.silu(F.linear(h, b["gate"][0])) * F.linear(h, b["up"][0]), b["down"][0])
         logits = F.linear(rms(x, norm_f), emb).float()
-        return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        lsm = torch.log_softmax(logits, -1)
+        lp = lsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        # colotrain's stats pass also reports the entropy.
+        return (lp, -(lsm.exp() * lsm).sum(-1)) if entropy else lp
 
     g = torch.Generator(device=dev).manual_seed(31)
     ids = [torch.randint(0, vocab, (1, seq_len), device=dev, generator=g) for _ in range(seqs)]
@@ -101,16 +107,20 @@ def main() -> None:
             tgt = torch.roll(x, -1, 1)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 with torch.no_grad():
-                    old = logprobs(x, tgt)
+                    old, _ = logprobs(x, tgt, entropy=True)
                 lp = logprobs(x, tgt)
                 loss = -((t - old) * lp).sum() / tokens
             loss.backward()
+        # The global gradient norm and clipping, as colotrain's optimizer step does.
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    # colotrain reports the rise above what the trainer holds after a warm-up step.
+    base = torch.cuda.memory_allocated()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.time()
     start.record()
@@ -126,7 +136,8 @@ def main() -> None:
                 "gpu": torch.cuda.get_device_name(),
                 "ms": round(ms, 2),
                 "tokens_per_s": round(tokens / (ms * 1e-3), 1),
-                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                "peak_gib": round((torch.cuda.max_memory_allocated() - base) / 2**30, 2),
+                "total_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 "wall_s": round(time.time() - t0, 1),
             }
         )
