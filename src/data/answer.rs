@@ -13,7 +13,7 @@
 
 use super::math_cmp::compare;
 use super::math_expr::parse;
-use super::math_norm::{clean, key};
+use super::math_norm::{clean, group_end, key};
 
 /// The rule's decision on an answer against a reference.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,20 +45,8 @@ pub fn last_boxed(text: &str) -> Option<&str> {
         .iter()
         .filter_map(|p| text.rfind(p).map(|i| (i + p.len(), i)))
         .max_by_key(|(_, i)| *i)?;
-    let mut depth = 1usize;
-    for (i, ch) in text[start..].char_indices() {
-        match ch {
-            '{' => depth += 1,
-            '}' => {
-                depth -= 1;
-                if depth == 0 {
-                    return Some(&text[start..start + i]);
-                }
-            }
-            _ => {}
-        }
-    }
-    None
+    // The group opens at the `{` just before `start`; its content ends before the closing `}`.
+    group_end(text, start - 1).map(|end| &text[start..end - 1])
 }
 
 /// The rule: whether `answer` (a model's boxed answer) is `reference`. Equal cleaned strings are
