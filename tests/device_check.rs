@@ -56,6 +56,10 @@ fn every_check_group_passes_on_both_simulated_architectures() {
         for dt in ["f32 cache", "bf16 cache", "u8 cache"] {
             assert_eq!(check(&r, "attention h14/kv2 d128, decode kernel", dt)["pass"], true, "{arch} {dt}");
         }
+        // The guard's view check agrees with what the device kernels wrote, and catches them zeroed.
+        for label in ["fp8 from bf16", "nvfp4 rht+sr from f32"] {
+            assert_eq!(check(&r, &format!("guard view check {label}"), "agree, caught")["pass"], true, "{arch}");
+        }
         // The real W8A8 / W4A4 paths: CUTLASS's FP8 on both; its NVFP4 kernel only on sm_100.
         assert_eq!(check(&r, "W8A8 GEMM via Cutlass", "fp8")["pass"], true, "{arch}");
         assert_eq!(check(&r, "W4A4 GEMM via CublasLt", "nvfp4")["pass"], true, "{arch}");

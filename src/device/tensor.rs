@@ -292,6 +292,22 @@ impl Tensor {
         }
     }
 
+    /// Copies elements `start..start + n` of a U8 tensor to the host (any device).
+    pub fn read_u8(&self, start: usize, n: usize) -> Result<Vec<u8>> {
+        if self.dtype() != DType::U8 || start + n > self.numel() {
+            bail!("read_u8 of {start}..{} from a {} tensor of {}", start + n, self.dtype().name(), self.numel());
+        }
+        match &self.storage {
+            Storage::Cpu(CpuStorage::U8(v)) => Ok(v[start..start + n].to_vec()),
+            Storage::Cpu(_) => bail!("read_u8 on a host tensor that is not u8"),
+            Storage::Cuda(c) => {
+                let mut out = vec![0u8; n];
+                c.view(start, n)?.read_raw(&mut out)?;
+                Ok(out)
+            }
+        }
+    }
+
     /// Copies the first `out.len()` elements of a float tensor of any dtype to the host as f32.
     pub fn read_f32_into_any(&self, out: &mut [f32]) -> Result<()> {
         if out.len() > self.numel() {

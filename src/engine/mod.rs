@@ -231,6 +231,11 @@ pub struct EngineStats {
 }
 
 impl Engine {
+    /// The tokenizer the engine decodes stop strings with (shared).
+    pub fn text(&self) -> Option<Arc<TextTools>> {
+        self.text.clone()
+    }
+
     pub fn new(
         dev: &Device,
         cfg: &ModelConfig,

@@ -7,6 +7,10 @@
 //! staleness, then noise, then quantization. Every buffer is allocated at construction; a sync
 //! rewrites them in place.
 
+mod check;
+
+pub use check::ViewCheck;
+
 use super::View;
 use crate::device::Device;
 use crate::model::calib::Calibration;
@@ -108,6 +112,21 @@ impl RolloutWeights {
         calib: Option<&Calibration>,
         version: u64,
     ) -> Result<RolloutWeights> {
+        Self::with_ring(dev, spec, cfg, w, calib, version, VecDeque::new())
+    }
+
+    /// [`Self::new`], keeping `ring` (another engine's older versions, [`Self::into_ring`]) as
+    /// this stale engine's ring when it has the slots this one keeps: an engine switched in
+    /// place serves the versions the old one would have.
+    pub fn with_ring(
+        dev: &Device,
+        spec: &EngineSpec,
+        cfg: &ModelConfig,
+        w: &ModelWeights,
+        calib: Option<&Calibration>,
+        version: u64,
+        ring: VecDeque<(u64, ModelWeights)>,
+    ) -> Result<RolloutWeights> {
         let noise = if spec.noise_sigma > 0.0 {
             // s_w: each projection matrix's std at this first sync.
             let names: Vec<String> = crate::model::weights::param_specs(cfg).into_iter().map(|(n, _)| n).collect();
@@ -140,12 +159,22 @@ impl RolloutWeights {
             syncs: 0,
         };
         if spec.staleness > 0 {
-            for _ in 0..=spec.staleness {
-                rw.ring.push_back((version, w.try_clone(cfg)?));
+            if ring.len() == spec.staleness + 1 {
+                rw.ring = ring;
+            } else {
+                drop(ring);
+                for _ in 0..=spec.staleness {
+                    rw.ring.push_back((version, w.try_clone(cfg)?));
+                }
             }
         }
         rw.sync(w, version)?;
         Ok(rw)
+    }
+
+    /// The stale engine's ring of versions (empty without staleness), for [`Self::with_ring`].
+    pub fn into_ring(self) -> VecDeque<(u64, ModelWeights)> {
+        self.ring
     }
 
     /// Rewrites the engine's buffers from the trainer's weights `w` at `version`, in place.

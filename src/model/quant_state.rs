@@ -36,7 +36,7 @@ fn dense(l: &crate::model::weights::LayerWeights, i: usize) -> &crate::device::T
 }
 
 /// The HF names of every layer's seven linears (for error messages; built once).
-fn linear_names(cfg: &ModelConfig) -> Vec<[String; 7]> {
+pub fn linear_names(cfg: &ModelConfig) -> Vec<[String; 7]> {
     (0..cfg.num_layers)
         .map(|l| {
             std::array::from_fn(|i| {
@@ -154,9 +154,45 @@ impl QuantState {
         Ok(())
     }
 
+    /// The names of the quantized weights whose buffers differ from a fresh quantization of
+    /// `w` (the tensor scale and `rows` sampled rows each, bit for bit: see
+    /// [`QTensor::matches_fresh`]).
+    pub fn stale_tensors(&self, w: &ModelWeights, rows: usize) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for ((ql, lw), names) in self.layers.iter().zip(&w.layers).zip(&self.names) {
+            for (i, q) in ql.w.iter().enumerate() {
+                let Some(q) = q else { continue };
+                let src = dense(lw, i);
+                let sample = sample_rows(q.rows, rows);
+                let same = if src.storage().is_cpu() {
+                    q.matches_fresh(crate::device::CpuFloats::of(src)?, &names[i], &sample)?
+                } else {
+                    let v = src.to_f32_vec()?;
+                    q.matches_fresh(crate::device::CpuFloats::F32(&v), &names[i], &sample)?
+                };
+                if !same {
+                    out.push(names[i].clone());
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Bytes of the quantized weight buffers.
     pub fn size_bytes(&self) -> usize {
         self.layers.iter().flat_map(|l| l.w.iter().flatten()).map(|q| q.size_bytes()).sum()
+    }
+}
+
+/// `m` rows of `n` spread evenly from the first to the last (all of them when m >= n).
+pub fn sample_rows(n: usize, m: usize) -> Vec<usize> {
+    if m >= n {
+        return (0..n).collect();
+    }
+    match m {
+        0 => Vec::new(),
+        1 => vec![0],
+        _ => (0..m).map(|i| i * (n - 1) / (m - 1)).collect(),
     }
 }
 

@@ -8,6 +8,9 @@ use crate::device::{CpuFloats, CpuStorage, DType, Device, Tensor};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
+/// Values a parallel task of a requantize handles (stack buffers of this size).
+const CH: usize = 8192;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QFormat {
     /// FP8 E4M3 with one FP32 scale per tensor (amax / 448).
@@ -86,28 +89,20 @@ impl QTensor {
         }
     }
 
-    /// Re-quantizes from `src` (rows·K values) in place: one parallel pass for the amax, one
-    /// that encodes (reading BF16/F16 sources directly, through small stack buffers). Fails,
-    /// naming `name`, if `src` holds a non-finite value. Allocates nothing.
-    pub fn requantize_cpu(&mut self, src: CpuFloats, name: &str) -> Result<()> {
+    /// The amax a requantize of `src` quantizes against (of the rotated values under the RHT):
+    /// one parallel pass. Fails, naming `name`, on a NaN or Inf.
+    fn source_amax(&self, src: CpuFloats, name: &str) -> Result<f32> {
         let n = self.rows * self.k;
         if src.len() != n {
             bail!("{name}: quantizing {} values into a buffer of {n}", src.len());
         }
-        const CH: usize = 8192;
         let nan_max = |a: f32, b: f32| if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) };
         let rht = self.opts.rht.map(nvfp4::rht_signs);
-        // The amax of the values that get quantized (rotated ones under the RHT). BF16 and F32
-        // sources without the RHT: the largest magnitude's bits, compared as integers.
-        let direct = match (src, rht.is_some()) {
-            (CpuFloats::BF16(v), false) => Some(simd::amax_bf16(v)),
-            (CpuFloats::F32(v), false) => Some(simd::amax_f32(v)),
-            _ => None,
-        };
-        let amax = if let Some(a) = direct {
-            a
-        } else {
-            (0..n.div_ceil(CH))
+        // BF16 and F32 sources without the RHT: the largest magnitude's bits, compared as integers.
+        let amax = match (src, rht.is_some()) {
+            (CpuFloats::BF16(v), false) => simd::amax_bf16(v),
+            (CpuFloats::F32(v), false) => simd::amax_f32(v),
+            _ => (0..n.div_ceil(CH))
                 .into_par_iter()
                 .map(|c| {
                     let mut buf = [0.0f32; CH];
@@ -120,15 +115,70 @@ impl QTensor {
                     }
                     simd::amax(&buf[..len])
                 })
-                .reduce(|| 0.0f32, nan_max)
+                .reduce(|| 0.0f32, nan_max),
         };
         if !amax.is_finite() {
             bail!("{name}: cannot quantize a tensor holding NaN or Inf values");
         }
+        Ok(amax)
+    }
+
+    /// The tensor scale (FP8: amax / 448) or global scale (NVFP4) for `amax`.
+    fn scale_for(&self, amax: f32) -> f32 {
+        match self.format {
+            QFormat::Fp8 if amax > 0.0 => amax / E4M3.max(),
+            QFormat::Fp8 => 1.0,
+            QFormat::Nvfp4 => nvfp4::global_scale(amax),
+        }
+    }
+
+    /// NVFP4 row `r` of `src` at global scale `global` into `p` (K/2 packed codes) and `s` (K/16
+    /// block scales): the arithmetic of a requantize, row by row, staged through `buf` (a
+    /// multiple of 16 values, the caller's, so that a task sets it up once for many rows).
+    #[allow(clippy::too_many_arguments)]
+    fn encode_nvfp4_row(
+        k: usize,
+        opts: &Nvfp4Opts,
+        src: CpuFloats,
+        r: usize,
+        global: f32,
+        rht: Option<&[f32; BLOCK]>,
+        p: &mut [u8],
+        s: &mut [u8],
+        buf: &mut [f32],
+    ) {
+        // BF16 weights straight into the vector kernel (no f32 staging).
+        if let (CpuFloats::BF16(v), None, None) = (src, rht, opts.stochastic) {
+            if simd::quantize_nvfp4_bf16(&v[r * k..(r + 1) * k], global, p, s).is_some() {
+                return;
+            }
+        }
+        let mut at = 0;
+        while at < k {
+            let len = buf.len().min(k - at);
+            src.read_into(r * k + at, &mut buf[..len]);
+            simd::quantize_nvfp4(
+                &buf[..len],
+                global,
+                opts,
+                rht,
+                (r * k + at) as u64,
+                &mut p[at / 2..(at + len) / 2],
+                &mut s[at / BLOCK..(at + len) / BLOCK],
+            );
+            at += len;
+        }
+    }
+
+    /// Re-quantizes from `src` (rows·K values) in place: one parallel pass for the amax, one
+    /// that encodes (reading BF16/F16 sources directly, through small stack buffers). Fails,
+    /// naming `name`, if `src` holds a non-finite value. Allocates nothing.
+    pub fn requantize_cpu(&mut self, src: CpuFloats, name: &str) -> Result<()> {
+        let amax = self.source_amax(src, name)?;
+        let scale = self.scale_for(amax);
+        self.scale = scale;
         match self.format {
             QFormat::Fp8 => {
-                let scale = if amax > 0.0 { amax / E4M3.max() } else { 1.0 };
-                self.scale = scale;
                 let codes = match self.codes.cpu_mut()? {
                     CpuStorage::U8(v) => v,
                     _ => bail!("quantized codes must be u8"),
@@ -141,17 +191,14 @@ impl QTensor {
                 });
             }
             QFormat::Nvfp4 => {
-                let global = nvfp4::global_scale(amax);
-                self.scale = global;
-                let opts = self.opts;
-                let k = self.k;
-                // Groups of whole rows in parallel (about CH values a task, so the stack buffer's
-                // set-up is paid once per CH values), each row in pieces of at most CH values
-                // (whole 16-value blocks).
+                let (k, opts) = (self.k, self.opts);
+                let rht = opts.rht.map(nvfp4::rht_signs);
                 let (codes, scales) = match (self.codes.cpu_mut()?, self.block_scales.cpu_mut()?) {
                     (CpuStorage::U8(c), CpuStorage::U8(s)) => (c, s),
                     _ => bail!("quantized codes and scales must be u8"),
                 };
+                // Groups of whole rows in parallel (about CH values a task, so the stack buffer's
+                // set-up is paid once per CH values), each row in pieces of at most CH values.
                 let rows_per = (CH / k).max(1);
                 codes
                     .par_chunks_mut(rows_per * k / 2)
@@ -161,32 +208,50 @@ impl QTensor {
                         let mut buf = [0.0f32; CH];
                         for (j, (p, s)) in pg.chunks_mut(k / 2).zip(sg.chunks_mut(k / BLOCK)).enumerate() {
                             let r = g * rows_per + j;
-                            // BF16 weights straight into the vector kernel (no f32 staging).
-                            if let (CpuFloats::BF16(v), None, None) = (src, &rht, opts.stochastic) {
-                                if simd::quantize_nvfp4_bf16(&v[r * k..(r + 1) * k], global, p, s).is_some() {
-                                    continue;
-                                }
-                            }
-                            let mut at = 0;
-                            while at < k {
-                                let len = CH.min(k - at);
-                                src.read_into(r * k + at, &mut buf[..len]);
-                                simd::quantize_nvfp4(
-                                    &buf[..len],
-                                    global,
-                                    &opts,
-                                    rht.as_ref(),
-                                    (r * k + at) as u64,
-                                    &mut p[at / 2..(at + len) / 2],
-                                    &mut s[at / BLOCK..(at + len) / BLOCK],
-                                );
-                                at += len;
-                            }
+                            Self::encode_nvfp4_row(k, &opts, src, r, scale, rht.as_ref(), p, s, &mut buf);
                         }
                     });
             }
         }
         Ok(())
+    }
+
+    /// Whether these buffers hold what a fresh quantization of `src` gives at the sampled
+    /// `rows`: the tensor scale and those rows' codes (and NVFP4 block scales), bit for bit. The
+    /// amax pass reads all of `src` (the scale depends on it); only the sampled rows are encoded,
+    /// and only they are read back from a device.
+    pub fn matches_fresh(&self, src: CpuFloats, name: &str, rows: &[usize]) -> Result<bool> {
+        let amax = self.source_amax(src, name)?;
+        let scale = self.scale_for(amax);
+        if scale.to_bits() != self.scale.to_bits() {
+            return Ok(false);
+        }
+        let k = self.k;
+        let rht = self.opts.rht.map(nvfp4::rht_signs);
+        for &r in rows.iter().filter(|&&r| r < self.rows) {
+            match self.format {
+                QFormat::Fp8 => {
+                    let mut want = vec![0u8; k];
+                    let mut buf = vec![0.0f32; k];
+                    src.read_into(r * k, &mut buf);
+                    simd::encode_fp8(&buf, scale, &mut want);
+                    if self.codes.read_u8(r * k, k)? != want {
+                        return Ok(false);
+                    }
+                }
+                QFormat::Nvfp4 => {
+                    let (mut p, mut s) = (vec![0u8; k / 2], vec![0u8; k / BLOCK]);
+                    let mut buf = vec![0.0f32; CH];
+                    Self::encode_nvfp4_row(k, &self.opts, src, r, scale, rht.as_ref(), &mut p, &mut s, &mut buf);
+                    if self.codes.read_u8(r * k / 2, k / 2)? != p
+                        || self.block_scales.read_u8(r * k / BLOCK, k / BLOCK)? != s
+                    {
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+        Ok(true)
     }
 
     /// The decoded view for the CPU linear kernel.

@@ -6,7 +6,8 @@
 //! Tolerances (`|gpu − cpu| ≤ atol + rtol·|cpu|`), chosen from each kernel's arithmetic:
 //! - exact (bitwise): rope, embedding, gather_rows, kv_write (all cache dtypes), amax,
 //!   fake_quant_rows and requantize (FP8, NVFP4, RHT, stochastic rounding: codes, block
-//!   scales and tensor scale), sampled tokens;
+//!   scales and tensor scale), the guard's view check (device codes against the host's fresh
+//!   quantization of sampled rows), sampled tokens;
 //! - 1e-5 / 1e-5: RMSNorm (parallel sum of squares); 1e-6 / 1e-6: SwiGLU (expf ulp);
 //!   1.2e-7 / 0: RoPE tables (double cos/sin of CUDA vs libm); 1e-5 / 1e-4: paged attention
 //!   (f32 online softmax in another order); 1e-5 / 1e-6: log-probs (f64 sums);
@@ -532,6 +533,20 @@ fn check_quant(x: &mut Ctx) -> Result<()> {
             if src_dt == DType::BF16 && opts == Nvfp4Opts::default() {
                 check_qlinear(x, &xin, &qc, &qg, name, amax)?;
             }
+            // The mismatch guard's consistency check: the host's fresh quantization of sampled
+            // rows must equal the codes the device wrote, and must catch them zeroed.
+            let sample = crate::model::quant_state::sample_rows(rows, 8);
+            let src = crate::device::CpuFloats::of(&w.c)?;
+            let same = qg.matches_fresh(src, "w", &sample)?;
+            qg.codes.fill_zero()?;
+            let caught = !qg.matches_fresh(src, "w", &sample)?;
+            x.record(
+                &format!("guard view check {label}"),
+                "agree, caught",
+                &[1.0, 1.0],
+                &[same as u8 as f32, caught as u8 as f32],
+                Tol::Exact,
+            );
         }
         // The NVFP4 learner's operands (rotated, rounded, rotated back): a weight under its
         // tensor amax, activation rows under their own or a fixed global scale.
