@@ -38,6 +38,10 @@ pub struct JobConfig {
     pub learner: LearnerConfig,
     #[serde(default)]
     pub monitor: crate::mismatch::monitor::MonitorConfig,
+    /// Left out of the written config while it is the default, so that the fingerprints of
+    /// runs made before `[guard]` existed stay what they were.
+    #[serde(default, skip_serializing_if = "crate::mismatch::guard::GuardConfig::is_default")]
+    pub guard: crate::mismatch::guard::GuardConfig,
     #[serde(default)]
     pub schedule: ScheduleConfig,
     #[serde(default)]
@@ -525,6 +529,37 @@ impl JobConfig {
         self.objective.loss_agg.unwrap_or(default)
     }
 
+    /// Whether the mismatch guard acts in this run: enabled, and the run samples tokens (file
+    /// rollouts and SFT on reference answers give it nothing to watch; it stands by).
+    pub fn guard_active(&self) -> bool {
+        self.guard.enabled && self.rollout.source == RolloutSource::Engine && self.objective.kind != ObjectiveKind::Sft
+    }
+
+    /// `[guard]`: its own settings, each rung's spelling, and the runs it can act on.
+    fn validate_guard(&self, file: &str) -> Result<()> {
+        let g = &self.guard;
+        g.validate().map_err(|e| anyhow::anyhow!("{file}: {e:#}"))?;
+        if !g.enabled {
+            return Ok(());
+        }
+        for (i, r) in g.fallback.iter().enumerate() {
+            if let Err(e) = crate::mismatch::admit::parse_candidate(r, 1, self.engine.noise_seed) {
+                let m = format!("{e:#}");
+                if !m.contains("out of range") {
+                    bail!("{file}: guard.fallback[{i}]: '{r}' is not a recipe colotrain admit accepts: {m}");
+                }
+            }
+        }
+        // (File rollouts and SFT sample nothing: the guard stands by, see `orchestrator::guard`.)
+        let why = (self.schedule.mode != ScheduleMode::Sync || self.schedule.placement != Placement::Colocated).then_some(
+            "the guard switches the rollout engine between steps, which needs schedule.mode = \"sync\" with colocated placement (an asynchronous or split schedule keeps sequences running in it)",
+        );
+        if let Some(why) = why {
+            bail!("{file}: guard.enabled: {why}; set guard.enabled = false");
+        }
+        Ok(())
+    }
+
     /// Checks values, not only types; every error names the key.
     pub fn validate(&self, file: &str) -> Result<()> {
         let err = |key: &str, msg: String| -> Result<()> { bail!("{file}: {key}: {msg}") };
@@ -675,6 +710,7 @@ impl JobConfig {
                 bail!("{file}: {m}")
             }
         })?;
+        self.validate_guard(file)?;
         if self.engine.calibration_samples == 0 {
             err("engine.calibration_samples", "must be at least 1".into())?;
         }

@@ -3,12 +3,14 @@
 //! sampler), so seed 000's d_n (Eq. 2) = mean_t [log q − log p_θ] = −mean_t δ_t.
 //!
 //! Owns: the per-step estimators (this file, `segments`), the RL monitor (`monitor`: ρ_asym
-//! and segment tails against a calibrated τ), budgets (`budget`) and the offline admission
-//! check (`admit`, which drives engines and their rollouts through `crate::engine`). May call:
+//! and segment tails against a calibrated τ), budgets (`budget`), the offline admission
+//! check (`admit`, which drives engines and their rollouts through `crate::engine`) and the
+//! online guard's decisions (`guard`). May call:
 //! `engine`, `model`, `data` and below. Must not: train.
 
 pub mod admit;
 pub mod budget;
+pub mod guard;
 pub mod monitor;
 pub mod segments;
 

@@ -99,6 +99,7 @@ pub fn sft_job(init: &Path, out: &Path) -> JobConfig {
         engine: Default::default(),
         learner: Default::default(),
         monitor: Default::default(),
+        guard: Default::default(),
         schedule: Default::default(),
         reward: Default::default(),
     }
