@@ -37,8 +37,20 @@ fn rowwise_ops_match_references(dev: &Device) {
     assert!(amax_rows(dev, &xt, m).unwrap().is_nan(), "amax propagates NaN");
 
     // An id outside the vocabulary is an error (CPU: before any write; CUDA: at the next sync).
-    let bad = dev.upload(Tensor::from_u32_host(&[1], vec![v as u32]).unwrap()).unwrap();
-    let r = embedding(dev, &tt, &bad, &mut out, 1).and_then(|_| dev.synchronize());
+    // A simulated GPU's error word is the device's: on cuda-sim:0 a test running beside this one
+    // would read it at its own next sync, so the error is provoked on an ordinal no other lib
+    // test opens (6).
+    let own;
+    let d = if dev.name().starts_with("cuda-sim") {
+        own = Device::Cuda(crate::device::cuda::CudaDevice::sim_arch(6, Some("sm_90a")).unwrap());
+        &own
+    } else {
+        dev
+    };
+    let tt = d.from_f32(DType::F32, &[v, c], &table).unwrap();
+    let mut out = d.zeros(DType::F32, &[m, c]).unwrap();
+    let bad = d.upload(Tensor::from_u32_host(&[1], vec![v as u32]).unwrap()).unwrap();
+    let r = embedding(d, &tt, &bad, &mut out, 1).and_then(|_| d.synchronize());
     assert!(r.is_err(), "out-of-vocabulary id accepted");
 }
 
