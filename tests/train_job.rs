@@ -83,8 +83,17 @@ fn resume_continues_exactly() {
     let err = format!("{:#}", job::run(&b3, &JobOptions::default()).unwrap_err());
     assert!(err.contains("already holds a run"), "{err}");
     let b6 = tiny(&t.path().join("resumed"), edit);
-    job::run(&b6, &JobOptions { resume: Some(t.path().join("resumed")), progress: false, stop: None, fault: None })
-        .unwrap();
+    job::run(
+        &b6,
+        &JobOptions {
+            resume: Some(t.path().join("resumed")),
+            progress: false,
+            stop: None,
+            fault: None,
+            view_fault: None,
+        },
+    )
+    .unwrap();
     let x = master_of(&t.path().join("straight").join("checkpoint-000006"), &a);
     let y = master_of(&t.path().join("resumed").join("checkpoint-000006"), &b6);
     assert_eq!(x.3, 6);
@@ -103,7 +112,13 @@ fn resume_continues_exactly() {
         "{:#}",
         job::run(
             &other,
-            &JobOptions { resume: Some(t.path().join("resumed")), progress: false, stop: None, fault: None }
+            &JobOptions {
+                resume: Some(t.path().join("resumed")),
+                progress: false,
+                stop: None,
+                fault: None,
+                view_fault: None
+            }
         )
         .unwrap_err()
     );

@@ -50,8 +50,32 @@ const COLORS: [RGBColor; 6] = [
     RGBColor(140, 86, 75),
 ];
 
-/// One line chart of several series into `path`.
-fn chart(path: &Path, title: &str, ylabel: &str, all: &[Series]) -> Result<bool> {
+/// The mismatch guard's events worth a marker: (step, label) of every fall-back and repaired
+/// stale view.
+fn guard_marks(metrics: &[Value]) -> Vec<(f64, String)> {
+    let mut out = Vec::new();
+    for m in metrics {
+        let (Some(step), Some(events)) =
+            (m.get("step").and_then(|s| s.as_f64()), m.pointer("/guard/events").and_then(|e| e.as_array()))
+        else {
+            continue;
+        };
+        for e in events {
+            match e.get("kind").and_then(|k| k.as_str()) {
+                Some("fallback") => {
+                    out.push((step, format!("fall-back to {}", e.get("to").and_then(|t| t.as_str()).unwrap_or("?"))))
+                }
+                Some("stale_view") => out.push((step, "stale view repaired".to_string())),
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+/// One line chart of several series into `path`, with a dashed vertical marker and its label
+/// at each of `marks` (step, label).
+fn chart(path: &Path, title: &str, ylabel: &str, all: &[Series], marks: &[(f64, String)]) -> Result<bool> {
     let pts: Vec<&(f64, f64)> = all.iter().flat_map(|s| s.1.iter()).collect();
     if pts.is_empty() {
         return Ok(false);
@@ -75,6 +99,19 @@ fn chart(path: &Path, title: &str, ylabel: &str, all: &[Series]) -> Result<bool>
             .map_err(|e| anyhow::anyhow!("{e:?}"))?
             .label(name.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+    }
+    for (i, (step, label)) in marks.iter().enumerate() {
+        // Dashes: short segments down the plot's height.
+        let (lo, hi) = (y0 - pad, y1 + pad);
+        let dash = (hi - lo) / 40.0;
+        c.draw_series((0..20).map(|k| {
+            let a = lo + 2.0 * k as f64 * dash;
+            PathElement::new(vec![(*step, a), (*step, (a + dash).min(hi))], BLACK.stroke_width(1))
+        }))
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let y = hi - (hi - lo) * (0.04 + 0.06 * (i % 4) as f64);
+        c.draw_series(std::iter::once(Text::new(format!(" {label}"), (*step, y), ("sans-serif", 12))))
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     }
     c.configure_series_labels()
         .background_style(WHITE.mix(0.8))
@@ -179,6 +216,9 @@ pub fn run(a: Args) -> Result<()> {
                 series(&metrics, "d_n (seed 000 Eq. 2)", &["mismatch", "d_n"]),
                 series(&metrics, "mean |δ|", &["mismatch", "abs_mean"]),
                 series(&metrics, "k3 KL estimate", &["mismatch", "k3"]),
+                // The guard's windowed statistic and its line (runs with [guard]).
+                series(&metrics, "guard: statistic (windowed)", &["guard", "windowed"]),
+                series(&metrics, "guard: line", &["guard", "line"]),
             ],
         ),
         (
@@ -253,8 +293,11 @@ pub fn run(a: Args) -> Result<()> {
         ),
     ];
     let mut written = Vec::new();
+    let marks = guard_marks(&metrics);
     for (file, title, ylabel, s) in &plots {
-        if chart(&out.join(file), title, ylabel, s)? {
+        let s: Vec<Series> = s.iter().filter(|x| !x.1.is_empty()).cloned().collect();
+        let m = if *file == "mismatch.svg" { marks.as_slice() } else { &[] };
+        if chart(&out.join(file), title, ylabel, &s, m)? {
             written.push(*file);
         }
     }

@@ -104,8 +104,13 @@ pub fn run(a: Args) -> Result<()> {
             "cannot install the Ctrl-C handler ({e}); an interrupt stops the run without a final checkpoint"
         );
     }
-    let opts =
-        JobOptions { resume: a.resume, progress: std::io::stderr().is_terminal(), stop: Some(stop), fault: None };
+    let opts = JobOptions {
+        resume: a.resume,
+        progress: std::io::stderr().is_terminal(),
+        stop: Some(stop),
+        fault: None,
+        view_fault: None,
+    };
     let s = job::run(&job, &opts)?;
     if a.print_metrics {
         print!("{}", std::fs::read_to_string(s.out_dir.join("metrics.jsonl"))?);

@@ -7,7 +7,7 @@
 //! below (`train` for checkpoints and evaluation, `engine`, `model`, `data`, `mismatch`). Must
 //! not: touch a device's state except through commands to its worker.
 
-use super::fault::Fault;
+use super::fault::{Fault, ViewFault};
 use super::plan::{collective, engine_config, plan_devices};
 use super::replica::{self, Replica, Setup, Sources};
 use crate::config::{JobConfig, Placement, RolloutSource, ScheduleMode};
@@ -51,6 +51,18 @@ pub struct Coordinator {
     pub step: std::sync::atomic::AtomicU64,
     /// The reward service (the built-in rule or the run's plug-in), scoring as engines finish.
     pub scorer: Arc<Scorer>,
+    /// What the replicas were built from, and the run's calibrated scales (the mismatch
+    /// guard builds other rollout engines from them).
+    pub setup: Arc<Setup>,
+    pub calib: Arc<Option<crate::model::calib::Calibration>>,
+    /// `[guard]`'s ladder as engine specs (empty without a guard), and the guard's state from
+    /// the checkpoint a resumed run started from (its rung already serving).
+    pub ladder: Vec<crate::engine::rollout_weights::EngineSpec>,
+    pub resumed_guard: Option<crate::mismatch::guard::GuardState>,
+    /// Tests of the guard: the view fault to inject, and whether the views are cut off from
+    /// the resyncs now (after [`ViewFault::Corrupt`], until a repair).
+    pub view_fault: Option<ViewFault>,
+    pub detached: std::sync::atomic::AtomicBool,
 }
 
 impl Coordinator {
@@ -163,12 +175,31 @@ impl Coordinator {
     /// `schedule.rs`).
     pub fn resync(&self) -> Result<()> {
         let (fault, step) = (self.fault, self.step.load(Ordering::Relaxed));
-        self.pool
-            .run_all("resync", move |rank, r| {
-                Fault::check(fault, "resync", step, rank)?;
-                r.resync()
-            })
-            .map(|_| ())
+        let skip = self.view_fault == Some(ViewFault::SkipResync { step });
+        let detached = self.detached.load(Ordering::SeqCst);
+        if skip || detached {
+            tracing::debug!("step {step}: the resync does not reach the engines (injected fault)");
+        }
+        self.pool.run_all("resync", move |rank, r| {
+            Fault::check(fault, "resync", step, rank)?;
+            match (skip, detached) {
+                (true, _) => Ok(()),
+                (false, true) => r.mark_synced_for_test(),
+                (false, false) => r.resync(),
+            }
+        })?;
+        if self.view_fault == Some(ViewFault::Corrupt { step }) {
+            let hit = self.pool.run_all("corrupt", |_, r| r.corrupt_view())?;
+            self.detached.store(true, Ordering::SeqCst);
+            tracing::debug!("step {step}: zeroed {hit:?} in the engines' views (injected fault)");
+        }
+        Ok(())
+    }
+
+    /// Repairs every engine's view from its trainer's weights (the guard, on a stale view).
+    pub fn repair_views(&self) -> Result<()> {
+        self.detached.store(false, Ordering::SeqCst);
+        self.pool.run_all("repair", |_, r| r.repair_view()).map(|_| ())
     }
 
     /// The training lead's counters: (weight version, skipped steps).
@@ -204,14 +235,23 @@ impl Coordinator {
     }
 
     /// Checkpoint `step`: the optimizer shards gathered, data-parallel rank 0 writes, with the
-    /// monitor's state and (colocated) the stale engine's older versions.
-    pub fn checkpoint(&self, step: u64, monitor: &Monitor) -> Result<()> {
+    /// monitor's state, the guard's, and (colocated) the stale engine's older versions.
+    pub fn checkpoint(
+        &self,
+        step: u64,
+        monitor: &Monitor,
+        guard: Option<&crate::mismatch::guard::GuardState>,
+    ) -> Result<()> {
         let (job, out, lead, split) = (self.job.clone(), self.out_dir.clone(), self.lead(), self.split());
         let mon = serde_json::to_vec(monitor.state())?;
+        let guard = guard.map(serde_json::to_vec).transpose()?;
         self.pool.run_some(&self.trainers, "checkpoint", move |rank, r| {
             let (master, m, v) = r.trainer.gather_state()?;
             if rank == lead {
                 let mut extra = vec![(checkpoint::MONITOR_FILE, mon.clone())];
+                if let Some(g) = &guard {
+                    extra.push((checkpoint::GUARD_FILE, g.clone()));
+                }
                 // Split: the generators' engines are busy and theirs; colocated, every device's
                 // ring is the same.
                 if let (false, Some(ring)) = (split, r.ring_file()?) {
@@ -292,6 +332,31 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
         );
     }
     let spec = job.engine.spec(cfg.num_layers).context("[engine]")?;
+    // The guard's ladder, and the rung a resumed run was serving: the engines are built on
+    // `[engine]`'s recipe as in the uninterrupted run (the same memory plan, the same NVFP4
+    // learner), then switched to that rung before the first step.
+    let ladder = if job.guard_active() {
+        crate::mismatch::guard::ladder(&job.guard, cfg.num_layers, &spec).context("[guard]")?
+    } else {
+        Vec::new()
+    };
+    let resumed_guard = match resume {
+        Some(ck) if job.guard_active() => {
+            let p = ck.join(checkpoint::GUARD_FILE);
+            if p.exists() {
+                let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
+                let g: crate::mismatch::guard::GuardState =
+                    serde_json::from_str(&text).with_context(|| format!("{}: not a guard state", p.display()))?;
+                if let Some(r) = g.rung.filter(|&r| r >= ladder.len()) {
+                    bail!("{}: rung {r} is not on guard.fallback ({} rungs)", p.display(), ladder.len());
+                }
+                Some(g)
+            } else {
+                None
+            }
+        }
+        _ => None,
+    };
     let setup = Arc::new(Setup { job: job.clone(), sources: sources.clone(), spec, engine: engine_config(job) });
     let coll = collective(&names[gens..])?;
     let on_cpu = matches!(crate::device::DeviceSpec::parse(&job.run.device)?, crate::device::DeviceSpec::Cpu { .. });
@@ -313,7 +378,8 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
     // A failed device wakes the others out of their collectives instead of leaving them waiting.
     let abort = coll.clone();
     pool.set_on_failure(move |why| abort.abort(why));
-    let calib = if setup.spec.recipe.needs_calibration() {
+    // Calibrated once for the run: for its recipe, or any the guard may fall back to.
+    let calib = if setup.spec.recipe.needs_calibration() || ladder.iter().any(|s| s.recipe.needs_calibration()) {
         let saved = out_dir.join("calibration.json");
         let path = job.engine.calibration_file.clone().or_else(|| saved.exists().then(|| saved.clone()));
         Some(match path {
@@ -342,8 +408,8 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
         None
     };
     let c = Arc::new(calib);
-    let s3 = setup.clone();
-    pool.run_all("init", move |_, r| r.init_rollout(&s3, c.as_ref().as_ref()))?;
+    let (s3, c3) = (setup.clone(), c.clone());
+    pool.run_all("init", move |_, r| r.init_rollout(&s3, c3.as_ref().as_ref()))?;
     let mut start = 0;
     if let Some(ck) = resume {
         let (state, master, m, v) = checkpoint::load(ck, job)?;
@@ -361,6 +427,13 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
             )
         })?;
         pool.run_all("resync", |_, r| r.resync())?;
+        // The guard had fallen back: its rung serves from the first step on.
+        if let Some(rung) = resumed_guard.as_ref().and_then(|g| g.rung).map(|r| ladder[r].clone()) {
+            if rung != setup.spec {
+                let (s4, c4, rung) = (setup.clone(), c.clone(), Arc::new(rung));
+                pool.run_all("switch", move |_, r| r.switch_engine(&s4, &rung, c4.as_ref().as_ref()))?;
+            }
+        }
         let ring = ck.join(checkpoint::RING_FILE);
         if ring.exists() {
             let bytes = Arc::new(std::fs::read(&ring).with_context(|| format!("cannot read {}", ring.display()))?);
@@ -389,6 +462,12 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
         names,
         fault: None,
         step: Default::default(),
+        setup,
+        calib: c,
+        ladder,
+        resumed_guard,
+        view_fault: None,
+        detached: Default::default(),
     };
     Ok((host, start))
 }

@@ -1,7 +1,7 @@
 //! Fault injection for the tests of the failure paths: a device that fails or panics in one
 //! phase of one step, which the run must report naming the device and the phase.
 //!
-//! Owns: [`Fault`]. May call: nothing. Must not: fire outside the step and device it names.
+//! Owns: [`Fault`], [`ViewFault`]. May call: nothing. Must not: fire outside the step and device it names.
 
 use anyhow::{bail, Result};
 
@@ -28,4 +28,17 @@ impl Fault {
             _ => Ok(()),
         }
     }
+}
+
+/// Fault hooks of the mismatch guard's tests: the rollout engines' view goes wrong at the end
+/// of a step, on every device.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ViewFault {
+    /// Step `step`'s resync is skipped: the engines keep serving the weights of the step before.
+    SkipResync { step: u64 },
+    /// After step `step`'s resync, one buffer of every engine's view is zeroed in place, and
+    /// from then on the resyncs no longer reach the view while its counters say it is current
+    /// (a wake that lost the weights and left the engine reading buffers no resync writes),
+    /// until the guard repairs it.
+    Corrupt { step: u64 },
 }

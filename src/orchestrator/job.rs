@@ -1,9 +1,9 @@
 //! The step loop of the `train` job: per step, rollouts (as the schedule provides them),
 //! teacher scoring, rewards, the data-parallel training step (ZeRO-1), the in-place resync,
-//! metrics (one JSON line), periodic held-out evaluation and checkpoints; the run directory's
+//! the mismatch guard (`guard`), metrics (one JSON line), periodic held-out evaluation and checkpoints; the run directory's
 //! files (metrics.jsonl, config.toml, eval/).
 //!
-//! Owns: the run directory. May call: `coordinator`, `schedule`, `fault`, `replica` (its
+//! Owns: the run directory. May call: `coordinator`, `guard`, `schedule`, `fault`, `replica` (its
 //! `Sources`), and `train`, `mismatch`, `engine` (metrics, checkpoints, digests). Must not:
 //! touch a device's state except through the coordinator.
 
@@ -17,7 +17,7 @@ use crate::mismatch;
 use crate::mismatch::monitor::Monitor;
 use crate::reward::RewardStats;
 use crate::train::checkpoint;
-use crate::train::metrics::{JobSummary, LogpDifference, PhaseSeconds, StepMetrics, Transfer};
+use crate::train::metrics::{GuardSummary, JobSummary, LogpDifference, PhaseSeconds, StepMetrics, Transfer};
 use anyhow::{bail, Context, Result};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -35,6 +35,8 @@ pub struct JobOptions {
     /// Fault injection for tests of the failure paths: device `rank` fails (or panics) in one
     /// phase of `step`.
     pub fault: Option<Fault>,
+    /// Fault injection for the mismatch guard's tests: the engines' view goes wrong.
+    pub view_fault: Option<super::fault::ViewFault>,
 }
 
 /// Keeps the lines of metrics.jsonl with step <= `upto` (resume), rewriting it atomically.
@@ -83,6 +85,7 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
     std::fs::create_dir_all(out_dir.join("eval")).with_context(|| format!("cannot create {}", out_dir.display()))?;
     let (mut host, start) = start(job, &resolve(job)?, resume.as_deref(), &out_dir)?;
     host.fault = opts.fault;
+    host.view_fault = opts.view_fault;
     if resume.is_some() {
         truncate_metrics(&metrics_path, start)?;
     }
@@ -119,6 +122,15 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
             let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
             monitor
                 .restore(serde_json::from_str(&text).with_context(|| format!("{}: not a monitor state", p.display()))?);
+        }
+    }
+    let mut guard = super::guard::GuardRun::new(&host)?;
+    if let Some(g) = &guard {
+        summary.guard = Some(GuardSummary::new(&g.state_name()));
+        if resume.is_some() {
+            if let Some(s) = summary.guard.as_mut() {
+                s.read_back(&metrics_path, start)?;
+            }
         }
     }
     let mut sum_time = PhaseSeconds::default();
@@ -231,6 +243,14 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         };
         m.skipped_steps = skipped_steps;
         m.sampling_logp_difference = LogpDifference { mean: m.mismatch.abs_mean, max: m.mismatch.abs_max };
+        // The guard acts at the step boundary: what the next step's rollouts read is settled.
+        if let Some(g) = &mut guard {
+            let gm = phase("guard").in_scope(|| g.step(&host, step, &m.mismatch))?;
+            if let Some(s) = summary.guard.as_mut() {
+                s.add(step, &gm);
+            }
+            m.guard = Some(gm);
+        }
         let eval_now = evaluate && (step == job.run.steps || (job.eval.every > 0 && step % job.eval.every == 0));
         if eval_now {
             let r = host.evaluate(step)?;
@@ -256,7 +276,7 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         bar.inc(1);
         let stopping = opts.stop.as_ref().map(|s| s.load(Ordering::SeqCst)).unwrap_or(false);
         if step == job.run.steps || stopping || (job.checkpoint.every > 0 && step % job.checkpoint.every == 0) {
-            host.checkpoint(step, &monitor)?;
+            host.checkpoint(step, &monitor, guard.as_ref().map(|g| g.state()))?;
         }
         summary.skipped_steps = m.skipped_steps;
         summary.last = Some(m);

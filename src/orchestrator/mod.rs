@@ -9,10 +9,11 @@
 //! implement a training step or an op.
 //!
 //! Inside, each file imports only those before it: fault, plan → replica → coordinator →
-//! schedule → job → tiny → this file.
+//! guard, schedule → job → tiny → this file.
 
 pub mod coordinator;
 pub mod fault;
+pub mod guard;
 pub mod job;
 pub mod plan;
 pub mod replica;
@@ -20,7 +21,7 @@ pub mod schedule;
 pub mod tiny;
 
 pub use crate::train::metrics::{summary_table, JobSummary, LogpDifference, PhaseSeconds, StepMetrics};
-pub use fault::Fault;
+pub use fault::{Fault, ViewFault};
 pub use job::JobOptions;
 pub use plan::plan_devices;
 pub use replica::Sources;

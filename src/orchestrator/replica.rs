@@ -12,7 +12,7 @@
 use crate::config::{JobConfig, LearnerPrecision, ObjectiveKind, Placement};
 use crate::device::{DType, Device};
 use crate::engine::rollout::{self, Rollout, WorkQueue};
-use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
+use crate::engine::rollout_weights::{EngineSpec, RolloutWeights, ViewCheck};
 use crate::engine::{Completion, Engine, EngineConfig};
 use crate::model::calib::Calibration;
 use crate::model::{LoadedModel, ModelConfig, ModelWeights};
@@ -241,8 +241,7 @@ impl Replica {
         let dtype = student.weights.dtype();
         // A separate rollout engine: only where the recipe differs from the standard one and the
         // device generates.
-        let standard =
-            (s.spec.recipe.is_standard() && s.spec.noise_sigma == 0.0 && s.spec.staleness == 0) || !generates;
+        let standard = is_standard(&s.spec) || !generates;
         let engine_buffers = RolloutWeights::estimate_extra_bytes(&s.spec, &student.weights);
         let trainer = match dp {
             Some(dp) => Trainer::new_dp(&cfg, student.weights, job, dp)?,
@@ -551,6 +550,124 @@ impl Replica {
         rw.sync_with_amax(&self.trainer.weights, v, self.trainer.weight_amax())
     }
 
+    /// The guard's cheap check: (the version the rollout engine last synced from, the
+    /// trainer's version).
+    pub fn view_versions(&self) -> Result<(u64, u64)> {
+        Ok((self.rw()?.synced_version(), self.trainer.version))
+    }
+
+    /// The guard's consistency check of this device's rollout engine against its trainer's
+    /// weights (quantized weights at `rows` sampled rows each).
+    pub fn check_view(&self, rows: usize) -> Result<ViewCheck> {
+        self.rw()?.check(&self.trainer.weights, self.trainer.version, rows)
+    }
+
+    /// Repairs a stale or corrupted view: a resync that rewrites every buffer (a stale engine's
+    /// newest slot too) from the trainer's weights.
+    pub fn repair_view(&mut self) -> Result<()> {
+        let v = self.trainer.version;
+        let rw = self.rw.as_mut().context("the rollout engine is not initialized")?;
+        rw.repair(&self.trainer.weights, v)
+    }
+
+    /// Fault hook of the guard's tests: a resync that moves the view's counters and nothing
+    /// else.
+    pub fn mark_synced_for_test(&mut self) -> Result<()> {
+        let v = self.trainer.version;
+        self.rw.as_mut().context("the rollout engine is not initialized")?.mark_synced_for_test(v);
+        Ok(())
+    }
+
+    /// Fault hook of the guard's tests (see [`RolloutWeights::corrupt_for_test`]).
+    pub fn corrupt_view(&mut self) -> Result<String> {
+        self.rw.as_mut().context("the rollout engine is not initialized")?.corrupt_for_test()
+    }
+
+    /// Why the rollout engine of `spec` would not fit this device where the current one is
+    /// (None: it fits). The plan of [`Replica::new`] with the new engine: the weights, the
+    /// trainer's state where it lives here, the teacher and its cache, the standard engine's
+    /// cache, the new engine's buffers and KV cache (as many tokens as the standard engine's),
+    /// and with `rollout.kv_cache_mb = 0` the tenth of the budget kept free.
+    pub fn switch_fits(&self, s: &Setup, spec: &EngineSpec) -> Result<Option<String>> {
+        let budget = s.job.run.memory_budget_mb.map(|m| m << 20).or(self.dev.memory_budget());
+        let Some(budget) = budget else { return Ok(None) };
+        let (new_buffers, new_kv) = self.engine_bytes(s, spec);
+        let t = &self.trainer;
+        let trainer_here = if self.dev.is_cpu() || t.on_device() { t.state_bytes() + self.activations } else { 0 };
+        let teacher = self.teacher.as_ref().map(|(w, e)| w.size_bytes() + e.cache.size_bytes()).unwrap_or(0);
+        let reserve = if s.engine.kv_cache_bytes == 0 { budget / 10 } else { 0 };
+        let after = t.weights.size_bytes()
+            + trainer_here
+            + teacher
+            + self.std_engine.cache.size_bytes()
+            + new_buffers
+            + new_kv
+            + reserve;
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        Ok((after > budget).then(|| {
+            format!(
+                "device {} ({}): engine buffers {:.0} MiB + KV cache {:.0} MiB would bring the plan to {:.0} MiB of a {:.0} MiB budget",
+                self.rank,
+                self.dev.name(),
+                mib(new_buffers),
+                mib(new_kv),
+                mib(after),
+                mib(budget)
+            )
+        }))
+    }
+
+    /// The buffers and KV cache bytes of a rollout engine for `spec` here (0, 0: the standard
+    /// engine serves).
+    fn engine_bytes(&self, s: &Setup, spec: &EngineSpec) -> (usize, usize) {
+        if is_standard(spec) {
+            return (0, 0);
+        }
+        let w = &self.trainer.weights;
+        let ec = self.rollout_config(s, spec);
+        let kinds: Vec<(DType, DType)> = (0..self.trainer.cfg.num_layers)
+            .map(|l| {
+                let (k, v) = ec.kv_fp8.get(l).copied().unwrap_or((false, false));
+                let d = ec.kv_dtype.unwrap_or(w.dtype());
+                (if k { DType::U8 } else { d }, if v { DType::U8 } else { d })
+            })
+            .collect();
+        let block = crate::engine::kv_cache::KvCache::block_bytes_layers(&self.trainer.cfg, ec.block_size, &kinds);
+        (RolloutWeights::estimate_extra_bytes(spec, w), block * ec.kv_blocks.unwrap_or(0))
+    }
+
+    /// The rollout engine's config for `spec`: its KV dtypes, and as many KV blocks as the
+    /// standard engine's cache holds (the same capacity in tokens).
+    fn rollout_config(&self, s: &Setup, spec: &EngineSpec) -> EngineConfig {
+        let blocks = self.std_engine.cache.capacity_tokens() / s.engine.block_size.max(1);
+        EngineConfig { kv_fp8: spec.recipe.kv_layers(), kv_blocks: Some(blocks.max(1)), ..s.engine.clone() }
+    }
+
+    /// Switches the rollout engine to `spec` in place, between steps: the current engine's
+    /// buffers and KV cache are freed, then the new ones built from the trainer's current
+    /// weights (`calib`: the run's calibrated scales, for a recipe that needs them). A stale
+    /// engine's ring of older versions moves to the new engine as it is.
+    pub fn switch_engine(&mut self, s: &Setup, spec: &EngineSpec, calib: Option<&Calibration>) -> Result<()> {
+        let ring = self.rw.take().map(|rw| rw.into_ring()).unwrap_or_default();
+        self.rollout_engine = None;
+        if !is_standard(spec) {
+            let ec = self.rollout_config(s, spec);
+            let text = self.std_engine.text();
+            self.rollout_engine =
+                Some(Engine::new(&self.dev, &self.trainer.cfg, self.trainer.weights.dtype(), &ec, text)?);
+        }
+        self.rw = Some(RolloutWeights::with_ring(
+            &self.dev,
+            spec,
+            &self.trainer.cfg,
+            &self.trainer.weights,
+            calib,
+            self.trainer.version,
+            ring,
+        )?);
+        Ok(())
+    }
+
     /// The stale engine's older versions for a checkpoint (None without staleness).
     pub fn ring_file(&self) -> Result<Option<Vec<u8>>> {
         self.rw()?.ring_file()
@@ -583,6 +700,11 @@ impl Replica {
             kv_tokens: e.cache.capacity_tokens(),
         })
     }
+}
+
+/// Whether `spec` is the standard engine (it reads the trainer's tensors: no engine of its own).
+fn is_standard(spec: &EngineSpec) -> bool {
+    spec.recipe.is_standard() && spec.noise_sigma == 0.0 && spec.staleness == 0
 }
 
 /// Merges the devices' completions into one list in request order (deterministic whatever

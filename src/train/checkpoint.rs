@@ -71,6 +71,8 @@ pub struct OptState {
 /// What else a checkpoint holds so a resumed run continues exactly: the RL monitor's state
 /// (`monitor.json`) and a stale engine's older weight versions (`stale_ring.safetensors`).
 pub const MONITOR_FILE: &str = "monitor.json";
+/// The mismatch guard's state (`mismatch::guard::GuardState`), when the run has a guard.
+pub const GUARD_FILE: &str = "guard.json";
 pub const RING_FILE: &str = "stale_ring.safetensors";
 
 /// Writes checkpoint `step` of `trainer` into `out_dir` (with the gathered optimizer state `o`

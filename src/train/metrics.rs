@@ -97,6 +97,9 @@ pub struct StepMetrics {
     /// FNV-1a of the batch's responses (prompt id, sample, tokens; in that order), hex: equal
     /// digests mean the same samples, whatever the devices or the schedule's timing.
     pub samples_digest: String,
+    /// The mismatch guard: the recipe serving, the statistic against its line, what it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub guard: Option<crate::mismatch::guard::GuardMetrics>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub heldout_kl: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -125,6 +128,72 @@ pub struct JobSummary {
     pub last: Option<StepMetrics>,
     pub mean_time: PhaseSeconds,
     pub skipped_steps: u64,
+    pub guard: Option<GuardSummary>,
+}
+
+/// What the mismatch guard did over the run (the summary table's line).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GuardSummary {
+    pub serving: String,
+    /// (step, from, to) of each fall-back; steps whose stale view was repaired; breaches.
+    pub fallbacks: Vec<(u64, String, String)>,
+    pub repairs: Vec<u64>,
+    pub breaches: u64,
+}
+
+impl GuardSummary {
+    pub fn new(serving: &str) -> GuardSummary {
+        GuardSummary { serving: serving.to_string(), ..Default::default() }
+    }
+
+    /// Counts step `step`'s events.
+    pub fn add(&mut self, step: u64, g: &crate::mismatch::guard::GuardMetrics) {
+        use crate::mismatch::guard::Event;
+        self.serving = g.state.clone();
+        for e in &g.events {
+            match e {
+                Event::Breach { .. } => self.breaches += 1,
+                Event::StaleView { .. } => self.repairs.push(step),
+                Event::Fallback { from, to } => self.fallbacks.push((step, from.clone(), to.clone())),
+                Event::SkipRung { .. } | Event::LastRung { .. } => {}
+            }
+        }
+    }
+
+    /// A resumed run: the events of the metrics log's steps up to `upto` (the run before the
+    /// resume), so that the summary covers the whole run.
+    pub fn read_back(&mut self, metrics: &std::path::Path, upto: u64) -> anyhow::Result<()> {
+        let text = match std::fs::read_to_string(metrics) {
+            Ok(t) => t,
+            Err(_) => return Ok(()),
+        };
+        let mut before = GuardSummary::default();
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+            let step = v.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
+            let Some(events) = v.get("guard").and_then(|g| g.get("events")).and_then(|e| e.as_array()) else {
+                continue;
+            };
+            if step > upto {
+                break;
+            }
+            for e in events {
+                let s = |k: &str| e.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string();
+                match e.get("kind").and_then(|k| k.as_str()) {
+                    Some("breach") => before.breaches += 1,
+                    Some("stale_view") => before.repairs.push(step),
+                    Some("fallback") => before.fallbacks.push((step, s("from"), s("to"))),
+                    _ => {}
+                }
+            }
+        }
+        before.fallbacks.append(&mut self.fallbacks);
+        before.repairs.append(&mut self.repairs);
+        self.fallbacks = before.fallbacks;
+        self.repairs = before.repairs;
+        self.breaches += before.breaches;
+        Ok(())
+    }
 }
 
 /// The end-of-run table.
@@ -159,6 +228,20 @@ pub fn summary_table(s: &JobSummary) -> String {
             ));
         }
         t.push('\n');
+    }
+    if let Some(g) = &s.guard {
+        let falls: Vec<String> = g.fallbacks.iter().map(|(st, a, b)| format!("{a} -> {b} at step {st}")).collect();
+        t.push_str(&format!(
+            "guard          serving {}; {} breach(es); fall-backs: {}; stale views repaired: {}\n",
+            g.serving,
+            g.breaches,
+            if falls.is_empty() { "none".to_string() } else { falls.join(", ") },
+            if g.repairs.is_empty() {
+                "none".to_string()
+            } else {
+                format!("at step {}", g.repairs.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", "))
+            }
+        ));
     }
     let p = &s.mean_time;
     t.push_str(&format!(
