@@ -543,12 +543,9 @@ impl JobConfig {
             return Ok(());
         }
         for (i, r) in g.fallback.iter().enumerate() {
-            if let Err(e) = crate::mismatch::admit::parse_candidate(r, 1, self.engine.noise_seed) {
-                let m = format!("{e:#}");
-                if !m.contains("out of range") {
-                    bail!("{file}: guard.fallback[{i}]: '{r}' is not a recipe colotrain admit accepts: {m}");
-                }
-            }
+            without_model(crate::mismatch::admit::parse_candidate(r, 1, self.engine.noise_seed)).map_err(|m| {
+                anyhow::anyhow!("{file}: guard.fallback[{i}]: '{r}' is not a recipe colotrain admit accepts: {m}")
+            })?;
         }
         // (File rollouts and SFT sample nothing: the guard stands by, see `orchestrator::guard`.)
         let why = (self.schedule.mode != ScheduleMode::Sync || self.schedule.placement != Placement::Colocated).then_some(
@@ -702,14 +699,7 @@ impl JobConfig {
         }
         // The recipe itself (names, layer indices) is checked against the model at start; here
         // everything that does not need the model.
-        self.engine.spec(1).map(|_| ()).or_else(|e| {
-            let m = format!("{e:#}");
-            if m.contains("out of range") {
-                Ok(())
-            } else {
-                bail!("{file}: {m}")
-            }
-        })?;
+        without_model(self.engine.spec(1)).map_err(|m| anyhow::anyhow!("{file}: {m}"))?;
         self.validate_guard(file)?;
         if self.engine.calibration_samples == 0 {
             err("engine.calibration_samples", "must be at least 1".into())?;
@@ -718,5 +708,21 @@ impl JobConfig {
             err("eval.samples_per_prompt", "must be at least 1".into())?;
         }
         Ok(())
+    }
+}
+
+/// A recipe parsed before the model is known (with 1 layer): its error message, unless the error
+/// is only a layer index the real model may have (checked against the model at start).
+fn without_model<T>(r: Result<T>) -> std::result::Result<(), String> {
+    match r {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            let m = format!("{e:#}");
+            if m.contains("out of range") {
+                Ok(())
+            } else {
+                Err(m)
+            }
+        }
     }
 }

@@ -204,6 +204,7 @@ impl RolloutWeights {
         } else {
             version
         };
+        // (`Self::base` inline: the noise copy and the quantized buffers are borrowed mutably below.)
         let base: &ModelWeights = match self.ring.front() {
             Some((_, s)) if self.spec.staleness > 0 => s,
             _ => w,
@@ -244,12 +245,19 @@ impl RolloutWeights {
         Ok(())
     }
 
+    /// The weights the view derives from: a stale engine's oldest ring slot, else the trainer's.
+    fn base<'a>(&'a self, trainer: &'a ModelWeights) -> &'a ModelWeights {
+        match self.ring.front() {
+            Some((_, s)) if self.spec.staleness > 0 => s,
+            _ => trainer,
+        }
+    }
+
     /// The weights an engine step reads (the trainer's own tensors when nothing differs).
     pub fn view<'a>(&'a self, trainer: &'a ModelWeights) -> View<'a> {
-        let w = match (&self.noise, self.ring.front()) {
-            (Some(n), _) => &n.weights,
-            (None, Some((_, s))) if self.spec.staleness > 0 => s,
-            _ => trainer,
+        let w = match &self.noise {
+            Some(n) => &n.weights,
+            None => self.base(trainer),
         };
         View { w, q: self.quant.as_ref().map(|q| q.layers.as_slice()) }
     }

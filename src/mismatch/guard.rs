@@ -212,7 +212,7 @@ pub struct GuardState {
 }
 
 /// Why a step breached.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Breach {
     /// The windowed statistic is above the line.
@@ -222,7 +222,7 @@ pub enum Breach {
 }
 
 /// One thing the guard saw or did at a step (the metrics line's `guard.events`).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Event {
     /// The statistic breached; `consistent`: what the consistency check found.

@@ -276,16 +276,7 @@ impl Replica {
         // The engines on this device (the rollout engine, the standard one when it is another,
         // the teacher's) and their KV block sizes.
         let bs = s.engine.block_size;
-        let block = |c: &ModelConfig, d: DType, ec: &EngineConfig| {
-            let dt = ec.kv_dtype.unwrap_or(d);
-            let kinds: Vec<(DType, DType)> = (0..c.num_layers)
-                .map(|l| {
-                    let (k, v) = ec.kv_fp8.get(l).copied().unwrap_or((false, false));
-                    (if k { DType::U8 } else { dt }, if v { DType::U8 } else { dt })
-                })
-                .collect();
-            crate::engine::kv_cache::KvCache::block_bytes_layers(c, bs, &kinds)
-        };
+        let block = |c: &ModelConfig, d: DType, ec: &EngineConfig| kv_block_bytes(c, d, ec, bs);
         let mut engines = vec![(block(&cfg, dtype, &std_ec), &cfg)];
         if !standard {
             engines.push((block(&cfg, dtype, &rollout_ec), &cfg));
@@ -625,14 +616,7 @@ impl Replica {
         }
         let w = &self.trainer.weights;
         let ec = self.rollout_config(s, spec);
-        let kinds: Vec<(DType, DType)> = (0..self.trainer.cfg.num_layers)
-            .map(|l| {
-                let (k, v) = ec.kv_fp8.get(l).copied().unwrap_or((false, false));
-                let d = ec.kv_dtype.unwrap_or(w.dtype());
-                (if k { DType::U8 } else { d }, if v { DType::U8 } else { d })
-            })
-            .collect();
-        let block = crate::engine::kv_cache::KvCache::block_bytes_layers(&self.trainer.cfg, ec.block_size, &kinds);
+        let block = kv_block_bytes(&self.trainer.cfg, w.dtype(), &ec, ec.block_size);
         (RolloutWeights::estimate_extra_bytes(spec, w), block * ec.kv_blocks.unwrap_or(0))
     }
 
@@ -700,6 +684,19 @@ impl Replica {
             kv_tokens: e.cache.capacity_tokens(),
         })
     }
+}
+
+/// Bytes of one KV block of an engine with config `ec` over a model of `cfg` in `dtype`
+/// (blocks of `block_size` tokens; FP8 layers one byte a value).
+fn kv_block_bytes(cfg: &ModelConfig, dtype: DType, ec: &EngineConfig, block_size: usize) -> usize {
+    let dt = ec.kv_dtype.unwrap_or(dtype);
+    let kinds: Vec<(DType, DType)> = (0..cfg.num_layers)
+        .map(|l| {
+            let (k, v) = ec.kv_fp8.get(l).copied().unwrap_or((false, false));
+            (if k { DType::U8 } else { dt }, if v { DType::U8 } else { dt })
+        })
+        .collect();
+    crate::engine::kv_cache::KvCache::block_bytes_layers(cfg, block_size, &kinds)
 }
 
 /// Whether `spec` is the standard engine (it reads the trainer's tensors: no engine of its own).

@@ -163,34 +163,23 @@ impl GuardSummary {
     /// A resumed run: the events of the metrics log's steps up to `upto` (the run before the
     /// resume), so that the summary covers the whole run.
     pub fn read_back(&mut self, metrics: &std::path::Path, upto: u64) -> anyhow::Result<()> {
-        let text = match std::fs::read_to_string(metrics) {
-            Ok(t) => t,
-            Err(_) => return Ok(()),
-        };
-        let mut before = GuardSummary::default();
+        let Ok(text) = std::fs::read_to_string(metrics) else { return Ok(()) };
+        let mut before = GuardSummary::new(&self.serving);
         for line in text.lines() {
             let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
             let step = v.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
-            let Some(events) = v.get("guard").and_then(|g| g.get("events")).and_then(|e| e.as_array()) else {
-                continue;
-            };
             if step > upto {
                 break;
             }
-            for e in events {
-                let s = |k: &str| e.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string();
-                match e.get("kind").and_then(|k| k.as_str()) {
-                    Some("breach") => before.breaches += 1,
-                    Some("stale_view") => before.repairs.push(step),
-                    Some("fallback") => before.fallbacks.push((step, s("from"), s("to"))),
-                    _ => {}
-                }
+            let Some(events) = v.pointer("/guard/events") else { continue };
+            if let Ok(events) = serde_json::from_value::<Vec<crate::mismatch::guard::Event>>(events.clone()) {
+                let state = before.serving.clone();
+                before.add(step, &crate::mismatch::guard::GuardMetrics { state, events, ..Default::default() });
             }
         }
         before.fallbacks.append(&mut self.fallbacks);
         before.repairs.append(&mut self.repairs);
-        self.fallbacks = before.fallbacks;
-        self.repairs = before.repairs;
+        (self.fallbacks, self.repairs) = (before.fallbacks, before.repairs);
         self.breaches += before.breaches;
         Ok(())
     }

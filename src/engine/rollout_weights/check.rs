@@ -1,7 +1,8 @@
 //! Whether a rollout engine serves the weights the trainer has: the consistency check the
 //! mismatch guard runs before it blames a recipe (`crate::mismatch::guard`). The view is
 //! compared with what a resync from the trainer's weights would give: a stale engine's newest
-//! ring slot with the trainer's tensors, a noise engine's copy with base + offset, a quantized
+//! ring slot with the trainer's tensors and a noise engine's copy with base + offset (whole
+//! tensors, bit for bit), a quantized
 //! engine's buffers with a fresh quantization of sampled rows (bit for bit, tensor by tensor),
 //! and the version the view was last synced to with the trainer's. Also the fault hook of the
 //! guard's tests: a view corrupted in place while its counters say it is current.
@@ -10,7 +11,7 @@
 //! a view (a repair is a resync, the parent's), except [`RolloutWeights::corrupt_for_test`].
 
 use super::{is_projection, RolloutWeights};
-use crate::device::{bf16_rne, DType, Tensor};
+use crate::device::Tensor;
 use crate::model::ModelWeights;
 use anyhow::{bail, Result};
 use serde::Serialize;
@@ -33,27 +34,18 @@ impl ViewCheck {
     }
 }
 
-/// FNV-1a over a tensor's values as f32 bits (BF16 and F16 widen exactly).
-fn fingerprint_of(values: &[f32]) -> u64 {
-    let mut h = crate::rand::fnv1a64(&[]);
-    for v in values {
-        for b in v.to_bits().to_le_bytes() {
-            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+/// Whether two tensors hold the same values, bit for bit (as f32: BF16 and F16 widen exactly).
+fn same_values(a: &Tensor, b: &Tensor) -> Result<bool> {
+    let (x, y) = (a.to_f32_vec()?, b.to_f32_vec()?);
+    Ok(x.len() == y.len() && x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()))
+}
+
+impl ViewCheck {
+    /// Records `name` as differing (once).
+    fn differs(&mut self, name: &str) {
+        if !self.tensors.iter().any(|t| t == name) {
+            self.tensors.push(name.to_string());
         }
-    }
-    h
-}
-
-fn fingerprint(t: &Tensor) -> Result<u64> {
-    Ok(fingerprint_of(&t.to_f32_vec()?))
-}
-
-/// `x` rounded to `dtype` the way a write of f32 values into it rounds (to nearest even).
-fn round_to(dtype: DType, x: f32) -> f32 {
-    match dtype {
-        DType::BF16 => bf16_rne(x).to_f32(),
-        DType::F16 => half::f16::from_f32(x).to_f32(),
-        _ => x,
     }
 }
 
@@ -74,48 +66,39 @@ impl RolloutWeights {
         let names: Vec<String> = crate::model::weights::param_specs(&self.cfg).into_iter().map(|(n, _)| n).collect();
         let mut out =
             ViewCheck { engine_version: self.synced_version(), trainer_version: version, ..Default::default() };
-        let trainer = w.tensors();
         // A stale engine: its newest slot is a copy of the trainer's weights.
         if let (true, Some((_, newest))) = (self.spec.staleness > 0, self.ring.back()) {
-            for ((name, t), s) in names.iter().zip(&trainer).zip(newest.tensors()) {
+            for ((name, t), s) in names.iter().zip(w.tensors()).zip(newest.tensors()) {
                 out.checked += 1;
-                if fingerprint(t)? != fingerprint(s)? {
-                    out.tensors.push(name.clone());
+                if !same_values(t, s)? {
+                    out.differs(name);
                 }
             }
         }
-        // A noise engine: its copy is base + σ·s_w·ε on the projections, the base elsewhere.
-        let base: Vec<&Tensor> = match self.ring.front() {
-            Some((_, s)) if self.spec.staleness > 0 => s.tensors(),
-            _ => trainer.clone(),
-        };
+        // A noise engine: its copy is what `add_offset` makes of the base (the projections), or
+        // the base itself.
         if let Some(n) = &self.noise {
+            let base = self.base(w).tensors();
             for (i, (name, copy)) in names.iter().zip(n.weights.tensors()).enumerate() {
                 out.checked += 1;
-                let mut want = base[i].to_f32_vec()?;
-                if let Some(off) = &n.offset[i] {
-                    for (x, o) in want.iter_mut().zip(off) {
-                        *x = round_to(copy.dtype(), *x + f32::from_bits((o.to_bits() as u32) << 16));
+                let same = match &n.offset[i] {
+                    Some(off) => {
+                        let mut want = copy.try_clone()?;
+                        super::add_offset(&mut want, base[i], off)?;
+                        same_values(&want, copy)?
                     }
-                }
-                if fingerprint_of(&want) != fingerprint(copy)? && !out.tensors.contains(name) {
-                    out.tensors.push(name.clone());
+                    None => same_values(base[i], copy)?,
+                };
+                if !same {
+                    out.differs(name);
                 }
             }
         }
-        // A quantized engine: its buffers against a fresh quantization of its dense source.
+        // A quantized engine: its buffers against a fresh quantization of the dense view.
         if let Some(q) = &self.quant {
-            let dense: &ModelWeights = match (&self.noise, self.ring.front()) {
-                (Some(n), _) => &n.weights,
-                (None, Some((_, s))) if self.spec.staleness > 0 => s,
-                _ => w,
-            };
-            let stale = q.stale_tensors(dense, rows)?;
             out.checked += q.layers.iter().flat_map(|l| l.w.iter().flatten()).count();
-            for name in stale {
-                if !out.tensors.contains(&name) {
-                    out.tensors.push(name);
-                }
+            for name in q.stale_tensors(self.view(w).w, rows)? {
+                out.differs(&name);
             }
         }
         Ok(out)
@@ -178,7 +161,7 @@ impl RolloutWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::Device;
+    use crate::device::{DType, Device};
     use crate::engine::rollout_weights::EngineSpec;
     use crate::model::tiny::{tiny_config, TinySpec};
 
@@ -194,10 +177,8 @@ mod tests {
         EngineSpec { recipe: r, noise_sigma: noise, noise_seed: 3, staleness }
     }
 
-    /// Every kind of view is consistent after a sync, names the tensor a fault zeroed, is a
-    /// version behind after a missed sync, and is consistent again after a resync.
-    #[test]
-    fn checks_find_what_a_fault_or_a_missed_sync_leaves() {
+    /// A 2-layer qwen2-shaped model with random weights of `dtype` on one CPU thread.
+    fn tiny(dtype: DType) -> (Device, crate::model::ModelConfig, ModelWeights) {
         let dev = Device::cpu(1).unwrap();
         let ts = TinySpec {
             arch: "qwen2".into(),
@@ -212,7 +193,15 @@ mod tests {
             tie: false,
         };
         let cfg = tiny_config(&ts).unwrap();
-        let mut w = crate::model::ModelWeights::random(&cfg, &dev, DType::BF16, 5, 0.05).unwrap();
+        let w = ModelWeights::random(&cfg, &dev, dtype, 5, 0.05).unwrap();
+        (dev, cfg, w)
+    }
+
+    /// Every kind of view is consistent after a sync, names the tensor a fault zeroed, is a
+    /// version behind after a missed sync, and is consistent again after a resync.
+    #[test]
+    fn checks_find_what_a_fault_or_a_missed_sync_leaves() {
+        let (dev, cfg, mut w) = tiny(DType::BF16);
         for (name, s) in [
             ("fp8", spec("fp8", 0.0, 0)),
             ("nvfp4", spec("nvfp4", 0.0, 0)),
@@ -251,21 +240,7 @@ mod tests {
     /// A switched engine keeps the old one's ring: it serves the versions the old one would.
     #[test]
     fn a_switched_stale_engine_keeps_its_ring() {
-        let dev = Device::cpu(1).unwrap();
-        let ts = TinySpec {
-            arch: "qwen2".into(),
-            layers: 2,
-            hidden: 64,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: None,
-            intermediate: Some(128),
-            vocab: 260,
-            max_position: 32,
-            tie: false,
-        };
-        let cfg = tiny_config(&ts).unwrap();
-        let mut w = crate::model::ModelWeights::random(&cfg, &dev, DType::F32, 5, 0.05).unwrap();
+        let (dev, cfg, mut w) = tiny(DType::F32);
         let mut rw = RolloutWeights::new(&dev, &spec("bf16", 0.0, 2), &cfg, &w, None, 0).unwrap();
         let first = w.tensors()[1].to_f32_vec().unwrap();
         for v in 1..=3u64 {
