@@ -79,7 +79,7 @@ mod embedded {
     use super::Cubin;
     include!(concat!(env!("OUT_DIR"), "/cuda_kernels.rs"));
 }
-pub use driver::{Cutlass, CutlassArgs, Elem, Form, GemmKey};
+pub use driver::{current_stream, on_stream, Cutlass, CutlassArgs, Elem, Event, Form, GemmKey, Stream};
 /// The architectures this binary carries kernels for (COLOTRAIN_CUDA_ARCHS at build time).
 #[cfg(feature = "cuda")]
 pub use embedded::BUILT_ARCHS;
@@ -515,6 +515,30 @@ impl CudaDevice {
             return Ok(());
         }
         self.inner.driver.dtod(dst, src, bytes)
+    }
+
+    /// An event at the current end of the calling thread's current stream (see [`on_stream`]).
+    pub fn record_event(&self) -> Result<Event> {
+        self.inner.driver.record_event()
+    }
+
+    /// Makes the current stream wait for `e` (recorded on this device's other stream).
+    pub fn wait_event(&self, e: &Event) -> Result<()> {
+        self.inner.driver.wait_event(e)
+    }
+
+    /// Queues a copy of `bytes` from `src` on `peer` (another device of this process, of the
+    /// same kind) to `dst` on this device, on the current stream. Device-to-device: it counts
+    /// as no host transfer. The caller keeps the source alive and unchanged until this device
+    /// has run the copy.
+    pub fn peer_copy(&self, dst: u64, peer: &CudaDevice, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        if peer.is_sim() != self.is_sim() {
+            bail!("peer copy between {} and {}: a GPU and a simulated GPU", self.name(), peer.name());
+        }
+        self.inner.driver.peer_copy(dst, src, peer.ordinal(), bytes)
     }
 }
 

@@ -5,12 +5,82 @@
 //! memory). The operations are the ones the glue uses: memory, copies, synchronization, a
 //! kernel launch with its parameter struct, the cuBLASLt matmul, the CUTLASS GEMMs.
 //!
-//! Owns: [`Driver`], the GEMM descriptor types ([`Elem`], [`GemmKey`], [`Cutlass`],
-//! [`CutlassArgs`]). May call: `real`,
-//! `sim`. Must not: know about tensors or ops.
+//! Streams: each device has two, the compute stream and the communication stream. Work goes
+//! onto the calling thread's current stream ([`on_stream`], compute unless a scope says
+//! otherwise), so every typed launcher and copy runs on either without an extra argument;
+//! [`Event`]s order one against the other.
+//!
+//! Owns: [`Driver`], [`Stream`], [`Event`], the GEMM descriptor types ([`Elem`], [`GemmKey`],
+//! [`Cutlass`], [`CutlassArgs`]). May call: `real`, `sim`. Must not: know about tensors or ops.
 
 use super::kernels::Kernel;
 use anyhow::Result;
+use std::cell::Cell;
+
+/// A device's two streams: kernels, GEMMs and copies of the step on `Compute`; collectives'
+/// copies and reductions on `Comm`, ordered against `Compute` by events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stream {
+    Compute = 0,
+    Comm = 1,
+}
+
+impl Stream {
+    pub fn name(self) -> &'static str {
+        match self {
+            Stream::Compute => "compute",
+            Stream::Comm => "communication",
+        }
+    }
+
+    pub fn other(self) -> Stream {
+        match self {
+            Stream::Compute => Stream::Comm,
+            Stream::Comm => Stream::Compute,
+        }
+    }
+}
+
+thread_local! {
+    /// The stream this thread's work goes to (one worker thread drives one device).
+    static CURRENT: Cell<Stream> = const { Cell::new(Stream::Compute) };
+}
+
+/// The calling thread's current stream.
+pub fn current_stream() -> Stream {
+    CURRENT.with(|c| c.get())
+}
+
+/// Runs `f` with `s` as the calling thread's current stream (restored afterwards, also on error).
+pub fn on_stream<T>(s: Stream, f: impl FnOnce() -> T) -> T {
+    struct Restore(Stream);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CURRENT.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(CURRENT.with(|c| c.replace(s)));
+    f()
+}
+
+/// A point in one stream's work: another stream that waits on it runs nothing queued after
+/// the wait before everything queued before the record has run.
+pub enum Event {
+    /// The simulator: `seq` operations had been queued on `stream` of device `ordinal`.
+    Sim { ordinal: usize, stream: Stream, seq: u64 },
+    #[cfg(feature = "cuda")]
+    Real(cudarc::driver::CudaEvent),
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Event::Sim { ordinal, stream, seq } => write!(f, "event(cuda-sim:{ordinal} {} #{seq})", stream.name()),
+            #[cfg(feature = "cuda")]
+            Event::Real(_) => write!(f, "event(cuda)"),
+        }
+    }
+}
 
 /// Element types of a GEMM's inputs; the output is always f32.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -197,6 +267,24 @@ impl Driver {
     /// when the kernel's `can_implement` refuses the problem (nothing is queued then).
     pub fn cutlass(&self, g: Cutlass, a: &CutlassArgs, ws: u64) -> Result<bool> {
         each!(self, d => d.cutlass(g, a, ws))
+    }
+
+    /// Records an event on the current stream.
+    pub fn record_event(&self) -> Result<Event> {
+        each!(self, d => d.record_event())
+    }
+
+    /// Makes the current stream wait for `e` (a no-op when `e` is on the current stream).
+    pub fn wait_event(&self, e: &Event) -> Result<()> {
+        each!(self, d => d.wait_event(e))
+    }
+
+    /// Copies `bytes` from `src` in the memory of device `src_ordinal` (another GPU of this
+    /// process) to `dst` on this device, queued on the current stream. The caller orders it
+    /// after the peer's writes (the peer synchronized them) and keeps the source alive and
+    /// unchanged until this stream has run the copy.
+    pub fn peer_copy(&self, dst: u64, src: u64, src_ordinal: usize, bytes: usize) -> Result<()> {
+        each!(self, d => d.peer_copy(dst, src, src_ordinal, bytes))
     }
 
     /// The stream handle (null in the simulator, which has none).

@@ -1,5 +1,6 @@
 //! The real driver (feature `cuda`): cudarc over the CUDA driver API. One primary context and
-//! one stream per device; the kernels loaded from the cubins build.rs embedded for this GPU's
+//! two streams per device (compute and communication, see `driver::Stream`); the kernels
+//! loaded from the cubins build.rs embedded for this GPU's
 //! architecture (never PTX JIT); cuBLASLt opened at the first GEMM, so a machine without
 //! libcublasLt can still run and check every kernel that does not need it.
 //!
@@ -7,7 +8,7 @@
 //! Must not: be reached except through `driver::Driver`.
 
 use super::blas::Blas;
-use super::driver::{Cutlass, CutlassArgs, GemmKey, Launch};
+use super::driver::{current_stream, Cutlass, CutlassArgs, Event, GemmKey, Launch};
 use super::kernels::Kernel;
 use super::{ffi, Cubin};
 use anyhow::{anyhow, bail, Context, Result};
@@ -25,7 +26,10 @@ pub(super) struct Props {
 
 pub(super) struct Real {
     ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    /// The compute and the communication stream (`Stream as usize`).
+    streams: [Arc<CudaStream>; 2],
+    /// The primary contexts of the GPUs peer copies read from.
+    peers: Mutex<std::collections::HashMap<usize, Arc<CudaContext>>>,
     functions: Vec<CudaFunction>,
     /// Created at the first GEMM; the workspace is the device's (allocated at open).
     blas: Mutex<Option<Blas>>,
@@ -58,9 +62,17 @@ impl Real {
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| anyhow!("cuda:{ordinal}: {e}"))? as u32;
-        let stream = ctx.new_stream().map_err(|e| anyhow!("cuda:{ordinal}: cannot create a stream: {e}"))?;
+        let stream = || ctx.new_stream().map_err(|e| anyhow!("cuda:{ordinal}: cannot create a stream: {e}"));
+        let streams = [stream()?, stream()?];
         let (free, _total) = ctx.mem_get_info().map_err(|e| anyhow!("cuda:{ordinal}: {e}"))?;
-        let real = Real { ctx, stream, functions: Vec::new(), blas: Mutex::new(None), workspace: Mutex::new((0, 0)) };
+        let real = Real {
+            ctx,
+            streams,
+            peers: Mutex::new(Default::default()),
+            functions: Vec::new(),
+            blas: Mutex::new(None),
+            workspace: Mutex::new((0, 0)),
+        };
         Ok((real, Props { name, cc, sm_count, free }))
     }
 
@@ -99,9 +111,53 @@ impl Real {
         self.ctx.bind_to_thread().map_err(|e| anyhow!("cannot bind the context: {e}"))
     }
 
+    /// The calling thread's current stream.
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.streams[current_stream() as usize]
+    }
+
+    /// Waits for both streams.
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        self.stream.synchronize().map_err(|e| anyhow!("{e}"))
+        for s in &self.streams {
+            s.synchronize().map_err(|e| anyhow!("{e}"))?;
+        }
+        Ok(())
+    }
+
+    pub fn record_event(&self) -> Result<Event> {
+        self.bind()?;
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        Ok(Event::Real(self.stream().record_event(flags).map_err(|e| anyhow!("record an event: {e}"))?))
+    }
+
+    pub fn wait_event(&self, e: &Event) -> Result<()> {
+        match e {
+            Event::Real(ev) => self.stream().wait(ev).map_err(|e| anyhow!("wait on an event: {e}")),
+            Event::Sim { .. } => bail!("a GPU stream cannot wait on a simulated device's event"),
+        }
+    }
+
+    pub fn peer_copy(&self, dst: u64, src: u64, src_ordinal: usize, bytes: usize) -> Result<()> {
+        self.bind()?;
+        let src_ctx = {
+            let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+            match peers.get(&src_ordinal) {
+                Some(c) => c.clone(),
+                None => {
+                    let c = CudaContext::new(src_ordinal).map_err(|e| anyhow!("peer cuda:{src_ordinal}: {e}"))?;
+                    peers.insert(src_ordinal, c.clone());
+                    c
+                }
+            }
+        };
+        // SAFETY: `dst` is a live allocation of at least `bytes` bytes on this device and `src`
+        // one on cuda:`src_ordinal` (the collective checked both lengths); the collective keeps
+        // the source alive and unchanged until this stream has run the copy.
+        unsafe {
+            dr::memcpy_peer_async(self.ctx.cu_ctx(), dst, src_ctx.cu_ctx(), src, bytes, self.stream().cu_stream())
+        }
+        .map_err(|e| anyhow!("peer copy from cuda:{src_ordinal}: {e}"))
     }
 
     pub fn malloc(&self, bytes: usize) -> Result<u64> {
@@ -122,14 +178,14 @@ impl Real {
     pub fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
         self.bind()?;
         // SAFETY: `ptr` is a live allocation of at least `bytes` bytes on this device.
-        unsafe { dr::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }.map_err(|e| anyhow!("memset: {e}"))
+        unsafe { dr::memset_d8_async(ptr, 0, bytes, self.stream().cu_stream()) }.map_err(|e| anyhow!("memset: {e}"))
     }
 
     pub fn htod(&self, dst: u64, src: &[u8]) -> Result<()> {
         self.bind()?;
         // SAFETY: `dst` holds at least src.len() bytes. A copy from pageable memory is staged
         // before the call returns, so `src` may be dropped afterwards.
-        unsafe { dr::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+        unsafe { dr::memcpy_htod_async(dst, src, self.stream().cu_stream()) }
             .map_err(|e| anyhow!("host-to-device copy: {e}"))
     }
 
@@ -137,7 +193,7 @@ impl Real {
         self.bind()?;
         // SAFETY: `src` holds at least dst.len() bytes; `dst` is borrowed mutably until the
         // synchronization below, which completes the copy.
-        unsafe { dr::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+        unsafe { dr::memcpy_dtoh_async(dst, src, self.stream().cu_stream()) }
             .map_err(|e| anyhow!("device-to-host copy: {e}"))?;
         self.synchronize()
     }
@@ -145,7 +201,7 @@ impl Real {
     pub fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         self.bind()?;
         // SAFETY: both are live allocations of at least `bytes` bytes on this device.
-        unsafe { dr::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+        unsafe { dr::memcpy_dtod_async(dst, src, bytes, self.stream().cu_stream()) }
             .map_err(|e| anyhow!("device copy: {e}"))
     }
 
@@ -173,7 +229,7 @@ impl Real {
         // SAFETY: `params` points at the kernel's one parameter, its ct_*_params struct, which
         // outlives this call; the driver copies the parameter at launch (see kernels.rs).
         unsafe {
-            dr::launch_kernel(f.cu_function(), l.grid, (l.block, 1, 1), l.smem, self.stream.cu_stream(), &mut args)
+            dr::launch_kernel(f.cu_function(), l.grid, (l.block, 1, 1), l.smem, self.stream().cu_stream(), &mut args)
         }
         .map_err(|e| anyhow!("{e}"))
     }
@@ -186,7 +242,7 @@ impl Real {
             *blas = Some(Blas::new(ws, ws_bytes)?);
         }
         match blas.as_mut() {
-            Some(b) => b.gemm(self.stream.cu_stream(), key, w, x, y, alpha, scales),
+            Some(b) => b.gemm(self.stream().cu_stream(), key, w, x, y, alpha, scales),
             None => bail!("cuBLASLt is not open"),
         }
     }
@@ -225,7 +281,7 @@ impl Real {
     }
 
     pub fn stream_handle(&self) -> *mut std::ffi::c_void {
-        self.stream.cu_stream() as *mut std::ffi::c_void
+        self.stream().cu_stream() as *mut std::ffi::c_void
     }
 
     pub fn time_ms(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
@@ -233,9 +289,9 @@ impl Real {
         let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         let start = self.ctx.new_event(flags).map_err(|e| anyhow!("{e}"))?;
         let end = self.ctx.new_event(flags).map_err(|e| anyhow!("{e}"))?;
-        start.record(&self.stream).map_err(|e| anyhow!("{e}"))?;
+        start.record(self.stream()).map_err(|e| anyhow!("{e}"))?;
         f()?;
-        end.record(&self.stream).map_err(|e| anyhow!("{e}"))?;
+        end.record(self.stream()).map_err(|e| anyhow!("{e}"))?;
         self.synchronize()?;
         Ok(start.elapsed_ms(&end).map_err(|e| anyhow!("{e}"))? as f64)
     }

@@ -21,11 +21,11 @@
 //! Owns: the simulated memory, queue and launch rules of one device. May call: the kernel
 //! library (`ct_sim_launch`), `sim_gemm`. Must not: be reached except through `driver::Driver`.
 
-use super::driver::{Cutlass, CutlassArgs, GemmKey, Launch};
+use super::driver::{current_stream, Cutlass, CutlassArgs, Event, GemmKey, Launch, Stream};
 use super::kernels::Kernel;
 use anyhow::{anyhow, bail, Result};
 use std::alloc::Layout;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::mem::MaybeUninit;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
@@ -111,19 +111,83 @@ struct Alloc {
 
 /// One queued piece of work.
 enum Op {
-    Memset { ptr: u64, bytes: usize },
-    Htod { dst: u64, data: Vec<u8> },
-    Dtod { dst: u64, src: u64, bytes: usize },
-    Launch { k: Kernel, grid: (u32, u32), block: u32, smem: u32, params: Vec<MaybeUninit<u64>> },
-    Gemm { key: GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)> },
-    Cutlass { g: Cutlass, args: CutlassArgs },
+    Memset {
+        ptr: u64,
+        bytes: usize,
+    },
+    Htod {
+        dst: u64,
+        data: Vec<u8>,
+    },
+    Dtod {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+    Launch {
+        k: Kernel,
+        grid: (u32, u32),
+        block: u32,
+        smem: u32,
+        params: Vec<MaybeUninit<u64>>,
+    },
+    Gemm {
+        key: GemmKey,
+        w: u64,
+        x: u64,
+        y: u64,
+        alpha: f32,
+        scales: Option<(u64, u64)>,
+    },
+    Cutlass {
+        g: Cutlass,
+        args: CutlassArgs,
+    },
+    /// A copy from another simulated device's memory (checked live when queued).
+    Peer {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+    /// Nothing after this runs before stream `on` has run `upto` operations.
+    Wait {
+        on: Stream,
+        upto: u64,
+    },
+}
+
+impl Op {
+    fn describe(&self) -> String {
+        match self {
+            Op::Memset { .. } => "a memset".into(),
+            Op::Htod { .. } => "a host-to-device copy".into(),
+            Op::Dtod { .. } => "a device copy".into(),
+            Op::Launch { k, .. } => format!("kernel {}", k.name()),
+            Op::Gemm { .. } => "a cuBLASLt GEMM".into(),
+            Op::Cutlass { g, .. } => g.name().into(),
+            Op::Peer { .. } => "a peer copy".into(),
+            Op::Wait { on, upto } => format!("a wait for the {} stream's operation {upto}", on.name()),
+        }
+    }
+}
+
+/// A queued operation: its place in its stream and the allocations it uses (their device
+/// addresses), for the stream-ordering check.
+struct Entry {
+    op: Op,
+    seq: u64,
+    uses: Vec<u64>,
 }
 
 #[derive(Default)]
 struct State {
     /// Live allocations by device address.
     allocs: BTreeMap<u64, Alloc>,
-    queue: Vec<Op>,
+    /// The compute and the communication stream's queues (`Stream as usize`).
+    queues: [VecDeque<Entry>; 2],
+    /// Operations ever queued / run per stream (an event is a count of the first).
+    queued: [u64; 2],
+    ran: [u64; 2],
     /// Rule violations found where no error can be returned (a free), reported by the next
     /// synchronize.
     violations: Vec<String>,
@@ -168,10 +232,7 @@ impl Sim {
             let v = std::mem::take(&mut st.violations);
             bail!("{}: {}", self.name(), v.join("; "));
         }
-        let queue = std::mem::take(&mut st.queue);
-        for op in queue {
-            self.run(&mut st, op)?;
-        }
+        self.run_queues(&mut st)?;
         for (&ptr, a) in &st.allocs {
             check_canaries(ptr, a).map_err(|e| anyhow!("{}: {e}", self.name()))?;
         }
@@ -201,8 +262,8 @@ impl Sim {
     /// write past its ends, is a violation the next synchronize reports (free cannot fail).
     pub fn free(&self, ptr: u64) {
         let mut st = self.state();
-        if !st.queue.is_empty() {
-            let n = st.queue.len();
+        let n = st.queues.iter().map(|q| q.len()).sum::<usize>();
+        if n > 0 {
             st.violations.push(format!("the block at {ptr:#x} was freed while {n} operations were queued"));
         }
         match st.allocs.remove(&ptr) {
@@ -224,14 +285,14 @@ impl Sim {
     pub fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
         let mut st = self.state();
         check_range(&st, ptr, bytes, "memset")?;
-        st.queue.push(Op::Memset { ptr, bytes });
+        st.push(Op::Memset { ptr, bytes }, &[ptr]);
         Ok(())
     }
 
     pub fn htod(&self, dst: u64, src: &[u8]) -> Result<()> {
         let mut st = self.state();
         check_range(&st, dst, src.len(), "host-to-device copy")?;
-        st.queue.push(Op::Htod { dst, data: src.to_vec() });
+        st.push(Op::Htod { dst, data: src.to_vec() }, &[dst]);
         Ok(())
     }
 
@@ -249,7 +310,7 @@ impl Sim {
         let mut st = self.state();
         check_range(&st, src, bytes, "device copy source")?;
         check_range(&st, dst, bytes, "device copy destination")?;
-        st.queue.push(Op::Dtod { dst, src, bytes });
+        st.push(Op::Dtod { dst, src, bytes }, &[dst, src]);
         Ok(())
     }
 
@@ -307,11 +368,15 @@ impl Sim {
             Some(offs) => offs.iter().filter(|&&o| o % 8 == 0 && o / 8 < whole).map(|&o| o / 8).collect(),
             None => (0..whole).collect(),
         };
+        let mut uses = Vec::new();
         for i in words {
             // SAFETY: the first `whole` words were fully written by the copy above; any bit
             // pattern is a valid u64.
             let v = unsafe { buf[i].assume_init() };
             let owner = owners().range(..=v).next_back().filter(|(&s, &(b, _))| v < s + b as u64).map(|(_, o)| o.1);
+            if owner == Some(self.ordinal) {
+                uses.push(v);
+            }
             match owner {
                 Some(o) if o != self.ordinal => {
                     return Err(rule(format!(
@@ -330,7 +395,7 @@ impl Sim {
                 _ => {}
             }
         }
-        st.queue.push(Op::Launch { k, grid: (grid.0, grid.1), block, smem, params: buf });
+        st.push(Op::Launch { k, grid: (grid.0, grid.1), block, smem, params: buf }, &uses);
         Ok(())
     }
 
@@ -345,7 +410,9 @@ impl Sim {
             check_range(&st, sw, super::sim_gemm::sf_bytes(n, k), "GEMM weight block scales")?;
             check_range(&st, sx, super::sim_gemm::sf_bytes(m, k), "GEMM input block scales")?;
         }
-        st.queue.push(Op::Gemm { key, w, x, y, alpha, scales });
+        let mut uses = vec![w, x, y];
+        uses.extend(scales.map(|(a, b)| [a, b]).into_iter().flatten());
+        st.push(Op::Gemm { key, w, x, y, alpha, scales }, &uses);
         Ok(())
     }
 
@@ -374,12 +441,89 @@ impl Sim {
             check_range(&st, a.sfa, super::sim_gemm::sf_bytes(a.m, a.k), "CUTLASS scales SFA")?;
             check_range(&st, a.sfb, super::sim_gemm::sf_bytes(a.n, a.k), "CUTLASS scales SFB")?;
         }
-        st.queue.push(Op::Cutlass { g, args: *a });
+        st.push(Op::Cutlass { g, args: *a }, &[a.a, a.b, a.d, a.sfa, a.sfb]);
         Ok(true)
     }
 
     pub fn stream_handle(&self) -> *mut std::ffi::c_void {
         std::ptr::null_mut()
+    }
+
+    pub fn record_event(&self) -> Result<Event> {
+        let stream = current_stream();
+        Ok(Event::Sim { ordinal: self.ordinal, stream, seq: self.state().queued[stream as usize] })
+    }
+
+    pub fn wait_event(&self, e: &Event) -> Result<()> {
+        let cur = current_stream();
+        match *e {
+            Event::Sim { ordinal, stream, seq } if ordinal == self.ordinal => {
+                if stream != cur {
+                    self.state().push(Op::Wait { on: stream, upto: seq }, &[]);
+                }
+                Ok(())
+            }
+            Event::Sim { ordinal, .. } => bail!(
+                "{}: a wait on an event of cuda-sim:{ordinal} (the simulator orders devices by synchronizing)",
+                self.name()
+            ),
+            #[cfg(feature = "cuda")]
+            Event::Real(_) => bail!("{}: a wait on a GPU's event", self.name()),
+        }
+    }
+
+    /// Checks that `src` lies in a live allocation of cuda-sim:`src_ordinal` and `dst` in one
+    /// of this device's, and queues the copy.
+    pub fn peer_copy(&self, dst: u64, src: u64, src_ordinal: usize, bytes: usize) -> Result<()> {
+        let mut st = self.state();
+        check_range(&st, dst, bytes, "peer copy destination")?;
+        let owner = owners().range(..=src).next_back().map(|(&s, &(b, o))| (s, b, o));
+        match owner {
+            Some((s, b, o)) if o == src_ordinal && src + bytes as u64 <= s + b as u64 => {}
+            _ => bail!(
+                "{}: peer copy of {bytes} bytes from {src:#x}: not inside an allocation of cuda-sim:{src_ordinal}",
+                self.name()
+            ),
+        }
+        st.push(Op::Peer { dst, src, bytes }, &[dst]);
+        Ok(())
+    }
+
+    /// Runs both streams' queues: the compute stream until it is empty or waits on an event
+    /// the communication stream has not reached, then the communication stream likewise, and
+    /// so on. The compute stream goes first whatever the order of queueing, so work the host
+    /// queued on the communication stream earlier but did not order by an event runs late, as
+    /// it may on a GPU; and every operation is checked against the other stream's pending
+    /// work first ([`State::check_order`]), so a missing event is an error rather than luck.
+    fn run_queues(&self, st: &mut State) -> Result<()> {
+        loop {
+            let mut progress = false;
+            for s in [Stream::Compute, Stream::Comm] {
+                let i = s as usize;
+                while let Some(front) = st.queues[i].front() {
+                    if let Op::Wait { on, upto } = front.op {
+                        if st.ran[on as usize] < upto {
+                            break;
+                        }
+                    }
+                    if let Err(e) = st.check_order(s) {
+                        st.discard();
+                        bail!("{}: {e}", self.name());
+                    }
+                    let Some(e) = st.queues[i].pop_front() else { break };
+                    st.ran[i] += 1;
+                    progress = true;
+                    self.run(st, e.op)?;
+                }
+            }
+            if st.queues.iter().all(|q| q.is_empty()) {
+                return Ok(());
+            }
+            if !progress {
+                st.discard();
+                bail!("{}: both streams wait on events the other never reaches", self.name());
+            }
+        }
     }
 
     pub fn time_ms(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
@@ -422,6 +566,11 @@ impl Sim {
             }
             Op::Gemm { key, w, x, y, alpha, scales } => super::sim_gemm::run(&key, w, x, y, alpha, scales),
             Op::Cutlass { g, args } => super::sim_gemm::run_cutlass(g, &args),
+            // SAFETY: `dst` was checked against this device's allocations and `src` against the
+            // peer's when queued; the collective keeps the peer's block alive and unchanged
+            // until this device has synchronized (see `parallel::device_coll`).
+            Op::Peer { dst, src, bytes } => unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) },
+            Op::Wait { .. } => {}
         }
         Ok(())
     }
@@ -437,6 +586,68 @@ impl Drop for Sim {
                 unsafe { std::alloc::dealloc(a.base as *mut u8, l) };
             }
         }
+    }
+}
+
+impl State {
+    /// Queues `op` on the calling thread's current stream; `ptrs`: the device addresses it
+    /// reads or writes (kept as the allocations they lie in).
+    fn push(&mut self, op: Op, ptrs: &[u64]) {
+        let s = current_stream() as usize;
+        let mut uses: Vec<u64> = ptrs.iter().filter_map(|&p| self.alloc_of(p)).collect();
+        uses.sort_unstable();
+        uses.dedup();
+        self.queues[s].push_back(Entry { op, seq: self.queued[s], uses });
+        self.queued[s] += 1;
+    }
+
+    /// Drops every queued operation (after an ordering error: what they would compute is
+    /// undefined), leaving the device usable; earlier events count as reached.
+    fn discard(&mut self) {
+        self.queues = Default::default();
+        self.ran = self.queued;
+    }
+
+    /// The start of the live allocation that holds `p`.
+    fn alloc_of(&self, p: u64) -> Option<u64> {
+        self.allocs.range(..=p).next_back().filter(|(&s, a)| p < s + a.bytes.max(1) as u64).map(|(&s, _)| s)
+    }
+
+    /// Before the front of stream `s` runs: an error if an operation still pending on the
+    /// other stream uses one of its allocations and no wait on that stream, queued before
+    /// it, covers this one (then nothing orders the two: on a GPU they may run in either
+    /// order or at once).
+    fn check_order(&self, s: Stream) -> Result<()> {
+        let Some(x) = self.queues[s as usize].front() else { return Ok(()) };
+        let o = s.other();
+        if x.uses.is_empty() || self.queues[o as usize].is_empty() {
+            return Ok(());
+        }
+        let mut covered = 0u64;
+        for y in &self.queues[o as usize] {
+            if let Op::Wait { on, upto } = y.op {
+                if on == s {
+                    covered = covered.max(upto);
+                }
+                continue;
+            }
+            if covered > x.seq {
+                return Ok(());
+            }
+            if let Some(&a) = y.uses.iter().find(|a| x.uses.contains(a)) {
+                let bytes = self.allocs.get(&a).map(|a| a.bytes).unwrap_or(0);
+                bail!(
+                    "stream-ordering race: {} on the {} stream and {} on the {} stream both use the allocation of \
+                     {bytes} bytes at {a:#x}, and no event orders them (record an event after the one that must \
+                     come first and make the other stream wait on it)",
+                    x.op.describe(),
+                    s.name(),
+                    y.op.describe(),
+                    o.name()
+                );
+            }
+        }
+        Ok(())
     }
 }
 

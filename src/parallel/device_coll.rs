@@ -1,0 +1,250 @@
+//! Collectives over device memory, for data-parallel training with the trainer's state on the
+//! GPUs (ZeRO-1 in `train::device_state`): the flat FP32 gradient reduce-scattered, the
+//! compute weights all-gathered in place, on each device's communication stream and ordered
+//! against its compute stream by events. Nothing crosses PCIe.
+//!
+//! [`PeerCopy`] is the in-process implementation: every rank copies the pieces it needs
+//! straight out of the other devices' buffers (`CudaDevice::peer_copy`: cuMemcpyPeerAsync on
+//! GPUs, a checked copy between simulated devices), then sums them on its own device in rank
+//! order with `ct_col_sum` (so the sums are the host collective's, bit for bit). The ranks
+//! meet at host barriers (an [`InProcess`] rendezvous, so an abort wakes them): before the
+//! copies (every rank has synchronized its own writes) and after them (no rank changes a
+//! buffer another is still reading). The reduction after the second barrier runs on the
+//! communication stream; the returned [`Event`] is the point the compute stream must wait on
+//! before it reads the result — the rule the simulator checks (a read without the wait is a
+//! "stream-ordering race" error). NCCL does the same work in one call per collective on a
+//! node with NVLink; it is not wired here yet (see the README).
+//!
+//! Owns: the rendezvous and the per-call exchange of device addresses. May call: the CUDA
+//! device layer, `ops::linear::bias_grad` (the column sum). Must not: know about models or
+//! optimizers.
+
+use super::collective::{shard_range, Collective, InProcess};
+use crate::device::cuda::{on_stream, CudaDevice, Event, Stream};
+use crate::device::{DType, Device, Storage, Tensor};
+use anyhow::{anyhow, bail, Result};
+use std::sync::Mutex;
+
+/// A group of ranks, one per device, that call the same collective in the same order.
+pub trait DeviceCollective: Send + Sync {
+    fn world(&self) -> usize;
+    /// Σ over ranks of `send` (F32, n values on this rank's device); this rank's shard
+    /// (`shard_range(n, world, rank)`) lands in `recv`. `staging` (F32, world × shard) holds
+    /// the pieces while they are summed. Queued on the communication stream: read `recv`
+    /// only after the compute stream waited on the returned event.
+    fn reduce_scatter(&self, rank: usize, send: &Tensor, staging: &mut Tensor, recv: &mut Tensor) -> Result<Event>;
+    /// `buf` (n values of any dtype on this rank's device) holds this rank's shard at
+    /// `shard_range(n, world, rank)`; afterwards it holds every rank's. The compute stream
+    /// must wait on the returned event before it reads `buf`.
+    fn all_gather_in_place(&self, rank: usize, buf: &mut Tensor) -> Result<Event>;
+    /// Wakes every rank in (or later entering) a collective with an error.
+    fn abort(&self, reason: &str);
+}
+
+/// The in-process collective over device buffers (see the module comment).
+pub struct PeerCopy {
+    world: usize,
+    gate: InProcess,
+    /// Each rank's (device, address of the buffer it offers) for the call in progress.
+    slots: Mutex<Vec<Option<(CudaDevice, u64)>>>,
+}
+
+fn cuda_of(t: &Tensor, what: &str) -> Result<(CudaDevice, u64)> {
+    match t.storage() {
+        Storage::Cuda(c) => Ok((c.device().clone(), c.device_ptr() as u64)),
+        Storage::Cpu(_) => bail!("device collective: the {what} is in host memory"),
+    }
+}
+
+impl PeerCopy {
+    pub fn new(world: usize) -> Result<PeerCopy> {
+        Ok(PeerCopy { world, gate: InProcess::new(world)?, slots: Mutex::new(vec![None; world]) })
+    }
+
+    fn barrier(&self, rank: usize) -> Result<()> {
+        self.gate.all_reduce_sum_f64(rank, 0.0).map(|_| ())
+    }
+
+    fn slots(&self) -> std::sync::MutexGuard<'_, Vec<Option<(CudaDevice, u64)>>> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Publishes this rank's buffer after its device has finished writing it, and returns
+    /// every rank's once all have.
+    fn exchange(&self, rank: usize, dev: &CudaDevice, ptr: u64) -> Result<Vec<(CudaDevice, u64)>> {
+        dev.synchronize()?;
+        self.slots()[rank] = Some((dev.clone(), ptr));
+        self.barrier(rank)?;
+        let all = self.slots().iter().cloned().collect::<Option<Vec<_>>>();
+        all.ok_or_else(|| anyhow!("device collective: a rank published no buffer"))
+    }
+
+    /// Runs `body`; an error aborts the group, so the other ranks leave their barriers.
+    fn guarded<T>(&self, body: impl FnOnce() -> Result<T>) -> Result<T> {
+        body().inspect_err(|e| self.gate.abort(&format!("{e:#}")))
+    }
+}
+
+impl DeviceCollective for PeerCopy {
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn reduce_scatter(&self, rank: usize, send: &Tensor, staging: &mut Tensor, recv: &mut Tensor) -> Result<Event> {
+        self.guarded(|| {
+            let (dev, src) = cuda_of(send, "gradient")?;
+            let n = send.numel();
+            let own = shard_range(n, self.world, rank);
+            let len = own.len();
+            if recv.numel() != len || staging.numel() != self.world * len {
+                bail!(
+                    "reduce_scatter: rank {rank} of {} receives {} values into staging of {} for its shard of {len}",
+                    self.world,
+                    recv.numel(),
+                    staging.numel()
+                );
+            }
+            for (t, what) in [(send, "gradient"), (&*staging, "staging"), (&*recv, "shard")] {
+                if t.dtype() != DType::F32 {
+                    bail!("reduce_scatter: the {what} is {}, expected F32", t.dtype().name());
+                }
+            }
+            let (_, stage) = cuda_of(staging, "staging")?;
+            let ranks = self.exchange(rank, &dev, src)?;
+            on_stream(Stream::Comm, || -> Result<()> {
+                // Row p of the staging: rank p's values of this rank's shard.
+                for (p, (peer, base)) in ranks.iter().enumerate() {
+                    let (dst, from) = (stage + (p * len * 4) as u64, base + (own.start * 4) as u64);
+                    if p == rank {
+                        dev.dtod(dst, from, len * 4)?;
+                    } else {
+                        dev.peer_copy(dst, peer, from, len * 4)?;
+                    }
+                }
+                Ok(())
+            })?;
+            // The copies have read every peer's gradient before anyone moves on.
+            dev.synchronize()?;
+            self.barrier(rank)?;
+            on_stream(Stream::Comm, || -> Result<Event> {
+                recv.fill_zero()?;
+                let d = Device::Cuda(dev.clone());
+                crate::ops::linear::bias_grad(&d, staging, recv, self.world)?;
+                dev.record_event()
+            })
+        })
+    }
+
+    fn all_gather_in_place(&self, rank: usize, buf: &mut Tensor) -> Result<Event> {
+        self.guarded(|| {
+            let (dev, base) = cuda_of(buf, "gather buffer")?;
+            let (n, es) = (buf.numel(), buf.dtype().size());
+            let ranks = self.exchange(rank, &dev, base)?;
+            on_stream(Stream::Comm, || -> Result<()> {
+                for (p, (peer, pbase)) in ranks.iter().enumerate().filter(|(p, _)| *p != rank) {
+                    let r = shard_range(n, self.world, p);
+                    dev.peer_copy(base + (r.start * es) as u64, peer, pbase + (r.start * es) as u64, r.len() * es)?;
+                }
+                Ok(())
+            })?;
+            dev.synchronize()?;
+            self.barrier(rank)?;
+            on_stream(Stream::Comm, || dev.record_event())
+        })
+    }
+
+    fn abort(&self, reason: &str) {
+        self.gate.abort(reason);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    /// Runs `f(rank, device)` on simulated GPUs `ordinals`, one thread each.
+    fn on_sims<T: Send + 'static>(
+        ordinals: &[usize],
+        f: impl Fn(usize, CudaDevice) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let f = Arc::new(f);
+        let hs: Vec<_> = ordinals
+            .iter()
+            .enumerate()
+            .map(|(r, &o)| {
+                let f = f.clone();
+                std::thread::spawn(move || f(r, CudaDevice::sim(o).expect("a simulated GPU")))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    }
+
+    /// Rank r's gradient: values that are not exact in a different summation order.
+    fn grad_of(r: usize, n: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i * 7 + r * 13) % 29) as f32 * 0.1 + 1e-7 * (r as f32 + 1.0)).collect()
+    }
+
+    #[test]
+    fn reduce_scatter_and_all_gather_equal_the_host_collective_on_three_sims() {
+        let (world, n) = (3, 1001);
+        let coll = Arc::new(PeerCopy::new(world).unwrap());
+        let host = Arc::new(InProcess::new(world).unwrap());
+        let (c, h) = (coll.clone(), host.clone());
+        let out = on_sims(&[3, 4, 5], move |rank, dev| {
+            let d = Device::Cuda(dev.clone());
+            let g = grad_of(rank, n);
+            let send = d.from_f32(DType::F32, &[n], &g).unwrap();
+            let len = shard_range(n, world, rank).len();
+            let mut staging = d.zeros(DType::F32, &[world, len]).unwrap();
+            let mut recv = d.zeros(DType::F32, &[len]).unwrap();
+            let e = c.reduce_scatter(rank, &send, &mut staging, &mut recv).unwrap();
+            dev.wait_event(&e).unwrap();
+            let got = recv.to_f32_vec().unwrap();
+            let mut want = vec![0.0f32; len];
+            h.reduce_scatter_sum(rank, &g, &mut want).unwrap();
+            // BF16 gather: each rank's shard written, the others' pieces copied in.
+            let full: Vec<f32> = (0..n).map(|i| (i % 200) as f32 - 100.0).collect(); // exact in BF16
+            let mine = shard_range(n, world, rank);
+            let mut init = vec![f32::NAN; n];
+            init[mine.clone()].copy_from_slice(&full[mine]);
+            let mut buf = d.from_f32(DType::BF16, &[n], &init).unwrap();
+            let e = c.all_gather_in_place(rank, &mut buf).unwrap();
+            dev.wait_event(&e).unwrap();
+            (got, want, buf.to_f32_vec().unwrap(), full)
+        });
+        for (rank, (got, want, gathered, full)) in out.into_iter().enumerate() {
+            // The same sums in the same order: bit for bit.
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "rank {rank}");
+            let bad = gathered.iter().zip(&full).position(|(a, b)| a != b);
+            assert_eq!(bad, None, "rank {rank}: every shard in place");
+        }
+    }
+
+    /// The simulator catches the mistake the event exists for: the compute stream reading the
+    /// reduce-scatter's output without waiting on its event. One rank (the copies and the
+    /// column sum on the communication stream are the same code), on an ordinal no other lib
+    /// test opens: the race error discards the device's queue.
+    #[test]
+    fn reading_the_shard_without_the_event_is_a_stream_ordering_race() {
+        let n = 64;
+        let coll = PeerCopy::new(1).unwrap();
+        let dev = CudaDevice::sim(2).unwrap();
+        let d = Device::Cuda(dev.clone());
+        let send = d.from_f32(DType::F32, &[n], &grad_of(0, n)).unwrap();
+        let mut staging = d.zeros(DType::F32, &[1, n]).unwrap();
+        let mut recv = d.zeros(DType::F32, &[n]).unwrap();
+        // The optimizer's first read of the gradient shard is its squared norm.
+        let _forgotten = coll.reduce_scatter(0, &send, &mut staging, &mut recv).unwrap();
+        let e = format!("{:#}", crate::ops::optim::sum_sq(&d, &recv).expect_err("the race must be reported"));
+        assert!(e.contains("stream-ordering race"), "{e}");
+        assert!(e.contains("on the communication stream") && e.contains("compute stream"), "{e}");
+        // With the wait, the same read is ordered and sees the sum.
+        let e = coll.reduce_scatter(0, &send, &mut staging, &mut recv).unwrap();
+        dev.wait_event(&e).unwrap();
+        let want: f64 = grad_of(0, n).iter().map(|&x| x as f64 * x as f64).sum();
+        let got = crate::ops::optim::sum_sq(&d, &recv).unwrap();
+        assert!((got - want).abs() <= 1e-9 * want, "{got} vs {want}");
+    }
+}
