@@ -360,8 +360,9 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
     let setup = Arc::new(Setup { job: job.clone(), sources: sources.clone(), spec, engine: engine_config(job) });
     let coll = collective(&names[gens..])?;
     let on_cpu = matches!(crate::device::DeviceSpec::parse(&job.run.device)?, crate::device::DeviceSpec::Cpu { .. });
+    let dcoll = super::plan::device_collective(&names[gens..], on_cpu)?;
     let cores = if on_cpu { crate::parallel::split_cores(n) } else { vec![Vec::new(); n] };
-    let (s2, c2, names2) = (setup.clone(), coll.clone(), names.clone());
+    let (s2, c2, d2, names2) = (setup.clone(), coll.clone(), dcoll.clone(), names.clone());
     let mut pool = WorkerPool::spawn(names.clone(), cores.clone(), move |rank| {
         let dev = match names2[rank].strip_prefix("cpu:") {
             Some(t) => crate::device::Device::Cpu(crate::device::CpuDevice::new(
@@ -372,12 +373,22 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
                 .with_context(|| format!("device {rank} of {} ({}) is not available", names2.len(), names2[rank]))?,
         };
         // A generator keeps the compute weights alone and trains nothing.
-        let dp = (rank >= gens).then(|| Dp { rank: rank - gens, world: names2.len() - gens, coll: c2.clone() });
+        let dp = (rank >= gens).then(|| Dp {
+            rank: rank - gens,
+            world: names2.len() - gens,
+            coll: c2.clone(),
+            dcoll: d2.clone(),
+        });
         Replica::new(rank, dev, &s2, dp)
     })?;
     // A failed device wakes the others out of their collectives instead of leaving them waiting.
-    let abort = coll.clone();
-    pool.set_on_failure(move |why| abort.abort(why));
+    let (abort, dabort) = (coll.clone(), dcoll.clone());
+    pool.set_on_failure(move |why| {
+        abort.abort(why);
+        if let Some(d) = &dabort {
+            d.abort(why);
+        }
+    });
     // Calibrated once for the run: for its recipe, or any the guard may fall back to.
     let calib = if setup.spec.recipe.needs_calibration() || ladder.iter().any(|s| s.recipe.needs_calibration()) {
         let saved = out_dir.join("calibration.json");

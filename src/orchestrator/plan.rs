@@ -101,6 +101,18 @@ pub fn collective(names: &[String]) -> Result<Arc<dyn Collective>> {
     }
 }
 
+/// The device collective of the training devices `names` (ZeRO-1 on the GPUs' own memory):
+/// the in-process [`crate::parallel::PeerCopy`] for several CUDA or simulated GPUs; None for
+/// one, for CPU devices, and under COLOTRAIN_COLLECTIVE=nccl (which keeps the host-staged
+/// NCCL path for the trainers).
+pub fn device_collective(names: &[String], on_cpu: bool) -> Result<Option<Arc<dyn crate::parallel::DeviceCollective>>> {
+    let nccl = std::env::var("COLOTRAIN_COLLECTIVE").as_deref() == Ok("nccl");
+    if on_cpu || names.len() < 2 || nccl {
+        return Ok(None);
+    }
+    Ok(Some(Arc::new(crate::parallel::PeerCopy::new(names.len())?)))
+}
+
 #[cfg(feature = "cuda")]
 fn nccl_group(ords: &[usize]) -> Result<Arc<dyn Collective>> {
     Ok(Arc::new(crate::parallel::nccl::Nccl::new(ords)?))

@@ -7,8 +7,13 @@
 //! quantized engine's requantize needs: in a step only token ids, per-token coefficients and
 //! per-token results cross PCIe (see the `transfer` metrics).
 //!
-//! Not yet: data parallelism over several GPUs (their collectives still stage through the
-//! host, so `Trainer` keeps the host path there).
+//! With several training GPUs (ZeRO-1, [`Zero`]): every device keeps the whole gradient, but
+//! only its shard of the master and the moments. The gradient is reduce-scattered on the
+//! communication stream (`parallel::DeviceCollective`); the compute stream waits on the
+//! collective's event, takes the global norm (one f64 per device over the host), updates its
+//! shard and writes the rounded shard into a flat buffer of the compute weights' dtype, which is
+//! all-gathered in place; after the gather's event each parameter is copied from it into its
+//! own tensor (device to device). Only per-token numbers and one norm per update cross PCIe.
 //!
 //! Owns: the device tensors of one trainer. May call: `model::trainable_device`, `ops::optim`.
 //! Must not: decide clipping, skipping or the learning rate (`super::optimizer` does).
@@ -20,7 +25,29 @@ use crate::model::trainable_device::DeviceTrainable;
 use crate::model::{ModelConfig, ModelWeights};
 use crate::ops::lm_head::DevCenter;
 use crate::ops::optim::{self, Compute, Layout, Rule, State};
+use crate::parallel::DeviceCollective;
 use anyhow::{bail, Result};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// A device trainer's share of data parallelism over several GPUs (ZeRO-1).
+pub(super) struct Zero {
+    dp: super::dp::Dp,
+    coll: Arc<dyn DeviceCollective>,
+    /// This device's shard of the flat parameters.
+    shard: Range<usize>,
+    /// (S) the reduce-scattered gradient of the shard.
+    grad_shard: Tensor,
+    /// (world, S) the pieces of the shard's gradient while they are summed.
+    staging: Tensor,
+    /// (P) the whole model in the compute weights' dtype: each device writes its shard, the
+    /// all-gather fills in the rest.
+    gathered: Tensor,
+    /// The shard as one tensor (the optimizer's layout; no per-parameter amax).
+    layout: Layout,
+    /// Each parameter's (offset, length) in the flat order.
+    spans: Vec<(usize, usize)>,
+}
 
 pub(super) struct DeviceState {
     dev: Device,
@@ -38,12 +65,20 @@ pub(super) struct DeviceState {
     /// pass. `amax_valid`: an update wrote it, and nothing rewrote the weights since.
     amax: Tensor,
     amax_valid: bool,
+    /// Several training GPUs: the ZeRO-1 buffers (the master and moments above are the shard).
+    zero: Option<Zero>,
 }
 
 impl DeviceState {
     /// The state for `weights` (on a CUDA device), the master initialized from them: each
     /// flat buffer one allocation, the gradient's per-parameter tensors views of it.
-    pub fn new(cfg: &ModelConfig, weights: &ModelWeights, adam: bool) -> Result<DeviceState> {
+    /// `zero`: the data-parallel group and its device collective, when several GPUs train.
+    pub fn new(
+        cfg: &ModelConfig,
+        weights: &ModelWeights,
+        adam: bool,
+        zero: Option<(super::dp::Dp, Arc<dyn DeviceCollective>)>,
+    ) -> Result<DeviceState> {
         let dev = match weights.tensors().first() {
             Some(t) => match t.storage() {
                 crate::device::Storage::Cuda(s) => Device::Cuda(s.device().clone()),
@@ -57,9 +92,13 @@ impl DeviceState {
             host.extend(t.to_f32_vec()?);
         }
         let n = host.len();
+        let shard = match &zero {
+            Some((dp, _)) => dp.shard(n),
+            None => 0..n,
+        };
         // One upload at start (the master is the compute weights' value).
-        let master = dev.from_f32(DType::F32, &[n], &host)?;
-        let moment = || if adam { dev.zeros(DType::F32, &[n]).map(Some) } else { Ok(None) };
+        let master = dev.from_f32(DType::F32, &[shard.len()], &host[shard.clone()])?;
+        let moment = || if adam { dev.zeros(DType::F32, &[shard.len()]).map(Some) } else { Ok(None) };
         let (m, v) = (moment()?, moment()?);
         let grad = dev.zeros(DType::F32, &[n])?;
         let grads = weights
@@ -69,6 +108,25 @@ impl DeviceState {
             .map(|(t, &(off, _))| grad.view(off, t.shape()))
             .collect::<Result<Vec<_>>>()?;
         let amax = dev.upload(Tensor::from_u32_host(&[spans.len()], vec![0; spans.len()])?)?;
+        let zero = match zero {
+            Some((dp, coll)) => {
+                let dtype = Self::compute_dtype(weights).ok_or_else(|| {
+                    anyhow::anyhow!("device data parallelism needs one compute dtype for every weight")
+                })?;
+                let s = shard.len();
+                Some(Zero {
+                    grad_shard: dev.zeros(DType::F32, &[s])?,
+                    staging: dev.zeros(DType::F32, &[dp.world, s])?,
+                    gathered: dev.from_f32(dtype, &[n], &host)?,
+                    layout: Layout::new(vec![(0, s)])?,
+                    spans: spans.clone(),
+                    shard: shard.clone(),
+                    dp,
+                    coll,
+                })
+            }
+            None => None,
+        };
         Ok(DeviceState {
             model: DeviceTrainable::new(cfg, &dev)?,
             dev,
@@ -80,13 +138,26 @@ impl DeviceState {
             layout: Layout::new(spans)?,
             amax,
             amax_valid: false,
+            zero,
         })
     }
 
-    /// Bytes held on the device: master, moments, gradient.
+    /// The dtype every compute weight shares (F32, BF16 or F16), if they share one: what a
+    /// data-parallel device trainer gathers.
+    pub fn compute_dtype(weights: &ModelWeights) -> Option<DType> {
+        let ts = weights.tensors();
+        let d = ts.first()?.dtype();
+        (ts.iter().all(|t| t.dtype() == d) && [DType::F32, DType::BF16, DType::F16].contains(&d)).then_some(d)
+    }
+
+    /// Bytes held on the device: master, moments, gradient (and with several GPUs the
+    /// gradient shard, the staging of its pieces and the gathered weights).
     pub fn bytes(&self) -> usize {
         let moments = [&self.m, &self.v].iter().filter_map(|t| t.as_ref()).map(|t| t.numel()).sum::<usize>();
-        4 * (self.master.numel() + moments + self.grad.numel() + self.amax.numel())
+        let zero = self.zero.as_ref().map_or(0, |z| {
+            4 * (z.grad_shard.numel() + z.staging.numel()) + z.gathered.numel() * z.gathered.dtype().size()
+        });
+        4 * (self.master.numel() + moments + self.grad.numel() + self.amax.numel()) + zero
     }
 
     /// Each parameter's amax of its compute weights (f32 bits, U32 per tensor in parameter
@@ -162,19 +233,14 @@ impl DeviceState {
     /// multi-tensor step that rewrites every parameter's compute weights in place and reduces
     /// each one's amax of them while it writes them.
     pub fn apply(&mut self, opt: &mut Optimizer, weights: &mut ModelWeights) -> Result<StepInfo> {
+        if self.zero.is_some() {
+            return self.apply_zero(opt, weights);
+        }
         let norm = optim::sum_sq(&self.dev, &self.grad)?.sqrt();
         if !norm.is_finite() {
             return Ok(StepInfo { grad_norm: norm, clip_coef: 0.0, lr: 0.0, skipped: true });
         }
-        let cfg = &opt.cfg;
-        let clip_coef = if cfg.grad_clip > 0.0 { (cfg.grad_clip / (norm + 1e-6)).min(1.0) } else { 1.0 };
-        let clip = if clip_coef < 1.0 { clip_coef as f32 } else { 1.0 };
-        opt.step += 1;
-        let lr = opt.lr_at(opt.step);
-        let rule = match opt.kind {
-            Kind::Sgd => Rule::sgd(lr, cfg.weight_decay),
-            Kind::AdamW => Rule::adamw(lr, cfg.weight_decay, cfg.betas, cfg.eps, opt.step),
-        };
+        let (clip_coef, clip, rule) = Self::rule(opt, norm);
         let mut st = State { master: &mut self.master, m: self.m.as_mut(), v: self.v.as_mut(), layout: &self.layout };
         let mut ws = weights.tensors_mut();
         self.amax_valid = false;
@@ -187,25 +253,110 @@ impl DeviceState {
             Some(Compute { weights: &mut ws, amax: Some(&mut self.amax) }),
         )?;
         self.amax_valid = true;
-        Ok(StepInfo { grad_norm: norm, clip_coef, lr, skipped: false })
+        Ok(StepInfo { grad_norm: norm, clip_coef, lr: opt.lr_at(opt.step), skipped: false })
+    }
+
+    /// Clipping and the update rule for gradient norm `norm` (finite); advances the step.
+    fn rule(opt: &mut Optimizer, norm: f64) -> (f64, f32, Rule) {
+        let cfg = &opt.cfg;
+        let clip_coef = if cfg.grad_clip > 0.0 { (cfg.grad_clip / (norm + 1e-6)).min(1.0) } else { 1.0 };
+        let clip = if clip_coef < 1.0 { clip_coef as f32 } else { 1.0 };
+        opt.step += 1;
+        let lr = opt.lr_at(opt.step);
+        let rule = match opt.kind {
+            Kind::Sgd => Rule::sgd(lr, cfg.weight_decay),
+            Kind::AdamW => Rule::adamw(lr, cfg.weight_decay, cfg.betas, cfg.eps, opt.step),
+        };
+        (clip_coef, clip, rule)
+    }
+
+    /// The ZeRO-1 update over several GPUs (see the module comment). Every device reaches the
+    /// same decision to skip: the norm is global.
+    fn apply_zero(&mut self, opt: &mut Optimizer, weights: &mut ModelWeights) -> Result<StepInfo> {
+        let Some(z) = self.zero.as_mut() else { bail!("apply_zero without data parallelism") };
+        let Device::Cuda(cd) = &self.dev else { bail!("device trainer state off a CUDA device") };
+        self.amax_valid = false;
+        let rank = z.dp.rank;
+        let reduced = z.coll.reduce_scatter(rank, &self.grad, &mut z.staging, &mut z.grad_shard)?;
+        // The compute stream reads the shard only after the communication stream wrote it.
+        cd.wait_event(&reduced)?;
+        let norm = z.dp.sum_f64(optim::sum_sq(&self.dev, &z.grad_shard)?)?.sqrt();
+        if !norm.is_finite() {
+            return Ok(StepInfo { grad_norm: norm, clip_coef: 0.0, lr: 0.0, skipped: true });
+        }
+        let (clip_coef, clip, rule) = Self::rule(opt, norm);
+        let mut st = State { master: &mut self.master, m: self.m.as_mut(), v: self.v.as_mut(), layout: &z.layout };
+        let mut mine = z.gathered.view(z.shard.start, &[z.shard.len()])?;
+        optim::step(
+            &self.dev,
+            &mut st,
+            &mut z.grad_shard,
+            clip,
+            &rule,
+            Some(Compute { weights: &mut [&mut mine], amax: None }),
+        )?;
+        let gathered = z.coll.all_gather_in_place(rank, &mut z.gathered)?;
+        cd.wait_event(&gathered)?;
+        let es = z.gathered.dtype().size();
+        let base = ptr_of(&z.gathered)?;
+        for (t, &(off, len)) in weights.tensors_mut().into_iter().zip(&z.spans) {
+            cd.dtod(ptr_of(t)?, base + (off * es) as u64, len * es)?;
+        }
+        Ok(StepInfo { grad_norm: norm, clip_coef, lr: opt.lr_at(opt.step), skipped: false })
+    }
+
+    /// The whole model as of the last update, in f32 (several GPUs: the gathered compute
+    /// weights, rounded as they are; one: the master).
+    pub fn full_weights(&self) -> Result<Vec<f32>> {
+        match &self.zero {
+            Some(z) => z.gathered.to_f32_vec(),
+            None => self.master.to_f32_vec(),
+        }
     }
 
     /// (master, exp_avg, exp_avg_sq) as host vectors in parameter order (moments empty under
-    /// SGD).
+    /// SGD). With several GPUs every device must call it (the shards are all-gathered).
     pub fn gather(&self) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let host = |t: &Option<Tensor>| t.as_ref().map(|t| t.to_f32_vec()).unwrap_or(Ok(Vec::new()));
-        Ok((self.master.to_f32_vec()?, host(&self.m)?, host(&self.v)?))
+        let (master, m, v) = (self.master.to_f32_vec()?, host(&self.m)?, host(&self.v)?);
+        let Some(z) = &self.zero else { return Ok((master, m, v)) };
+        let n = self.grad.numel();
+        let all = |part: &[f32]| -> Result<Vec<f32>> {
+            if part.is_empty() {
+                return Ok(Vec::new());
+            }
+            let mut full = vec![0.0f32; n];
+            z.dp.coll.all_gather(z.dp.rank, part, &mut full)?;
+            Ok(full)
+        };
+        Ok((all(&master)?, all(&m)?, all(&v)?))
     }
 
-    /// Restores the master and the moments from host vectors in parameter order (the caller
-    /// rewrites the compute weights: their amax is stale until the next update).
+    /// Restores the master and the moments from host vectors in parameter order (the whole
+    /// model; a data-parallel device keeps its shard). The caller rewrites the compute weights:
+    /// their amax is stale until the next update.
     pub fn restore(&mut self, master: &[f32], m: &[f32], v: &[f32]) -> Result<()> {
         self.amax_valid = false;
-        self.master.write_f32(master)?;
+        let shard = match &mut self.zero {
+            Some(z) => {
+                z.gathered.write_f32(master)?;
+                z.shard.clone()
+            }
+            None => 0..master.len(),
+        };
+        self.master.write_f32(&master[shard.clone()])?;
         if let (Some(mt), Some(vt)) = (self.m.as_mut(), self.v.as_mut()) {
-            mt.write_f32(m)?;
-            vt.write_f32(v)?;
+            mt.write_f32(&m[shard.clone()])?;
+            vt.write_f32(&v[shard])?;
         }
         Ok(())
+    }
+}
+
+/// The device address of a CUDA tensor.
+fn ptr_of(t: &Tensor) -> Result<u64> {
+    match t.storage() {
+        crate::device::Storage::Cuda(c) => Ok(c.device_ptr() as u64),
+        crate::device::Storage::Cpu(_) => bail!("device trainer state: a host tensor"),
     }
 }

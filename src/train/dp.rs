@@ -9,7 +9,7 @@
 
 use crate::engine::rollout::Rollout;
 use crate::objective::triage::TriageStats;
-use crate::parallel::{shard_range, Collective, InProcess};
+use crate::parallel::{shard_range, Collective, DeviceCollective, InProcess};
 use anyhow::Result;
 use std::ops::Range;
 use std::sync::Arc;
@@ -18,13 +18,17 @@ use std::sync::Arc;
 pub struct Dp {
     pub rank: usize,
     pub world: usize,
+    /// Host vectors: log-probs, norms, checkpoints, and the host training path.
     pub coll: Arc<dyn Collective>,
+    /// Device buffers: the gradient and the weights of trainers on GPUs (None: they stage
+    /// through the host collective and train on the host).
+    pub dcoll: Option<Arc<dyn DeviceCollective>>,
 }
 
 impl Dp {
     /// One device: every collective is a copy.
     pub fn single() -> Result<Dp> {
-        Ok(Dp { rank: 0, world: 1, coll: Arc::new(InProcess::new(1)?) })
+        Ok(Dp { rank: 0, world: 1, coll: Arc::new(InProcess::new(1)?), dcoll: None })
     }
 
     /// This device's ZeRO-1 shard of `n` parameters.

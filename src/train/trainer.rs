@@ -5,10 +5,11 @@
 //! holds this device's ZeRO-1 shard and the weights are all-gathered after each update (in BF16
 //! when the compute weights are BF16, else the FP32 master).
 //!
-//! On a single CUDA device the whole step runs there (`device_state.rs`: master, moments and
+//! On CUDA devices the whole step runs there (`device_state.rs`: master, moments and
 //! gradients on the device, the model's device twin, the fused optimizer writing the compute
-//! weights in place); with several devices, or the NVFP4 learner, the step runs on the host as
-//! before (reading widened copies of the compute weights).
+//! weights in place; with several GPUs ZeRO-1 over a device collective). Without a device
+//! collective, or with compute weights of mixed dtypes, several GPUs train on the host
+//! (reading widened copies of the compute weights).
 //!
 //! Owns: one device's compute weights, the trainable model, its optimizer shard and gradients.
 
@@ -129,8 +130,14 @@ impl Trainer {
     fn build(cfg: &ModelConfig, weights: ModelWeights, job: &JobConfig, dp: Dp, weights_only: bool) -> Result<Trainer> {
         let objective = Objective::from_job(job)?;
         let on_cuda = weights.tensors().first().map(|t| !t.storage().is_cpu()).unwrap_or(false);
-        let dstate = if on_cuda && dp.world == 1 && !weights_only {
-            Some(DeviceState::new(cfg, &weights, job.optimizer.kind == super::optimizer::Kind::AdamW)?)
+        // Several GPUs train on the device when they have a device collective and one compute
+        // dtype to gather; otherwise on the host.
+        let zero = match &dp.dcoll {
+            Some(c) if dp.world > 1 && DeviceState::compute_dtype(&weights).is_some() => Some((dp.clone(), c.clone())),
+            _ => None,
+        };
+        let dstate = if on_cuda && !weights_only && (dp.world == 1 || zero.is_some()) {
+            Some(DeviceState::new(cfg, &weights, job.optimizer.kind == super::optimizer::Kind::AdamW, zero)?)
         } else {
             None
         };
@@ -147,8 +154,8 @@ impl Trainer {
         }
         let grads = ranges.iter().map(|r| vec![0.0; if host { r.len() } else { 0 }]).collect();
         let shard = if weights_only { 0..0 } else { dp.shard(n) };
-        let master = if dp.world == 1 { master } else { master[shard.clone()].to_vec() };
-        let gathered = Gathered::new(&weights, if dp.world == 1 || weights_only { 0 } else { n }, shard.len());
+        let master = if dp.world == 1 || !host { master } else { master[shard.clone()].to_vec() };
+        let gathered = Gathered::new(&weights, if dp.world == 1 || !host { 0 } else { n }, shard.len());
         Ok(Trainer {
             cfg: cfg.clone(),
             weights,
@@ -548,7 +555,7 @@ impl Trainer {
     /// are BF16: the same compute weights once a generator rounds it).
     pub fn full_weights(&self) -> Result<Vec<f32>> {
         if let Some(ds) = &self.dstate {
-            return Ok(ds.gather()?.0);
+            return ds.full_weights();
         }
         Ok(match (self.dp.world, &self.gathered) {
             (1, _) => self.opt.master.clone(),

@@ -1,0 +1,107 @@
+//! One process, several simulated GPUs (issue 21): data parallelism with the trainer's state on
+//! the devices (ZeRO-1 over the device collective: peer copies and the reduction on each
+//! device's communication stream, ordered by events), and a fault on one GPU mid-step.
+//! Tolerance for N GPUs vs one, as for the CPU devices (tests/devices.rs): SGD, so the weights
+//! differ only by the gradient's summation order (per-device partial sums, then across
+//! devices): |a − b| ≤ 1e-6 + 1e-5·|b|; the sampled tokens are identical (Philox keys do not
+//! depend on the device). Each job has ordinals of its own (the transfer counters are per
+//! device).
+
+mod common;
+
+use colotrain::config::{CheckpointDtype, JobConfig, OptimizerKind};
+use colotrain::orchestrator::{self as job, Fault, JobOptions};
+use colotrain::train::checkpoint;
+use common::TempDir;
+
+const TINY: &str = include_str!("../configs/tiny-opd.toml");
+
+/// The tiny OPD job on `devices` simulated GPUs from cuda-sim:`first`: 4 prompts × 2 samples,
+/// SGD, F32 checkpoints.
+fn tiny(out: &std::path::Path, first: usize, devices: usize, steps: u64) -> JobConfig {
+    let mut j = JobConfig::from_toml(TINY, "tiny-opd.toml").unwrap();
+    j.run.out_dir = Some(out.to_path_buf());
+    (j.run.steps, j.run.device, j.run.devices) = (steps, format!("cuda-sim:{first}"), devices);
+    (j.eval.every, j.data.heldout_size) = (0, 2);
+    (j.rollout.prompts_per_step, j.rollout.samples_per_prompt) = (4, 2);
+    (j.optimizer.kind, j.optimizer.lr) = (OptimizerKind::Sgd, 0.05);
+    j.checkpoint.dtype = CheckpointDtype::F32;
+    j.validate("test").unwrap();
+    j
+}
+
+fn lines(p: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(p.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn master(dir: &std::path::Path, j: &JobConfig) -> Vec<f32> {
+    let ck = checkpoint::resolve(dir).unwrap();
+    checkpoint::load(&ck, j).unwrap().1
+}
+
+#[test]
+fn one_two_and_four_simulated_gpus_train_the_same_weights_on_the_same_samples() {
+    let t = TempDir::new("sim-dp");
+    let mut results = Vec::new();
+    for (first, n) in [(0, 1), (1, 2), (3, 4)] {
+        let dir = t.path().join(format!("n{n}"));
+        let j = tiny(&dir, first, n, 3);
+        let s = job::run(&j, &JobOptions::default()).unwrap();
+        assert_eq!(s.last.as_ref().unwrap().devices, n);
+        let m = lines(&dir);
+        // The trainers' state lives on the GPUs: a step moves token ids and per-token numbers,
+        // not the 3.3 MiB of weights or their gradient (the last step also writes the
+        // checkpoint, which reads the master back).
+        for l in m.iter().filter(|l| l.get("loss").is_some() && l["step"] != 3) {
+            let (up, down) =
+                (l["transfer"]["h2d_bytes"].as_u64().unwrap(), l["transfer"]["d2h_bytes"].as_u64().unwrap());
+            eprintln!("{n} GPUs: step {}: {up} B up, {down} B down", l["step"]);
+            assert!(up < 200_000 && down < 200_000, "{n} GPUs: step {}: {up} B up, {down} B down", l["step"]);
+        }
+        results.push((n, m, master(&dir, &j)));
+    }
+    let (_, m1, w1) = &results[0];
+    for (n, m, w) in &results[1..] {
+        assert_eq!(m.len(), m1.len());
+        for (a, b) in m.iter().zip(m1).filter(|(a, _)| a.get("loss").is_some()) {
+            assert_eq!(a["samples_digest"], b["samples_digest"], "{n} GPUs: step {}", a["step"]);
+            assert_eq!(a["gen_tokens"], b["gen_tokens"], "{n} GPUs");
+            let (la, lb) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
+            assert!((la - lb).abs() <= 1e-6 + 1e-4 * lb.abs(), "{n} GPUs: loss {la} vs {lb}");
+            assert_eq!(a["utilization"].as_array().unwrap().len(), *n);
+        }
+        let maxdiff = w.iter().zip(w1).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        eprintln!("{n} GPUs: max |Δθ| = {maxdiff:e}");
+        let worst =
+            w.iter().zip(w1).map(|(a, b)| ((a - b).abs() as f64 - 1e-5 * b.abs() as f64).max(0.0)).fold(0.0, f64::max);
+        assert!(worst <= 1e-6, "{n} GPUs: master weights differ by up to {worst:e} beyond the relative part");
+    }
+}
+
+/// A device that errors, or panics, in the train phase of step 3 of a 2-GPU run (its peer
+/// is then inside the device collective's rendezvous): the run stops naming the device and
+/// the phase, nobody hangs, the checkpoint of step 2 is intact and the run resumes from it.
+#[test]
+fn a_fault_on_one_simulated_gpu_mid_step_stops_the_run_with_the_checkpoint_intact() {
+    let t = TempDir::new("sim-fault");
+    for (first, panic) in [(0, false), (2, true)] {
+        let dir = t.path().join(format!("f{panic}"));
+        let mut j = tiny(&dir, first, 2, 4);
+        j.checkpoint.every = 2;
+        let opts = JobOptions { fault: Some(Fault { step: 3, rank: 1, panic, phase: "train" }), ..Default::default() };
+        let e = format!("{:#}", job::run(&j, &opts).unwrap_err());
+        let dev = format!("worker 1 (cuda-sim:{})", first + 1);
+        assert!(e.contains(&dev) && e.contains("phase 'train'"), "{e}");
+        assert!(e.contains(if panic { "panicked" } else { "injected device error" }), "{e}");
+        let cks = checkpoint::list(&dir).unwrap();
+        assert_eq!(cks.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2]);
+        let before = master(&dir, &j);
+        job::run(&j, &JobOptions { resume: Some(dir.clone()), ..Default::default() }).unwrap();
+        assert_eq!(checkpoint::list(&dir).unwrap().iter().map(|c| c.0).max(), Some(4));
+        assert_ne!(master(&dir, &j), before, "the resumed run trained on");
+    }
+}
