@@ -13,6 +13,15 @@ use colotrain::config::{CheckpointDtype, JobConfig, OptimizerKind};
 use colotrain::orchestrator::{self as job, Fault, JobOptions};
 use colotrain::train::checkpoint;
 use common::TempDir;
+use std::sync::Mutex;
+
+/// The tests of this file take turns: their jobs share simulated ordinals, whose transfer
+/// counters they read.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 const TINY: &str = include_str!("../configs/tiny-opd.toml");
 
@@ -45,6 +54,7 @@ fn master(dir: &std::path::Path, j: &JobConfig) -> Vec<f32> {
 
 #[test]
 fn one_two_and_four_simulated_gpus_train_the_same_weights_on_the_same_samples() {
+    let _turn = serial();
     let t = TempDir::new("sim-dp");
     let mut results = Vec::new();
     for (first, n) in [(0, 1), (1, 2), (3, 4)] {
@@ -82,11 +92,40 @@ fn one_two_and_four_simulated_gpus_train_the_same_weights_on_the_same_samples() 
     }
 }
 
+/// BF16 compute weights on two simulated GPUs: each device rounds its shard of the FP32 master
+/// into the gathered BF16 buffer, so after training every compute weight is exactly
+/// bf16(master) at its own position (a shard gathered to the wrong offset, or a parameter
+/// copied from the wrong place, breaks the equality).
+#[test]
+fn bf16_weights_on_two_simulated_gpus_are_gathered_as_the_rounded_master() {
+    let _turn = serial();
+    let t = TempDir::new("sim-bf16");
+    let dir = t.path().join("r");
+    let mut j = tiny(&dir, 0, 2, 2);
+    j.model.dtype = Some("bf16".into());
+    (j.rollout.prompts_per_step, j.rollout.samples_per_prompt) = (2, 2);
+    job::run(&j, &JobOptions::default()).unwrap();
+    let ck = checkpoint::resolve(&dir).unwrap();
+    let master = checkpoint::load(&ck, &j).unwrap().1;
+    // The checkpoint's model is the lead device's compute weights, saved as f32.
+    let dev = colotrain::device::Device::cpu(1).unwrap();
+    let saved = colotrain::model::LoadedModel::load(&ck, &dev, colotrain::device::DType::F32).unwrap();
+    let compute: Vec<f32> = saved.weights.tensors().iter().flat_map(|t| t.to_f32_vec().unwrap()).collect();
+    assert_eq!(compute.len(), master.len());
+    let bad = compute
+        .iter()
+        .zip(&master)
+        .position(|(c, m)| c.to_bits() != colotrain::device::bf16_rne(*m).to_f32().to_bits());
+    assert_eq!(bad, None, "a compute weight differs from bf16(master)");
+    assert!(master.iter().any(|m| colotrain::device::bf16_rne(*m).to_f32() != *m), "training moved the weights");
+}
+
 /// A device that errors, or panics, in the train phase of step 3 of a 2-GPU run (its peer
 /// is then inside the device collective's rendezvous): the run stops naming the device and
 /// the phase, nobody hangs, the checkpoint of step 2 is intact and the run resumes from it.
 #[test]
 fn a_fault_on_one_simulated_gpu_mid_step_stops_the_run_with_the_checkpoint_intact() {
+    let _turn = serial();
     let t = TempDir::new("sim-fault");
     for (first, panic) in [(0, false), (2, true)] {
         let dir = t.path().join(format!("f{panic}"));
