@@ -9,7 +9,7 @@
 
 mod common;
 
-use colotrain::config::{CheckpointDtype, JobConfig, OptimizerKind};
+use colotrain::config::{CheckpointDtype, JobConfig, OptimizerKind, Placement, ScheduleMode};
 use colotrain::orchestrator::{self as job, Fault, JobOptions};
 use colotrain::train::checkpoint;
 use common::TempDir;
@@ -118,6 +118,39 @@ fn bf16_weights_on_two_simulated_gpus_are_gathered_as_the_rounded_master() {
         .position(|(c, m)| c.to_bits() != colotrain::device::bf16_rne(*m).to_f32().to_bits());
     assert_eq!(bad, None, "a compute weight differs from bf16(master)");
     assert!(master.iter().any(|m| colotrain::device::bf16_rne(*m).to_f32() != *m), "training moved the weights");
+}
+
+/// Split placement, k = 2, on two simulated GPUs: cuda-sim:0 generates while cuda-sim:1 trains.
+/// After each update the trainer copies its weights into a snapshot on its own device and the
+/// generator copies them from there into its compute weights, in place, between engine steps
+/// (peer copies, device to device): no step moves the weights across PCIe; every step trains
+/// one step's worth of groups, and no token trained on is more than k versions old.
+#[test]
+fn split_placement_on_two_simulated_gpus_publishes_device_to_device_within_the_bound() {
+    let _turn = serial();
+    let t = TempDir::new("sim-split");
+    let dir = t.path().join("r");
+    let mut j = tiny(&dir, 0, 2, 5);
+    j.schedule.mode = ScheduleMode::Async;
+    j.schedule.placement = Placement::Split;
+    j.schedule.rollout_devices = 1;
+    j.schedule.max_staleness = 2;
+    j.checkpoint.every = 0;
+    j.validate("test").unwrap();
+    let s = job::run(&j, &JobOptions::default()).unwrap();
+    assert_eq!(s.steps, 5);
+    let m = lines(&dir);
+    for l in m.iter().filter(|l| l.get("loss").is_some()) {
+        let lag = l["max_lag"].as_u64().unwrap();
+        assert!(lag <= 2, "step {}: lag {lag}", l["step"]);
+        assert!(l["gen_tokens"].as_u64().unwrap() > 0);
+        let (up, down) = (l["transfer"]["h2d_bytes"].as_u64().unwrap(), l["transfer"]["d2h_bytes"].as_u64().unwrap());
+        eprintln!("split: step {}: lag {lag}, {up} B up, {down} B down", l["step"]);
+        if l["step"] != 5 {
+            assert!(up < 200_000 && down < 200_000, "step {}: {up} B up, {down} B down", l["step"]);
+        }
+    }
+    assert_eq!(m.last().unwrap()["version"].as_u64(), Some(5));
 }
 
 /// A device that errors, or panics, in the train phase of step 3 of a 2-GPU run (its peer

@@ -102,8 +102,8 @@ impl Board {
 pub struct GenLink {
     pub queue: Arc<WorkQueue>,
     pub board: Arc<Board>,
-    /// (version, the whole FP32 master) last published by the trainers.
-    published: Mutex<Option<(u64, Arc<Vec<f32>>)>>,
+    /// (version, the weights) last published by the trainers.
+    published: Mutex<Option<(u64, Snapshot)>>,
     pub stop: AtomicBool,
     /// Nanoseconds each generator spent in engine steps and teacher scoring (indexed by
     /// generator slot).
@@ -128,18 +128,54 @@ impl GenLink {
         }
     }
 
-    /// Makes `master` (the weights of `version`) the generators' next weights.
-    pub fn publish(&self, version: u64, master: Arc<Vec<f32>>) -> Result<()> {
-        *self.published.lock().map_err(|_| anyhow::anyhow!("the weight mailbox was poisoned"))? =
-            Some((version, master));
+    fn mailbox(&self) -> Result<std::sync::MutexGuard<'_, Option<(u64, Snapshot)>>> {
+        self.published.lock().map_err(|_| anyhow::anyhow!("the weight mailbox was poisoned"))
+    }
+
+    /// Publishes `trainer`'s weights (the lead trainer's, after an update) as the generators'
+    /// next. A trainer on a GPU copies its compute weights into the snapshot buffer on its own
+    /// device (allocated at the first publication, rewritten in place after) under the
+    /// mailbox's lock, so no generator reads it half written; on the host the FP32 master is
+    /// shared.
+    pub fn publish(&self, trainer: &Trainer) -> Result<()> {
+        let v = trainer.version;
+        let mut p = self.mailbox()?;
+        if trainer.on_device() {
+            let mut buf = match p.take() {
+                Some((_, Snapshot::Device(t))) => t,
+                _ => trainer.snapshot_buffer()?,
+            };
+            trainer.snapshot_into(&mut buf)?;
+            *p = Some((v, Snapshot::Device(buf)));
+        } else {
+            *p = Some((v, Snapshot::Host(Arc::new(trainer.full_weights()?))));
+        }
         Ok(())
     }
 
-    /// The published weights when they are newer than `have`.
-    fn newer_than(&self, have: u64) -> Result<Option<(u64, Arc<Vec<f32>>)>> {
-        let p = self.published.lock().map_err(|_| anyhow::anyhow!("the weight mailbox was poisoned"))?;
-        Ok(p.as_ref().filter(|(v, _)| *v > have).cloned())
+    /// A generator takes in the published weights when they are newer than `have`: in place
+    /// into its compute weights, from the trainer's GPU device to device (under the mailbox's
+    /// lock) or from the host. The version taken, if any.
+    fn load_newer(&self, have: u64, trainer: &mut Trainer) -> Result<Option<u64>> {
+        let p = self.mailbox()?;
+        match p.as_ref() {
+            Some((v, snap)) if *v > have => {
+                match snap {
+                    Snapshot::Device(t) => trainer.load_weights_from(t, *v)?,
+                    Snapshot::Host(master) => trainer.load_weights(master, *v)?,
+                }
+                Ok(Some(*v))
+            }
+            _ => Ok(None),
+        }
     }
+}
+
+/// Published weights: on the lead trainer's GPU (the whole model, flat in the compute weights'
+/// dtype), or the FP32 master on the host.
+enum Snapshot {
+    Device(crate::device::Tensor),
+    Host(Arc<Vec<f32>>),
 }
 
 /// Where a run's models are: the student's and the teacher's directories, `builtin:` names
@@ -478,8 +514,7 @@ impl Replica {
                 }
                 // `loaded`: the newest published version taken in; the engine stamps tokens with
                 // what its view reads (a stale engine's ring lags `loaded` by its staleness).
-                if let Some((v, master)) = link.newer_than(loaded)? {
-                    trainer.load_weights(&master, v)?;
+                if let Some(v) = link.load_newer(loaded, trainer)? {
                     rw.sync(&trainer.weights, v)?;
                     engine.set_version(rw.version);
                     loaded = v;

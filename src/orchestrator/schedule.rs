@@ -80,14 +80,13 @@ impl Scheduler {
     }
 
     /// After an update: colocated engines resync in place; a split placement publishes the
-    /// trainers' master for the generators to load.
+    /// trainers' weights for the generators to load (device to device on GPUs).
     pub fn resync(&mut self, h: &Coordinator) -> Result<()> {
         if !h.split() {
             return h.resync();
         }
-        let (v, master) =
-            h.pool.run_on(h.lead(), "publish", |r| Ok((r.trainer.version, Arc::new(r.trainer.full_weights()?))))?;
-        self.link.publish(v, master)
+        let link = self.link.clone();
+        h.pool.run_on(h.lead(), "publish", move |r| link.publish(&r.trainer))
     }
 
     /// Split placement: starts the generators' commands (once).

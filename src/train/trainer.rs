@@ -577,6 +577,55 @@ impl Trainer {
         Ok(())
     }
 
+    /// A flat buffer for the whole model in the compute weights' dtype on this trainer's
+    /// device (what [`Self::snapshot_into`] fills).
+    pub fn snapshot_buffer(&self) -> Result<crate::device::Tensor> {
+        let dtype = DeviceState::compute_dtype(&self.weights)
+            .ok_or_else(|| anyhow::anyhow!("a weight snapshot needs one compute dtype for every weight"))?;
+        let t = self.weights.tensors();
+        let first = t.first().ok_or_else(|| anyhow::anyhow!("a model without parameters"))?;
+        crate::device::Device::Cuda(cuda_ptr(first)?.1).zeros(dtype, &[self.n_params])
+    }
+
+    /// Copies the compute weights into `buf` (flat, parameter order, same dtype and device),
+    /// device to device, and waits for the copies.
+    pub fn snapshot_into(&self, buf: &mut crate::device::Tensor) -> Result<()> {
+        let (dst, cd) = cuda_ptr(buf)?;
+        let es = buf.dtype().size();
+        for (t, r) in self.weights.tensors().into_iter().zip(&self.ranges) {
+            if t.dtype() != buf.dtype() {
+                bail!("snapshot: a {} weight into a {} buffer", t.dtype().name(), buf.dtype().name());
+            }
+            cd.dtod(dst + (r.start * es) as u64, cuda_ptr(t)?.0, r.len() * es)?;
+        }
+        cd.synchronize()
+    }
+
+    /// A generator's copy of published weights from `snap` (a snapshot on another GPU of this
+    /// process): each compute weight rewritten in place by a peer copy, waited for before this
+    /// returns (the snapshot may be rewritten afterwards).
+    pub fn load_weights_from(&mut self, snap: &crate::device::Tensor, version: u64) -> Result<()> {
+        if snap.numel() != self.n_params {
+            bail!("published weights have {} values, the model has {} parameters", snap.numel(), self.n_params);
+        }
+        let (src, peer) = cuda_ptr(snap)?;
+        let es = snap.dtype().size();
+        let mut dev = None;
+        for (t, r) in self.weights.tensors_mut().into_iter().zip(&self.ranges) {
+            if t.dtype() != snap.dtype() {
+                bail!("published {} weights for a {} model", snap.dtype().name(), t.dtype().name());
+            }
+            let (dst, cd) = cuda_ptr(t)?;
+            cd.peer_copy(dst, &peer, src + (r.start * es) as u64, r.len() * es)?;
+            dev = Some(cd);
+        }
+        if let Some(cd) = dev {
+            cd.synchronize()?;
+        }
+        self.version = version;
+        Ok(())
+    }
+
     /// The full optimizer state (every device's shard gathered; call on every device):
     /// (master, exp_avg, exp_avg_sq), the moments empty under SGD.
     pub fn gather_state(&mut self) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
@@ -653,6 +702,14 @@ impl Trainer {
         self.skipped_steps = skipped;
         self.rollout_steps = rollout_steps;
         self.write_compute_weights()
+    }
+}
+
+/// The device address and device of a CUDA tensor.
+fn cuda_ptr(t: &crate::device::Tensor) -> Result<(u64, crate::device::CudaDevice)> {
+    match t.storage() {
+        crate::device::Storage::Cuda(c) => Ok((c.device_ptr() as u64, c.device().clone())),
+        crate::device::Storage::Cpu(_) => bail!("a host tensor where a device one is needed"),
     }
 }
 
