@@ -2,6 +2,9 @@
 //! - `bench train`: tokens/s of one OPD training step against PyTorch eager on the same model,
 //!   batch and sequence length; peak memory of the fused LM-head loss against a naive
 //!   full-logits loss.
+//! - `bench resync`: the in-place engine resync per recipe against a memcpy of the weights.
+//! - `bench node`: the node's throughput report (`bench_node.rs`) and step-time model
+//!   (`node_model.rs`).
 
 use crate::config::JobConfig;
 use crate::device::{DType, Device};
@@ -21,6 +24,9 @@ pub enum Bench {
     Train(TrainArgs),
     /// Milliseconds per in-place engine resync, per recipe, against a memcpy of the weights.
     Resync(ResyncArgs),
+    /// The node's throughput report of a short job (updates/hour, tokens/s per GPU, train
+    /// MFU, the phases, utilization; JSON), or with --model-gpu the step-time model.
+    Node(super::bench_node::NodeArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -63,6 +69,7 @@ pub fn run(b: Bench) -> Result<()> {
     match b {
         Bench::Train(a) => train(a),
         Bench::Resync(a) => resync(a),
+        Bench::Node(a) => super::bench_node::run(a),
     }
 }
 

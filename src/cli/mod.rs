@@ -5,6 +5,7 @@
 
 mod admit;
 mod bench;
+mod bench_node;
 mod breakdown;
 mod device_bench;
 mod device_check;
@@ -12,6 +13,7 @@ mod eval;
 mod generate;
 mod init_tiny;
 mod inspect;
+mod node_model;
 mod quantize;
 mod report;
 mod reward;

@@ -179,6 +179,8 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         let n_rollouts = rollouts.len();
         let truncated = rollouts.iter().filter(|r| r.truncated).count();
         let samples_digest = rollout::digest(&rollouts);
+        let train_tokens: usize =
+            rollouts.iter().filter(|r| !r.response.is_empty()).map(|r| r.prompt.len() + r.response.len()).sum();
         let sampler: Vec<f32> = rollouts
             .iter()
             .filter(|r| !r.response.is_empty())
@@ -192,6 +194,8 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         time.resync = t0.elapsed().as_secs_f64();
         time.wait = batch.wait.unwrap_or(time.rollout) + time.teacher;
         time.total = t_step.elapsed().as_secs_f64();
+        time.collectives = out.collective_s;
+        time.switch = (time.total - time.rollout - time.teacher - time.reward - time.train - time.resync).max(0.0);
         let done_steps = (step - start) as f64;
         let utilization: Vec<f64> = batch
             .busy
@@ -208,6 +212,9 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
             step,
             version,
             gen_tokens,
+            train_tokens,
+            train_flops: 6.0 * host.cfg.num_params() as f64 * train_tokens as f64 * out.updates.max(1) as f64
+                / (job.objective.minibatches.max(1) as f64),
             tokens_per_s: gen_tokens as f64 / time.rollout.max(1e-9),
             updates_per_hour: done_steps * 3600.0 / t_loop.elapsed().as_secs_f64().max(1e-9),
             loss: out.loss,

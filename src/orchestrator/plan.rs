@@ -102,15 +102,18 @@ pub fn collective(names: &[String]) -> Result<Arc<dyn Collective>> {
 }
 
 /// The device collective of the training devices `names` (ZeRO-1 on the GPUs' own memory):
-/// the in-process [`crate::parallel::PeerCopy`] for several CUDA or simulated GPUs; None for
+/// the in-process `train::device_coll::PeerCopy` for several CUDA or simulated GPUs; None for
 /// one, for CPU devices, and under COLOTRAIN_COLLECTIVE=nccl (which keeps the host-staged
 /// NCCL path for the trainers).
-pub fn device_collective(names: &[String], on_cpu: bool) -> Result<Option<Arc<dyn crate::parallel::DeviceCollective>>> {
+pub fn device_collective(
+    names: &[String],
+    on_cpu: bool,
+) -> Result<Option<Arc<dyn crate::train::device_coll::DeviceCollective>>> {
     let nccl = std::env::var("COLOTRAIN_COLLECTIVE").as_deref() == Ok("nccl");
     if on_cpu || names.len() < 2 || nccl {
         return Ok(None);
     }
-    Ok(Some(Arc::new(crate::parallel::PeerCopy::new(names.len())?)))
+    Ok(Some(Arc::new(crate::train::device_coll::PeerCopy::new(names.len())?)))
 }
 
 #[cfg(feature = "cuda")]

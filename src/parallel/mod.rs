@@ -4,14 +4,13 @@
 //! feature also `nccl::Nccl`, behind the same trait) and the worker threads that own per-device state
 //! ([`WorkerPool`], [`split_cores`]). May call: crossbeam, core_affinity, std threads and sync,
 //! tracing. Must not: know about models, devices, tensors or training; callers put those in the
-//! worker state and the buffers they pass. The one exception is `device_coll`: the collectives
-//! over device buffers (their tensors and streams are the point).
+//! worker state and the buffers they pass (the collectives over device buffers are
+//! `train::device_coll`, above the device layer).
 //!
 //! Wiring for data parallelism: `pool.set_on_failure(move |why| collective.abort(why))` so that a
 //! rank that fails or panics wakes the ranks waiting for it in a collective instead of hanging.
 
 pub mod collective;
-pub mod device_coll;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod worker;
@@ -20,5 +19,4 @@ pub mod worker;
 mod tests;
 
 pub use collective::{shard_range, Collective, InProcess};
-pub use device_coll::{DeviceCollective, PeerCopy};
 pub use worker::{split_cores, Pending, WorkerPool};

@@ -9,7 +9,7 @@
 //!
 //! With several training GPUs (ZeRO-1, [`Zero`]): every device keeps the whole gradient, but
 //! only its shard of the master and the moments. The gradient is reduce-scattered on the
-//! communication stream (`parallel::DeviceCollective`); the compute stream waits on the
+//! communication stream (`device_coll::DeviceCollective`); the compute stream waits on the
 //! collective's event, takes the global norm (one f64 per device over the host), updates its
 //! shard and writes the rounded shard into a flat buffer of the compute weights' dtype, which is
 //! all-gathered in place; after the gather's event each parameter is copied from it into its
@@ -18,6 +18,7 @@
 //! Owns: the device tensors of one trainer. May call: `model::trainable_device`, `ops::optim`.
 //! Must not: decide clipping, skipping or the learning rate (`super::optimizer` does).
 
+use super::device_coll::DeviceCollective;
 use super::optimizer::{Kind, Optimizer, StepInfo};
 use crate::device::{DType, Device, Tensor};
 use crate::model::trainable::TrainBatch;
@@ -25,7 +26,6 @@ use crate::model::trainable_device::DeviceTrainable;
 use crate::model::{ModelConfig, ModelWeights};
 use crate::ops::lm_head::DevCenter;
 use crate::ops::optim::{self, Compute, Layout, Rule, State};
-use crate::parallel::DeviceCollective;
 use anyhow::{bail, Result};
 use std::ops::Range;
 use std::sync::Arc;
@@ -67,6 +67,8 @@ pub(super) struct DeviceState {
     amax_valid: bool,
     /// Several training GPUs: the ZeRO-1 buffers (the master and moments above are the shard).
     zero: Option<Zero>,
+    /// Seconds the last update spent in the collectives, waits for their events included.
+    pub last_collective_s: f64,
 }
 
 impl DeviceState {
@@ -139,6 +141,7 @@ impl DeviceState {
             amax,
             amax_valid: false,
             zero,
+            last_collective_s: 0.0,
         })
     }
 
@@ -277,10 +280,13 @@ impl DeviceState {
         let Device::Cuda(cd) = &self.dev else { bail!("device trainer state off a CUDA device") };
         self.amax_valid = false;
         let rank = z.dp.rank;
+        let t = std::time::Instant::now();
         let reduced = z.coll.reduce_scatter(rank, &self.grad, &mut z.staging, &mut z.grad_shard)?;
         // The compute stream reads the shard only after the communication stream wrote it.
         cd.wait_event(&reduced)?;
-        let norm = z.dp.sum_f64(optim::sum_sq(&self.dev, &z.grad_shard)?)?.sqrt();
+        let local = optim::sum_sq(&self.dev, &z.grad_shard)?;
+        self.last_collective_s = t.elapsed().as_secs_f64();
+        let norm = z.dp.sum_f64(local)?.sqrt();
         if !norm.is_finite() {
             return Ok(StepInfo { grad_norm: norm, clip_coef: 0.0, lr: 0.0, skipped: true });
         }
@@ -295,8 +301,10 @@ impl DeviceState {
             &rule,
             Some(Compute { weights: &mut [&mut mine], amax: None }),
         )?;
+        let t = std::time::Instant::now();
         let gathered = z.coll.all_gather_in_place(rank, &mut z.gathered)?;
         cd.wait_event(&gathered)?;
+        self.last_collective_s += t.elapsed().as_secs_f64();
         let es = z.gathered.dtype().size();
         let base = ptr_of(&z.gathered)?;
         for (t, &(off, len)) in weights.tensors_mut().into_iter().zip(&z.spans) {

@@ -7,9 +7,10 @@
 //!
 //! Owns: [`Dp`] (rank, world, the collective). May call: `crate::parallel`. Must not: run models.
 
+use super::device_coll::DeviceCollective;
 use crate::engine::rollout::Rollout;
 use crate::objective::triage::TriageStats;
-use crate::parallel::{shard_range, Collective, DeviceCollective, InProcess};
+use crate::parallel::{shard_range, Collective, InProcess};
 use anyhow::Result;
 use std::ops::Range;
 use std::sync::Arc;

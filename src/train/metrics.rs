@@ -22,6 +22,12 @@ pub struct PhaseSeconds {
     /// Seconds the reward service spent scoring the step's responses, mostly while the engines
     /// generated (off the critical path; `reward` is what the step waited for).
     pub reward_busy: f64,
+    /// The training lead's seconds inside the gradient and weight collectives (part of `train`).
+    pub collectives: f64,
+    /// The step's seconds outside every phase: the orchestrator's turn between decoding and
+    /// training (no memory moves at a switch: weights, trainer state and KV caches stay
+    /// resident).
+    pub switch: f64,
 }
 
 impl PhaseSeconds {
@@ -34,6 +40,8 @@ impl PhaseSeconds {
         self.wait += o.wait;
         self.total += o.total;
         self.reward_busy += o.reward_busy;
+        self.collectives += o.collectives;
+        self.switch += o.switch;
     }
     pub fn scaled(&self, f: f64) -> PhaseSeconds {
         PhaseSeconds {
@@ -45,6 +53,8 @@ impl PhaseSeconds {
             wait: self.wait * f,
             total: self.total * f,
             reward_busy: self.reward_busy * f,
+            collectives: self.collectives * f,
+            switch: self.switch * f,
         }
     }
 }
@@ -55,6 +65,11 @@ pub struct StepMetrics {
     pub version: u64,
     pub time: PhaseSeconds,
     pub gen_tokens: usize,
+    /// Tokens the trainers ran (prompt + response of every response trained), and the model
+    /// FLOPs of the train phase by the 6·N·T convention (forward and backward of N parameters
+    /// over T tokens, attention not counted; the MFU of `colotrain bench node`).
+    pub train_tokens: usize,
+    pub train_flops: f64,
     pub tokens_per_s: f64,
     pub updates_per_hour: f64,
     pub loss: f64,
@@ -234,8 +249,8 @@ pub fn summary_table(s: &JobSummary) -> String {
     }
     let p = &s.mean_time;
     t.push_str(&format!(
-        "seconds/step   total {:.3} = rollout {:.3} + teacher {:.3} + reward {:.3} + train {:.3} + resync {:.3}\n",
-        p.total, p.rollout, p.teacher, p.reward, p.train, p.resync
+        "seconds/step   total {:.3} = rollout {:.3} + teacher {:.3} + reward {:.3} + train {:.3} + resync {:.3} + switch {:.3}\n",
+        p.total, p.rollout, p.teacher, p.reward, p.train, p.resync, p.switch
     ));
     t
 }

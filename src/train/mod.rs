@@ -4,11 +4,13 @@
 //! pass, the metrics a step reports, and reading finished runs.
 //!
 //! Owns: the trainer state. May call: `model`, `objective`, `mismatch`, `engine`, `data`,
-//! `parallel` (the collective), `config`. Must not: reimplement ops (they live in `ops`), start
-//! devices or threads (the orchestrator does).
+//! `parallel` (the host collectives; `device_coll` builds the device-buffer ones on them),
+//! `device`, `config`. Must not: reimplement ops (they live in `ops`), start devices or threads
+//! (the orchestrator does).
 
 pub mod calibrate;
 pub mod checkpoint;
+pub mod device_coll;
 mod device_state;
 pub mod dp;
 pub mod eval;

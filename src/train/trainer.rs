@@ -59,6 +59,8 @@ pub struct StepOut {
     pub masked: usize,
     pub max_lag: Option<u64>,
     pub max_age: Option<u64>,
+    /// Seconds this device spent in the gradient and weight collectives (waits included).
+    pub collective_s: f64,
 }
 
 pub struct Trainer {
@@ -95,6 +97,8 @@ pub struct Trainer {
     /// Asynchronous schedules: train only tokens at most this many versions old.
     pub max_staleness: Option<u64>,
     pub skipped_steps: u64,
+    /// Seconds the last update spent in collectives (waits included).
+    last_collective_s: f64,
 }
 
 /// The parameters as f32 slices: borrowed when stored in f32, widened otherwise.
@@ -182,6 +186,7 @@ impl Trainer {
             rollout_steps: 0,
             max_staleness: (job.schedule.mode == ScheduleMode::Async).then_some(job.schedule.max_staleness),
             skipped_steps: 0,
+            last_collective_s: 0.0,
         })
     }
 
@@ -408,6 +413,7 @@ impl Trainer {
                     .map(|(k, ids, p)| (*k, &ids[my.start * k..my.end * k], &p[my.start * k..my.end * k]));
                 self.backward(&rollouts[mine.clone()], &ev.coefs.coef[a..b], center, reuse)?;
                 let info = self.apply()?;
+                out.collective_s += self.last_collective_s;
                 if first {
                     out.info = info;
                 }
@@ -500,17 +506,23 @@ impl Trainer {
     /// The optimizer update from `flat_grad`: reduce-scatter over devices, the global norm, this
     /// device's shard of AdamW/SGD, then the all-gather into the compute weights.
     fn apply(&mut self) -> Result<StepInfo> {
+        self.last_collective_s = 0.0;
         if let Some(ds) = self.dstate.as_mut() {
-            return ds.apply(&mut self.opt, &mut self.weights);
+            let info = ds.apply(&mut self.opt, &mut self.weights)?;
+            self.last_collective_s = ds.last_collective_s;
+            return Ok(info);
         }
         let info = if self.dp.world == 1 {
             self.opt.update(&mut self.flat_grad)?
         } else {
+            let t = std::time::Instant::now();
             self.dp.coll.reduce_scatter_sum(self.dp.rank, &self.flat_grad, &mut self.grad_shard)?;
+            self.last_collective_s += t.elapsed().as_secs_f64();
             let norm = self.dp.sum_f64(sum_sq(&self.grad_shard))?.sqrt();
             self.opt.update_with_norm(&mut self.grad_shard, norm)?
         };
         if !info.skipped {
+            let t = std::time::Instant::now();
             if self.dp.world > 1 {
                 let (coll, rank) = (&self.dp.coll, self.dp.rank);
                 match &mut self.gathered {
@@ -521,6 +533,7 @@ impl Trainer {
                         coll.all_gather_u16(rank, shard, full)?;
                     }
                 }
+                self.last_collective_s += t.elapsed().as_secs_f64();
             }
             self.write_compute_weights()?;
         }

@@ -92,7 +92,7 @@ pub const GROUPS: [(&str, &str); 9] = [
     ("attention-128", "the same at head_dim 128 with 7 query heads per KV head (Qwen2.5-7B's shape)"),
     ("quant", "fake quantization, requantize, the W8A8 / W4A4 GEMM paths"),
     ("scale-layout", "NVFP4 scale layout sizes of the sm_100 CUTLASS kernels"),
-    ("optim", "the optimizer step (AdamW, SGD, clipping, compute weights and their amax), the squared norm"),
+    ("optim", "the optimizer step (AdamW, SGD, clipping, compute weights and their amax), the squared norm, the device collective on its own stream"),
     ("train-gemm", "the backward GEMMs dx = dy·W, dW = dyᵀ·x and the fused LM-head loss (plain and centered)"),
     ("backward", "the layers' backward kernels: RMSNorm, RoPE, SwiGLU, embedding, bias, attention"),
 ];
@@ -127,7 +127,7 @@ pub fn run_group(name: &str, cuda: &CudaDevice, seed: u64) -> Result<Vec<Check>>
 pub(super) struct Ctx {
     pub(super) cpu: Device,
     pub(super) gpu: Device,
-    cuda: CudaDevice,
+    pub(super) cuda: CudaDevice,
     pub(super) rng: crate::rand::Stream,
     checks: Vec<Check>,
 }

@@ -1,5 +1,5 @@
-//! The training checks of `colotrain device-check`: the optimizer step, the backward GEMMs and
-//! the fused LM-head loss, the layers' backward kernels, each against its CPU twin on fresh
+//! The training checks of `colotrain device-check`: the optimizer step (and the device
+//! collective's two streams), the backward GEMMs and the fused LM-head loss, the layers' backward kernels, each against its CPU twin on fresh
 //! random inputs (the context and tolerances of `checks`).
 //!
 //! Owns: the training check groups. May call: the ops. Must not: time anything.
@@ -60,6 +60,19 @@ pub(super) fn optim(x: &mut Ctx) -> Result<()> {
     let g = x.randp(DType::F32, &[5 * CHUNK / 2], 2.0)?;
     let (c, gg) = (optim::sum_sq(&x.cpu, &g.c)?, optim::sum_sq(&x.gpu, &g.g)?);
     x.record("optim: squared norm", "f64", &[c as f32], &[gg as f32], Tol::Close(0.0, 1e-6));
+    // The device collective on one GPU: the copy and the column sum run on the communication
+    // stream, the compute stream waits on its event and reads the result (the two streams and
+    // their events on real hardware; with one rank the sum is the gradient itself).
+    use crate::train::device_coll::{DeviceCollective, PeerCopy};
+    let n = 3 * CHUNK + 7;
+    let v = x.randn(n, 1.0);
+    let send = x.gpu.from_f32(DType::F32, &[n], &v)?;
+    let (mut staging, mut recv) = (x.gpu.zeros(DType::F32, &[1, n])?, x.gpu.zeros(DType::F32, &[n])?);
+    let coll = PeerCopy::new(1)?;
+    let e = coll.reduce_scatter(0, &send, &mut staging, &mut recv)?;
+    x.cuda.wait_event(&e)?;
+    let got = recv.to_f32_vec()?;
+    x.record("device collective: reduce-scatter on the communication stream (1 GPU)", "f32", &v, &got, Tol::Exact);
     Ok(())
 }
 

@@ -19,9 +19,9 @@
 //! device layer, `ops::linear::bias_grad` (the column sum). Must not: know about models or
 //! optimizers.
 
-use super::collective::{shard_range, Collective, InProcess};
 use crate::device::cuda::{on_stream, CudaDevice, Event, Stream};
 use crate::device::{DType, Device, Storage, Tensor};
+use crate::parallel::{shard_range, Collective, InProcess};
 use anyhow::{anyhow, bail, Result};
 use std::sync::Mutex;
 

@@ -1,0 +1,273 @@
+//! `colotrain bench node`: the node's throughput report (seed 000 Table 8 / Figure 10's terms).
+//! It runs a short job of the given config on every device it names, then reads the run's
+//! metrics: updates/hour, generated tokens/s per GPU, the MFU of the train phase, where the
+//! step goes (rollout, teacher, reward, train — of which collectives —, resync, wait, switch)
+//! and each device's utilization; printed as a table and written as JSON (`node_report.json`
+//! in the run directory). With `--model-gpu h200|b300` it prints the step-time model instead
+//! (`node_model.rs`): no job runs.
+//!
+//! Owns: the report's arithmetic over metrics lines. May call: the orchestrator (one job),
+//! `node_model`. Must not: time anything itself (the job's phase clocks are the measurements).
+
+use crate::config::JobConfig;
+use crate::orchestrator::{self as job, JobOptions};
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct NodeArgs {
+    /// Job config (TOML). Default: the built-in tiny OPD job.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[arg(long, default_value_t = 10)]
+    pub steps: u64,
+    /// Override run.device.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Override run.devices (0: every visible GPU).
+    #[arg(long)]
+    pub devices: Option<usize>,
+    /// The run directory (default: runs/bench-node-<unix seconds>).
+    #[arg(long)]
+    pub out_dir: Option<PathBuf>,
+    /// Steps left out of the averages at the start (warm-up: first allocations, caches).
+    #[arg(long, default_value_t = 1)]
+    pub warmup: u64,
+    /// The dense BF16 peak of one device in TFLOP/s for the MFU (default: from the GPU's name;
+    /// a simulated GPU counts as the GPU it stands for).
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
+    /// Print the step-time model of the config on 8 GPUs of this kind (h200 or b300) instead of
+    /// running: roofline time per phase from the shapes, the peak rates and NVLink.
+    #[arg(long)]
+    pub model_gpu: Option<String>,
+    /// With --model-gpu: the student's config.json (default: the shape the shipped config
+    /// names, see `node_model::known_shape`).
+    #[arg(long)]
+    pub model_config: Option<PathBuf>,
+}
+
+/// The report, as written to JSON.
+#[derive(Debug, Serialize)]
+pub struct NodeReport {
+    pub config: String,
+    pub devices: usize,
+    pub device_names: Vec<String>,
+    pub steps_measured: usize,
+    pub updates_per_hour: f64,
+    pub gen_tokens_per_s_per_gpu: f64,
+    /// Model FLOPs of the train phase over (its seconds × training devices × peak); None
+    /// without a known peak (CPU devices).
+    pub train_mfu: Option<f64>,
+    pub peak_tflops: Option<f64>,
+    /// Mean seconds per step of each phase.
+    pub phases: Phases,
+    pub utilization: Vec<f64>,
+    /// Mean bytes per step across PCIe, and as a share of the student's weights.
+    pub h2d_bytes: f64,
+    pub d2h_bytes: f64,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Phases {
+    pub rollout: f64,
+    pub teacher: f64,
+    pub reward: f64,
+    pub train: f64,
+    pub collectives: f64,
+    pub resync: f64,
+    pub wait: f64,
+    pub switch: f64,
+    pub total: f64,
+}
+
+/// The dense BF16 peak (TFLOP/s) of a device by its name (vendor figures, REFERENCES.md).
+pub fn peak_of(name: &str) -> Option<f64> {
+    let n = name.to_ascii_lowercase();
+    if n.contains("h100") || n.contains("h200") || n.contains("h800") || n.contains("sm_90") {
+        Some(989.0)
+    } else if n.contains("b200") || n.contains("b300") || n.contains("sm_100") || n.contains("sm_103") {
+        Some(2250.0)
+    } else {
+        None
+    }
+}
+
+pub fn run(a: NodeArgs) -> Result<()> {
+    if let Some(gpu) = &a.model_gpu {
+        return super::node_model::print(a.config.as_deref(), a.model_config.as_deref(), gpu);
+    }
+    let mut j = match &a.config {
+        Some(p) => JobConfig::from_file(p)?,
+        None => JobConfig::from_toml(super::train::TINY_OPD, "built-in configs/tiny-opd.toml")?,
+    };
+    j.run.steps = a.steps;
+    if a.steps <= a.warmup {
+        bail!("--steps {} must be above --warmup {} (the averages leave the warm-up out)", a.steps, a.warmup);
+    }
+    if let Some(d) = &a.device {
+        j.run.device = d.clone();
+    }
+    if let Some(n) = a.devices {
+        j.run.devices = n;
+    }
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    j.run.out_dir = Some(a.out_dir.clone().unwrap_or_else(|| PathBuf::from(format!("runs/bench-node-{stamp}"))));
+    // No held-out evaluation: the report is about the steps.
+    (j.eval.every, j.data.heldout, j.data.heldout_size) = (0, None, 0);
+    j.checkpoint.every = 0;
+    j.validate("bench node")?;
+    let summary = job::run(&j, &JobOptions::default())?;
+    let dir = summary.out_dir.clone();
+    let names = device_names(&dir)?;
+    let peak = a.peak_tflops.or_else(|| names.first().and_then(|n| peak_of(n)));
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .with_context(|| format!("cannot read {}", dir.join("metrics.jsonl").display()))?;
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .enumerate()
+        .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("metrics.jsonl line {}", i + 1)))
+        .collect::<Result<_>>()?;
+    let config = a.config.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "built-in tiny-opd".into());
+    let r = report(&config, &names, &lines, a.warmup, peak, trainers(&j, names.len()))?;
+    print!("{}", table(&r));
+    let out = dir.join("node_report.json");
+    crate::util::write_atomic(&out, serde_json::to_string_pretty(&r)?.as_bytes())?;
+    println!("report: {}", out.display());
+    Ok(())
+}
+
+/// How many of `n` devices train (a split placement's generators do not).
+fn trainers(j: &JobConfig, n: usize) -> usize {
+    match j.schedule.placement {
+        crate::config::Placement::Split => n.saturating_sub(j.schedule.rollout_devices).max(1),
+        _ => n,
+    }
+}
+
+/// The device names of the run's plan.json.
+fn device_names(dir: &std::path::Path) -> Result<Vec<String>> {
+    let p = dir.join("plan.json");
+    let text = std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
+    let plan: Vec<serde_json::Value> =
+        serde_json::from_str(&text).with_context(|| format!("{}: not a device plan", p.display()))?;
+    Ok(plan.iter().map(|d| d["device"].as_str().unwrap_or("?").to_string()).collect())
+}
+
+/// The report over the metrics lines of steps after `warmup`.
+pub fn report(
+    config: &str,
+    names: &[String],
+    lines: &[serde_json::Value],
+    warmup: u64,
+    peak: Option<f64>,
+    trainers: usize,
+) -> Result<NodeReport> {
+    let steady: Vec<&serde_json::Value> =
+        lines.iter().filter(|l| l.get("loss").is_some() && l["step"].as_u64().unwrap_or(0) > warmup).collect();
+    if steady.is_empty() {
+        bail!("no step after the {warmup} warm-up step(s) to measure");
+    }
+    let k = steady.len() as f64;
+    let f =
+        |l: &serde_json::Value, path: &[&str]| -> f64 { path.iter().fold(l, |v, p| &v[*p]).as_f64().unwrap_or(0.0) };
+    let mean = |path: &[&str]| steady.iter().map(|l| f(l, path)).sum::<f64>() / k;
+    let t = |p: &str| mean(&["time", p]);
+    let phases = Phases {
+        rollout: t("rollout"),
+        teacher: t("teacher"),
+        reward: t("reward"),
+        train: t("train"),
+        collectives: t("collectives"),
+        resync: t("resync"),
+        wait: t("wait"),
+        switch: t("switch"),
+        total: t("total"),
+    };
+    let devices = names.len().max(1);
+    let gen: f64 = steady.iter().map(|l| f(l, &["gen_tokens"])).sum();
+    let wall: f64 = steady.iter().map(|l| f(l, &["time", "total"])).sum();
+    let flops: f64 = steady.iter().map(|l| f(l, &["train_flops"])).sum();
+    let train_s: f64 = steady.iter().map(|l| f(l, &["time", "train"])).sum();
+    let utilization = (0..devices)
+        .map(|d| steady.iter().map(|l| l["utilization"][d].as_f64().unwrap_or(0.0)).sum::<f64>() / k)
+        .collect();
+    Ok(NodeReport {
+        config: config.into(),
+        devices,
+        device_names: names.to_vec(),
+        steps_measured: steady.len(),
+        updates_per_hour: 3600.0 * k / wall.max(1e-12),
+        gen_tokens_per_s_per_gpu: gen / wall.max(1e-12) / devices as f64,
+        train_mfu: peak.map(|p| flops / (train_s.max(1e-12) * trainers as f64 * p * 1e12)),
+        peak_tflops: peak,
+        phases,
+        utilization,
+        h2d_bytes: mean(&["transfer", "h2d_bytes"]),
+        d2h_bytes: mean(&["transfer", "d2h_bytes"]),
+    })
+}
+
+/// The report as the table `bench node` prints.
+pub fn table(r: &NodeReport) -> String {
+    let p = &r.phases;
+    let mut t = format!(
+        "node report: {} on {} device(s) ({}), {} steps measured\n",
+        r.config,
+        r.devices,
+        r.device_names.join(", "),
+        r.steps_measured
+    );
+    t.push_str(&format!("updates/hour          {:.1}\n", r.updates_per_hour));
+    t.push_str(&format!("gen tokens/s per GPU  {:.1}\n", r.gen_tokens_per_s_per_gpu));
+    match (r.train_mfu, r.peak_tflops) {
+        (Some(m), Some(pk)) => {
+            t.push_str(&format!("train MFU             {:.2}% of {pk:.0} TFLOP/s BF16 per device\n", 100.0 * m))
+        }
+        _ => t.push_str("train MFU             - (no peak rate for this device; --peak-tflops sets one)\n"),
+    }
+    t.push_str("phase (s/step)        rollout  teacher  reward   train    (coll.)  resync   wait     switch   total\n");
+    t.push_str(&format!(
+        "                      {:<8.4} {:<8.4} {:<8.4} {:<8.4} {:<8.4} {:<8.4} {:<8.4} {:<8.4} {:<8.4}\n",
+        p.rollout, p.teacher, p.reward, p.train, p.collectives, p.resync, p.wait, p.switch, p.total
+    ));
+    let u: Vec<String> = r.utilization.iter().map(|u| format!("{:.0}%", 100.0 * u)).collect();
+    t.push_str(&format!("utilization           {}\n", u.join(" ")));
+    t.push_str(&format!("PCIe per step         {:.0} B up, {:.0} B down\n", r.h2d_bytes, r.d2h_bytes));
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The report's arithmetic on hand-made metrics lines: two steady steps of 2 s and 4 s
+    /// after a warm-up step that must not count.
+    #[test]
+    fn the_report_averages_steady_steps_and_computes_mfu() {
+        let line = |step: u64, total: f64, train: f64, gen: u64, flops: f64| {
+            serde_json::json!({
+                "step": step, "loss": 0.1, "gen_tokens": gen, "train_flops": flops,
+                "time": {"rollout": total - train, "teacher": 0.0, "reward": 0.0, "train": train,
+                         "collectives": 0.1, "resync": 0.0, "wait": 0.0, "switch": 0.0, "total": total},
+                "utilization": [1.0, 0.5], "transfer": {"h2d_bytes": 100, "d2h_bytes": 10}
+            })
+        };
+        let lines = vec![line(1, 100.0, 50.0, 1, 1.0), line(2, 2.0, 1.0, 400, 2e12), line(3, 4.0, 1.0, 800, 4e12)];
+        let names = vec!["cuda:0".to_string(), "cuda:1".to_string()];
+        let r = report("c", &names, &lines, 1, Some(1.0), 2).unwrap();
+        assert_eq!(r.steps_measured, 2);
+        // 2 updates in 6 s.
+        assert!((r.updates_per_hour - 1200.0).abs() < 1e-9, "{}", r.updates_per_hour);
+        // 1200 tokens over 6 s over 2 GPUs.
+        assert!((r.gen_tokens_per_s_per_gpu - 100.0).abs() < 1e-9);
+        // 6e12 FLOPs over 2 s of training on 2 devices at 1 TFLOP/s each.
+        assert!((r.train_mfu.unwrap() - 1.5).abs() < 1e-9);
+        assert!((r.phases.train - 1.0).abs() < 1e-12 && (r.phases.total - 3.0).abs() < 1e-12);
+        assert_eq!(r.utilization, vec![1.0, 0.5]);
+        assert!(report("c", &names, &lines[..1], 1, None, 2).is_err(), "nothing after the warm-up");
+        assert_eq!(peak_of("cuda-sim:0 (simulated H200, sm_90, kernels sm_90a)"), Some(989.0));
+        assert_eq!(peak_of("cpu:2"), None);
+    }
+}

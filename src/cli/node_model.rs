@@ -1,0 +1,322 @@
+//! The step-time model of `colotrain bench node --model-gpu h200|b300`: the roofline time of
+//! each phase of one synchronous, colocated step of a job on 8 GPUs, from the model's shapes,
+//! the batch, the GPU's dense peak rates, HBM and NVLink bandwidth (vendor figures,
+//! REFERENCES.md). It is a model, not a measurement: each phase is max(FLOPs / peak, bytes /
+//! bandwidth) under stated assumptions (mean prompt and response lengths, perfect overlap
+//! inside a phase, none between phases), with the arithmetic of each row in `phases`.
+//!
+//! Owns: the model's arithmetic. May call: `model::ModelConfig`, the job config. Must not: open
+//! devices or models' weights.
+
+use crate::config::JobConfig;
+use crate::model::ModelConfig;
+use anyhow::{bail, Context, Result};
+use std::path::Path;
+
+/// One GPU's dense peak rates and bandwidths.
+#[derive(Clone, Copy, Debug)]
+pub struct Gpu {
+    pub name: &'static str,
+    pub bf16_tflops: f64,
+    pub fp8_tflops: f64,
+    /// None: no FP4 tensor cores (Hopper emulates NVFP4 at the BF16 rate).
+    pub fp4_tflops: Option<f64>,
+    pub hbm_tbs: f64,
+    /// NVLink bandwidth per direction, GB/s.
+    pub nvlink_gbs: f64,
+}
+
+pub const H200: Gpu =
+    Gpu { name: "H200", bf16_tflops: 989.0, fp8_tflops: 1979.0, fp4_tflops: None, hbm_tbs: 4.8, nvlink_gbs: 450.0 };
+pub const B300: Gpu = Gpu {
+    name: "B300",
+    bf16_tflops: 2250.0,
+    fp8_tflops: 4500.0,
+    fp4_tflops: Some(13000.0),
+    hbm_tbs: 8.0,
+    nvlink_gbs: 900.0,
+};
+
+pub fn gpu(name: &str) -> Result<Gpu> {
+    match name.to_ascii_lowercase().as_str() {
+        "h200" => Ok(H200),
+        "b300" => Ok(B300),
+        other => bail!("--model-gpu '{other}': expected h200 or b300"),
+    }
+}
+
+const QWEN25_7B: &str = r#"{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064,
+  "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+  "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 131072,
+  "tie_word_embeddings": false}"#;
+const QWEN3_4B: &str = r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+  "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+  "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+  "max_position_embeddings": 32768, "tie_word_embeddings": true}"#;
+
+/// The published shape of the models the shipped configs name (by the directory's name), so
+/// the model runs without the weights: Qwen2.5-7B (DeepSeek-R1-Distill-Qwen-7B,
+/// Skywork-OR1-Math-7B) and Qwen3-4B(-Base).
+pub fn known_shape(path: &Path) -> Option<ModelConfig> {
+    let name = path.file_name()?.to_string_lossy().to_ascii_lowercase();
+    let json = if name.contains("qwen-7b") || name.contains("qwen2.5-7b") || name.contains("or1-math-7b") {
+        QWEN25_7B
+    } else if name.contains("qwen3-4b") {
+        QWEN3_4B
+    } else {
+        return None;
+    };
+    ModelConfig::from_json_str(json, "built-in shape").ok()
+}
+
+/// One row of the model.
+#[derive(Debug)]
+pub struct Row {
+    pub phase: &'static str,
+    pub flops: f64,
+    /// HBM bytes (or NVLink bytes for the collectives).
+    pub bytes: f64,
+    pub seconds: f64,
+    pub bound: &'static str,
+    pub note: String,
+}
+
+/// The assumptions of a modelled step.
+#[derive(Clone, Copy, Debug)]
+pub struct Workload {
+    pub gpus: usize,
+    pub sequences: usize,
+    pub prompt: usize,
+    pub response: usize,
+}
+
+fn row(phase: &'static str, flops: f64, tflops: f64, bytes: f64, bw: f64, note: String) -> Row {
+    let (c, m) = (flops / (tflops * 1e12), bytes / bw);
+    let (seconds, bound) = match (flops > 0.0, bytes > 0.0) {
+        (false, false) => (0.0, "-"),
+        _ if c >= m => (c, "compute"),
+        _ => (m, "memory"),
+    };
+    Row { phase, flops, bytes, seconds, bound, note }
+}
+
+/// The phases of one synchronous colocated step on `w.gpus` GPUs of kind `g`: every GPU
+/// decodes and teacher-scores its share of the sequences, trains its share of the tokens, then
+/// ZeRO-1 reduce-scatters the FP32 gradient and all-gathers the BF16 weights, and the rollout
+/// engine resyncs in place.
+pub fn phases(student: &ModelConfig, teacher: Option<&ModelConfig>, recipe: &str, g: Gpu, w: Workload) -> Vec<Row> {
+    let n = student.num_params() as f64;
+    let b = w.sequences as f64 / w.gpus as f64; // sequences per GPU
+    let (p, r) = (w.prompt as f64, w.response as f64);
+    let hbm = g.hbm_tbs * 1e12;
+    // Engine weights: bytes per parameter read per decode step, and the GEMM rate.
+    let (wbytes, rate, kv_b) = match recipe {
+        "fp8" => (1.0, g.fp8_tflops, 1.0),
+        "nvfp4" => (0.5625, g.fp4_tflops.unwrap_or(g.bf16_tflops), 1.0),
+        "fp8-kv" => (2.0, g.bf16_tflops, 1.0),
+        _ => (2.0, g.bf16_tflops, 2.0),
+    };
+    let kv_tok = 2.0 * student.num_layers as f64 * student.kv_dim() as f64 * kv_b;
+    let mut rows = Vec::new();
+    // Prefill: the prompts, compute-bound.
+    rows.push(row(
+        "rollout: prefill",
+        2.0 * n * b * p,
+        rate,
+        wbytes * n,
+        hbm,
+        format!("{b:.0} prompts × {p:.0} tokens per GPU"),
+    ));
+    // Decode: r steps, each reading the weights once and every sequence's KV so far.
+    let kv_read = b * kv_tok * (r * p + r * (r + 1.0) / 2.0);
+    let dec_flops = 2.0 * n * b * r;
+    let dec_bytes = wbytes * n * r + kv_read;
+    let mut d = row("rollout: decode", dec_flops, rate, dec_bytes, hbm, String::new());
+    d.note = format!(
+        "{r:.0} steps at batch {b:.0}: weights {:.1} GB + KV {:.1} GB read",
+        wbytes * n * r / 1e9,
+        kv_read / 1e9
+    );
+    rows.push(d);
+    let tokens = b * (p + r);
+    if let Some(t) = teacher {
+        let nt = t.num_params() as f64;
+        rows.push(row(
+            "teacher",
+            2.0 * nt * tokens,
+            g.bf16_tflops,
+            2.0 * nt,
+            hbm,
+            format!("{tokens:.0} tokens per GPU, BF16"),
+        ));
+    }
+    rows.push(row(
+        "train",
+        6.0 * n * tokens,
+        g.bf16_tflops,
+        2.0 * n * 3.0,
+        hbm,
+        format!("6·N·T over {tokens:.0} tokens per GPU (attention not counted)"),
+    ));
+    // AdamW on the shard: master, m, v, grad read (16 B), master, m, v written (12 B), the BF16
+    // compute weight written (2 B).
+    let shard = n / w.gpus as f64;
+    rows.push(row(
+        "optimizer",
+        10.0 * shard,
+        g.bf16_tflops,
+        30.0 * shard,
+        hbm,
+        "AdamW, 30 B per shard parameter".into(),
+    ));
+    // Ring collectives: each GPU sends (G − 1)/G of the buffer per direction.
+    let link = g.nvlink_gbs * 1e9;
+    let frac = (w.gpus as f64 - 1.0) / w.gpus as f64;
+    let mut c = row(
+        "collectives",
+        0.0,
+        1.0,
+        frac * (4.0 * n + 2.0 * n),
+        link,
+        "reduce-scatter FP32 gradient + all-gather BF16 weights over NVLink".into(),
+    );
+    c.bound = "NVLink";
+    rows.push(c);
+    let resync = match recipe {
+        "bf16" | "fp8-kv" => 0.0,
+        _ => 2.0 * n + wbytes * n,
+    };
+    rows.push(row(
+        "resync",
+        0.0,
+        1.0,
+        resync,
+        hbm,
+        if resync == 0.0 {
+            "the engine reads the trainer's weights in place".into()
+        } else {
+            "requantize in place (fused amax)".into()
+        },
+    ));
+    rows.push(Row { phase: "switch", flops: 0.0, bytes: 0.0, seconds: 0.0, bound: "-", note: "nothing moves".into() });
+    rows
+}
+
+/// `bench node --model-gpu`: the table for a config (default: the two shipped GPU configs).
+pub fn print(config: Option<&Path>, model_config: Option<&Path>, gpu_name: &str) -> Result<()> {
+    let g = gpu(gpu_name)?;
+    let configs: Vec<std::path::PathBuf> = match config {
+        Some(c) => vec![c.to_path_buf()],
+        None => {
+            vec!["configs/r1-distill-qwen-7b-opd.toml".into(), "configs/qwen3-4b-base-grpo-triage-nvfp4.toml".into()]
+        }
+    };
+    println!(
+        "step-time model (a roofline model, not a measurement): 8 × {}, BF16 {} / FP8 {} / FP4 {} TFLOP/s, HBM {} TB/s, NVLink {} GB/s per direction",
+        g.name,
+        g.bf16_tflops,
+        g.fp8_tflops,
+        g.fp4_tflops.map(|x| x.to_string()).unwrap_or_else(|| "emulated".into()),
+        g.hbm_tbs,
+        g.nvlink_gbs
+    );
+    for c in configs {
+        let j = JobConfig::from_file(&c)?;
+        let shape = |p: &Path| -> Result<ModelConfig> {
+            match model_config {
+                Some(mc) => {
+                    let text = std::fs::read_to_string(mc).with_context(|| format!("cannot read {}", mc.display()))?;
+                    ModelConfig::from_json_str(&text, &mc.display().to_string())
+                }
+                None => match known_shape(p) {
+                    Some(s) => Ok(s),
+                    None => ModelConfig::from_dir(p).with_context(|| {
+                        format!(
+                            "{}: no config.json there and not a shape this model knows (pass --model-config)",
+                            p.display()
+                        )
+                    }),
+                },
+            }
+        };
+        let student = shape(Path::new(&j.model.path))?;
+        let teacher = match &j.teacher {
+            Some(t) if j.objective.kind == crate::config::ObjectiveKind::Opd => Some(shape(Path::new(&t.path))?),
+            _ => None,
+        };
+        let w = Workload {
+            gpus: 8,
+            sequences: j.rollout.prompts_per_step * j.rollout.samples_per_prompt,
+            prompt: 256,
+            response: j.rollout.max_new_tokens.min(4096),
+        };
+        let rows = phases(&student, teacher.as_ref(), &j.engine.recipe, g, w);
+        println!(
+            "\n{} ({:.2}B parameters, engine {}): {} sequences, assumed {} prompt + {} response tokens each",
+            c.display(),
+            student.num_params() as f64 / 1e9,
+            j.engine.recipe,
+            w.sequences,
+            w.prompt,
+            w.response
+        );
+        println!("| phase | TFLOP | GB | bound | ms | note |\n|---|---|---|---|---|---|");
+        let mut total = 0.0;
+        for r in &rows {
+            total += r.seconds;
+            println!(
+                "| {} | {:.1} | {:.2} | {} | {:.1} | {} |",
+                r.phase,
+                r.flops / 1e12,
+                r.bytes / 1e9,
+                r.bound,
+                r.seconds * 1e3,
+                r.note
+            );
+        }
+        println!(
+            "| step | | | | {:.1} | {:.0} updates/hour if nothing overlaps |",
+            total * 1e3,
+            3600.0 / total.max(1e-12)
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The model's rows against hand arithmetic for a 7B-shaped student on 8 H200s.
+    #[test]
+    fn the_rows_follow_the_roofline_arithmetic() {
+        let s = known_shape(Path::new("models/DeepSeek-R1-Distill-Qwen-7B")).unwrap();
+        let n = s.num_params() as f64;
+        // Qwen2.5-7B: 7.62B parameters.
+        assert!((n / 1e9 - 7.62).abs() < 0.01, "{n}");
+        let w = Workload { gpus: 8, sequences: 64, prompt: 256, response: 4096 };
+        let rows = phases(&s, Some(&s), "bf16", H200, w);
+        let get = |p: &str| rows.iter().find(|r| r.phase == p).unwrap();
+        // Training: 6·N·T FLOPs at 989 TFLOP/s, T = 8 × (256 + 4096).
+        let t = get("train");
+        let want = 6.0 * n * 8.0 * 4352.0 / 989e12;
+        assert!((t.seconds - want).abs() <= 1e-12 + 1e-9 * want && t.bound == "compute");
+        // Collectives: 7/8 of 6 bytes per parameter at 450 GB/s.
+        let c = get("collectives");
+        let want = 7.0 / 8.0 * 6.0 * n / 450e9;
+        assert!((c.seconds - want).abs() <= 1e-12 + 1e-9 * want, "{} vs {want}", c.seconds);
+        // Decode at batch 8 is memory-bound: weights (2 B each) once per step plus the KV.
+        let d = get("rollout: decode");
+        assert_eq!(d.bound, "memory");
+        let kv_tok = 2.0 * 28.0 * 512.0 * 2.0;
+        let want = (2.0 * n * 4096.0 + 8.0 * kv_tok * (4096.0 * 256.0 + 4096.0 * 4097.0 / 2.0)) / 4.8e12;
+        assert!((d.seconds - want).abs() <= 1e-9 * want, "{} vs {want}", d.seconds);
+        // The BF16 engine reads the trainer's weights in place: no resync work.
+        assert_eq!(get("resync").seconds, 0.0);
+        // NVFP4 on Hopper: half a byte per weight (plus scales), at the BF16 rate.
+        let q = phases(&s, None, "nvfp4", H200, w);
+        assert!(q.iter().any(|r| r.phase == "resync" && r.seconds > 0.0));
+        assert!(q.iter().all(|r| r.phase != "teacher"));
+        assert!(gpu("a100").is_err());
+    }
+}
