@@ -153,9 +153,10 @@ fn split_placement_on_two_simulated_gpus_publishes_device_to_device_within_the_b
     assert_eq!(m.last().unwrap()["version"].as_u64(), Some(5));
 }
 
-/// A device that errors, or panics, in the train phase of step 3 of a 2-GPU run (its peer
-/// is then inside the device collective's rendezvous): the run stops naming the device and
-/// the phase, nobody hangs, the checkpoint of step 2 is intact and the run resumes from it.
+/// A device that errors, or panics, as the train phase of step 3 of a 2-GPU run starts (its
+/// peer then waits for it in the step's first collective, the log-prob exchange; the device
+/// collective's own wake-up is `train::device_coll`'s test): the run stops naming the device
+/// and the phase, nobody hangs, the checkpoint of step 2 is intact and the run resumes from it.
 #[test]
 fn a_fault_on_one_simulated_gpu_mid_step_stops_the_run_with_the_checkpoint_intact() {
     let _turn = serial();

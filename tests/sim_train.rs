@@ -31,6 +31,7 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// One case: the fixture model, its rollout file, the job's TOML, the fixture's gradient key.
+#[derive(Clone)]
 struct Case {
     model: &'static str,
     rollouts: std::path::PathBuf,
@@ -262,4 +263,72 @@ fn the_nvfp4_learner_steps_on_the_simulator_like_the_cpu() {
         let e = rel_err(d_sim, d_cpu);
         assert!(e <= 1e-3, "nvfp4 learner {pname}: update vs the CPU's, relative error {e:e}");
     }
+}
+
+/// The same SGD step data-parallel on two simulated GPUs (ZeRO-1 over the device collective,
+/// each rank with its token-balanced share) still moves every parameter by −∇L, on both
+/// ranks; then a step on a single response, which leaves rank 1's share empty: that rank
+/// joins the collectives with a zero gradient and both ranks end with the same weights.
+#[test]
+fn a_data_parallel_step_on_two_simulated_gpus_is_theta_minus_grad() {
+    use colotrain::parallel::InProcess;
+    use colotrain::train::device_coll::PeerCopy;
+    use colotrain::train::dp::Dp;
+    use std::sync::Arc;
+    let c = cases().remove(0);
+    let (coll, dcoll) = (Arc::new(InProcess::new(2).unwrap()), Arc::new(PeerCopy::new(2).unwrap()));
+    let ranks: Vec<_> = [2usize, 3]
+        .into_iter()
+        .enumerate()
+        .map(|(rank, ordinal)| {
+            let (c, coll, dcoll) = (c.clone(), coll.clone(), dcoll.clone());
+            std::thread::spawn(move || {
+                // The weights before the first step, after it, and after the second.
+                type Weights = Vec<Vec<f32>>;
+                let run = || -> anyhow::Result<(Weights, Weights, Weights)> {
+                    let dev = Device::Cuda(CudaDevice::sim_arch(ordinal, Some("sm_90a"))?);
+                    let lm = load_fixture(c.model, &dev, DType::F32);
+                    let weights = |w: &colotrain::model::ModelWeights| -> anyhow::Result<Vec<Vec<f32>>> {
+                        w.tensors().iter().map(|t| t.to_f32_vec()).collect()
+                    };
+                    let before = weights(&lm.weights)?;
+                    let rollouts = read_file(&c.rollouts, lm.cfg.vocab_size)?;
+                    let job = JobConfig::from_toml(&c.toml, "inline")?;
+                    let dp = Dp { rank, world: 2, coll: coll.clone(), dcoll: Some(dcoll.clone()) };
+                    let mut tr = Trainer::new_dp(&lm.cfg, lm.weights, &job, dp)?;
+                    anyhow::ensure!(tr.on_device(), "rank {rank}: the trainer keeps its shard on the device");
+                    let out = tr.step(&rollouts)?;
+                    anyhow::ensure!(!out.skipped && out.updates == 1, "rank {rank}: one update");
+                    let after = weights(&tr.weights)?;
+                    tr.step(&rollouts[..1])?;
+                    Ok((before, after, weights(&tr.weights)?))
+                };
+                // A rank that fails wakes the other out of the collectives (as the job's
+                // failure hook does), so a failure is reported instead of hanging.
+                run().inspect_err(|e| {
+                    use colotrain::parallel::Collective;
+                    use colotrain::train::device_coll::DeviceCollective;
+                    coll.abort(&format!("{e:#}"));
+                    dcoll.abort(&format!("{e:#}"));
+                })
+            })
+        })
+        .collect();
+    let out: Vec<_> = ranks
+        .into_iter()
+        .enumerate()
+        .map(|(r, h)| h.join().expect("rank thread").unwrap_or_else(|e| panic!("rank {r}: {e:#}")))
+        .collect();
+    let r = Ref::open(&c.grads);
+    let specs = param_specs(&load_fixture(c.model, &Device::cpu(1).unwrap(), DType::F32).cfg);
+    for (rank, (before, after, _)) in out.iter().enumerate() {
+        for (((pname, _), b), a) in specs.iter().zip(before).zip(after) {
+            let (_, g) = r.f32(&format!("grad.{}.{pname}", c.key));
+            let delta: Vec<f32> = b.iter().zip(a).map(|(x, y)| x - y).collect();
+            let e = rel_err(&delta, &g);
+            assert!(e <= 1e-4, "rank {rank} {pname}: update vs −∇L relative error {e:e}");
+        }
+    }
+    assert_eq!(out[0].2, out[1].2, "both ranks hold the same weights after the step with an empty share");
+    assert_ne!(out[0].2, out[0].1, "the single-response step moved the weights");
 }

@@ -56,6 +56,7 @@ pub struct NodeReport {
     pub device_names: Vec<String>,
     pub steps_measured: usize,
     pub updates_per_hour: f64,
+    /// Per generating GPU (a split placement's trainers generate nothing).
     pub gen_tokens_per_s_per_gpu: f64,
     /// Model FLOPs of the train phase over (its seconds × training devices × peak); None
     /// without a known peak (CPU devices).
@@ -130,7 +131,8 @@ pub fn run(a: NodeArgs) -> Result<()> {
         .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("metrics.jsonl line {}", i + 1)))
         .collect::<Result<_>>()?;
     let config = a.config.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "built-in tiny-opd".into());
-    let r = report(&config, &names, &lines, a.warmup, peak, trainers(&j, names.len()))?;
+    let (train_devs, gen_devs) = roles(&j, names.len());
+    let r = report(&config, &names, &lines, a.warmup, peak, train_devs, gen_devs)?;
     print!("{}", table(&r));
     let out = dir.join("node_report.json");
     crate::util::write_atomic(&out, serde_json::to_string_pretty(&r)?.as_bytes())?;
@@ -138,11 +140,13 @@ pub fn run(a: NodeArgs) -> Result<()> {
     Ok(())
 }
 
-/// How many of `n` devices train (a split placement's generators do not).
-fn trainers(j: &JobConfig, n: usize) -> usize {
+/// How many of `n` devices train and how many generate (colocated: all of them do both).
+fn roles(j: &JobConfig, n: usize) -> (usize, usize) {
     match j.schedule.placement {
-        crate::config::Placement::Split => n.saturating_sub(j.schedule.rollout_devices).max(1),
-        _ => n,
+        crate::config::Placement::Split => {
+            (n.saturating_sub(j.schedule.rollout_devices).max(1), j.schedule.rollout_devices.max(1))
+        }
+        _ => (n, n),
     }
 }
 
@@ -163,6 +167,7 @@ pub fn report(
     warmup: u64,
     peak: Option<f64>,
     trainers: usize,
+    generators: usize,
 ) -> Result<NodeReport> {
     let steady: Vec<&serde_json::Value> =
         lines.iter().filter(|l| l.get("loss").is_some() && l["step"].as_u64().unwrap_or(0) > warmup).collect();
@@ -199,7 +204,7 @@ pub fn report(
         device_names: names.to_vec(),
         steps_measured: steady.len(),
         updates_per_hour: 3600.0 * k / wall.max(1e-12),
-        gen_tokens_per_s_per_gpu: gen / wall.max(1e-12) / devices as f64,
+        gen_tokens_per_s_per_gpu: gen / wall.max(1e-12) / generators.max(1) as f64,
         train_mfu: peak.map(|p| flops / (train_s.max(1e-12) * trainers as f64 * p * 1e12)),
         peak_tflops: peak,
         phases,
@@ -256,7 +261,7 @@ mod tests {
         };
         let lines = vec![line(1, 100.0, 50.0, 1, 1.0), line(2, 2.0, 1.0, 400, 2e12), line(3, 4.0, 1.0, 800, 4e12)];
         let names = vec!["cuda:0".to_string(), "cuda:1".to_string()];
-        let r = report("c", &names, &lines, 1, Some(1.0), 2).unwrap();
+        let r = report("c", &names, &lines, 1, Some(1.0), 2, 2).unwrap();
         assert_eq!(r.steps_measured, 2);
         // 2 updates in 6 s.
         assert!((r.updates_per_hour - 1200.0).abs() < 1e-9, "{}", r.updates_per_hour);
@@ -266,7 +271,11 @@ mod tests {
         assert!((r.train_mfu.unwrap() - 1.5).abs() < 1e-9);
         assert!((r.phases.train - 1.0).abs() < 1e-12 && (r.phases.total - 3.0).abs() < 1e-12);
         assert_eq!(r.utilization, vec![1.0, 0.5]);
-        assert!(report("c", &names, &lines[..1], 1, None, 2).is_err(), "nothing after the warm-up");
+        assert!(report("c", &names, &lines[..1], 1, None, 2, 2).is_err(), "nothing after the warm-up");
+        // Split: one of the two generates, so its tokens/s are the whole step's.
+        let split = report("c", &names, &lines, 1, Some(1.0), 1, 1).unwrap();
+        assert!((split.gen_tokens_per_s_per_gpu - 200.0).abs() < 1e-9);
+        assert!((split.train_mfu.unwrap() - 3.0).abs() < 1e-9);
         assert_eq!(peak_of("cuda-sim:0 (simulated H200, sm_90, kernels sm_90a)"), Some(989.0));
         assert_eq!(peak_of("cpu:2"), None);
     }

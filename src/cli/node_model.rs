@@ -195,7 +195,7 @@ pub fn phases(student: &ModelConfig, teacher: Option<&ModelConfig>, recipe: &str
         if resync == 0.0 {
             "the engine reads the trainer's weights in place".into()
         } else {
-            "requantize in place (fused amax)".into()
+            "requantize in place (one read of the weights, one write of the codes)".into()
         },
     ));
     rows.push(Row { phase: "switch", flops: 0.0, bytes: 0.0, seconds: 0.0, bound: "-", note: "nothing moves".into() });

@@ -213,8 +213,11 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
             version,
             gen_tokens,
             train_tokens,
-            train_flops: 6.0 * host.cfg.num_params() as f64 * train_tokens as f64 * out.updates.max(1) as f64
-                / (job.objective.minibatches.max(1) as f64),
+            // Every pass over the minibatches runs each token forward and backward once.
+            train_flops: 6.0
+                * host.cfg.num_params() as f64
+                * train_tokens as f64
+                * job.objective.updates_per_step.max(1) as f64,
             tokens_per_s: gen_tokens as f64 / time.rollout.max(1e-9),
             updates_per_hour: done_steps * 3600.0 / t_loop.elapsed().as_secs_f64().max(1e-9),
             loss: out.loss,

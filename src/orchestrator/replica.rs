@@ -141,12 +141,14 @@ impl GenLink {
         let v = trainer.version;
         let mut p = self.mailbox()?;
         if trainer.on_device() {
-            let mut buf = match p.take() {
-                Some((_, Snapshot::Device(t))) => t,
-                _ => trainer.snapshot_buffer()?,
-            };
-            trainer.snapshot_into(&mut buf)?;
-            *p = Some((v, Snapshot::Device(buf)));
+            if !matches!(p.as_ref(), Some((_, Snapshot::Device(_)))) {
+                *p = Some((0, Snapshot::Device(trainer.snapshot_buffer()?)));
+            }
+            if let Some((version, Snapshot::Device(buf))) = p.as_mut() {
+                // A failed copy leaves the previous version published: its number is set after.
+                trainer.snapshot_into(buf)?;
+                *version = v;
+            }
         } else {
             *p = Some((v, Snapshot::Host(Arc::new(trainer.full_weights()?))));
         }
@@ -291,8 +293,8 @@ impl Replica {
         // on a CUDA device that trains there (one training GPU: master, moments, gradient, and
         // the activations of one micro-batch — with objective.micro_batch_tokens = 0, of a
         // whole step's responses at max_new_tokens each plus as many prompt tokens, a bound
-        // the data does not give before it is read); with several GPUs the trainer runs on the
-        // host.
+        // the data does not give before it is read; with several GPUs also the ZeRO-1 buffers).
+        // Not counted: a split placement's snapshot of the model on the lead trainer's GPU.
         let step_tokens =
             2 * job.rollout.prompts_per_step * job.rollout.samples_per_prompt * job.rollout.max_new_tokens;
         let nvfp4 = job.learner.precision == LearnerPrecision::Nvfp4;
@@ -569,7 +571,8 @@ impl Replica {
 
     /// The engine's resync after an update: a standard engine reads the trainer's weights in
     /// place (nothing to do); the others rewrite their preallocated buffers (a quantized one
-    /// from the amax the device optimizer reduced, when the trainer is on the device).
+    /// from the amax the device optimizer reduced, when one GPU trains on the device; with
+    /// several, ZeRO-1 writes no per-parameter amax and the requantize runs its own pass).
     pub fn resync(&mut self) -> Result<()> {
         let v = self.trainer.version;
         let rw = self.rw.as_mut().context("the rollout engine is not initialized")?;

@@ -1,7 +1,8 @@
 //! Collectives over device memory, for data-parallel training with the trainer's state on the
 //! GPUs (ZeRO-1 in `train::device_state`): the flat FP32 gradient reduce-scattered, the
 //! compute weights all-gathered in place, on each device's communication stream and ordered
-//! against its compute stream by events. Nothing crosses PCIe.
+//! against its compute stream by events. Nothing goes through host memory: the copies are
+//! device to device (over NVLink where the GPUs have it, peer to peer over PCIe otherwise).
 //!
 //! [`PeerCopy`] is the in-process implementation: every rank copies the pieces it needs
 //! straight out of the other devices' buffers (`CudaDevice::peer_copy`: cuMemcpyPeerAsync on
@@ -45,8 +46,17 @@ pub trait DeviceCollective: Send + Sync {
 pub struct PeerCopy {
     world: usize,
     gate: InProcess,
-    /// Each rank's (device, address of the buffer it offers) for the call in progress.
-    slots: Mutex<Vec<Option<(CudaDevice, u64)>>>,
+    /// Each rank's offer for the call in progress.
+    slots: Mutex<Vec<Option<Offer>>>,
+}
+
+/// What a rank brings to a call: its device, the address of its buffer, and what it believes
+/// the call is (checked against every other rank's before any copy).
+#[derive(Clone)]
+struct Offer {
+    dev: CudaDevice,
+    ptr: u64,
+    call: (&'static str, usize, DType),
 }
 
 fn cuda_of(t: &Tensor, what: &str) -> Result<(CudaDevice, u64)> {
@@ -65,18 +75,44 @@ impl PeerCopy {
         self.gate.all_reduce_sum_f64(rank, 0.0).map(|_| ())
     }
 
-    fn slots(&self) -> std::sync::MutexGuard<'_, Vec<Option<(CudaDevice, u64)>>> {
+    fn slots(&self) -> std::sync::MutexGuard<'_, Vec<Option<Offer>>> {
         self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Publishes this rank's buffer after its device has finished writing it, and returns
-    /// every rank's once all have.
-    fn exchange(&self, rank: usize, dev: &CudaDevice, ptr: u64) -> Result<Vec<(CudaDevice, u64)>> {
+    /// every rank's (device, address) once all have. Ranks that disagree on the call (which
+    /// collective, how many values, which dtype) fail, every one of them, before any copy:
+    /// a peer copy sized by one rank's belief would read past another's buffer.
+    fn exchange(
+        &self,
+        rank: usize,
+        dev: &CudaDevice,
+        ptr: u64,
+        call: (&'static str, usize, DType),
+    ) -> Result<Vec<(CudaDevice, u64)>> {
         dev.synchronize()?;
-        self.slots()[rank] = Some((dev.clone(), ptr));
+        self.slots()[rank] = Some(Offer { dev: dev.clone(), ptr, call });
         self.barrier(rank)?;
-        let all = self.slots().iter().cloned().collect::<Option<Vec<_>>>();
-        all.ok_or_else(|| anyhow!("device collective: a rank published no buffer"))
+        let slots = self.slots().clone();
+        let mut out = Vec::with_capacity(slots.len());
+        let first = slots.first().and_then(|o| o.as_ref()).map(|o| o.call);
+        for (r, o) in slots.into_iter().enumerate() {
+            let o = o.ok_or_else(|| anyhow!("device collective: rank {r} published no buffer"))?;
+            if Some(o.call) != first {
+                let (a, b) = (first.unwrap_or(call), o.call);
+                bail!(
+                    "device collective: rank 0 called {} of {} {} values, rank {r} {} of {} {} values",
+                    a.0,
+                    a.1,
+                    a.2.name(),
+                    b.0,
+                    b.1,
+                    b.2.name()
+                );
+            }
+            out.push((o.dev, o.ptr));
+        }
+        Ok(out)
     }
 
     /// Runs `body`; an error aborts the group, so the other ranks leave their barriers.
@@ -110,7 +146,7 @@ impl DeviceCollective for PeerCopy {
                 }
             }
             let (_, stage) = cuda_of(staging, "staging")?;
-            let ranks = self.exchange(rank, &dev, src)?;
+            let ranks = self.exchange(rank, &dev, src, ("reduce_scatter", n, DType::F32))?;
             on_stream(Stream::Comm, || -> Result<()> {
                 // Row p of the staging: rank p's values of this rank's shard.
                 for (p, (peer, base)) in ranks.iter().enumerate() {
@@ -139,7 +175,7 @@ impl DeviceCollective for PeerCopy {
         self.guarded(|| {
             let (dev, base) = cuda_of(buf, "gather buffer")?;
             let (n, es) = (buf.numel(), buf.dtype().size());
-            let ranks = self.exchange(rank, &dev, base)?;
+            let ranks = self.exchange(rank, &dev, base, ("all_gather_in_place", n, buf.dtype()))?;
             on_stream(Stream::Comm, || -> Result<()> {
                 for (p, (peer, pbase)) in ranks.iter().enumerate().filter(|(p, _)| *p != rank) {
                     let r = shard_range(n, self.world, p);
@@ -163,13 +199,14 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    /// Runs `f(rank, device)` on simulated GPUs `ordinals`, one thread each.
-    fn on_sims<T: Send + 'static>(
-        ordinals: &[usize],
-        f: impl Fn(usize, CudaDevice) -> T + Send + Sync + 'static,
-    ) -> Vec<T> {
+    /// The tests here take turns on simulated GPUs 1 and 2, which no other lib test opens:
+    /// the race test's error discards its device's queue.
+    static TURN: Mutex<()> = Mutex::new(());
+
+    /// Runs `f(rank, device)` on simulated GPUs 1 and 2, one thread each.
+    fn on_two_sims<T: Send + 'static>(f: impl Fn(usize, CudaDevice) -> T + Send + Sync + 'static) -> Vec<T> {
         let f = Arc::new(f);
-        let hs: Vec<_> = ordinals
+        let hs: Vec<_> = [1usize, 2]
             .iter()
             .enumerate()
             .map(|(r, &o)| {
@@ -186,12 +223,13 @@ mod tests {
     }
 
     #[test]
-    fn reduce_scatter_and_all_gather_equal_the_host_collective_on_three_sims() {
-        let (world, n) = (3, 1001);
+    fn reduce_scatter_and_all_gather_equal_the_host_collective_on_two_sims() {
+        let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+        let (world, n) = (2, 1001);
         let coll = Arc::new(PeerCopy::new(world).unwrap());
         let host = Arc::new(InProcess::new(world).unwrap());
         let (c, h) = (coll.clone(), host.clone());
-        let out = on_sims(&[3, 4, 5], move |rank, dev| {
+        let out = on_two_sims(move |rank, dev| {
             let d = Device::Cuda(dev.clone());
             let g = grad_of(rank, n);
             let send = d.from_f32(DType::F32, &[n], &g).unwrap();
@@ -214,7 +252,7 @@ mod tests {
             (got, want, buf.to_f32_vec().unwrap(), full)
         });
         for (rank, (got, want, gathered, full)) in out.into_iter().enumerate() {
-            // The same sums in the same order: bit for bit.
+            // The same sums in the same order (501 and 500 values: uneven shards): bit for bit.
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "rank {rank}");
             let bad = gathered.iter().zip(&full).position(|(a, b)| a != b);
@@ -222,12 +260,47 @@ mod tests {
         }
     }
 
+    /// Ranks that disagree on the call fail, both of them, naming the rank; a rank that aborts
+    /// wakes the other out of the rendezvous.
+    #[test]
+    fn disagreeing_or_aborted_ranks_fail_instead_of_copying_or_hanging() {
+        let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+        let coll = Arc::new(PeerCopy::new(2).unwrap());
+        let c = coll.clone();
+        let out = on_two_sims(move |rank, dev| {
+            let d = Device::Cuda(dev.clone());
+            // Rank 1 believes in one more value than rank 0.
+            let n = 64 + rank;
+            let send = d.from_f32(DType::F32, &[n], &grad_of(rank, n)).unwrap();
+            let len = shard_range(n, 2, rank).len();
+            let mut staging = d.zeros(DType::F32, &[2, len]).unwrap();
+            let mut recv = d.zeros(DType::F32, &[len]).unwrap();
+            c.reduce_scatter(rank, &send, &mut staging, &mut recv).map(|_| ()).map_err(|e| format!("{e:#}"))
+        });
+        for (rank, r) in out.into_iter().enumerate() {
+            let e = r.expect_err("a mismatched call must fail");
+            assert!(e.contains("rank 1 reduce_scatter of 65 f32 values") || e.contains("aborted"), "rank {rank}: {e}");
+        }
+        let coll = Arc::new(PeerCopy::new(2).unwrap());
+        let c = coll.clone();
+        let out = on_two_sims(move |rank, dev| {
+            if rank == 1 {
+                c.abort("rank 1 failed in its backward");
+                return Ok(());
+            }
+            let mut buf = Device::Cuda(dev).zeros(DType::F32, &[8]).unwrap();
+            c.all_gather_in_place(0, &mut buf).map(|_| ()).map_err(|e| format!("{e:#}"))
+        });
+        let e = out[0].clone().expect_err("rank 0 must be woken with an error");
+        assert!(e.contains("rank 1 failed in its backward"), "{e}");
+    }
+
     /// The simulator catches the mistake the event exists for: the compute stream reading the
     /// reduce-scatter's output without waiting on its event. One rank (the copies and the
-    /// column sum on the communication stream are the same code), on an ordinal no other lib
-    /// test opens: the race error discards the device's queue.
+    /// column sum on the communication stream are the same code).
     #[test]
     fn reading_the_shard_without_the_event_is_a_stream_ordering_race() {
+        let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
         let n = 64;
         let coll = PeerCopy::new(1).unwrap();
         let dev = CudaDevice::sim(2).unwrap();

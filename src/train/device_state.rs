@@ -330,13 +330,14 @@ impl DeviceState {
         let Some(z) = &self.zero else { return Ok((master, m, v)) };
         let n = self.grad.numel();
         let all = |part: &[f32]| -> Result<Vec<f32>> {
-            if part.is_empty() {
-                return Ok(Vec::new());
-            }
             let mut full = vec![0.0f32; n];
             z.dp.coll.all_gather(z.dp.rank, part, &mut full)?;
             Ok(full)
         };
+        // Whether moments exist is the same on every device (a shard may be empty: n < world).
+        if self.m.is_none() {
+            return Ok((all(&master)?, Vec::new(), Vec::new()));
+        }
         Ok((all(&master)?, all(&m)?, all(&v)?))
     }
 

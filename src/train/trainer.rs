@@ -455,6 +455,11 @@ impl Trainer {
             let (t, chunk) = (self.temperature, self.chunk);
             let Some(ds) = self.dstate.as_mut() else { return Ok(()) };
             ds.zero_grads()?;
+            // A device whose token-balanced share is empty (one long response can take a
+            // whole share) joins the collectives with a zero gradient.
+            if rollouts.is_empty() {
+                return Ok(());
+            }
             let mut at = 0;
             for mb in &mbs {
                 let b = Self::batch(&rollouts[mb.clone()]);
@@ -562,8 +567,9 @@ impl Trainer {
         Ok(())
     }
 
-    /// The whole model as of the last update, as f32 (what the trainers publish to a split
-    /// placement's generators): this device's FP32 master with one device, the all-gathered
+    /// The whole model as of the last update, as f32 (what host trainers publish to a split
+    /// placement's generators; GPU trainers publish a device snapshot): this device's FP32
+    /// master with one device, the all-gathered
     /// weights with several (the FP32 master, or its BF16 rounding when the compute weights
     /// are BF16: the same compute weights once a generator rounds it).
     pub fn full_weights(&self) -> Result<Vec<f32>> {

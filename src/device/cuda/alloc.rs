@@ -1,8 +1,9 @@
 //! The caching device allocator of one CUDA device: blocks are rounded to a size class (512 B
 //! steps up to 1 MiB, 2 MiB steps above), freed blocks go to a free list per class and are
-//! handed out again without a driver call. Everything runs on the device's single stream, so a
-//! block freed while kernels still read it is only reused by work queued after them (stream
-//! order). A memory budget caps what the process holds; over budget, the cached blocks are
+//! handed out again without a driver call. Blocks are reused in the compute stream's order: a
+//! block freed while kernels still read it is only reused by work queued after them. The
+//! communication stream uses only long-lived blocks (the collectives' buffers, allocated with
+//! the trainer's state), so no block moves between streams while either has work on it. A memory budget caps what the process holds; over budget, the cached blocks are
 //! returned to the driver first, and then the request fails with an error naming it.
 //! Not yet run on a GPU.
 

@@ -138,6 +138,27 @@ impl Real {
         }
     }
 
+    /// Lets this context read `peer`'s memory directly (NVLink or PCIe peer to peer); where the
+    /// GPUs cannot reach each other the driver stages peer copies through the host, which is
+    /// logged once.
+    fn enable_peer_access(&self, peer: &Arc<CudaContext>, src_ordinal: usize) -> Result<()> {
+        let mut can = 0i32;
+        // SAFETY: a plain query of two device handles into a local integer.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, self.ctx.cu_device(), peer.cu_device()) }
+            .result()
+            .map_err(|e| anyhow!("can cuda:{src_ordinal} be reached as a peer: {e}"))?;
+        if can == 0 {
+            tracing::warn!("peer copies from cuda:{src_ordinal} go through the host: no peer access between the GPUs");
+            return Ok(());
+        }
+        // SAFETY: enables access from the current (this device's) context to the peer's; the
+        // only failure that is not an error is "already enabled".
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+            e => bail!("enabling peer access to cuda:{src_ordinal}: {e:?}"),
+        }
+    }
+
     pub fn peer_copy(&self, dst: u64, src: u64, src_ordinal: usize, bytes: usize) -> Result<()> {
         self.bind()?;
         let src_ctx = {
@@ -146,6 +167,9 @@ impl Real {
                 Some(c) => c.clone(),
                 None => {
                     let c = CudaContext::new(src_ordinal).map_err(|e| anyhow!("peer cuda:{src_ordinal}: {e}"))?;
+                    // CudaContext::new made the peer's context current: this device's again.
+                    self.bind()?;
+                    self.enable_peer_access(&c, src_ordinal)?;
                     peers.insert(src_ordinal, c.clone());
                     c
                 }

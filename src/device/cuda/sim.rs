@@ -513,7 +513,10 @@ impl Sim {
                     let Some(e) = st.queues[i].pop_front() else { break };
                     st.ran[i] += 1;
                     progress = true;
-                    self.run(st, e.op)?;
+                    if let Err(err) = self.run(st, e.op) {
+                        st.discard();
+                        return Err(err);
+                    }
                 }
             }
             if st.queues.iter().all(|q| q.is_empty()) {
@@ -568,7 +571,7 @@ impl Sim {
             Op::Cutlass { g, args } => super::sim_gemm::run_cutlass(g, &args),
             // SAFETY: `dst` was checked against this device's allocations and `src` against the
             // peer's when queued; the collective keeps the peer's block alive and unchanged
-            // until this device has synchronized (see `parallel::device_coll`).
+            // until this device has synchronized (see `train::device_coll`).
             Op::Peer { dst, src, bytes } => unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) },
             Op::Wait { .. } => {}
         }
@@ -616,7 +619,8 @@ impl State {
     /// Before the front of stream `s` runs: an error if an operation still pending on the
     /// other stream uses one of its allocations and no wait on that stream, queued before
     /// it, covers this one (then nothing orders the two: on a GPU they may run in either
-    /// order or at once).
+    /// order or at once). Coarse on purpose: whole allocations (two views of one buffer
+    /// count as one) and every use (two reads count too).
     fn check_order(&self, s: Stream) -> Result<()> {
         let Some(x) = self.queues[s as usize].front() else { return Ok(()) };
         let o = s.other();
