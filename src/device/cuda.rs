@@ -31,7 +31,7 @@ use anyhow::{anyhow, bail, Result};
 use driver::Driver;
 use half::{bf16, f16};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 #[path = "cuda/alloc.rs"]
@@ -43,6 +43,8 @@ pub mod args;
 mod blas;
 #[path = "cuda/driver.rs"]
 mod driver;
+#[path = "cuda/graph.rs"]
+mod graph;
 #[allow(non_camel_case_types, non_upper_case_globals, non_snake_case)]
 #[path = "cuda/ffi.rs"]
 pub mod ffi;
@@ -83,6 +85,7 @@ pub use driver::{current_stream, on_stream, Cutlass, CutlassArgs, Elem, Event, F
 /// The architectures this binary carries kernels for (COLOTRAIN_CUDA_ARCHS at build time).
 #[cfg(feature = "cuda")]
 pub use embedded::BUILT_ARCHS;
+pub use graph::DeviceGraph;
 pub use kernels::TC_MAX_D;
 /// The architectures this binary carries kernels for: none without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
@@ -131,6 +134,10 @@ struct Inner {
     /// Bytes copied host → device and device → host (`transfer_bytes_of`).
     h2d: AtomicU64,
     d2h: AtomicU64,
+    /// A CUDA-graph capture in progress (`graph.rs`): its block pool, and a flag read without
+    /// the lock on every allocation and free.
+    capture: Mutex<Option<graph::CapturePool>>,
+    capturing: AtomicBool,
 }
 
 /// The devices open in this process, by (simulated, ordinal): opening one again shares it.
@@ -205,6 +212,16 @@ impl CudaDevice {
             bail!("cuda-sim:{ordinal} is already open as {}, not {}", d.inner.arch, want.name);
         }
         Ok(d)
+    }
+
+    /// A simulated H200 outside the registry (tests that must own a device alone, whatever
+    /// other tests run in the process); `ordinal` only names it.
+    #[cfg(test)]
+    pub(crate) fn sim_unshared(ordinal: usize) -> CudaDevice {
+        let drv = Driver::Sim(sim::Sim::new(ordinal, sim::SM90A));
+        let inner =
+            Self::with_driver(ordinal, "simulated H200".into(), sim::SM90A.cc, "sm_90a".into(), 132, 1 << 30, drv);
+        CudaDevice { inner: Arc::new(inner.expect("a simulated device")) }
     }
 
     /// How many simulated GPUs there are (`COLOTRAIN_SIM_DEVICES`, default 8).
@@ -290,6 +307,8 @@ impl CudaDevice {
             sync_launches: std::env::var("COLOTRAIN_CUDA_SYNC").map(|v| v == "1").unwrap_or(false),
             h2d: AtomicU64::new(0),
             d2h: AtomicU64::new(0),
+            capture: Mutex::new(None),
+            capturing: AtomicBool::new(false),
         })
     }
 
@@ -479,6 +498,9 @@ impl CudaDevice {
 
     /// Scratch device memory, returned to the cache when dropped.
     pub fn scratch(&self, bytes: usize, what: &str) -> Result<DevBuf> {
+        if let Some(b) = self.capture_alloc(bytes, what) {
+            return b;
+        }
         let (ptr, class) = self.allocator().alloc(&self.inner.driver, bytes, what)?;
         Ok(DevBuf { ptr, class, dev: self.clone() })
     }
@@ -575,6 +597,9 @@ pub struct DevBuf {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
+        if self.dev.capture_free(self.ptr, self.class) {
+            return;
+        }
         self.dev.allocator().free(self.ptr, self.class);
     }
 }

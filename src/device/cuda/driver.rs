@@ -82,6 +82,16 @@ impl std::fmt::Debug for Event {
     }
 }
 
+/// A recorded list of the current stream's work, replayed as one launch (a CUDA graph). The
+/// pointers and scalars of every operation are those of the capture: replaying it reads and
+/// writes the same addresses, so the buffers it uses must stay where they are.
+pub(super) enum Graph {
+    /// The simulator: the captured operations, replayed by queueing them again.
+    Sim(super::sim::SimGraph),
+    #[cfg(feature = "cuda")]
+    Real(super::real::RealGraph),
+}
+
 /// Element types of a GEMM's inputs; the output is always f32.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum Elem {
@@ -285,6 +295,30 @@ impl Driver {
     /// unchanged until this stream has run the copy.
     pub fn peer_copy(&self, dst: u64, src: u64, src_ordinal: usize, bytes: usize) -> Result<()> {
         each!(self, d => d.peer_copy(dst, src, src_ordinal, bytes))
+    }
+
+    /// Starts recording the calling thread's current stream: work queued on it from now on is
+    /// captured, not run, until [`Driver::end_capture`]. Synchronizing, copying from or to the
+    /// host and allocating are errors meanwhile (as CUDA's thread-local capture mode has them).
+    pub fn begin_capture(&self) -> Result<()> {
+        each!(self, d => d.begin_capture())
+    }
+
+    /// Ends the capture begun on this thread's current stream; the graph of what it recorded,
+    /// or the first error met while capturing.
+    pub fn end_capture(&self) -> Result<Graph> {
+        each!(self, d => d.end_capture())
+    }
+
+    /// Queues graph `g` on the current stream.
+    pub fn replay(&self, g: &Graph) -> Result<()> {
+        match (self, g) {
+            (Driver::Sim(d), Graph::Sim(g)) => d.replay(g),
+            #[cfg(feature = "cuda")]
+            (Driver::Real(d), Graph::Real(g)) => d.replay(g),
+            #[cfg(feature = "cuda")]
+            _ => anyhow::bail!("a graph captured on another kind of device"),
+        }
     }
 
     /// The stream handle (null in the simulator, which has none).

@@ -8,7 +8,7 @@
 //! Must not: be reached except through `driver::Driver`.
 
 use super::blas::Blas;
-use super::driver::{current_stream, Cutlass, CutlassArgs, Event, GemmKey, Launch};
+use super::driver::{current_stream, Cutlass, CutlassArgs, Event, GemmKey, Graph, Launch};
 use super::kernels::Kernel;
 use super::{ffi, Cubin};
 use anyhow::{anyhow, bail, Context, Result};
@@ -23,6 +23,15 @@ pub(super) struct Props {
     pub sm_count: u32,
     pub free: usize,
 }
+
+/// An instantiated CUDA graph of this device's compute stream.
+pub(crate) struct RealGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: CUDA graph objects are not internally synchronized (concurrent calls on one graph
+// must be serialized), but they may be used from any thread. A RealGraph is only reached
+// through `&` by its owner (one engine, driven by one worker thread at a time: the engine's
+// `&mut self` methods), so two threads never call into it at once.
+unsafe impl Send for RealGraph {}
 
 pub(super) struct Real {
     ctx: Arc<CudaContext>,
@@ -245,6 +254,31 @@ impl Real {
             )
         }
         .map_err(|e| anyhow!("{e}"))
+    }
+
+    /// Thread-local capture mode: another thread's allocations (the other GPUs' workers) stay
+    /// legal while this one captures; this thread's are refused by the driver.
+    pub fn begin_capture(&self) -> Result<()> {
+        self.stream()
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| anyhow!("begin a CUDA-graph capture: {e}"))
+    }
+
+    pub fn end_capture(&self) -> Result<Graph> {
+        let g = self
+            .stream()
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| anyhow!("end the CUDA-graph capture: {e}"))?
+            .ok_or_else(|| anyhow!("the CUDA-graph capture recorded nothing"))?;
+        Ok(Graph::Real(RealGraph(g)))
+    }
+
+    pub fn replay(&self, g: &RealGraph) -> Result<()> {
+        // cudarc launches a graph on the stream it was captured on: the compute stream.
+        if !Arc::ptr_eq(self.stream(), &self.streams[0]) {
+            bail!("a CUDA graph replays on the compute stream only");
+        }
+        g.0.launch().map_err(|e| anyhow!("launch the CUDA graph: {e}"))
     }
 
     pub fn launch(&self, l: &Launch) -> Result<()> {

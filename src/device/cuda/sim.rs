@@ -30,6 +30,10 @@ use std::mem::MaybeUninit;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
+#[path = "sim_graph.rs"]
+mod graph;
+pub(super) use graph::SimGraph;
+
 unsafe extern "C" {
     /// csrc/hostemu/sim.cpp: runs kernel `id` (Kernel::index) with grid (gx, gy), a block of
     /// bx threads, `smem` bytes of dynamic shared memory, thread order `order`, on the
@@ -110,6 +114,7 @@ struct Alloc {
 }
 
 /// One queued piece of work.
+#[derive(Clone)]
 enum Op {
     Memset {
         ptr: u64,
@@ -194,6 +199,8 @@ struct State {
     /// The dynamic shared memory limit set per kernel (Kernel::index).
     smem_attr: Vec<u32>,
     launches: u64,
+    /// A CUDA-graph capture in progress (`sim_graph.rs`).
+    capture: Option<graph::Capture>,
 }
 
 pub(super) struct Sim {
@@ -228,6 +235,7 @@ impl Sim {
     /// violation found since the last synchronize.
     pub fn synchronize(&self) -> Result<()> {
         let mut st = self.state();
+        st.refuse_in_capture(&self.name(), "a synchronization")?;
         if !st.violations.is_empty() {
             let v = std::mem::take(&mut st.violations);
             bail!("{}: {}", self.name(), v.join("; "));
@@ -240,6 +248,7 @@ impl Sim {
     }
 
     pub fn malloc(&self, bytes: usize) -> Result<u64> {
+        self.state().refuse_in_capture(&self.name(), "a device allocation (cuMemAlloc)")?;
         let l = layout(bytes)?;
         // SAFETY: `l` has a non-zero size (two canaries) and a valid alignment.
         let base = unsafe { std::alloc::alloc(l) };
@@ -262,6 +271,8 @@ impl Sim {
     /// write past its ends, is a violation the next synchronize reports (free cannot fail).
     pub fn free(&self, ptr: u64) {
         let mut st = self.state();
+        // Refused while capturing; free cannot fail, so the capture's end reports it.
+        let _ = st.refuse_in_capture(&self.name(), "a device free (cuMemFree)");
         let n = st.queues.iter().map(|q| q.len()).sum::<usize>();
         if n > 0 {
             st.violations.push(format!("the block at {ptr:#x} was freed while {n} operations were queued"));
@@ -291,6 +302,7 @@ impl Sim {
 
     pub fn htod(&self, dst: u64, src: &[u8]) -> Result<()> {
         let mut st = self.state();
+        st.refuse_in_capture(&self.name(), "a host-to-device copy")?;
         check_range(&st, dst, src.len(), "host-to-device copy")?;
         st.push(Op::Htod { dst, data: src.to_vec() }, &[dst]);
         Ok(())
@@ -450,11 +462,13 @@ impl Sim {
     }
 
     pub fn record_event(&self) -> Result<Event> {
+        self.state().refuse_in_capture(&self.name(), "an event record")?;
         let stream = current_stream();
         Ok(Event::Sim { ordinal: self.ordinal, stream, seq: self.state().queued[stream as usize] })
     }
 
     pub fn wait_event(&self, e: &Event) -> Result<()> {
+        self.state().refuse_in_capture(&self.name(), "an event wait")?;
         let cur = current_stream();
         match *e {
             Event::Sim { ordinal, stream, seq } if ordinal == self.ordinal => {
@@ -476,6 +490,7 @@ impl Sim {
     /// of this device's, and queues the copy.
     pub fn peer_copy(&self, dst: u64, src: u64, src_ordinal: usize, bytes: usize) -> Result<()> {
         let mut st = self.state();
+        st.refuse_in_capture(&self.name(), "a peer copy")?;
         check_range(&st, dst, bytes, "peer copy destination")?;
         let owner = owners().range(..=src).next_back().map(|(&s, &(b, o))| (s, b, o));
         match owner {
@@ -600,6 +615,10 @@ impl State {
         let mut uses: Vec<u64> = ptrs.iter().filter_map(|&p| self.alloc_of(p)).collect();
         uses.sort_unstable();
         uses.dedup();
+        if let Some(c) = self.capture.as_mut().filter(|c| c.stream as usize == s) {
+            c.ops.push((op, uses));
+            return;
+        }
         self.queues[s].push_back(Entry { op, seq: self.queued[s], uses });
         self.queued[s] += 1;
     }

@@ -1,0 +1,282 @@
+//! CUDA graphs of one device: [`CudaDevice::capture`] records the work a closure queues on the
+//! compute stream into a [`DeviceGraph`], [`CudaDevice::replay`] launches it again as one
+//! driver call (a GPU: cuStreamBeginCapture / cuGraphInstantiate / cuGraphLaunch through
+//! cudarc; the simulator: its recorded operation list, `sim_graph.rs`).
+//!
+//! A graph replays the addresses and scalars of its capture. Memory: the blocks the captured
+//! work allocates (the ops' per-call scratch) and every block freed while capturing become
+//! the graph's private pool — reused inside the capture in stream order, never handed to
+//! anyone else while the graph lives, returned to the cache when it is dropped (the private
+//! memory pool of PyTorch's graphs, in small). A block allocated during the capture and still
+//! held after it would be written by every replay while someone else owns it: the capture
+//! fails instead. Allocating fresh device memory, synchronizing and host copies are refused
+//! while capturing (CUDA's thread-local capture mode), so the caller runs the work once
+//! eagerly first: the cache then holds every block size the capture will ask for.
+//!
+//! Owns: the capture pool, [`DeviceGraph`]. May call: the device's allocator and driver.
+//! Must not: decide what is captured (the engine does: `engine::graphs`).
+
+use super::{alloc, driver::Graph, CudaDevice, DevBuf};
+use anyhow::{anyhow, bail, Result};
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// The blocks of a capture in progress.
+#[derive(Default)]
+pub(super) struct CapturePool {
+    /// Blocks the graph will own: freed while capturing, reusable by later captured work.
+    free: Vec<(u64, usize)>,
+    /// Blocks handed out during the capture and not yet freed.
+    live: HashSet<u64>,
+}
+
+/// A captured graph of one device and the private pool of blocks its work uses.
+pub struct DeviceGraph {
+    g: Graph,
+    dev: CudaDevice,
+    pool: Vec<(u64, usize)>,
+}
+
+impl std::fmt::Debug for DeviceGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceGraph({}, {} pool blocks)", self.dev.name(), self.pool.len())
+    }
+}
+
+impl DeviceGraph {
+    /// Bytes of the graph's private pool.
+    pub fn pool_bytes(&self) -> usize {
+        self.pool.iter().map(|p| p.1).sum()
+    }
+
+    /// Operations recorded (the simulator; None on a GPU, where the driver keeps the graph).
+    pub fn recorded_ops(&self) -> Option<usize> {
+        match &self.g {
+            Graph::Sim(g) => Some(g.len()),
+            #[cfg(feature = "cuda")]
+            Graph::Real(_) => None,
+        }
+    }
+}
+
+impl Drop for DeviceGraph {
+    fn drop(&mut self) {
+        // Stream-ordered like any freed block: work queued after the graph's last replay may
+        // reuse these blocks, work before it has already been queued.
+        let mut a = self.dev.allocator();
+        for &(p, c) in &self.pool {
+            a.free(p, c);
+        }
+    }
+}
+
+impl CudaDevice {
+    /// Records the work `f` queues on the compute stream into a graph; nothing of it runs.
+    /// Fails (and leaves the device usable, nothing queued) when `f` fails, when it makes a call
+    /// a capture refuses, or when a block it allocated is still held at its end.
+    pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<DeviceGraph> {
+        if self.sync_launches() {
+            bail!(
+                "{}: CUDA graphs are off with COLOTRAIN_CUDA_SYNC=1 (it synchronizes after every launch)",
+                self.name()
+            );
+        }
+        if super::current_stream() != super::Stream::Compute {
+            bail!("{}: CUDA graphs capture the compute stream only", self.name());
+        }
+        self.bind()?;
+        {
+            let mut c = self.capture_pool();
+            if c.is_some() {
+                bail!("{}: a CUDA-graph capture is already in progress", self.name());
+            }
+            *c = Some(CapturePool::default());
+        }
+        self.inner.capturing.store(true, Ordering::SeqCst);
+        let began = self.inner.driver.begin_capture();
+        let run = began.and_then(|_| f());
+        // Ended whatever happened (a stream left capturing refuses all later work).
+        let ended = self.inner.driver.end_capture();
+        self.inner.capturing.store(false, Ordering::SeqCst);
+        let pool = self.capture_pool().take().unwrap_or_default();
+        let fail = |pool: CapturePool, e: anyhow::Error| {
+            let mut a = self.allocator();
+            for (p, c) in pool.free {
+                a.free(p, c);
+            }
+            Err(e)
+        };
+        if let Err(e) = run {
+            return fail(pool, anyhow!("{}: CUDA-graph capture: {e:#}", self.name()));
+        }
+        let g = match ended {
+            Ok(g) => g,
+            Err(e) => return fail(pool, anyhow!("{}: CUDA-graph capture: {e:#}", self.name())),
+        };
+        if !pool.live.is_empty() {
+            let n = pool.live.len();
+            return fail(
+                pool,
+                anyhow!(
+                    "{}: CUDA-graph capture: {n} device block(s) allocated by the captured work are still held after it \
+                     (every replay would write memory someone else owns)",
+                    self.name()
+                ),
+            );
+        }
+        Ok(DeviceGraph { g, dev: self.clone(), pool: pool.free })
+    }
+
+    /// Queues graph `g` (captured on this device) on the compute stream.
+    pub fn replay(&self, g: &DeviceGraph) -> Result<()> {
+        if !Arc::ptr_eq(&g.dev.inner, &self.inner) {
+            bail!("{}: replay of a graph captured on {}", self.name(), g.dev.name());
+        }
+        self.bind()?;
+        self.inner.driver.replay(&g.g).map_err(|e| anyhow!("{}: {e:#}", self.name()))
+    }
+
+    fn capture_pool(&self) -> std::sync::MutexGuard<'_, Option<CapturePool>> {
+        self.inner.capture.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A block for `bytes` while a capture is in progress: one of the capture's own freed
+    /// blocks of the same size class, else one from the cache (counted as the capture's).
+    /// None when no capture is in progress.
+    pub(super) fn capture_alloc(&self, bytes: usize, what: &str) -> Option<Result<DevBuf>> {
+        if !self.inner.capturing.load(Ordering::SeqCst) {
+            return None;
+        }
+        let mut guard = self.capture_pool();
+        let pool = guard.as_mut()?;
+        let class = alloc::size_class(bytes);
+        let ptr = match pool.free.iter().rposition(|b| b.1 == class) {
+            Some(i) => pool.free.swap_remove(i).0,
+            None => match self.allocator().alloc(&self.inner.driver, bytes, what) {
+                Ok((p, _)) => p,
+                Err(e) => return Some(Err(e)),
+            },
+        };
+        pool.live.insert(ptr);
+        Some(Ok(DevBuf { ptr, class, dev: self.clone() }))
+    }
+
+    /// Takes a freed block into the capture's pool; false when no capture is in progress.
+    pub(super) fn capture_free(&self, ptr: u64, class: usize) -> bool {
+        if !self.inner.capturing.load(Ordering::SeqCst) {
+            return false;
+        }
+        let mut guard = self.capture_pool();
+        let Some(pool) = guard.as_mut() else { return false };
+        pool.live.remove(&ptr);
+        pool.free.push((ptr, class));
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::driver::Driver;
+    use super::super::sim::{Sim, SM90A};
+    use super::super::{ffi, CudaDevice};
+
+    fn cast(dev: &CudaDevice, x: u64, y: u64, n: usize) -> anyhow::Result<()> {
+        let p = ffi::ct_cast_params {
+            x: x as *mut f32,
+            y: y as *mut std::ffi::c_void,
+            dtype: ffi::CT_DTYPE_BF16,
+            n: n as i64,
+        };
+        dev.k_cast(p)
+    }
+
+    fn bf16s(dev: &CudaDevice, p: u64, n: usize) -> Vec<f32> {
+        let mut h = vec![0u16; n];
+        dev.dtoh(&mut h, p).unwrap();
+        h.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect()
+    }
+
+    /// A capture records without running; a replay runs what it recorded on the buffers'
+    /// current contents (an in-place update needs no new capture); the captured work's scratch
+    /// block stays the graph's, never handed out while the graph lives.
+    #[test]
+    fn a_replay_runs_the_captured_work_on_the_current_contents() {
+        let dev = CudaDevice::sim_unshared(93);
+        let n = 300;
+        let x = dev.scratch(n * 4, "x").unwrap();
+        let y = dev.scratch(n * 2, "y").unwrap();
+        let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.37 - 20.0).collect();
+        dev.htod(x.ptr, &a).unwrap();
+        dev.memset0(y.ptr, n * 2).unwrap();
+        // Warm-up: the scratch block's size class is in the cache before the capture asks for it.
+        drop(dev.scratch(n * 2, "warm-up").unwrap());
+        let mut tmp_ptr = 0;
+        let g = dev
+            .capture(|| {
+                let t = dev.scratch(n * 2, "captured scratch")?;
+                tmp_ptr = t.ptr;
+                cast(&dev, x.ptr, t.ptr, n)?;
+                dev.dtod(y.ptr, t.ptr, n * 2)
+            })
+            .unwrap();
+        assert!(bf16s(&dev, y.ptr, n).iter().all(|&v| v == 0.0), "the capture ran the work");
+        assert_eq!(g.recorded_ops(), Some(2));
+        assert!(g.pool_bytes() >= n * 2);
+        let other = dev.scratch(n * 2, "after the capture").unwrap();
+        assert_ne!(other.ptr, tmp_ptr, "the graph's scratch block was handed out while the graph lives");
+        for round in 0..2 {
+            let b: Vec<f32> = a.iter().map(|v| v * (1.0 + round as f32)).collect();
+            dev.htod(x.ptr, &b).unwrap();
+            dev.replay(&g).unwrap();
+            let want: Vec<f32> = b.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+            assert_eq!(bf16s(&dev, y.ptr, n), want, "replay {round}");
+        }
+        drop(g);
+        let again = dev.scratch(n * 2, "after the graph").unwrap();
+        assert_eq!(again.ptr, tmp_ptr, "a dropped graph returns its pool to the cache");
+    }
+
+    /// What a capture refuses fails it with the rule named, and leaves the device usable with
+    /// nothing of the failed capture queued.
+    #[test]
+    fn a_capture_refuses_host_copies_syncs_and_escaping_blocks() {
+        let dev = CudaDevice::sim_unshared(92);
+        let y = dev.scratch(64, "y").unwrap();
+        dev.htod(y.ptr, &[7u32; 16]).unwrap();
+        // A cached block for the third case (a fresh device allocation is refused first).
+        drop(dev.scratch(64, "warm-up").unwrap());
+        let cases: [(&str, Box<dyn Fn() -> anyhow::Result<()>>); 3] = [
+            ("a host-to-device copy during CUDA-graph capture", Box::new(|| dev.htod(y.ptr, &[1u32; 16]))),
+            (
+                "a synchronization during CUDA-graph capture",
+                Box::new(|| dev.memset0(y.ptr, 64).and_then(|_| dev.synchronize())),
+            ),
+            (
+                "still held after it",
+                Box::new(|| dev.memset0(y.ptr, 64).map(|_| std::mem::forget(dev.scratch(64, "kept").unwrap()))),
+            ),
+        ];
+        for (want, f) in cases {
+            let e = format!("{:#}", dev.capture(|| f()).unwrap_err());
+            assert!(e.contains(want) && e.contains("cuda-sim:92"), "{want}: {e}");
+            let mut h = [0u32; 16];
+            dev.dtoh(&mut h, y.ptr).unwrap();
+            assert_eq!(h, [7; 16], "{want}: work of the failed capture ran");
+        }
+    }
+
+    #[test]
+    fn a_replay_whose_buffer_was_freed_is_an_error() {
+        let d = Driver::Sim(Sim::new(91, SM90A));
+        let p = d.malloc(256).unwrap();
+        d.begin_capture().unwrap();
+        d.memset0(p, 256).unwrap();
+        let g = d.end_capture().unwrap();
+        d.replay(&g).unwrap();
+        d.synchronize().unwrap();
+        d.free(p);
+        let e = format!("{:#}", d.replay(&g).unwrap_err());
+        assert!(e.contains("the allocation of 256 bytes") && e.contains("freed since its capture"), "{e}");
+    }
+}
