@@ -172,6 +172,9 @@ pub struct RolloutConfig {
     /// budget (`run.memory_budget_mb`, or a GPU's free memory), the same capacity in tokens for
     /// every engine.
     pub kv_cache_mb: usize,
+    /// CUDA: replay each decode step as a CUDA graph captured per batch-size bucket (false:
+    /// launch every kernel eagerly). No effect on CPU devices.
+    pub cuda_graphs: bool,
 }
 
 impl Default for RolloutConfig {
@@ -188,6 +191,7 @@ impl Default for RolloutConfig {
             max_seqs: 64,
             max_tokens_per_step: 2048,
             kv_cache_mb: 512,
+            cuda_graphs: true,
         }
     }
 }

@@ -368,3 +368,114 @@ fn a_short_bf16_run_on_the_simulator_lowers_the_heldout_kl() {
         assert!((x - y).abs() <= 2e-3 + 2e-2 * x.abs(), "step 1 loss: cpu {x}, cuda-sim {y}");
     }
 }
+
+/// CUDA graphs for decode (issue 21) on cuda-sim:4: an engine that replays one graph per
+/// batch-size bucket decodes what the eager engine decodes — tokens and log-probs bit for bit
+/// (the padding rows change no other row's arithmetic) — in two rounds with the weights moved
+/// in place between them (a resync). BF16-free F32 weights: the round after the resync replays
+/// the graphs of the first (no new capture: every address stays valid); an FP8 rollout engine
+/// freezes its tensor scales into the capture, so its resync captures again.
+#[test]
+fn decode_graph_replays_after_an_in_place_resync_decode_what_eager_steps_decode() {
+    use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
+    use colotrain::model::calib::Calibration;
+    use colotrain::quant::recipe::{KvScale, Recipe};
+    let dev = Device::parse("cuda-sim:4").unwrap();
+    let mut lm = load_fixture("llama_gqa", &dev, DType::F32);
+    let c = lm.cfg.clone();
+    // Five sequences of 4..16 new tokens: decode batches of 5, 4, 3, 2, 1 (buckets 8, 4, 4, 2, 1).
+    let reqs = |seed: u64| -> Vec<Request> {
+        (0..5u64)
+            .map(|id| Request {
+                id,
+                sample: 0,
+                prompt: (0..(3 + 2 * id as usize) as u32)
+                    .map(|x| (x * 7 + id as u32 + seed as u32) % c.vocab_size as u32)
+                    .collect(),
+                sampling: Arc::new(SamplingConfig {
+                    temperature: 1.0,
+                    max_new_tokens: 4 + 3 * id as usize,
+                    ignore_eos: true,
+                    seed,
+                    ..Default::default()
+                }),
+                prompt_logprobs: false,
+            })
+            .collect()
+    };
+    let mut cal = Calibration::new(Calibration::fingerprint(&c), c.num_layers);
+    for l in 0..c.num_layers {
+        cal.input_amax[l] = [4.0; 4];
+        cal.k_amax[l] = 6.0;
+        cal.v_amax[l] = 3.0;
+    }
+    for recipe in ["none", "fp8"] {
+        let spec = (recipe != "none").then(|| EngineSpec {
+            recipe: Recipe::preset(
+                recipe,
+                c.num_layers,
+                &Vec::<String>::new(),
+                KvScale::Calibrated,
+                Default::default(),
+            )
+            .unwrap(),
+            noise_sigma: 0.0,
+            noise_seed: 0,
+            staleness: 0,
+        });
+        let mut rw = spec.as_ref().map(|s| RolloutWeights::new(&dev, s, &c, &lm.weights, Some(&cal), 0).unwrap());
+        let ec = |graphs: bool| EngineConfig {
+            kv_fp8: spec.as_ref().map(|s| s.recipe.kv_layers()).unwrap_or_default(),
+            cuda_graphs: graphs,
+            ..Default::default()
+        };
+        let mut eager = Engine::new(&dev, &c, DType::F32, &ec(false), None).unwrap();
+        let mut graphed = Engine::new(&dev, &c, DType::F32, &ec(true), None).unwrap();
+        let mut captures = Vec::new();
+        for round in 0..2u64 {
+            if round == 1 {
+                // The resync: the trainer's update written into the same tensors.
+                for l in &mut lm.weights.layers {
+                    let mut g = l.gate_proj.to_f32_vec().unwrap();
+                    g.iter_mut().enumerate().for_each(|(i, x)| *x = *x * 1.3 + 0.01 * ((i % 7) as f32 - 3.0));
+                    l.gate_proj.write_f32(&g).unwrap();
+                }
+                if let Some(rw) = rw.as_mut() {
+                    rw.sync(&lm.weights, 1).unwrap();
+                }
+            }
+            let mut out = Vec::new();
+            for e in [&mut eager, &mut graphed] {
+                for r in reqs(round + 1) {
+                    e.add(r).unwrap();
+                }
+                let view = match &rw {
+                    Some(rw) => rw.view(&lm.weights),
+                    None => (&lm.weights).into(),
+                };
+                let mut done = e.run_to_completion(view, |_| {}).unwrap();
+                done.sort_by_key(|c| c.id);
+                out.push(done);
+            }
+            let what = format!("{recipe} round {round}");
+            assert_eq!(out[0].len(), 5, "{what}");
+            for (a, b) in out[0].iter().zip(&out[1]) {
+                assert_eq!(a.tokens, b.tokens, "{what}: request {}: tokens", a.id);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a.logprobs), bits(&b.logprobs), "{what}: request {}: log-probs", a.id);
+            }
+            let s = graphed.graph_stats();
+            eprintln!("{what}: {s:?}");
+            assert_eq!(eager.graph_stats(), Default::default(), "{what}: the eager engine");
+            assert!(s.replays >= 3 && s.failures == 0, "{what}: {s:?}");
+            captures.push(s.captures);
+        }
+        // Buckets 8, 4, 2, 1: each warmed up once, then captured once.
+        assert_eq!(captures[0], 4, "{recipe}: {captures:?}");
+        if recipe == "none" {
+            assert_eq!(captures[1], captures[0], "{recipe}: a resync in place must not need a new capture");
+        } else {
+            assert_eq!(captures[1], 2 * captures[0], "{recipe}: new tensor scales are captured again");
+        }
+    }
+}

@@ -110,6 +110,9 @@ pub struct EngineArgs {
     /// (saves the copy's memory, the size of the linear weights; decodes slower, same outputs).
     #[arg(long)]
     pub no_pack: bool,
+    /// CUDA: launch every decode kernel eagerly instead of replaying a CUDA graph per batch size.
+    #[arg(long)]
+    pub eager: bool,
 }
 
 impl EngineArgs {
@@ -118,6 +121,7 @@ impl EngineArgs {
             max_seqs: self.max_seqs,
             max_tokens_per_step: self.max_tokens_per_step,
             kv_cache_bytes: self.kv_cache_mb << 20,
+            cuda_graphs: !self.eager,
             ..Default::default()
         }
     }

@@ -15,6 +15,8 @@ pub struct KvCache {
     pub dtype: DType,
     pub layers: Vec<KvLayer>,
     free: Vec<u32>,
+    /// Blocks taken out of circulation ([`KvCache::reserve_block`]).
+    reserved: usize,
 }
 
 impl KvCache {
@@ -62,16 +64,24 @@ impl KvCache {
         let dtype = dtypes[0].0;
         // Pop from the end: hand out low block ids first.
         let free = (0..num_blocks as u32).rev().collect();
-        Ok(KvCache { block_size, num_blocks, dtype, layers, free })
+        Ok(KvCache { block_size, num_blocks, dtype, layers, free, reserved: 0 })
     }
 
     pub fn num_free(&self) -> usize {
         self.free.len()
     }
 
-    /// Capacity in tokens.
+    /// Capacity in tokens (reserved blocks excluded).
     pub fn capacity_tokens(&self) -> usize {
-        self.num_blocks * self.block_size
+        (self.num_blocks - self.reserved) * self.block_size
+    }
+
+    /// Takes a free block out of circulation for good: no sequence is ever given it (the
+    /// decode graphs' padding rows write their keys and values there).
+    pub fn reserve_block(&mut self) -> Option<u32> {
+        let b = self.free.pop()?;
+        self.reserved += 1;
+        Some(b)
     }
 
     pub fn alloc(&mut self) -> Option<u32> {

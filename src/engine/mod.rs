@@ -9,6 +9,7 @@
 //! `crate::ops`, `crate::quant`, `crate::data` (prompts of rollouts). Must not: own weights — every step reads the caller's [`ModelWeights`], which
 //! is what lets a trainer and an engine share one weight store without copies.
 
+mod graphs;
 pub mod kv_cache;
 pub mod rollout;
 pub mod rollout_weights;
@@ -21,6 +22,7 @@ use crate::ops::{
     sample::{self, SampleParams},
 };
 use anyhow::{bail, Result};
+pub use graphs::GraphStats;
 use kv_cache::KvCache;
 use scheduler::{Planned, Scheduler};
 use std::sync::Arc;
@@ -155,6 +157,8 @@ pub struct EngineConfig {
     /// Layers whose KV cache is FP8 E4M3 (empty: none).
     /// (keys, values) in FP8 E4M3, per layer (empty: none).
     pub kv_fp8: Vec<(bool, bool)>,
+    /// CUDA devices: decode steps replay a CUDA graph per batch-size bucket (`graphs.rs`).
+    pub cuda_graphs: bool,
 }
 
 impl Default for EngineConfig {
@@ -169,6 +173,7 @@ impl Default for EngineConfig {
             logits_rows: 64,
             max_model_len: None,
             kv_fp8: Vec::new(),
+            cuda_graphs: true,
         }
     }
 }
@@ -220,6 +225,8 @@ pub struct Engine {
     version: u32,
     /// Tokens processed (prefill + decode) and drawn since creation.
     pub stats: EngineStats,
+    /// CUDA graphs of the decode steps (None: off, or not a CUDA device).
+    graphs: Option<graphs::DecodeGraphs>,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -259,7 +266,12 @@ impl Engine {
         let useful = ec.max_seqs * max_blocks_per_seq;
         let num_blocks =
             ec.kv_blocks.unwrap_or_else(|| (ec.kv_cache_bytes / block_bytes.max(1)).clamp(1, useful.max(1)));
-        let cache = KvCache::with_layers(dev, cfg, ec.block_size, num_blocks, &kv_dtypes)?;
+        // CUDA graphs pad decode batches into one more block, out of the sequences' reach.
+        let graphs_on = ec.cuda_graphs && matches!(dev, Device::Cuda(_));
+        let mut cache = KvCache::with_layers(dev, cfg, ec.block_size, num_blocks + graphs_on as usize, &kv_dtypes)?;
+        let graph_rows = ec.max_seqs.min(ec.max_tokens_per_step).min(ec.logits_rows);
+        let graphs =
+            graphs_on.then(|| cache.reserve_block()).flatten().map(|b| graphs::DecodeGraphs::new(graph_rows, b));
         let max_model_len = max_model_len.min(cache.capacity_tokens());
         let max_blocks = max_model_len.div_ceil(ec.block_size);
         let bufs = ForwardBuffers::new(
@@ -293,6 +305,7 @@ impl Engine {
             text,
             version: 0,
             stats: EngineStats::default(),
+            graphs,
         })
     }
 
@@ -397,22 +410,47 @@ impl Engine {
         }
         self.build_batch(plan)?;
         let m = self.st.ids.len();
+        let bucket = self.graph_bucket(plan.len());
+        match bucket {
+            Some(bi) => self.decode_step_graph(w, v.q, bi)?,
+            None => {
+                self.upload_batch(plan.len(), m)?;
+                self.model.forward(&self.dev, w, v.q, &mut self.bufs, &mut self.cache.layers)?;
+            }
+        }
+        self.stats.steps += 1;
+        self.stats.tokens_forwarded += m as u64;
+        for p in plan {
+            self.sched.running[p.index].computed = p.start + p.n;
+        }
+        if bucket.is_some() {
+            // The graph computed every row's logits: sample them (one chunk, rows 0..m).
+            let rows = std::mem::take(&mut self.st.rows);
+            let r = self.sample_chunk(&rows);
+            self.st.rows = rows;
+            r?;
+        } else {
+            self.run_rows(w)?;
+        }
+        Ok(self.collect_finished())
+    }
+
+    /// Copies the staged batch into the forward's input buffers: `seqs` sequences, `tokens` rows.
+    fn upload_batch(&mut self, seqs: usize, tokens: usize) -> Result<()> {
         self.bufs.ids.write_u32(&self.st.ids)?;
         self.bufs.positions.write_u32(&self.st.positions)?;
         self.bufs.meta.slot_mapping.write_u32(&self.st.slots)?;
         self.bufs.meta.q_start.write_u32(&self.st.q_start)?;
         self.bufs.meta.ctx_len.write_u32(&self.st.ctx_len)?;
         self.bufs.meta.block_tables.write_u32(&self.st.tables)?;
-        self.bufs.meta.num_seqs = plan.len();
-        self.bufs.meta.num_tokens = m;
-        self.model.forward(&self.dev, w, v.q, &mut self.bufs, &mut self.cache.layers)?;
-        self.stats.steps += 1;
-        self.stats.tokens_forwarded += m as u64;
-        for p in plan {
-            self.sched.running[p.index].computed = p.start + p.n;
-        }
-        self.run_rows(w)?;
-        Ok(self.collect_finished())
+        self.bufs.meta.num_seqs = seqs;
+        self.bufs.meta.num_tokens = tokens;
+        Ok(())
+    }
+
+    /// What the decode graphs did (all zero when they are off).
+    pub fn graph_stats(&self) -> graphs::GraphStats {
+        self.graphs.as_ref().map(|g| g.stats()).unwrap_or_default()
     }
 
     /// Fills the staging vectors for `plan`.

@@ -22,6 +22,7 @@ pub fn engine_config(job: &JobConfig) -> EngineConfig {
         max_seqs: r.max_seqs,
         max_tokens_per_step: r.max_tokens_per_step,
         kv_cache_bytes: r.kv_cache_mb << 20,
+        cuda_graphs: r.cuda_graphs,
         ..Default::default()
     }
 }

@@ -22,9 +22,11 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// The blocks of a capture in progress.
-#[derive(Default)]
+/// The blocks of a capture in progress (the capturing thread's allocations and frees only:
+/// each device is driven by one worker thread, and other threads' blocks are none of the
+/// graph's business).
 pub(super) struct CapturePool {
+    thread: std::thread::ThreadId,
     /// Blocks the graph will own: freed while capturing, reusable by later captured work.
     free: Vec<(u64, usize)>,
     /// Blocks handed out during the capture and not yet freed.
@@ -91,7 +93,7 @@ impl CudaDevice {
             if c.is_some() {
                 bail!("{}: a CUDA-graph capture is already in progress", self.name());
             }
-            *c = Some(CapturePool::default());
+            *c = Some(CapturePool { thread: std::thread::current().id(), free: Vec::new(), live: HashSet::new() });
         }
         self.inner.capturing.store(true, Ordering::SeqCst);
         let began = self.inner.driver.begin_capture();
@@ -99,7 +101,7 @@ impl CudaDevice {
         // Ended whatever happened (a stream left capturing refuses all later work).
         let ended = self.inner.driver.end_capture();
         self.inner.capturing.store(false, Ordering::SeqCst);
-        let pool = self.capture_pool().take().unwrap_or_default();
+        let Some(pool) = self.capture_pool().take() else { bail!("{}: the capture pool vanished", self.name()) };
         let fail = |pool: CapturePool, e: anyhow::Error| {
             let mut a = self.allocator();
             for (p, c) in pool.free {
@@ -149,7 +151,7 @@ impl CudaDevice {
             return None;
         }
         let mut guard = self.capture_pool();
-        let pool = guard.as_mut()?;
+        let pool = guard.as_mut().filter(|p| p.thread == std::thread::current().id())?;
         let class = alloc::size_class(bytes);
         let ptr = match pool.free.iter().rposition(|b| b.1 == class) {
             Some(i) => pool.free.swap_remove(i).0,
@@ -168,7 +170,7 @@ impl CudaDevice {
             return false;
         }
         let mut guard = self.capture_pool();
-        let Some(pool) = guard.as_mut() else { return false };
+        let Some(pool) = guard.as_mut().filter(|p| p.thread == std::thread::current().id()) else { return false };
         pool.live.remove(&ptr);
         pool.free.push((ptr, class));
         true

@@ -615,7 +615,8 @@ impl State {
         let mut uses: Vec<u64> = ptrs.iter().filter_map(|&p| self.alloc_of(p)).collect();
         uses.sort_unstable();
         uses.dedup();
-        if let Some(c) = self.capture.as_mut().filter(|c| c.stream as usize == s) {
+        let me = std::thread::current().id();
+        if let Some(c) = self.capture.as_mut().filter(|c| c.stream as usize == s && c.thread == me) {
             c.ops.push((op, uses));
             return;
         }

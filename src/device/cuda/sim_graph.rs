@@ -3,7 +3,10 @@
 //! on a GPU); a replay queues the recorded operations again, with the pointers and scalars of
 //! the capture. The calls CUDA's thread-local capture mode refuses on the capturing thread
 //! (synchronizing, host copies, allocating and freeing device memory, events — the glue's
-//! graphs use none) are errors here, and the capture's end reports the first of them. A
+//! graphs use none) are errors here, and the capture's end reports the first of them. Only
+//! the capturing thread's work is recorded and refused: another thread's work on the device
+//! runs as usual (on a GPU it would join the graph; the product drives each device from one
+//! worker thread, and tests that share a simulated device run in parallel). A
 //! replay first checks that every allocation the graph uses is still live with its size: a
 //! graph that outlives a buffer it writes is an error, not a silent write into freed memory.
 //!
@@ -16,6 +19,7 @@ use anyhow::{bail, Result};
 /// A capture in progress on `stream` of one simulated device.
 pub(super) struct Capture {
     pub stream: Stream,
+    pub thread: std::thread::ThreadId,
     /// The recorded operations and the allocations (start addresses) each uses.
     pub ops: Vec<(Op, Vec<u64>)>,
     /// The first call refused while capturing.
@@ -41,7 +45,7 @@ impl State {
     /// An error (remembered for the capture's end) when a capture is in progress: `what` is a
     /// call the capturing thread may not make.
     pub(super) fn refuse_in_capture(&mut self, dev: &str, what: &str) -> Result<()> {
-        if let Some(c) = self.capture.as_mut() {
+        if let Some(c) = self.capture.as_mut().filter(|c| c.thread == std::thread::current().id()) {
             let msg = format!(
                 "{dev}: {what} during CUDA-graph capture of the {} stream (not allowed while capturing: the work \
                  a graph records must use buffers that exist before it and must not wait for the host)",
@@ -58,24 +62,25 @@ impl Sim {
     pub fn begin_capture(&self) -> Result<()> {
         let mut st = self.state();
         if let Some(c) = &st.capture {
+            // One capture per device at a time (a GPU allows one per stream; the glue needs one).
             bail!("{}: a capture of the {} stream is already in progress", self.name(), c.stream.name());
         }
-        st.capture = Some(Capture { stream: current_stream(), ops: Vec::new(), refused: None });
+        st.capture = Some(Capture {
+            stream: current_stream(),
+            thread: std::thread::current().id(),
+            ops: Vec::new(),
+            refused: None,
+        });
         Ok(())
     }
 
     pub fn end_capture(&self) -> Result<Graph> {
         let mut st = self.state();
         let Some(c) = st.capture.take() else { bail!("{}: end of a capture that was never begun", self.name()) };
-        if c.stream != current_stream() {
+        if c.stream != current_stream() || c.thread != std::thread::current().id() {
             let s = c.stream;
             st.capture = Some(c);
-            bail!(
-                "{}: the capture of the {} stream ended from the {} stream",
-                self.name(),
-                s.name(),
-                current_stream().name()
-            );
+            bail!("{}: the capture of the {} stream ended from another stream or thread", self.name(), s.name());
         }
         if let Some(e) = c.refused {
             bail!(e);
