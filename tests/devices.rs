@@ -8,6 +8,8 @@
 //! (Philox keys do not depend on the device, the CPU kernels are batch-invariant).
 
 mod common;
+#[path = "common/jobs.rs"]
+mod jobs;
 
 use colotrain::config::JobConfig;
 use colotrain::config::{CheckpointDtype, OptimizerKind, Placement, ScheduleMode};
@@ -100,20 +102,7 @@ fn bf16_weights_are_gathered_as_the_rounded_master() {
             j.run.steps = 2;
         });
         job::run(&j, &JobOptions::default()).unwrap();
-        let ck = checkpoint::resolve(&dir).unwrap();
-        let master = checkpoint::load(&ck, &j).unwrap().1;
-        // The checkpoint's model is the lead device's compute weights, saved as f32.
-        let dev = colotrain::device::Device::cpu(1).unwrap();
-        let saved = colotrain::model::LoadedModel::load(&ck, &dev, colotrain::device::DType::F32).unwrap();
-        let compute: Vec<f32> = saved.weights.tensors().iter().flat_map(|t| t.to_f32_vec().unwrap()).collect();
-        assert_eq!(compute.len(), master.len());
-        let bad = compute
-            .iter()
-            .zip(&master)
-            .position(|(c, m)| c.to_bits() != colotrain::device::bf16_rne(*m).to_f32().to_bits());
-        assert_eq!(bad, None, "devices {n}: compute weight differs from bf16(master)");
-        // Training moved the weights off their BF16 start.
-        assert!(master.iter().any(|m| colotrain::device::bf16_rne(*m).to_f32() != *m), "devices {n}");
+        jobs::assert_compute_is_rounded_master(&dir, &j, &format!("devices {n}"));
     }
 }
 

@@ -8,6 +8,8 @@
 //! device).
 
 mod common;
+#[path = "common/jobs.rs"]
+mod jobs;
 
 use colotrain::config::{CheckpointDtype, JobConfig, OptimizerKind, Placement, ScheduleMode};
 use colotrain::orchestrator::{self as job, Fault, JobOptions};
@@ -105,19 +107,7 @@ fn bf16_weights_on_two_simulated_gpus_are_gathered_as_the_rounded_master() {
     j.model.dtype = Some("bf16".into());
     (j.rollout.prompts_per_step, j.rollout.samples_per_prompt) = (2, 2);
     job::run(&j, &JobOptions::default()).unwrap();
-    let ck = checkpoint::resolve(&dir).unwrap();
-    let master = checkpoint::load(&ck, &j).unwrap().1;
-    // The checkpoint's model is the lead device's compute weights, saved as f32.
-    let dev = colotrain::device::Device::cpu(1).unwrap();
-    let saved = colotrain::model::LoadedModel::load(&ck, &dev, colotrain::device::DType::F32).unwrap();
-    let compute: Vec<f32> = saved.weights.tensors().iter().flat_map(|t| t.to_f32_vec().unwrap()).collect();
-    assert_eq!(compute.len(), master.len());
-    let bad = compute
-        .iter()
-        .zip(&master)
-        .position(|(c, m)| c.to_bits() != colotrain::device::bf16_rne(*m).to_f32().to_bits());
-    assert_eq!(bad, None, "a compute weight differs from bf16(master)");
-    assert!(master.iter().any(|m| colotrain::device::bf16_rne(*m).to_f32() != *m), "training moved the weights");
+    jobs::assert_compute_is_rounded_master(&dir, &j, "2 simulated GPUs");
 }
 
 /// Split placement, k = 2, on two simulated GPUs: cuda-sim:0 generates while cuda-sim:1 trains.
@@ -151,21 +141,31 @@ fn split_placement_on_two_simulated_gpus_publishes_device_to_device_within_the_b
         }
     }
     assert_eq!(m.last().unwrap()["version"].as_u64(), Some(5));
+    // The memory plan counts the lead trainer's published snapshot (a copy of its compute
+    // weights on its own GPU), and only there.
+    let plan: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+    let snap: Vec<(u64, u64)> =
+        plan.iter().map(|p| (p["snapshot"].as_u64().unwrap(), p["weights"].as_u64().unwrap())).collect();
+    assert_eq!(snap.iter().filter(|s| s.0 > 0).count(), 1, "{snap:?}");
+    assert!(snap.iter().all(|&(s, w)| s == 0 || s == w), "{snap:?}");
 }
 
 /// A device that errors, or panics, as the train phase of step 3 of a 2-GPU run starts (its
-/// peer then waits for it in the step's first collective, the log-prob exchange; the device
-/// collective's own wake-up is `train::device_coll`'s test): the run stops naming the device
-/// and the phase, nobody hangs, the checkpoint of step 2 is intact and the run resumes from it.
+/// peer then waits for it in the step's first collective, the log-prob exchange), or that
+/// errors between the reduce-scatter and the all-gather of update 3 (its peer then waits in the
+/// device collective's all-gather, and the coordinator's abort wakes it): the run stops naming
+/// the device and the phase, nobody hangs, the checkpoint of step 2 is intact and the run
+/// resumes from it.
 #[test]
 fn a_fault_on_one_simulated_gpu_mid_step_stops_the_run_with_the_checkpoint_intact() {
     let _turn = serial();
     let t = TempDir::new("sim-fault");
-    for (first, panic) in [(0, false), (2, true)] {
-        let dir = t.path().join(format!("f{panic}"));
+    for (first, panic, phase) in [(0, false, "train"), (2, true, "train"), (4, false, "all-gather")] {
+        let dir = t.path().join(format!("f{panic}-{phase}"));
         let mut j = tiny(&dir, first, 2, 4);
         j.checkpoint.every = 2;
-        let opts = JobOptions { fault: Some(Fault { step: 3, rank: 1, panic, phase: "train" }), ..Default::default() };
+        let opts = JobOptions { fault: Some(Fault { step: 3, rank: 1, panic, phase }), ..Default::default() };
         let e = format!("{:#}", job::run(&j, &opts).unwrap_err());
         let dev = format!("worker 1 (cuda-sim:{})", first + 1);
         assert!(e.contains(&dev) && e.contains("phase 'train'"), "{e}");

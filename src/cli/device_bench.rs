@@ -6,7 +6,7 @@
 //! a synchronized loop where host work is part of the cost. Not yet run on a GPU.
 
 use crate::device::cuda::args::ptr;
-use crate::device::cuda::{CudaDevice, Elem};
+use crate::device::cuda::{CudaDevice, DeviceGraph, Elem};
 use crate::device::{DType, Device, Tensor};
 use crate::ops::elementwise::fill_normal;
 use crate::ops::linear::cuda_lowp::{self as lowp, Path};
@@ -152,6 +152,8 @@ pub struct DecodeRow {
     pub batch: usize,
     pub context: usize,
     pub ms_per_step: f64,
+    /// The same step as a CUDA-graph replay (forward and LM head; sampling outside).
+    pub graph_ms_per_step: f64,
     pub tokens_per_s: f64,
     /// Weights + KV cache read per step at the measured copy bandwidth.
     pub bound_tokens_per_s: f64,
@@ -193,7 +195,7 @@ pub fn decode(
     let bs = 16usize;
     let mut out = Vec::new();
     for &batch in batches {
-        let per_seq = (context + steps + 3).div_ceil(bs);
+        let per_seq = (context + 2 * steps + 4).div_ceil(bs);
         let nb = per_seq * batch;
         let mut kv = Vec::new();
         for l in 0..cfg.num_layers {
@@ -212,37 +214,60 @@ pub fn decode(
         b.meta.num_tokens = batch;
         let mut tokens = vec![0u32; batch];
         let mut lps = vec![0f32; batch];
-        let mut step = |pos: usize, b: &mut ForwardBuffers, kv: &mut [KvLayer]| -> Result<()> {
-            let ids: Vec<u32> = (0..batch).map(|s| ((s * 7919 + pos * 104729) % cfg.vocab_size) as u32).collect();
-            b.ids.write_u32(&ids)?;
-            b.positions.write_u32(&vec![pos as u32; batch])?;
-            b.meta.ctx_len.write_u32(&vec![pos as u32 + 1; batch])?;
-            let slots: Vec<u32> = (0..batch).map(|s| (s * per_seq * bs + pos) as u32).collect();
-            b.meta.slot_mapping.write_u32(&slots)?;
-            tf.forward(&dev, &w, None, b, kv)?;
-            tf.logits(&dev, &w, b, batch)?;
-            let params: Vec<crate::ops::sample::SampleParams> = (0..batch)
-                .map(|s| crate::ops::sample::SampleParams {
-                    temperature: 1.0,
-                    top_k: 0,
-                    top_p: 1.0,
-                    seed: 1,
-                    request: s as u64,
-                    sample: 0,
-                    position: pos as u32,
-                })
-                .collect();
-            crate::ops::sample::sample(&dev, &b.logits, &params, &mut tokens, &mut lps)
-        };
-        step(context, &mut b, &mut kv)?;
-        step(context + 1, &mut b, &mut kv)?;
+        // One decode step: its inputs copied in, the forward and the LM head eagerly or as a
+        // replay of `graph`, then sampling (outside the graph: it copies to the host).
+        let mut step =
+            |pos: usize, b: &mut ForwardBuffers, kv: &mut [KvLayer], graph: Option<&DeviceGraph>| -> Result<()> {
+                let ids: Vec<u32> = (0..batch).map(|s| ((s * 7919 + pos * 104729) % cfg.vocab_size) as u32).collect();
+                b.ids.write_u32(&ids)?;
+                b.positions.write_u32(&vec![pos as u32; batch])?;
+                b.meta.ctx_len.write_u32(&vec![pos as u32 + 1; batch])?;
+                let slots: Vec<u32> = (0..batch).map(|s| (s * per_seq * bs + pos) as u32).collect();
+                b.meta.slot_mapping.write_u32(&slots)?;
+                match graph {
+                    Some(g) => d.replay(g)?,
+                    None => {
+                        tf.forward(&dev, &w, None, b, kv)?;
+                        tf.logits(&dev, &w, b, batch)?;
+                    }
+                }
+                let params: Vec<crate::ops::sample::SampleParams> = (0..batch)
+                    .map(|s| crate::ops::sample::SampleParams {
+                        temperature: 1.0,
+                        top_k: 0,
+                        top_p: 1.0,
+                        seed: 1,
+                        request: s as u64,
+                        sample: 0,
+                        position: pos as u32,
+                    })
+                    .collect();
+                crate::ops::sample::sample(&dev, &b.logits, &params, &mut tokens, &mut lps)
+            };
+        step(context, &mut b, &mut kv, None)?;
+        step(context + 1, &mut b, &mut kv, None)?;
         d.synchronize()?;
         let t0 = Instant::now();
         for s in 0..steps {
-            step(context + 2 + s, &mut b, &mut kv)?;
+            step(context + 2 + s, &mut b, &mut kv, None)?;
         }
         d.synchronize()?;
         let secs = t0.elapsed().as_secs_f64() / steps as f64;
+        // The same steps replayed as one CUDA graph (captured after the eager warm-up; the
+        // positions go on where the eager steps stopped, one more slot per step).
+        let graph = d.capture(&d.graph_pool(), || {
+            tf.forward(&dev, &w, None, &mut b, &mut kv)?;
+            tf.logits(&dev, &w, &mut b, batch)
+        })?;
+        let pos0 = context + 2 + steps;
+        step(pos0, &mut b, &mut kv, Some(&graph))?;
+        d.synchronize()?;
+        let t0 = Instant::now();
+        for s in 0..steps {
+            step(pos0 + 1 + s, &mut b, &mut kv, Some(&graph))?;
+        }
+        d.synchronize()?;
+        let graph_secs = t0.elapsed().as_secs_f64() / steps as f64;
         // Bytes per step: every weight except the embedding table (only `batch` rows of it are
         // read; a tied head reads it whole), the KV cache of every sequence, and the new KV.
         let head_tied = cfg.tie_word_embeddings;
@@ -255,6 +280,7 @@ pub fn decode(
             batch,
             context,
             ms_per_step: secs * 1e3,
+            graph_ms_per_step: graph_secs * 1e3,
             tokens_per_s: tps,
             bound_tokens_per_s: bound,
             fraction_of_bound: tps / bound,

@@ -23,7 +23,8 @@
 //!
 //! Errors found by kernels (an out-of-vocabulary id, a bad cache slot) are written into a
 //! device error word and reported at the next synchronization or device-to-host read.
-//! `COLOTRAIN_CUDA_SYNC=1` synchronizes after every launch (exact attribution of faults);
+//! `COLOTRAIN_CUDA_SYNC=1` synchronizes after every launch and every CUDA-graph replay (exact
+//! attribution of faults; a graph as a whole);
 //! `COLOTRAIN_CUDA_BUDGET_MB` sets the memory budget (default: 92% of the free memory).
 
 use super::{CpuStorage, DType, Storage, Tensor};
@@ -85,7 +86,7 @@ pub use driver::{current_stream, on_stream, Cutlass, CutlassArgs, Elem, Event, F
 /// The architectures this binary carries kernels for (COLOTRAIN_CUDA_ARCHS at build time).
 #[cfg(feature = "cuda")]
 pub use embedded::BUILT_ARCHS;
-pub use graph::DeviceGraph;
+pub use graph::{DeviceGraph, GraphPool};
 pub use kernels::TC_MAX_D;
 /// The architectures this binary carries kernels for: none without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]

@@ -1,58 +1,64 @@
 //! CUDA graphs for decode: a step whose every row is one sequence's next token runs the
 //! model's forward and LM head as one graph replay, captured per batch-size bucket (1, 2, 4, 8,
-//! then multiples of 8 up to what the buffers hold). The batch is padded to its bucket with
-//! rows that decode token 0 at position 0 of a reserved KV block (their keys and values go
-//! there, their logits are never read), so every launch of the step has the bucket's shapes.
-//! Sampling stays outside the graph (it copies to the host).
+//! then multiples of 8 up to min(max_seqs, max_tokens_per_step, logits_rows)). The batch is
+//! padded to its bucket with rows that decode token 0 at position 0 of a reserved KV block
+//! (their keys and values go there, their logits are never read), so every launch of the step
+//! has the bucket's shapes. Sampling stays outside the graph (it copies to the host).
 //!
-//! Why a resync needs no new capture: a graph replays the addresses and scalars of its
-//! capture, and nothing a decode step reads moves. The weights are updated in place (the
+//! Why an in-place resync needs no new capture: a graph replays the addresses and scalars of
+//! its capture, and nothing a decode step reads moves. The weights are updated in place (the
 //! engine reads the caller's tensors, which a resync writes into), the KV cache and the
 //! activation buffers are the engine's for its lifetime, and the per-step inputs (ids,
 //! positions, slots, block tables) are copied into the same buffers before each replay. What
 //! a capture freezes besides addresses are host scalars: the quantized engines' tensor scales
-//! (the GEMMs' alpha) and the FP8 cache scales. Each bucket's graph is keyed by a fingerprint
-//! of every weight address and every such scalar; a resync that changes a scale (a quantized
-//! engine's requantization) is captured again, a BF16 engine's never is. The first step of a
-//! bucket runs eagerly (a warm-up: the allocator's cache then holds every block size the
-//! capture asks for, since a capture may not allocate fresh device memory); a capture that
-//! fails leaves that bucket eager after three tries, with a warning naming why.
+//! (the GEMMs' alpha), their activation formats and the FP8 cache scales. Each graph is keyed
+//! by a fingerprint of every weight address and every such scalar; a step whose fingerprint
+//! has no graph runs eagerly and is captured right after (the eager run leaves every block
+//! size the capture asks for in the allocator's cache: a capture may not allocate device
+//! memory). So a BF16 engine's resync replays its graphs, a quantized engine's new scales are
+//! captured again, and a stale engine (its view rotates over `staleness + 1` weight copies)
+//! keeps one graph per copy: a bucket keeps its [`KEEP`] most recent graphs. A bucket whose
+//! capture fails [`MAX_FAILURES`] times in a row stays eager, with a warning naming why. All
+//! of an engine's graphs share one pool of device blocks (they replay one at a time).
 //!
 //! Owns: [`DecodeGraphs`] (the graphs, their fingerprints, counters). May call: the engine's
 //! buffers and model, `CudaDevice::capture`/`replay`. Must not: change what a step computes —
 //! the padded eager step and the replay run the same launches.
 
 use super::Engine;
-use crate::device::cuda::DeviceGraph;
+use crate::device::cuda::{CudaDevice, DeviceGraph, GraphPool};
 use crate::device::Device;
 use crate::model::quant_state::QLayer;
 use crate::model::ModelWeights;
+use crate::ops::quantize::ActQuant;
 use anyhow::Result;
 use std::hash::{Hash, Hasher};
 
-/// Tries at capturing one bucket before it stays eager.
+/// Captures of one bucket that fail in a row before it stays eager.
 const MAX_FAILURES: u32 = 3;
+/// Graphs a bucket keeps (one per fingerprint, the most recently used).
+const KEEP: usize = 4;
 
 /// What the decode graphs did so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GraphStats {
-    /// Graphs captured (a bucket's first, and again after a fingerprint changed).
+    /// Graphs captured (a bucket's first, and again for each new fingerprint).
     pub captures: u64,
     /// Decode steps run as a replay.
     pub replays: u64,
-    /// Decode steps run eagerly at a bucket's size (warm-ups, and buckets left eager).
+    /// Decode steps run eagerly at a bucket's size (before each capture, and buckets left eager).
     pub eager: u64,
     /// Captures that failed.
     pub failures: u64,
-    /// Bytes the live graphs hold in their private pools.
+    /// Bytes of the graphs' shared pool.
     pub pool_bytes: usize,
 }
 
 struct Bucket {
     size: usize,
-    /// The bucket ran once eagerly since its graph was last dropped.
-    warm: bool,
-    graph: Option<(u64, DeviceGraph)>,
+    /// (fingerprint, graph), the most recently used last.
+    graphs: Vec<(u64, DeviceGraph)>,
+    /// Failed captures in a row.
     failures: u32,
 }
 
@@ -60,6 +66,8 @@ pub(super) struct DecodeGraphs {
     buckets: Vec<Bucket>,
     /// The KV block the padding rows write.
     pad_block: u32,
+    /// The blocks every graph's temporaries use (made at the first capture).
+    pool: Option<GraphPool>,
     pub stats: GraphStats,
 }
 
@@ -76,9 +84,9 @@ impl DecodeGraphs {
     pub fn new(max_rows: usize, pad_block: u32) -> DecodeGraphs {
         let buckets = bucket_sizes(max_rows.max(1))
             .into_iter()
-            .map(|size| Bucket { size, warm: false, graph: None, failures: 0 })
+            .map(|size| Bucket { size, graphs: Vec::new(), failures: 0 })
             .collect();
-        DecodeGraphs { buckets, pad_block, stats: GraphStats::default() }
+        DecodeGraphs { buckets, pad_block, pool: None, stats: GraphStats::default() }
     }
 
     /// The index of the smallest bucket that holds `n` rows.
@@ -86,10 +94,17 @@ impl DecodeGraphs {
         self.buckets.iter().position(|b| b.size >= n)
     }
 
-    /// The counters, with the bytes the graphs' private pools hold now.
+    /// The counters, with the bytes the shared pool holds now.
     pub fn stats(&self) -> GraphStats {
-        let pool_bytes = self.buckets.iter().filter_map(|b| b.graph.as_ref()).map(|g| g.1.pool_bytes()).sum();
-        GraphStats { pool_bytes, ..self.stats }
+        GraphStats { pool_bytes: self.pool.as_ref().map(|p| p.bytes()).unwrap_or(0), ..self.stats }
+    }
+}
+
+fn hash_act(a: &ActQuant, h: &mut impl Hasher) {
+    match *a {
+        ActQuant::None => 0u8.hash(h),
+        ActQuant::Fp8 { scale } => (1u8, scale.to_bits()).hash(h),
+        ActQuant::Nvfp4 { global, opts } => (2u8, global.to_bits(), opts.rht, opts.stochastic).hash(h),
     }
 }
 
@@ -102,10 +117,11 @@ fn fingerprint(w: &ModelWeights, q: Option<&[QLayer]>, e: &Engine) -> u64 {
     });
     for l in q.unwrap_or(&[]) {
         for t in l.w.iter().flatten() {
-            (t.codes.data_ptr(), t.block_scales.data_ptr(), t.scale.to_bits()).hash(&mut h);
+            (t.codes.data_ptr(), t.block_scales.data_ptr(), t.scale.to_bits(), t.opts.rht, t.opts.stochastic)
+                .hash(&mut h);
         }
         for a in &l.act {
-            format!("{a:?}").hash(&mut h);
+            hash_act(a, &mut h);
         }
     }
     for c in &e.cache.layers {
@@ -132,8 +148,8 @@ impl Engine {
         g.bucket_of(planned)
     }
 
-    /// Pads the staged batch of `n` decode rows to bucket `bi`'s size and runs the forward and
-    /// the LM head over it: a replay, a capture and replay, or eagerly (see the module comment).
+    /// Pads the staged batch of decode rows to bucket `bi`'s size and runs the forward and the
+    /// LM head over it: a replay, or eagerly and then captured (see the module comment).
     pub(super) fn decode_step_graph(&mut self, w: &ModelWeights, q: Option<&[QLayer]>, bi: usize) -> Result<()> {
         let Device::Cuda(d) = self.dev.clone() else { anyhow::bail!("decode graphs need a CUDA device") };
         let Some(mut g) = self.graphs.take() else { anyhow::bail!("decode graphs are off") };
@@ -144,7 +160,7 @@ impl Engine {
 
     fn decode_step_graph_with(
         &mut self,
-        d: &crate::device::cuda::CudaDevice,
+        d: &CudaDevice,
         g: &mut DecodeGraphs,
         w: &ModelWeights,
         q: Option<&[QLayer]>,
@@ -169,42 +185,40 @@ impl Engine {
         self.bufs.sel.write_u32(&self.st.sel)?;
         let fp = fingerprint(w, q, self);
         let b = &mut g.buckets[bi];
-        if b.graph.as_ref().is_some_and(|x| x.0 != fp) {
-            // Its pool goes back to the cache before the new capture asks for blocks.
-            b.graph = None;
-            b.warm = false;
+        if let Some(i) = b.graphs.iter().position(|x| x.0 == fp) {
+            let hit = b.graphs.remove(i);
+            d.replay(&hit.1)?;
+            b.graphs.push(hit);
+            g.stats.replays += 1;
+            return Ok(());
         }
-        if b.graph.is_none() && b.warm && b.failures < MAX_FAILURES {
-            let (model, bufs, cache) = (&self.model, &mut self.bufs, &mut self.cache.layers);
-            let captured = d.capture(|| {
-                model.forward(&self.dev, w, q, bufs, cache)?;
-                model.logits(&self.dev, w, bufs, size)
-            });
-            match captured {
-                Ok(graph) => {
-                    g.stats.captures += 1;
-                    b.graph = Some((fp, graph));
-                }
-                Err(e) => {
-                    g.stats.failures += 1;
-                    b.failures += 1;
-                    b.warm = false;
-                    if b.failures == MAX_FAILURES {
-                        tracing::warn!("decode steps of {size} sequences stay eager: {e:#}");
-                    }
-                }
-            }
+        self.model.forward(&self.dev, w, q, &mut self.bufs, &mut self.cache.layers)?;
+        self.model.logits(&self.dev, w, &mut self.bufs, size)?;
+        g.stats.eager += 1;
+        if b.failures >= MAX_FAILURES {
+            return Ok(());
         }
-        match &b.graph {
-            Some((_, graph)) => {
-                d.replay(graph)?;
-                g.stats.replays += 1;
+        let pool = g.pool.get_or_insert_with(|| d.graph_pool());
+        let (model, bufs, cache) = (&self.model, &mut self.bufs, &mut self.cache.layers);
+        let captured = d.capture(pool, || {
+            model.forward(&self.dev, w, q, bufs, cache)?;
+            model.logits(&self.dev, w, bufs, size)
+        });
+        match captured {
+            Ok(graph) => {
+                g.stats.captures += 1;
+                b.failures = 0;
+                if b.graphs.len() == KEEP {
+                    b.graphs.remove(0);
+                }
+                b.graphs.push((fp, graph));
             }
-            None => {
-                self.model.forward(&self.dev, w, q, &mut self.bufs, &mut self.cache.layers)?;
-                self.model.logits(&self.dev, w, &mut self.bufs, size)?;
-                b.warm = true;
-                g.stats.eager += 1;
+            Err(e) => {
+                g.stats.failures += 1;
+                b.failures += 1;
+                if b.failures == MAX_FAILURES {
+                    tracing::warn!("decode steps of {size} sequences stay eager: {e:#}");
+                }
             }
         }
         Ok(())

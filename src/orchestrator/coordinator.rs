@@ -275,7 +275,14 @@ impl Coordinator {
 }
 
 /// Sets up the devices, replicas, data and the calibration of a run.
-pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir: &Path) -> Result<(Coordinator, u64)> {
+/// Builds the run: devices, workers, replicas, data. `fault` (tests) is the failure to inject.
+pub fn start(
+    job: &JobConfig,
+    sources: &Sources,
+    resume: Option<&Path>,
+    out_dir: &Path,
+    fault: Option<Fault>,
+) -> Result<(Coordinator, u64)> {
     let dir = sources.student.clone();
     if !dir.is_dir() {
         bail!("loading the student '{}': model directory '{}' does not exist", job.model.path, dir.display());
@@ -360,7 +367,8 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
     let setup = Arc::new(Setup { job: job.clone(), sources: sources.clone(), spec, engine: engine_config(job) });
     let coll = collective(&names[gens..])?;
     let on_cpu = matches!(crate::device::DeviceSpec::parse(&job.run.device)?, crate::device::DeviceSpec::Cpu { .. });
-    let dcoll = super::plan::device_collective(&names[gens..], on_cpu)?;
+    let dcoll = super::plan::device_collective(&names[gens..], on_cpu)?
+        .map(|d| super::fault::FaultyCollective::wrap(d, fault.filter(|f| f.phase == "all-gather")));
     let cores = if on_cpu { crate::parallel::split_cores(n) } else { vec![Vec::new(); n] };
     let (s2, c2, d2, names2) = (setup.clone(), coll.clone(), dcoll.clone(), names.clone());
     let mut pool = WorkerPool::spawn(names.clone(), cores.clone(), move |rank| {
@@ -471,7 +479,7 @@ pub fn start(job: &JobConfig, sources: &Sources, resume: Option<&Path>, out_dir:
         trainers,
         generators,
         names,
-        fault: None,
+        fault,
         step: Default::default(),
         setup,
         calib: c,
@@ -507,9 +515,11 @@ pub fn print_plan(h: &Coordinator) -> Result<()> {
         h.cfg.num_layers
     );
     for (i, p) in plans.iter().enumerate() {
-        let total = p.weights + p.trainer + p.teacher + p.engine_buffers + p.kv_cache;
+        let total = p.weights + p.trainer + p.teacher + p.engine_buffers + p.snapshot + p.kv_cache;
+        let snapshot =
+            if p.snapshot > 0 { format!(", published snapshot {:.1} MiB", mib(p.snapshot)) } else { String::new() };
         eprintln!(
-            "  device {i} {} ({}): weights {:.1} MiB, trainer {:.1} MiB (master/Adam shard, grads, activations), teacher {:.1} MiB, engine buffers {:.1} MiB, KV cache {:.1} MiB = {} tokens; total {:.1} MiB",
+            "  device {i} {} ({}): weights {:.1} MiB, trainer {:.1} MiB (master/Adam shard, grads, activations), teacher {:.1} MiB, engine buffers {:.1} MiB{snapshot}, KV cache {:.1} MiB = {} tokens; total {:.1} MiB",
             p.device,
             if !h.split() { "generates, trains" } else if h.trainers.contains(&i) { "trains" } else { "generates" },
             mib(p.weights),
@@ -523,13 +533,14 @@ pub fn print_plan(h: &Coordinator) -> Result<()> {
         if let Some(budget) = job.run.memory_budget_mb {
             if total > budget << 20 {
                 bail!(
-                    "the plan does not fit device {i} ({}): it needs {:.0} MiB (weights {:.0}, trainer {:.0}, teacher {:.0}, engine {:.0}, KV cache {:.0}) but run.memory_budget_mb = {budget}; lower rollout.kv_cache_mb or objective.micro_batch_tokens, or add devices",
+                    "the plan does not fit device {i} ({}): it needs {:.0} MiB (weights {:.0}, trainer {:.0}, teacher {:.0}, engine {:.0}, snapshot {:.0}, KV cache {:.0}) but run.memory_budget_mb = {budget}; lower rollout.kv_cache_mb or objective.micro_batch_tokens, or add devices",
                     p.device,
                     mib(total),
                     mib(p.weights),
                     mib(p.trainer),
                     mib(p.teacher),
                     mib(p.engine_buffers),
+                    mib(p.snapshot),
                     mib(p.kv_cache)
                 );
             }

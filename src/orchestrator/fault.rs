@@ -1,9 +1,15 @@
 //! Fault injection for the tests of the failure paths: a device that fails or panics in one
 //! phase of one step, which the run must report naming the device and the phase.
 //!
-//! Owns: [`Fault`], [`ViewFault`]. May call: nothing. Must not: fire outside the step and device it names.
+//! Owns: [`Fault`], [`ViewFault`], [`FaultyCollective`]. May call: the device collective it
+//! wraps. Must not: fire outside the step and device it names.
 
+use crate::device::cuda::Event;
+use crate::device::Tensor;
+use crate::train::device_coll::DeviceCollective;
 use anyhow::{bail, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug)]
 pub struct Fault {
@@ -11,7 +17,10 @@ pub struct Fault {
     pub rank: usize,
     pub panic: bool,
     /// "rollout" (colocated schedules that generate: not file rollouts or SFT on reference
-    /// answers), "teacher", "train" or "resync" (colocated; a split placement publishes instead).
+    /// answers), "teacher", "train" or "resync" (colocated; a split placement publishes
+    /// instead): at the start of that phase's work on the device; "all-gather": inside the
+    /// train phase of several GPUs, after the reduce-scatter and the optimizer step, as the
+    /// device collective's all-gather of update `step` begins (its peers are already in it).
     pub phase: &'static str,
 }
 
@@ -41,4 +50,45 @@ pub enum ViewFault {
     /// (a wake that lost the weights and left the engine reading buffers no resync writes),
     /// until the guard repairs it.
     Corrupt { step: u64 },
+}
+
+/// The device collective with a fault: rank `fault.rank`'s `fault.step`-th all-gather fails (or
+/// panics) before it enters the rendezvous, where the other ranks already wait — the
+/// coordinator's abort must wake them.
+pub struct FaultyCollective {
+    inner: Arc<dyn DeviceCollective>,
+    fault: Fault,
+    gathers: AtomicU64,
+}
+
+impl FaultyCollective {
+    /// `inner` itself without a fault.
+    pub fn wrap(inner: Arc<dyn DeviceCollective>, fault: Option<Fault>) -> Arc<dyn DeviceCollective> {
+        match fault {
+            Some(fault) => Arc::new(FaultyCollective { inner, fault, gathers: AtomicU64::new(0) }),
+            None => inner,
+        }
+    }
+}
+
+impl DeviceCollective for FaultyCollective {
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+
+    fn reduce_scatter(&self, rank: usize, send: &Tensor, staging: &mut Tensor, recv: &mut Tensor) -> Result<Event> {
+        self.inner.reduce_scatter(rank, send, staging, recv)
+    }
+
+    fn all_gather_in_place(&self, rank: usize, buf: &mut Tensor) -> Result<Event> {
+        if rank == self.fault.rank {
+            let n = self.gathers.fetch_add(1, Ordering::SeqCst) + 1;
+            Fault::check(Some(self.fault), "all-gather", n, rank)?;
+        }
+        self.inner.all_gather_in_place(rank, buf)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason)
+    }
 }

@@ -83,8 +83,7 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         }
     };
     std::fs::create_dir_all(out_dir.join("eval")).with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let (mut host, start) = start(job, &resolve(job)?, resume.as_deref(), &out_dir)?;
-    host.fault = opts.fault;
+    let (mut host, start) = start(job, &resolve(job)?, resume.as_deref(), &out_dir, opts.fault)?;
     host.view_fault = opts.view_fault;
     if resume.is_some() {
         truncate_metrics(&metrics_path, start)?;

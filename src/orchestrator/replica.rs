@@ -214,6 +214,8 @@ pub struct Plan {
     pub trainer: usize,
     pub teacher: usize,
     pub engine_buffers: usize,
+    /// A split placement's lead trainer on a GPU: the copy of its compute weights it publishes.
+    pub snapshot: usize,
     pub kv_cache: usize,
     pub kv_tokens: usize,
 }
@@ -229,6 +231,8 @@ pub struct Replica {
     pub student_dir: std::path::PathBuf,
     /// The activation bytes the plan reserved for a device trainer (0 on the host path).
     activations: usize,
+    /// The published snapshot of a split placement's lead trainer on a GPU (bytes).
+    snapshot: usize,
 }
 
 /// Loads the model at `dir` with the dtype of its source (the config's `dtype`; default F32
@@ -294,26 +298,31 @@ impl Replica {
         // the activations of one micro-batch — with objective.micro_batch_tokens = 0, of a
         // whole step's responses at max_new_tokens each plus as many prompt tokens, a bound
         // the data does not give before it is read; with several GPUs also the ZeRO-1 buffers).
-        // Not counted: a split placement's snapshot of the model on the lead trainer's GPU.
+        // A split placement's lead trainer on a GPU also holds the snapshot it publishes
+        // through: a copy of its compute weights (`GenLink::publish`).
         let step_tokens =
             2 * job.rollout.prompts_per_step * job.rollout.samples_per_prompt * job.rollout.max_new_tokens;
         let nvfp4 = job.learner.precision == LearnerPrecision::Nvfp4;
         let activations = trainer.activation_plan_bytes(step_tokens, nvfp4);
         let trainer_here = if dev.is_cpu() || trainer.on_device() { trainer.state_bytes() + activations } else { 0 };
         let teacher_bytes = teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0);
-        let used = trainer.weights.size_bytes() + trainer_here + teacher_bytes + engine_buffers;
+        let snapshot =
+            if split && !generates && lead_or_all && trainer.on_device() { trainer.weights.size_bytes() } else { 0 };
+        let used = trainer.weights.size_bytes() + trainer_here + teacher_bytes + engine_buffers + snapshot;
         let budget = job.run.memory_budget_mb.map(|m| m << 20).or(dev.memory_budget());
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
-        let parts = format!(
-            "weights {:.0} MiB + trainer {:.0} MiB + teacher {:.0} MiB + engine buffers {:.0} MiB",
-            mib(trainer.weights.size_bytes()),
-            mib(trainer_here),
-            mib(teacher_bytes),
-            mib(engine_buffers)
-        );
+        let parts =
+            format!(
+                "weights {:.0} MiB + trainer {:.0} MiB + teacher {:.0} MiB + engine buffers {:.0} MiB",
+                mib(trainer.weights.size_bytes()),
+                mib(trainer_here),
+                mib(teacher_bytes),
+                mib(engine_buffers)
+            ) + &if snapshot > 0 { format!(" + published snapshot {:.0} MiB", mib(snapshot)) } else { String::new() };
         // The engines on this device (the rollout engine, the standard one when it is another,
         // the teacher's) and their KV block sizes.
         let bs = s.engine.block_size;
+        let graph_pad = (s.engine.cuda_graphs && !dev.is_cpu()) as usize;
         let block = |c: &ModelConfig, d: DType, ec: &EngineConfig| kv_block_bytes(c, d, ec, bs);
         let mut engines = vec![(block(&cfg, dtype, &std_ec), &cfg)];
         if !standard {
@@ -329,9 +338,10 @@ impl Replica {
             // A tenth of the budget stays free for what the plan does not itemize: the engines'
             // forward buffers, the activation arenas' growth, the allocator's size classes.
             let used = used + budget / 10;
-            // Every engine gets the same capacity in tokens.
+            // Every engine gets the same capacity in tokens (and, on CUDA with decode graphs,
+            // one block more that the graphs' padding rows write).
             let per_block: usize = engines.iter().map(|(b, _)| b).sum();
-            let left = budget.saturating_sub(used);
+            let left = budget.saturating_sub(used).saturating_sub(graph_pad * per_block);
             let blocks = left / per_block.max(1);
             if blocks == 0 {
                 bail!(
@@ -354,7 +364,7 @@ impl Replica {
                 .map(|&(b, c)| {
                     let useful =
                         s.engine.max_seqs * s.engine.max_model_len.unwrap_or(c.max_position_embeddings).div_ceil(bs);
-                    (s.engine.kv_cache_bytes / b.max(1)).clamp(1, useful.max(1)) * b
+                    ((s.engine.kv_cache_bytes / b.max(1)).clamp(1, useful.max(1)) + graph_pad) * b
                 })
                 .sum();
             if used + kv > budget {
@@ -390,6 +400,7 @@ impl Replica {
             teacher,
             student_dir: student.dir,
             activations,
+            snapshot,
         })
     }
 
@@ -718,6 +729,7 @@ impl Replica {
             trainer: self.trainer.state_bytes() + self.activations,
             teacher: self.teacher.as_ref().map(|(w, e)| w.size_bytes() + e.cache.size_bytes()).unwrap_or(0),
             engine_buffers: self.rw()?.extra_bytes(),
+            snapshot: self.snapshot,
             kv_cache: kv,
             kv_tokens: e.cache.capacity_tokens(),
         })

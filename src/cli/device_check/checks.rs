@@ -22,7 +22,8 @@
 //! - 2e-5 / 1e-4 (forward), 5e-5 / 1e-4 (backward): training attention (f32 dot products and
 //!   softmax sums in another order; the backward sums a column of rows);
 //! - exact: the optimizer step (master, moments, clipped gradient, compute weights, amax);
-//!   0 / 1e-6 for the squared norm (f64 sums in another order, compared as f32).
+//!   0 / 1e-6 for the squared norm (f64 sums in another order, compared as f32);
+//! - exact tokens, 1e-5 / 1e-4 log-probs: decode graphs against eager steps (`engine_checks`).
 //!
 //! Owns: the check groups and their table rows. May call: the ops, the device. Must not: time
 //! anything (`device_bench` does).
@@ -85,7 +86,7 @@ impl Check {
 }
 
 /// The check groups, in the order they run: (name, what it covers).
-pub const GROUPS: [(&str, &str); 9] = [
+pub const GROUPS: [(&str, &str); 10] = [
     ("dense", "linears, RMSNorm, head norm, RoPE"),
     ("rows", "embedding, SwiGLU, gathers, amax, log-probs, sampling"),
     ("attention", "KV writes, prefill and decode attention: head_dim 64, 3 query heads per KV head"),
@@ -95,6 +96,7 @@ pub const GROUPS: [(&str, &str); 9] = [
     ("optim", "the optimizer step (AdamW, SGD, clipping, compute weights and their amax), the squared norm, the device collective on its own stream"),
     ("train-gemm", "the backward GEMMs dx = dy·W, dW = dyᵀ·x and the fused LM-head loss (plain and centered)"),
     ("backward", "the layers' backward kernels: RMSNorm, RoPE, SwiGLU, embedding, bias, attention"),
+    ("decode-graph", "decode steps replayed as CUDA graphs per batch bucket vs eager steps, before and after an in-place resync"),
 ];
 
 /// Runs check group `name` on `cuda`, printing each row as it is recorded; returns the rows.
@@ -119,6 +121,7 @@ pub fn run_group(name: &str, cuda: &CudaDevice, seed: u64) -> Result<Vec<Check>>
         "optim" => super::train_checks::optim(&mut x),
         "train-gemm" => super::train_checks::train_gemm(&mut x),
         "backward" => super::train_checks::backward(&mut x),
+        "decode-graph" => super::engine_checks::decode_graph(&mut x),
         other => bail!("no check group '{other}'"),
     };
     r.map(|_| x.checks)

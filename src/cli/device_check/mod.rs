@@ -13,6 +13,7 @@
 //! `timings`, the device. Must not: compare or time anything itself.
 
 mod checks;
+mod engine_checks;
 mod timings;
 mod train_checks;
 

@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 /// The timing groups, in the order they run: (name, what it measures).
 pub const GROUPS: [(&str, &str); 6] = [
     ("gemm", "BF16 / FP8 / NVFP4 GEMMs per path against cuBLASLt (8192³ and Qwen2.5-7B's linears)"),
-    ("decode", "decode of a random Qwen2-1.5B-shaped model at batch 1 / 64 / 256 against the bandwidth bound"),
+    ("decode", "decode of a random Qwen2-1.5B-shaped model at batch 1 / 64 / 256 against the bandwidth bound, eager steps and CUDA-graph replays"),
     ("resync", "in-place resync of a Qwen2.5-7B-shaped model per recipe against a copy of the same bytes"),
     (
         "attention",
@@ -103,18 +103,19 @@ fn decode(d: &CudaDevice, steps: usize) -> Result<serde_json::Value> {
     let cfg = qwen2(28, 1536, 12, 2, 8960, 151936, true)?;
     let rows = bench::decode(d, &cfg, &[1, 64, 256], 1024, steps).context("decode timing")?;
     println!(
-        "{:<8} {:>8} {:>10} {:>12} {:>14} {:>9}",
-        "decode", "context", "ms/step", "tokens/s", "bound tok/s", "of bound"
+        "{:<8} {:>8} {:>10} {:>12} {:>14} {:>9} {:>14}",
+        "decode", "context", "ms/step", "tokens/s", "bound tok/s", "of bound", "graph ms/step"
     );
     for r in &rows {
         println!(
-            "{:<8} {:>8} {:>10.2} {:>12.0} {:>14.0} {:>8.1}%",
+            "{:<8} {:>8} {:>10.2} {:>12.0} {:>14.0} {:>8.1}% {:>14.2}",
             r.batch,
             r.context,
             r.ms_per_step,
             r.tokens_per_s,
             r.bound_tokens_per_s,
-            100.0 * r.fraction_of_bound
+            100.0 * r.fraction_of_bound,
+            r.graph_ms_per_step
         );
     }
     Ok(serde_json::to_value(rows)?)

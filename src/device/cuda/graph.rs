@@ -4,54 +4,89 @@
 //! cudarc; the simulator: its recorded operation list, `sim_graph.rs`).
 //!
 //! A graph replays the addresses and scalars of its capture. Memory: the blocks the captured
-//! work allocates (the ops' per-call scratch) and every block freed while capturing become
-//! the graph's private pool — reused inside the capture in stream order, never handed to
-//! anyone else while the graph lives, returned to the cache when it is dropped (the private
-//! memory pool of PyTorch's graphs, in small). A block allocated during the capture and still
-//! held after it would be written by every replay while someone else owns it: the capture
-//! fails instead. Allocating fresh device memory, synchronizing and host copies are refused
-//! while capturing (CUDA's thread-local capture mode), so the caller runs the work once
-//! eagerly first: the cache then holds every block size the capture will ask for.
+//! work allocates (the ops' per-call scratch) and every block freed while capturing go to a
+//! [`GraphPool`] — reused inside the capture in stream order, never handed to anyone else
+//! while a graph that uses the pool lives (each graph keeps its pool alive), returned to the
+//! cache when the last of them is dropped: the private memory pool of PyTorch's graphs, in
+//! small. Graphs may share a pool when they never run at the same time: an engine's decode
+//! graphs replay one after another on one compute stream, and none leaves a block in use
+//! after it, so they share one (each block is only ever a temporary inside one replay). A
+//! block allocated during the capture and still held after it would be written by every
+//! replay while someone else owns it: the capture fails instead. Allocating fresh device
+//! memory, synchronizing and host copies are refused while capturing (CUDA's thread-local
+//! capture mode), so the caller runs the work eagerly just before: the cache (or the pool)
+//! then holds every block size the capture asks for.
 //!
-//! Owns: the capture pool, [`DeviceGraph`]. May call: the device's allocator and driver.
-//! Must not: decide what is captured (the engine does: `engine::graphs`).
+//! Owns: the capture in progress, [`GraphPool`], [`DeviceGraph`]. May call: the device's
+//! allocator and driver. Must not: decide what is captured (the engine does: `engine::graphs`).
 
 use super::{alloc, driver::Graph, CudaDevice, DevBuf};
 use anyhow::{anyhow, bail, Result};
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// The blocks of a capture in progress (the capturing thread's allocations and frees only:
 /// each device is driven by one worker thread, and other threads' blocks are none of the
 /// graph's business).
 pub(super) struct CapturePool {
     thread: std::thread::ThreadId,
-    /// Blocks the graph will own: freed while capturing, reusable by later captured work.
+    /// Free blocks the pool will keep: the pool's own, and those freed while capturing.
     free: Vec<(u64, usize)>,
     /// Blocks handed out during the capture and not yet freed.
     live: HashSet<u64>,
 }
 
-/// A captured graph of one device and the private pool of blocks its work uses.
+/// Device blocks that belong to CUDA graphs (see the module comment); cheap to clone.
+#[derive(Clone)]
+pub struct GraphPool {
+    inner: Arc<PoolInner>,
+}
+
+struct PoolInner {
+    dev: CudaDevice,
+    free: Mutex<Vec<(u64, usize)>>,
+}
+
+impl PoolInner {
+    fn blocks(&self) -> std::sync::MutexGuard<'_, Vec<(u64, usize)>> {
+        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        // Stream-ordered like any freed block: work queued after the last replay may reuse
+        // these blocks; the replays were queued before it.
+        let blocks = std::mem::take(&mut *self.blocks());
+        let mut a = self.dev.allocator();
+        for (p, c) in blocks {
+            a.free(p, c);
+        }
+    }
+}
+
+impl GraphPool {
+    /// Bytes the pool holds.
+    pub fn bytes(&self) -> usize {
+        self.inner.blocks().iter().map(|b| b.1).sum()
+    }
+}
+
+/// A captured graph of one device; it keeps its pool's blocks alive.
 pub struct DeviceGraph {
     g: Graph,
     dev: CudaDevice,
-    pool: Vec<(u64, usize)>,
+    _pool: GraphPool,
 }
 
 impl std::fmt::Debug for DeviceGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceGraph({}, {} pool blocks)", self.dev.name(), self.pool.len())
+        write!(f, "DeviceGraph({})", self.dev.name())
     }
 }
 
 impl DeviceGraph {
-    /// Bytes of the graph's private pool.
-    pub fn pool_bytes(&self) -> usize {
-        self.pool.iter().map(|p| p.1).sum()
-    }
-
     /// Operations recorded (the simulator; None on a GPU, where the driver keeps the graph).
     pub fn recorded_ops(&self) -> Option<usize> {
         match &self.g {
@@ -62,27 +97,50 @@ impl DeviceGraph {
     }
 }
 
-impl Drop for DeviceGraph {
+/// Ends a capture however its closure left (an error or a panic): the stream stops capturing,
+/// the device allocates normally again, and the free blocks go back to the pool.
+struct Capturing<'a> {
+    dev: &'a CudaDevice,
+    pool: &'a GraphPool,
+    ended: bool,
+}
+
+impl Capturing<'_> {
+    /// Ends the capture: the driver's graph (or error) and the blocks still held.
+    fn end(&mut self) -> (Result<Graph>, usize) {
+        self.ended = true;
+        let g = self.dev.inner.driver.end_capture();
+        self.dev.inner.capturing.store(false, Ordering::SeqCst);
+        let taken = self.dev.capture_pool().take();
+        let live = taken.as_ref().map(|c| c.live.len()).unwrap_or(0);
+        if let Some(c) = taken {
+            self.pool.inner.blocks().extend(c.free);
+        }
+        (g, live)
+    }
+}
+
+impl Drop for Capturing<'_> {
     fn drop(&mut self) {
-        // Stream-ordered like any freed block: work queued after the graph's last replay may
-        // reuse these blocks, work before it has already been queued.
-        let mut a = self.dev.allocator();
-        for &(p, c) in &self.pool {
-            a.free(p, c);
+        if !self.ended {
+            let _ = self.end();
         }
     }
 }
 
 impl CudaDevice {
-    /// Records the work `f` queues on the compute stream into a graph; nothing of it runs.
-    /// Fails (and leaves the device usable, nothing queued) when `f` fails, when it makes a call
-    /// a capture refuses, or when a block it allocated is still held at its end.
-    pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<DeviceGraph> {
-        if self.sync_launches() {
-            bail!(
-                "{}: CUDA graphs are off with COLOTRAIN_CUDA_SYNC=1 (it synchronizes after every launch)",
-                self.name()
-            );
+    /// An empty pool for graphs of this device.
+    pub fn graph_pool(&self) -> GraphPool {
+        GraphPool { inner: Arc::new(PoolInner { dev: self.clone(), free: Mutex::new(Vec::new()) }) }
+    }
+
+    /// Records the work `f` queues on the compute stream into a graph whose temporaries come
+    /// from `pool`; nothing of it runs. Fails (and leaves the device usable, nothing queued)
+    /// when `f` fails, when it makes a call a capture refuses, or when a block it allocated is
+    /// still held at its end.
+    pub fn capture(&self, pool: &GraphPool, f: impl FnOnce() -> Result<()>) -> Result<DeviceGraph> {
+        if !Arc::ptr_eq(&pool.inner.dev.inner, &self.inner) {
+            bail!("{}: a graph pool of {}", self.name(), pool.inner.dev.name());
         }
         if super::current_stream() != super::Stream::Compute {
             bail!("{}: CUDA graphs capture the compute stream only", self.name());
@@ -93,41 +151,25 @@ impl CudaDevice {
             if c.is_some() {
                 bail!("{}: a CUDA-graph capture is already in progress", self.name());
             }
-            *c = Some(CapturePool { thread: std::thread::current().id(), free: Vec::new(), live: HashSet::new() });
+            let free = std::mem::take(&mut *pool.inner.blocks());
+            *c = Some(CapturePool { thread: std::thread::current().id(), free, live: HashSet::new() });
         }
         self.inner.capturing.store(true, Ordering::SeqCst);
-        let began = self.inner.driver.begin_capture();
-        let run = began.and_then(|_| f());
-        // Ended whatever happened (a stream left capturing refuses all later work).
-        let ended = self.inner.driver.end_capture();
-        self.inner.capturing.store(false, Ordering::SeqCst);
-        let Some(pool) = self.capture_pool().take() else { bail!("{}: the capture pool vanished", self.name()) };
-        let fail = |pool: CapturePool, e: anyhow::Error| {
-            let mut a = self.allocator();
-            for (p, c) in pool.free {
-                a.free(p, c);
-            }
-            Err(e)
+        let mut guard = Capturing { dev: self, pool, ended: false };
+        let run = self.inner.driver.begin_capture().and_then(|_| f());
+        let (ended, live) = guard.end();
+        let fail = |e: anyhow::Error| Err(anyhow!("{}: CUDA-graph capture: {e:#}", self.name()));
+        let g = match (run, ended) {
+            (Err(e), _) | (Ok(()), Err(e)) => return fail(e),
+            (Ok(()), Ok(g)) => g,
         };
-        if let Err(e) = run {
-            return fail(pool, anyhow!("{}: CUDA-graph capture: {e:#}", self.name()));
+        if live > 0 {
+            return fail(anyhow!(
+                "{live} device block(s) allocated by the captured work are still held after it (every replay would \
+                 write memory someone else owns)"
+            ));
         }
-        let g = match ended {
-            Ok(g) => g,
-            Err(e) => return fail(pool, anyhow!("{}: CUDA-graph capture: {e:#}", self.name())),
-        };
-        if !pool.live.is_empty() {
-            let n = pool.live.len();
-            return fail(
-                pool,
-                anyhow!(
-                    "{}: CUDA-graph capture: {n} device block(s) allocated by the captured work are still held after it \
-                     (every replay would write memory someone else owns)",
-                    self.name()
-                ),
-            );
-        }
-        Ok(DeviceGraph { g, dev: self.clone(), pool: pool.free })
+        Ok(DeviceGraph { g, dev: self.clone(), _pool: pool.clone() })
     }
 
     /// Queues graph `g` (captured on this device) on the compute stream.
@@ -136,16 +178,26 @@ impl CudaDevice {
             bail!("{}: replay of a graph captured on {}", self.name(), g.dev.name());
         }
         self.bind()?;
-        self.inner.driver.replay(&g.g).map_err(|e| anyhow!("{}: {e:#}", self.name()))
+        self.inner.driver.replay(&g.g).map_err(|e| anyhow!("{}: {e:#}", self.name()))?;
+        // COLOTRAIN_CUDA_SYNC=1: a fault inside the graph is reported at its replay.
+        if self.sync_launches() {
+            self.synchronize().map_err(|e| anyhow!("after a CUDA-graph replay: {e:#}"))?;
+        }
+        Ok(())
+    }
+
+    /// Whether a capture is in progress on this device.
+    pub(super) fn capturing(&self) -> bool {
+        self.inner.capturing.load(Ordering::SeqCst)
     }
 
     fn capture_pool(&self) -> std::sync::MutexGuard<'_, Option<CapturePool>> {
         self.inner.capture.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A block for `bytes` while a capture is in progress: one of the capture's own freed
-    /// blocks of the same size class, else one from the cache (counted as the capture's).
-    /// None when no capture is in progress.
+    /// A block for `bytes` while this thread captures: a free block of the same size class
+    /// from the capture's pool, else one from the cache (counted as the capture's). None when
+    /// this thread is not capturing.
     pub(super) fn capture_alloc(&self, bytes: usize, what: &str) -> Option<Result<DevBuf>> {
         if !self.inner.capturing.load(Ordering::SeqCst) {
             return None;
@@ -164,7 +216,8 @@ impl CudaDevice {
         Some(Ok(DevBuf { ptr, class, dev: self.clone() }))
     }
 
-    /// Takes a freed block into the capture's pool; false when no capture is in progress.
+    /// Takes a block this thread frees while capturing into the capture's pool; false when
+    /// this thread is not capturing.
     pub(super) fn capture_free(&self, ptr: u64, class: usize) -> bool {
         if !self.inner.capturing.load(Ordering::SeqCst) {
             return false;
@@ -201,7 +254,7 @@ mod tests {
 
     /// A capture records without running; a replay runs what it recorded on the buffers'
     /// current contents (an in-place update needs no new capture); the captured work's scratch
-    /// block stays the graph's, never handed out while the graph lives.
+    /// block stays in the graph's pool, never handed out while a graph of the pool lives.
     #[test]
     fn a_replay_runs_the_captured_work_on_the_current_contents() {
         let dev = CudaDevice::sim_unshared(93);
@@ -214,8 +267,9 @@ mod tests {
         // Warm-up: the scratch block's size class is in the cache before the capture asks for it.
         drop(dev.scratch(n * 2, "warm-up").unwrap());
         let mut tmp_ptr = 0;
+        let pool = dev.graph_pool();
         let g = dev
-            .capture(|| {
+            .capture(&pool, || {
                 let t = dev.scratch(n * 2, "captured scratch")?;
                 tmp_ptr = t.ptr;
                 cast(&dev, x.ptr, t.ptr, n)?;
@@ -224,7 +278,7 @@ mod tests {
             .unwrap();
         assert!(bf16s(&dev, y.ptr, n).iter().all(|&v| v == 0.0), "the capture ran the work");
         assert_eq!(g.recorded_ops(), Some(2));
-        assert!(g.pool_bytes() >= n * 2);
+        assert!(pool.bytes() >= n * 2);
         let other = dev.scratch(n * 2, "after the capture").unwrap();
         assert_ne!(other.ptr, tmp_ptr, "the graph's scratch block was handed out while the graph lives");
         for round in 0..2 {
@@ -234,9 +288,12 @@ mod tests {
             let want: Vec<f32> = b.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
             assert_eq!(bf16s(&dev, y.ptr, n), want, "replay {round}");
         }
+        drop(pool);
+        let still = dev.scratch(n * 2, "while the graph lives").unwrap();
+        assert_ne!(still.ptr, tmp_ptr, "the pool's block was handed out while a graph of it lives");
         drop(g);
         let again = dev.scratch(n * 2, "after the graph").unwrap();
-        assert_eq!(again.ptr, tmp_ptr, "a dropped graph returns its pool to the cache");
+        assert_eq!(again.ptr, tmp_ptr, "the last graph of a pool returns its blocks to the cache");
     }
 
     /// What a capture refuses fails it with the rule named, and leaves the device usable with
@@ -260,12 +317,19 @@ mod tests {
             ),
         ];
         for (want, f) in cases {
-            let e = format!("{:#}", dev.capture(|| f()).unwrap_err());
+            let e = format!("{:#}", dev.capture(&dev.graph_pool(), || f()).unwrap_err());
             assert!(e.contains(want) && e.contains("cuda-sim:92"), "{want}: {e}");
             let mut h = [0u32; 16];
             dev.dtoh(&mut h, y.ptr).unwrap();
             assert_eq!(h, [7; 16], "{want}: work of the failed capture ran");
         }
+        // A panic inside the captured closure ends the capture too: the device synchronizes.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            dev.capture(&dev.graph_pool(), || -> anyhow::Result<()> { panic!("a panic while capturing") })
+        }));
+        assert!(r.is_err());
+        dev.memset0(y.ptr, 64).unwrap();
+        dev.synchronize().unwrap();
     }
 
     #[test]

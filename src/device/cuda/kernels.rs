@@ -244,7 +244,8 @@ impl CudaDevice {
         let ptrs = super::ptr_fields::pointer_offsets(std::any::type_name::<P>());
         drv.launch(&super::driver::Launch { k, grid, block, smem, params, size: std::mem::size_of::<P>(), ptrs })
             .map_err(|e| anyhow!("launch of {} on {} failed: {e:#}", k.name(), self.name()))?;
-        if self.sync_launches() {
+        // (Not while capturing: a capture may not synchronize; the replay is synchronized whole.)
+        if self.sync_launches() && !self.capturing() {
             self.synchronize().with_context(|| format!("after {}", k.name()))?;
         }
         Ok(())

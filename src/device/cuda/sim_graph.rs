@@ -2,13 +2,16 @@
 //! calling thread queues on its current stream are recorded, not run (as stream capture does
 //! on a GPU); a replay queues the recorded operations again, with the pointers and scalars of
 //! the capture. The calls CUDA's thread-local capture mode refuses on the capturing thread
-//! (synchronizing, host copies, allocating and freeing device memory, events — the glue's
-//! graphs use none) are errors here, and the capture's end reports the first of them. Only
+//! (synchronizing, host copies, allocating and freeing device memory), and event records,
+//! event waits and peer copies (which CUDA could capture; the glue's graphs use none), are
+//! errors here, and the capture's end reports the first of them. Only
 //! the capturing thread's work is recorded and refused: another thread's work on the device
 //! runs as usual (on a GPU it would join the graph; the product drives each device from one
 //! worker thread, and tests that share a simulated device run in parallel). A
-//! replay first checks that every allocation the graph uses is still live with its size: a
-//! graph that outlives a buffer it writes is an error, not a silent write into freed memory.
+//! replay first checks that every driver allocation the graph uses is still live with its
+//! size: a graph that outlives a buffer freed to the driver is an error, not a silent write
+//! into freed memory (a block returned to the allocator's cache is not seen here: the graphs'
+//! pool, `graph.rs`, keeps their blocks from being handed out).
 //!
 //! Owns: [`Capture`], [`SimGraph`]. May call: the parent `sim`'s state. Must not: run work.
 
