@@ -305,7 +305,8 @@ mod tests {
         dev.htod(y.ptr, &[7u32; 16]).unwrap();
         // A cached block for the third case (a fresh device allocation is refused first).
         drop(dev.scratch(64, "warm-up").unwrap());
-        let cases: [(&str, Box<dyn Fn() -> anyhow::Result<()>>); 3] = [
+        type Case<'a> = (&'static str, Box<dyn Fn() -> anyhow::Result<()> + 'a>);
+        let cases: [Case; 3] = [
             ("a host-to-device copy during CUDA-graph capture", Box::new(|| dev.htod(y.ptr, &[1u32; 16]))),
             (
                 "a synchronization during CUDA-graph capture",
@@ -317,7 +318,7 @@ mod tests {
             ),
         ];
         for (want, f) in cases {
-            let e = format!("{:#}", dev.capture(&dev.graph_pool(), || f()).unwrap_err());
+            let e = format!("{:#}", dev.capture(&dev.graph_pool(), f).unwrap_err());
             assert!(e.contains(want) && e.contains("cuda-sim:92"), "{want}: {e}");
             let mut h = [0u32; 16];
             dev.dtoh(&mut h, y.ptr).unwrap();
