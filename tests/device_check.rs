@@ -43,7 +43,18 @@ fn every_check_group_passes_on_both_simulated_architectures() {
         let names: Vec<&str> = groups.iter().map(|g| g["name"].as_str().unwrap()).collect();
         assert_eq!(
             names,
-            ["dense", "rows", "attention", "attention-128", "quant", "scale-layout", "optim", "train-gemm", "backward"],
+            [
+                "dense",
+                "rows",
+                "attention",
+                "attention-128",
+                "quant",
+                "scale-layout",
+                "optim",
+                "train-gemm",
+                "backward",
+                "decode-graph"
+            ],
             "{arch}"
         );
         assert!(groups.iter().all(|g| g["status"] == "ok"), "{arch}: {groups:?}");
@@ -69,6 +80,13 @@ fn every_check_group_passes_on_both_simulated_architectures() {
         } else {
             assert!(w4a4.is_null(), "{arch}: NVFP4 CUTLASS on Hopper must be a skip, got {w4a4}");
         }
+        // Decode graphs against eager steps, before and after a resync, F32 and FP8 engines.
+        for dt in ["f32", "fp8"] {
+            for op in ["tokens", "log-probs", "tokens, after a resync", "log-probs, after a resync"] {
+                assert_eq!(check(&r, &format!("decode graph vs eager: {op}"), dt)["pass"], true, "{arch} {dt} {op}");
+            }
+        }
+        assert!(text.contains("f32 round 1: 0 graphs captured"), "{arch}: {text}");
     }
 }
 
