@@ -17,7 +17,8 @@
 //! size the capture asks for in the allocator's cache: a capture may not allocate device
 //! memory). So a BF16 engine's resync replays its graphs, a quantized engine's new scales are
 //! captured again, and a stale engine (its view rotates over `staleness + 1` weight copies)
-//! keeps one graph per copy: a bucket keeps its [`KEEP`] most recent graphs. A bucket whose
+//! keeps one graph per copy: a bucket keeps its `graph_versions` most recent graphs (4, or
+//! staleness + 1 for a stale rollout engine). A bucket whose
 //! capture fails [`MAX_FAILURES`] times in a row stays eager, with a warning naming why. All
 //! of an engine's graphs share one pool of device blocks (they replay one at a time).
 //!
@@ -36,8 +37,6 @@ use std::hash::{Hash, Hasher};
 
 /// Captures of one bucket that fail in a row before it stays eager.
 const MAX_FAILURES: u32 = 3;
-/// Graphs a bucket keeps (one per fingerprint, the most recently used).
-const KEEP: usize = 4;
 
 /// What the decode graphs did so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -68,6 +67,10 @@ pub(super) struct DecodeGraphs {
     pad_block: u32,
     /// The blocks every graph's temporaries use (made at the first capture).
     pool: Option<GraphPool>,
+    /// Graphs a bucket keeps (one per fingerprint, the most recently used).
+    keep: usize,
+    /// False: pad and run eagerly, never capture (`EngineConfig::graph_capture`).
+    capture: bool,
     pub stats: GraphStats,
 }
 
@@ -80,13 +83,14 @@ fn bucket_sizes(max: usize) -> Vec<usize> {
 }
 
 impl DecodeGraphs {
-    /// Graphs for batches of up to `max_rows` sequences, padding into `pad_block`.
-    pub fn new(max_rows: usize, pad_block: u32) -> DecodeGraphs {
+    /// Graphs for batches of up to `max_rows` sequences, padding into `pad_block`, `keep` per
+    /// bucket; `capture` false: padded eager steps only.
+    pub fn new(max_rows: usize, pad_block: u32, keep: usize, capture: bool) -> DecodeGraphs {
         let buckets = bucket_sizes(max_rows.max(1))
             .into_iter()
             .map(|size| Bucket { size, graphs: Vec::new(), failures: 0 })
             .collect();
-        DecodeGraphs { buckets, pad_block, pool: None, stats: GraphStats::default() }
+        DecodeGraphs { buckets, pad_block, pool: None, keep, capture, stats: GraphStats::default() }
     }
 
     /// The index of the smallest bucket that holds `n` rows.
@@ -195,12 +199,12 @@ impl Engine {
         self.model.forward(&self.dev, w, q, &mut self.bufs, &mut self.cache.layers)?;
         self.model.logits(&self.dev, w, &mut self.bufs, size)?;
         g.stats.eager += 1;
-        if b.failures >= MAX_FAILURES {
+        if !g.capture || b.failures >= MAX_FAILURES {
             return Ok(());
         }
-        let pool = g.pool.get_or_insert_with(|| d.graph_pool());
+        let pool = g.pool.get_or_insert_with(|| d.graph_pool()).clone();
         let (model, bufs, cache) = (&self.model, &mut self.bufs, &mut self.cache.layers);
-        let captured = d.capture(pool, || {
+        let captured = d.capture(&pool, || {
             model.forward(&self.dev, w, q, bufs, cache)?;
             model.logits(&self.dev, w, bufs, size)
         });
@@ -208,7 +212,7 @@ impl Engine {
             Ok(graph) => {
                 g.stats.captures += 1;
                 b.failures = 0;
-                if b.graphs.len() == KEEP {
+                if b.graphs.len() >= g.keep {
                     b.graphs.remove(0);
                 }
                 b.graphs.push((fp, graph));
@@ -218,6 +222,14 @@ impl Engine {
                 b.failures += 1;
                 if b.failures == MAX_FAILURES {
                     tracing::warn!("decode steps of {size} sequences stay eager: {e:#}");
+                }
+                if pool.poisoned() {
+                    // A block of the shared pool escaped the failed capture: the other graphs
+                    // would write it under its new holder. They and the pool go; the next
+                    // steps capture afresh.
+                    tracing::warn!("decode graphs dropped: {e:#}");
+                    g.buckets.iter_mut().for_each(|b| b.graphs.clear());
+                    g.pool = None;
                 }
             }
         }
@@ -235,7 +247,7 @@ mod tests {
         assert_eq!(bucket_sizes(6), vec![1, 2, 4, 6]);
         assert_eq!(bucket_sizes(20), vec![1, 2, 4, 8, 16, 20]);
         assert_eq!(bucket_sizes(32), vec![1, 2, 4, 8, 16, 24, 32]);
-        let g = DecodeGraphs::new(20, 0);
+        let g = DecodeGraphs::new(20, 0, 4, true);
         for n in 1..=20 {
             let b = g.buckets[g.bucket_of(n).unwrap()].size;
             assert!(b >= n && (n <= 8 && b < 2 * n || b - n < 8), "{n} rows in a bucket of {b}");

@@ -159,6 +159,12 @@ pub struct EngineConfig {
     pub kv_fp8: Vec<(bool, bool)>,
     /// CUDA devices: decode steps replay a CUDA graph per batch-size bucket (`graphs.rs`).
     pub cuda_graphs: bool,
+    /// Graphs kept per bucket, one per fingerprint (a stale engine's view rotates over
+    /// `staleness + 1` weight copies: one graph each).
+    pub graph_versions: usize,
+    /// False: graph-eligible decode steps run padded to their bucket but are never captured —
+    /// the same launches as a replay, eagerly (the device check's reference for the graphs).
+    pub graph_capture: bool,
 }
 
 impl Default for EngineConfig {
@@ -174,6 +180,8 @@ impl Default for EngineConfig {
             max_model_len: None,
             kv_fp8: Vec::new(),
             cuda_graphs: true,
+            graph_versions: 4,
+            graph_capture: true,
         }
     }
 }
@@ -270,8 +278,10 @@ impl Engine {
         let graphs_on = ec.cuda_graphs && matches!(dev, Device::Cuda(_));
         let mut cache = KvCache::with_layers(dev, cfg, ec.block_size, num_blocks + graphs_on as usize, &kv_dtypes)?;
         let graph_rows = ec.max_seqs.min(ec.max_tokens_per_step).min(ec.logits_rows);
-        let graphs =
-            graphs_on.then(|| cache.reserve_block()).flatten().map(|b| graphs::DecodeGraphs::new(graph_rows, b));
+        let graphs = graphs_on
+            .then(|| cache.reserve_block())
+            .flatten()
+            .map(|b| graphs::DecodeGraphs::new(graph_rows, b, ec.graph_versions.max(1), ec.graph_capture));
         let max_model_len = max_model_len.min(cache.capacity_tokens());
         let max_blocks = max_model_len.div_ceil(ec.block_size);
         let bufs = ForwardBuffers::new(

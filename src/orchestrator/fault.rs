@@ -20,7 +20,9 @@ pub struct Fault {
     /// answers), "teacher", "train" or "resync" (colocated; a split placement publishes
     /// instead): at the start of that phase's work on the device; "all-gather": inside the
     /// train phase of several GPUs, after the reduce-scatter and the optimizer step, as the
-    /// device collective's all-gather of update `step` begins (its peers are already in it).
+    /// device's `step`-th all-gather since the run (or its resume) started begins — its peers
+    /// are already in it. That is update `step`: the step itself when each step makes one
+    /// update and none is skipped.
     pub phase: &'static str,
 }
 
@@ -52,9 +54,9 @@ pub enum ViewFault {
     Corrupt { step: u64 },
 }
 
-/// The device collective with a fault: rank `fault.rank`'s `fault.step`-th all-gather fails (or
-/// panics) before it enters the rendezvous, where the other ranks already wait — the
-/// coordinator's abort must wake them.
+/// The device collective with a fault: rank `fault.rank`'s `fault.step`-th all-gather (counted
+/// from the start of this process's run) fails (or panics) before it enters the rendezvous,
+/// where the other ranks already wait — the coordinator's abort must wake them.
 pub struct FaultyCollective {
     inner: Arc<dyn DeviceCollective>,
     fault: Fault,

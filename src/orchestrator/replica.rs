@@ -289,7 +289,11 @@ impl Replica {
             Some(dp) => Trainer::new_dp(&cfg, student.weights, job, dp)?,
             None => Trainer::weights_only(&cfg, student.weights, job)?,
         };
-        let rollout_ec = EngineConfig { kv_fp8: s.spec.recipe.kv_layers(), ..s.engine.clone() };
+        let rollout_ec = EngineConfig {
+            kv_fp8: s.spec.recipe.kv_layers(),
+            graph_versions: graph_versions(&s.spec),
+            ..s.engine.clone()
+        };
         let mut std_ec = s.engine.clone();
         let mut roll_ec = rollout_ec.clone();
         let mut teacher_ec = s.engine.clone();
@@ -642,6 +646,7 @@ impl Replica {
             + self.std_engine.cache.size_bytes()
             + new_buffers
             + new_kv
+            + self.snapshot
             + reserve;
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
         Ok((after > budget).then(|| {
@@ -666,14 +671,21 @@ impl Replica {
         let w = &self.trainer.weights;
         let ec = self.rollout_config(s, spec);
         let block = kv_block_bytes(&self.trainer.cfg, w.dtype(), &ec, ec.block_size);
-        (RolloutWeights::estimate_extra_bytes(spec, w), block * ec.kv_blocks.unwrap_or(0))
+        // (The decode graphs' padding block on CUDA, as `Engine::new` adds it.)
+        let pad = (ec.cuda_graphs && !self.dev.is_cpu()) as usize;
+        (RolloutWeights::estimate_extra_bytes(spec, w), block * (ec.kv_blocks.unwrap_or(0) + pad))
     }
 
     /// The rollout engine's config for `spec`: its KV dtypes, and as many KV blocks as the
     /// standard engine's cache holds (the same capacity in tokens).
     fn rollout_config(&self, s: &Setup, spec: &EngineSpec) -> EngineConfig {
         let blocks = self.std_engine.cache.capacity_tokens() / s.engine.block_size.max(1);
-        EngineConfig { kv_fp8: spec.recipe.kv_layers(), kv_blocks: Some(blocks.max(1)), ..s.engine.clone() }
+        EngineConfig {
+            kv_fp8: spec.recipe.kv_layers(),
+            kv_blocks: Some(blocks.max(1)),
+            graph_versions: graph_versions(spec),
+            ..s.engine.clone()
+        }
     }
 
     /// Switches the rollout engine to `spec` in place, between steps: the current engine's
@@ -750,6 +762,12 @@ fn kv_block_bytes(cfg: &ModelConfig, dtype: DType, ec: &EngineConfig, block_size
 }
 
 /// Whether `spec` is the standard engine (it reads the trainer's tensors: no engine of its own).
+/// Decode graphs a rollout engine keeps per batch bucket: one per weight copy its view rotates
+/// over (a stale engine reads `staleness + 1` of them in turn), at least the default.
+fn graph_versions(spec: &EngineSpec) -> usize {
+    (spec.staleness + 1).max(EngineConfig::default().graph_versions)
+}
+
 fn is_standard(spec: &EngineSpec) -> bool {
     spec.recipe.is_standard() && spec.noise_sigma == 0.0 && spec.staleness == 0
 }

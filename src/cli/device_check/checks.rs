@@ -23,7 +23,7 @@
 //!   softmax sums in another order; the backward sums a column of rows);
 //! - exact: the optimizer step (master, moments, clipped gradient, compute weights, amax);
 //!   0 / 1e-6 for the squared norm (f64 sums in another order, compared as f32);
-//! - exact tokens, 1e-5 / 1e-4 log-probs: decode graphs against eager steps (`engine_checks`).
+//! - exact: decode graphs against the same padded steps launched eagerly (`engine_checks`).
 //!
 //! Owns: the check groups and their table rows. May call: the ops, the device. Must not: time
 //! anything (`device_bench` does).
@@ -96,7 +96,7 @@ pub const GROUPS: [(&str, &str); 10] = [
     ("optim", "the optimizer step (AdamW, SGD, clipping, compute weights and their amax), the squared norm, the device collective on its own stream"),
     ("train-gemm", "the backward GEMMs dx = dy·W, dW = dyᵀ·x and the fused LM-head loss (plain and centered)"),
     ("backward", "the layers' backward kernels: RMSNorm, RoPE, SwiGLU, embedding, bias, attention"),
-    ("decode-graph", "decode steps replayed as CUDA graphs per batch bucket vs eager steps, before and after an in-place resync"),
+    ("decode-graph", "decode steps replayed as CUDA graphs per batch bucket vs the same padded steps launched eagerly, before and after an in-place resync"),
 ];
 
 /// Runs check group `name` on `cuda`, printing each row as it is recorded; returns the rows.

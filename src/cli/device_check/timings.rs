@@ -108,14 +108,14 @@ fn decode(d: &CudaDevice, steps: usize) -> Result<serde_json::Value> {
     );
     for r in &rows {
         println!(
-            "{:<8} {:>8} {:>10.2} {:>12.0} {:>14.0} {:>8.1}% {:>14.2}",
+            "{:<8} {:>8} {:>10.2} {:>12.0} {:>14.0} {:>8.1}% {:>14}",
             r.batch,
             r.context,
             r.ms_per_step,
             r.tokens_per_s,
             r.bound_tokens_per_s,
             100.0 * r.fraction_of_bound,
-            r.graph_ms_per_step
+            r.graph_ms_per_step.map(|g| format!("{g:.2}")).unwrap_or_else(|| "-".into())
         );
     }
     Ok(serde_json::to_value(rows)?)

@@ -35,6 +35,11 @@ pub(super) struct CapturePool {
     free: Vec<(u64, usize)>,
     /// Blocks handed out during the capture and not yet freed.
     live: HashSet<u64>,
+    /// Of those, the ones taken from the pool (other graphs use them as scratch).
+    from_pool: HashSet<u64>,
+    /// Blocks that existed before the capture and were freed during it (the captured work may
+    /// read them, so they cannot become scratch).
+    foreign_frees: usize,
 }
 
 /// Device blocks that belong to CUDA graphs (see the module comment); cheap to clone.
@@ -46,6 +51,9 @@ pub struct GraphPool {
 struct PoolInner {
     dev: CudaDevice,
     free: Mutex<Vec<(u64, usize)>>,
+    /// A block of the pool escaped a failed capture and is held outside it: the graphs that
+    /// use the pool must be dropped (they would write it).
+    poisoned: std::sync::atomic::AtomicBool,
 }
 
 impl PoolInner {
@@ -70,6 +78,12 @@ impl GraphPool {
     /// Bytes the pool holds.
     pub fn bytes(&self) -> usize {
         self.inner.blocks().iter().map(|b| b.1).sum()
+    }
+
+    /// Whether a failed capture left one of the pool's blocks held outside it (then the graphs
+    /// of the pool must be dropped before any replay).
+    pub fn poisoned(&self) -> bool {
+        self.inner.poisoned.load(Ordering::SeqCst)
     }
 }
 
@@ -106,17 +120,18 @@ struct Capturing<'a> {
 }
 
 impl Capturing<'_> {
-    /// Ends the capture: the driver's graph (or error) and the blocks still held.
-    fn end(&mut self) -> (Result<Graph>, usize) {
+    /// Ends the capture: the driver's graph (or error), the blocks still held and the blocks
+    /// from before the capture freed during it.
+    fn end(&mut self) -> (Result<Graph>, usize, usize) {
         self.ended = true;
         let g = self.dev.inner.driver.end_capture();
         self.dev.inner.capturing.store(false, Ordering::SeqCst);
-        let taken = self.dev.capture_pool().take();
-        let live = taken.as_ref().map(|c| c.live.len()).unwrap_or(0);
-        if let Some(c) = taken {
-            self.pool.inner.blocks().extend(c.free);
+        let Some(c) = self.dev.capture_pool().take() else { return (g, 0, 0) };
+        if c.live.iter().any(|p| c.from_pool.contains(p)) {
+            self.pool.inner.poisoned.store(true, Ordering::SeqCst);
         }
-        (g, live)
+        self.pool.inner.blocks().extend(c.free);
+        (g, c.live.len(), c.foreign_frees)
     }
 }
 
@@ -131,11 +146,20 @@ impl Drop for Capturing<'_> {
 impl CudaDevice {
     /// An empty pool for graphs of this device.
     pub fn graph_pool(&self) -> GraphPool {
-        GraphPool { inner: Arc::new(PoolInner { dev: self.clone(), free: Mutex::new(Vec::new()) }) }
+        GraphPool {
+            inner: Arc::new(PoolInner {
+                dev: self.clone(),
+                free: Mutex::new(Vec::new()),
+                poisoned: std::sync::atomic::AtomicBool::new(false),
+            }),
+        }
     }
 
     /// Records the work `f` queues on the compute stream into a graph whose temporaries come
-    /// from `pool`; nothing of it runs. Fails (and leaves the device usable, nothing queued)
+    /// from `pool`; nothing of it runs. The calling thread must be the only one queueing work
+    /// on this device meanwhile: on a GPU, another thread's work on the capturing stream would
+    /// join the graph and not run (the simulator records only the capturing thread's work, so
+    /// it cannot catch that; the product drives each device from one worker thread). Fails (and leaves the device usable, nothing queued)
     /// when `f` fails, when it makes a call a capture refuses, or when a block it allocated is
     /// still held at its end.
     pub fn capture(&self, pool: &GraphPool, f: impl FnOnce() -> Result<()>) -> Result<DeviceGraph> {
@@ -152,17 +176,29 @@ impl CudaDevice {
                 bail!("{}: a CUDA-graph capture is already in progress", self.name());
             }
             let free = std::mem::take(&mut *pool.inner.blocks());
-            *c = Some(CapturePool { thread: std::thread::current().id(), free, live: HashSet::new() });
+            *c = Some(CapturePool {
+                thread: std::thread::current().id(),
+                free,
+                live: HashSet::new(),
+                from_pool: HashSet::new(),
+                foreign_frees: 0,
+            });
         }
         self.inner.capturing.store(true, Ordering::SeqCst);
         let mut guard = Capturing { dev: self, pool, ended: false };
         let run = self.inner.driver.begin_capture().and_then(|_| f());
-        let (ended, live) = guard.end();
+        let (ended, live, foreign) = guard.end();
         let fail = |e: anyhow::Error| Err(anyhow!("{}: CUDA-graph capture: {e:#}", self.name()));
         let g = match (run, ended) {
             (Err(e), _) | (Ok(()), Err(e)) => return fail(e),
             (Ok(()), Ok(g)) => g,
         };
+        if foreign > 0 {
+            return fail(anyhow!(
+                "{foreign} device block(s) that existed before the capture were freed during it (the graph may \
+                 read them, and they would become another graph's scratch)"
+            ));
+        }
         if live > 0 {
             return fail(anyhow!(
                 "{live} device block(s) allocated by the captured work are still held after it (every replay would \
@@ -206,7 +242,11 @@ impl CudaDevice {
         let pool = guard.as_mut().filter(|p| p.thread == std::thread::current().id())?;
         let class = alloc::size_class(bytes);
         let ptr = match pool.free.iter().rposition(|b| b.1 == class) {
-            Some(i) => pool.free.swap_remove(i).0,
+            Some(i) => {
+                let p = pool.free.swap_remove(i).0;
+                pool.from_pool.insert(p);
+                p
+            }
             None => match self.allocator().alloc(&self.inner.driver, bytes, what) {
                 Ok((p, _)) => p,
                 Err(e) => return Some(Err(e)),
@@ -224,7 +264,9 @@ impl CudaDevice {
         }
         let mut guard = self.capture_pool();
         let Some(pool) = guard.as_mut().filter(|p| p.thread == std::thread::current().id()) else { return false };
-        pool.live.remove(&ptr);
+        if !pool.live.remove(&ptr) {
+            pool.foreign_frees += 1;
+        }
         pool.free.push((ptr, class));
         true
     }
@@ -324,6 +366,18 @@ mod tests {
             dev.dtoh(&mut h, y.ptr).unwrap();
             assert_eq!(h, [7; 16], "{want}: work of the failed capture ran");
         }
+        // A block from before the capture, freed inside it: the graph may read it, so it cannot
+        // become scratch.
+        let pre = std::cell::RefCell::new(Some(dev.scratch(64, "before the capture").unwrap()));
+        let e = format!("{:#}", dev.capture(&dev.graph_pool(), || Ok(drop(pre.borrow_mut().take()))).unwrap_err());
+        assert!(e.contains("existed before the capture were freed during it"), "{e}");
+        // A pool block that escapes a failed capture poisons the pool (its graphs must go).
+        let pool = dev.graph_pool();
+        let g = dev.capture(&pool, || dev.scratch(64, "scratch").map(drop)).unwrap();
+        assert!(pool.bytes() > 0 && !pool.poisoned());
+        let e = format!("{:#}", dev.capture(&pool, || dev.scratch(64, "kept").map(std::mem::forget)).unwrap_err());
+        assert!(e.contains("still held after it") && pool.poisoned(), "{e}");
+        drop(g);
         // A panic inside the captured closure ends the capture too: the device synchronizes.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             dev.capture(&dev.graph_pool(), || -> anyhow::Result<()> { panic!("a panic while capturing") })
