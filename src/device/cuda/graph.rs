@@ -369,7 +369,14 @@ mod tests {
         // A block from before the capture, freed inside it: the graph may read it, so it cannot
         // become scratch.
         let pre = std::cell::RefCell::new(Some(dev.scratch(64, "before the capture").unwrap()));
-        let e = format!("{:#}", dev.capture(&dev.graph_pool(), || Ok(drop(pre.borrow_mut().take()))).unwrap_err());
+        let e = format!(
+            "{:#}",
+            dev.capture(&dev.graph_pool(), || {
+                drop(pre.borrow_mut().take());
+                Ok(())
+            })
+            .unwrap_err()
+        );
         assert!(e.contains("existed before the capture were freed during it"), "{e}");
         // A pool block that escapes a failed capture poisons the pool (its graphs must go).
         let pool = dev.graph_pool();
