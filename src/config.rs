@@ -175,6 +175,11 @@ pub struct RolloutConfig {
     /// CUDA: replay each decode step as a CUDA graph captured per batch-size bucket (false:
     /// launch every kernel eagerly). No effect on CPU devices.
     pub cuda_graphs: bool,
+    /// Whether a device's KV caches are freed for the train phase and allocated again after it
+    /// (synchronous colocated schedule only): `auto` when the memory plan cannot hold the
+    /// caches and the trainer's activations at once, `always`, or `never` (such a plan is
+    /// refused).
+    pub kv_release: KvRelease,
 }
 
 impl Default for RolloutConfig {
@@ -192,6 +197,7 @@ impl Default for RolloutConfig {
             max_tokens_per_step: 2048,
             kv_cache_mb: 512,
             cuda_graphs: true,
+            kv_release: KvRelease::Auto,
         }
     }
 }
@@ -479,6 +485,16 @@ crate::str_enum! {
         Engine = "engine",
         /// Precomputed rollouts read from `rollout.file`.
         File = "file",
+    }
+}
+
+crate::str_enum! {
+    /// When the KV caches make room for the train phase (`rollout.kv_release`).
+    pub enum KvRelease("rollout.kv_release", "expected {expected}, got '{s}'") {
+        /// Only when the memory plan cannot hold the caches and the activations at once.
+        Auto = "auto",
+        Always = "always",
+        Never = "never",
     }
 }
 

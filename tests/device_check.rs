@@ -80,13 +80,25 @@ fn every_check_group_passes_on_both_simulated_architectures() {
         } else {
             assert!(w4a4.is_null(), "{arch}: NVFP4 CUTLASS on Hopper must be a skip, got {w4a4}");
         }
-        // Decode graphs against eager steps, before and after a resync, F32 and FP8 engines.
+        // Decode graphs against eager steps, before and after a resync and a KV release, F32
+        // and FP8 engines.
         for dt in ["f32", "fp8"] {
-            for op in ["tokens", "log-probs", "tokens, after a resync", "log-probs, after a resync"] {
+            for op in [
+                "tokens",
+                "log-probs",
+                "tokens, after a resync",
+                "log-probs, after a resync",
+                "tokens, after a KV release",
+                "log-probs, after a KV release",
+            ] {
                 assert_eq!(check(&r, &format!("decode graph vs eager: {op}"), dt)["pass"], true, "{arch} {dt} {op}");
             }
         }
         assert!(text.contains("f32 round 1: 0 graphs captured"), "{arch}: {text}");
+        assert!(
+            text.contains("f32: KV cache freed, a NaN buffer of its size in between, committed again in"),
+            "{arch}: {text}"
+        );
     }
 }
 

@@ -433,7 +433,8 @@ fn decode_graph_replays_after_an_in_place_resync_decode_what_eager_steps_decode(
         let mut eager = Engine::new(&dev, &c, dtype, &ec(false), None).unwrap();
         let mut graphed = Engine::new(&dev, &c, dtype, &ec(true), None).unwrap();
         let mut before = graphed.graph_stats();
-        for round in 0..2u64 {
+        let mut same_cache = true;
+        for round in 0..3u64 {
             if round == 1 {
                 // The resync: the trainer's update written into the same tensors.
                 for l in &mut lm.weights.layers {
@@ -444,6 +445,26 @@ fn decode_graph_replays_after_an_in_place_resync_decode_what_eager_steps_decode(
                 if let Some(rw) = rw.as_mut() {
                     rw.sync(&lm.weights, 1).unwrap();
                 }
+            }
+            if round == 2 {
+                // The KV release of a plan that cannot hold both phases: the cache's memory goes
+                // back to the driver, another phase writes NaNs over what it can get, the cache
+                // is allocated again.
+                same_cache = release_and_commit(&dev, &mut graphed);
+                // Only an idle engine frees its cache, and a released one does not decode.
+                let mut busy = Engine::new(&dev, &c, dtype, &ec(false), None).unwrap();
+                busy.add(reqs(9).remove(0)).unwrap();
+                let e = format!("{:#}", busy.release_cache().unwrap_err());
+                assert!(e.contains("1 sequence(s) in flight"), "{e}");
+                let mut away = Engine::new(&dev, &c, dtype, &ec(false), None).unwrap();
+                away.release_cache().unwrap();
+                away.add(reqs(9).remove(0)).unwrap();
+                let view = match &rw {
+                    Some(rw) => rw.view(&lm.weights),
+                    None => (&lm.weights).into(),
+                };
+                let e = format!("{:#}", away.step(view).unwrap_err());
+                assert!(e.contains("the KV cache is released"), "{e}");
             }
             let mut out = Vec::new();
             for e in [&mut eager, &mut graphed] {
@@ -474,7 +495,14 @@ fn decode_graph_replays_after_an_in_place_resync_decode_what_eager_steps_decode(
             // weights all 15 replay.
             let d = |a: u64, b: u64| a - b;
             let got = (d(s.captures, before.captures), d(s.eager, before.eager), d(s.replays, before.replays));
-            let want = if round == 1 && recipe == "none" { (0, 0, 15) } else { (4, 4, 11) };
+            // After the KV release, the graphs replay only if the cache came back where it was
+            // (its addresses are in the fingerprint); otherwise each bucket captures again.
+            let replays_only = match round {
+                1 => recipe == "none",
+                2 => same_cache,
+                _ => false,
+            };
+            let want = if replays_only { (0, 0, 15) } else { (4, 4, 11) };
             assert_eq!(got, want, "{what}: (captures, eager steps, replays) of the round");
             assert_eq!(s.failures, 0, "{what}");
             if recipe == "none" {
@@ -483,4 +511,36 @@ fn decode_graph_replays_after_an_in_place_resync_decode_what_eager_steps_decode(
             before = s;
         }
     }
+}
+
+/// Frees `e`'s KV cache (it must be idle), checks the memory left the allocator, takes blocks of
+/// the layers' sizes, NaN-filled, while the cache is away (the trainer's turn: the host's
+/// allocator tends to hand them the layers' old memory), and commits the cache again before
+/// freeing them; whether every layer came back at its address.
+fn release_and_commit(dev: &Device, e: &mut Engine) -> bool {
+    let Device::Cuda(cd) = dev else { panic!("a simulated GPU") };
+    let ptrs = |e: &Engine| e.cache.layers.iter().map(|l| (l.k.data_ptr(), l.v.data_ptr())).collect::<Vec<_>>();
+    let before = ptrs(e);
+    let bytes = e.cache.size_bytes();
+    let sizes: Vec<usize> = e.cache.layers.iter().flat_map(|l| [l.k.size_bytes(), l.v.size_bytes()]).collect();
+    let (in_use, ..) = cd.memory();
+    assert_eq!(e.release_cache().unwrap(), bytes);
+    dev.release_cached().unwrap();
+    let (after, cached, ..) = cd.memory();
+    // Each released layer keeps two empty tensors: a 512 B block each (the allocator's least).
+    let empties = 2 * 512 * e.cache.layers.len();
+    assert!(
+        in_use - after + empties >= bytes && cached == 0,
+        "{bytes} B freed: in use {in_use} -> {after}, {cached} B cached"
+    );
+    let held: Vec<_> = sizes
+        .iter()
+        .map(|&b| dev.from_f32(DType::F32, &[b.div_ceil(4)], &vec![f32::NAN; b.div_ceil(4)]).unwrap())
+        .collect();
+    e.commit_cache().unwrap();
+    drop(held);
+    assert_eq!(e.cache.size_bytes(), bytes);
+    let same = ptrs(e) == before;
+    eprintln!("the KV cache came back {}", if same { "at its addresses" } else { "elsewhere" });
+    same
 }

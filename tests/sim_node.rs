@@ -11,7 +11,7 @@ mod common;
 #[path = "common/jobs.rs"]
 mod jobs;
 
-use colotrain::config::{CheckpointDtype, JobConfig, OptimizerKind, Placement, ScheduleMode};
+use colotrain::config::{CheckpointDtype, JobConfig, KvRelease, OptimizerKind, Placement, ScheduleMode};
 use colotrain::orchestrator::{self as job, Fault, JobOptions};
 use colotrain::train::checkpoint;
 use common::TempDir;
@@ -177,4 +177,80 @@ fn a_fault_on_one_simulated_gpu_mid_step_stops_the_run_with_the_checkpoint_intac
         assert_eq!(checkpoint::list(&dir).unwrap().iter().map(|c| c.0).max(), Some(4));
         assert_ne!(master(&dir, &j), before, "the resumed run trained on");
     }
+}
+
+/// A plan that cannot hold the KV caches and the trainer's activations at once (issue 21): with
+/// rollout.kv_release = "never" it is refused before any step, naming the knob; by default the
+/// caches are freed for each train phase and allocated again after it. The plan says so and its
+/// peak fits the budget, every step reports what the release and the commit cost (inside the
+/// switch), and the run samples and trains exactly what the same job with room for both does:
+/// the same samples, bit-identical weights.
+#[test]
+fn kv_caches_are_freed_for_training_when_the_plan_cannot_hold_both() {
+    let _turn = serial();
+    let t = TempDir::new("sim-kv-release");
+    let job_at = |dir: &std::path::Path, budget: Option<usize>, release: KvRelease| {
+        let mut j = tiny(dir, 6, 1, 2);
+        (j.rollout.kv_cache_mb, j.rollout.kv_release, j.run.memory_budget_mb) = (3, release, budget);
+        j
+    };
+    let plan_of = |dir: &std::path::Path| -> serde_json::Value {
+        let p: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+        p[0].clone()
+    };
+    let free = t.path().join("free");
+    let jf = job_at(&free, None, KvRelease::Auto);
+    job::run(&jf, &JobOptions::default()).unwrap();
+    let p = plan_of(&free);
+    let n = |k: &str| p[k].as_u64().unwrap();
+    let total: u64 =
+        ["weights", "trainer", "teacher", "engine_buffers", "snapshot", "kv_cache"].iter().map(|k| n(k)).sum();
+    let (act, caches) = (n("activations"), n("kv_cache") + n("teacher_kv"));
+    eprintln!("plan with room for both: {p}");
+    assert_eq!((p["kv_release"].as_bool(), n("peak")), (Some(false), total), "{p}");
+    // A budget that holds decoding (everything but the activations) and training (everything
+    // but the caches), not both.
+    let budget = ((total - act).max(total - caches) >> 20) + 1;
+    assert!(budget << 20 < total, "activations {act} B, caches {caches} B: no MiB between the phases and {total} B");
+    let never = t.path().join("never");
+    let e = format!(
+        "{:#}",
+        job::run(&job_at(&never, Some(budget as usize), KvRelease::Never), &JobOptions::default()).unwrap_err()
+    );
+    assert!(e.contains("the plan does not fit device 0") && e.contains("rollout.kv_release = \"auto\""), "{e}");
+    let freed = t.path().join("freed");
+    let jr = job_at(&freed, Some(budget as usize), KvRelease::Auto);
+    job::run(&jr, &JobOptions::default()).unwrap();
+    let q = plan_of(&freed);
+    assert_eq!(q["kv_release"].as_bool(), Some(true), "{q}");
+    assert_eq!(q["kv_cache"], p["kv_cache"], "the same caches");
+    let peak = q["peak"].as_u64().unwrap();
+    assert!(
+        peak <= budget << 20 && peak == (total - act).max(total - caches),
+        "peak {peak} B, budget {budget} MiB: {q}"
+    );
+    let (mf, mr) = (lines(&free), lines(&freed));
+    assert_eq!(mf.len(), mr.len());
+    for (a, b) in mf.iter().zip(&mr).filter(|(a, _)| a.get("loss").is_some()) {
+        let step = &a["step"];
+        assert_eq!(a["samples_digest"], b["samples_digest"], "step {step}");
+        assert_eq!(a["loss"], b["loss"], "step {step}");
+        let (kv, switch) = (b["time"]["kv_release"].as_f64().unwrap(), b["time"]["switch"].as_f64().unwrap());
+        eprintln!(
+            "step {step}: caches freed and committed again in {:.2} ms (switch {:.2} ms)",
+            kv * 1e3,
+            switch * 1e3
+        );
+        assert!(kv > 0.0 && switch >= kv, "step {step}: kv_release {kv} s, switch {switch} s");
+        assert_eq!(a["time"]["kv_release"].as_f64(), Some(0.0), "step {step}: the plan with room moves nothing");
+        // The memory really went back: the GPU never held the caches and the activations at
+        // once, so its peak is lower by about the smaller of the two (the caches, here; half of
+        // them allows for what each phase allocates besides).
+        let (pf, pr) = (a["mem_peak_bytes"].as_u64().unwrap(), b["mem_peak_bytes"].as_u64().unwrap());
+        eprintln!("step {step}: peak {pf} B with room for both, {pr} B with the caches freed ({caches} B of caches)");
+        assert!(pr + caches / 2 <= pf, "step {step}: peak {pr} B with the caches freed, {pf} B without");
+    }
+    let (wf, wr) = (master(&free, &jf), master(&freed, &jr));
+    assert!(wf.iter().zip(&wr).all(|(a, b)| a.to_bits() == b.to_bits()), "the weights differ");
 }

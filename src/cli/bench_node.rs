@@ -80,6 +80,9 @@ pub struct Phases {
     pub resync: f64,
     pub wait: f64,
     pub switch: f64,
+    /// The part of `switch` that freed and re-allocated the KV caches (0 when the memory plan
+    /// holds them and the trainer's activations at once).
+    pub kv_release: f64,
     pub total: f64,
 }
 
@@ -188,6 +191,7 @@ pub fn report(
         resync: t("resync"),
         wait: t("wait"),
         switch: t("switch"),
+        kv_release: t("kv_release"),
         total: t("total"),
     };
     let devices = names.len().max(1);
@@ -237,6 +241,12 @@ pub fn table(r: &NodeReport) -> String {
         "                      {:<8.4} {:<8.4} {:<8.4} {:<8.4} {:<8.4} {:<8.4} {:<8.4} {:<8.4} {:<8.4}\n",
         p.rollout, p.teacher, p.reward, p.train, p.collectives, p.resync, p.wait, p.switch, p.total
     ));
+    if p.kv_release > 0.0 {
+        t.push_str(&format!(
+            "KV release            {:.4} s/step of the switch (the plan frees the KV caches for training)\n",
+            p.kv_release
+        ));
+    }
     let u: Vec<String> = r.utilization.iter().map(|u| format!("{:.0}%", 100.0 * u)).collect();
     t.push_str(&format!("utilization           {}\n", u.join(" ")));
     t.push_str(&format!("PCIe per step         {:.0} B up, {:.0} B down\n", r.h2d_bytes, r.d2h_bytes));

@@ -198,7 +198,14 @@ pub fn phases(student: &ModelConfig, teacher: Option<&ModelConfig>, recipe: &str
             "requantize in place (one read of the weights, one write of the codes)".into()
         },
     ));
-    rows.push(Row { phase: "switch", flops: 0.0, bytes: 0.0, seconds: 0.0, bound: "-", note: "nothing moves".into() });
+    rows.push(Row {
+        phase: "switch",
+        flops: 0.0,
+        bytes: 0.0,
+        seconds: 0.0,
+        bound: "-",
+        note: "nothing moves (plan holds both phases)".into(),
+    });
     rows
 }
 

@@ -92,25 +92,43 @@ pub use kernels::TC_MAX_D;
 #[cfg(not(feature = "cuda"))]
 pub const BUILT_ARCHS: &[&str] = &[];
 
-/// (host → device, device → host) bytes copied so far by the open CUDA devices among `names`
-/// (device strings such as `cuda:1`, `cuda-sim:0`; CPU devices and devices not open count
-/// nothing): monotonic counters for the per-step `transfer` metrics, read as differences.
-pub fn transfer_bytes_of(names: &[String]) -> (u64, u64) {
+/// The open CUDA devices among `names` (device strings such as `cuda:1`, `cuda-sim:0`; CPU
+/// devices and devices not open are left out).
+fn open_among(names: &[String]) -> Vec<Arc<Inner>> {
     let reg = OPEN.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(reg) = reg.as_ref() else { return (0, 0) };
-    let mut total = (0, 0);
-    for name in names {
-        let key = match super::DeviceSpec::parse(name) {
-            Ok(super::DeviceSpec::Cuda { ordinal }) => (false, ordinal.unwrap_or(0)),
-            Ok(super::DeviceSpec::CudaSim { ordinal }) => (true, ordinal.unwrap_or(0)),
-            _ => continue,
-        };
-        if let Some(inner) = reg.get(&key).and_then(Weak::upgrade) {
-            total.0 += inner.h2d.load(Ordering::Relaxed);
-            total.1 += inner.d2h.load(Ordering::Relaxed);
-        }
-    }
-    total
+    let Some(reg) = reg.as_ref() else { return Vec::new() };
+    names
+        .iter()
+        .filter_map(|name| match super::DeviceSpec::parse(name) {
+            Ok(super::DeviceSpec::Cuda { ordinal }) => Some((false, ordinal.unwrap_or(0))),
+            Ok(super::DeviceSpec::CudaSim { ordinal }) => Some((true, ordinal.unwrap_or(0))),
+            _ => None,
+        })
+        .filter_map(|key| reg.get(&key).and_then(Weak::upgrade))
+        .collect()
+}
+
+/// (host → device, device → host) bytes copied so far by the open CUDA devices among `names`:
+/// monotonic counters for the per-step `transfer` metrics, read as differences.
+pub fn transfer_bytes_of(names: &[String]) -> (u64, u64) {
+    open_among(names)
+        .iter()
+        .fold((0, 0), |t, i| (t.0 + i.h2d.load(Ordering::Relaxed), t.1 + i.d2h.load(Ordering::Relaxed)))
+}
+
+/// The most memory (in use + cached by the allocator) one open CUDA device among `names` held
+/// since the previous call; every such device's peak then restarts from what it holds now. None
+/// when none is open (CPU devices).
+pub fn take_memory_peak_of(names: &[String]) -> Option<u64> {
+    open_among(names)
+        .iter()
+        .map(|i| {
+            let mut a = i.alloc.lock().unwrap_or_else(|e| e.into_inner());
+            let peak = a.peak;
+            a.peak = a.in_use + a.cached;
+            peak as u64
+        })
+        .max()
 }
 
 /// A CUDA device. Cheap to clone; the context, stream, allocator and modules are shared.
@@ -380,6 +398,17 @@ impl CudaDevice {
     pub fn memory(&self) -> (usize, usize, usize, usize) {
         let a = self.allocator();
         (a.in_use, a.cached, a.peak, a.budget)
+    }
+
+    /// Returns the allocator's cached blocks to the driver, once the queued work that may still
+    /// touch them is done; the bytes returned. Memory freed to the cache is this process's
+    /// still: this is what makes it anyone's (cuBLAS's workspace, NCCL's buffers, a request of
+    /// another size class).
+    pub fn release_cached(&self) -> Result<usize> {
+        let mut a = self.allocator();
+        let bytes = a.cached;
+        a.release(&self.inner.driver)?;
+        Ok(bytes)
     }
 
     /// Milliseconds of device time `f` takes on this device's stream (CUDA events; wall time

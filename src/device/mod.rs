@@ -109,6 +109,15 @@ impl Device {
         }
     }
 
+    /// Hands the memory this device's allocator caches back to the driver (CUDA); the bytes
+    /// returned. Host memory is freed when its tensors drop: 0 on CPU.
+    pub fn release_cached(&self) -> Result<usize> {
+        match self {
+            Device::Cpu(_) => Ok(0),
+            Device::Cuda(c) => c.release_cached(),
+        }
+    }
+
     pub fn name(&self) -> String {
         match self {
             Device::Cpu(c) => format!("cpu ({} threads)", c.threads()),

@@ -7,8 +7,10 @@
 //!
 //! Why an in-place resync needs no new capture: a graph replays the addresses and scalars of
 //! its capture, and nothing a decode step reads moves. The weights are updated in place (the
-//! engine reads the caller's tensors, which a resync writes into), the KV cache and the
-//! activation buffers are the engine's for its lifetime, and the per-step inputs (ids,
+//! engine reads the caller's tensors, which a resync writes into), the activation buffers are
+//! the engine's for its lifetime, the KV cache too unless the memory plan frees it for the
+//! train phase (`Engine::release_cache`: a cache committed again at other addresses drops the
+//! graphs, and each bucket captures again), and the per-step inputs (ids,
 //! positions, slots, block tables) are copied into the same buffers before each replay. What
 //! a capture freezes besides addresses are host scalars: the quantized engines' tensor scales
 //! (the GEMMs' alpha), their activation formats and the FP8 cache scales. Each graph is keyed
@@ -96,6 +98,13 @@ impl DecodeGraphs {
     /// The index of the smallest bucket that holds `n` rows.
     fn bucket_of(&self, n: usize) -> Option<usize> {
         self.buckets.iter().position(|b| b.size >= n)
+    }
+
+    /// Drops every graph (the buffers they read moved); the pool and the counters stay.
+    pub fn forget(&mut self) {
+        for b in &mut self.buckets {
+            b.graphs.clear();
+        }
     }
 
     /// The counters, with the bytes the shared pool holds now.

@@ -1,5 +1,7 @@
 //! The paged KV cache: per layer, keys and values in fixed-size blocks
-//! (num_blocks, Hkv, block_size, D), and a free list of block ids.
+//! (num_blocks, Hkv, block_size, D), and a free list of block ids. Between decoding phases its
+//! memory can be handed back and allocated again ([`KvCache::release_memory`],
+//! [`KvCache::commit_memory`]): the block table, the reserved blocks and the FP8 scales stay.
 //!
 //! Owns: cache memory and block allocation. May call: `crate::device`. Must not: decide which
 //! sequence gets blocks (that is the scheduler's job).
@@ -17,6 +19,14 @@ pub struct KvCache {
     free: Vec<u32>,
     /// Blocks taken out of circulation ([`KvCache::reserve_block`]).
     reserved: usize,
+    /// (key, value) dtype of each layer, to allocate them again after a release.
+    dtypes: Vec<(DType, DType)>,
+    /// (num_blocks, Hkv, block_size, D) of every layer's keys and values.
+    shape: [usize; 4],
+    /// False between `release_memory` and `commit_memory`: the layers hold empty tensors.
+    resident: bool,
+    /// The layers' (key, value) addresses before the last release.
+    released_at: Vec<(usize, usize)>,
 }
 
 impl KvCache {
@@ -64,7 +74,65 @@ impl KvCache {
         let dtype = dtypes[0].0;
         // Pop from the end: hand out low block ids first.
         let free = (0..num_blocks as u32).rev().collect();
-        Ok(KvCache { block_size, num_blocks, dtype, layers, free, reserved: 0 })
+        Ok(KvCache {
+            block_size,
+            num_blocks,
+            dtype,
+            layers,
+            free,
+            reserved: 0,
+            dtypes: dtypes.to_vec(),
+            shape,
+            resident: true,
+            released_at: Vec::new(),
+        })
+    }
+
+    /// Whether the keys and values are allocated (see [`KvCache::release_memory`]).
+    pub fn is_resident(&self) -> bool {
+        self.resident
+    }
+
+    /// Frees every layer's keys and values (the layers keep empty tensors); the bytes freed.
+    /// Only an idle cache can: a block a sequence holds would lose its keys. On CUDA the
+    /// memory goes back to the device's allocator; [`Device::release_cached`] hands it to the
+    /// driver.
+    pub fn release_memory(&mut self, dev: &Device) -> Result<usize> {
+        if !self.resident {
+            return Ok(0);
+        }
+        let held = self.num_blocks - self.reserved - self.free.len();
+        if held > 0 {
+            bail!("KV cache: {held} block(s) still belong to sequences; only an idle cache can release its memory");
+        }
+        let bytes = self.size_bytes();
+        self.released_at = self.addresses();
+        let empty = [0, self.shape[1], self.shape[2], self.shape[3]];
+        for (l, &(kd, vd)) in self.layers.iter_mut().zip(&self.dtypes) {
+            l.k = dev.zeros(kd, &empty)?;
+            l.v = dev.zeros(vd, &empty)?;
+        }
+        self.resident = false;
+        Ok(bytes)
+    }
+
+    /// Allocates the keys and values again, zero-filled as [`KvCache::with_layers`] made them
+    /// (a block's stale bytes are never read, but zeros keep every later step's input the
+    /// same as a cache that never left). Whether any layer came back at another address.
+    pub fn commit_memory(&mut self, dev: &Device) -> Result<bool> {
+        if self.resident {
+            return Ok(false);
+        }
+        for (l, &(kd, vd)) in self.layers.iter_mut().zip(&self.dtypes) {
+            l.k = dev.zeros_committed(kd, &self.shape)?;
+            l.v = dev.zeros_committed(vd, &self.shape)?;
+        }
+        self.resident = true;
+        Ok(self.addresses() != self.released_at)
+    }
+
+    fn addresses(&self) -> Vec<(usize, usize)> {
+        self.layers.iter().map(|l| (l.k.data_ptr(), l.v.data_ptr())).collect()
     }
 
     pub fn num_free(&self) -> usize {

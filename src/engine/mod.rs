@@ -389,6 +389,32 @@ impl Engine {
         &self.dev
     }
 
+    /// Frees the KV cache's memory for another phase (the trainer's); the bytes freed. Only an
+    /// idle engine can: a sequence in flight would lose its keys. Steps with work fail until
+    /// [`Engine::commit_cache`]. The decode graphs stay: the cache's addresses are part of
+    /// their fingerprint, so one replays only where the cache came back where it was.
+    pub fn release_cache(&mut self) -> Result<usize> {
+        if self.has_work() {
+            bail!(
+                "engine: {} sequence(s) in flight; the KV cache is released only between decoding phases",
+                self.num_unfinished()
+            );
+        }
+        self.cache.release_memory(&self.dev)
+    }
+
+    /// Allocates the KV cache again after [`Engine::release_cache`] (nothing when resident). A
+    /// cache that came back at other addresses drops the decode graphs, which read the old
+    /// ones: each bucket captures again at its next step.
+    pub fn commit_cache(&mut self) -> Result<()> {
+        if self.cache.commit_memory(&self.dev)? {
+            if let Some(g) = self.graphs.as_mut() {
+                g.forget();
+            }
+        }
+        Ok(())
+    }
+
     /// Runs one engine step with `w` and returns the sequences that finished in it.
     ///
     /// Steps run inside the device's thread pool (see [`Engine::run_to_completion`] and
@@ -408,6 +434,9 @@ impl Engine {
                 c.k_scale = l.k_scale;
                 c.v_scale = l.v_scale;
             }
+        }
+        if !self.cache.is_resident() && self.has_work() {
+            bail!("engine: the KV cache is released (the train phase holds its memory); commit it before decoding");
         }
         self.sched.schedule(&mut self.cache, plan)?;
         let plan = &plan[..];

@@ -152,23 +152,26 @@ impl Coordinator {
         Ok(busy / t0.elapsed().as_secs_f64().max(1e-9))
     }
 
-    /// The training step on every training device (the same rollouts everywhere); data-parallel
-    /// rank 0's report and every device's seconds busy (0 for generators).
-    pub fn train(&self, rollouts: Vec<Rollout>, step: u64) -> Result<(StepOut, Vec<f64>)> {
+    /// The training step on every training device (the same rollouts everywhere): data-parallel
+    /// rank 0's report, every device's seconds busy (0 for generators), and the most seconds a
+    /// device spent freeing and re-allocating its KV caches around the step (the plan's
+    /// `kv_release`; 0 without).
+    pub fn train(&self, rollouts: Vec<Rollout>, step: u64) -> Result<(StepOut, Vec<f64>, f64)> {
         let rs = Arc::new(rollouts);
         let fault = self.fault;
         let parts = self.pool.run_some(&self.trainers, "train", move |rank, r| {
             let t = Instant::now();
             Fault::check(fault, "train", step, rank)?;
-            let out = r.train(&rs)?;
-            Ok((out, t.elapsed().as_secs_f64()))
+            let (out, kv) = r.train(&rs)?;
+            Ok((out, t.elapsed().as_secs_f64(), kv))
         })?;
         let mut busy = vec![0.0; self.devices()];
         for (&rank, p) in self.trainers.iter().zip(&parts) {
-            busy[rank] = p.1;
+            busy[rank] = p.1 - p.2;
         }
+        let kv = parts.iter().map(|p| p.2).fold(0.0, f64::max);
         let out = parts.into_iter().next().map(|p| p.0).context("no devices")?;
-        Ok((out, busy))
+        Ok((out, busy, kv))
     }
 
     /// The colocated engines' in-place resync (a split placement publishes instead, see
@@ -515,11 +518,20 @@ pub fn print_plan(h: &Coordinator) -> Result<()> {
         h.cfg.num_layers
     );
     for (i, p) in plans.iter().enumerate() {
-        let total = p.weights + p.trainer + p.teacher + p.engine_buffers + p.snapshot + p.kv_cache;
+        let total = p.peak;
+        let end = if p.kv_release {
+            format!(
+                "sum {:.1} MiB, peak {:.1} MiB (the KV caches are freed for the train phase)",
+                mib(p.total()),
+                mib(p.peak)
+            )
+        } else {
+            format!("total {:.1} MiB", mib(p.total()))
+        };
         let snapshot =
             if p.snapshot > 0 { format!(", published snapshot {:.1} MiB", mib(p.snapshot)) } else { String::new() };
         eprintln!(
-            "  device {i} {} ({}): weights {:.1} MiB, trainer {:.1} MiB (master/Adam shard, grads, activations), teacher {:.1} MiB, engine buffers {:.1} MiB{snapshot}, KV cache {:.1} MiB = {} tokens; total {:.1} MiB",
+            "  device {i} {} ({}): weights {:.1} MiB, trainer {:.1} MiB (master/Adam shard, grads, activations), teacher {:.1} MiB, engine buffers {:.1} MiB{snapshot}, KV cache {:.1} MiB = {} tokens; {end}",
             p.device,
             if !h.split() { "generates, trains" } else if h.trainers.contains(&i) { "trains" } else { "generates" },
             mib(p.weights),
@@ -528,7 +540,6 @@ pub fn print_plan(h: &Coordinator) -> Result<()> {
             mib(p.engine_buffers),
             mib(p.kv_cache),
             p.kv_tokens,
-            mib(total)
         );
         if let Some(budget) = job.run.memory_budget_mb {
             if total > budget << 20 {

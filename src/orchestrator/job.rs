@@ -142,6 +142,7 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         host.step.store(step, Ordering::Relaxed);
         let t_step = Instant::now();
         let moved0 = crate::device::cuda::transfer_bytes_of(&host.names);
+        crate::device::cuda::take_memory_peak_of(&host.names);
         let mut time = PhaseSeconds::default();
         // 1. Rollout (the schedule decides how: synchronous, or ahead of training).
         let t0 = Instant::now();
@@ -185,8 +186,10 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
             .filter(|r| !r.response.is_empty())
             .flat_map(|r| r.sampler_logprobs.iter().copied())
             .collect();
-        let (out, train_busy) = phase("train").in_scope(|| host.train(rollouts, step))?;
-        time.train = t0.elapsed().as_secs_f64();
+        let (out, train_busy, kv_release) = phase("train").in_scope(|| host.train(rollouts, step))?;
+        // Freeing and re-allocating the KV caches is part of the switch, not of training.
+        time.kv_release = kv_release;
+        time.train = t0.elapsed().as_secs_f64() - kv_release;
         // 5. Resync.
         let t0 = Instant::now();
         phase("resync").in_scope(|| sched.resync(&host))?;
@@ -243,6 +246,7 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
                 let (h, d) = crate::device::cuda::transfer_bytes_of(&host.names);
                 Transfer { h2d_bytes: h.saturating_sub(moved0.0), d2h_bytes: d.saturating_sub(moved0.1) }
             },
+            mem_peak_bytes: crate::device::cuda::take_memory_peak_of(&host.names),
             max_lag: out.max_lag,
             stale_tokens_masked: out.max_lag.map(|_| out.masked),
             max_token_age: out.max_age,

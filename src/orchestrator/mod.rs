@@ -8,7 +8,7 @@
 //! for the step, checkpoints and metrics; `parallel` for workers and collectives). Must not:
 //! implement a training step or an op.
 //!
-//! Inside, each file imports only those before it: fault, plan → mailbox, replica → coordinator →
+//! Inside, each file imports only those before it: fault, plan, memory → mailbox, replica → coordinator →
 //! guard, schedule → job → tiny → this file.
 
 pub mod coordinator;
@@ -16,6 +16,7 @@ pub mod fault;
 pub mod guard;
 pub mod job;
 pub mod mailbox;
+pub mod memory;
 pub mod plan;
 pub mod replica;
 pub mod schedule;

@@ -10,7 +10,7 @@
 //! mailbox. Must
 //! not: write run files other than the checkpoint the training lead is asked to write.
 
-use crate::config::{JobConfig, LearnerPrecision, ObjectiveKind, Placement};
+use crate::config::{JobConfig, LearnerPrecision, ObjectiveKind, Placement, ScheduleMode};
 use crate::device::{DType, Device};
 use crate::engine::rollout::{self, Rollout, WorkQueue};
 use crate::engine::rollout_weights::{EngineSpec, RolloutWeights, ViewCheck};
@@ -65,6 +65,27 @@ pub struct Plan {
     pub snapshot: usize,
     pub kv_cache: usize,
     pub kv_tokens: usize,
+    /// The trainer's activation arenas (part of `trainer`), and the teacher's KV cache (part of
+    /// `teacher`).
+    pub activations: usize,
+    pub teacher_kv: usize,
+    /// The KV caches are freed for each train phase.
+    pub kv_release: bool,
+    /// The most the device holds at once: the sum of the above, or with `kv_release` the larger
+    /// of the decode phase (without the activations) and the train phase (without the caches).
+    pub peak: usize,
+}
+
+impl Plan {
+    pub fn total(&self) -> usize {
+        self.weights + self.trainer + self.teacher + self.engine_buffers + self.snapshot + self.kv_cache
+    }
+
+    fn peak_bytes(&self) -> usize {
+        let caches = self.kv_cache + self.teacher_kv;
+        let resident = self.total() - caches - self.activations;
+        resident + if self.kv_release { caches.max(self.activations) } else { caches + self.activations }
+    }
 }
 
 pub struct Replica {
@@ -80,6 +101,8 @@ pub struct Replica {
     activations: usize,
     /// The published snapshot of a split placement's lead trainer on a GPU (bytes).
     snapshot: usize,
+    /// The plan frees the KV caches for each train phase (`memory.rs`).
+    kv_release: bool,
 }
 
 /// Loads the model at `dir` with the dtype of its source (the config's `dtype`; default F32
@@ -175,60 +198,45 @@ impl Replica {
         let bs = s.engine.block_size;
         let graph_pad = (s.engine.cuda_graphs && !dev.is_cpu()) as usize;
         let block = |c: &ModelConfig, d: DType, ec: &EngineConfig| kv_block_bytes(c, d, ec, bs);
-        let mut engines = vec![(block(&cfg, dtype, &std_ec), &cfg)];
+        let useful = |c: &ModelConfig| {
+            s.engine.max_seqs * s.engine.max_model_len.unwrap_or(c.max_position_embeddings).div_ceil(bs)
+        };
+        let mut engines = vec![(block(&cfg, dtype, &std_ec), useful(&cfg))];
         if !standard {
-            engines.push((block(&cfg, dtype, &rollout_ec), &cfg));
+            engines.push((block(&cfg, dtype, &rollout_ec), useful(&cfg)));
         }
         if let Some(t) = &teacher {
-            engines.push((block(&t.cfg, t.weights.dtype(), &teacher_ec), &t.cfg));
+            engines.push((block(&t.cfg, t.weights.dtype(), &teacher_ec), useful(&t.cfg)));
         }
-        if s.engine.kv_cache_bytes == 0 {
-            let budget = budget.with_context(|| {
-                format!("device {rank} ({}): rollout.kv_cache_mb = 0 sizes the KV caches from what is left of the device's memory, but a CPU device has no budget of its own: set run.memory_budget_mb", dev.name())
-            })?;
-            // A tenth of the budget stays free for what the plan does not itemize: the engines'
-            // forward buffers, the activation arenas' growth, the allocator's size classes.
-            let used = used + budget / 10;
-            // Every engine gets the same capacity in tokens (and, on CUDA with decode graphs,
-            // one block more that the graphs' padding rows write).
-            let per_block: usize = engines.iter().map(|(b, _)| b).sum();
-            let left = budget.saturating_sub(used).saturating_sub(graph_pad * per_block);
-            let blocks = left / per_block.max(1);
-            if blocks == 0 {
-                bail!(
-                    "the plan does not fit device {rank} ({}): {parts} + a tenth kept free = {:.0} MiB of a {:.0} MiB budget leave no room for one KV block ({:.2} MiB); raise run.memory_budget_mb, use a smaller teacher or fewer engine copies (staleness, noise), or add devices",
-                    dev.name(),
-                    mib(used),
-                    mib(budget),
-                    mib(per_block)
-                );
-            }
+        if s.engine.kv_cache_bytes == 0 && budget.is_none() {
+            bail!("device {rank} ({}): rollout.kv_cache_mb = 0 sizes the KV caches from what is left of the device's memory, but a CPU device has no budget of its own: set run.memory_budget_mb", dev.name());
+        }
+        let no_release = if split {
+            Some("a split placement's devices never switch between decoding and training")
+        } else if job.schedule.mode == ScheduleMode::Async {
+            Some("the asynchronous schedule keeps sequences in flight across updates")
+        } else {
+            None
+        };
+        let need = super::memory::Need {
+            used,
+            activations: if trainer_here > 0 { activations } else { 0 },
+            budget,
+            budget_source: if job.run.memory_budget_mb.is_some() {
+                "run.memory_budget_mb"
+            } else {
+                "the device's memory"
+            },
+            engines,
+            kv_cache_bytes: s.engine.kv_cache_bytes,
+            graph_pad,
+            policy: job.rollout.kv_release,
+            no_release,
+        };
+        let sizing = super::memory::size(&need, &format!("device {rank} ({})", dev.name()), &parts)?;
+        if let Some(blocks) = sizing.blocks {
             for ec in [&mut std_ec, &mut roll_ec, &mut teacher_ec] {
                 ec.kv_blocks = Some(blocks);
-            }
-        } else if let Some(budget) = budget {
-            // Fixed caches (rollout.kv_cache_mb per engine): check them against the budget
-            // before allocating anything, with the blocks each engine will take (`Engine::new`
-            // caps them at what its sequences can use).
-            let kv: usize = engines
-                .iter()
-                .map(|&(b, c)| {
-                    let useful =
-                        s.engine.max_seqs * s.engine.max_model_len.unwrap_or(c.max_position_embeddings).div_ceil(bs);
-                    ((s.engine.kv_cache_bytes / b.max(1)).clamp(1, useful.max(1)) + graph_pad) * b
-                })
-                .sum();
-            if used + kv > budget {
-                bail!(
-                    "the plan does not fit device {rank} ({}): {parts} + KV caches {:.0} MiB ({} engine(s), rollout.kv_cache_mb = {} each) = {:.0} MiB, over its {:.0} MiB budget ({}); lower rollout.kv_cache_mb, or set it to 0 to size the caches from what is left",
-                    dev.name(),
-                    mib(kv),
-                    engines.len(),
-                    s.engine.kv_cache_bytes >> 20,
-                    mib(used + kv),
-                    mib(budget),
-                    if job.run.memory_budget_mb.is_some() { "run.memory_budget_mb" } else { "the device's memory" }
-                );
             }
         }
         let teacher = match teacher {
@@ -252,6 +260,7 @@ impl Replica {
             student_dir: student.dir,
             activations,
             snapshot,
+            kv_release: sizing.release,
         })
     }
 
@@ -427,8 +436,61 @@ impl Replica {
         rollout::run_queue(e, &*w, queue, inflight)
     }
 
-    pub fn train(&mut self, rollouts: &[Rollout]) -> Result<StepOut> {
-        self.trainer.step(rollouts)
+    /// The training step; with the plan's KV release, the engines' caches are freed before it
+    /// and allocated again after it. The step's report and the seconds the release and the
+    /// commit took (0 without).
+    pub fn train(&mut self, rollouts: &[Rollout]) -> Result<(StepOut, f64)> {
+        if !self.kv_release {
+            return Ok((self.trainer.step(rollouts)?, 0.0));
+        }
+        // Each timer starts once the device has run what was queued before it, so neither the
+        // rollout's kernels nor the trainer's count as the switch.
+        self.dev.synchronize()?;
+        let t = Instant::now();
+        if let Err(e) = self.release_caches() {
+            // The engines released so far get their caches back; the release's error stands.
+            let _ = self.commit_caches();
+            return Err(e);
+        }
+        let mut switch = t.elapsed().as_secs_f64();
+        let out = self.trainer.step(rollouts);
+        let done = self.dev.synchronize();
+        let t = Instant::now();
+        // The activation arenas went back to the allocator's cache: to the driver with them,
+        // so the caches take their room instead of adding to it.
+        let commit = self.dev.release_cached().and_then(|_| self.commit_caches());
+        switch += t.elapsed().as_secs_f64();
+        let out = out?;
+        done?;
+        commit?;
+        Ok((out, switch))
+    }
+
+    /// The engines on this device (standard, rollout, teacher).
+    fn engines_mut(&mut self) -> impl Iterator<Item = &mut Engine> {
+        std::iter::once(&mut self.std_engine)
+            .chain(self.rollout_engine.as_mut())
+            .chain(self.teacher.as_mut().map(|t| &mut t.1))
+    }
+
+    /// Frees every engine's KV cache and hands the memory to the driver (the trainer's
+    /// activations, cuBLAS and the collectives can take it); the bytes freed.
+    pub fn release_caches(&mut self) -> Result<usize> {
+        let mut freed = 0;
+        for e in self.engines_mut() {
+            freed += e.release_cache()?;
+        }
+        self.dev.release_cached()?;
+        Ok(freed)
+    }
+
+    /// Allocates every engine's KV cache again, and waits until the zero fill is done (so the
+    /// switch time reported is the whole cost).
+    pub fn commit_caches(&mut self) -> Result<()> {
+        for e in self.engines_mut() {
+            e.commit_cache()?;
+        }
+        self.dev.synchronize()
     }
 
     /// The engine's resync after an update: a standard engine reads the trainer's weights in
@@ -475,7 +537,8 @@ impl Replica {
     }
 
     /// Why the rollout engine of `spec` would not fit this device where the current one is
-    /// (None: it fits). The plan of [`Replica::new`] with the new engine: the weights, the
+    /// (None: it fits). The plan of [`Replica::new`] with the new engine (and the KV release
+    /// decided when the run started, kept as it is): the weights, the
     /// trainer's state where it lives here, the teacher and its cache, the standard engine's
     /// cache, the new engine's buffers and KV cache (as many tokens as the standard engine's),
     /// and with `rollout.kv_cache_mb = 0` the tenth of the budget kept free.
@@ -485,16 +548,14 @@ impl Replica {
         let (new_buffers, new_kv) = self.engine_bytes(s, spec);
         let t = &self.trainer;
         let trainer_here = if self.dev.is_cpu() || t.on_device() { t.state_bytes() + self.activations } else { 0 };
-        let teacher = self.teacher.as_ref().map(|(w, e)| w.size_bytes() + e.cache.size_bytes()).unwrap_or(0);
+        let (teacher_w, teacher_kv) =
+            self.teacher.as_ref().map(|(w, e)| (w.size_bytes(), e.cache.size_bytes())).unwrap_or((0, 0));
         let reserve = if s.engine.kv_cache_bytes == 0 { budget / 10 } else { 0 };
-        let after = t.weights.size_bytes()
-            + trainer_here
-            + teacher
-            + self.std_engine.cache.size_bytes()
-            + new_buffers
-            + new_kv
-            + self.snapshot
-            + reserve;
+        // With the caches freed for training, the larger of the two phases (`memory.rs`).
+        let act = if self.kv_release && trainer_here > 0 { self.activations } else { 0 };
+        let caches = teacher_kv + self.std_engine.cache.size_bytes() + new_kv;
+        let resident = t.weights.size_bytes() + trainer_here - act + teacher_w + new_buffers + self.snapshot + reserve;
+        let after = resident + if self.kv_release { caches.max(act) } else { caches + act };
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
         Ok((after > budget).then(|| {
             format!(
@@ -582,16 +643,23 @@ impl Replica {
         if self.rollout_engine.is_some() {
             kv += self.std_engine.cache.size_bytes();
         }
-        Ok(Plan {
+        let teacher_kv = self.teacher.as_ref().map(|(_, e)| e.cache.size_bytes()).unwrap_or(0);
+        let mut p = Plan {
             device: self.dev.name(),
             weights: self.trainer.weights.size_bytes(),
             trainer: self.trainer.state_bytes() + self.activations,
-            teacher: self.teacher.as_ref().map(|(w, e)| w.size_bytes() + e.cache.size_bytes()).unwrap_or(0),
+            activations: self.activations,
+            teacher: self.teacher.as_ref().map(|(w, _)| w.size_bytes()).unwrap_or(0) + teacher_kv,
+            teacher_kv,
             engine_buffers: self.rw()?.extra_bytes(),
             snapshot: self.snapshot,
             kv_cache: kv,
             kv_tokens: e.cache.capacity_tokens(),
-        })
+            kv_release: self.kv_release,
+            peak: 0,
+        };
+        p.peak = p.peak_bytes();
+        Ok(p)
     }
 }
 
@@ -626,4 +694,3 @@ pub fn merge(parts: Vec<Vec<Completion>>) -> Vec<Completion> {
     all.sort_by_key(|c| (c.id, c.sample));
     all
 }
-

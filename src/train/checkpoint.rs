@@ -28,9 +28,25 @@ pub struct TrainerState {
     pub config: String,
 }
 
+/// Settings that change how a run executes, not what it computes (`tests/sim.rs` and
+/// `tests/sim_node.rs` show the same samples and weights either way): a run resumes with them
+/// changed. Their lines are left out of the config's TOML before it is hashed, which also keeps
+/// the fingerprints of checkpoints written before a setting existed.
+const EXECUTION_ONLY: &[&str] = &["cuda_graphs", "kv_release"];
+
 /// The fingerprint of a run: configs that differ only in length, evaluation or checkpoint
-/// policy (or out_dir) describe the same run.
+/// policy (or out_dir), where they run, or an [`EXECUTION_ONLY`] setting describe the same run.
 pub fn fingerprint(job: &JobConfig) -> String {
+    hash_without(job, EXECUTION_ONLY)
+}
+
+/// The fingerprint of the release before `rollout.kv_release`, which hashed `cuda_graphs`:
+/// its checkpoints still resume.
+fn fingerprint_with_cuda_graphs(job: &JobConfig) -> String {
+    hash_without(job, &["kv_release"])
+}
+
+fn hash_without(job: &JobConfig, skip: &[&str]) -> String {
     let mut j = job.clone();
     j.run.steps = 0;
     j.run.out_dir = None;
@@ -40,7 +56,13 @@ pub fn fingerprint(job: &JobConfig) -> String {
     j.run.memory_budget_mb = None;
     j.eval = Default::default();
     j.checkpoint = Default::default();
-    format!("{:016x}", crate::rand::fnv1a64(j.to_toml().as_bytes()))
+    let toml: String = j
+        .to_toml()
+        .lines()
+        .filter(|l| !skip.iter().any(|k| l.split('=').next().map(str::trim) == Some(*k)))
+        .flat_map(|l| [l, "\n"])
+        .collect();
+    format!("{:016x}", crate::rand::fnv1a64(toml.as_bytes()))
 }
 
 pub fn dir_name(step: u64) -> String {
@@ -199,7 +221,7 @@ pub fn load(dir: &Path, job: &JobConfig) -> Result<Loaded> {
     let state: TrainerState =
         serde_json::from_str(&text).with_context(|| format!("{}: not a valid trainer state", sp.display()))?;
     let fp = fingerprint(job);
-    if state.fingerprint != fp {
+    if state.fingerprint != fp && state.fingerprint != fingerprint_with_cuda_graphs(job) {
         bail!(
             "{} belongs to another run (fingerprint {} != {fp} of this config); resume with the config that made it",
             dir.display(),
@@ -221,4 +243,30 @@ pub fn load(dir: &Path, job: &JobConfig) -> Result<Loaded> {
         bail!("{}: master weights hold {} values, the state says {}", op.display(), master.len(), state.num_params);
     }
     Ok((state, master, get("exp_avg")?, get("exp_avg_sq")?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// How a run executes is not what it is: the fingerprint ignores `cuda_graphs` and
+    /// `kv_release`, and matches what a config without them (an older release's) hashed to.
+    #[test]
+    fn execution_settings_leave_the_fingerprint_alone() {
+        let j = JobConfig::from_toml(include_str!("../../configs/tiny-opd.toml"), "tiny-opd.toml").unwrap();
+        let mut k = j.clone();
+        (k.rollout.cuda_graphs, k.rollout.kv_release) = (false, crate::config::KvRelease::Never);
+        assert_eq!(fingerprint(&j), fingerprint(&k));
+        k.optimizer.lr *= 2.0;
+        assert_ne!(fingerprint(&j), fingerprint(&k));
+        // The TOML of the release before both settings, hashed as it was then.
+        let mut n = j.clone();
+        (n.run.steps, n.run.device, n.run.devices) = (0, String::new(), 0);
+        (n.eval, n.checkpoint) = (Default::default(), Default::default());
+        let old = n.to_toml().replace("cuda_graphs = true\n", "").replace("kv_release = \"auto\"\n", "");
+        assert!(!old.contains("cuda_graphs") && !old.contains("kv_release"), "{old}");
+        assert_eq!(fingerprint(&j), format!("{:016x}", crate::rand::fnv1a64(old.as_bytes())));
+        // The previous release hashed cuda_graphs in; its checkpoints are accepted by load().
+        assert_ne!(fingerprint_with_cuda_graphs(&j), fingerprint(&j));
+    }
 }

@@ -25,9 +25,12 @@ pub struct PhaseSeconds {
     /// The training lead's seconds inside the gradient and weight collectives (part of `train`).
     pub collectives: f64,
     /// The step's seconds outside every phase: the orchestrator's turn between decoding and
-    /// training (no memory moves at a switch: weights, trainer state and KV caches stay
-    /// resident).
+    /// training. No memory moves at a switch (weights, trainer state and KV caches stay
+    /// resident) unless the memory plan frees the KV caches for training: `kv_release`.
     pub switch: f64,
+    /// The part of `switch` spent freeing the KV caches before the train phase and allocating
+    /// them again after it (0 when the plan holds both; see `orchestrator::memory`).
+    pub kv_release: f64,
 }
 
 impl PhaseSeconds {
@@ -42,6 +45,7 @@ impl PhaseSeconds {
         self.reward_busy += o.reward_busy;
         self.collectives += o.collectives;
         self.switch += o.switch;
+        self.kv_release += o.kv_release;
     }
     pub fn scaled(&self, f: f64) -> PhaseSeconds {
         PhaseSeconds {
@@ -55,6 +59,7 @@ impl PhaseSeconds {
             reward_busy: self.reward_busy * f,
             collectives: self.collectives * f,
             switch: self.switch * f,
+            kv_release: self.kv_release * f,
         }
     }
 }
@@ -99,6 +104,10 @@ pub struct StepMetrics {
     pub utilization: Vec<f64>,
     /// Bytes that crossed PCIe during the step (every CUDA device of the process; zero on CPU).
     pub transfer: Transfer,
+    /// The most device memory (allocated and cached) one CUDA device held during the step;
+    /// absent on CPU devices.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mem_peak_bytes: Option<u64>,
     /// Asynchronous schedule: versions between the oldest trained token's weights and the
     /// trainer's, and tokens left out for being older than the staleness bound.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -2,7 +2,11 @@
 //! (one per batch-size bucket, `engine::graphs`) against the same padded steps launched
 //! eagerly (`graph_capture = false`: the same launches with the same shapes, so the GEMMs pick
 //! the same kernels), on one GPU, before and after the weights are moved in place (a resync:
-//! F32 weights need no new capture, an FP8 engine's new tensor scales are captured again).
+//! F32 weights need no new capture, an FP8 engine's new tensor scales are captured again), and
+//! after the graphed engine's KV cache was freed to the driver, a NaN-filled buffer of its size
+//! allocated and freed meanwhile (where the driver may hand out the cache's old memory), and
+//! the cache allocated again (the memory plan's release for the train phase: its graphs replay
+//! if the cache came back at its addresses and are captured again otherwise).
 //! Tokens and log-probs must be bitwise equal: a replay runs what its capture recorded. (An
 //! eager engine without padding may differ from both by the GEMMs' choice of kernel for
 //! another batch size, and one flipped draw makes a sequence diverge, so it is compared on the
@@ -78,12 +82,20 @@ pub(super) fn decode_graph(x: &mut Ctx) -> Result<()> {
         let ec = |capture: bool| EngineConfig {
             kv_fp8: spec.as_ref().map(|s| s.recipe.kv_layers()).unwrap_or_default(),
             graph_capture: capture,
+            // 16 MiB: room for the seven sequences, little for the KV release to move.
+            kv_cache_bytes: 16 << 20,
             ..Default::default()
         };
         let mut eager = Engine::new(&x.gpu, &cfg, DType::F32, &ec(false), None)?;
         let mut graphed = Engine::new(&x.gpu, &cfg, DType::F32, &ec(true), None)?;
         let mut before = graphed.graph_stats();
-        for round in 0..2u64 {
+        for round in 0..3u64 {
+            if round == 2 {
+                let ms = release_and_commit(&x.gpu, &mut graphed)?;
+                println!(
+                    "    {recipe}: KV cache freed, a NaN buffer of its size in between, committed again in {ms:.2} ms"
+                );
+            }
             if round == 1 {
                 for l in &mut w.layers {
                     let mut g = l.up_proj.to_f32_vec()?;
@@ -111,7 +123,7 @@ pub(super) fn decode_graph(x: &mut Ctx) -> Result<()> {
                 |i: usize, f: &dyn Fn(&Completion) -> Vec<f32>| -> Vec<f32> { out[i].iter().flat_map(f).collect() };
             let tokens = |c: &Completion| c.tokens.iter().map(|&t| t as f32).collect();
             let lps = |c: &Completion| c.logprobs.clone();
-            let when = if round == 0 { "" } else { ", after a resync" };
+            let when = ["", ", after a resync", ", after a KV release"][round as usize];
             let op = |what: &str| format!("decode graph vs eager: {what}{when}");
             x.record(&op("tokens"), recipe, &flat(0, &tokens), &flat(1, &tokens), Tol::Exact);
             x.record(&op("log-probs"), recipe, &flat(0, &lps), &flat(1, &lps), Tol::Exact);
@@ -126,4 +138,22 @@ pub(super) fn decode_graph(x: &mut Ctx) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Frees `e`'s KV cache and hands the memory to the driver, allocates a buffer of its size
+/// filled with NaNs (the train phase's turn), frees that, and commits the cache again; the
+/// milliseconds the release and the commit took (with the commit's zero fill finished).
+fn release_and_commit(gpu: &crate::device::Device, e: &mut Engine) -> Result<f64> {
+    let t = std::time::Instant::now();
+    let bytes = e.release_cache()?;
+    gpu.release_cached()?;
+    let mut ms = t.elapsed().as_secs_f64() * 1e3;
+    let n = bytes / 4;
+    drop(gpu.from_f32(DType::F32, &[n], &vec![f32::NAN; n])?);
+    gpu.release_cached()?;
+    let t = std::time::Instant::now();
+    e.commit_cache()?;
+    gpu.synchronize()?;
+    ms += t.elapsed().as_secs_f64() * 1e3;
+    Ok(ms)
 }
