@@ -184,7 +184,8 @@ fn a_fault_on_one_simulated_gpu_mid_step_stops_the_run_with_the_checkpoint_intac
 /// caches are freed for each train phase and allocated again after it. The plan says so and its
 /// peak fits the budget, every step reports what the release and the commit cost (inside the
 /// switch), and the run samples and trains exactly what the same job with room for both does:
-/// the same samples, bit-identical weights.
+/// the same samples, bit-identical weights (and on two GPUs, the same samples and weights within
+/// the data-parallel tolerance).
 #[test]
 fn kv_caches_are_freed_for_training_when_the_plan_cannot_hold_both() {
     let _turn = serial();
@@ -253,4 +254,22 @@ fn kv_caches_are_freed_for_training_when_the_plan_cannot_hold_both() {
     }
     let (wf, wr) = (master(&free, &jf), master(&freed, &jr));
     assert!(wf.iter().zip(&wr).all(|(a, b)| a.to_bits() == b.to_bits()), "the weights differ");
+    // Two GPUs (ZeRO-1 over the device collective) freeing their caches every step ("always"):
+    // the same samples, and the weights of one GPU within the data-parallel tolerance of the
+    // first test (the gradient's summation order differs).
+    let two = t.path().join("two");
+    let mut j2 = job_at(&two, None, KvRelease::Always);
+    j2.run.devices = 2;
+    job::run(&j2, &JobOptions::default()).unwrap();
+    let plans: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(two.join("plan.json")).unwrap()).unwrap();
+    assert!(plans.len() == 2 && plans.iter().all(|p| p["kv_release"] == true), "{plans:?}");
+    for (a, b) in mf.iter().zip(&lines(&two)).filter(|(a, _)| a.get("loss").is_some()) {
+        assert_eq!(a["samples_digest"], b["samples_digest"], "2 GPUs: step {}", a["step"]);
+        assert!(b["time"]["kv_release"].as_f64().unwrap() > 0.0, "2 GPUs: step {}", a["step"]);
+    }
+    let w2 = master(&two, &j2);
+    let worst =
+        w2.iter().zip(&wf).map(|(a, b)| ((a - b).abs() as f64 - 1e-5 * b.abs() as f64).max(0.0)).fold(0.0, f64::max);
+    assert!(worst <= 1e-6, "2 GPUs: master weights differ by up to {worst:e} beyond the relative part");
 }

@@ -117,8 +117,9 @@ impl KvCache {
     }
 
     /// Allocates the keys and values again, zero-filled as [`KvCache::with_layers`] made them
-    /// (a block's stale bytes are never read, but zeros keep every later step's input the
-    /// same as a cache that never left). Whether any layer came back at another address.
+    /// (a step reads only the positions its sequences wrote, so the stale bytes a cache that
+    /// never left would hold are never read either; zeros keep even an out-of-range read
+    /// finite). Whether any layer came back at another address.
     pub fn commit_memory(&mut self, dev: &Device) -> Result<bool> {
         if self.resident {
             return Ok(false);

@@ -544,7 +544,7 @@ pub fn print_plan(h: &Coordinator) -> Result<()> {
         if let Some(budget) = job.run.memory_budget_mb {
             if total > budget << 20 {
                 bail!(
-                    "the plan does not fit device {i} ({}): it needs {:.0} MiB (weights {:.0}, trainer {:.0}, teacher {:.0}, engine {:.0}, snapshot {:.0}, KV cache {:.0}) but run.memory_budget_mb = {budget}; lower rollout.kv_cache_mb or objective.micro_batch_tokens, or add devices",
+                    "the plan does not fit device {i} ({}): it needs {:.0} MiB (weights {:.0}, trainer {:.0}, teacher {:.0}, engine {:.0}, snapshot {:.0}, KV cache {:.0}){} but run.memory_budget_mb = {budget}; lower rollout.kv_cache_mb or objective.micro_batch_tokens, or add devices",
                     p.device,
                     mib(total),
                     mib(p.weights),
@@ -552,7 +552,8 @@ pub fn print_plan(h: &Coordinator) -> Result<()> {
                     mib(p.teacher),
                     mib(p.engine_buffers),
                     mib(p.snapshot),
-                    mib(p.kv_cache)
+                    mib(p.kv_cache),
+                    if p.kv_release { ", at its peak with the KV caches freed for training," } else { "" }
                 );
             }
         }

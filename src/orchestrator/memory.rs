@@ -3,7 +3,8 @@
 //! and trains in turn: while it decodes, the trainer's activation arenas are empty; while it
 //! trains, the KV caches are. Holding both at once moves no memory at a switch, so that is
 //! the default; where the budget cannot hold both, the caches are freed before the train phase
-//! and allocated again after it (`Replica::train`), and the plan's peak is the larger phase:
+//! and allocated again after it (`Replica::train`), and the plan's peak is the larger phase.
+//! (Caches sized from what is left count as not held when they cannot hold one response.)
 //!
 //!   decode phase = resident + KV caches,   train phase = resident + activations,
 //!   resident     = weights + trainer state + teacher + engine buffers + snapshot.
@@ -33,6 +34,9 @@ pub struct Need {
     pub kv_cache_bytes: usize,
     /// Blocks each engine adds for the decode graphs' padding rows (0 or 1).
     pub graph_pad: usize,
+    /// Blocks one response of `rollout.max_new_tokens` takes: caches sized from what is left
+    /// that hold fewer are freed for training under `auto` (so they take the activations' room).
+    pub min_blocks: usize,
     pub policy: KvRelease,
     /// Why the caches cannot be released on this device (None: they can).
     pub no_release: Option<&'static str>,
@@ -87,7 +91,7 @@ pub fn size(n: &Need, who: &str, parts: &str) -> Result<KvSizing> {
         let release = match n.policy {
             KvRelease::Always => true,
             KvRelease::Never => false,
-            KvRelease::Auto => allowed && act > 0 && blocks_over(n.used) == 0,
+            KvRelease::Auto => allowed && act > 0 && blocks_over(n.used) < n.min_blocks.max(1),
         };
         if release && n.used + reserve > budget {
             bail!(
@@ -163,6 +167,7 @@ mod tests {
             engines: vec![(M, 1000)],
             kv_cache_bytes: kv_mb * M,
             graph_pad: 0,
+            min_blocks: 1,
             policy,
             no_release: None,
         }
@@ -221,6 +226,10 @@ mod tests {
             size(&need(112 * M, 0, KvRelease::Auto), "d", "p").unwrap(),
             KvSizing { blocks: Some(30), release: true }
         );
+        // Room for 8 blocks, but one response needs 10: freed, as if none were left.
+        let mut n = need(120 * M, 0, KvRelease::Auto);
+        n.min_blocks = 10;
+        assert_eq!(size(&n, "d", "p").unwrap(), KvSizing { blocks: Some(38), release: true });
         // Always: the caches take the activations' room even where a block was left.
         assert_eq!(
             size(&need(120 * M, 0, KvRelease::Always), "d", "p").unwrap(),

@@ -71,8 +71,8 @@ pub struct Plan {
     pub teacher_kv: usize,
     /// The KV caches are freed for each train phase.
     pub kv_release: bool,
-    /// The most the device holds at once: the sum of the above, or with `kv_release` the larger
-    /// of the decode phase (without the activations) and the train phase (without the caches).
+    /// The most the device holds at once: [`Plan::total`], or with `kv_release` the larger of
+    /// the decode phase (without the activations) and the train phase (without the caches).
     pub peak: usize,
 }
 
@@ -230,6 +230,7 @@ impl Replica {
             engines,
             kv_cache_bytes: s.engine.kv_cache_bytes,
             graph_pad,
+            min_blocks: (job.rollout.max_new_tokens + 1).div_ceil(bs.max(1)),
             policy: job.rollout.kv_release,
             no_release,
         };

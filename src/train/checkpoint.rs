@@ -28,10 +28,12 @@ pub struct TrainerState {
     pub config: String,
 }
 
-/// Settings that change how a run executes, not what it computes (`tests/sim.rs` and
-/// `tests/sim_node.rs` show the same samples and weights either way): a run resumes with them
-/// changed. Their lines are left out of the config's TOML before it is hashed, which also keeps
-/// the fingerprints of checkpoints written before a setting existed.
+/// `[rollout]` settings that change how a run executes, not what it is (the same model, data
+/// and objective; on the simulator `tests/sim.rs` and `tests/sim_node.rs` show the same samples
+/// and weights either way, while on a GPU another GEMM kernel may change last bits, as resuming
+/// on other devices may): a run resumes with them changed. Their lines are left out of the
+/// config's TOML before it is hashed, which also keeps the fingerprints of checkpoints written
+/// before a setting existed.
 const EXECUTION_ONLY: &[&str] = &["cuda_graphs", "kv_release"];
 
 /// The fingerprint of a run: configs that differ only in length, evaluation or checkpoint
@@ -40,10 +42,17 @@ pub fn fingerprint(job: &JobConfig) -> String {
     hash_without(job, EXECUTION_ONLY)
 }
 
-/// The fingerprint of the release before `rollout.kv_release`, which hashed `cuda_graphs`:
-/// its checkpoints still resume.
-fn fingerprint_with_cuda_graphs(job: &JobConfig) -> String {
-    hash_without(job, &["kv_release"])
+/// Whether a checkpoint's fingerprint `fp` belongs to `job`'s run: this release's, or the one
+/// before `rollout.kv_release`, which hashed `cuda_graphs` in (either value).
+fn belongs(fp: &str, job: &JobConfig) -> bool {
+    if fp == fingerprint(job) {
+        return true;
+    }
+    [true, false].into_iter().any(|graphs| {
+        let mut j = job.clone();
+        j.rollout.cuda_graphs = graphs;
+        fp == hash_without(&j, &["kv_release"])
+    })
 }
 
 fn hash_without(job: &JobConfig, skip: &[&str]) -> String {
@@ -56,10 +65,18 @@ fn hash_without(job: &JobConfig, skip: &[&str]) -> String {
     j.run.memory_budget_mb = None;
     j.eval = Default::default();
     j.checkpoint = Default::default();
+    // Only `[rollout]`'s own lines are left out (a multi-line string elsewhere may hold text
+    // that looks like a key).
+    let mut table = "";
     let toml: String = j
         .to_toml()
         .lines()
-        .filter(|l| !skip.iter().any(|k| l.split('=').next().map(str::trim) == Some(*k)))
+        .filter(|l| {
+            if l.starts_with('[') {
+                table = l.trim();
+            }
+            table != "[rollout]" || !skip.iter().any(|k| l.split('=').next().map(str::trim) == Some(*k))
+        })
         .flat_map(|l| [l, "\n"])
         .collect();
     format!("{:016x}", crate::rand::fnv1a64(toml.as_bytes()))
@@ -221,7 +238,7 @@ pub fn load(dir: &Path, job: &JobConfig) -> Result<Loaded> {
     let state: TrainerState =
         serde_json::from_str(&text).with_context(|| format!("{}: not a valid trainer state", sp.display()))?;
     let fp = fingerprint(job);
-    if state.fingerprint != fp && state.fingerprint != fingerprint_with_cuda_graphs(job) {
+    if !belongs(&state.fingerprint, job) {
         bail!(
             "{} belongs to another run (fingerprint {} != {fp} of this config); resume with the config that made it",
             dir.display(),
@@ -266,7 +283,21 @@ mod tests {
         let old = n.to_toml().replace("cuda_graphs = true\n", "").replace("kv_release = \"auto\"\n", "");
         assert!(!old.contains("cuda_graphs") && !old.contains("kv_release"), "{old}");
         assert_eq!(fingerprint(&j), format!("{:016x}", crate::rand::fnv1a64(old.as_bytes())));
-        // The previous release hashed cuda_graphs in; its checkpoints are accepted by load().
-        assert_ne!(fingerprint_with_cuda_graphs(&j), fingerprint(&j));
+        // The previous release hashed cuda_graphs in: its checkpoints belong to the run whatever
+        // cuda_graphs is now, another run's do not.
+        let full = |j: &JobConfig| {
+            let mut n = j.clone();
+            (n.run.steps, n.run.device, n.run.devices) = (0, String::new(), 0);
+            (n.eval, n.checkpoint) = (Default::default(), Default::default());
+            let t = n.to_toml().replace("kv_release = \"auto\"\n", "");
+            format!("{:016x}", crate::rand::fnv1a64(t.as_bytes()))
+        };
+        let mut off = j.clone();
+        off.rollout.cuda_graphs = false;
+        for old in [full(&j), full(&off)] {
+            assert_ne!(old, fingerprint(&j));
+            assert!(belongs(&old, &j) && belongs(&old, &off), "{old}");
+            assert!(!belongs(&old, &k), "another run's checkpoint: {old}");
+        }
     }
 }

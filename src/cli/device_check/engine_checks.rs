@@ -12,7 +12,8 @@
 //! another batch size, and one flipped draw makes a sequence diverge, so it is compared on the
 //! simulator only, bitwise: tests/sim.rs.)
 //!
-//! Owns: the `decode-graph` group. May call: the engine, the model. Must not: time anything.
+//! Owns: the `decode-graph` group. May call: the engine, the model. Must not: time anything but
+//! the KV release it prints (the timings are `timings.rs`'s).
 
 use super::checks::{Ctx, Tol};
 use crate::device::DType;
