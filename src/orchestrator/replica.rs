@@ -7,8 +7,8 @@
 //! [`Board`] of completions and the [`GenLink`] weight mailbox (`mailbox.rs`).
 //!
 //! Owns: [`Replica`] and its memory [`Plan`]. May call: engines, the trainer, rollouts, the
-//! mailbox. Must
-//! not: write run files other than the checkpoint the training lead is asked to write.
+//! mailbox, the plan's arithmetic (`memory.rs`). Must not: write run files other than the
+//! checkpoint the training lead is asked to write.
 
 use crate::config::{JobConfig, LearnerPrecision, ObjectiveKind, Placement, ScheduleMode};
 use crate::device::{DType, Device};
