@@ -3,8 +3,11 @@
 //! metrics: updates/hour, generated tokens/s per GPU, the MFU of the train phase, where the
 //! step goes (rollout, teacher, reward, train — of which collectives —, resync, wait, switch)
 //! and each device's utilization; printed as a table and written as JSON (`node_report.json`
-//! in the run directory). With `--model-gpu h200|b300` it prints the step-time model instead
-//! (`node_model.rs`): no job runs.
+//! in the run directory). On CUDA devices (GPUs or the simulator) it adds the launch ledger:
+//! per phase the launches, FLOPs and bytes the step's launches declared and their roofline
+//! time on an H200 and a B300, and the costliest operations of the run (`ledger.json`). With
+//! `--model-gpu h200|b300` and no `--device` it prints the step-time model of the shipped
+//! configs instead (`node_model.rs`): no job runs.
 //!
 //! Owns: the report's arithmetic over metrics lines. May call: the orchestrator (one job),
 //! `node_model`. Must not: time anything itself (the job's phase clocks are the measurements).
@@ -38,8 +41,10 @@ pub struct NodeArgs {
     /// a simulated GPU counts as the GPU it stands for).
     #[arg(long)]
     pub peak_tflops: Option<f64>,
-    /// Print the step-time model of the config on 8 GPUs of this kind (h200 or b300) instead of
-    /// running: roofline time per phase from the shapes, the peak rates and NVLink.
+    /// Without --device: print the step-time model of the config on 8 GPUs of this kind (h200
+    /// or b300) instead of running (roofline time per phase from the shapes, the peak rates and
+    /// NVLink). With --device (a GPU or cuda-sim): run, and show the launch ledger's roofline
+    /// for this GPU only.
     #[arg(long)]
     pub model_gpu: Option<String>,
     /// With --model-gpu: the student's config.json (default: the shape the shipped config
@@ -68,6 +73,25 @@ pub struct NodeReport {
     /// Mean bytes per step across PCIe, and as a share of the student's weights.
     pub h2d_bytes: f64,
     pub d2h_bytes: f64,
+    /// The launch ledger per phase, mean per measured step (CUDA devices only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ledger: Vec<LedgerPhase>,
+    /// The run's costliest operations on an H200 (ledger.json's first rows, every step).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ledger_top: Vec<serde_json::Value>,
+}
+
+/// One phase of the launch ledger, mean per measured step.
+#[derive(Debug, Default, Serialize, PartialEq)]
+pub struct LedgerPhase {
+    pub phase: String,
+    pub launches: f64,
+    pub flops: f64,
+    pub bytes: f64,
+    pub nvlink_bytes: f64,
+    pub pcie_bytes: f64,
+    pub h200_s: f64,
+    pub b300_s: f64,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -99,9 +123,11 @@ pub fn peak_of(name: &str) -> Option<f64> {
 }
 
 pub fn run(a: NodeArgs) -> Result<()> {
-    if let Some(gpu) = &a.model_gpu {
-        return super::node_model::print(a.config.as_deref(), a.model_config.as_deref(), gpu);
-    }
+    let only = match (&a.model_gpu, &a.device) {
+        (Some(gpu), None) => return super::node_model::print(a.config.as_deref(), a.model_config.as_deref(), gpu),
+        (Some(gpu), Some(_)) => Some(super::node_model::gpu(gpu)?.name),
+        (None, _) => None,
+    };
     let mut j = match &a.config {
         Some(p) => JobConfig::from_file(p)?,
         None => JobConfig::from_toml(super::train::TINY_OPD, "built-in configs/tiny-opd.toml")?,
@@ -135,8 +161,17 @@ pub fn run(a: NodeArgs) -> Result<()> {
         .collect::<Result<_>>()?;
     let config = a.config.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "built-in tiny-opd".into());
     let (train_devs, gen_devs) = roles(&j, names.len());
-    let r = report(&config, &names, &lines, a.warmup, peak, train_devs, gen_devs)?;
+    let mut r = report(&config, &names, &lines, a.warmup, peak, train_devs, gen_devs)?;
+    let ledger_path = dir.join("ledger.json");
+    if ledger_path.exists() {
+        let text =
+            std::fs::read_to_string(&ledger_path).with_context(|| format!("cannot read {}", ledger_path.display()))?;
+        let rows: Vec<serde_json::Value> =
+            serde_json::from_str(&text).with_context(|| format!("{}: not a launch ledger", ledger_path.display()))?;
+        r.ledger_top = rows.into_iter().take(12).collect();
+    }
     print!("{}", table(&r));
+    print!("{}", ledger_table(&r, summary.steps, only));
     let out = dir.join("node_report.json");
     crate::util::write_atomic(&out, serde_json::to_string_pretty(&r)?.as_bytes())?;
     println!("report: {}", out.display());
@@ -202,6 +237,28 @@ pub fn report(
     let utilization = (0..devices)
         .map(|d| steady.iter().map(|l| l["utilization"][d].as_f64().unwrap_or(0.0)).sum::<f64>() / k)
         .collect();
+    let mut ledger: Vec<LedgerPhase> = Vec::new();
+    for l in &steady {
+        let Some(phases) = l.get("ledger").and_then(|v| v.as_object()) else { continue };
+        for (name, v) in phases {
+            let i = match ledger.iter().position(|p| &p.phase == name) {
+                Some(i) => i,
+                None => {
+                    ledger.push(LedgerPhase { phase: name.clone(), ..Default::default() });
+                    ledger.len() - 1
+                }
+            };
+            let p = &mut ledger[i];
+            let g = |k: &str| v[k].as_f64().unwrap_or(0.0) / k_steps(steady.len());
+            p.launches += g("launches");
+            p.flops += g("flops");
+            p.bytes += g("bytes");
+            p.nvlink_bytes += g("nvlink_bytes");
+            p.pcie_bytes += g("pcie_bytes");
+            p.h200_s += g("h200_s");
+            p.b300_s += g("b300_s");
+        }
+    }
     Ok(NodeReport {
         config: config.into(),
         devices,
@@ -215,7 +272,76 @@ pub fn report(
         utilization,
         h2d_bytes: mean(&["transfer", "h2d_bytes"]),
         d2h_bytes: mean(&["transfer", "d2h_bytes"]),
+        ledger,
+        ledger_top: Vec::new(),
     })
+}
+
+fn k_steps(n: usize) -> f64 {
+    n.max(1) as f64
+}
+
+/// The launch ledger's part of the printout: per phase (mean per measured step) and the run's
+/// costliest operations (all `steps` steps, warm-up included); `only`: one modelled GPU's
+/// column instead of both.
+pub fn ledger_table(r: &NodeReport, steps: u64, only: Option<&str>) -> String {
+    if r.ledger.is_empty() {
+        return String::new();
+    }
+    let cols: Vec<(&str, usize)> =
+        [("H200", 0), ("B300", 1)].into_iter().filter(|(g, _)| only.is_none_or(|o| o == *g)).collect();
+    let secs = |p: &LedgerPhase, i: usize| if i == 0 { p.h200_s } else { p.b300_s };
+    let mut t = String::from(
+        "launch ledger (per step: what the launches declare from their shapes, and their roofline time on the \
+         slowest device; a model, not a measurement)\n",
+    );
+    t.push_str("phase                launches   GFLOP      GB HBM   GB NVLink  MB PCIe");
+    for (g, _) in &cols {
+        t.push_str(&format!("  {g} ms   "));
+    }
+    t.push('\n');
+    let mut total = LedgerPhase { phase: "step".into(), ..Default::default() };
+    for p in &r.ledger {
+        t.push_str(&format!(
+            "{:<20} {:<10.0} {:<10.3} {:<8.4} {:<10.4} {:<8.3}",
+            p.phase,
+            p.launches,
+            p.flops / 1e9,
+            p.bytes / 1e9,
+            p.nvlink_bytes / 1e9,
+            p.pcie_bytes / 1e6
+        ));
+        for (_, i) in &cols {
+            t.push_str(&format!("  {:<10.4}", 1e3 * secs(p, *i)));
+        }
+        t.push('\n');
+        total.h200_s += p.h200_s;
+        total.b300_s += p.b300_s;
+    }
+    t.push_str(&format!("{:<72}", "sum of the phases (nothing overlapped)"));
+    for (_, i) in &cols {
+        t.push_str(&format!("  {:<10.4}", 1e3 * secs(&total, *i)));
+    }
+    t.push('\n');
+    if !r.ledger_top.is_empty() {
+        t.push_str(&format!("costliest operations on an H200 over the run's {steps} steps (ledger.json):\n"));
+        for row in &r.ledger_top {
+            let s = |k: &str| row[k].as_str().unwrap_or("?").to_string();
+            let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
+            t.push_str(&format!(
+                "  {:<10} {:<13} {:<24} {:>8} launches ({:>7} replayed)  {:>9.3} GFLOP {:>9.4} GB  {:>9.4} ms\n",
+                s("phase"),
+                s("stream"),
+                s("op"),
+                f("launches"),
+                f("replayed"),
+                f("flops") / 1e9,
+                f("bytes") / 1e9,
+                1e3 * f("h200_s")
+            ));
+        }
+    }
+    t
 }
 
 /// The report as the table `bench node` prints.

@@ -224,10 +224,11 @@ pub fn decode(
                 b.ids.write_u32(&ids)?;
                 b.positions.write_u32(&vec![pos as u32; batch])?;
                 b.meta.ctx_len.write_u32(&vec![pos as u32 + 1; batch])?;
+                b.meta.attended = (batch * (pos + 1)) as u64;
                 let slots: Vec<u32> = (0..batch).map(|s| (s * per_seq * bs + pos) as u32).collect();
                 b.meta.slot_mapping.write_u32(&slots)?;
                 match graph {
-                    Some(g) => d.replay(g)?,
+                    Some(g) => d.replay(g, b.meta.attended)?,
                     None => {
                         tf.forward(&dev, &w, None, b, kv)?;
                         tf.logits(&dev, &w, b, batch)?;
@@ -405,7 +406,7 @@ pub fn attention(
     let v = random(d, DType::F32, &[t, kv_heads * hd], 3, 1.0)?;
     let dout = random(d, DType::F32, &[t, heads * hd], 4, 1.0)?;
     let cu = dev.upload(Tensor::from_u32_host(&[2], vec![0, t as u32])?)?;
-    let x = Packed { q: &q, k: &k, v: &v, cu: &cu };
+    let x = Packed { q: &q, k: &k, v: &v, cu: &cu, offsets: &[0, t] };
     let (mut o, mut lse) = (d.zeros(DType::F32, &[t, heads * hd])?, d.zeros(DType::F32, &[t, heads])?);
     let (mut dq, mut dk, mut dv) = (
         d.zeros(DType::F32, &[t, heads * hd])?,

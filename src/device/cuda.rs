@@ -31,9 +31,8 @@ use super::{CpuStorage, DType, Storage, Tensor};
 use anyhow::{anyhow, bail, Result};
 use driver::Driver;
 use half::{bf16, f16};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 #[path = "cuda/alloc.rs"]
 mod alloc;
@@ -55,6 +54,10 @@ pub mod ffi;
 unsafe impl bytemuck::NoUninit for ffi::ct_sample_row {}
 #[path = "cuda/kernels.rs"]
 pub mod kernels;
+#[path = "cuda/cost.rs"]
+mod cost;
+#[path = "cuda/ledger.rs"]
+pub mod ledger;
 #[path = "cuda/ptr_fields.rs"]
 mod ptr_fields;
 #[path = "cuda/nvtx.rs"]
@@ -62,6 +65,8 @@ pub mod nvtx;
 #[cfg(feature = "cuda")]
 #[path = "cuda/real.rs"]
 mod real;
+#[path = "cuda/registry.rs"]
+mod registry;
 #[path = "cuda/sim.rs"]
 mod sim;
 #[path = "cuda/sim_gemm.rs"]
@@ -88,48 +93,10 @@ pub use driver::{current_stream, on_stream, Cutlass, CutlassArgs, Elem, Event, F
 pub use embedded::BUILT_ARCHS;
 pub use graph::{DeviceGraph, GraphPool};
 pub use kernels::TC_MAX_D;
+pub use registry::{take_ledger_of, take_memory_peak_of, transfer_bytes_of};
 /// The architectures this binary carries kernels for: none without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
 pub const BUILT_ARCHS: &[&str] = &[];
-
-/// The open CUDA devices among `names` (device strings such as `cuda:1`, `cuda-sim:0`; CPU
-/// devices and devices not open are left out).
-fn open_among(names: &[String]) -> Vec<Arc<Inner>> {
-    let reg = OPEN.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(reg) = reg.as_ref() else { return Vec::new() };
-    names
-        .iter()
-        .filter_map(|name| match super::DeviceSpec::parse(name) {
-            Ok(super::DeviceSpec::Cuda { ordinal }) => Some((false, ordinal.unwrap_or(0))),
-            Ok(super::DeviceSpec::CudaSim { ordinal }) => Some((true, ordinal.unwrap_or(0))),
-            _ => None,
-        })
-        .filter_map(|key| reg.get(&key).and_then(Weak::upgrade))
-        .collect()
-}
-
-/// (host → device, device → host) bytes copied so far by the open CUDA devices among `names`:
-/// monotonic counters for the per-step `transfer` metrics, read as differences.
-pub fn transfer_bytes_of(names: &[String]) -> (u64, u64) {
-    open_among(names)
-        .iter()
-        .fold((0, 0), |t, i| (t.0 + i.h2d.load(Ordering::Relaxed), t.1 + i.d2h.load(Ordering::Relaxed)))
-}
-
-/// The most memory (in use + cached by the allocator) one open CUDA device among `names` held
-/// since the previous call; every such device's peak then restarts from what it holds now. None
-/// when none is open (CPU devices).
-pub fn take_memory_peak_of(names: &[String]) -> Option<u64> {
-    open_among(names)
-        .iter()
-        .map(|i| {
-            let mut a = i.alloc.lock().unwrap_or_else(|e| e.into_inner());
-            let peak = a.peak;
-            a.peak = a.in_use + a.cached;
-            peak as u64
-        })
-        .max()
-}
 
 /// A CUDA device. Cheap to clone; the context, stream, allocator and modules are shared.
 #[derive(Clone)]
@@ -157,11 +124,11 @@ struct Inner {
     /// the lock on every allocation and free.
     capture: Mutex<Option<graph::CapturePool>>,
     capturing: AtomicBool,
+    /// The launches' FLOPs and bytes since the last reading (`ledger.rs`), and while capturing,
+    /// the capture's own list (kept with the graph, added at each replay).
+    ledger: Mutex<ledger::Ledger>,
+    captured: Mutex<ledger::Captured>,
 }
-
-/// The devices open in this process, by (simulated, ordinal): opening one again shares it.
-type Registry = HashMap<(bool, usize), Weak<Inner>>;
-static OPEN: Mutex<Option<Registry>> = Mutex::new(None);
 
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -199,7 +166,7 @@ impl CudaDevice {
     /// panic) when the driver or the GPU is missing, or when this binary has no cubin for the
     /// GPU's architecture.
     pub fn new(ordinal: usize) -> Result<CudaDevice> {
-        Self::shared(false, ordinal, || Self::open_real(ordinal))
+        registry::shared(false, ordinal, || Self::open_real(ordinal))
     }
 
     /// Simulated GPU `ordinal` (`--device cuda-sim:K`; see `cuda/sim.rs`), of the architecture
@@ -217,7 +184,7 @@ impl CudaDevice {
             Some(a) => sim::Arch::named(a)?,
             None => sim::Arch::from_env()?,
         };
-        let d = Self::shared(true, ordinal, || {
+        let d = registry::shared(true, ordinal, || {
             let count = sim::device_count()?;
             if ordinal >= count {
                 bail!("cuda-sim:{ordinal}: the simulator has {count} devices (COLOTRAIN_SIM_DEVICES)");
@@ -246,18 +213,6 @@ impl CudaDevice {
     /// How many simulated GPUs there are (`COLOTRAIN_SIM_DEVICES`, default 8).
     pub fn sim_count() -> Result<usize> {
         sim::device_count()
-    }
-
-    /// The open device for (sim, ordinal), or a new one from `open`.
-    fn shared(sim: bool, ordinal: usize, open: impl FnOnce() -> Result<Inner>) -> Result<CudaDevice> {
-        let mut reg = OPEN.lock().unwrap_or_else(|e| e.into_inner());
-        let reg = reg.get_or_insert_with(HashMap::new);
-        if let Some(inner) = reg.get(&(sim, ordinal)).and_then(Weak::upgrade) {
-            return Ok(CudaDevice { inner });
-        }
-        let inner = Arc::new(open()?);
-        reg.insert((sim, ordinal), Arc::downgrade(&inner));
-        Ok(CudaDevice { inner })
     }
 
     #[cfg(not(feature = "cuda"))]
@@ -328,6 +283,8 @@ impl CudaDevice {
             d2h: AtomicU64::new(0),
             capture: Mutex::new(None),
             capturing: AtomicBool::new(false),
+            ledger: Mutex::new(ledger::Ledger::default()),
+            captured: Mutex::new(Vec::new()),
         })
     }
 
@@ -461,7 +418,11 @@ impl CudaDevice {
         let bytes = self.driver().cutlass_workspace(g, a)?;
         let ws = self.scratch(bytes, "CUTLASS workspace")?;
         let ws_ptr = if bytes == 0 { 0 } else { ws.ptr };
-        self.driver().cutlass(g, a, ws_ptr).map_err(|e| anyhow!("{}: {e:#}", self.name()))
+        let ran = self.driver().cutlass(g, a, ws_ptr).map_err(|e| anyhow!("{}: {e:#}", self.name()))?;
+        if ran {
+            self.record(g.op_name(), cost::cutlass(g, a));
+        }
+        Ok(ran)
     }
 
     fn driver(&self) -> &Driver {
@@ -519,7 +480,9 @@ impl CudaDevice {
             return Ok(());
         }
         self.bind()?;
-        self.inner.driver.gemm(key, w, x, y, alpha, scales)
+        self.inner.driver.gemm(key, w, x, y, alpha, scales)?;
+        self.record(key.op_name(), cost::gemm(&key));
+        Ok(())
     }
 
     fn allocator(&self) -> MutexGuard<'_, alloc::Allocator> {
@@ -540,7 +503,9 @@ impl CudaDevice {
         if bytes == 0 {
             return Ok(());
         }
-        self.inner.driver.memset0(ptr, bytes)
+        self.inner.driver.memset0(ptr, bytes)?;
+        self.record("memset", cost::memset(bytes));
+        Ok(())
     }
 
     /// Copies `src` to `dst`, queued on the stream (the host data is staged before return).
@@ -549,7 +514,9 @@ impl CudaDevice {
             return Ok(());
         }
         self.inner.h2d.fetch_add(std::mem::size_of_val(src) as u64, Ordering::Relaxed);
-        self.inner.driver.htod(dst, bytemuck::cast_slice(src))
+        self.inner.driver.htod(dst, bytemuck::cast_slice(src))?;
+        self.record("memcpy h2d", cost::copy(std::mem::size_of_val(src), ledger::Path::Pcie));
+        Ok(())
     }
 
     /// Copies to the host and waits; reports kernel-recorded errors (a synchronization point).
@@ -557,6 +524,7 @@ impl CudaDevice {
         if !dst.is_empty() {
             self.inner.d2h.fetch_add(std::mem::size_of_val(dst) as u64, Ordering::Relaxed);
             self.inner.driver.dtoh(bytemuck::cast_slice_mut(dst), src)?;
+            self.record("memcpy d2h", cost::copy(std::mem::size_of_val(dst), ledger::Path::Pcie));
         }
         self.synchronize()
     }
@@ -566,7 +534,9 @@ impl CudaDevice {
         if bytes == 0 {
             return Ok(());
         }
-        self.inner.driver.dtod(dst, src, bytes)
+        self.inner.driver.dtod(dst, src, bytes)?;
+        self.record("memcpy d2d", cost::copy(bytes, ledger::Path::Hbm));
+        Ok(())
     }
 
     /// An event at the current end of the calling thread's current stream (see [`on_stream`]).
@@ -590,7 +560,9 @@ impl CudaDevice {
         if peer.is_sim() != self.is_sim() {
             bail!("peer copy between {} and {}: a GPU and a simulated GPU", self.name(), peer.name());
         }
-        self.inner.driver.peer_copy(dst, src, peer.ordinal(), bytes)
+        self.inner.driver.peer_copy(dst, src, peer.ordinal(), bytes)?;
+        self.record("memcpy peer", cost::copy(bytes, ledger::Path::Nvlink));
+        Ok(())
     }
 }
 

@@ -200,7 +200,7 @@ impl Engine {
         let b = &mut g.buckets[bi];
         if let Some(i) = b.graphs.iter().position(|x| x.0 == fp) {
             let hit = b.graphs.remove(i);
-            d.replay(&hit.1)?;
+            d.replay(&hit.1, self.bufs.meta.attended)?;
             b.graphs.push(hit);
             g.stats.replays += 1;
             return Ok(());

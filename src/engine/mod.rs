@@ -484,6 +484,7 @@ impl Engine {
         self.bufs.meta.block_tables.write_u32(&self.st.tables)?;
         self.bufs.meta.num_seqs = seqs;
         self.bufs.meta.num_tokens = tokens;
+        self.bufs.meta.attended = crate::ops::attention::attended_keys(&self.st.q_start, &self.st.ctx_len);
         Ok(())
     }
 

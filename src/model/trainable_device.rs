@@ -54,10 +54,11 @@ struct Acts {
 /// The batch on the device.
 struct DevBatch {
     n: usize,
-    tokens: Tensor,  // (N) u32
-    cu: Tensor,      // (B+1) u32
-    rows: Tensor,    // (M) u32
-    targets: Tensor, // (M) u32
+    tokens: Tensor,      // (N) u32
+    cu: Tensor,          // (B+1) u32
+    cu_host: Vec<usize>, // (B+1) the same offsets, on the host
+    rows: Tensor,        // (M) u32
+    targets: Tensor,     // (M) u32
 }
 
 pub struct DeviceTrainable {
@@ -164,6 +165,7 @@ impl DeviceTrainable {
             n,
             tokens: up(&dev, b.tokens.clone())?,
             cu: up(&dev, b.cu.iter().map(|&x| x as u32).collect())?,
+            cu_host: b.cu.clone(),
             rows: up(&dev, b.rows.clone())?,
             targets: up(&dev, b.targets.clone())?,
         };
@@ -224,7 +226,7 @@ impl DeviceTrainable {
             }
             rope::rope(&dev, &mut a.q, &self.cos, &self.sin, n, h)?;
             rope::rope(&dev, &mut a.k, &self.cos, &self.sin, n, hkv)?;
-            let packed = Packed { q: &a.q, k: &a.k, v: &a.v, cu: &batch.cu };
+            let packed = Packed { q: &a.q, k: &a.k, v: &a.v, cu: &batch.cu, offsets: &batch.cu_host };
             // Low-precision compute weights: the tensor-core forward and backward (BF16
             // operands, as the linears' GEMMs); F32 weights keep the exact CUDA-core kernels.
             if p[li.q].dtype() != DType::F32 && attention::tensor_cores_fit(&shape) {
@@ -409,7 +411,7 @@ impl DeviceTrainable {
             if let Some(bi) = li.ob {
                 linear::bias_grad(&dev, &dx, &mut grads[bi], n)?;
             }
-            let packed = Packed { q: &a.q, k: &a.k, v: &a.v, cu: &b.cu };
+            let packed = Packed { q: &a.q, k: &a.k, v: &a.v, cu: &b.cu, offsets: &b.cu_host };
             if p[li.q].dtype() != DType::F32 && attention::tensor_cores_fit(&shape) {
                 attention::bwd_tensor_cores(&dev, &shape, &packed, &a.att, &a.lse, &datt, &mut dq, &mut dk, &mut dv)?;
             } else {

@@ -98,6 +98,7 @@ impl ForwardBuffers {
                 ctx_len: u(max_seqs)?,
                 block_tables: dev.zeros(DType::U32, &[max_seqs, max_blocks])?,
                 slot_mapping: u(cap)?,
+                attended: 0,
             },
             x: f(&[cap, c])?,
             h: f(&[cap, c])?,

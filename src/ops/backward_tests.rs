@@ -125,7 +125,7 @@ fn attention_train(dev: &Device) {
             (data(t * h * d, 40), data(t * hkv * d, 41), data(t * hkv * d, 42), data(t * h * d, 43));
         let f = |shape: &[usize], v: &[f32]| dev.from_f32(DType::F32, shape, v).unwrap();
         let (q, k, v, dout) = (f(&[t, h * d], &qs), f(&[t, hkv * d], &ks), f(&[t, hkv * d], &vs), f(&[t, h * d], &dos));
-        let x = Packed { q: &q, k: &k, v: &v, cu: &cu_t };
+        let x = Packed { q: &q, k: &k, v: &v, cu: &cu_t, offsets: &cus };
         let (mut out, mut lse) = (f(&[t, h * d], &vec![f32::NAN; t * h * d]), f(&[t, h], &vec![f32::NAN; t * h]));
         train::fwd(dev, &s, &x, &mut out, &mut lse).unwrap();
         let (mut o64, mut l64) = (vec![0.0; t * h * d], vec![0.0; t * h]);
@@ -193,7 +193,7 @@ fn attention_tensor_cores(dev: &Device) {
         let (qs, ks, vs) = (bf(data(t * h * d, 50)), bf(data(t * hkv * d, 51)), bf(data(t * hkv * d, 52)));
         let f = |shape: &[usize], v: &[f32]| dev.from_f32(DType::F32, shape, v).unwrap();
         let (q, k, v) = (f(&[t, h * d], &qs), f(&[t, hkv * d], &ks), f(&[t, hkv * d], &vs));
-        let x = Packed { q: &q, k: &k, v: &v, cu: &cu_t };
+        let x = Packed { q: &q, k: &k, v: &v, cu: &cu_t, offsets: &cus };
         let (mut out, mut lse) = (f(&[t, h * d], &vec![f32::NAN; t * h * d]), f(&[t, h], &vec![f32::NAN; t * h]));
         train::fwd_tensor_cores(dev, &s, &x, &mut out, &mut lse).unwrap();
         let (mut o64, mut l64) = (vec![0.0; t * h * d], vec![0.0; t * h]);

@@ -1,7 +1,8 @@
 //! The step loop of the `train` job: per step, rollouts (as the schedule provides them),
 //! teacher scoring, rewards, the data-parallel training step (ZeRO-1), the in-place resync,
 //! the mismatch guard (`guard`), metrics (one JSON line), periodic held-out evaluation and checkpoints; the run directory's
-//! files (metrics.jsonl, config.toml, eval/).
+//! files (metrics.jsonl, config.toml, eval/, and ledger.json: the launch ledger of the steps on
+//! CUDA devices).
 //!
 //! Owns: the run directory. May call: `coordinator`, `guard`, `schedule`, `fault`, `replica` (its
 //! `Sources`), and `train`, `mismatch`, `engine` (metrics, checkpoints, digests). Must not:
@@ -12,6 +13,7 @@ use super::fault::Fault;
 use super::replica::Sources;
 use super::schedule::Scheduler;
 use crate::config::{JobConfig, ObjectiveKind};
+use crate::device::cuda::ledger::{self, Ledger};
 use crate::engine::rollout;
 use crate::mismatch;
 use crate::mismatch::monitor::Monitor;
@@ -137,12 +139,16 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
     let (mut reward_busy, mut reward_restarts) = host.scorer.counters()?;
     let t_loop = Instant::now();
     let mut last_step = start;
+    // The launch ledger of every step, per operation (written as ledger.json at the end).
+    let mut run_ledger = Ledger::default();
     for step in start + 1..=job.run.steps {
         let _span = tracing::info_span!("step", step).entered();
         host.step.store(step, Ordering::Relaxed);
         let t_step = Instant::now();
         let moved0 = crate::device::cuda::transfer_bytes_of(&host.names);
         crate::device::cuda::take_memory_peak_of(&host.names);
+        // What ran between steps (the setup, evaluations, checkpoints) is not the step's.
+        crate::device::cuda::take_ledger_of(&host.names);
         let mut time = PhaseSeconds::default();
         // 1. Rollout (the schedule decides how: synchronous, or ahead of training).
         let t0 = Instant::now();
@@ -264,6 +270,11 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
             }
             m.guard = Some(gm);
         }
+        let ledgers = crate::device::cuda::take_ledger_of(&host.names);
+        if !ledgers.is_empty() {
+            m.ledger = Some(ledger::summarize(&ledgers));
+            ledgers.into_iter().for_each(|l| run_ledger.absorb(l));
+        }
         let eval_now = evaluate && (step == job.run.steps || (job.eval.every > 0 && step % job.eval.every == 0));
         if eval_now {
             let r = host.evaluate(step)?;
@@ -304,6 +315,10 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
     }
     sched.finish()?;
     bar.finish_and_clear();
+    if !run_ledger.is_empty() {
+        let rows = serde_json::to_string_pretty(&ledger::rows(&run_ledger))?;
+        crate::util::write_atomic(&out_dir.join("ledger.json"), rows.as_bytes())?;
+    }
     let n = (last_step.saturating_sub(start)).max(1) as f64;
     summary.mean_time = sum_time.scaled(1.0 / n);
     summary.steps = last_step;

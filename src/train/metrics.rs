@@ -108,6 +108,12 @@ pub struct StepMetrics {
     /// absent on CPU devices.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mem_peak_bytes: Option<u64>,
+    /// The launch ledger of the step per phase (CUDA devices, GPU or simulated; absent on
+    /// CPU): launches, FLOPs and bytes as the launches declare them from their shapes, and
+    /// the roofline seconds of the slowest device on an H200 and a B300 (a model of the
+    /// work, not a measurement: `device/cuda/ledger.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ledger: Option<std::collections::BTreeMap<String, crate::device::cuda::ledger::PhaseSummary>>,
     /// Asynchronous schedule: versions between the oldest trained token's weights and the
     /// trainer's, and tokens left out for being older than the staleness bound.
     #[serde(skip_serializing_if = "Option::is_none")]

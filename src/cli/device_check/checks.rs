@@ -406,6 +406,7 @@ fn attn_meta(
         qs.push(qs.last().copied().unwrap_or(0) + q_len);
     }
     let tokens = *qs.last().unwrap_or(&0) as usize;
+    let attended = crate::ops::attention::attended_keys(&qs, &seqs.iter().map(|s| s.1).collect::<Vec<_>>());
     Ok(AttnMeta {
         num_seqs: seqs.len(),
         num_tokens: tokens,
@@ -415,6 +416,7 @@ fn attn_meta(
         ctx_len: up(&[seqs.len()], seqs.iter().map(|s| s.1).collect())?,
         block_tables: up(&[seqs.len(), max_blocks], tables.to_vec())?,
         slot_mapping: up(&[tokens], slots.to_vec())?,
+        attended,
     })
 }
 

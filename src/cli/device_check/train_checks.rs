@@ -202,6 +202,7 @@ fn attention(x: &mut Ctx) -> Result<()> {
     let (h, hkv, d, t) = (14usize, 2usize, 128usize, 193usize);
     let s = Shape { heads: h, kv_heads: hkv, head_dim: d };
     let cu = x.u32s(&[4], vec![0, 3, 153, 193])?;
+    let offsets = [0, 3, 153, 193];
     let (q, k, v) = (
         x.randp(DType::F32, &[t, h * d], 1.0)?,
         x.randp(DType::F32, &[t, hkv * d], 1.0)?,
@@ -210,7 +211,7 @@ fn attention(x: &mut Ctx) -> Result<()> {
     let dout = x.randp(DType::F32, &[t, h * d], 1.0)?;
     let (mut o, mut lse) = (x.out(&[t, h * d])?, x.out(&[t, h])?);
     x.both(|dv, g| {
-        let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g) };
+        let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g), offsets: &offsets };
         train::fwd(dv, &s, &p, pick_mut(&mut o, g), pick_mut(&mut lse, g))
     })?;
     let tol = Tol::Close(2e-5, 1e-4);
@@ -219,7 +220,7 @@ fn attention(x: &mut Ctx) -> Result<()> {
     // The tensor-core forward against the CPU's f32 forward: q, k, v and P rounded to BF16.
     let (mut otc, mut ltc) = (x.out(&[t, h * d])?, x.out(&[t, h])?);
     x.both(|dv, g| {
-        let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g) };
+        let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g), offsets: &offsets };
         train::fwd_tensor_cores(dv, &s, &p, pick_mut(&mut otc, g), pick_mut(&mut ltc, g))
     })?;
     // BF16 q·k over 128 dims: |Δ score| ~ 2^-8 · |q||k| / √D; 1e-2 seen at most, 3e-2 allowed.
@@ -228,7 +229,7 @@ fn attention(x: &mut Ctx) -> Result<()> {
     x.cmp("training attention tensor cores: lse", "bf16 ops", &ltc, tol)?;
     let (mut dq, mut dk, mut dv) = (x.out(&[t, h * d])?, x.out(&[t, hkv * d])?, x.out(&[t, hkv * d])?);
     x.both(|dev, g| {
-        let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g) };
+        let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g), offsets: &offsets };
         let (a, b, c) = (pick_mut(&mut dq, g), pick_mut(&mut dk, g), pick_mut(&mut dv, g));
         train::bwd(dev, &s, &p, pick(&o, g), pick(&lse, g), pick(&dout, g), a, b, c)
     })?;
@@ -240,7 +241,7 @@ fn attention(x: &mut Ctx) -> Result<()> {
     // The tensor-core backward against the CPU's f32 backward (from the same out and lse).
     let (mut dq, mut dk, mut dv) = (x.out(&[t, h * d])?, x.out(&[t, hkv * d])?, x.out(&[t, hkv * d])?);
     x.both(|dev, g| {
-        let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g) };
+        let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g), offsets: &offsets };
         let (a, b, c) = (pick_mut(&mut dq, g), pick_mut(&mut dk, g), pick_mut(&mut dv, g));
         train::bwd_tensor_cores(dev, &s, &p, pick(&o, g), pick(&lse, g), pick(&dout, g), a, b, c)
     })?;

@@ -19,7 +19,7 @@ use std::cell::Cell;
 
 /// A device's two streams: kernels, GEMMs and copies of the step on `Compute`; collectives'
 /// copies and reductions on `Comm`, ordered against `Compute` by events.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Stream {
     Compute = 0,
     Comm = 1,
@@ -124,6 +124,26 @@ pub struct GemmKey {
     pub form: Form,
 }
 
+impl GemmKey {
+    /// The GEMM's name in the launch ledger: its operands' type and form.
+    pub fn op_name(&self) -> &'static str {
+        use {Elem::*, Form::*};
+        match (self.ab, self.form) {
+            (F32, Nt) => "gemm f32 nt",
+            (F32, Nn) => "gemm f32 nn",
+            (F32, Tn) => "gemm f32 tn",
+            (BF16, Nt) => "gemm bf16 nt",
+            (BF16, Nn) => "gemm bf16 nn",
+            (BF16, Tn) => "gemm bf16 tn",
+            (F16, Nt) => "gemm f16 nt",
+            (F16, Nn) => "gemm f16 nn",
+            (F16, Tn) => "gemm f16 tn",
+            (E4M3, _) => "gemm fp8",
+            (E2M1, _) => "gemm nvfp4",
+        }
+    }
+}
+
 /// The CUTLASS GEMMs of csrc/cutlass: D (m, n) f32 = alpha · A (m, k) · B (n, k)ᵀ, A and B
 /// row-major with k contiguous.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,6 +158,15 @@ pub enum Cutlass {
 }
 
 impl Cutlass {
+    /// The GEMM's name in the launch ledger.
+    pub fn op_name(self) -> &'static str {
+        match self {
+            Cutlass::Fp8Sm90 => "cutlass fp8 sm90",
+            Cutlass::Fp8Sm100 => "cutlass fp8 sm100",
+            Cutlass::Nvfp4Sm100 => "cutlass nvfp4 sm100",
+        }
+    }
+
     /// The compute capability major the kernel was built for.
     pub fn major(self) -> i32 {
         match self {

@@ -92,6 +92,8 @@ pub struct DeviceGraph {
     g: Graph,
     dev: CudaDevice,
     _pool: GraphPool,
+    /// What the captured launches cost (each replay adds them to the device's ledger).
+    launches: super::ledger::Captured,
 }
 
 impl std::fmt::Debug for DeviceGraph {
@@ -120,18 +122,19 @@ struct Capturing<'a> {
 }
 
 impl Capturing<'_> {
-    /// Ends the capture: the driver's graph (or error), the blocks still held and the blocks
-    /// from before the capture freed during it.
-    fn end(&mut self) -> (Result<Graph>, usize, usize) {
+    /// Ends the capture: the driver's graph (or error), the blocks still held, the blocks
+    /// from before the capture freed during it, and the captured launches' costs.
+    fn end(&mut self) -> (Result<Graph>, usize, usize, super::ledger::Captured) {
         self.ended = true;
         let g = self.dev.inner.driver.end_capture();
+        let launches = self.dev.take_captured();
         self.dev.inner.capturing.store(false, Ordering::SeqCst);
-        let Some(c) = self.dev.capture_pool().take() else { return (g, 0, 0) };
+        let Some(c) = self.dev.capture_pool().take() else { return (g, 0, 0, launches) };
         if c.live.iter().any(|p| c.from_pool.contains(p)) {
             self.pool.inner.poisoned.store(true, Ordering::SeqCst);
         }
         self.pool.inner.blocks().extend(c.free);
-        (g, c.live.len(), c.foreign_frees)
+        (g, c.live.len(), c.foreign_frees, launches)
     }
 }
 
@@ -184,10 +187,11 @@ impl CudaDevice {
                 foreign_frees: 0,
             });
         }
+        self.take_captured();
         self.inner.capturing.store(true, Ordering::SeqCst);
         let mut guard = Capturing { dev: self, pool, ended: false };
         let run = self.inner.driver.begin_capture().and_then(|_| f());
-        let (ended, live, foreign) = guard.end();
+        let (ended, live, foreign, launches) = guard.end();
         let fail = |e: anyhow::Error| Err(anyhow!("{}: CUDA-graph capture: {e:#}", self.name()));
         let g = match (run, ended) {
             (Err(e), _) | (Ok(()), Err(e)) => return fail(e),
@@ -205,21 +209,32 @@ impl CudaDevice {
                  write memory someone else owns)"
             ));
         }
-        Ok(DeviceGraph { g, dev: self.clone(), _pool: pool.clone() })
+        Ok(DeviceGraph { g, dev: self.clone(), _pool: pool.clone(), launches })
     }
 
-    /// Queues graph `g` (captured on this device) on the compute stream.
-    pub fn replay(&self, g: &DeviceGraph) -> Result<()> {
+    /// Queues graph `g` (captured on this device) on the compute stream. `keys`: the keys its
+    /// attention launches read in this replay (the step's [`AttnMeta::attended`]; the ledger
+    /// counts the replayed launches with them).
+    ///
+    /// [`AttnMeta::attended`]: crate::ops::attention::AttnMeta::attended
+    pub fn replay(&self, g: &DeviceGraph, keys: u64) -> Result<()> {
         if !Arc::ptr_eq(&g.dev.inner, &self.inner) {
             bail!("{}: replay of a graph captured on {}", self.name(), g.dev.name());
         }
         self.bind()?;
         self.inner.driver.replay(&g.g).map_err(|e| anyhow!("{}: {e:#}", self.name()))?;
+        self.record_replay(&g.launches, keys);
         // COLOTRAIN_CUDA_SYNC=1: a fault inside the graph is reported at its replay.
         if self.sync_launches() {
             self.synchronize().map_err(|e| anyhow!("after a CUDA-graph replay: {e:#}"))?;
         }
         Ok(())
+    }
+
+    /// Whether the calling thread is capturing this device's compute stream.
+    pub(super) fn captures_here(&self) -> bool {
+        self.inner.capturing.load(Ordering::SeqCst)
+            && self.capture_pool().as_ref().is_some_and(|p| p.thread == std::thread::current().id())
     }
 
     /// Whether a capture is in progress on this device.
@@ -320,16 +335,29 @@ mod tests {
             .unwrap();
         assert!(bf16s(&dev, y.ptr, n).iter().all(|&v| v == 0.0), "the capture ran the work");
         assert_eq!(g.recorded_ops(), Some(2));
+        // The ledger: the eager copies before the capture are there, the captured launches not
+        // (nothing ran); each replay below adds the cast and the copy, marked as replayed.
+        let count = |l: &super::super::ledger::Ledger, op: &str| -> (u64, u64) {
+            l.entries().filter(|(k, _)| k.2 == op).fold((0, 0), |a, (_, e)| (a.0 + e.launches, a.1 + e.replayed))
+        };
+        let before = dev.take_ledger();
+        assert_eq!(count(&before, "ct_cast"), (0, 0));
+        assert_eq!(count(&before, "memcpy h2d"), (1, 0));
         assert!(pool.bytes() >= n * 2);
         let other = dev.scratch(n * 2, "after the capture").unwrap();
         assert_ne!(other.ptr, tmp_ptr, "the graph's scratch block was handed out while the graph lives");
         for round in 0..2 {
             let b: Vec<f32> = a.iter().map(|v| v * (1.0 + round as f32)).collect();
             dev.htod(x.ptr, &b).unwrap();
-            dev.replay(&g).unwrap();
+            dev.replay(&g, 0).unwrap();
             let want: Vec<f32> = b.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
             assert_eq!(bf16s(&dev, y.ptr, n), want, "replay {round}");
         }
+        let l = dev.take_ledger();
+        assert_eq!(count(&l, "ct_cast"), (2, 2));
+        assert_eq!(count(&l, "memcpy d2d"), (2, 2));
+        let cast_bytes: f64 = l.entries().filter(|(k, _)| k.2 == "ct_cast").map(|(_, e)| e.bytes).sum();
+        assert_eq!(cast_bytes, 2.0 * n as f64 * 6.0, "f32 read, BF16 written, twice");
         drop(pool);
         let still = dev.scratch(n * 2, "while the graph lives").unwrap();
         assert_ne!(still.ptr, tmp_ptr, "the pool's block was handed out while a graph of it lives");

@@ -6,6 +6,11 @@
 //! checked; with COLOTRAIN_CUDA_SYNC=1 every launch is also followed by a synchronization, so an
 //! asynchronous fault is reported at the kernel that caused it. Not yet run on a GPU.
 
+use super::cost::{
+    self,
+    AttnPart::{self, BwdDkv, BwdDq},
+    Charge,
+};
 use super::ffi;
 use super::CudaDevice;
 use anyhow::{anyhow, bail, Context, Result};
@@ -225,7 +230,16 @@ impl CudaDevice {
         want.min(self.sm_count() as u64 * 16).max(1) as u32
     }
 
-    fn launch<P: Copy>(&self, k: Kernel, grid: (u32, u32, u32), block: u32, smem: u32, p: &P) -> Result<()> {
+    /// Launches `k` and adds its declared cost (`cost.rs`) to the device's ledger.
+    fn launch<P: Copy>(
+        &self,
+        k: Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        p: &P,
+        charge: impl Into<Charge>,
+    ) -> Result<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
@@ -244,6 +258,10 @@ impl CudaDevice {
         let ptrs = super::ptr_fields::pointer_offsets(std::any::type_name::<P>());
         drv.launch(&super::driver::Launch { k, grid, block, smem, params, size: std::mem::size_of::<P>(), ptrs })
             .map_err(|e| anyhow!("launch of {} on {} failed: {e:#}", k.name(), self.name()))?;
+        match charge.into() {
+            Charge { base, per_key: None } => self.record(k.name(), base),
+            Charge { base, per_key: Some((c, keys)) } => self.record_keyed(k.name(), base, c, keys),
+        }
         // (Not while capturing: a capture may not synchronize; the replay is synchronized whole.)
         if self.sync_launches() && !self.capturing() {
             self.synchronize().with_context(|| format!("after {}", k.name()))?;
@@ -252,60 +270,61 @@ impl CudaDevice {
     }
 
     pub fn k_rmsnorm(&self, p: ffi::ct_rmsnorm_params) -> Result<()> {
-        self.launch(Kernel::Rmsnorm, (p.rows as u32, 1, 1), NORM_THREADS, 0, &p)
+        self.launch(Kernel::Rmsnorm, (p.rows as u32, 1, 1), NORM_THREADS, 0, &p, cost::rmsnorm(&p))
     }
 
     pub fn k_rope_table(&self, p: ffi::ct_rope_table_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.half as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::RopeTable, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::RopeTable, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::rope_table(&p))
     }
 
     pub fn k_rope(&self, p: ffi::ct_rope_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.heads as i64 * p.half as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::Rope, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::Rope, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::rope(&p))
     }
 
     pub fn k_embedding(&self, p: ffi::ct_embedding_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::Embedding, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::Embedding, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::embedding(&p))
     }
 
     pub fn k_swiglu(&self, p: ffi::ct_swiglu_params) -> Result<()> {
         let g = self.stride_grid(p.n, ELEMENTWISE_THREADS);
-        self.launch(Kernel::Swiglu, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::Swiglu, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::swiglu(&p))
     }
 
     pub fn k_gather_rows(&self, p: ffi::ct_gather_rows_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::GatherRows, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::GatherRows, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::gather_rows(&p))
     }
 
     pub fn k_add_bias(&self, p: ffi::ct_add_bias_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::AddBias, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::AddBias, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::add_bias(&p))
     }
 
     pub fn k_nvfp4_scale_out(&self, p: ffi::ct_nvfp4_scale_out_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::Nvfp4ScaleOut, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::Nvfp4ScaleOut, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::nvfp4_scale_out(&p))
     }
 
     pub fn k_cast(&self, p: ffi::ct_cast_params) -> Result<()> {
         let g = self.stride_grid(p.n, ELEMENTWISE_THREADS);
-        self.launch(Kernel::Cast, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::Cast, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::cast(&p))
     }
 
     pub fn k_fill_normal(&self, p: ffi::ct_fill_normal_params) -> Result<()> {
         let g = self.stride_grid((p.n + 1) / 2, ELEMENTWISE_THREADS);
-        self.launch(Kernel::FillNormal, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::FillNormal, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::fill_normal(&p))
     }
 
     pub fn k_kv_write(&self, p: ffi::ct_kv_write_params) -> Result<()> {
         let g = self.stride_grid(p.tokens as i64 * p.kv_heads as i64 * p.head_dim as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::KvWrite, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::KvWrite, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::kv_write(&p))
     }
 
-    pub fn k_paged_attention(&self, p: ffi::ct_attention_params) -> Result<()> {
+    /// `keys`: the cached positions the rows attend, summed over the rows (the ledger's cost).
+    pub fn k_paged_attention(&self, p: ffi::ct_attention_params, keys: u64) -> Result<()> {
         if p.kv_heads <= 0 || p.heads % p.kv_heads != 0 {
             bail!("paged attention: {} query heads not a multiple of {} KV heads", p.heads, p.kv_heads);
         }
@@ -318,10 +337,11 @@ impl CudaDevice {
             );
         }
         let grid = (u32_dim(p.num_tokens as i64, "attention rows")?, p.kv_heads as u32, 1);
-        self.launch(Kernel::PagedAttention, grid, ATT_THREADS, smem as u32, &p)
+        self.launch(Kernel::PagedAttention, grid, ATT_THREADS, smem as u32, &p, cost::paged_attention(&p, keys))
     }
 
-    pub fn k_prefill_attention(&self, p: ffi::ct_attention_params) -> Result<()> {
+    /// `keys`: as [`CudaDevice::k_paged_attention`]'s.
+    pub fn k_prefill_attention(&self, p: ffi::ct_attention_params, keys: u64) -> Result<()> {
         if p.kv_heads <= 0 || p.heads % p.kv_heads != 0 {
             bail!("prefill attention: {} query heads not a multiple of {} KV heads", p.heads, p.kv_heads);
         }
@@ -331,33 +351,33 @@ impl CudaDevice {
             bail!("prefill attention: {groups} query heads per KV head of dimension {d} need {smem} bytes of shared memory");
         }
         let grid = (u32_dim(tiles as i64, "prefill attention tiles")?, p.kv_heads as u32, 1);
-        self.launch(Kernel::PrefillAttention, grid, PF_THREADS, smem as u32, &p)
+        self.launch(Kernel::PrefillAttention, grid, PF_THREADS, smem as u32, &p, cost::paged_attention(&p, keys))
     }
 
     pub fn k_log_softmax_gather(&self, p: ffi::ct_logprob_params) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "log-prob rows")?, 1, 1);
-        self.launch(Kernel::LogSoftmaxGather, grid, ROW_THREADS, 0, &p)
+        self.launch(Kernel::LogSoftmaxGather, grid, ROW_THREADS, 0, &p, cost::log_softmax_gather(&p))
     }
 
     pub fn k_sample(&self, p: ffi::ct_sample_params) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "sampled rows")?, 1, 1);
-        self.launch(Kernel::Sample, grid, ROW_THREADS, 0, &p)
+        self.launch(Kernel::Sample, grid, ROW_THREADS, 0, &p, cost::sample(&p))
     }
 
     pub fn k_sample_topk(&self, p: ffi::ct_sample_params) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "sampling rows")?, 1, 1);
-        self.launch(Kernel::SampleTopk, grid, ROW_THREADS, 0, &p)
+        self.launch(Kernel::SampleTopk, grid, ROW_THREADS, 0, &p, cost::sample(&p))
     }
 
     pub fn k_amax(&self, p: ffi::ct_amax_params) -> Result<()> {
         let items = if p.rht != 0 { p.n / 16 } else { p.n };
         let g = self.stride_grid(items, ELEMENTWISE_THREADS);
-        self.launch(Kernel::Amax, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::Amax, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::amax(&p))
     }
 
     pub fn k_quant_fp8(&self, p: ffi::ct_quant_fp8_params) -> Result<()> {
         let g = self.stride_grid(p.n, ELEMENTWISE_THREADS);
-        self.launch(Kernel::QuantFp8, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::QuantFp8, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::quant_fp8(&p))
     }
 
     pub fn k_quant_nvfp4(&self, p: ffi::ct_quant_nvfp4_params) -> Result<()> {
@@ -365,110 +385,127 @@ impl CudaDevice {
             bail!("NVFP4 quantization of {} values: not a multiple of 16", p.n);
         }
         let g = self.stride_grid(p.n / 16, ELEMENTWISE_THREADS);
-        self.launch(Kernel::QuantNvfp4, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::QuantNvfp4, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::quant_nvfp4(&p))
     }
 
     pub fn k_dequant(&self, p: ffi::ct_dequant_params) -> Result<()> {
         let items = if p.format == ffi::CT_FORMAT_NVFP4 { p.n / 16 } else { p.n };
         let g = self.stride_grid(items, ELEMENTWISE_THREADS);
-        self.launch(Kernel::Dequant, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::Dequant, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::dequant(&p))
     }
 
     pub fn k_swizzle_sf(&self, p: ffi::ct_swizzle_sf_params) -> Result<()> {
         let g = self.stride_grid(p.padded_rows as i64 * p.padded_cols as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::SwizzleSf, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::SwizzleSf, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::swizzle_sf(&p))
     }
 
-    /// One block per chunk of the table (`p.num_chunks`).
-    pub fn k_optim(&self, p: ffi::ct_optim_params) -> Result<()> {
+    /// One block per chunk of the table (`p.num_chunks`), which covers `elems` values.
+    pub fn k_optim(&self, p: ffi::ct_optim_params, elems: usize) -> Result<()> {
         let grid = (u32_dim(p.num_chunks as i64, "optimizer chunks")?, 1, 1);
-        self.launch(Kernel::Optim, grid, OPTIM_THREADS, 0, &p)
+        self.launch(Kernel::Optim, grid, OPTIM_THREADS, 0, &p, cost::optim(&p, elems))
     }
 
     /// The squared norm: one block per `per_block` elements into `partial`, then one block
     /// summing the partials into `out`.
     pub fn k_sum_sq(&self, p: ffi::ct_sum_sq_params) -> Result<()> {
         let grid = (u32_dim(p.blocks as i64, "squared-norm blocks")?, 1, 1);
-        self.launch(Kernel::SumSq, grid, OPTIM_THREADS, 0, &p)?;
-        self.launch(Kernel::SumSqFinish, (1, 1, 1), OPTIM_THREADS, 0, &p)
+        self.launch(Kernel::SumSq, grid, OPTIM_THREADS, 0, &p, cost::sum_sq(&p))?;
+        self.launch(Kernel::SumSqFinish, (1, 1, 1), OPTIM_THREADS, 0, &p, cost::sum_sq_finish(&p))
     }
 
     pub fn k_scatter_add_rows(&self, p: ffi::ct_scatter_add_rows_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::ScatterAddRows, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::ScatterAddRows, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::scatter_add_rows(&p))
     }
 
     /// One block of LM_THREADS per row of the chunk.
     pub fn k_lm_stats(&self, p: ffi::ct_lm_params) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "loss rows")?, 1, 1);
-        self.launch(Kernel::LmStats, grid, LM_THREADS, 0, &p)
+        self.launch(Kernel::LmStats, grid, LM_THREADS, 0, &p, cost::lm_stats(&p))
     }
 
     /// One block of LM_THREADS per row of the chunk.
     pub fn k_lm_dz(&self, p: ffi::ct_lm_params) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "loss rows")?, 1, 1);
-        self.launch(Kernel::LmDz, grid, LM_THREADS, 0, &p)
+        self.launch(Kernel::LmDz, grid, LM_THREADS, 0, &p, cost::lm_dz(&p))
     }
 
     /// One block of NORM_THREADS per row.
     pub fn k_rmsnorm_train(&self, p: ffi::ct_rmsnorm_train_params) -> Result<()> {
-        self.launch(Kernel::RmsnormTrain, (u32_dim(p.rows as i64, "RMSNorm rows")?, 1, 1), NORM_THREADS, 0, &p)
+        self.launch(
+            Kernel::RmsnormTrain,
+            (u32_dim(p.rows as i64, "RMSNorm rows")?, 1, 1),
+            NORM_THREADS,
+            0,
+            &p,
+            cost::rmsnorm_train(&p),
+        )
     }
 
     /// dx: one block per row; dw: one thread per column.
     pub fn k_rmsnorm_bwd(&self, p: ffi::ct_rmsnorm_bwd_params) -> Result<()> {
-        self.launch(Kernel::RmsnormBwd, (u32_dim(p.rows as i64, "RMSNorm rows")?, 1, 1), NORM_THREADS, 0, &p)?;
+        self.launch(
+            Kernel::RmsnormBwd,
+            (u32_dim(p.rows as i64, "RMSNorm rows")?, 1, 1),
+            NORM_THREADS,
+            0,
+            &p,
+            cost::rmsnorm_bwd(&p),
+        )?;
         let g = self.stride_grid(p.cols as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::RmsnormDw, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::RmsnormDw, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::rmsnorm_dw(&p))
     }
 
     pub fn k_swiglu_bwd(&self, p: ffi::ct_swiglu_bwd_params) -> Result<()> {
         let g = self.stride_grid(p.n, ELEMENTWISE_THREADS);
-        self.launch(Kernel::SwigluBwd, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::SwigluBwd, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::swiglu_bwd(&p))
     }
 
     pub fn k_rope_bwd(&self, p: ffi::ct_rope_params) -> Result<()> {
         let g = self.stride_grid(p.rows as i64 * p.heads as i64 * p.half as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::RopeBwd, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::RopeBwd, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::rope(&p))
     }
 
     /// One thread per column.
     pub fn k_col_sum(&self, p: ffi::ct_col_sum_params) -> Result<()> {
         let g = self.stride_grid(p.cols as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::ColSum, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::ColSum, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::col_sum(&p))
     }
 
     /// One thread per column.
     pub fn k_embed_bwd(&self, p: ffi::ct_embed_bwd_params) -> Result<()> {
         let g = self.stride_grid(p.cols as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::EmbedBwd, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p)
+        self.launch(Kernel::EmbedBwd, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::embed_bwd(&p))
     }
 
-    /// Grid (tokens, heads) of AT_TILE threads.
-    pub fn k_attn_fwd(&self, p: ffi::ct_attn_train_params) -> Result<()> {
+    /// Grid (tokens, heads) of AT_TILE threads. `pairs`: the causal (query, key) pairs of the
+    /// packed sequences, Σ L(L+1)/2 (the ledger's cost; so for every training attention launcher).
+    pub fn k_attn_fwd(&self, p: ffi::ct_attn_train_params, pairs: u64) -> Result<()> {
         let grid = (u32_dim(p.tokens as i64, "attention rows")?, u32_dim(p.heads as i64, "heads")?, 1);
-        self.launch(Kernel::AttnFwd, grid, AT_TILE, 0, &p)
+        self.launch(Kernel::AttnFwd, grid, AT_TILE, 0, &p, cost::attn_train(&p, pairs, AttnPart::Fwd, false))
     }
 
     /// The tensor-core forward: grid (⌈tokens / TC_Q⌉, heads) of 4 warps.
-    pub fn k_attn_fwd_tc(&self, p: ffi::ct_attn_train_params) -> Result<()> {
+    pub fn k_attn_fwd_tc(&self, p: ffi::ct_attn_train_params, pairs: u64) -> Result<()> {
         let tiles = (p.tokens as i64 + TC_Q - 1) / TC_Q;
         let grid = (u32_dim(tiles, "attention row tiles")?, u32_dim(p.heads as i64, "heads")?, 1);
-        self.launch(Kernel::AttnFwdTc, grid, 128, 0, &p)
+        self.launch(Kernel::AttnFwdTc, grid, 128, 0, &p, cost::attn_train(&p, pairs, AttnPart::Fwd, true))
     }
 
     /// The tensor-core backward: dq and delta (grid ⌈tokens / TC_Q⌉ × heads), then dk and dv
     /// (grid ⌈tokens / TC_Q⌉ × KV heads), 4 warps each.
-    pub fn k_attn_bwd_tc(&self, p: ffi::ct_attn_train_params) -> Result<()> {
+    pub fn k_attn_bwd_tc(&self, p: ffi::ct_attn_train_params, pairs: u64) -> Result<()> {
         let tiles = u32_dim((p.tokens as i64 + TC_Q - 1) / TC_Q, "attention row tiles")?;
-        self.launch(Kernel::AttnBwdDqTc, (tiles, u32_dim(p.heads as i64, "heads")?, 1), 128, 0, &p)?;
-        self.launch(Kernel::AttnBwdDkvTc, (tiles, u32_dim(p.kv_heads as i64, "KV heads")?, 1), 128, 0, &p)
+        let (dq, dkv) = (cost::attn_train(&p, pairs, BwdDq, true), cost::attn_train(&p, pairs, BwdDkv, true));
+        self.launch(Kernel::AttnBwdDqTc, (tiles, u32_dim(p.heads as i64, "heads")?, 1), 128, 0, &p, dq)?;
+        self.launch(Kernel::AttnBwdDkvTc, (tiles, u32_dim(p.kv_heads as i64, "KV heads")?, 1), 128, 0, &p, dkv)
     }
 
     /// dq and delta (grid tokens × heads), then dk and dv (grid tokens × KV heads).
-    pub fn k_attn_bwd(&self, p: ffi::ct_attn_train_params) -> Result<()> {
+    pub fn k_attn_bwd(&self, p: ffi::ct_attn_train_params, pairs: u64) -> Result<()> {
         let rows = u32_dim(p.tokens as i64, "attention rows")?;
-        self.launch(Kernel::AttnBwdDq, (rows, u32_dim(p.heads as i64, "heads")?, 1), AT_TILE, 0, &p)?;
-        self.launch(Kernel::AttnBwdDkv, (rows, u32_dim(p.kv_heads as i64, "KV heads")?, 1), AT_TILE, 0, &p)
+        let (dq, dkv) = (cost::attn_train(&p, pairs, BwdDq, false), cost::attn_train(&p, pairs, BwdDkv, false));
+        self.launch(Kernel::AttnBwdDq, (rows, u32_dim(p.heads as i64, "heads")?, 1), AT_TILE, 0, &p, dq)?;
+        self.launch(Kernel::AttnBwdDkv, (rows, u32_dim(p.kv_heads as i64, "KV heads")?, 1), AT_TILE, 0, &p, dkv)
     }
 }

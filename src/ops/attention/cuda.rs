@@ -94,8 +94,8 @@ pub fn paged_attention(
     // Mostly prefill rows: the flash-style kernel (shares each key tile across a tile of rows);
     // mostly decode rows: one block per row. Both give every row the same result to rounding.
     if m.num_tokens >= 2 * m.num_seqs {
-        d.k_prefill_attention(p)
+        d.k_prefill_attention(p, m.attended)
     } else {
-        d.k_paged_attention(p)
+        d.k_paged_attention(p, m.attended)
     }
 }

@@ -36,6 +36,22 @@ pub struct AttnMeta {
     pub ctx_len: Tensor,      // (S) u32: cached tokens of s after this step's write
     pub block_tables: Tensor, // (S, max_blocks) u32
     pub slot_mapping: Tensor, // (T) u32: cache slot (block·block_size + offset) of each row
+    /// The cached positions the rows attend, summed over the rows ([`attended_keys`]): what the
+    /// launch ledger counts (the device's copies of q_start and ctx_len are not read back).
+    pub attended: u64,
+}
+
+/// Σ over the rows of the positions each attends: sequence s's q_len rows end at ctx_len[s],
+/// so they attend ctx − q_len + 1, …, ctx positions (`q_start` has S + 1 offsets).
+pub fn attended_keys(q_start: &[u32], ctx_len: &[u32]) -> u64 {
+    q_start
+        .windows(2)
+        .zip(ctx_len)
+        .map(|(w, &c)| {
+            let (q, c) = (w[1].saturating_sub(w[0]) as u64, c as u64);
+            q * c - q * q.saturating_sub(1) / 2
+        })
+        .sum()
 }
 
 /// (num_blocks, Hkv, block_size, D) of a cache tensor.

@@ -14,12 +14,15 @@ use crate::device::{DType, Device, Tensor};
 use anyhow::{bail, Result};
 
 /// The attention's tensors: q (T, H·D), k, v (T, Hkv·D), `cu` (sequences + 1) u32 row offsets
-/// of the packed sequences (cu[0] = 0, cu[last] = T).
+/// of the packed sequences (cu[0] = 0, cu[last] = T), and the same offsets on the host,
+/// `offsets`: those are checked and counted, so a device's copy is never read back (a read
+/// would synchronize the device at every layer's attention, forward and backward).
 pub struct Packed<'a> {
     pub q: &'a Tensor,
     pub k: &'a Tensor,
     pub v: &'a Tensor,
     pub cu: &'a Tensor,
+    pub offsets: &'a [usize],
 }
 
 fn check(s: &Shape, x: &Packed<'_>) -> Result<usize> {
@@ -33,26 +36,34 @@ fn check(s: &Shape, x: &Packed<'_>) -> Result<usize> {
             bail!("training attention {what}: {want} f32 values expected, found {} {}", a.numel(), a.dtype().name());
         }
     }
-    if x.cu.dtype() != DType::U32 || x.cu.numel() < 2 {
-        bail!("training attention: the sequence offsets must be u32, at least [0, T]");
+    if x.cu.dtype() != DType::U32 || x.cu.numel() < 2 || x.cu.numel() != x.offsets.len() {
+        bail!(
+            "training attention: the sequence offsets must be u32, at least [0, T], {} on the host and {} on the device",
+            x.offsets.len(),
+            x.cu.numel()
+        );
     }
     Ok(t)
 }
 
-/// Host copy of the offsets, checked: 0 first, T last, never decreasing.
-fn offsets(cu: &Tensor, t: usize) -> Result<Vec<usize>> {
-    let v: Vec<usize> = match cu.storage() {
-        crate::device::Storage::Cpu(_) => cu.u32s()?.iter().map(|&x| x as usize).collect(),
-        crate::device::Storage::Cuda(s) => {
-            let mut h = vec![0u32; cu.numel()];
-            s.read_raw(&mut h)?;
-            h.into_iter().map(|x| x as usize).collect()
-        }
-    };
+/// The host offsets, checked: 0 first, T last, never decreasing.
+fn offsets(x: &Packed<'_>, t: usize) -> Result<Vec<usize>> {
+    let v = x.offsets;
     if v[0] != 0 || v[v.len() - 1] != t || v.windows(2).any(|w| w[0] > w[1]) {
         bail!("training attention: sequence offsets {v:?} do not run from 0 to {t}");
     }
-    Ok(v)
+    // On the CPU the tensor is at hand: the two copies must agree.
+    if let crate::device::Storage::Cpu(_) = x.cu.storage() {
+        if x.cu.u32s()?.iter().zip(v).any(|(&a, &b)| a as usize != b) {
+            bail!("training attention: the sequence offsets {v:?} differ from the tensor's");
+        }
+    }
+    Ok(v.to_vec())
+}
+
+/// The (query, key) pairs causal attention computes over sequences at offsets `cu`: Σ L(L+1)/2.
+fn causal_pairs(cu: &[usize]) -> u64 {
+    cu.windows(2).map(|w| (w[1] - w[0]) as u64).map(|l| l * (l + 1) / 2).sum()
 }
 
 /// out (T, H·D) and lse (T, H) of causal attention (`grad::fwd`).
@@ -82,19 +93,19 @@ fn fwd_on(dev: &Device, s: &Shape, x: &Packed<'_>, out: &mut Tensor, lse: &mut T
     }
     match dev {
         Device::Cpu(_) => {
-            let cu = offsets(x.cu, t)?;
+            let cu = offsets(x, t)?;
             grad::fwd(s, &cu, x.q.f32s()?, x.k.f32s()?, x.v.f32s()?, out.f32s_mut()?, lse.f32s_mut()?);
             Ok(())
         }
         Device::Cuda(d) => {
-            offsets(x.cu, t)?;
+            let pairs = causal_pairs(&offsets(x, t)?);
             let mut p = params(d, s, x, t)?;
             p.o = ptr(d, out, &[DType::F32], "attention output")? as *mut f32;
             p.lse = ptr(d, lse, &[DType::F32], "attention log-sum-exp")? as *mut f32;
             if tc {
-                d.k_attn_fwd_tc(p)
+                d.k_attn_fwd_tc(p, pairs)
             } else {
-                d.k_attn_fwd(p)
+                d.k_attn_fwd(p, pairs)
             }
         }
     }
@@ -139,7 +150,7 @@ pub fn bwd(
     let t = check_bwd(s, x, out, lse, dout, dq, dk, dv)?;
     match dev {
         Device::Cpu(_) => {
-            let cu = offsets(x.cu, t)?;
+            let cu = offsets(x, t)?;
             let (q, k, v) = (x.q.f32s()?, x.k.f32s()?, x.v.f32s()?);
             grad::bwd(
                 s,
@@ -201,7 +212,7 @@ fn bwd_cuda(
     dv: &mut Tensor,
     tensor_cores: bool,
 ) -> Result<()> {
-    offsets(x.cu, t)?;
+    let pairs = causal_pairs(&offsets(x, t)?);
     let delta = d.scratch(t * s.heads * 4, "attention backward row sums")?;
     let mut p = params(d, s, x, t)?;
     let f = |a: &Tensor, what: &str| ptr(d, a, &[DType::F32], what);
@@ -213,9 +224,9 @@ fn bwd_cuda(
     p.dv = f(dv, "value gradient")? as *mut f32;
     p.delta = delta.ptr as *mut f32;
     if tensor_cores {
-        d.k_attn_bwd_tc(p)
+        d.k_attn_bwd_tc(p, pairs)
     } else {
-        d.k_attn_bwd(p)
+        d.k_attn_bwd(p, pairs)
     }
 }
 

@@ -318,6 +318,7 @@ fn check_attention(dtype: i32, heads: usize, hkv: usize, d: usize, bs: usize) {
     put(&dir, "ctx_len.bin", le(&ctx, u32::to_le_bytes));
     run(&exe, "attention", &dir);
 
+    let attended = crate::ops::attention::attended_keys(&q_start, &ctx);
     let meta = AttnMeta {
         num_seqs: seqs.len(),
         num_tokens: rows,
@@ -327,6 +328,7 @@ fn check_attention(dtype: i32, heads: usize, hkv: usize, d: usize, bs: usize) {
         ctx_len: Tensor::from_u32_host(&[seqs.len()], ctx).expect("ctx"),
         block_tables: Tensor::from_u32_host(&[seqs.len(), max_blocks], tables).expect("tables"),
         slot_mapping: Tensor::from_u32_host(&[rows], vec![0; rows]).expect("slots"),
+        attended,
     };
     let cpu = Device::cpu(1).expect("cpu");
     let qt = Tensor::from_f32_host(DType::F32, &[rows, heads * d], &q).expect("q");

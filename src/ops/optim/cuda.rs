@@ -114,7 +114,7 @@ pub fn step(
                 (decay, b1, b2, omb1, omb2, eps, step_size, bc2_sqrt);
         }
     }
-    d.k_optim(p)
+    d.k_optim(p, st.master.numel())
 }
 
 /// Each tensor's Σ g² into its own f64 slot (ct_sum_sq, then ct_sum_sq_finish), one read back.

@@ -1,0 +1,137 @@
+//! The launch ledger (src/device/cuda/ledger.rs) on the simulated GPU: what a training step and
+//! decode steps declare, counted by hand from the shapes. Each test opens a simulated GPU of
+//! its own (the ledger is per device): cuda-sim:3 and cuda-sim:4.
+
+mod common;
+
+use colotrain::config::JobConfig;
+use colotrain::device::cuda::ledger::{rows, Ledger, Row};
+use colotrain::device::{CudaDevice, DType, Device};
+use colotrain::engine::rollout::read_file;
+use colotrain::engine::{Engine, EngineConfig, Request, SamplingConfig};
+use colotrain::train::trainer::Trainer;
+use common::*;
+use std::sync::Arc;
+
+/// The ledger's rows of operation `op` (every phase and stream), summed.
+fn op(l: &Ledger, op: &str) -> Row {
+    let mut it = rows(l).into_iter().filter(|r| r.op == op);
+    let mut a = it.next().unwrap_or_else(|| panic!("no {op} in the ledger"));
+    for r in it {
+        a.launches += r.launches;
+        a.replayed += r.replayed;
+        a.flops += r.flops;
+        a.bytes += r.bytes;
+    }
+    a
+}
+
+/// One OPD step (SGD, F32 weights) of the llama_gqa fixture on a simulated GPU: its GEMMs
+/// declare exactly the FLOPs of the trainer's passes, counted from the model's shapes:
+/// - the layers' linears: 2·T·N forward, 2·T·N for the data gradient, 2·T·N for the weight
+///   gradient (N the layers' linear parameters, T the batch's tokens);
+/// - the LM head (V × C) over the R response rows: its logits twice, once in the statistics
+///   pass (π_old's log-probs and entropy) and once in the fused loss pass, which recomputes
+///   them chunk by chunk rather than keeping R × V logits; its two gradients once each.
+///
+/// The training attention declares 4·D FLOPs per (query head, causal pair) forward, and the
+/// step reads back from the device only what the host needs: the statistics pass's log-probs
+/// and entropies, the loss, the gradient norm — nothing per layer.
+#[test]
+fn a_training_step_declares_the_flops_of_its_passes() {
+    let cd = CudaDevice::sim(3).unwrap();
+    let dev = Device::Cuda(cd.clone());
+    let lm = load_fixture("llama_gqa", &dev, DType::F32);
+    let c = lm.cfg.clone();
+    let rollouts = read_file(&fixtures().join("grads").join("llama_gqa_rollouts.jsonl"), c.vocab_size).unwrap();
+    let toml = "[model]\npath = \"unused\"\n[teacher]\npath = \"unused\"\n[objective]\nkind = \"opd\"\n\
+                [optimizer]\nkind = \"sgd\"\nlr = 1.0\nweight_decay = 0.0\ngrad_clip = 0.0\n";
+    let job = JobConfig::from_toml(toml, "inline").unwrap();
+    let mut tr = Trainer::new(&c, lm.weights, &job).unwrap();
+    cd.take_ledger();
+    tr.step(&rollouts).unwrap();
+    assert!(tr.on_device());
+    let l = cd.take_ledger();
+    let t: usize = rollouts.iter().map(|r| r.prompt.len() + r.response.len()).sum();
+    let r: usize = rollouts.iter().map(|r| r.response.len()).sum();
+    let (h, kv, i) = (c.hidden_size, c.num_kv_heads * c.head_dim, c.intermediate_size);
+    let q = c.num_heads * c.head_dim;
+    // q, k, v, o, gate, up, down.
+    let n = (c.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * i)) as f64;
+    let head = (c.vocab_size * h) as f64;
+    let (t, r, layers) = (t as f64, r as f64, c.num_layers as u64);
+    let fwd = op(&l, "gemm f32 nt");
+    assert_eq!(fwd.flops, 2.0 * t * n + 2.0 * (2.0 * r) * head, "forward GEMMs");
+    assert_eq!(fwd.launches, 7 * layers + 2);
+    for form in ["gemm f32 nn", "gemm f32 tn"] {
+        let g = op(&l, form);
+        assert_eq!(g.flops, 2.0 * t * n + 2.0 * r * head, "{form}");
+        assert_eq!(g.launches, 7 * layers + 1, "{form}");
+    }
+    let pairs: usize = rollouts.iter().map(|x| x.prompt.len() + x.response.len()).map(|s| s * (s + 1) / 2).sum();
+    let att = op(&l, "ct_attn_fwd");
+    assert_eq!(att.flops, (4 * c.head_dim * c.num_heads * pairs) as f64 * layers as f64, "attention forward");
+    assert_eq!(op(&l, "memcpy d2h").launches, 4, "device-to-host reads in one training step");
+    // Every launch of the step was eager, and the roofline time of each is positive.
+    assert!(rows(&l).iter().all(|r| r.replayed == 0 && r.h200_s > 0.0 && r.b300_s > 0.0));
+}
+
+/// Decode steps replayed from CUDA graphs count in the ledger as the same padded steps
+/// launched eagerly do (`graph_capture = false`): the same launches, FLOPs and bytes per
+/// operation, attention with the keys of the replaying step (not of the capture's), and the
+/// replayed ones marked.
+#[test]
+fn replayed_decode_steps_count_as_the_same_steps_launched_eagerly() {
+    let cd = CudaDevice::sim(4).unwrap();
+    let dev = Device::Cuda(cd.clone());
+    let lm = load_fixture("llama_gqa", &dev, DType::BF16);
+    let c = lm.cfg.clone();
+    // Five sequences of 4..16 new tokens: decode batches of 5, 4, 3, 2, 1.
+    let reqs = |seed: u64| -> Vec<Request> {
+        (0..5u64)
+            .map(|id| Request {
+                id,
+                sample: 0,
+                prompt: (0..(3 + 2 * id as usize) as u32)
+                    .map(|x| (x * 7 + id as u32 + seed as u32) % c.vocab_size as u32)
+                    .collect(),
+                sampling: Arc::new(SamplingConfig {
+                    temperature: 1.0,
+                    max_new_tokens: 4 + 3 * id as usize,
+                    ignore_eos: true,
+                    seed,
+                    ..Default::default()
+                }),
+                prompt_logprobs: false,
+            })
+            .collect()
+    };
+    let ec = |capture: bool| EngineConfig { cuda_graphs: true, graph_capture: capture, ..Default::default() };
+    let mut ledgers = Vec::new();
+    for capture in [false, true] {
+        let mut e = Engine::new(&dev, &c, DType::BF16, &ec(capture), None).unwrap();
+        cd.take_ledger();
+        // Two rounds: the second replays every decode step of the graphed engine.
+        for round in 0..2 {
+            for r in reqs(round + 1) {
+                e.add(r).unwrap();
+            }
+            e.run_to_completion(&lm.weights, |_| {}).unwrap();
+        }
+        assert_eq!(e.graph_stats().captures > 0, capture);
+        ledgers.push(cd.take_ledger());
+    }
+    let (eager, graphed) = (rows(&ledgers[0]), rows(&ledgers[1]));
+    assert_eq!(eager.len(), graphed.len(), "the same operations");
+    for a in &eager {
+        let b = graphed.iter().find(|b| b.op == a.op && b.stream == a.stream && b.phase == a.phase).unwrap();
+        assert_eq!((a.launches, a.flops, a.bytes), (b.launches, b.flops, b.bytes), "{}", a.op);
+        assert_eq!(a.replayed, 0, "{}", a.op);
+    }
+    // 2 rounds × 15 decode steps × 2 layers (the prefill steps go to ct_prefill_attention).
+    // The first round runs each of its 4 buckets' first step eagerly and replays 11 steps; the
+    // second replays all 15.
+    let att = graphed.iter().find(|r| r.op == "ct_paged_attention").unwrap();
+    assert_eq!(att.launches, 2 * 15 * 2);
+    assert_eq!(att.replayed, (11 + 15) * 2);
+}
