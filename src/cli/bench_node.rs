@@ -414,5 +414,36 @@ mod tests {
         assert!((split.train_mfu.unwrap() - 3.0).abs() < 1e-9);
         assert_eq!(peak_of("cuda-sim:0 (simulated H200, sm_90, kernels sm_90a)"), Some(989.0));
         assert_eq!(peak_of("cpu:2"), None);
+        // CPU devices keep no ledger: the report has none and prints nothing for it.
+        assert!(r.ledger.is_empty() && ledger_table(&r, 3, None).is_empty());
+    }
+
+    /// The ledger's part of the report: each phase's mean over the steady steps (the warm-up's
+    /// numbers left out), and the table's columns for one modelled GPU or both.
+    #[test]
+    fn the_report_averages_the_ledger_per_phase() {
+        let line = |step: u64, launches: u64, h200: f64| {
+            serde_json::json!({
+                "step": step, "loss": 0.1, "time": {"total": 1.0, "train": 0.5},
+                "ledger": {
+                    "train": {"launches": launches, "flops": 4e9, "bytes": 2e9, "nvlink_bytes": 0.0,
+                              "pcie_bytes": 1e4, "h200_s": h200, "b300_s": h200 / 2.0},
+                    "rollout": {"launches": 10, "flops": 0.0, "bytes": 1e9, "nvlink_bytes": 0.0,
+                                "pcie_bytes": 0.0, "h200_s": 2e-4, "b300_s": 1e-4}
+                }
+            })
+        };
+        let lines = vec![line(1, 999, 9.0), line(2, 100, 1e-3), line(3, 300, 3e-3)];
+        let r = report("c", &["cuda-sim:0".to_string()], &lines, 1, Some(989.0), 1, 1).unwrap();
+        let train = r.ledger.iter().find(|p| p.phase == "train").unwrap();
+        assert_eq!(train.launches, 200.0);
+        assert!((train.h200_s - 2e-3).abs() <= 1e-15 && (train.b300_s - 1e-3).abs() <= 1e-15, "{train:?}");
+        assert_eq!((train.flops, train.pcie_bytes), (4e9, 1e4));
+        let both = ledger_table(&r, 3, None);
+        assert!(both.contains("H200 ms") && both.contains("B300 ms"), "{both}");
+        // The phases' sum: 2.2 ms on the H200.
+        assert!(both.contains("2.2000"), "{both}");
+        let one = ledger_table(&r, 3, Some("B300"));
+        assert!(one.contains("B300 ms") && !one.contains("H200 ms"), "{one}");
     }
 }

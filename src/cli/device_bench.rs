@@ -155,6 +155,9 @@ pub struct DecodeRow {
     /// The same step as a CUDA-graph replay (forward and LM head; sampling outside); None
     /// when the capture failed.
     pub graph_ms_per_step: Option<f64>,
+    /// The launch ledger's roofline time of one eager step on the GPU this device is (H200 or
+    /// B300): a model, printed next to the measurement.
+    pub model_ms_per_step: f64,
     pub tokens_per_s: f64,
     /// Weights + KV cache read per step at the measured copy bandwidth.
     pub bound_tokens_per_s: f64,
@@ -250,12 +253,14 @@ pub fn decode(
         step(context, &mut b, &mut kv, None)?;
         step(context + 1, &mut b, &mut kv, None)?;
         d.synchronize()?;
+        d.take_ledger();
         let t0 = Instant::now();
         for s in 0..steps {
             step(context + 2 + s, &mut b, &mut kv, None)?;
         }
         d.synchronize()?;
         let secs = t0.elapsed().as_secs_f64() / steps as f64;
+        let model_ms_per_step = d.take_ledger().total().seconds[d.ledger_gpu()] / steps as f64 * 1e3;
         // The same steps replayed as one CUDA graph (captured after the eager steps; the
         // positions go on where they stopped, one more slot per step). A capture that fails
         // leaves the eager row standing, with the reason.
@@ -293,6 +298,7 @@ pub fn decode(
             context,
             ms_per_step: secs * 1e3,
             graph_ms_per_step,
+            model_ms_per_step,
             tokens_per_s: tps,
             bound_tokens_per_s: bound,
             fraction_of_bound: tps / bound,
@@ -595,5 +601,9 @@ mod tests {
         let own = crate::device::CudaDevice::sim_unshared(90);
         let rows = super::decode(&own, &cfg, &[2], 8, 2).unwrap();
         assert!(rows[0].ms_per_step > 0.0 && rows[0].graph_ms_per_step.is_some_and(|g| g > 0.0), "{rows:?}");
+        // The ledger's model of a step reads every BF16 weight at least once (the H200's HBM:
+        // 4.8 TB/s), the embedding table aside (a tied head reads it as the LM head).
+        let weights = crate::model::ModelConfig::num_params(&cfg) as f64 * 2.0;
+        assert!(rows[0].model_ms_per_step >= weights / 4.8e12 * 1e3, "{rows:?}");
     }
 }

@@ -5,37 +5,16 @@
 //! bandwidth) under stated assumptions (mean prompt and response lengths, perfect overlap
 //! inside a phase, none between phases), with the arithmetic of each row in `phases`.
 //!
-//! Owns: the model's arithmetic. May call: `model::ModelConfig`, the job config. Must not: open
-//! devices or models' weights.
+//! Owns: the model's arithmetic. May call: `model::ModelConfig`, the job config, the ledger's
+//! GPU table. Must not: open devices or models' weights.
 
 use crate::config::JobConfig;
 use crate::model::ModelConfig;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
-/// One GPU's dense peak rates and bandwidths.
-#[derive(Clone, Copy, Debug)]
-pub struct Gpu {
-    pub name: &'static str,
-    pub bf16_tflops: f64,
-    pub fp8_tflops: f64,
-    /// None: no FP4 tensor cores (Hopper emulates NVFP4 at the BF16 rate).
-    pub fp4_tflops: Option<f64>,
-    pub hbm_tbs: f64,
-    /// NVLink bandwidth per direction, GB/s.
-    pub nvlink_gbs: f64,
-}
-
-pub const H200: Gpu =
-    Gpu { name: "H200", bf16_tflops: 989.0, fp8_tflops: 1979.0, fp4_tflops: None, hbm_tbs: 4.8, nvlink_gbs: 450.0 };
-pub const B300: Gpu = Gpu {
-    name: "B300",
-    bf16_tflops: 2250.0,
-    fp8_tflops: 4500.0,
-    fp4_tflops: Some(13000.0),
-    hbm_tbs: 8.0,
-    nvlink_gbs: 900.0,
-};
+/// The GPUs' peak rates and bandwidths: the launch ledger's (one table for both models).
+pub use crate::device::cuda::ledger::{Gpu, B300, H200};
 
 pub fn gpu(name: &str) -> Result<Gpu> {
     match name.to_ascii_lowercase().as_str() {

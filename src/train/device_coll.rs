@@ -222,6 +222,15 @@ mod tests {
         (0..n).map(|i| ((i * 7 + r * 13) % 29) as f32 * 0.1 + 1e-7 * (r as f32 + 1.0)).collect()
     }
 
+    /// (bytes, launches) of the ledger's peer copies on the communication stream (NVLink).
+    fn peer_bytes(l: &crate::device::cuda::ledger::Ledger) -> (f64, u64) {
+        use crate::device::cuda::{ledger::Path, Stream};
+        l.entries()
+            .filter(|(k, _)| k.1 == Stream::Comm && k.2 == "memcpy peer")
+            .inspect(|(k, _)| assert_eq!(l.kind(k.2).map(|x| x.1), Some(Path::Nvlink)))
+            .fold((0.0, 0), |a, (_, e)| (a.0 + e.bytes, a.1 + e.launches))
+    }
+
     #[test]
     fn reduce_scatter_and_all_gather_equal_the_host_collective_on_two_sims() {
         let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
@@ -236,8 +245,10 @@ mod tests {
             let len = shard_range(n, world, rank).len();
             let mut staging = d.zeros(DType::F32, &[world, len]).unwrap();
             let mut recv = d.zeros(DType::F32, &[len]).unwrap();
+            dev.take_ledger();
             let e = c.reduce_scatter(rank, &send, &mut staging, &mut recv).unwrap();
             dev.wait_event(&e).unwrap();
+            let rs = peer_bytes(&dev.take_ledger());
             let got = recv.to_f32_vec().unwrap();
             let mut want = vec![0.0f32; len];
             h.reduce_scatter_sum(rank, &g, &mut want).unwrap();
@@ -247,8 +258,16 @@ mod tests {
             let mut init = vec![f32::NAN; n];
             init[mine.clone()].copy_from_slice(&full[mine]);
             let mut buf = d.from_f32(DType::BF16, &[n], &init).unwrap();
+            dev.take_ledger();
             let e = c.all_gather_in_place(rank, &mut buf).unwrap();
             dev.wait_event(&e).unwrap();
+            let ag = peer_bytes(&dev.take_ledger());
+            // The launch ledger: each collective's peer copies on the communication stream, over
+            // NVLink, of the bytes the rank pulls from its peer (its shard's other piece in f32;
+            // the peer's shard in BF16).
+            let other = n - len;
+            assert_eq!(rs, (len as f64 * 4.0, 1), "rank {rank}: reduce-scatter (NVLink bytes, launches)");
+            assert_eq!(ag, (other as f64 * 2.0, 1), "rank {rank}: all-gather (NVLink bytes, launches)");
             (got, want, buf.to_f32_vec().unwrap(), full)
         });
         for (rank, (got, want, gathered, full)) in out.into_iter().enumerate() {

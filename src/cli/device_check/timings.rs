@@ -103,19 +103,20 @@ fn decode(d: &CudaDevice, steps: usize) -> Result<serde_json::Value> {
     let cfg = qwen2(28, 1536, 12, 2, 8960, 151936, true)?;
     let rows = bench::decode(d, &cfg, &[1, 64, 256], 1024, steps).context("decode timing")?;
     println!(
-        "{:<8} {:>8} {:>10} {:>12} {:>14} {:>9} {:>14}",
-        "decode", "context", "ms/step", "tokens/s", "bound tok/s", "of bound", "graph ms/step"
+        "{:<8} {:>8} {:>10} {:>12} {:>14} {:>9} {:>14} {:>14}",
+        "decode", "context", "ms/step", "tokens/s", "bound tok/s", "of bound", "graph ms/step", "model ms/step"
     );
     for r in &rows {
         println!(
-            "{:<8} {:>8} {:>10.2} {:>12.0} {:>14.0} {:>8.1}% {:>14}",
+            "{:<8} {:>8} {:>10.2} {:>12.0} {:>14.0} {:>8.1}% {:>14} {:>14.3}",
             r.batch,
             r.context,
             r.ms_per_step,
             r.tokens_per_s,
             r.bound_tokens_per_s,
             100.0 * r.fraction_of_bound,
-            r.graph_ms_per_step.map(|g| format!("{g:.2}")).unwrap_or_else(|| "-".into())
+            r.graph_ms_per_step.map(|g| format!("{g:.2}")).unwrap_or_else(|| "-".into()),
+            r.model_ms_per_step
         );
     }
     Ok(serde_json::to_value(rows)?)

@@ -194,6 +194,15 @@ impl Ledger {
         out
     }
 
+    /// The totals of every phase, stream and operation.
+    pub fn total(&self) -> Entry {
+        let mut t = Entry::default();
+        for (_, e) in sorted(self) {
+            t.merge(e);
+        }
+        t
+    }
+
     /// Adds `o` into this ledger.
     pub fn absorb(&mut self, o: Ledger) {
         for (k, e) in o.entries {
