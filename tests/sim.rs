@@ -408,25 +408,7 @@ fn decode_graph_replays_after_an_in_place_resync_decode_what_eager_steps_decode(
     let dev = Device::parse("cuda-sim:4").unwrap();
     let c = load_fixture("llama_gqa", &Device::cpu(1).unwrap(), DType::F32).cfg;
     // Five sequences of 4..16 new tokens: decode batches of 5, 4, 3, 2, 1 (buckets 8, 4, 4, 2, 1).
-    let reqs = |seed: u64| -> Vec<Request> {
-        (0..5u64)
-            .map(|id| Request {
-                id,
-                sample: 0,
-                prompt: (0..(3 + 2 * id as usize) as u32)
-                    .map(|x| (x * 7 + id as u32 + seed as u32) % c.vocab_size as u32)
-                    .collect(),
-                sampling: Arc::new(SamplingConfig {
-                    temperature: 1.0,
-                    max_new_tokens: 4 + 3 * id as usize,
-                    ignore_eos: true,
-                    seed,
-                    ..Default::default()
-                }),
-                prompt_logprobs: false,
-            })
-            .collect()
-    };
+    let reqs = |seed: u64| decode_requests(c.vocab_size, seed);
     let mut cal = Calibration::new(Calibration::fingerprint(&c), c.num_layers);
     for l in 0..c.num_layers {
         cal.input_amax[l] = [4.0; 4];

@@ -8,10 +8,9 @@ use colotrain::config::JobConfig;
 use colotrain::device::cuda::ledger::{rows, Ledger, Row};
 use colotrain::device::{CudaDevice, DType, Device};
 use colotrain::engine::rollout::read_file;
-use colotrain::engine::{Engine, EngineConfig, Request, SamplingConfig};
+use colotrain::engine::{Engine, EngineConfig};
 use colotrain::train::trainer::Trainer;
 use common::*;
-use std::sync::Arc;
 
 /// The ledger's rows of operation `op` (every phase and stream), summed.
 fn op(l: &Ledger, op: &str) -> Row {
@@ -87,25 +86,7 @@ fn replayed_decode_steps_count_as_the_same_steps_launched_eagerly() {
     let lm = load_fixture("llama_gqa", &dev, DType::BF16);
     let c = lm.cfg.clone();
     // Five sequences of 4..16 new tokens: decode batches of 5, 4, 3, 2, 1.
-    let reqs = |seed: u64| -> Vec<Request> {
-        (0..5u64)
-            .map(|id| Request {
-                id,
-                sample: 0,
-                prompt: (0..(3 + 2 * id as usize) as u32)
-                    .map(|x| (x * 7 + id as u32 + seed as u32) % c.vocab_size as u32)
-                    .collect(),
-                sampling: Arc::new(SamplingConfig {
-                    temperature: 1.0,
-                    max_new_tokens: 4 + 3 * id as usize,
-                    ignore_eos: true,
-                    seed,
-                    ..Default::default()
-                }),
-                prompt_logprobs: false,
-            })
-            .collect()
-    };
+    let reqs = |seed: u64| decode_requests(c.vocab_size, seed);
     let ec = |capture: bool| EngineConfig { cuda_graphs: true, graph_capture: capture, ..Default::default() };
     let mut ledgers = Vec::new();
     for capture in [false, true] {

@@ -42,6 +42,28 @@ impl Ref {
     }
 }
 
+/// Five sampled requests of 3..11 prompt tokens and 4..16 new tokens (EOS ignored): run
+/// together, their decode steps have 5, 4, 3, 2 and 1 sequences, three steps each.
+pub fn decode_requests(vocab: usize, seed: u64) -> Vec<colotrain::engine::Request> {
+    (0..5u64)
+        .map(|id| colotrain::engine::Request {
+            id,
+            sample: 0,
+            prompt: (0..(3 + 2 * id as usize) as u32)
+                .map(|x| (x * 7 + id as u32 + seed as u32) % vocab as u32)
+                .collect(),
+            sampling: std::sync::Arc::new(colotrain::engine::SamplingConfig {
+                temperature: 1.0,
+                max_new_tokens: 4 + 3 * id as usize,
+                ignore_eos: true,
+                seed,
+                ..Default::default()
+            }),
+            prompt_logprobs: false,
+        })
+        .collect()
+}
+
 pub fn load_fixture(name: &str, dev: &Device, dtype: DType) -> LoadedModel {
     LoadedModel::load(&fixtures().join("models").join(name), dev, dtype).expect("fixture model loads")
 }

@@ -212,11 +212,9 @@ impl CudaDevice {
         Ok(DeviceGraph { g, dev: self.clone(), _pool: pool.clone(), launches })
     }
 
-    /// Queues graph `g` (captured on this device) on the compute stream. `keys`: the keys its
-    /// attention launches read in this replay (the step's [`AttnMeta::attended`]; the ledger
-    /// counts the replayed launches with them).
-    ///
-    /// [`AttnMeta::attended`]: crate::ops::attention::AttnMeta::attended
+    /// Queues graph `g` (captured on this device) on the compute stream. `keys`: the cached
+    /// positions its attention launches read in this replay, summed over their rows (the
+    /// caller's step; the ledger counts the replayed launches with them).
     pub fn replay(&self, g: &DeviceGraph, keys: u64) -> Result<()> {
         if !Arc::ptr_eq(&g.dev.inner, &self.inner) {
             bail!("{}: replay of a graph captured on {}", self.name(), g.dev.name());

@@ -333,14 +333,20 @@ pub struct CapturedLaunch {
 pub type Captured = Vec<CapturedLaunch>;
 
 /// Phase names as `&'static str` (a run has a handful: rollout, teacher, train, ...), so a
-/// launch records without allocating.
+/// launch records without allocating. At most [`MAX_PHASES`] are kept; later names count as
+/// [`OTHER_PHASE`] (the workers' phases are literals, so this bounds a mistake, not a run).
 static NAMES: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
+const MAX_PHASES: usize = 256;
+pub const OTHER_PHASE: &str = "(other)";
 
 fn intern(name: &str) -> &'static str {
     let mut g = NAMES.lock().unwrap_or_else(|e| e.into_inner());
     let set = g.get_or_insert_with(HashSet::new);
     if let Some(s) = set.get(name) {
         return s;
+    }
+    if set.len() >= MAX_PHASES {
+        return OTHER_PHASE;
     }
     let s: &'static str = Box::leak(name.to_string().into_boxed_str());
     set.insert(s);
