@@ -303,13 +303,13 @@ impl CudaDevice {
         self.inner.ordinal
     }
 
-    /// (major, minor) compute capability.
     /// The index in `ledger::GPUS` of the GPU this device is (or simulates): the B300 for
     /// Blackwell, else the H200.
     pub fn ledger_gpu(&self) -> usize {
         usize::from(self.inner.cc.0 >= 10)
     }
 
+    /// (major, minor) compute capability.
     pub fn compute_capability(&self) -> (i32, i32) {
         self.inner.cc
     }

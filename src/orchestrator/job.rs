@@ -147,8 +147,9 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
         let t_step = Instant::now();
         let moved0 = crate::device::cuda::transfer_bytes_of(&host.names);
         crate::device::cuda::take_memory_peak_of(&host.names);
-        // What ran between steps (the setup, evaluations, checkpoints) is not the step's.
-        crate::device::cuda::take_ledger_of(&host.names);
+        // What ran between steps (the setup, evaluations, checkpoints, a split generator's work
+        // meanwhile) is not the step's: it goes to the run's ledger only.
+        crate::device::cuda::take_ledger_of(&host.names).into_iter().for_each(|l| run_ledger.absorb(l));
         let mut time = PhaseSeconds::default();
         // 1. Rollout (the schedule decides how: synchronous, or ahead of training).
         let t0 = Instant::now();
@@ -315,6 +316,7 @@ pub fn run(job: &JobConfig, resolve: &dyn Fn(&JobConfig) -> Result<Sources>, opt
     }
     sched.finish()?;
     bar.finish_and_clear();
+    crate::device::cuda::take_ledger_of(&host.names).into_iter().for_each(|l| run_ledger.absorb(l));
     if !run_ledger.is_empty() {
         let rows = serde_json::to_string_pretty(&ledger::rows(&run_ledger))?;
         crate::util::write_atomic(&out_dir.join("ledger.json"), rows.as_bytes())?;

@@ -154,9 +154,15 @@ pub fn kv_write(p: &ffi::ct_kv_write_params) -> Cost {
 /// and out written; 4·D FLOPs per (query head, key) for q·k and p·v. The keys' part is a cost
 /// per key, so that a replayed graph counts the replaying step's keys.
 pub fn paged_attention(p: &ffi::ct_attention_params, keys: u64) -> Charge {
+    prefill_attention(p, keys, 1)
+}
+
+/// ct_prefill_attention: as [`paged_attention`], but a tile of `rows_per_tile` query rows
+/// shares each key tile it loads, so the keys' bytes are read once per tile of rows.
+pub fn prefill_attention(p: &ffi::ct_attention_params, keys: u64, rows_per_tile: usize) -> Charge {
     let (h, hkv, d) = (n(p.heads), n(p.kv_heads), n(p.head_dim));
     let rows = n(p.num_tokens) * h * d * 4.0 * 2.0;
-    let per_key = Cost::hbm(4.0 * d * h, hkv * d * 2.0 * dsize(p.dtype));
+    let per_key = Cost::hbm(4.0 * d * h, hkv * d * 2.0 * dsize(p.dtype) / rows_per_tile.max(1) as f64);
     Charge { base: Cost::hbm(0.0, rows), per_key: Some((per_key, keys)) }
 }
 
@@ -166,10 +172,12 @@ pub fn log_softmax_gather(p: &ffi::ct_logprob_params) -> Cost {
     Cost::hbm(3.0 * e, 4.0 * e + 8.0 * n(p.rows))
 }
 
-/// A sampled row: the logits read, 3 FLOPs an element (scale, exp, sum).
-pub fn sample(p: &ffi::ct_sample_params) -> Cost {
-    let e = n(p.rows) * n(p.vocab);
-    Cost::hbm(3.0 * e, 4.0 * e + 48.0 * n(p.rows))
+/// The `drawn` rows a sampling kernel draws (ct_sample skips the truncated rows, ct_sample_topk
+/// the others): their logits read, 3 FLOPs an element (scale, exp, sum), the row's parameters
+/// read and its token and log-prob written.
+pub fn sample(p: &ffi::ct_sample_params, drawn: usize) -> Cost {
+    let e = drawn as f64 * n(p.vocab);
+    Cost::hbm(3.0 * e, 4.0 * e + 48.0 * drawn as f64)
 }
 
 pub fn amax(p: &ffi::ct_amax_params) -> Cost {
@@ -356,6 +364,10 @@ mod tests {
         assert_eq!(keys, 1000);
         assert_eq!(c.base.bytes + 1000.0 * k.bytes, 1000.0 * 2.0 * 64.0 * 2.0 + 8.0 * 64.0 * 8.0);
         assert_eq!(c.base.flops + 1000.0 * k.flops, 4.0 * 64.0 * 8.0 * 1000.0);
+        // Prefill: a tile of 16 rows shares each key tile, so the keys' bytes are a sixteenth;
+        // the FLOPs stay.
+        let pf = prefill_attention(&p, 1000, 16).per_key.unwrap().0;
+        assert_eq!((pf.bytes, pf.flops), (k.bytes / 16.0, k.flops));
         // SAFETY: as above.
         let mut t: ffi::ct_attn_train_params = unsafe { std::mem::zeroed() };
         (t.heads, t.kv_heads, t.head_dim, t.tokens) = (4, 2, 16, 10);

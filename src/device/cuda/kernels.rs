@@ -351,7 +351,15 @@ impl CudaDevice {
             bail!("prefill attention: {groups} query heads per KV head of dimension {d} need {smem} bytes of shared memory");
         }
         let grid = (u32_dim(tiles as i64, "prefill attention tiles")?, p.kv_heads as u32, 1);
-        self.launch(Kernel::PrefillAttention, grid, PF_THREADS, smem as u32, &p, cost::paged_attention(&p, keys))
+        let rows_per_tile = prefill_shape(d, groups).0;
+        self.launch(
+            Kernel::PrefillAttention,
+            grid,
+            PF_THREADS,
+            smem as u32,
+            &p,
+            cost::prefill_attention(&p, keys, rows_per_tile),
+        )
     }
 
     pub fn k_log_softmax_gather(&self, p: ffi::ct_logprob_params) -> Result<()> {
@@ -359,14 +367,16 @@ impl CudaDevice {
         self.launch(Kernel::LogSoftmaxGather, grid, ROW_THREADS, 0, &p, cost::log_softmax_gather(&p))
     }
 
-    pub fn k_sample(&self, p: ffi::ct_sample_params) -> Result<()> {
+    /// `drawn`: the rows this kernel draws (the others are ct_sample_topk's), for the ledger.
+    pub fn k_sample(&self, p: ffi::ct_sample_params, drawn: usize) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "sampled rows")?, 1, 1);
-        self.launch(Kernel::Sample, grid, ROW_THREADS, 0, &p, cost::sample(&p))
+        self.launch(Kernel::Sample, grid, ROW_THREADS, 0, &p, cost::sample(&p, drawn))
     }
 
-    pub fn k_sample_topk(&self, p: ffi::ct_sample_params) -> Result<()> {
+    /// `drawn`: the truncated rows (top-k / top-p), which this kernel draws.
+    pub fn k_sample_topk(&self, p: ffi::ct_sample_params, drawn: usize) -> Result<()> {
         let grid = (u32_dim(p.rows as i64, "sampling rows")?, 1, 1);
-        self.launch(Kernel::SampleTopk, grid, ROW_THREADS, 0, &p, cost::sample(&p))
+        self.launch(Kernel::SampleTopk, grid, ROW_THREADS, 0, &p, cost::sample(&p, drawn))
     }
 
     pub fn k_amax(&self, p: ffi::ct_amax_params) -> Result<()> {

@@ -49,7 +49,8 @@ pub fn attended_keys(q_start: &[u32], ctx_len: &[u32]) -> u64 {
         .zip(ctx_len)
         .map(|(w, &c)| {
             let (q, c) = (w[1].saturating_sub(w[0]) as u64, c as u64);
-            q * c - q * q.saturating_sub(1) / 2
+            // (Inconsistent metadata, c < q, is the kernel's error to report: count nothing.)
+            (q * c).saturating_sub(q * q.saturating_sub(1) / 2)
         })
         .sum()
 }

@@ -106,3 +106,19 @@ fn register_blocked_value_sums_equal_key_by_key_bitwise() {
         }
     }
 }
+
+/// The keys the rows of a batch attend (`attended_keys`, the ledger's attention cost): a
+/// decode row attends its whole context, a prefill chunk of q rows ending at position c − 1
+/// attends c − q + 1, …, c positions, and inconsistent metadata (ctx < q) counts nothing.
+#[test]
+fn attended_keys_follow_the_causal_rows() {
+    // One decode row at 10 cached positions: 10 keys.
+    assert_eq!(super::attended_keys(&[0, 1], &[10]), 10);
+    // A chunk of 3 rows that ends the context at 7: 5 + 6 + 7.
+    assert_eq!(super::attended_keys(&[0, 3], &[7]), 18);
+    // Both in one batch, and a padding row (context 1) of a graph bucket.
+    assert_eq!(super::attended_keys(&[0, 1, 4, 5], &[10, 7, 1]), 10 + 18 + 1);
+    // A whole prompt of 4 tokens from scratch: 1 + 2 + 3 + 4.
+    assert_eq!(super::attended_keys(&[0, 4], &[4]), 10);
+    assert_eq!(super::attended_keys(&[0, 5], &[2]), 0);
+}

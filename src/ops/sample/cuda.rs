@@ -58,10 +58,11 @@ pub fn sample(
         logprobs: f32p(lbuf.ptr),
         host_rows: hbuf.ptr as *mut u32,
     };
-    d.k_sample(kp)?;
-    let any_truncated = rows.iter().any(|r| r.truncated != 0);
+    let truncated = rows.iter().filter(|r| r.truncated != 0).count();
+    d.k_sample(kp, s - truncated)?;
+    let any_truncated = truncated > 0;
     if any_truncated {
-        d.k_sample_topk(kp)?;
+        d.k_sample_topk(kp, truncated)?;
     }
     d.dtoh(&mut tokens[..s], tbuf.ptr)?;
     d.dtoh(&mut logprobs[..s], lbuf.ptr)?;
