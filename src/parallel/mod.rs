@@ -2,7 +2,7 @@
 //!
 //! Owns: collectives between ranks ([`Collective`], the in-process [`InProcess`]; with the `cuda`
 //! feature also `nccl::Nccl`, behind the same trait) and the worker threads that own per-device state
-//! ([`WorkerPool`], [`split_cores`]). May call: crossbeam, core_affinity, std threads and sync,
+//! ([`WorkerPool`], [`split_cores`]), and the phase each worker thread runs under (`phase`). May call: crossbeam, core_affinity, std threads and sync,
 //! tracing. Must not: know about models, devices, tensors or training; callers put those in the
 //! worker state and the buffers they pass (the collectives over device buffers are
 //! `train::device_coll`, above the device layer).
@@ -13,6 +13,7 @@
 pub mod collective;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod phase;
 pub mod worker;
 
 #[cfg(test)]

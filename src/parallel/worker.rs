@@ -226,8 +226,8 @@ impl<S: Send + 'static> WorkerPool<S> {
                 }
             };
             let _span = tracing::info_span!("phase", name = phase_owned.as_str(), worker = rank).entered();
-            // The device launches of the command count under its phase in the launch ledger.
-            let _phase = crate::device::cuda::ledger::enter_phase(&phase_owned);
+            // What the command does counts under its phase (the CUDA launch ledger).
+            let _phase = super::phase::enter_phase(&phase_owned);
             // AssertUnwindSafe: a panic can leave `state` half-updated (weights, optimizer moments,
             // caches), so its invariants may be broken. That is sound here only because after a
             // panic the state is never used again: the worker loop marks itself poisoned and

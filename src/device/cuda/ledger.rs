@@ -3,7 +3,7 @@
 //! arithmetic in `cost.rs`), and the device adds them up per (phase, stream, operation) with
 //! each launch's roofline time on the GPUs the project models ([`GPUS`]: max(FLOPs / peak at
 //! the operation's precision, bytes / the bandwidth of the path they take), summed over
-//! launches, nothing overlapped). The phase is the calling thread's ([`enter_phase`]: the
+//! launches, nothing overlapped). The phase is the calling thread's (`parallel::phase`: the
 //! workers name each command's phase). A CUDA-graph capture keeps its launches' costs with the
 //! graph ([`Captured`]) and every replay adds them, so a replayed decode step counts what the
 //! same step launched eagerly counts.
@@ -11,17 +11,15 @@
 //! It is a model of the work, not a measurement: on the simulator it tells where a GPU's time
 //! would go, and what the code launches that the step's arithmetic does not need.
 //!
-//! Owns: [`Cost`], [`Ledger`], [`Gpu`] and the modelled GPUs, the thread's phase, and the
-//! device's recording ([`CudaDevice::record`], the capture's list, replays). May call: the
+//! Owns: [`Cost`], [`Ledger`], [`Gpu`] and the modelled GPUs, and the device's recording ([`CudaDevice::record`], the capture's list, replays). May call: the
 //! device's ledger fields and its capture state. Must not: read device memory or time
 //! anything (costs come from host-side shapes).
 
 use super::driver::{current_stream, Stream};
 use super::CudaDevice;
+use crate::parallel::phase::current_phase;
 use serde::Serialize;
-use std::cell::Cell;
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Mutex;
+use std::collections::{BTreeMap, HashMap};
 
 /// One GPU's dense peak rates and bandwidths (vendor figures, REFERENCES.md; FP32 is the
 /// CUDA cores' rate: the GEMMs run CUBLAS_COMPUTE_32F, never TF32).
@@ -332,54 +330,6 @@ pub struct CapturedLaunch {
 /// The launches of one capture, in order.
 pub type Captured = Vec<CapturedLaunch>;
 
-/// Phase names as `&'static str` (a run has a handful: rollout, teacher, train, ...), so a
-/// launch records without allocating. At most [`MAX_PHASES`] are kept; later names count as
-/// [`OTHER_PHASE`] (the workers' phases are literals, so this bounds a mistake, not a run).
-static NAMES: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
-const MAX_PHASES: usize = 256;
-pub const OTHER_PHASE: &str = "(other)";
-
-fn intern(name: &str) -> &'static str {
-    let mut g = NAMES.lock().unwrap_or_else(|e| e.into_inner());
-    let set = g.get_or_insert_with(HashSet::new);
-    if let Some(s) = set.get(name) {
-        return s;
-    }
-    if set.len() >= MAX_PHASES {
-        return OTHER_PHASE;
-    }
-    let s: &'static str = Box::leak(name.to_string().into_boxed_str());
-    set.insert(s);
-    s
-}
-
-/// The phase of launches made outside any [`enter_phase`] scope.
-pub const NO_PHASE: &str = "(none)";
-
-thread_local! {
-    static PHASE: Cell<&'static str> = const { Cell::new(NO_PHASE) };
-}
-
-/// The calling thread's phase.
-pub fn current_phase() -> &'static str {
-    PHASE.with(|p| p.get())
-}
-
-/// Restores the previous phase when dropped.
-pub struct PhaseGuard(&'static str);
-
-impl Drop for PhaseGuard {
-    fn drop(&mut self) {
-        PHASE.with(|p| p.set(self.0));
-    }
-}
-
-/// Makes `name` the calling thread's phase until the guard is dropped.
-pub fn enter_phase(name: &str) -> PhaseGuard {
-    let s = intern(name);
-    PhaseGuard(PHASE.with(|p| p.replace(s)))
-}
-
 impl CudaDevice {
     /// Adds one launch of `op` to the ledger under the calling thread's phase and stream; while
     /// this thread captures the compute stream, to the capture's list instead (nothing runs
@@ -494,23 +444,5 @@ mod tests {
         let mut sum = Ledger::default();
         sum.absorb(taken);
         assert_eq!(sum.phases()["rollout"].launches, 1);
-    }
-
-    /// A phase scope names the thread's launches and restores the previous name when it ends.
-    #[test]
-    fn phase_scopes_nest_and_restore() {
-        assert_eq!(current_phase(), NO_PHASE);
-        {
-            let _a = enter_phase("train");
-            assert_eq!(current_phase(), "train");
-            {
-                let _b = enter_phase("resync");
-                assert_eq!(current_phase(), "resync");
-            }
-            assert_eq!(current_phase(), "train");
-            // The same name is interned once: the launches of a phase share one key.
-            assert!(std::ptr::eq(intern("train"), current_phase()));
-        }
-        assert_eq!(current_phase(), NO_PHASE);
     }
 }
