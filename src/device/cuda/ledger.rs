@@ -128,10 +128,13 @@ pub struct Entry {
     pub seconds: [f64; 2],
     /// Of the launches, those replayed from a CUDA graph.
     pub replayed: u64,
+    /// The (rate, path) of the operation's launches (an operation has one of each).
+    pub kind: Option<(Rate, Path)>,
 }
 
 impl Entry {
     fn add(&mut self, c: &Cost, replayed: bool) {
+        self.kind.get_or_insert((c.rate, c.path));
         self.launches += 1;
         self.replayed += replayed as u64;
         self.flops += c.flops;
@@ -142,6 +145,9 @@ impl Entry {
     }
 
     pub fn merge(&mut self, o: &Entry) {
+        if let Some(k) = o.kind {
+            self.kind.get_or_insert(k);
+        }
         self.launches += o.launches;
         self.replayed += o.replayed;
         self.flops += o.flops;
@@ -155,18 +161,16 @@ impl Entry {
 /// (phase, stream, operation): the ledger's key.
 pub type Key = (&'static str, Stream, &'static str);
 
-/// One device's ledger: the totals per key since the last [`Ledger::take`], and the rate and
-/// path of each operation.
+/// One device's ledger: the totals per key since the last [`Ledger::take`].
 #[derive(Debug, Default)]
 pub struct Ledger {
     entries: HashMap<Key, Entry>,
-    kinds: HashMap<&'static str, (Rate, Path)>,
 }
 
 impl Ledger {
+    /// One launch (one hash-map update: the device's hot path).
     pub fn record(&mut self, key: Key, c: &Cost, replayed: bool) {
         self.entries.entry(key).or_default().add(c, replayed);
-        self.kinds.entry(key.2).or_insert((c.rate, c.path));
     }
 
     /// The totals so far, and an empty ledger in their place.
@@ -180,7 +184,7 @@ impl Ledger {
 
     /// The (rate, path) an operation was recorded with.
     pub fn kind(&self, op: &str) -> Option<(Rate, Path)> {
-        self.kinds.get(op).copied()
+        self.entries.iter().find(|(k, _)| k.2 == op).and_then(|(_, e)| e.kind)
     }
 
     /// The totals of each phase (both streams, every operation), by phase name.
@@ -205,9 +209,6 @@ impl Ledger {
     pub fn absorb(&mut self, o: Ledger) {
         for (k, e) in o.entries {
             self.entries.entry(k).or_default().merge(&e);
-        }
-        for (op, kind) in o.kinds {
-            self.kinds.entry(op).or_insert(kind);
         }
     }
 
@@ -251,11 +252,11 @@ pub fn summarize(devices: &[Ledger]) -> BTreeMap<String, PhaseSummary> {
     let mut out: BTreeMap<String, PhaseSummary> = BTreeMap::new();
     for l in devices {
         let mut secs: BTreeMap<&str, [f64; 2]> = BTreeMap::new();
-        for ((phase, _, op), e) in sorted(l) {
+        for ((phase, _, _), e) in sorted(l) {
             let s = out.entry(phase.to_string()).or_default();
             s.launches += e.launches;
             s.flops += e.flops;
-            match l.kind(op).map(|k| k.1).unwrap_or(Path::Hbm) {
+            match e.kind.map(|k| k.1).unwrap_or(Path::Hbm) {
                 Path::Hbm => s.bytes += e.bytes,
                 Path::Nvlink => s.nvlink_bytes += e.bytes,
                 Path::Pcie => s.pcie_bytes += e.bytes,
@@ -295,7 +296,7 @@ pub fn rows(l: &Ledger) -> Vec<Row> {
     let mut v: Vec<Row> = sorted(l)
         .into_iter()
         .map(|((phase, stream, op), e)| {
-            let (rate, path) = l.kind(op).unwrap_or((Rate::F32, Path::Hbm));
+            let (rate, path) = e.kind.unwrap_or((Rate::F32, Path::Hbm));
             Row {
                 phase: phase.to_string(),
                 stream: stream.name(),
