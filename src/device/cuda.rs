@@ -321,6 +321,19 @@ impl CudaDevice {
         Ok(Tensor::from_storage(shape, Storage::Cuda(s)))
     }
 
+    /// A tensor whose every element the caller writes before reading it: no memset on a GPU;
+    /// on cuda-sim the block is poisoned (0xFF bytes, NaN as f32 or BF16) so a read of an
+    /// element nobody wrote shows in the results. The fill is not a launch of the product and
+    /// stays out of the ledger.
+    pub fn uninit(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let s = CudaStorage::alloc(self, dtype, n, &format!("a {} tensor of shape {shape:?}", dtype.name()))?;
+        if n > 0 {
+            self.inner.driver.poison(s.ptr, n * dtype.size())?;
+        }
+        Ok(Tensor::from_storage(shape, Storage::Cuda(s)))
+    }
+
     /// Copies a tensor to this device (a host tensor, or another CUDA tensor).
     pub fn upload(&self, t: &Tensor) -> Result<Tensor> {
         let n = t.numel();

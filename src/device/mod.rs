@@ -137,6 +137,17 @@ impl Device {
         }
     }
 
+    /// A tensor the caller overwrites completely before reading it (an activation a kernel
+    /// writes whole): zeros on the CPU, no memset on a GPU, poison on cuda-sim
+    /// ([`cuda::CudaDevice::uninit`]). Anything accumulated into (a gradient) takes
+    /// [`Device::zeros`].
+    pub fn uninit(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        match self {
+            Device::Cpu(_) => Ok(Tensor::cpu_zeros(dtype, shape)),
+            Device::Cuda(c) => c.uninit(dtype, shape),
+        }
+    }
+
     /// [`Device::zeros`] for a long-lived buffer the hot loop writes bit by bit (the KV cache):
     /// on the CPU its pages are committed now ([`Tensor::cpu_zeros_committed`]), so the whole
     /// buffer is resident from the start; device memory is backed when allocated anyway.

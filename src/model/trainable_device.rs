@@ -133,8 +133,9 @@ impl DeviceTrainable {
         })
     }
 
-    fn zeros(&self, shape: &[usize]) -> Result<Tensor> {
-        self.dev.zeros(DType::F32, shape)
+    /// An activation the next kernel writes whole (no memset on a GPU; poison on cuda-sim).
+    fn uninit(&self, shape: &[usize]) -> Result<Tensor> {
+        self.dev.uninit(DType::F32, shape)
     }
 
     /// Forward over `b` with parameters `p` (device tensors in `param_specs` order). Saves the
@@ -170,16 +171,17 @@ impl DeviceTrainable {
             targets: up(&dev, b.targets.clone())?,
         };
         let positions = up(&dev, b.positions.clone())?;
-        self.cos = self.zeros(&[n, d / 2])?;
-        self.sin = self.zeros(&[n, d / 2])?;
+        self.cos = self.uninit(&[n, d / 2])?;
+        self.sin = self.uninit(&[n, d / 2])?;
         rope::rope_table(&dev, &positions, &self.inv_freq, &mut self.cos, &mut self.sin, n)?;
         let shape = Shape { heads: h, kv_heads: hkv, head_dim: d };
-        let mut x = self.zeros(&[n, c])?;
+        let mut x = self.uninit(&[n, c])?;
         elementwise::embedding(&dev, p[self.ix.embed], &batch.tokens, &mut x, n)?;
         let mut acts = Vec::with_capacity(cfg.num_layers);
         let lq = self.quant.clone();
         for li in &self.ix.layers {
-            let z = |shape: &[usize]| dev.zeros(DType::F32, shape);
+            // Every buffer of the layer is written whole by the kernel that first touches it.
+            let z = |shape: &[usize]| dev.uninit(DType::F32, shape);
             let mut a = Acts {
                 x,
                 rstd1: z(&[n])?,
@@ -249,7 +251,7 @@ impl DeviceTrainable {
                     self.qw[l][j] = match q.on(lin) {
                         true => {
                             let (rows, k) = (p[w].dim(0), p[w].dim(1));
-                            let mut t = dev.zeros(DType::F32, &[rows, k])?;
+                            let mut t = dev.uninit(DType::F32, &[rows, k])?;
                             let fast = linear::learner_w4a4_here(&dev, rows, k);
                             wc[j] =
                                 quantize::learner_round_codes(&dev, p[w], &mut t, rows, Global::Tensor, &q.opts, fast)?;
@@ -259,7 +261,7 @@ impl DeviceTrainable {
                     };
                 }
                 if q.on(GATE) || q.on(UP) {
-                    let mut t = dev.zeros(DType::F32, &[n, c])?;
+                    let mut t = dev.uninit(DType::F32, &[n, c])?;
                     let g = q.act_global(l, if q.on(GATE) { GATE } else { UP });
                     let fast = wc[0].is_some() || wc[1].is_some();
                     xc = quantize::learner_round_codes(&dev, &a.h2, &mut t, n, g, &q.opts, fast)?;
@@ -291,7 +293,7 @@ impl DeviceTrainable {
             lin(xu, if on(UP) { &xc } else { &None }, 1, li.up, bias(li.ub), &mut a.u, false)?;
             elementwise::swiglu(&dev, &a.g, &a.u, &mut a.a, n)?;
             if let (Some(q), true) = (&lq, on(DOWN)) {
-                let mut t = dev.zeros(DType::F32, &[n, i_dim])?;
+                let mut t = dev.uninit(DType::F32, &[n, i_dim])?;
                 ac = quantize::learner_round_codes(
                     &dev,
                     &a.a,
@@ -304,14 +306,14 @@ impl DeviceTrainable {
                 a.aq = Some(t);
             }
             // x = x2 + a·Wdᵀ (+ bd)
-            x = dev.zeros(DType::F32, &[n, c])?;
+            x = dev.uninit(DType::F32, &[n, c])?;
             x.copy_from(&a.x2)?;
             lin(a.aq.as_ref().unwrap_or(&a.a), &ac, 2, li.down, bias(li.db), &mut x, true)?;
             acts.push(a);
         }
         self.acts = acts;
-        self.rstdf = self.zeros(&[n])?;
-        self.hf = self.zeros(&[n, c])?;
+        self.rstdf = self.uninit(&[n])?;
+        self.hf = self.uninit(&[n, c])?;
         norm::rmsnorm_train(&dev, &x, p[self.ix.norm_f], eps, &mut self.hf, &mut self.rstdf, n)?;
         self.xf = x;
         self.batch = Some(batch);
@@ -363,9 +365,11 @@ impl DeviceTrainable {
         let dev = self.dev.clone();
         let b = self.batch.take().ok_or_else(|| anyhow::anyhow!("backward: no forward before it"))?;
         let n = b.n;
-        let z = |shape: &[usize]| dev.zeros(DType::F32, shape);
+        // The loss pass scatter-adds into dh (its unscored rows stay zero); every other buffer
+        // is written whole by its first kernel of each layer.
+        let z = |shape: &[usize]| dev.uninit(DType::F32, shape);
         // LM head + loss.
-        let mut dh = z(&[n, c])?;
+        let mut dh = dev.zeros(DType::F32, &[n, c])?;
         let r = Rows { rows: &b.rows, targets: &b.targets };
         let head = self.ix.head;
         let loss = lm_head::loss_grad(&dev, &self.hf, p[head], &r, coef, center, t, chunk, &mut dh, &mut grads[head])?;

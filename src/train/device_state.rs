@@ -181,7 +181,7 @@ impl DeviceState {
         let p = weights.tensors();
         self.model.forward(&p, b)?;
         let m = b.rows.len();
-        let (mut lp, mut en) = (self.dev.zeros(DType::F32, &[m])?, self.dev.zeros(DType::F32, &[m])?);
+        let (mut lp, mut en) = (self.dev.uninit(DType::F32, &[m])?, self.dev.uninit(DType::F32, &[m])?);
         self.model.token_stats(&p, t, chunk, &mut lp, &mut en)?;
         Ok((lp.to_f32_vec()?, en.to_f32_vec()?))
     }

@@ -258,6 +258,16 @@ impl Driver {
         each!(self, d => d.memset0(ptr, bytes))
     }
 
+    /// Marks `bytes` at `ptr` as not yet written: the simulator queues a fill with its poison
+    /// byte (f32/BF16 NaN), a GPU does nothing.
+    pub fn poison(&self, ptr: u64, bytes: usize) -> Result<()> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Driver::Real(_) => Ok(()),
+            Driver::Sim(d) => d.poison(ptr, bytes),
+        }
+    }
+
     /// Copies host bytes to `dst`, queued; the bytes are staged before this returns.
     pub fn htod(&self, dst: u64, src: &[u8]) -> Result<()> {
         each!(self, d => d.htod(dst, src))

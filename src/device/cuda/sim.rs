@@ -119,6 +119,7 @@ enum Op {
     Memset {
         ptr: u64,
         bytes: usize,
+        value: u8,
     },
     Htod {
         dst: u64,
@@ -296,7 +297,17 @@ impl Sim {
     pub fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
         let mut st = self.state();
         check_range(&st, ptr, bytes, "memset")?;
-        st.push(Op::Memset { ptr, bytes }, &[ptr]);
+        st.push(Op::Memset { ptr, bytes, value: 0 }, &[ptr]);
+        Ok(())
+    }
+
+    /// Fills `bytes` at `ptr` with the poison byte, queued: memory handed out uninitialized
+    /// ([`super::super::CudaDevice::uninit`]) reads as NaN until a kernel writes it, also when
+    /// the caching allocator hands out a block again.
+    pub fn poison(&self, ptr: u64, bytes: usize) -> Result<()> {
+        let mut st = self.state();
+        check_range(&st, ptr, bytes, "poison fill")?;
+        st.push(Op::Memset { ptr, bytes, value: POISON_BYTE }, &[ptr]);
         Ok(())
     }
 
@@ -555,7 +566,7 @@ impl Sim {
         match op {
             // SAFETY (the three copies): every range was checked against a live allocation when
             // the op was queued, and an allocation is only freed with an empty queue.
-            Op::Memset { ptr, bytes } => unsafe { std::ptr::write_bytes(ptr as *mut u8, 0, bytes) },
+            Op::Memset { ptr, bytes, value } => unsafe { std::ptr::write_bytes(ptr as *mut u8, value, bytes) },
             Op::Htod { dst, data } => unsafe {
                 std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len())
             },
