@@ -71,6 +71,8 @@ mod registry;
 mod sim;
 #[path = "cuda/sim_gemm.rs"]
 mod sim_gemm;
+#[path = "cuda/vmm.rs"]
+mod vmm;
 #[cfg(test)]
 #[path = "cuda/sim_tests.rs"]
 mod sim_tests;
@@ -514,7 +516,7 @@ impl CudaDevice {
             return b;
         }
         let (ptr, class) = self.allocator().alloc(&self.inner.driver, bytes, what)?;
-        Ok(DevBuf { ptr, class, dev: self.clone() })
+        Ok(DevBuf { ptr, class, dev: self.clone(), region: None })
     }
 
     /// Zeroes `bytes` at `ptr`, queued on the stream.
@@ -608,16 +610,21 @@ fn describe_error(code: u32) -> String {
     }
 }
 
-/// Device memory that returns to the allocator's cache when dropped.
+/// Device memory that returns to the allocator's cache when dropped (or, for a reservation,
+/// to the driver: `vmm.rs`).
 pub struct DevBuf {
     /// The device address.
     pub ptr: u64,
     class: usize,
     dev: CudaDevice,
+    region: Option<vmm::Region>,
 }
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
+        if let Some(r) = &self.region {
+            return self.dev.drop_region(self.ptr, r);
+        }
         if self.dev.capture_free(self.ptr, self.class) {
             return;
         }

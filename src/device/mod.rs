@@ -158,6 +158,35 @@ impl Device {
         }
     }
 
+    /// Zero-filled tensors of `parts` ((dtype, shape) each) whose memory can be handed back
+    /// between phases and taken again at the same addresses: on CUDA one virtual-memory
+    /// reservation holds them all, and its handle comes first ([`Device::unmap`],
+    /// [`Device::remap`]; `cuda::CudaDevice::remappable`). None on the CPU, whose tensors are
+    /// handed back by dropping them. `what` names the buffer in errors.
+    pub fn remappable(&self, parts: &[(DType, Vec<usize>)], what: &str) -> Result<Option<(Tensor, Vec<Tensor>)>> {
+        match self {
+            Device::Cpu(_) => Ok(None),
+            Device::Cuda(c) => c.remappable(parts, what).map(Some),
+        }
+    }
+
+    /// Gives the memory of a [`Device::remappable`] reservation back (its tensors keep their
+    /// addresses and must not be used until [`Device::remap`]); the bytes given back.
+    pub fn unmap(&self, handle: &Tensor) -> Result<usize> {
+        match self {
+            Device::Cpu(_) => anyhow::bail!("cpu: no tensor is remappable on the CPU"),
+            Device::Cuda(c) => c.unmap(handle),
+        }
+    }
+
+    /// Maps memory into a [`Device::remappable`] reservation again, zero-filled.
+    pub fn remap(&self, handle: &Tensor) -> Result<()> {
+        match self {
+            Device::Cpu(_) => anyhow::bail!("cpu: no tensor is remappable on the CPU"),
+            Device::Cuda(c) => c.remap(handle),
+        }
+    }
+
     /// Copies a host f32 slice into a new tensor of `dtype` on this device (rounding to nearest
     /// even when `dtype` is BF16/F16).
     pub fn from_f32(&self, dtype: DType, shape: &[usize], data: &[f32]) -> Result<Tensor> {

@@ -8,9 +8,10 @@
 //! Why an in-place resync needs no new capture: a graph replays the addresses and scalars of
 //! its capture, and nothing a decode step reads moves. The weights are updated in place (the
 //! engine reads the caller's tensors, which a resync writes into), the activation buffers are
-//! the engine's for its lifetime, the KV cache too unless the memory plan frees it for the
-//! train phase (`Engine::release_cache`: a cache committed again at other addresses drops the
-//! graphs, and each bucket captures again), and the per-step inputs (ids,
+//! the engine's for its lifetime, the KV cache too, also when the memory plan frees it for the
+//! train phase (`Engine::release_cache`: on CUDA its memory is unmapped and mapped again at the
+//! same addresses, `device::cuda::vmm`; a cache committed elsewhere, as on the CPU, would drop
+//! the graphs, and each bucket would capture again), and the per-step inputs (ids,
 //! positions, slots, block tables) are copied into the same buffers before each replay. What
 //! a capture freezes besides addresses are host scalars: the quantized engines' tensor scales
 //! (the GEMMs' alpha), their activation formats and the FP8 cache scales. Each graph is keyed

@@ -2,6 +2,9 @@
 //! (num_blocks, Hkv, block_size, D), and a free list of block ids. Between decoding phases its
 //! memory can be handed back and allocated again ([`KvCache::release_memory`],
 //! [`KvCache::commit_memory`]): the block table, the reserved blocks and the FP8 scales stay.
+//! On CUDA every layer's keys and values lie in one virtual-memory reservation
+//! ([`Device::remappable`]), so the memory comes back at the same addresses and the decode
+//! graphs that read them stay valid; on the CPU the tensors are dropped and allocated again.
 //!
 //! Owns: cache memory and block allocation. May call: `crate::device`. Must not: decide which
 //! sequence gets blocks (that is the scheduler's job).
@@ -27,6 +30,8 @@ pub struct KvCache {
     resident: bool,
     /// The layers' (key, value) addresses before the last release.
     released_at: Vec<(usize, usize)>,
+    /// The reservation every layer's keys and values are views of (CUDA); None on the CPU.
+    arena: Option<crate::device::Tensor>,
 }
 
 impl KvCache {
@@ -60,15 +65,23 @@ impl KvCache {
             bail!("KV cache: {} layer dtypes for {} layers", dtypes.len(), cfg.num_layers);
         }
         let shape = [num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim];
-        let mut layers = Vec::with_capacity(cfg.num_layers);
+        let mut parts = Vec::with_capacity(2 * cfg.num_layers);
         for &(kd, vd) in dtypes {
             for d in [kd, vd] {
                 if !matches!(d, DType::F32 | DType::BF16 | DType::F16 | DType::U8) {
                     bail!("KV cache dtype {} is not supported (f32, bf16, f16, or u8 for FP8)", d.name());
                 }
+                parts.push((d, shape.to_vec()));
             }
+        }
+        let (arena, tensors) = match dev.remappable(&parts, "the KV cache")? {
+            Some((arena, tensors)) => (Some(arena), tensors),
             // Committed now: the decode loop neither faults pages in nor walks 4 KiB page tables.
-            let (k, v) = (dev.zeros_committed(kd, &shape)?, dev.zeros_committed(vd, &shape)?);
+            None => (None, parts.iter().map(|(d, s)| dev.zeros_committed(*d, s)).collect::<Result<Vec<_>>>()?),
+        };
+        let mut tensors = tensors.into_iter();
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        while let (Some(k), Some(v)) = (tensors.next(), tensors.next()) {
             layers.push(KvLayer { k, v, k_scale: 1.0, v_scale: 1.0 });
         }
         let dtype = dtypes[0].0;
@@ -85,6 +98,7 @@ impl KvCache {
             shape,
             resident: true,
             released_at: Vec::new(),
+            arena,
         })
     }
 
@@ -93,10 +107,10 @@ impl KvCache {
         self.resident
     }
 
-    /// Frees every layer's keys and values (the layers keep empty tensors); the bytes freed.
-    /// Only an idle cache can: a block a sequence holds would lose its keys. On CUDA the
-    /// memory goes back to the device's allocator; [`Device::release_cached`] hands it to the
-    /// driver.
+    /// Frees every layer's keys and values; the bytes freed. Only an idle cache can: a block
+    /// a sequence holds would lose its keys. On CUDA the reservation's memory goes back to the
+    /// driver and the layers keep their tensors, which must not be read until the commit; on
+    /// the CPU the layers keep empty tensors.
     pub fn release_memory(&mut self, dev: &Device) -> Result<usize> {
         if !self.resident {
             return Ok(0);
@@ -107,6 +121,11 @@ impl KvCache {
         }
         let bytes = self.size_bytes();
         self.released_at = self.addresses();
+        if let Some(a) = &self.arena {
+            dev.unmap(a)?;
+            self.resident = false;
+            return Ok(bytes);
+        }
         let empty = [0, self.shape[1], self.shape[2], self.shape[3]];
         for (l, &(kd, vd)) in self.layers.iter_mut().zip(&self.dtypes) {
             l.k = dev.zeros(kd, &empty)?;
@@ -119,10 +138,15 @@ impl KvCache {
     /// Allocates the keys and values again, zero-filled as [`KvCache::with_layers`] made them
     /// (a step reads only the positions its sequences wrote, so the stale bytes a cache that
     /// never left would hold are never read either; zeros keep even an out-of-range read
-    /// finite). Whether any layer came back at another address.
+    /// finite). Whether any layer came back at another address (never on CUDA).
     pub fn commit_memory(&mut self, dev: &Device) -> Result<bool> {
         if self.resident {
             return Ok(false);
+        }
+        if let Some(a) = &self.arena {
+            dev.remap(a)?;
+            self.resident = true;
+            return Ok(self.addresses() != self.released_at);
         }
         for (l, &(kd, vd)) in self.layers.iter_mut().zip(&self.dtypes) {
             l.k = dev.zeros_committed(kd, &self.shape)?;
@@ -161,7 +185,12 @@ impl KvCache {
         self.free.append(blocks);
     }
 
+    /// The device memory the cache holds when resident: on CUDA its reservation's whole
+    /// granules, on the CPU its layers' bytes.
     pub fn size_bytes(&self) -> usize {
-        self.layers.iter().map(|l| l.k.size_bytes() + l.v.size_bytes()).sum()
+        match &self.arena {
+            Some(a) => a.size_bytes(),
+            None => self.layers.iter().map(|l| l.k.size_bytes() + l.v.size_bytes()).sum(),
+        }
     }
 }

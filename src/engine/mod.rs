@@ -392,7 +392,8 @@ impl Engine {
     /// Frees the KV cache's memory for another phase (the trainer's); the bytes freed. Only an
     /// idle engine can: a sequence in flight would lose its keys. Steps with work fail until
     /// [`Engine::commit_cache`]. The decode graphs stay: the cache's addresses are part of
-    /// their fingerprint, so one replays only where the cache came back where it was.
+    /// their fingerprint, and on CUDA the cache comes back where it was (one virtual-memory
+    /// reservation), so they replay.
     pub fn release_cache(&mut self) -> Result<usize> {
         if self.has_work() {
             bail!(

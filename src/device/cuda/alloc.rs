@@ -86,6 +86,31 @@ impl Allocator {
         Ok((p, class))
     }
 
+    /// Counts `bytes` mapped into a reservation outside the pools (`vmm.rs`) as in use, under
+    /// the same budget: over it, the cached blocks go back to the driver first.
+    pub fn map(&mut self, drv: &dyn Driver, bytes: usize, what: &str) -> Result<()> {
+        if self.in_use + self.cached + bytes > self.budget {
+            self.release(drv)?;
+        }
+        if self.in_use + bytes > self.budget {
+            bail!(
+                "CUDA memory budget exceeded: {what} maps {:.1} MiB; the budget is {:.1} MiB and {:.1} MiB are in \
+                 use (set COLOTRAIN_CUDA_BUDGET_MB to change the budget)",
+                mib(bytes),
+                mib(self.budget),
+                mib(self.in_use)
+            );
+        }
+        self.in_use += bytes;
+        self.peak = self.peak.max(self.in_use + self.cached);
+        Ok(())
+    }
+
+    /// The mapping of `bytes` counted by [`Allocator::map`] is gone.
+    pub fn unmap(&mut self, bytes: usize) {
+        self.in_use = self.in_use.saturating_sub(bytes);
+    }
+
     /// Returns a block to its free list.
     pub fn free(&mut self, ptr: u64, class: usize) {
         self.free.entry(class).or_default().push(ptr);

@@ -253,6 +253,43 @@ impl Driver {
         each!(self, d => d.free(ptr))
     }
 
+    /// The size virtual-memory mappings are made in (a reservation's bytes are a multiple).
+    pub fn granularity(&self) -> Result<usize> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Driver::Real(d) => d.granularity(),
+            Driver::Sim(_) => Ok(super::sim::GRANULARITY),
+        }
+    }
+
+    /// Reserves `bytes` of address space (a multiple of the granularity), with no memory yet.
+    pub fn reserve(&self, bytes: usize) -> Result<u64> {
+        each!(self, d => d.reserve(bytes))
+    }
+
+    /// Backs the whole reservation at `ptr` with device memory (contents undefined).
+    pub fn map(&self, ptr: u64, bytes: usize) -> Result<()> {
+        each!(self, d => d.map(ptr, bytes))
+    }
+
+    /// Gives the reservation's memory back to the driver once the queued work has run; the
+    /// address stays reserved.
+    pub fn unmap(&self, ptr: u64, bytes: usize) -> Result<()> {
+        each!(self, d => d.unmap(ptr, bytes))
+    }
+
+    /// Frees a reservation of `bytes` at `ptr` (unmapped first where it is mapped).
+    pub fn unreserve(&self, ptr: u64, bytes: usize) {
+        match self {
+            #[cfg(feature = "cuda")]
+            Driver::Real(d) => d.unreserve(ptr, bytes),
+            Driver::Sim(d) => {
+                let _ = bytes;
+                d.unreserve(ptr)
+            }
+        }
+    }
+
     /// Zeroes `bytes` at `ptr`, queued.
     pub fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
         each!(self, d => d.memset0(ptr, bytes))

@@ -266,7 +266,7 @@ impl CudaDevice {
             },
         };
         pool.live.insert(ptr);
-        Some(Ok(DevBuf { ptr, class, dev: self.clone() }))
+        Some(Ok(DevBuf { ptr, class, dev: self.clone(), region: None }))
     }
 
     /// Takes a block this thread frees while capturing into the capture's pool; false when

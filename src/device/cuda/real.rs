@@ -43,6 +43,8 @@ pub(super) struct Real {
     /// Created at the first GEMM; the workspace is the device's (allocated at open).
     blas: Mutex<Option<Blas>>,
     workspace: Mutex<(u64, usize)>,
+    /// The physical memory mapped into each reservation (`map`), by its address.
+    mapped: Mutex<std::collections::HashMap<u64, sys::CUmemGenericAllocationHandle>>,
 }
 
 impl Real {
@@ -81,6 +83,7 @@ impl Real {
             functions: Vec::new(),
             blas: Mutex::new(None),
             workspace: Mutex::new((0, 0)),
+            mapped: Mutex::new(Default::default()),
         };
         Ok((real, Props { name, cc, sm_count, free }))
     }
@@ -191,6 +194,85 @@ impl Real {
             dr::memcpy_peer_async(self.ctx.cu_ctx(), dst, src_ctx.cu_ctx(), src, bytes, self.stream().cu_stream())
         }
         .map_err(|e| anyhow!("peer copy from cuda:{src_ordinal}: {e}"))
+    }
+
+    /// Pinned device memory on this GPU, for cuMemCreate and its granularity.
+    fn vmm_prop(&self) -> sys::CUmemAllocationProp {
+        // SAFETY: a plain C struct; all-zero is its documented default for the unused fields.
+        let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        p.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        p.location.id = self.ctx.ordinal() as i32;
+        p
+    }
+
+    pub fn granularity(&self) -> Result<usize> {
+        let mut g = 0usize;
+        let flag = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+        // SAFETY: queries into a local with a valid property struct.
+        unsafe { sys::cuMemGetAllocationGranularity(&mut g, &self.vmm_prop(), flag) }
+            .result()
+            .map_err(|e| anyhow!("virtual memory granularity: {e}"))?;
+        Ok(g.max(1))
+    }
+
+    pub fn reserve(&self, bytes: usize) -> Result<u64> {
+        self.bind()?;
+        let mut ptr = 0;
+        // SAFETY: reserves address space only; freed by `unreserve`.
+        unsafe { sys::cuMemAddressReserve(&mut ptr, bytes, 0, 0, 0) }
+            .result()
+            .map_err(|e| anyhow!("reserving {bytes} bytes of device address space: {e}"))?;
+        Ok(ptr)
+    }
+
+    pub fn map(&self, ptr: u64, bytes: usize) -> Result<()> {
+        self.bind()?;
+        let prop = self.vmm_prop();
+        let mut h = 0;
+        // SAFETY: creates a physical allocation of `bytes` (a multiple of the granularity).
+        unsafe { sys::cuMemCreate(&mut h, bytes, &prop, 0) }
+            .result()
+            .map_err(|e| anyhow!("device memory for a mapping of {bytes} bytes: {e}"))?;
+        let access = sys::CUmemAccessDesc {
+            location: prop.location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: maps the handle over the whole reservation at `ptr` (reserved with this size,
+        // not mapped: the device layer tracks that) and lets this GPU read and write it.
+        let r = unsafe { sys::cuMemMap(ptr, bytes, 0, h, 0) }.result().and_then(|_| {
+            unsafe { sys::cuMemSetAccess(ptr, bytes, &access, 1) }.result().inspect_err(|_| {
+                let _ = unsafe { sys::cuMemUnmap(ptr, bytes) };
+            })
+        });
+        if let Err(e) = r {
+            // SAFETY: the handle is not mapped anywhere; releasing frees it.
+            let _ = unsafe { sys::cuMemRelease(h) };
+            bail!("mapping {bytes} bytes at {ptr:#x}: {e}");
+        }
+        self.mapped.lock().unwrap_or_else(|e| e.into_inner()).insert(ptr, h);
+        Ok(())
+    }
+
+    pub fn unmap(&self, ptr: u64, bytes: usize) -> Result<()> {
+        self.synchronize()?;
+        let h = self.mapped.lock().unwrap_or_else(|e| e.into_inner()).remove(&ptr);
+        let h = h.ok_or_else(|| anyhow!("unmap at {ptr:#x}: nothing is mapped there"))?;
+        // SAFETY: both streams drained, so no queued work reads the range; the handle was
+        // mapped over exactly [ptr, ptr + bytes) by `map`.
+        unsafe { sys::cuMemUnmap(ptr, bytes) }.result().map_err(|e| anyhow!("unmap at {ptr:#x}: {e}"))?;
+        // SAFETY: no longer mapped anywhere.
+        unsafe { sys::cuMemRelease(h) }.result().map_err(|e| anyhow!("releasing a mapping's memory: {e}"))
+    }
+
+    pub fn unreserve(&self, ptr: u64, bytes: usize) {
+        if self.mapped.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&ptr) {
+            let _ = self.unmap(ptr, bytes);
+        }
+        if self.bind().is_ok() {
+            // SAFETY: the range was reserved by `reserve` with this size and is unmapped.
+            let _ = unsafe { sys::cuMemAddressFree(ptr, bytes) };
+        }
     }
 
     pub fn malloc(&self, bytes: usize) -> Result<u64> {

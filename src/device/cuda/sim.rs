@@ -33,6 +33,9 @@ use std::time::Instant;
 #[path = "sim_graph.rs"]
 mod graph;
 pub(super) use graph::SimGraph;
+#[path = "sim_vmm.rs"]
+mod vmm;
+pub(super) use vmm::GRANULARITY;
 
 unsafe extern "C" {
     /// csrc/hostemu/sim.cpp: runs kernel `id` (Kernel::index) with grid (gx, gy), a block of
@@ -202,6 +205,8 @@ struct State {
     launches: u64,
     /// A CUDA-graph capture in progress (`sim_graph.rs`).
     capture: Option<graph::Capture>,
+    /// Reservations whose memory is unmapped (`sim_vmm.rs`): start → bytes.
+    unmapped: BTreeMap<u64, usize>,
 }
 
 pub(super) struct Sim {
@@ -323,6 +328,8 @@ impl Sim {
         self.synchronize()?;
         let st = self.state();
         check_range(&st, src, dst.len(), "device-to-host copy")?;
+        let uses: Vec<u64> = st.alloc_of(src).into_iter().collect();
+        st.check_mapped(&uses, "a device-to-host copy").map_err(|e| anyhow!("{}: {e}", self.name()))?;
         // SAFETY: [src, src + len) lies inside a live allocation (checked above) and the queue
         // is empty, so nothing writes it meanwhile.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
@@ -537,6 +544,10 @@ impl Sim {
                         bail!("{}: {e}", self.name());
                     }
                     let Some(e) = st.queues[i].pop_front() else { break };
+                    if let Err(err) = st.check_mapped(&e.uses, &e.op.describe()) {
+                        st.discard();
+                        bail!("{}: {err}", self.name());
+                    }
                     st.ran[i] += 1;
                     progress = true;
                     if let Err(err) = self.run(st, e.op) {
