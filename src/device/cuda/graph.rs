@@ -254,14 +254,15 @@ impl CudaDevice {
         let mut guard = self.capture_pool();
         let pool = guard.as_mut().filter(|p| p.thread == std::thread::current().id())?;
         let class = alloc::size_class(bytes);
-        let ptr = match pool.free.iter().rposition(|b| b.1 == class) {
+        // A block from the cache keeps the class the allocator gave it (up to twice this one).
+        let (ptr, class) = match pool.free.iter().rposition(|b| b.1 == class) {
             Some(i) => {
                 let p = pool.free.swap_remove(i).0;
                 pool.from_pool.insert(p);
-                p
+                (p, class)
             }
             None => match self.allocator().alloc(&self.inner.driver, bytes, what) {
-                Ok((p, _)) => p,
+                Ok(pc) => pc,
                 Err(e) => return Some(Err(e)),
             },
         };
