@@ -26,7 +26,8 @@ pub struct KvCache {
     dtypes: Vec<(DType, DType)>,
     /// (num_blocks, Hkv, block_size, D) of every layer's keys and values.
     shape: [usize; 4],
-    /// False between `release_memory` and `commit_memory`: the layers hold empty tensors.
+    /// False between `release_memory` and `commit_memory`: the layers hold empty tensors on
+    /// the CPU, and views of an unmapped reservation on CUDA (not to be read).
     resident: bool,
     /// The layers' (key, value) addresses before the last release.
     released_at: Vec<(usize, usize)>,

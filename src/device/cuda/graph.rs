@@ -255,11 +255,14 @@ impl CudaDevice {
         let pool = guard.as_mut().filter(|p| p.thread == std::thread::current().id())?;
         let class = alloc::size_class(bytes);
         // A block from the cache keeps the class the allocator gave it (up to twice this one).
-        let (ptr, class) = match pool.free.iter().rposition(|b| b.1 == class) {
+        // The pool's smallest block of at most twice the class, as the allocator's rule.
+        let fit =
+            pool.free.iter().enumerate().filter(|(_, b)| (class..=2 * class).contains(&b.1)).min_by_key(|(_, b)| b.1);
+        let (ptr, class) = match fit.map(|(i, _)| i) {
             Some(i) => {
-                let p = pool.free.swap_remove(i).0;
+                let (p, c) = pool.free.swap_remove(i);
                 pool.from_pool.insert(p);
-                (p, class)
+                (p, c)
             }
             None => match self.allocator().alloc(&self.inner.driver, bytes, what) {
                 Ok(pc) => pc,

@@ -256,13 +256,19 @@ impl Real {
 
     pub fn unmap(&self, ptr: u64, bytes: usize) -> Result<()> {
         self.synchronize()?;
-        let h = self.mapped.lock().unwrap_or_else(|e| e.into_inner()).remove(&ptr);
-        let h = h.ok_or_else(|| anyhow!("unmap at {ptr:#x}: nothing is mapped there"))?;
+        let mut mapped = self.mapped.lock().unwrap_or_else(|e| e.into_inner());
+        let h = *mapped.get(&ptr).ok_or_else(|| anyhow!("unmap at {ptr:#x}: nothing is mapped there"))?;
         // SAFETY: both streams drained, so no queued work reads the range; the handle was
-        // mapped over exactly [ptr, ptr + bytes) by `map`.
+        // mapped over exactly [ptr, ptr + bytes) by `map`. On failure the mapping stays, and
+        // so does its entry (a later unmap or the drop tries again).
         unsafe { sys::cuMemUnmap(ptr, bytes) }.result().map_err(|e| anyhow!("unmap at {ptr:#x}: {e}"))?;
-        // SAFETY: no longer mapped anywhere.
-        unsafe { sys::cuMemRelease(h) }.result().map_err(|e| anyhow!("releasing a mapping's memory: {e}"))
+        mapped.remove(&ptr);
+        // SAFETY: no longer mapped anywhere. The range is unmapped whatever this returns, which
+        // is what the caller goes by; a handle the driver would not release is only logged.
+        if let Err(e) = unsafe { sys::cuMemRelease(h) }.result() {
+            tracing::warn!("cuda:{}: releasing an unmapped allocation's memory failed: {e}", self.ctx.ordinal());
+        }
+        Ok(())
     }
 
     pub fn unreserve(&self, ptr: u64, bytes: usize) {

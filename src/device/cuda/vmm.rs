@@ -95,9 +95,16 @@ impl CudaDevice {
             return Ok(());
         }
         self.allocator().map(&self.inner.driver, r.bytes, what)?;
-        if let Err(e) = self.inner.driver.map(buf.ptr, r.bytes) {
+        let mut mapped = self.inner.driver.map(buf.ptr, r.bytes);
+        if mapped.is_err() && self.allocator().cached > 0 {
+            // The driver is out of memory: the allocator's cached blocks go back first, as
+            // for any allocation.
+            let a = self.allocator().release(&self.inner.driver);
+            mapped = a.and_then(|_| self.inner.driver.map(buf.ptr, r.bytes));
+        }
+        if let Err(e) = mapped {
             self.allocator().unmap(r.bytes);
-            return Err(e);
+            return Err(e.context(format!("{}: mapping {what} ({} bytes)", self.name(), r.bytes)));
         }
         r.mapped.store(true, Ordering::Release);
         self.memset0(buf.ptr, r.bytes)
