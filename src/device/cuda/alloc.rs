@@ -65,18 +65,7 @@ impl Allocator {
             self.in_use += c;
             return Ok((p, c));
         }
-        if self.in_use + self.cached + class > self.budget {
-            self.release(drv)?;
-        }
-        if self.in_use + class > self.budget {
-            bail!(
-                "CUDA memory budget exceeded: {what} needs {bytes} bytes ({:.1} MiB); the budget is {:.1} MiB and \
-                 {:.1} MiB are in use (set COLOTRAIN_CUDA_BUDGET_MB to change the budget)",
-                mib(bytes),
-                mib(self.budget),
-                mib(self.in_use)
-            );
-        }
+        self.make_room(drv, class, what)?;
         let p = match drv.malloc(class) {
             Ok(p) => p,
             Err(_) if self.cached > 0 => {
@@ -94,20 +83,27 @@ impl Allocator {
     /// Counts `bytes` mapped into a reservation outside the pools (`vmm.rs`) as in use, under
     /// the same budget: over it, the cached blocks go back to the driver first.
     pub fn map(&mut self, drv: &dyn Driver, bytes: usize, what: &str) -> Result<()> {
+        self.make_room(drv, bytes, what)?;
+        self.in_use += bytes;
+        self.peak = self.peak.max(self.in_use + self.cached);
+        Ok(())
+    }
+
+    /// Checks that `bytes` more fit the budget, giving the cached blocks back to the driver
+    /// first when only they stand in the way; `what` names the request in the error.
+    fn make_room(&mut self, drv: &dyn Driver, bytes: usize, what: &str) -> Result<()> {
         if self.in_use + self.cached + bytes > self.budget {
             self.release(drv)?;
         }
         if self.in_use + bytes > self.budget {
             bail!(
-                "CUDA memory budget exceeded: {what} maps {:.1} MiB; the budget is {:.1} MiB and {:.1} MiB are in \
-                 use (set COLOTRAIN_CUDA_BUDGET_MB to change the budget)",
+                "CUDA memory budget exceeded: {what} needs {bytes} bytes ({:.1} MiB); the budget is {:.1} MiB and \
+                 {:.1} MiB are in use (set COLOTRAIN_CUDA_BUDGET_MB to change the budget)",
                 mib(bytes),
                 mib(self.budget),
                 mib(self.in_use)
             );
         }
-        self.in_use += bytes;
-        self.peak = self.peak.max(self.in_use + self.cached);
         Ok(())
     }
 

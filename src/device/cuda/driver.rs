@@ -255,11 +255,7 @@ impl Driver {
 
     /// The size virtual-memory mappings are made in (a reservation's bytes are a multiple).
     pub fn granularity(&self) -> Result<usize> {
-        match self {
-            #[cfg(feature = "cuda")]
-            Driver::Real(d) => d.granularity(),
-            Driver::Sim(_) => Ok(super::sim::GRANULARITY),
-        }
+        each!(self, d => d.granularity())
     }
 
     /// Reserves `bytes` of address space (a multiple of the granularity), with no memory yet.
@@ -280,14 +276,7 @@ impl Driver {
 
     /// Frees a reservation of `bytes` at `ptr` (unmapped first where it is mapped).
     pub fn unreserve(&self, ptr: u64, bytes: usize) {
-        match self {
-            #[cfg(feature = "cuda")]
-            Driver::Real(d) => d.unreserve(ptr, bytes),
-            Driver::Sim(d) => {
-                let _ = bytes;
-                d.unreserve(ptr)
-            }
-        }
+        each!(self, d => d.unreserve(ptr, bytes))
     }
 
     /// Zeroes `bytes` at `ptr`, queued.
@@ -298,11 +287,7 @@ impl Driver {
     /// Marks `bytes` at `ptr` as not yet written: the simulator queues a fill with its poison
     /// byte (f32/BF16 NaN), a GPU does nothing.
     pub fn poison(&self, ptr: u64, bytes: usize) -> Result<()> {
-        match self {
-            #[cfg(feature = "cuda")]
-            Driver::Real(_) => Ok(()),
-            Driver::Sim(d) => d.poison(ptr, bytes),
-        }
+        each!(self, d => d.poison(ptr, bytes))
     }
 
     /// Copies host bytes to `dst`, queued; the bytes are staged before this returns.

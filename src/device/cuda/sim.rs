@@ -35,7 +35,6 @@ mod graph;
 pub(super) use graph::SimGraph;
 #[path = "sim_vmm.rs"]
 mod vmm;
-pub(super) use vmm::GRANULARITY;
 
 unsafe extern "C" {
     /// csrc/hostemu/sim.cpp: runs kernel `id` (Kernel::index) with grid (gx, gy), a block of
@@ -328,8 +327,8 @@ impl Sim {
         self.synchronize()?;
         let st = self.state();
         check_range(&st, src, dst.len(), "device-to-host copy")?;
-        let uses: Vec<u64> = st.alloc_of(src).into_iter().collect();
-        st.check_mapped(&uses, "a device-to-host copy").map_err(|e| anyhow!("{}: {e}", self.name()))?;
+        st.check_mapped(st.alloc_of(src).as_slice(), "a device-to-host copy")
+            .map_err(|e| anyhow!("{}: {e}", self.name()))?;
         // SAFETY: [src, src + len) lies inside a live allocation (checked above) and the queue
         // is empty, so nothing writes it meanwhile.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };

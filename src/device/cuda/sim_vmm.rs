@@ -13,9 +13,13 @@ use anyhow::{bail, Result};
 
 /// The granularity the simulator maps at: that of the GPUs it stands for (2 MiB on Hopper and
 /// Blackwell), so the memory a reservation costs is the same.
-pub(in crate::device::cuda) const GRANULARITY: usize = 2 << 20;
+const GRANULARITY: usize = 2 << 20;
 
 impl Sim {
+    pub fn granularity(&self) -> Result<usize> {
+        Ok(GRANULARITY)
+    }
+
     /// A reservation of `bytes` (a multiple of [`GRANULARITY`]) at a fixed address, unmapped.
     pub fn reserve(&self, bytes: usize) -> Result<u64> {
         if bytes == 0 || bytes % GRANULARITY != 0 {
@@ -55,8 +59,8 @@ impl Sim {
         Ok(())
     }
 
-    /// Frees the reservation at `ptr` (mapped or not).
-    pub fn unreserve(&self, ptr: u64) {
+    /// Frees the reservation at `ptr` (mapped or not; its size is the allocation's).
+    pub fn unreserve(&self, ptr: u64, _bytes: usize) {
         self.state().unmapped.remove(&ptr);
         self.free(ptr);
     }
