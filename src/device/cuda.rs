@@ -206,10 +206,7 @@ impl CudaDevice {
     /// other tests run in the process); `ordinal` only names it.
     #[cfg(test)]
     pub(crate) fn sim_unshared(ordinal: usize) -> CudaDevice {
-        let drv = Driver::Sim(sim::Sim::new(ordinal, sim::SM90A));
-        let inner =
-            Self::with_driver(ordinal, "simulated H200".into(), sim::SM90A.cc, "sm_90a".into(), 132, 1 << 30, drv);
-        CudaDevice { inner: Arc::new(inner.expect("a simulated device")) }
+        Self::sim_unshared_arch(ordinal, "sm_90a")
     }
 
     /// How many simulated GPUs there are (`COLOTRAIN_SIM_DEVICES`, default 8).

@@ -71,3 +71,37 @@ pub fn take_memory_peak_of(names: &[String]) -> Option<u64> {
 pub fn take_ledger_of(names: &[String]) -> Vec<Ledger> {
     open_among(names).iter().map(|i| i.ledger.lock().unwrap_or_else(|e| e.into_inner()).take()).collect()
 }
+
+impl CudaDevice {
+    /// A dry simulated GPU of architecture `arch` (None: `COLOTRAIN_SIM_ARCH`), outside the
+    /// registry (so it never shares an ordinal's state with a backed one, and the per-step
+    /// readings above do not see it): the simulator's checks, graphs and launch ledger, with
+    /// no memory behind its addresses and no operation run (`sim_dry.rs`). Its memory is a
+    /// TiB, so a 7B model's weights, optimizer and activations fit; `ordinal` only names it.
+    pub fn sim_dry(ordinal: usize, arch: Option<&str>) -> Result<CudaDevice> {
+        let arch = match arch {
+            Some(a) => super::sim::Arch::named(a)?,
+            None => super::sim::Arch::from_env()?,
+        };
+        unregistered(ordinal, arch, true, 1 << 40)
+    }
+
+    /// A simulated GPU of architecture `arch` outside the registry (tests that must own a
+    /// device alone, whatever other tests run in the process); `ordinal` only names it.
+    #[cfg(test)]
+    pub(crate) fn sim_unshared_arch(ordinal: usize, arch: &str) -> CudaDevice {
+        let arch = super::sim::Arch::named(arch).expect("a simulated architecture");
+        unregistered(ordinal, arch, false, 1 << 30).expect("a simulated device")
+    }
+}
+
+/// A simulated device of `arch` with `memory` bytes, dry or backed, that the registry does not
+/// know.
+fn unregistered(ordinal: usize, arch: super::sim::Arch, dry: bool, memory: usize) -> Result<CudaDevice> {
+    let sim = if dry { super::sim::Sim::dry(ordinal, arch) } else { super::sim::Sim::new(ordinal, arch) };
+    let gpu = if arch == super::sim::SM100A { "B300" } else { "H200" };
+    let name = format!("{}simulated {gpu}", if dry { "dry " } else { "" });
+    let drv = super::driver::Driver::Sim(sim);
+    let inner = CudaDevice::with_driver(ordinal, name, arch.cc, arch.name.to_string(), arch.sm_count, memory, drv)?;
+    Ok(CudaDevice { inner: Arc::new(inner) })
+}

@@ -35,6 +35,8 @@ mod graph;
 pub(super) use graph::SimGraph;
 #[path = "sim_vmm.rs"]
 mod vmm;
+#[path = "sim_dry.rs"]
+mod dry;
 
 unsafe extern "C" {
     /// csrc/hostemu/sim.cpp: runs kernel `id` (Kernel::index) with grid (gx, gy), a block of
@@ -111,6 +113,7 @@ fn env_usize(name: &str, default: usize) -> Result<usize> {
 
 struct Alloc {
     /// The start of the host block (the front canary); the device address is base + CANARY.
+    /// 0 on a dry device: the address is not backed by host memory.
     base: usize,
     bytes: usize,
 }
@@ -212,6 +215,9 @@ pub(super) struct Sim {
     pub arch: Arch,
     ordinal: usize,
     state: Mutex<State>,
+    /// A dry device (`sim_dry.rs`): every check and the ledger, no memory behind the
+    /// addresses, no operation run.
+    dry: bool,
 }
 
 fn layout(bytes: usize) -> Result<Layout> {
@@ -221,7 +227,7 @@ fn layout(bytes: usize) -> Result<Layout> {
 impl Sim {
     pub fn new(ordinal: usize, arch: Arch) -> Sim {
         let state = State { smem_attr: vec![SMEM_DEFAULT; Kernel::ALL.len()], ..Default::default() };
-        Sim { arch, ordinal, state: Mutex::new(state) }
+        Sim { arch, ordinal, state: Mutex::new(state), dry: false }
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -254,6 +260,9 @@ impl Sim {
 
     pub fn malloc(&self, bytes: usize) -> Result<u64> {
         self.state().refuse_in_capture(&self.name(), "a device allocation (cuMemAlloc)")?;
+        if self.dry {
+            return self.dry_malloc(bytes);
+        }
         let l = layout(bytes)?;
         // SAFETY: `l` has a non-zero size (two canaries) and a valid alignment.
         let base = unsafe { std::alloc::alloc(l) };
@@ -288,6 +297,9 @@ impl Sim {
                 if let Err(e) = check_canaries(ptr, &a) {
                     st.violations.push(format!("{e:#}"));
                 }
+                if a.base == 0 {
+                    return;
+                }
                 if let Ok(l) = layout(a.bytes) {
                     // SAFETY: `a.base` came from `alloc` with this layout and is freed once (it
                     // was just removed from the map).
@@ -319,7 +331,8 @@ impl Sim {
         let mut st = self.state();
         st.refuse_in_capture(&self.name(), "a host-to-device copy")?;
         check_range(&st, dst, src.len(), "host-to-device copy")?;
-        st.push(Op::Htod { dst, data: src.to_vec() }, &[dst]);
+        let data = if self.dry { Vec::new() } else { src.to_vec() };
+        st.push(Op::Htod { dst, data }, &[dst]);
         Ok(())
     }
 
@@ -329,6 +342,10 @@ impl Sim {
         check_range(&st, src, dst.len(), "device-to-host copy")?;
         st.check_mapped(st.alloc_of(src).as_slice(), "a device-to-host copy")
             .map_err(|e| anyhow!("{}: {e}", self.name()))?;
+        if self.dry {
+            dst.fill(0);
+            return Ok(());
+        }
         // SAFETY: [src, src + len) lies inside a live allocation (checked above) and the queue
         // is empty, so nothing writes it meanwhile.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
@@ -573,6 +590,10 @@ impl Sim {
     }
 
     fn run(&self, st: &mut State, op: Op) -> Result<()> {
+        if self.dry {
+            st.launches += matches!(op, Op::Launch { .. }) as u64;
+            return Ok(());
+        }
         match op {
             // SAFETY (the three copies): every range was checked against a live allocation when
             // the op was queued, and an allocation is only freed with an empty queue.
@@ -620,6 +641,9 @@ impl Drop for Sim {
         let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         for (ptr, a) in std::mem::take(&mut st.allocs) {
             owners().remove(&ptr);
+            if a.base == 0 {
+                continue;
+            }
             if let Ok(l) = layout(a.bytes) {
                 // SAFETY: each block came from `alloc` with this layout and is freed once.
                 unsafe { std::alloc::dealloc(a.base as *mut u8, l) };
@@ -710,6 +734,9 @@ fn check_range(st: &State, ptr: u64, bytes: usize, what: &str) -> Result<()> {
 }
 
 fn check_canaries(ptr: u64, a: &Alloc) -> Result<()> {
+    if a.base == 0 {
+        return Ok(());
+    }
     // SAFETY: the block [base, base + bytes + 2 CANARY) is a live host allocation.
     let (front, back) = unsafe {
         (

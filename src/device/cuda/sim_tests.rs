@@ -188,3 +188,37 @@ fn an_integer_and_its_padding_are_not_read_as_a_pointer() {
     let e = launch(&a, Kernel::GatherRows, (1, 1, 1), 32, 0, &p);
     assert!(e.contains("byte 40") && e.contains("another device"), "{e}");
 }
+
+/// A dry device (`sim_dry.rs`) keeps the simulator's rules but backs nothing: 200 GB of
+/// allocations cost no host memory, a read returns zeros (the queued copy of 7s never ran),
+/// a range past an allocation and a launch past the hardware's limits are still refused, two
+/// streams that share a block without an event are still a race, and its addresses lie in
+/// the dry range, never inside a backed device's memory.
+#[test]
+fn a_dry_device_checks_everything_and_backs_nothing() {
+    use super::driver::{on_stream, Stream};
+    let d = Driver::Sim(Sim::dry(86, SM90A));
+    let big: Vec<u64> = (0..4).map(|_| d.malloc(50 << 30).unwrap()).collect();
+    assert!(big.iter().all(|&p| p >= 16 << 40 && p % 256 == 0), "{big:x?}");
+    let p = d.malloc(16).unwrap();
+    d.htod(p, &[7u8; 16]).unwrap();
+    let mut back = [1u8; 16];
+    d.dtoh(&mut back, p).unwrap();
+    assert_eq!(back, [0u8; 16]);
+    let e = format!("{:#}", d.memset0(p + 8, 16).unwrap_err());
+    assert!(e.contains("runs 8 bytes past the end of its allocation"), "{e}");
+    let e = launch(&d, Kernel::Cast, (1, 1, 1), 2048, 0, &cast_params(p, p, 4));
+    assert!(e.contains("2048 threads per block"), "{e}");
+    assert_eq!(launch(&d, Kernel::Cast, (1, 1, 1), 32, 0, &cast_params(p, big[0], 4)), "");
+    on_stream(Stream::Comm, || d.memset0(big[0], 64)).unwrap();
+    let e = format!("{:#}", d.synchronize().unwrap_err());
+    assert!(e.contains("stream-ordering race"), "{e}");
+    let backed = Driver::Sim(Sim::new(85, SM90A));
+    let q = backed.malloc(1 << 20).unwrap();
+    assert!(!(16 << 40..80 << 40).contains(&q), "a backed block at {q:#x} in the dry range");
+    for p in big.into_iter().chain([p]) {
+        d.free(p);
+    }
+    backed.free(q);
+    d.synchronize().unwrap();
+}

@@ -39,6 +39,9 @@ impl Sim {
             _ => bail!("{}: map of {bytes} bytes at {ptr:#x}: not an unmapped reservation of that size", self.name()),
         }
         st.unmapped.remove(&ptr);
+        if self.dry {
+            return Ok(());
+        }
         // SAFETY: [ptr, ptr + bytes) is the interior of a live host block (the reservation),
         // and no queued operation runs meanwhile (the queues are empty, the state locked).
         unsafe { std::ptr::write_bytes(ptr as *mut u8, POISON_BYTE, bytes) };
@@ -55,7 +58,9 @@ impl Sim {
             bail!("{}: unmap of {bytes} bytes at {ptr:#x}: not a mapped reservation of that size", self.name());
         }
         st.unmapped.insert(ptr, bytes);
-        release_pages(ptr, bytes);
+        if !self.dry {
+            release_pages(ptr, bytes);
+        }
         Ok(())
     }
 
