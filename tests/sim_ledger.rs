@@ -75,6 +75,42 @@ fn a_training_step_declares_the_flops_of_its_passes() {
     assert!(rows(&l).iter().all(|r| r.replayed == 0 && r.h200_s > 0.0 && r.b300_s > 0.0));
 }
 
+/// With BF16 compute weights every GEMM of a training step runs on BF16 operands (tensor
+/// cores, FP32 accumulation), the layers' weight gradients included: they once ran in F32 on
+/// the CUDA cores, 6.8 s of a modelled 9.0 s train phase at Qwen2.5-7B's shapes on an H200
+/// (`bench node --model-gpu h200 --ledger`). The FLOPs are those of the F32 step above.
+#[test]
+fn bf16_weights_train_on_bf16_gemms_only() {
+    let cd = CudaDevice::sim(5).unwrap();
+    let dev = Device::Cuda(cd.clone());
+    let lm = load_fixture("llama_gqa", &dev, DType::BF16);
+    let c = lm.cfg.clone();
+    let rollouts = read_file(&fixtures().join("grads").join("llama_gqa_rollouts.jsonl"), c.vocab_size).unwrap();
+    let toml = "[model]\npath = \"unused\"\n[teacher]\npath = \"unused\"\n[objective]\nkind = \"opd\"\n\
+                [optimizer]\nkind = \"adamw\"\n";
+    let job = JobConfig::from_toml(toml, "inline").unwrap();
+    let mut tr = Trainer::new(&c, lm.weights, &job).unwrap();
+    cd.take_ledger();
+    tr.step(&rollouts).unwrap();
+    assert!(tr.on_device());
+    let l = cd.take_ledger();
+    let gemms: Vec<Row> = rows(&l).into_iter().filter(|r| r.op.starts_with("gemm")).collect();
+    assert!(
+        gemms.iter().all(|r| r.op.starts_with("gemm bf16")),
+        "{:?}",
+        gemms.iter().map(|r| r.op).collect::<Vec<_>>()
+    );
+    let t: usize = rollouts.iter().map(|r| r.prompt.len() + r.response.len()).sum();
+    let r: usize = rollouts.iter().map(|r| r.response.len()).sum();
+    let (h, kv, i) = (c.hidden_size, c.num_kv_heads * c.head_dim, c.intermediate_size);
+    let q = c.num_heads * c.head_dim;
+    let n = (c.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * i)) as f64;
+    let head = (c.vocab_size * h) as f64;
+    let dw = op(&l, "gemm bf16 tn");
+    assert_eq!(dw.flops, 2.0 * t as f64 * n + 2.0 * r as f64 * head, "weight-gradient GEMMs");
+    assert_eq!(dw.launches, 7 * c.num_layers as u64 + 1);
+}
+
 /// Decode steps replayed from CUDA graphs count in the ledger as the same padded steps
 /// launched eagerly do (`graph_capture = false`): the same launches, FLOPs and bytes per
 /// operation, attention with the keys of the replaying step (not of the capture's), and the

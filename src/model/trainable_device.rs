@@ -382,7 +382,13 @@ impl DeviceTrainable {
         let (mut dh2, mut datt, mut dh1) = (z(&[n, c])?, z(&[n, qd])?, z(&[n, c])?);
         let (mut dq, mut dk, mut dv) = (z(&[n, qd])?, z(&[n, kd])?, z(&[n, kd])?);
         let (mut dqr, mut dkr) = (z(&[n, qd])?, z(&[n, kd])?);
-        let wgrad = DType::F32;
+        // The weight gradients' operands: BF16 where the compute weight is BF16 (tensor cores,
+        // FP32 accumulation: the forward and the data gradients already round their inputs to
+        // the weight's dtype), F32 for F32 weights and for the NVFP4 learner's rounded operands
+        // (not BF16 values). At Qwen2.5-7B's shapes F32 weight gradients were 6.8 of a
+        // modelled 9.0 s train phase on an H200 (`bench node --model-gpu h200 --ledger`).
+        let wgrad =
+            |w: &Tensor, rounded: bool| if w.dtype() == DType::BF16 && !rounded { DType::BF16 } else { DType::F32 };
         for l in (0..cfg.num_layers).rev() {
             let li = self.ix.layers[l];
             let a = &mut self.acts[l];
@@ -390,18 +396,27 @@ impl DeviceTrainable {
             // (straight-through estimator), as the CPU twin.
             let qw = self.qw.get(l);
             let wq = |j: usize, dense: usize| qw.and_then(|w| w[j].as_ref()).unwrap_or(p[dense]);
-            let xg = a.h2q.as_ref().filter(|_| qw.is_some_and(|w| w[0].is_some())).unwrap_or(&a.h2);
-            let xu = a.h2q.as_ref().filter(|_| qw.is_some_and(|w| w[1].is_some())).unwrap_or(&a.h2);
+            let (rg, ru) = (qw.is_some_and(|w| w[0].is_some()), qw.is_some_and(|w| w[1].is_some()));
+            let xg = a.h2q.as_ref().filter(|_| rg).unwrap_or(&a.h2);
+            let xu = a.h2q.as_ref().filter(|_| ru).unwrap_or(&a.h2);
             linear::linear_dx(&dev, &dx, wq(2, li.down), &mut da, n, false)?;
-            linear::linear_dw(&dev, &dx, a.aq.as_ref().unwrap_or(&a.a), &mut grads[li.down], n, true, wgrad)?;
+            linear::linear_dw(
+                &dev,
+                &dx,
+                a.aq.as_ref().unwrap_or(&a.a),
+                &mut grads[li.down],
+                n,
+                true,
+                wgrad(p[li.down], a.aq.is_some()),
+            )?;
             if let Some(bi) = li.db {
                 linear::bias_grad(&dev, &dx, &mut grads[bi], n)?;
             }
             elementwise::swiglu_bwd(&dev, &da, &a.g, &a.u, &mut dg, &mut du)?;
             linear::linear_dx(&dev, &dg, wq(0, li.gate), &mut dh2, n, false)?;
             linear::linear_dx(&dev, &du, wq(1, li.up), &mut dh2, n, true)?;
-            linear::linear_dw(&dev, &dg, xg, &mut grads[li.gate], n, true, wgrad)?;
-            linear::linear_dw(&dev, &du, xu, &mut grads[li.up], n, true, wgrad)?;
+            linear::linear_dw(&dev, &dg, xg, &mut grads[li.gate], n, true, wgrad(p[li.gate], rg && a.h2q.is_some()))?;
+            linear::linear_dw(&dev, &du, xu, &mut grads[li.up], n, true, wgrad(p[li.up], ru && a.h2q.is_some()))?;
             if let Some(bi) = li.gb {
                 linear::bias_grad(&dev, &dg, &mut grads[bi], n)?;
             }
@@ -411,7 +426,7 @@ impl DeviceTrainable {
             norm::rmsnorm_bwd(&dev, &dh2, &a.x2, p[li.ln2], &a.rstd2, &mut dx, true, &mut grads[li.ln2], n)?;
             // Attention block: x2 = x + o(att).
             linear::linear_dx(&dev, &dx, p[li.o], &mut datt, n, false)?;
-            linear::linear_dw(&dev, &dx, &a.att, &mut grads[li.o], n, true, wgrad)?;
+            linear::linear_dw(&dev, &dx, &a.att, &mut grads[li.o], n, true, wgrad(p[li.o], false))?;
             if let Some(bi) = li.ob {
                 linear::bias_grad(&dev, &dx, &mut grads[bi], n)?;
             }
@@ -446,9 +461,9 @@ impl DeviceTrainable {
             linear::linear_dx(&dev, &dqr, p[li.q], &mut dh1, n, false)?;
             linear::linear_dx(&dev, &dkr, p[li.k], &mut dh1, n, true)?;
             linear::linear_dx(&dev, &dv, p[li.v], &mut dh1, n, true)?;
-            linear::linear_dw(&dev, &dqr, &a.h1, &mut grads[li.q], n, true, wgrad)?;
-            linear::linear_dw(&dev, &dkr, &a.h1, &mut grads[li.k], n, true, wgrad)?;
-            linear::linear_dw(&dev, &dv, &a.h1, &mut grads[li.v], n, true, wgrad)?;
+            linear::linear_dw(&dev, &dqr, &a.h1, &mut grads[li.q], n, true, wgrad(p[li.q], false))?;
+            linear::linear_dw(&dev, &dkr, &a.h1, &mut grads[li.k], n, true, wgrad(p[li.k], false))?;
+            linear::linear_dw(&dev, &dv, &a.h1, &mut grads[li.v], n, true, wgrad(p[li.v], false))?;
             for (bi, g) in [(li.qb, &dqr), (li.kb, &dkr), (li.vb, &dv)] {
                 if let Some(bi) = bi {
                     linear::bias_grad(&dev, g, &mut grads[bi], n)?;
