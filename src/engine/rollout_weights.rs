@@ -360,6 +360,17 @@ impl RolloutWeights {
                         Precision::Nvfp4 => QFormat::Nvfp4,
                     };
                     quant += QTensor::bytes_for(f, t.dim(0), t.dim(1));
+                    // A decoded copy where the GEMM is emulated (`QTensor::decoded`).
+                    let emulated = match t.storage() {
+                        crate::device::Storage::Cuda(c) => {
+                            let dev = crate::device::Device::Cuda(c.device().clone());
+                            crate::ops::linear::cuda_lowp::emulated_here(&dev, f, t.dim(0), t.dim(1))
+                        }
+                        crate::device::Storage::Cpu(_) => false,
+                    };
+                    if emulated {
+                        quant += 2 * t.numel();
+                    }
                 }
             }
         }

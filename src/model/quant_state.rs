@@ -5,6 +5,7 @@
 use super::calib::{input_slot, Calibration};
 use crate::device::Device;
 use crate::model::{ModelConfig, ModelWeights};
+use crate::ops::linear::cuda_lowp::emulated_here;
 use crate::ops::quantize::ActQuant;
 use crate::quant::qtensor::{QFormat, QTensor};
 use crate::quant::recipe::{KvScale, Precision, Recipe};
@@ -88,6 +89,11 @@ impl QuantState {
                             .with_context(|| format!("layer {l} {}", crate::quant::recipe::LINEARS[i]))?,
                     ),
                 };
+                // Where its GEMM is emulated (NVFP4 on Hopper) the weight is decoded once per
+                // version, not at every decode step (`QTensor::decoded`).
+                if let Some(q) = wq[i].as_mut().filter(|q| emulated_here(dev, q.format, rows, k)) {
+                    q.keep_decoded(dev)?;
+                }
                 let amax = calib.map(|c| c.input_amax[l][input_slot(i)]).unwrap_or(0.0);
                 act[i] = match lr.input[i] {
                     Precision::Native => ActQuant::None,

@@ -32,6 +32,10 @@ pub struct QTensor {
     /// FP8: the tensor scale; NVFP4: the global scale.
     pub scale: f32,
     pub opts: Nvfp4Opts,
+    /// Where the GEMM is emulated (NVFP4 on Hopper): the unit values (e4m3, or q·bs for NVFP4:
+    /// exact in BF16) as (rows, K) BF16, decoded once by each requantize on the device instead
+    /// of at every GEMM (`keep_decoded`). None elsewhere.
+    pub decoded: Option<Tensor>,
 }
 
 impl QTensor {
@@ -61,11 +65,22 @@ impl QTensor {
         };
         let codes = dev.zeros(DType::U8, &[codes])?;
         let block_scales = dev.zeros(DType::U8, &[block_scales])?;
-        Ok(QTensor { format, rows, k, codes, block_scales, scale: 1.0, opts })
+        Ok(QTensor { format, rows, k, codes, block_scales, scale: 1.0, opts, decoded: None })
+    }
+
+    /// Keeps the decoded unit values on `dev` from the next requantize on (see `decoded`).
+    pub fn keep_decoded(&mut self, dev: &Device) -> Result<()> {
+        if self.decoded.is_none() {
+            self.decoded = Some(dev.uninit(DType::BF16, &[self.rows, self.k])?);
+        }
+        Ok(())
     }
 
     pub fn size_bytes(&self) -> usize {
-        self.codes.size_bytes() + self.block_scales.size_bytes() + 4
+        self.codes.size_bytes()
+            + self.block_scales.size_bytes()
+            + 4
+            + self.decoded.as_ref().map_or(0, |t| t.size_bytes())
     }
 
     /// Address of the code buffer (tests prove syncs do not move it).

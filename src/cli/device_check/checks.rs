@@ -535,6 +535,29 @@ fn check_quant(x: &mut Ctx) -> Result<()> {
                 x.cmp_bytes(&format!("requantize block scales {label}"), &qc.block_scales, &qg.block_scales)?;
             }
             x.record(&format!("requantize tensor scale {label}"), "f32", &[qc.scale], &[qg.scale], Tol::Exact);
+            if lowp::emulated_here(&x.gpu, fmt, rows, k) {
+                // An engine's kept decoded weight (NVFP4 on Hopper), written by the requantize:
+                // bit for bit what the emulated GEMM decodes per call from the same codes.
+                let mut qk = QTensor::alloc_on(&x.gpu, fmt, rows, k, opts)?;
+                qk.keep_decoded(&x.gpu)?;
+                quantize::requantize(&x.gpu, &w.g, &mut qk, "w")?;
+                let per_call = x.gpu.zeros(DType::BF16, &[rows, k])?;
+                let cd = x.cuda.clone();
+                quantize::dequant(
+                    &cd,
+                    &qg,
+                    crate::device::cuda::args::ptr(&cd, &per_call, &[DType::BF16], "decoded")?,
+                    DType::BF16,
+                )?;
+                let kept = qk.decoded.as_ref().map(|t| t.to_f32_vec()).transpose()?.unwrap_or_default();
+                x.record(
+                    &format!("requantize kept decoded weight {label}"),
+                    "bf16",
+                    &per_call.to_f32_vec()?,
+                    &kept,
+                    Tol::Exact,
+                );
+            }
             if src_dt == DType::BF16 && opts == Nvfp4Opts::default() {
                 check_qlinear(x, &xin, &qc, &qg, name, amax)?;
             }

@@ -7,7 +7,6 @@
 use crate::device::cuda::args::{code, f32p, i32_of, ptr, vp, FLOATS};
 use crate::device::cuda::{ffi, CudaDevice, DevBuf, Elem, Form};
 use crate::device::{DType, Tensor};
-use crate::ops::quantize::dequant;
 use crate::quant::qtensor::QTensor;
 use anyhow::Result;
 
@@ -67,10 +66,9 @@ pub fn linear_q(d: &CudaDevice, x: &Tensor, wq: &QTensor, b: Option<&Tensor>, y:
     if m == 0 {
         return Ok(());
     }
-    let w = d.scratch(n * k * 2, "decoded weight")?;
-    dequant(d, wq, w.ptr, DType::BF16)?;
+    let w = super::cuda_lowp::decoded_weight(d, wq)?;
     let xh = cast_rows(d, xp, m * k, DType::BF16)?;
-    d.gemm(Elem::BF16, w.ptr, xh.ptr, yp, m, n, k, wq.scale, false, None)?;
+    d.gemm(Elem::BF16, w.ptr(), xh.ptr, yp, m, n, k, wq.scale, false, None)?;
     match b {
         Some(b) => add_bias(d, yp, b, m, n),
         None => Ok(()),

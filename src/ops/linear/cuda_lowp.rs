@@ -205,9 +205,9 @@ pub fn gemm_q(d: &CudaDevice, a: &QAct, w: &QTensor, y: u64, path: Path) -> Resu
             }
         };
     }
-    // Emulated: unit values in BF16 (exact), FP32 accumulation, alpha = product of the scales.
-    let wb = d.scratch(n * k * 2, "decoded weight")?;
-    dequant(d, w, wb.ptr, DType::BF16)?;
+    // Emulated: unit values in BF16 (exact), FP32 accumulation, alpha = product of the scales;
+    // the weight's decoded once per requantize where the engine keeps it (`QTensor::decoded`).
+    let wb = decoded_weight(d, w)?;
     let ab = d.scratch(m * k * 2, "decoded activations")?;
     d.k_dequant(ffi::ct_dequant_params {
         codes: a.codes.ptr as *const u8,
@@ -218,8 +218,42 @@ pub fn gemm_q(d: &CudaDevice, a: &QAct, w: &QTensor, y: u64, path: Path) -> Resu
         out: ab.ptr as *mut std::ffi::c_void,
         out_dtype: ffi::CT_DTYPE_BF16,
     })?;
-    d.gemm(Elem::BF16, wb.ptr, ab.ptr, y, m, n, k, alpha, false, None)?;
+    d.gemm(Elem::BF16, wb.ptr(), ab.ptr, y, m, n, k, alpha, false, None)?;
     Ok(Path::Emulated)
+}
+
+/// A weight's BF16 unit values for an emulated GEMM: its kept decoded copy, or decoded now
+/// into a scratch.
+pub enum Decoded {
+    Kept(u64),
+    Now(DevBuf),
+}
+
+impl Decoded {
+    pub fn ptr(&self) -> u64 {
+        match self {
+            Decoded::Kept(p) => *p,
+            Decoded::Now(b) => b.ptr,
+        }
+    }
+}
+
+pub fn decoded_weight(d: &CudaDevice, w: &QTensor) -> Result<Decoded> {
+    if let Some(t) = &w.decoded {
+        return Ok(Decoded::Kept(ptr(d, t, &[DType::BF16], "decoded weight")?));
+    }
+    let wb = d.scratch(w.rows * w.k * 2, "decoded weight")?;
+    dequant(d, w, wb.ptr, DType::BF16)?;
+    Ok(Decoded::Now(wb))
+}
+
+/// Whether a quantized (n, K) weight's GEMM is emulated on `dev` (no CUTLASS kernel for its
+/// format or shape: NVFP4 on Hopper), so an engine keeps its decoded unit values.
+pub fn emulated_here(dev: &crate::device::Device, format: QFormat, n: usize, k: usize) -> bool {
+    match dev {
+        crate::device::Device::Cuda(d) => !cutlass_supports(d, format, n, k),
+        crate::device::Device::Cpu(_) => false,
+    }
 }
 
 /// y[..m] (m, N) (+)= x · wᵀ (+ bias) for the NVFP4 learner's operands (codes of the same

@@ -114,6 +114,11 @@ pub fn requantize_all(
                 })?
             }
         }
+        // The emulated GEMM's operand, decoded once per version (BF16 unit values: the tensor
+        // scale, set below from the amax, is the GEMM's alpha and not part of them).
+        if let Some(t) = &q.decoded {
+            dequant(d, q, ptr(d, t, &[DType::BF16], "decoded weight")?, DType::BF16)?;
+        }
     }
     let mut bits = vec![0u32; items.len()];
     d.dtoh(&mut bits, buf.ptr)?;
