@@ -7,7 +7,8 @@
 //! per phase the launches, FLOPs and bytes the step's launches declared and their roofline
 //! time on an H200 and a B300, and the costliest operations of the run (`ledger.json`). With
 //! `--model-gpu h200|b300` and no `--device` it prints the step-time model of the shipped
-//! configs instead (`node_model.rs`): no job runs.
+//! configs instead (`node_model.rs`): no job runs; `--ledger` adds, per config, the launch
+//! ledger of one step at the model's real shapes on dry simulated GPUs (`node_ledger.rs`).
 //!
 //! Owns: the report's arithmetic over metrics lines. May call: the orchestrator (one job),
 //! `node_model`. Must not: time anything itself (the job's phase clocks are the measurements).
@@ -51,6 +52,11 @@ pub struct NodeArgs {
     /// names, see `node_model::known_shape`).
     #[arg(long)]
     pub model_config: Option<PathBuf>,
+    /// With --model-gpu and no --device: also launch one GPU's share of the step at the
+    /// model's shapes on a dry simulated GPU (no memory, no kernel run) and print its launch
+    /// ledger beside the shape model (`node_ledger.rs`; a minute or so per config here).
+    #[arg(long)]
+    pub ledger: bool,
 }
 
 /// The report, as written to JSON.
@@ -124,7 +130,9 @@ pub fn peak_of(name: &str) -> Option<f64> {
 
 pub fn run(a: NodeArgs) -> Result<()> {
     let only = match (&a.model_gpu, &a.device) {
-        (Some(gpu), None) => return super::node_model::print(a.config.as_deref(), a.model_config.as_deref(), gpu),
+        (Some(gpu), None) => {
+            return super::node_model::print(a.config.as_deref(), a.model_config.as_deref(), gpu, a.ledger)
+        }
         (Some(gpu), Some(_)) => Some(super::node_model::gpu(gpu)?.name),
         (None, _) => None,
     };

@@ -13,6 +13,7 @@ mod eval;
 mod generate;
 mod init_tiny;
 mod inspect;
+mod node_ledger;
 mod node_model;
 mod quantize;
 mod report;

@@ -3,7 +3,8 @@
 //! the batch, the GPU's dense peak rates, HBM and NVLink bandwidth (vendor figures,
 //! REFERENCES.md). It is a model, not a measurement: each phase is max(FLOPs / peak, bytes /
 //! bandwidth) under stated assumptions (mean prompt and response lengths, perfect overlap
-//! inside a phase, none between phases), with the arithmetic of each row in `phases`.
+//! inside a phase, none between phases), with the arithmetic of each row in `phases`. What the
+//! code actually launches at those shapes is `node_ledger.rs`'s (`--ledger`).
 //!
 //! Owns: the model's arithmetic. May call: `model::ModelConfig`, the job config, the ledger's
 //! GPU table. Must not: open devices or models' weights.
@@ -82,20 +83,26 @@ fn row(phase: &'static str, flops: f64, tflops: f64, bytes: f64, bw: f64, note: 
 /// The phases of one synchronous colocated step on `w.gpus` GPUs of kind `g`: every GPU
 /// decodes and teacher-scores its share of the sequences, trains its share of the tokens, then
 /// ZeRO-1 reduce-scatters the FP32 gradient and all-gathers the BF16 weights, and the rollout
-/// engine resyncs in place.
-pub fn phases(student: &ModelConfig, teacher: Option<&ModelConfig>, recipe: &str, g: Gpu, w: Workload) -> Vec<Row> {
+/// engine resyncs in place. `kv_tok`: the rollout engine's KV-cache bytes per token (the
+/// recipe's FP8 and BF16 layers, `Recipe::kv_bytes_per_token`).
+pub fn phases(
+    student: &ModelConfig,
+    teacher: Option<&ModelConfig>,
+    recipe: &str,
+    kv_tok: f64,
+    g: Gpu,
+    w: Workload,
+) -> Vec<Row> {
     let n = student.num_params() as f64;
     let b = w.sequences as f64 / w.gpus as f64; // sequences per GPU
     let (p, r) = (w.prompt as f64, w.response as f64);
     let hbm = g.hbm_tbs * 1e12;
     // Engine weights: bytes per parameter read per decode step, and the GEMM rate.
-    let (wbytes, rate, kv_b) = match recipe {
-        "fp8" => (1.0, g.fp8_tflops, 1.0),
-        "nvfp4" => (0.5625, g.fp4_tflops.unwrap_or(g.bf16_tflops), 1.0),
-        "fp8-kv" => (2.0, g.bf16_tflops, 1.0),
-        _ => (2.0, g.bf16_tflops, 2.0),
+    let (wbytes, rate) = match recipe {
+        "fp8" => (1.0, g.fp8_tflops),
+        "nvfp4" => (0.5625, g.fp4_tflops.unwrap_or(g.bf16_tflops)),
+        _ => (2.0, g.bf16_tflops),
     };
-    let kv_tok = 2.0 * student.num_layers as f64 * student.kv_dim() as f64 * kv_b;
     let mut rows = Vec::new();
     // Prefill: the prompts, compute-bound.
     rows.push(row(
@@ -189,7 +196,7 @@ pub fn phases(student: &ModelConfig, teacher: Option<&ModelConfig>, recipe: &str
 }
 
 /// `bench node --model-gpu`: the table for a config (default: the two shipped GPU configs).
-pub fn print(config: Option<&Path>, model_config: Option<&Path>, gpu_name: &str) -> Result<()> {
+pub fn print(config: Option<&Path>, model_config: Option<&Path>, gpu_name: &str, ledger: bool) -> Result<()> {
     let g = gpu(gpu_name)?;
     let configs: Vec<std::path::PathBuf> = match config {
         Some(c) => vec![c.to_path_buf()],
@@ -236,7 +243,11 @@ pub fn print(config: Option<&Path>, model_config: Option<&Path>, gpu_name: &str)
             prompt: 256,
             response: j.rollout.max_new_tokens.min(4096),
         };
-        let rows = phases(&student, teacher.as_ref(), &j.engine.recipe, g, w);
+        // The KV cache's bytes per token as the recipe keeps it (the NVFP4 config keeps it
+        // in BF16: `keep_bf16 = ["attention", "kv"]`).
+        let spec = j.engine.spec(student.num_layers).with_context(|| format!("{}: [engine]", c.display()))?;
+        let kv_tok = spec.recipe.kv_bytes_per_token(student.kv_dim(), 2) as f64;
+        let rows = phases(&student, teacher.as_ref(), &j.engine.recipe, kv_tok, g, w);
         println!(
             "\n{} ({:.2}B parameters, engine {}): {} sequences, assumed {} prompt + {} response tokens each",
             c.display(),
@@ -265,6 +276,9 @@ pub fn print(config: Option<&Path>, model_config: Option<&Path>, gpu_name: &str)
             total * 1e3,
             3600.0 / total.max(1e-12)
         );
+        if ledger {
+            super::node_ledger::print(&j, &student, teacher.as_ref(), w, g, &rows)?;
+        }
     }
     Ok(())
 }
@@ -281,7 +295,8 @@ mod tests {
         // Qwen2.5-7B: 7.62B parameters.
         assert!((n / 1e9 - 7.62).abs() < 0.01, "{n}");
         let w = Workload { gpus: 8, sequences: 64, prompt: 256, response: 4096 };
-        let rows = phases(&s, Some(&s), "bf16", H200, w);
+        let kv_tok = 2.0 * 28.0 * 512.0 * 2.0;
+        let rows = phases(&s, Some(&s), "bf16", kv_tok, H200, w);
         let get = |p: &str| rows.iter().find(|r| r.phase == p).unwrap();
         // Training: 6·N·T FLOPs at 989 TFLOP/s, T = 8 × (256 + 4096).
         let t = get("train");
@@ -294,13 +309,12 @@ mod tests {
         // Decode at batch 8 is memory-bound: weights (2 B each) once per step plus the KV.
         let d = get("rollout: decode");
         assert_eq!(d.bound, "memory");
-        let kv_tok = 2.0 * 28.0 * 512.0 * 2.0;
         let want = (2.0 * n * 4096.0 + 8.0 * kv_tok * (4096.0 * 256.0 + 4096.0 * 4097.0 / 2.0)) / 4.8e12;
         assert!((d.seconds - want).abs() <= 1e-9 * want, "{} vs {want}", d.seconds);
         // The BF16 engine reads the trainer's weights in place: no resync work.
         assert_eq!(get("resync").seconds, 0.0);
         // NVFP4 on Hopper: half a byte per weight (plus scales), at the BF16 rate.
-        let q = phases(&s, None, "nvfp4", H200, w);
+        let q = phases(&s, None, "nvfp4", kv_tok / 2.0, H200, w);
         assert!(q.iter().any(|r| r.phase == "resync" && r.seconds > 0.0));
         assert!(q.iter().all(|r| r.phase != "teacher"));
         assert!(gpu("a100").is_err());

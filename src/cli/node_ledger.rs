@@ -1,0 +1,400 @@
+//! The launch ledger of one GPU's share of a step of a config at its model's real shapes
+//! (`bench node --model-gpu h200|b300 --ledger`): the rollout engine, the teacher, the trainer
+//! and the resync run on a dry simulated GPU (`CudaDevice::sim_dry`: the glue, the launch
+//! checks, the decode graphs and the ledger, with no memory behind the addresses and no kernel
+//! run), so the ledger counts what the code launches for a 7B model without the model, a GPU or
+//! 15 GB of host memory. Where the shape model (`node_model.rs`) assumes what a phase costs,
+//! this counts it launch by launch: the LM head twice in training, the attention's work per key,
+//! an NVFP4 engine's dequantize passes, every elementwise kernel.
+//!
+//! What it cannot know: the values. A dry GPU computes nothing and reads back zeros, so each
+//! response runs to its length (EOS ignored, as the shape model assumes), every reward and
+//! log-probability is 0 (the launches of a training step do not depend on them), and the
+//! activation scales are a stand-in calibration of 1.0.
+//!
+//! One GPU of the 8: it decodes and teacher-scores its share of the sequences and trains its
+//! share of the tokens (as `node_model::Workload` does), but as a single trainer, so its
+//! optimizer covers the whole model where ZeRO-1 gives each GPU an eighth, and the collectives
+//! stay the shape model's row.
+//!
+//! Owns: the dry step. May call: the engine, the trainer, the orchestrator's plan helpers, the
+//! ledger. Must not: open a real or backed device, or read a model's weights.
+
+use super::node_model::{Row, Workload};
+use crate::config::{JobConfig, LearnerPrecision, ObjectiveKind};
+use crate::data::dataset::PromptItem;
+use crate::device::cuda::ledger::{rows as ledger_rows, Gpu, Ledger, Path, Row as LedgerRow};
+use crate::device::cuda::Stream;
+use crate::device::{CudaDevice, DType, Device};
+use crate::engine::rollout::{generate, score_teacher, Rollout};
+use crate::engine::rollout_weights::RolloutWeights;
+use crate::engine::{Engine, EngineConfig, SamplingConfig};
+use crate::model::calib::Calibration;
+use crate::model::learner_quant::LearnerQuant;
+use crate::model::weights::param_specs;
+use crate::model::{ModelConfig, ModelWeights};
+use crate::parallel::phase::enter_phase;
+use crate::train::device_coll::{DeviceCollective, PeerCopy};
+use crate::train::dp::Dp;
+use crate::train::trainer::Trainer;
+use anyhow::{Context, Result};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Weights of `cfg`'s shapes in `dtype` on `dev`, never written (a dry device holds no values).
+pub fn dry_weights(cfg: &ModelConfig, dev: &Device, dtype: DType) -> Result<ModelWeights> {
+    let ts = param_specs(cfg).iter().map(|(_, shape)| dev.uninit(dtype, shape)).collect::<Result<Vec<_>>>()?;
+    ModelWeights::from_ordered(cfg, ts)
+}
+
+/// A calibration whose every amax is 1.0 (the scales' values change no launch).
+fn unit_calibration(cfg: &ModelConfig) -> Calibration {
+    let mut c = Calibration::new(Calibration::fingerprint(cfg), cfg.num_layers);
+    for a in c.input_amax.iter_mut() {
+        a.fill(1.0);
+    }
+    c.k_amax.fill(1.0);
+    c.v_amax.fill(1.0);
+    c
+}
+
+/// `n` prompts of `len` tokens (arbitrary ids below `vocab`).
+fn prompts(n: usize, len: usize, vocab: usize) -> Vec<PromptItem> {
+    (0..n)
+        .map(|i| PromptItem {
+            id: i as u64,
+            tokens: (0..len).map(|t| ((i * 7919 + t * 104_729 + 1) % vocab) as u32).collect(),
+            answer: None,
+            response: None,
+            meta: None,
+        })
+        .collect()
+}
+
+fn dtype_of(d: Option<&str>) -> Result<DType> {
+    d.map(DType::parse).transpose().map(|d| d.unwrap_or(DType::BF16))
+}
+
+/// How a step's weights come to be on its device: [`dry_weights`], or values for a backed one.
+pub type MakeWeights = dyn Fn(&ModelConfig, &Device, DType) -> Result<ModelWeights>;
+
+/// One GPU's share of a synchronous colocated step of `job` (student `student`, teacher
+/// `teacher` for OPD) on a dry simulated GPU of `arch` ("sm_90a" or "sm_100a"): its ledger.
+pub fn dry_step(
+    job: &JobConfig,
+    student: &ModelConfig,
+    teacher: Option<&ModelConfig>,
+    w: Workload,
+    arch: &str,
+) -> Result<Ledger> {
+    let peers = (1..w.gpus).map(|r| CudaDevice::sim_dry(r, Some(arch))).collect::<Result<Vec<_>>>()?;
+    step_on(&CudaDevice::sim_dry(0, Some(arch))?, &peers, job, student, teacher, w, &dry_weights)
+}
+
+/// [`dry_step`] on any CUDA device `cd`, with weights from `make`: the ledger of the step,
+/// phase by phase (`rollout`, `teacher`, `train` with its collectives on the communication
+/// stream, `resync`; what the setup launched is taken out first). With `peers`, `cd` is rank 0
+/// of `1 + peers.len()` training GPUs (ZeRO-1 over the device collective, `PeerCopy`): each
+/// trains its share of every GPU's responses (rank 0's, repeated) and updates its shard.
+pub fn step_on(
+    cd: &CudaDevice,
+    peers: &[CudaDevice],
+    job: &JobConfig,
+    student: &ModelConfig,
+    teacher: Option<&ModelConfig>,
+    w: Workload,
+    make: &MakeWeights,
+) -> Result<Ledger> {
+    let dev = Device::Cuda(cd.clone());
+    let dtype = dtype_of(job.model.dtype.as_deref()).context("[model] dtype")?;
+    let spec = job.engine.spec(student.num_layers).context("[engine]")?;
+    let world = 1 + peers.len();
+    let host: Arc<dyn crate::parallel::Collective> = Arc::new(crate::parallel::InProcess::new(world)?);
+    let coll: Arc<dyn DeviceCollective> = Arc::new(PeerCopy::new(world)?);
+    let trainer = |rank: usize, d: &Device| -> Result<Trainer> {
+        let dp = Dp { rank, world, coll: host.clone(), dcoll: (world > 1).then(|| coll.clone()) };
+        let mut tr = Trainer::new_dp(student, make(student, d, dtype)?, job, dp).context("the step's trainer")?;
+        if job.learner.precision == LearnerPrecision::Nvfp4 {
+            let lq = LearnerQuant::new(&job.learner.linears, spec.recipe.nvfp4, student.num_layers)?;
+            tr.set_learner_quant(Some(lq))?;
+        }
+        Ok(tr)
+    };
+    let mut tr = trainer(0, &dev)?;
+    let mut others =
+        peers.iter().enumerate().map(|(i, p)| trainer(i + 1, &Device::Cuda(p.clone()))).collect::<Result<Vec<_>>>()?;
+    let calib = spec.recipe.needs_calibration().then(|| unit_calibration(student));
+    let rw = RolloutWeights::new(&dev, &spec, student, &tr.weights, calib.as_ref(), tr.version)?;
+    let base = crate::orchestrator::plan::engine_config(job);
+    let ec = EngineConfig { kv_fp8: spec.recipe.kv_layers(), ..base.clone() };
+    let mut engine = Engine::new(&dev, student, dtype, &ec, None)?;
+    let mut teacher = match teacher {
+        Some(tc) if job.objective.kind == ObjectiveKind::Opd => {
+            let td = dtype_of(job.teacher.as_ref().and_then(|t| t.dtype.as_deref())).context("[teacher] dtype")?;
+            Some((make(tc, &dev, td)?, Engine::new(&dev, tc, td, &base, None)?))
+        }
+        _ => None,
+    };
+    // The GPU's share: `w.sequences / w.gpus` responses, in groups of samples_per_prompt.
+    let share = (w.sequences / w.gpus).max(1);
+    let samples = job.rollout.samples_per_prompt.clamp(1, share);
+    let items = prompts(share.div_ceil(samples), w.prompt, student.vocab_size);
+    let sampling = Arc::new(SamplingConfig {
+        max_new_tokens: w.response,
+        ignore_eos: true,
+        ..crate::orchestrator::plan::sampling_of(job)
+    });
+    cd.take_ledger();
+    let mut rollouts = {
+        let _p = enter_phase("rollout");
+        generate(&mut engine, rw.view(&tr.weights), &items, samples as u32, &sampling, 0, tr.version)?
+    };
+    rollouts.truncate(share);
+    if let Some((tw, te)) = teacher.as_mut() {
+        let _p = enter_phase("teacher");
+        score_teacher(te, tw, &mut rollouts, job.rollout.temperature)?;
+    }
+    // Rewards are host work: every other response right, so no group is uniform.
+    for (i, r) in rollouts.iter_mut().enumerate() {
+        r.reward = Some((i % 2) as f32);
+    }
+    // Every GPU's responses: rank 0's, repeated under other prompt ids.
+    let all: Vec<Rollout> = (0..world as u64)
+        .flat_map(|r| {
+            rollouts.iter().map(move |x| Rollout {
+                prompt_id: x.prompt_id + (r << 32),
+                group: x.group + (r << 32),
+                ..x.clone()
+            })
+        })
+        .collect();
+    // A rank that fails wakes the others out of the collectives.
+    let step = |t: &mut Trainer| -> Result<()> {
+        let _p = enter_phase("train");
+        t.step(&all).map(|_| ()).inspect_err(|e| {
+            coll.abort(&format!("{e:#}"));
+            host.abort(&format!("{e:#}"));
+        })
+    };
+    std::thread::scope(|s| -> Result<()> {
+        let hs: Vec<_> = others.iter_mut().map(|t| s.spawn(|| step(t))).collect();
+        let r0 = step(&mut tr);
+        for h in hs {
+            h.join().map_err(|_| anyhow::anyhow!("a training rank panicked"))??;
+        }
+        r0
+    })?;
+    let mut rw = rw;
+    {
+        let _p = enter_phase("resync");
+        rw.sync_with_amax(&tr.weights, tr.version, tr.weight_amax())?;
+    }
+    cd.synchronize()?;
+    Ok(cd.take_ledger())
+}
+
+/// The architecture a dry GPU simulates for a GPU of the model (H200: sm_90a, B300: sm_100a)
+/// and that GPU's column in the ledger.
+fn arch_of(g: &Gpu) -> (&'static str, usize) {
+    if g.fp4_tflops.is_some() {
+        ("sm_100a", 1)
+    } else {
+        ("sm_90a", 0)
+    }
+}
+
+/// Milliseconds of the shape model's rows that stand for a ledger phase.
+fn modelled_ms(rows: &[Row], phase: &str) -> f64 {
+    let of = |p: &str| -> bool {
+        match phase {
+            "rollout" => p.starts_with("rollout"),
+            "train" => p == "train" || p == "optimizer",
+            other => p == other,
+        }
+    };
+    rows.iter().filter(|r| of(r.phase)).map(|r| r.seconds * 1e3).sum()
+}
+
+/// One row of the printed table: a phase's launches, FLOPs, bytes by path and roofline
+/// seconds on the chosen GPU.
+#[derive(Default)]
+struct PhaseRow {
+    launches: u64,
+    replayed: u64,
+    flops: f64,
+    hbm: f64,
+    nvlink: f64,
+    pcie: f64,
+    seconds: f64,
+}
+
+/// The ledger per phase, the communication stream's launches as `collectives` (the train
+/// phase's reduce-scatter and all-gather), seconds in column `col` (0: H200, 1: B300).
+fn by_phase(l: &Ledger, col: usize) -> BTreeMap<&'static str, PhaseRow> {
+    let mut out: BTreeMap<&'static str, PhaseRow> = BTreeMap::new();
+    for ((phase, stream, _), e) in l.entries() {
+        let r = out.entry(if *stream == Stream::Comm { "collectives" } else { phase }).or_default();
+        r.launches += e.launches;
+        r.replayed += e.replayed;
+        r.flops += e.flops;
+        match e.kind.map(|k| k.1).unwrap_or(Path::Hbm) {
+            Path::Hbm => r.hbm += e.bytes,
+            Path::Nvlink => r.nvlink += e.bytes,
+            Path::Pcie => r.pcie += e.bytes,
+        }
+        r.seconds += e.seconds[col];
+    }
+    out
+}
+
+/// Prints rank 0's ledger of the dry step of `job` beside the shape model's `rows`, and its
+/// costliest operations.
+pub fn print(
+    job: &JobConfig,
+    student: &ModelConfig,
+    teacher: Option<&ModelConfig>,
+    w: Workload,
+    g: Gpu,
+    rows: &[Row],
+) -> Result<()> {
+    let (arch, col) = arch_of(&g);
+    let t0 = std::time::Instant::now();
+    let l = dry_step(job, student, teacher, w, arch)?;
+    println!(
+        "\nthe launch ledger of GPU 0 of {} in the same step, its launches at these shapes on dry simulated {}s ({arch}; {:.0} s here): a model, not a measurement",
+        w.gpus,
+        g.name,
+        t0.elapsed().as_secs_f64()
+    );
+    println!("| phase | launches (replayed) | TFLOP | GB HBM | GB NVLink | GB PCIe | ledger ms | shape model ms |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut total = (0.0, 0.0);
+    for (phase, r) in by_phase(&l, col) {
+        let (ms, model) = (r.seconds * 1e3, modelled_ms(rows, phase));
+        total = (total.0 + ms, total.1 + model);
+        println!(
+            "| {phase} | {} ({}) | {:.1} | {:.2} | {:.2} | {:.3} | {ms:.1} | {model:.1} |",
+            r.launches,
+            r.replayed,
+            r.flops / 1e12,
+            r.hbm / 1e9,
+            r.nvlink / 1e9,
+            r.pcie / 1e9
+        );
+    }
+    println!("| step | | | | | | {:.1} | {:.1} |", total.0, total.1);
+    println!(
+        "its costliest operations:\n| phase | operation | launches | TFLOP | GB | ms |\n|---|---|---|---|---|---|"
+    );
+    let sec = |r: &LedgerRow| if col == 0 { r.h200_s } else { r.b300_s };
+    let mut ops = ledger_rows(&l);
+    ops.sort_by(|a, b| sec(b).total_cmp(&sec(a)));
+    for r in ops.iter().take(12) {
+        println!(
+            "| {} | {} | {} | {:.2} | {:.2} | {:.1} |",
+            r.phase,
+            r.op,
+            r.launches,
+            r.flops / 1e12,
+            r.bytes / 1e9,
+            sec(r) * 1e3
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::cuda::ledger::Key;
+    use crate::model::tiny::{tiny_config, TinySpec};
+
+    fn tiny(arch: &str, hidden: usize, inter: usize) -> ModelConfig {
+        let spec = TinySpec {
+            arch: arch.into(),
+            layers: 2,
+            hidden,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: Some(16),
+            intermediate: Some(inter),
+            vocab: 320,
+            max_position: 128,
+            tie: arch == "qwen3",
+        };
+        tiny_config(&spec).unwrap()
+    }
+
+    fn job(extra: &str) -> JobConfig {
+        let toml = format!(
+            "[model]\npath = \"unused\"\ndtype = \"bf16\"\n[teacher]\npath = \"unused\"\ndtype = \"bf16\"\n\
+             [rollout]\nprompts_per_step = 1\nsamples_per_prompt = 3\nmax_new_tokens = 9\nmax_seqs = 8\n\
+             kv_cache_mb = 1\n[objective]\nkind = \"opd\"\nmicro_batch_tokens = 40\nchunk_size = 16\n\
+             [optimizer]\nkind = \"adamw\"\n{extra}"
+        );
+        JobConfig::from_toml(&toml, "inline").unwrap()
+    }
+
+    /// (launches, FLOPs, bytes) per (phase, stream, operation).
+    fn table(l: &Ledger) -> BTreeMap<Key, (u64, u64, f64, f64)> {
+        l.entries().map(|(k, e)| (*k, (e.launches, e.replayed, e.flops, e.bytes))).collect()
+    }
+
+    /// With two training GPUs the dry step trains ZeRO-1 over the device collective: rank 0's
+    /// communication stream pulls its shard's other half of the FP32 gradient and the other
+    /// rank's shard of the BF16 weights over NVLink, exactly (4·s0 + 2·s1 bytes for shards of
+    /// s0 and s1 parameters), and trains half the responses of a one-GPU step.
+    #[test]
+    fn two_dry_gpus_reduce_scatter_and_all_gather_over_nvlink() {
+        let cfg = tiny("qwen2", 64, 128);
+        let j = job("[engine]\nrecipe = \"bf16\"\n");
+        let one = dry_step(&j, &cfg, Some(&cfg), Workload { gpus: 1, sequences: 3, prompt: 7, response: 9 }, "sm_90a");
+        let two = dry_step(&j, &cfg, Some(&cfg), Workload { gpus: 2, sequences: 6, prompt: 7, response: 9 }, "sm_90a");
+        let (one, two) = (one.unwrap(), two.unwrap());
+        let gemm = |l: &Ledger| -> f64 {
+            ledger_rows(l).iter().filter(|r| r.phase == "train" && r.op.starts_with("gemm")).map(|r| r.flops).sum()
+        };
+        // Rank 0 trains 3 of the 6 responses: the GEMMs of the one-GPU step.
+        assert!(gemm(&one) > 0.0);
+        assert_eq!(gemm(&one), gemm(&two));
+        let (one, two) = (by_phase(&one, 0), by_phase(&two, 0));
+        let n = param_specs(&cfg).iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>();
+        let (s0, s1) = (crate::parallel::shard_range(n, 2, 0).len(), crate::parallel::shard_range(n, 2, 1).len());
+        assert_eq!(two["collectives"].nvlink, (4 * s0 + 2 * s1) as f64);
+        assert!(!one.contains_key("collectives"));
+        assert_eq!(one["rollout"].flops, two["rollout"].flops, "each GPU decodes the same share");
+    }
+
+    /// The dry GPU launches what a backed simulated GPU launches for the same step, operation
+    /// by operation (launches, replays, FLOPs, bytes): the decode of 3 responses of 9 tokens
+    /// with its graphs, the teacher's scoring, two micro-batches of training and the resync.
+    /// That is what makes its ledger at a 7B model's shapes the code's and not a guess. Once
+    /// with a BF16 engine and OPD, once with the NVFP4 engine and learner (calibrated scales,
+    /// the rounded copies, the requantize) and GRPO/TRIAGE, on both architectures.
+    #[test]
+    fn a_dry_step_launches_what_a_backed_step_launches_sim() {
+        let random: &MakeWeights = &|c, d, t| ModelWeights::random(c, d, t, 7, 0.05);
+        let cases = [
+            ("sm_90a", tiny("qwen2", 64, 128), job("[engine]\nrecipe = \"bf16\"\n")),
+            (
+                "sm_100a",
+                tiny("qwen3", 64, 128),
+                job("[engine]\nrecipe = \"nvfp4\"\nkeep_bf16 = [\"attention\", \"kv\"]\n[learner]\nprecision = \
+                     \"nvfp4\"\nlinears = [\"gate_proj\", \"up_proj\", \"down_proj\"]\n"),
+            ),
+        ];
+        for (i, (arch, cfg, j)) in cases.iter().enumerate() {
+            let w = Workload { gpus: 1, sequences: 3, prompt: 7, response: 9 };
+            let backed = CudaDevice::sim_unshared_arch(88 - i, arch);
+            let teacher = Some(cfg);
+            let a = table(&step_on(&backed, &[], j, cfg, teacher, w, random).unwrap());
+            let b = table(&dry_step(j, cfg, teacher, w, arch).unwrap());
+            assert!(a.keys().any(|k| k.0 == "rollout") && a.keys().any(|k| k.0 == "train"), "{arch}: {a:?}");
+            assert!(a.values().any(|e| e.1 > 0), "{arch}: some decode steps replay a graph");
+            assert_eq!(a.len(), b.len(), "{arch}: the same operations");
+            for (k, x) in &a {
+                assert_eq!(Some(x), b.get(k), "{arch}: {k:?}");
+            }
+        }
+    }
+}
