@@ -360,16 +360,16 @@ impl RolloutWeights {
                         Precision::Nvfp4 => QFormat::Nvfp4,
                     };
                     quant += QTensor::bytes_for(f, t.dim(0), t.dim(1));
-                    // A decoded copy where the GEMM is emulated (`QTensor::decoded`).
-                    let emulated = match t.storage() {
-                        crate::device::Storage::Cuda(c) => {
-                            let dev = crate::device::Device::Cuda(c.device().clone());
-                            crate::ops::linear::cuda_lowp::emulated_here(&dev, f, t.dim(0), t.dim(1))
+                    // On a GPU: a decoded copy where the GEMM is emulated (`QTensor::decoded`),
+                    // else an NVFP4 weight's tiled scales (`QTensor::swizzled`).
+                    if let crate::device::Storage::Cuda(c) = t.storage() {
+                        let dev = crate::device::Device::Cuda(c.device().clone());
+                        let (n, k) = (t.dim(0), t.dim(1));
+                        if crate::ops::linear::cuda_lowp::emulated_here(&dev, f, n, k) {
+                            quant += 2 * t.numel();
+                        } else if f == QFormat::Nvfp4 {
+                            quant += crate::ops::quantize::swizzled_sf_bytes(n, k);
                         }
-                        crate::device::Storage::Cpu(_) => false,
-                    };
-                    if emulated {
-                        quant += 2 * t.numel();
                     }
                 }
             }

@@ -90,9 +90,14 @@ impl QuantState {
                     ),
                 };
                 // Where its GEMM is emulated (NVFP4 on Hopper) the weight is decoded once per
-                // version, not at every decode step (`QTensor::decoded`).
-                if let Some(q) = wq[i].as_mut().filter(|q| emulated_here(dev, q.format, rows, k)) {
-                    q.keep_decoded(dev)?;
+                // version, not at every decode step (`QTensor::decoded`); where it is CUTLASS's
+                // block-scaled kernel (NVFP4 on sm_100), its scales are tiled once per version.
+                if let Some(q) = wq[i].as_mut().filter(|_| !dev.is_cpu()) {
+                    if emulated_here(dev, q.format, rows, k) {
+                        q.keep_decoded(dev)?;
+                    } else {
+                        q.keep_swizzled(dev, crate::ops::quantize::swizzled_sf_bytes(rows, k))?;
+                    }
                 }
                 let amax = calib.map(|c| c.input_amax[l][input_slot(i)]).unwrap_or(0.0);
                 act[i] = match lr.input[i] {

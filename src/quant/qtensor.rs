@@ -36,6 +36,10 @@ pub struct QTensor {
     /// exact in BF16) as (rows, K) BF16, decoded once by each requantize on the device instead
     /// of at every GEMM (`keep_decoded`). None elsewhere.
     pub decoded: Option<Tensor>,
+    /// Where an NVFP4 GEMM runs on CUTLASS's block-scaled kernel (sm_100): the block scales
+    /// in its tiled layout, rewritten by each requantize instead of at every GEMM
+    /// (`keep_swizzled`). None elsewhere.
+    pub swizzled: Option<Tensor>,
 }
 
 impl QTensor {
@@ -65,7 +69,7 @@ impl QTensor {
         };
         let codes = dev.zeros(DType::U8, &[codes])?;
         let block_scales = dev.zeros(DType::U8, &[block_scales])?;
-        Ok(QTensor { format, rows, k, codes, block_scales, scale: 1.0, opts, decoded: None })
+        Ok(QTensor { format, rows, k, codes, block_scales, scale: 1.0, opts, decoded: None, swizzled: None })
     }
 
     /// Keeps the decoded unit values on `dev` from the next requantize on (see `decoded`).
@@ -76,11 +80,19 @@ impl QTensor {
         Ok(())
     }
 
+    /// Keeps the tiled block scales of an NVFP4 weight on `dev` from the next requantize on
+    /// (see `swizzled`); `bytes`: their size (`ops::quantize::swizzled_sf_bytes`).
+    pub fn keep_swizzled(&mut self, dev: &Device, bytes: usize) -> Result<()> {
+        if self.format == QFormat::Nvfp4 && self.swizzled.is_none() {
+            self.swizzled = Some(dev.uninit(DType::U8, &[bytes])?);
+        }
+        Ok(())
+    }
+
     pub fn size_bytes(&self) -> usize {
-        self.codes.size_bytes()
-            + self.block_scales.size_bytes()
-            + 4
-            + self.decoded.as_ref().map_or(0, |t| t.size_bytes())
+        let kept: usize =
+            [&self.decoded, &self.swizzled].iter().filter_map(|t| t.as_ref()).map(|t| t.size_bytes()).sum();
+        self.codes.size_bytes() + self.block_scales.size_bytes() + 4 + kept
     }
 
     /// Address of the code buffer (tests prove syncs do not move it).

@@ -535,6 +535,8 @@ fn check_quant(x: &mut Ctx) -> Result<()> {
                 x.cmp_bytes(&format!("requantize block scales {label}"), &qc.block_scales, &qg.block_scales)?;
             }
             x.record(&format!("requantize tensor scale {label}"), "f32", &[qc.scale], &[qg.scale], Tol::Exact);
+            let cd = x.cuda.clone();
+            let at = |t: &Tensor, dt: DType| crate::device::cuda::args::ptr(&cd, t, &[dt], "kept operand");
             if lowp::emulated_here(&x.gpu, fmt, rows, k) {
                 // An engine's kept decoded weight (NVFP4 on Hopper), written by the requantize:
                 // bit for bit what the emulated GEMM decodes per call from the same codes.
@@ -542,21 +544,23 @@ fn check_quant(x: &mut Ctx) -> Result<()> {
                 qk.keep_decoded(&x.gpu)?;
                 quantize::requantize(&x.gpu, &w.g, &mut qk, "w")?;
                 let per_call = x.gpu.zeros(DType::BF16, &[rows, k])?;
-                let cd = x.cuda.clone();
-                quantize::dequant(
-                    &cd,
-                    &qg,
-                    crate::device::cuda::args::ptr(&cd, &per_call, &[DType::BF16], "decoded")?,
-                    DType::BF16,
-                )?;
+                quantize::dequant(&cd, &qg, at(&per_call, DType::BF16)?, DType::BF16)?;
                 let kept = qk.decoded.as_ref().map(|t| t.to_f32_vec()).transpose()?.unwrap_or_default();
-                x.record(
-                    &format!("requantize kept decoded weight {label}"),
-                    "bf16",
-                    &per_call.to_f32_vec()?,
-                    &kept,
-                    Tol::Exact,
-                );
+                let op = format!("requantize kept decoded weight {label}");
+                x.record(&op, "bf16", &per_call.to_f32_vec()?, &kept, Tol::Exact);
+            } else if fmt == QFormat::Nvfp4 {
+                // Its tiled block scales where CUTLASS takes NVFP4 (sm_100): what the GEMM tiles
+                // per call from the same scales.
+                let bytes = lowp::swizzled_sf_bytes(rows, k);
+                let mut qk = QTensor::alloc_on(&x.gpu, fmt, rows, k, opts)?;
+                qk.keep_swizzled(&x.gpu, bytes)?;
+                quantize::requantize(&x.gpu, &w.g, &mut qk, "w")?;
+                let per_call = x.gpu.zeros(DType::U8, &[bytes])?;
+                quantize::swizzle_sf_into(&cd, at(&qg.block_scales, DType::U8)?, at(&per_call, DType::U8)?, rows, k)?;
+                match &qk.swizzled {
+                    Some(t) => x.cmp_bytes(&format!("requantize kept tiled scales {label}"), &per_call, t)?,
+                    None => bail!("an NVFP4 weight kept no tiled scales"),
+                }
             }
             if src_dt == DType::BF16 && opts == Nvfp4Opts::default() {
                 check_qlinear(x, &xin, &qc, &qg, name, amax)?;

@@ -20,7 +20,7 @@ use super::cuda::add_bias;
 use crate::device::cuda::args::{i32_of, ptr};
 use crate::device::cuda::{ffi, CudaDevice, Cutlass, CutlassArgs, DevBuf, Elem};
 use crate::device::{DType, Tensor};
-use crate::ops::quantize::{dequant, quant_rows_fixed, ActQuant, LearnerCodes};
+use crate::ops::quantize::{dequant, quant_rows_fixed, swizzle_sf_into, ActQuant, LearnerCodes};
 use crate::quant::nvfp4::Nvfp4Opts;
 use crate::quant::qtensor::{QFormat, QTensor};
 use anyhow::{bail, Result};
@@ -128,22 +128,12 @@ pub fn linear_w4a4(
     linear_act_q(d, x, &ActQuant::Nvfp4 { global: act_global, opts }, wq, bias, y, m, Path::Auto)
 }
 
-/// Bytes of one operand's tiled NVFP4 scales: rows padded to 128, K/16 columns padded to 4.
-pub fn swizzled_sf_bytes(rows: usize, k: usize) -> usize {
-    rows.div_ceil(128) * 128 * (k / 16).div_ceil(4) * 4
-}
+pub use crate::ops::quantize::swizzled_sf_bytes;
 
+/// NVFP4 scales (rows, K/16) in the tiled layout, in a new scratch.
 fn swizzle(d: &CudaDevice, src: u64, rows: usize, k: usize) -> Result<DevBuf> {
-    let (pr, pc) = (rows.div_ceil(128) * 128, (k / 16).div_ceil(4) * 4);
-    let buf = d.scratch(pr * pc, "tiled NVFP4 scales")?;
-    d.k_swizzle_sf(ffi::ct_swizzle_sf_params {
-        src: src as *const u8,
-        dst: buf.ptr as *mut u8,
-        rows: i32_of(rows, "scale rows")?,
-        sf_cols: i32_of(k / 16, "scale columns")?,
-        padded_rows: i32_of(pr, "scale rows")?,
-        padded_cols: i32_of(pc, "scale columns")?,
-    })?;
+    let buf = d.scratch(swizzled_sf_bytes(rows, k), "tiled NVFP4 scales")?;
+    swizzle_sf_into(d, src, buf.ptr, rows, k)?;
     Ok(buf)
 }
 
@@ -171,15 +161,23 @@ pub fn gemm_q(d: &CudaDevice, a: &QAct, w: &QTensor, y: u64, path: Path) -> Resu
     let want_cutlass = matches!(path, Path::Auto | Path::Cutlass);
     if want_cutlass && cutlass_supports(d, w.format, n, k) {
         if let Some(g) = cutlass_kernel(d, w.format) {
+            // The weight's tiled scales: kept by the engine (rewritten once per requantize,
+            // `QTensor::swizzled`), else tiled now.
+            let kept = match &w.swizzled {
+                Some(t) => Some(ptr(d, t, &[DType::U8], "tiled weight scales")?),
+                None => None,
+            };
             let (sa, sw) = match (&a.scales, w.format) {
-                (Some(s), QFormat::Nvfp4) => (Some(swizzle(d, s.ptr, m, k)?), Some(swizzle(d, ws, n, k)?)),
+                (Some(s), QFormat::Nvfp4) => {
+                    (Some(swizzle(d, s.ptr, m, k)?), if kept.is_some() { None } else { Some(swizzle(d, ws, n, k)?) })
+                }
                 _ => (None, None),
             };
             let args = CutlassArgs {
                 a: a.codes.ptr,
                 b: wc,
                 sfa: sa.as_ref().map(|b| b.ptr).unwrap_or(0),
-                sfb: sw.as_ref().map(|b| b.ptr).unwrap_or(0),
+                sfb: kept.or(sw.as_ref().map(|b| b.ptr)).unwrap_or(0),
                 d: y,
                 m,
                 n,
@@ -248,7 +246,8 @@ pub fn decoded_weight(d: &CudaDevice, w: &QTensor) -> Result<Decoded> {
 }
 
 /// Whether a quantized (n, K) weight's GEMM is emulated on `dev` (no CUTLASS kernel for its
-/// format or shape: NVFP4 on Hopper), so an engine keeps its decoded unit values.
+/// format or shape: NVFP4 on Hopper), so an engine keeps its decoded unit values; where it is
+/// not, an NVFP4 weight keeps its tiled block scales instead (`QTensor::swizzled`).
 pub fn emulated_here(dev: &crate::device::Device, format: QFormat, n: usize, k: usize) -> bool {
     match dev {
         crate::device::Device::Cuda(d) => !cutlass_supports(d, format, n, k),

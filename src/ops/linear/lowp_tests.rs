@@ -165,46 +165,53 @@ fn the_learners_w4a4_linear_multiplies_its_rounded_operands() {
     }
 }
 
-/// Where the NVFP4 GEMM is emulated (Hopper), an engine's weight keeps its BF16 unit values,
-/// decoded by each requantize instead of at every GEMM: the GEMM through the kept copy equals
-/// the one that decodes per call, bit for bit, after the first requantize and after a second
-/// one from other weights (a copy left stale would repeat the first result); and a call then
-/// launches one decode (the activations') instead of two. On sm_100a the CUTLASS kernel takes
-/// NVFP4 and nothing is kept; FP8 has its kernel on both.
+/// An engine's NVFP4 weight keeps what its GEMM reads in the form the GEMM reads it, written
+/// once per requantize instead of at every GEMM: on Hopper (the GEMM emulated) its BF16 unit
+/// values, on sm_100a (CUTLASS's block-scaled kernel) its block scales in the tiled layout.
+/// The GEMM through the kept form equals the one that prepares it per call, bit for bit, after
+/// the first requantize and after a second one from other weights (a form left stale would
+/// repeat the first result); and a call then launches one preparation (the activations')
+/// instead of two. FP8 has its CUTLASS kernel on both and keeps nothing.
 #[test]
-fn a_kept_decoded_weight_follows_each_requantize_sim() {
-    let cd = CudaDevice::sim_unshared_arch(87, "sm_90a");
-    let gpu = Device::Cuda(cd.clone());
+fn a_kept_gemm_operand_follows_each_requantize_sim() {
     let (m, n, k) = (5, 64, 128);
-    assert!(lowp::emulated_here(&gpu, QFormat::Nvfp4, n, k));
-    assert!(!lowp::emulated_here(&gpu, QFormat::Fp8, n, k));
-    let b300 = Device::Cuda(CudaDevice::sim_unshared_arch(86, "sm_100a"));
-    assert!(!lowp::emulated_here(&b300, QFormat::Nvfp4, n, k));
-    assert!(!lowp::emulated_here(&Device::cpu(1).unwrap(), QFormat::Nvfp4, n, k));
-    let xg = gpu.from_f32(DType::F32, &[m, k], &data(m * k, 3, 1.0)).unwrap();
-    let act = ActQuant::Nvfp4 { global: 4.0 / 2688.0, opts: Nvfp4Opts::default() };
-    let mut kept = QTensor::alloc_on(&gpu, QFormat::Nvfp4, n, k, Nvfp4Opts::default()).unwrap();
-    kept.keep_decoded(&gpu).unwrap();
-    let mut plain = QTensor::alloc_on(&gpu, QFormat::Nvfp4, n, k, Nvfp4Opts::default()).unwrap();
-    assert_eq!(kept.size_bytes(), plain.size_bytes() + 2 * n * k);
-    let decodes = |q: &QTensor| -> (Vec<u32>, u64) {
-        let mut y = gpu.zeros(DType::F32, &[m, n]).unwrap();
-        cd.take_ledger();
-        lowp::linear_act_q(&cd, &xg, &act, q, None, &mut y, m, Path::Auto).unwrap();
-        let l = cd.take_ledger();
-        let dq =
-            crate::device::cuda::ledger::rows(&l).iter().filter(|r| r.op == "ct_dequant").map(|r| r.launches).sum();
-        (y.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect(), dq)
-    };
-    let mut first = Vec::new();
-    for seed in [11, 12] {
-        let w = gpu.from_f32(DType::BF16, &[n, k], &data(n * k, seed, 0.05)).unwrap();
-        quantize::requantize(&gpu, &w, &mut kept, "w").unwrap();
-        quantize::requantize(&gpu, &w, &mut plain, "w").unwrap();
-        let ((a, da), (b, db)) = (decodes(&kept), decodes(&plain));
-        assert_eq!(a, b, "weights {seed}: the kept copy against a decode per call");
-        assert_eq!((da, db), (1, 2), "decode launches per GEMM");
-        assert_ne!(a, first, "weights {seed}: the result follows the new weights");
-        first = a;
+    let cpu = Device::cpu(1).unwrap();
+    assert!(!lowp::emulated_here(&cpu, QFormat::Nvfp4, n, k));
+    for (i, (arch, prep)) in [("sm_90a", "ct_dequant"), ("sm_100a", "ct_swizzle_sf")].into_iter().enumerate() {
+        let cd = CudaDevice::sim_unshared_arch(87 - i, arch);
+        let gpu = Device::Cuda(cd.clone());
+        assert_eq!(lowp::emulated_here(&gpu, QFormat::Nvfp4, n, k), arch == "sm_90a");
+        assert!(!lowp::emulated_here(&gpu, QFormat::Fp8, n, k));
+        let xg = gpu.from_f32(DType::F32, &[m, k], &data(m * k, 3, 1.0)).unwrap();
+        let act = ActQuant::Nvfp4 { global: 4.0 / 2688.0, opts: Nvfp4Opts::default() };
+        let mut kept = QTensor::alloc_on(&gpu, QFormat::Nvfp4, n, k, Nvfp4Opts::default()).unwrap();
+        let plain_bytes = kept.size_bytes();
+        if arch == "sm_90a" {
+            kept.keep_decoded(&gpu).unwrap();
+            assert_eq!(kept.size_bytes(), plain_bytes + 2 * n * k);
+        } else {
+            kept.keep_swizzled(&gpu, lowp::swizzled_sf_bytes(n, k)).unwrap();
+            assert_eq!(kept.size_bytes(), plain_bytes + 128 * (k / 16));
+        }
+        let mut plain = QTensor::alloc_on(&gpu, QFormat::Nvfp4, n, k, Nvfp4Opts::default()).unwrap();
+        let run = |q: &QTensor| -> (Vec<u32>, u64) {
+            let mut y = gpu.zeros(DType::F32, &[m, n]).unwrap();
+            cd.take_ledger();
+            lowp::linear_act_q(&cd, &xg, &act, q, None, &mut y, m, Path::Auto).unwrap();
+            let l = cd.take_ledger();
+            let preps = crate::device::cuda::ledger::rows(&l).iter().filter(|r| r.op == prep).map(|r| r.launches).sum();
+            (y.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect(), preps)
+        };
+        let mut first = Vec::new();
+        for seed in [11, 12] {
+            let w = gpu.from_f32(DType::BF16, &[n, k], &data(n * k, seed, 0.05)).unwrap();
+            quantize::requantize(&gpu, &w, &mut kept, "w").unwrap();
+            quantize::requantize(&gpu, &w, &mut plain, "w").unwrap();
+            let ((a, pa), (b, pb)) = (run(&kept), run(&plain));
+            assert_eq!(a, b, "{arch} weights {seed}: the kept form against a preparation per call");
+            assert_eq!((pa, pb), (1, 2), "{arch}: {prep} launches per GEMM");
+            assert_ne!(a, first, "{arch} weights {seed}: the result follows the new weights");
+            first = a;
+        }
     }
 }

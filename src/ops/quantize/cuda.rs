@@ -2,7 +2,7 @@
 //! decode), bit-exact with the CPU twin. Not yet run on a GPU.
 
 use super::ActQuant;
-use crate::device::cuda::args::{code, f32p, ptr, vp, FLOATS};
+use crate::device::cuda::args::{code, f32p, i32_of, ptr, vp, FLOATS};
 use crate::device::cuda::{ffi, CudaDevice, DevBuf};
 use crate::device::{DType, Tensor};
 use crate::quant::nvfp4;
@@ -119,6 +119,11 @@ pub fn requantize_all(
         if let Some(t) = &q.decoded {
             dequant(d, q, ptr(d, t, &[DType::BF16], "decoded weight")?, DType::BF16)?;
         }
+        // The CUTLASS GEMM's tiled block scales, likewise once per version.
+        if let Some(t) = &q.swizzled {
+            let scales = ptr(d, &q.block_scales, &[DType::U8], "block scales")?;
+            swizzle_sf_into(d, scales, ptr(d, t, &[DType::U8], "tiled block scales")?, q.rows, q.k)?;
+        }
     }
     let mut bits = vec![0u32; items.len()];
     d.dtoh(&mut bits, buf.ptr)?;
@@ -149,6 +154,25 @@ pub fn requantize_all(
         };
     }
     Ok(())
+}
+
+/// Bytes of one operand's tiled NVFP4 scales: rows padded to 128, K/16 columns padded to 4.
+pub fn swizzled_sf_bytes(rows: usize, k: usize) -> usize {
+    rows.div_ceil(128) * 128 * (k / 16).div_ceil(4) * 4
+}
+
+/// Rewrites NVFP4 block scales (rows, K/16) at `src` into the tiled layout of block-scaled
+/// tensor-core GEMMs at `dst` ([`swizzled_sf_bytes`] bytes).
+pub fn swizzle_sf_into(d: &CudaDevice, src: u64, dst: u64, rows: usize, k: usize) -> Result<()> {
+    let (pr, pc) = (rows.div_ceil(128) * 128, (k / 16).div_ceil(4) * 4);
+    d.k_swizzle_sf(ffi::ct_swizzle_sf_params {
+        src: src as *const u8,
+        dst: dst as *mut u8,
+        rows: i32_of(rows, "scale rows")?,
+        sf_cols: i32_of(k / 16, "scale columns")?,
+        padded_rows: i32_of(pr, "scale rows")?,
+        padded_cols: i32_of(pc, "scale columns")?,
+    })
 }
 
 /// Decodes a quantized weight into `out_dtype` (BF16: unit values; F32: exact values).

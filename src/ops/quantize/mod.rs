@@ -15,8 +15,9 @@ mod cuda;
 #[cfg(test)]
 mod tests;
 
+pub use cuda::swizzled_sf_bytes;
 pub use cuda::LearnerCodes;
-pub(crate) use cuda::{amax, dequant, quant_rows_fixed};
+pub(crate) use cuda::{amax, dequant, quant_rows_fixed, swizzle_sf_into};
 
 use super::check_rows;
 use crate::device::{Device, Tensor};
