@@ -240,9 +240,10 @@ impl DeviceTrainable {
             a.x2.copy_from(&a.x)?;
             linear::linear(&dev, &a.att, p[li.o], bias(li.ob), &mut a.x2, n, true)?;
             norm::rmsnorm_train(&dev, &a.x2, p[li.ln2], eps, &mut a.h2, &mut a.rstd2, n)?;
-            // The NVFP4 learner: the chosen MLP linears on rounded weights and inputs — through
-            // the CUTLASS W4A4 GEMM where there is one (codes written by the same launches as
-            // the rounded copies the backward reads), else on the rounded copies.
+            // The NVFP4 learner: the chosen MLP linears on rounded weights and inputs — on
+            // their codes (written by the same launches as the rounded copies the backward
+            // reads) through the CUTLASS W4A4 GEMM or, on Hopper, a BF16 GEMM of the decoded
+            // unit values; on the CPU on the rounded copies.
             let l = acts.len();
             let mut wc: [Option<quantize::LearnerCodes>; 3] = Default::default();
             let (mut xc, mut ac) = (None, None);
@@ -665,7 +666,7 @@ mod tests {
     }
 
     /// On the B300 profile the gate and up linears (K = 32) run on the CUTLASS W4A4 GEMM, the
-    /// down linear (K = 48, not a multiple of 32) on the rounded copies.
+    /// down linear (K = 48, not a multiple of 32) on a BF16 GEMM of its decoded codes.
     #[test]
     fn nvfp4_learner_twin_sim_cutlass() {
         check_nvfp4(&Device::Cuda(crate::device::cuda::CudaDevice::sim_arch(7, Some("sm_100a")).unwrap()));

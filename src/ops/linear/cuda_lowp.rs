@@ -245,6 +245,36 @@ pub fn decoded_weight(d: &CudaDevice, w: &QTensor) -> Result<Decoded> {
     Ok(Decoded::Now(wb))
 }
 
+/// What an engine's quantized weight keeps for its W8A8 / W4A4 GEMM, rewritten by each
+/// requantize instead of prepared at every GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kept {
+    /// The BF16 unit values (`QTensor::decoded`), where the GEMM is emulated (NVFP4 on Hopper).
+    Decoded,
+    /// The NVFP4 block scales in CUTLASS's tiled layout (`QTensor::swizzled`, sm_100).
+    Swizzled,
+}
+
+impl Kept {
+    /// What a quantized (n, K) weight of `format` keeps on `dev` (None on the CPU, and for FP8
+    /// on its CUTLASS kernel, which reads the codes as they are).
+    pub fn on(dev: &crate::device::Device, format: QFormat, n: usize, k: usize) -> Option<Kept> {
+        match dev {
+            crate::device::Device::Cpu(_) => None,
+            _ if emulated_here(dev, format, n, k) => Some(Kept::Decoded),
+            _ if format == QFormat::Nvfp4 => Some(Kept::Swizzled),
+            _ => None,
+        }
+    }
+
+    pub fn bytes(self, n: usize, k: usize) -> usize {
+        match self {
+            Kept::Decoded => 2 * n * k,
+            Kept::Swizzled => swizzled_sf_bytes(n, k),
+        }
+    }
+}
+
 /// Whether a quantized (n, K) weight's GEMM is emulated on `dev` (no CUTLASS kernel for its
 /// format or shape: NVFP4 on Hopper), so an engine keeps its decoded unit values; where it is
 /// not, an NVFP4 weight keeps its tiled block scales instead (`QTensor::swizzled`).
@@ -256,10 +286,14 @@ pub fn emulated_here(dev: &crate::device::Device, format: QFormat, n: usize, k: 
 }
 
 /// y[..m] (m, N) (+)= x · wᵀ (+ bias) for the NVFP4 learner's operands (codes of the same
-/// rounding as their decoded copies): the CUTLASS block-scaled GEMM with alpha 1 into a
-/// scratch, then one kernel multiplying by the operands' global scales read on the device
-/// (per row for per-token activation scales) and adding into y. Ok(false) when this device has
-/// no CUTLASS NVFP4 GEMM for the shape (the caller multiplies the decoded copies instead).
+/// rounding as their decoded copies): the unit values' products with FP32 accumulation into a
+/// scratch — the CUTLASS block-scaled GEMM where there is one for the shape, else (Hopper) a
+/// BF16 GEMM of both operands decoded to their unit values (q·bs, exact in BF16: the same
+/// products) — then one kernel multiplying by the operands' global scales read on the device
+/// (per row for per-token activation scales) and adding into y. Ok(false) when K is not a
+/// multiple of 16 (the caller multiplies the decoded copies instead). Before the BF16 path,
+/// Hopper multiplied the rounded f32 copies on the CUDA cores: 22.4 s of the 4B TRIAGE
+/// config's modelled 49 s train phase (`bench node --model-gpu h200 --ledger`).
 pub fn learner_w4a4(
     d: &CudaDevice,
     x: &LearnerCodes,
@@ -274,15 +308,32 @@ pub fn learner_w4a4(
     }
     let yp = ptr(d, y, &[DType::F32], "learner linear output")?;
     crate::ops::check_rows(y, m, n, "learner linear output")?;
-    let Some(g) = cutlass_kernel(d, QFormat::Nvfp4).filter(|_| cutlass_supports(d, QFormat::Nvfp4, n, k)) else {
+    if k % 16 != 0 {
         return Ok(false);
-    };
-    let (sa, sw) = (swizzle(d, x.scales.ptr, m, k)?, swizzle(d, w.scales.ptr, n, k)?);
+    }
     let raw = d.scratch(m * n * 4, "learner W4A4 product")?;
-    let args =
-        CutlassArgs { a: x.packed.ptr, b: w.packed.ptr, sfa: sa.ptr, sfb: sw.ptr, d: raw.ptr, m, n, k, alpha: 1.0 };
-    if !d.cutlass_gemm(g, &args)? {
-        return Ok(false);
+    let cutlass = cutlass_kernel(d, QFormat::Nvfp4).filter(|_| cutlass_supports(d, QFormat::Nvfp4, n, k));
+    let done = match cutlass {
+        Some(g) => {
+            let (sa, sw) = (swizzle(d, x.scales.ptr, m, k)?, swizzle(d, w.scales.ptr, n, k)?);
+            let args = CutlassArgs {
+                a: x.packed.ptr,
+                b: w.packed.ptr,
+                sfa: sa.ptr,
+                sfb: sw.ptr,
+                d: raw.ptr,
+                m,
+                n,
+                k,
+                alpha: 1.0,
+            };
+            d.cutlass_gemm(g, &args)?
+        }
+        None => false,
+    };
+    if !done {
+        let (xb, wb) = (unit_values(d, x)?, unit_values(d, w)?);
+        d.gemm(Elem::BF16, wb.ptr, xb.ptr, raw.ptr, m, n, k, 1.0, false, None)?;
     }
     d.k_nvfp4_scale_out(ffi::ct_nvfp4_scale_out_params {
         src: raw.ptr as *const f32,
@@ -299,6 +350,21 @@ pub fn learner_w4a4(
         add_bias(d, yp, b, m, n)?;
     }
     Ok(true)
+}
+
+/// The learner operand's codes decoded to their BF16 unit values q·bs (exact), in a scratch.
+fn unit_values(d: &CudaDevice, c: &LearnerCodes) -> Result<DevBuf> {
+    let out = d.scratch(c.rows * c.k * 2, "learner unit values")?;
+    d.k_dequant(ffi::ct_dequant_params {
+        codes: c.packed.ptr as *const u8,
+        scales: c.scales.ptr as *const u8,
+        format: ffi::CT_FORMAT_NVFP4,
+        n: (c.rows * c.k) as i64,
+        scale: 1.0,
+        out: out.ptr as *mut std::ffi::c_void,
+        out_dtype: ffi::CT_DTYPE_BF16,
+    })?;
+    Ok(out)
 }
 
 /// The sizes of CUTLASS's scale tensors for an (m, n, k) NVFP4 problem, when this build has

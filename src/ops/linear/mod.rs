@@ -164,18 +164,21 @@ pub fn linear_q(dev: &Device, x: &Tensor, wq: &QTensor, bias: Option<&Tensor>, y
     }
 }
 
-/// Whether the NVFP4 learner's linear of a weight (n, k) runs on a real W4A4 GEMM on `dev`: a
-/// CUTLASS NVFP4 GEMM (sm_100a / sm_103a, or the simulator with that profile) that suits the
-/// shape. Elsewhere (the CPU, Hopper) the linear multiplies the rounded operands (emulated).
+/// Whether the NVFP4 learner's forward linear of a weight (n, k) runs on its operands' codes on
+/// `dev` ([`learner_w4a4`]): on every CUDA device (CUTLASS's block-scaled GEMM where it suits
+/// the shape, else a BF16 GEMM of the decoded codes), for K a multiple of 16. On the CPU the
+/// linear multiplies the rounded operands in f32.
 pub fn learner_w4a4_here(dev: &Device, n: usize, k: usize) -> bool {
+    let _ = n;
     match dev {
         Device::Cpu(_) => false,
-        Device::Cuda(c) => cuda_lowp::cutlass_supports(c, crate::quant::qtensor::QFormat::Nvfp4, n, k),
+        Device::Cuda(_) => k % 16 == 0,
     }
 }
 
-/// y[..m] (+)= x · wᵀ (+ bias) on the learner's NVFP4 codes (`quantize::learner_round_codes`)
-/// through the CUTLASS block-scaled GEMM; Ok(false) when there is none for the shape here.
+/// y[..m] (+)= x · wᵀ (+ bias) on the learner's NVFP4 codes (`quantize::learner_round_codes`):
+/// the products of the unit values, FP32 accumulation, then the global scales (CUDA:
+/// `cuda_lowp::learner_w4a4`); Ok(false) on the CPU.
 pub fn learner_w4a4(
     dev: &Device,
     x: &LearnerCodes,
