@@ -310,10 +310,20 @@ fn modelopt_export_loads_back_as_the_same_engine() {
 }
 
 /// The memory plan's estimate of an engine's buffers (before anything is allocated) equals what
-/// the engine then holds, for every kind of engine.
+/// the engine then holds, for every kind of engine, on the CPU and on both simulated GPU
+/// profiles (where a quantized weight also keeps its GEMM's operand: decoded unit values on
+/// sm_90a, tiled NVFP4 scales on sm_100a).
 #[test]
 fn engine_buffer_estimate_equals_the_allocation() {
-    let dev = Device::cpu(2).unwrap();
+    let gpu = |arch| Device::Cuda(colotrain::device::CudaDevice::sim_dry(0, Some(arch)).unwrap());
+    let nvfp4: Vec<usize> = [Device::cpu(2).unwrap(), gpu("sm_90a"), gpu("sm_100a")].iter().map(buffers_on).collect();
+    // The NVFP4 engine's kept operands: 2 bytes a weight on sm_90a, less on sm_100a.
+    assert!(nvfp4[1] > nvfp4[2] && nvfp4[2] > nvfp4[0], "{nvfp4:?}");
+}
+
+/// Checks every engine kind on `dev`; returns the plain NVFP4 engine's bytes.
+fn buffers_on(dev: &Device) -> usize {
+    let dev = dev.clone();
     let lm = common::load_fixture("llama_gqa", &dev, DType::BF16);
     let n = lm.cfg.num_layers;
     let mut cal = Calibration::new(Calibration::fingerprint(&lm.cfg), n);
@@ -327,6 +337,7 @@ fn engine_buffer_estimate_equals_the_allocation() {
         staleness: stale,
     };
     let first_last = ["first-layer".to_string(), "last-layer".to_string()];
+    let mut nvfp4 = 0;
     for s in [
         spec("bf16", &[], 0.0, 0),
         spec("fp8", &[], 0.0, 0),
@@ -340,10 +351,15 @@ fn engine_buffer_estimate_equals_the_allocation() {
         assert_eq!(
             RolloutWeights::estimate_extra_bytes(&s, &lm.weights),
             rw.extra_bytes(),
-            "{} noise {} stale {}",
+            "{} noise {} stale {} on {}",
             s.recipe.name,
             s.noise_sigma,
-            s.staleness
+            s.staleness,
+            dev.name()
         );
+        if s.recipe.name == "nvfp4" && s.noise_sigma == 0.0 {
+            nvfp4 = rw.extra_bytes();
+        }
     }
+    nvfp4
 }

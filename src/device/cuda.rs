@@ -575,8 +575,8 @@ impl CudaDevice {
         if bytes == 0 {
             return Ok(());
         }
-        if peer.is_sim() != self.is_sim() {
-            bail!("peer copy between {} and {}: a GPU and a simulated GPU", self.name(), peer.name());
+        if peer.is_sim() != self.is_sim() || peer.inner.driver.is_dry() != self.inner.driver.is_dry() {
+            bail!("peer copy between {} and {}: devices of different kinds", self.name(), peer.name());
         }
         self.inner.driver.peer_copy(dst, src, peer.ordinal(), bytes)?;
         self.record("memcpy peer", cost::copy(bytes, ledger::Path::Nvlink));

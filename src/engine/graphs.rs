@@ -133,6 +133,11 @@ fn fingerprint(w: &ModelWeights, q: Option<&[QLayer]>, e: &Engine) -> u64 {
         for t in l.w.iter().flatten() {
             (t.codes.data_ptr(), t.block_scales.data_ptr(), t.scale.to_bits(), t.opts.rht, t.opts.stochastic)
                 .hash(&mut h);
+            // What the GEMM reads in the codes' place where it keeps it (`QTensor::decoded`,
+            // `swizzled`).
+            for kept in [&t.decoded, &t.swizzled] {
+                kept.as_ref().map(|k| k.data_ptr()).hash(&mut h);
+            }
         }
         for a in &l.act {
             hash_act(a, &mut h);

@@ -353,23 +353,18 @@ impl RolloutWeights {
         if !spec.recipe.is_standard() {
             for (lr, lw) in spec.recipe.layers.iter().zip(&w.layers) {
                 let dense = [&lw.q_proj, &lw.k_proj, &lw.v_proj, &lw.o_proj, &lw.gate_proj, &lw.up_proj, &lw.down_proj];
-                for (p, t) in lr.weight.iter().zip(dense) {
+                for ((p, t), input) in lr.weight.iter().zip(dense).zip(&lr.input) {
                     let f = match p {
                         Precision::Native => continue,
                         Precision::Fp8 => QFormat::Fp8,
                         Precision::Nvfp4 => QFormat::Nvfp4,
                     };
                     quant += QTensor::bytes_for(f, t.dim(0), t.dim(1));
-                    // On a GPU: a decoded copy where the GEMM is emulated (`QTensor::decoded`),
-                    // else an NVFP4 weight's tiled scales (`QTensor::swizzled`).
-                    if let crate::device::Storage::Cuda(c) = t.storage() {
+                    // On a GPU, what the W8A8 / W4A4 GEMM keeps (as `QuantState::new` decides).
+                    if let (crate::device::Storage::Cuda(c), true) = (t.storage(), input == p) {
                         let dev = crate::device::Device::Cuda(c.device().clone());
                         let (n, k) = (t.dim(0), t.dim(1));
-                        if crate::ops::linear::cuda_lowp::emulated_here(&dev, f, n, k) {
-                            quant += 2 * t.numel();
-                        } else if f == QFormat::Nvfp4 {
-                            quant += crate::ops::quantize::swizzled_sf_bytes(n, k);
-                        }
+                        quant += crate::ops::linear::cuda_lowp::Kept::on(&dev, f, n, k).map_or(0, |x| x.bytes(n, k));
                     }
                 }
             }

@@ -5,7 +5,7 @@
 use super::calib::{input_slot, Calibration};
 use crate::device::Device;
 use crate::model::{ModelConfig, ModelWeights};
-use crate::ops::linear::cuda_lowp::emulated_here;
+use crate::ops::linear::cuda_lowp::Kept;
 use crate::ops::quantize::ActQuant;
 use crate::quant::qtensor::{QFormat, QTensor};
 use crate::quant::recipe::{KvScale, Precision, Recipe};
@@ -92,11 +92,13 @@ impl QuantState {
                 // Where its GEMM is emulated (NVFP4 on Hopper) the weight is decoded once per
                 // version, not at every decode step (`QTensor::decoded`); where it is CUTLASS's
                 // block-scaled kernel (NVFP4 on sm_100), its scales are tiled once per version.
-                if let Some(q) = wq[i].as_mut().filter(|_| !dev.is_cpu()) {
-                    if emulated_here(dev, q.format, rows, k) {
-                        q.keep_decoded(dev)?;
-                    } else {
-                        q.keep_swizzled(dev, crate::ops::quantize::swizzled_sf_bytes(rows, k))?;
+                // Only where the input is quantized alike (the W8A8 / W4A4 GEMM): a weight-only
+                // linear decodes its weight per call (`linear_q`), keeping its memory small.
+                if let Some(q) = wq[i].as_mut().filter(|_| lr.input[i] == lr.weight[i]) {
+                    match Kept::on(dev, q.format, rows, k) {
+                        Some(Kept::Decoded) => q.keep_decoded(dev)?,
+                        Some(Kept::Swizzled) => q.keep_swizzled(dev, Kept::Swizzled.bytes(rows, k))?,
+                        None => {}
                     }
                 }
                 let amax = calib.map(|c| c.input_amax[l][input_slot(i)]).unwrap_or(0.0);

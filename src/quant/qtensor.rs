@@ -265,6 +265,11 @@ impl QTensor {
                     if self.codes.read_u8(r * k, k)? != want {
                         return Ok(false);
                     }
+                    let table = super::fp8::e4m3_table();
+                    let unit: Vec<f32> = want.iter().map(|&c| table[c as usize]).collect();
+                    if !self.kept_row_matches(r, &unit, None)? {
+                        return Ok(false);
+                    }
                 }
                 QFormat::Nvfp4 => {
                     let (mut p, mut s) = (vec![0u8; k / 2], vec![0u8; k / BLOCK]);
@@ -275,6 +280,39 @@ impl QTensor {
                     {
                         return Ok(false);
                     }
+                    let mut unit = vec![0.0f32; k];
+                    nvfp4::dequantize_into(&p, &s, 1.0, 0, &mut unit);
+                    if !self.kept_row_matches(r, &unit, Some(&s))? {
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Whether row `r` of the kept GEMM operands (`decoded`, `swizzled`) holds `unit` (the
+    /// row's unit values) and `scales` (its NVFP4 block scales) — what the GEMM reads on a GPU,
+    /// checked like the codes.
+    fn kept_row_matches(&self, r: usize, unit: &[f32], scales: Option<&[u8]>) -> Result<bool> {
+        let k = self.k;
+        if let Some(d) = &self.decoded {
+            let got = d.view(r * k, &[k])?.to_f32_vec()?;
+            if got.iter().zip(unit).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                return Ok(false);
+            }
+        }
+        if let (Some(t), Some(s)) = (&self.swizzled, scales) {
+            // The tiled layout of `ct_swizzle_sf`: 128 × 4 tiles of 512 bytes, K tiles
+            // innermost; row r, column c at (r % 32)·16 + (r % 128 / 32)·4 + c % 4 in its tile.
+            // Row r's tiles are one run of col_tiles · 512 bytes.
+            let col_tiles = (k / BLOCK).div_ceil(4);
+            let run = (r / 128) * col_tiles * 512;
+            let bytes = t.read_u8(run, (col_tiles * 512).min(t.numel().saturating_sub(run)))?;
+            for (c, &want) in s.iter().enumerate() {
+                let at = (c / 4) * 512 + (r % 32) * 16 + (r % 128 / 32) * 4 + c % 4;
+                if bytes.get(at) != Some(&want) {
+                    return Ok(false);
                 }
             }
         }

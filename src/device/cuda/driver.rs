@@ -395,4 +395,9 @@ impl Driver {
     pub fn is_sim(&self) -> bool {
         matches!(self, Driver::Sim(_))
     }
+
+    /// A dry simulated GPU (`sim_dry.rs`): its addresses have no memory behind them.
+    pub fn is_dry(&self) -> bool {
+        matches!(self, Driver::Sim(s) if s.is_dry())
+    }
 }

@@ -77,13 +77,16 @@ impl CudaDevice {
     /// registry (so it never shares an ordinal's state with a backed one, and the per-step
     /// readings above do not see it): the simulator's checks, graphs and launch ledger, with
     /// no memory behind its addresses and no operation run (`sim_dry.rs`). Its memory is a
-    /// TiB, so a 7B model's weights, optimizer and activations fit; `ordinal` only names it.
+    /// TiB, so a 7B model's weights, optimizer and activations fit. Its ordinal is
+    /// [`DRY_ORDINALS`] + `ordinal`, apart from every backed simulated GPU's: the simulator tells
+    /// devices apart by ordinal (a tensor's device, a pointer parameter's owner, a peer copy's
+    /// source), so a dry address is never taken for a backed device's and read.
     pub fn sim_dry(ordinal: usize, arch: Option<&str>) -> Result<CudaDevice> {
         let arch = match arch {
             Some(a) => super::sim::Arch::named(a)?,
             None => super::sim::Arch::from_env()?,
         };
-        unregistered(ordinal, arch, true, 1 << 40)
+        unregistered(DRY_ORDINALS + ordinal, arch, true, 1 << 40)
     }
 
     /// A simulated GPU of architecture `arch` outside the registry (tests that must own a
@@ -94,6 +97,9 @@ impl CudaDevice {
         unregistered(ordinal, arch, false, 1 << 30).expect("a simulated device")
     }
 }
+
+/// Where the ordinals of dry simulated GPUs start.
+pub const DRY_ORDINALS: usize = 1 << 20;
 
 /// A simulated device of `arch` with `memory` bytes, dry or backed, that the registry does not
 /// know.

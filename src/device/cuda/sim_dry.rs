@@ -15,12 +15,12 @@ use super::{owners, Alloc, Arch, Sim};
 use anyhow::{bail, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Dry addresses lie in [16 TiB, 80 TiB): below where Linux puts host memory on x86-64 and
-/// aarch64 (the heap just above the binary, near 85 TiB; mmap from the top of the 128 TiB user
-/// space down), so a dry address never lies inside a backed simulated allocation of another
-/// device in the same process. One bump pointer for every dry device: freed ranges are not
-/// handed out again, so a stale address never names a later allocation (64 TiB of them is
-/// hundreds of dry 7B runs).
+/// Dry addresses lie in [16 TiB, 80 TiB), where Linux puts no host memory of this process:
+/// a PIE binary and its heap start near 85 TiB on x86-64 (near 170 TiB on aarch64), mmap works
+/// down from the top of the user space, and a non-PIE binary's heap lies far below 16 TiB. So a
+/// dry address never lies inside a backed simulated allocation of another device in the same
+/// process. One bump pointer for every dry device: freed ranges are not handed out again, so a
+/// stale address never names a later allocation (64 TiB of them is tens of dry 8-GPU 7B steps).
 const DRY_BASE: u64 = 16 << 40;
 const DRY_END: u64 = 80 << 40;
 const ALIGN: u64 = 256;
@@ -32,6 +32,10 @@ impl Sim {
         let mut s = Sim::new(ordinal, arch);
         s.dry = true;
         s
+    }
+
+    pub fn is_dry(&self) -> bool {
+        self.dry
     }
 
     /// A dry allocation: an address and its size, registered like a backed one.

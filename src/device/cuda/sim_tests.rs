@@ -222,3 +222,22 @@ fn a_dry_device_checks_everything_and_backs_nothing() {
     backed.free(q);
     d.synchronize().unwrap();
 }
+
+/// A dry GPU's ordinals lie apart from every backed one's (the simulator tells devices apart
+/// by ordinal): a backed device refuses a dry device's tensor as an operand and a peer copy
+/// from it, either of which would have it read an address with no memory behind it.
+#[test]
+fn a_dry_gpu_is_never_taken_for_a_backed_one() {
+    use crate::device::{DType, Device};
+    let dry = CudaDevice::sim_dry(0, Some("sm_90a")).unwrap();
+    let backed = CudaDevice::sim_unshared(0);
+    assert!(dry.ordinal() >= super::registry::DRY_ORDINALS, "{}", dry.name());
+    let t = Device::Cuda(dry.clone()).zeros(DType::F32, &[64]).unwrap();
+    let e = format!("{:#}", super::args::ptr(&backed, &t, &[DType::F32], "x").unwrap_err());
+    assert!(e.contains("x: tensor on"), "{e}");
+    let u = Device::Cuda(backed.clone()).zeros(DType::F32, &[64]).unwrap();
+    let (src, dst) = (t.data_ptr() as u64, u.data_ptr() as u64);
+    let e = format!("{:#}", backed.peer_copy(dst, &dry, src, 256).unwrap_err());
+    assert!(e.contains("devices of different kinds"), "{e}");
+    backed.synchronize().unwrap();
+}

@@ -137,7 +137,11 @@ impl RolloutWeights {
             let names = crate::model::quant_state::linear_names(&self.cfg);
             for (l, ql) in q.layers.iter_mut().enumerate() {
                 if let Some((i, t)) = ql.w.iter_mut().enumerate().find_map(|(i, t)| t.as_mut().map(|t| (i, t))) {
+                    // The codes and what the GPU's GEMM reads in their place (kept operands).
                     t.codes.fill_zero()?;
+                    for kept in [&mut t.decoded, &mut t.swizzled].into_iter().flatten() {
+                        kept.fill_zero()?;
+                    }
                     return Ok(names[l][i].clone());
                 }
             }
