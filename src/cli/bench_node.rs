@@ -54,7 +54,7 @@ pub struct NodeArgs {
     pub model_config: Option<PathBuf>,
     /// With --model-gpu and no --device: also launch one GPU's share of the step at the
     /// model's shapes on a dry simulated GPU (no memory, no kernel run) and print its launch
-    /// ledger beside the shape model (`node_ledger.rs`; a minute or so per config here).
+    /// ledger beside the shape model (`node_ledger.rs`; 15 to 30 s per config here).
     #[arg(long)]
     pub ledger: bool,
 }

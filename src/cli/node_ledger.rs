@@ -10,15 +10,17 @@
 //! What it cannot know: the values. A dry GPU computes nothing and reads back zeros, so each
 //! response runs to its length (EOS ignored, as the shape model assumes), every reward and
 //! log-probability is 0 (the launches of a training step do not depend on them), and the
-//! activation scales are a stand-in calibration of 1.0.
+//! activation scales are a stand-in calibration of 1.0 (which the NVFP4 learner takes from the
+//! engine, as a run does).
 //!
-//! One GPU of the 8: it decodes and teacher-scores its share of the sequences and trains its
-//! share of the tokens (as `node_model::Workload` does), but as a single trainer, so its
-//! optimizer covers the whole model where ZeRO-1 gives each GPU an eighth, and the collectives
-//! stay the shape model's row.
+//! GPU 0 of `Workload::gpus`: it decodes and teacher-scores its share of the sequences (one
+//! engine, the rollout recipe's; a run's KV sizing by the memory plan is left out: capacity
+//! changes no launch), and every GPU trains its share of all the responses as a ZeRO-1 rank
+//! over the device collective (`PeerCopy`), so the optimizer covers its shard and the
+//! reduce-scatter and all-gather are the ledger's, on the communication stream.
 //!
 //! Owns: the dry step. May call: the engine, the trainer, the orchestrator's plan helpers, the
-//! ledger. Must not: open a real or backed device, or read a model's weights.
+//! ledger. Must not: open a real or registered simulated device, or read a model's weights.
 
 use super::node_model::{Row, Workload};
 use crate::config::{JobConfig, LearnerPrecision, ObjectiveKind};
@@ -113,20 +115,29 @@ pub fn step_on(
     let coll: Arc<dyn DeviceCollective> = Arc::new(PeerCopy::new(world)?);
     let trainer = |rank: usize, d: &Device| -> Result<Trainer> {
         let dp = Dp { rank, world, coll: host.clone(), dcoll: (world > 1).then(|| coll.clone()) };
-        let mut tr = Trainer::new_dp(student, make(student, d, dtype)?, job, dp).context("the step's trainer")?;
-        if job.learner.precision == LearnerPrecision::Nvfp4 {
-            let lq = LearnerQuant::new(&job.learner.linears, spec.recipe.nvfp4, student.num_layers)?;
-            tr.set_learner_quant(Some(lq))?;
-        }
-        Ok(tr)
+        Trainer::new_dp(student, make(student, d, dtype)?, job, dp).context("the step's trainer")
     };
     let mut tr = trainer(0, &dev)?;
     let mut others =
         peers.iter().enumerate().map(|(i, p)| trainer(i + 1, &Device::Cuda(p.clone()))).collect::<Result<Vec<_>>>()?;
     let calib = spec.recipe.needs_calibration().then(|| unit_calibration(student));
     let rw = RolloutWeights::new(&dev, &spec, student, &tr.weights, calib.as_ref(), tr.version)?;
+    // The NVFP4 learner with the engine's input scales, as `Replica::init_rollout` sets it.
+    if job.learner.precision == LearnerPrecision::Nvfp4 {
+        for t in std::iter::once(&mut tr).chain(others.iter_mut()) {
+            let mut lq = LearnerQuant::new(&job.learner.linears, spec.recipe.nvfp4, student.num_layers)?;
+            if let Some(q) = &rw.quant {
+                lq.take_engine_scales(q);
+            }
+            t.set_learner_quant(Some(lq))?;
+        }
+    }
     let base = crate::orchestrator::plan::engine_config(job);
-    let ec = EngineConfig { kv_fp8: spec.recipe.kv_layers(), ..base.clone() };
+    let ec = EngineConfig {
+        kv_fp8: spec.recipe.kv_layers(),
+        graph_versions: crate::orchestrator::replica::graph_versions(&spec),
+        ..base.clone()
+    };
     let mut engine = Engine::new(&dev, student, dtype, &ec, None)?;
     let mut teacher = match teacher {
         Some(tc) if job.objective.kind == ObjectiveKind::Opd => {
@@ -168,10 +179,12 @@ pub fn step_on(
             })
         })
         .collect();
-    // A rank that fails wakes the others out of the collectives.
+    // A rank that fails or panics wakes the others out of the collectives.
     let step = |t: &mut Trainer| -> Result<()> {
         let _p = enter_phase("train");
-        t.step(&all).map(|_| ()).inspect_err(|e| {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.step(&all).map(|_| ())))
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("a training rank panicked")));
+        r.inspect_err(|e| {
             coll.abort(&format!("{e:#}"));
             host.abort(&format!("{e:#}"));
         })
@@ -325,11 +338,11 @@ mod tests {
         tiny_config(&spec).unwrap()
     }
 
-    fn job(extra: &str) -> JobConfig {
+    fn job(kind: &str, extra: &str) -> JobConfig {
         let toml = format!(
             "[model]\npath = \"unused\"\ndtype = \"bf16\"\n[teacher]\npath = \"unused\"\ndtype = \"bf16\"\n\
              [rollout]\nprompts_per_step = 1\nsamples_per_prompt = 3\nmax_new_tokens = 9\nmax_seqs = 8\n\
-             kv_cache_mb = 1\n[objective]\nkind = \"opd\"\nmicro_batch_tokens = 40\nchunk_size = 16\n\
+             kv_cache_mb = 1\n[objective]\nkind = \"{kind}\"\nmicro_batch_tokens = 40\nchunk_size = 16\n\
              [optimizer]\nkind = \"adamw\"\n{extra}"
         );
         JobConfig::from_toml(&toml, "inline").unwrap()
@@ -347,7 +360,7 @@ mod tests {
     #[test]
     fn two_dry_gpus_reduce_scatter_and_all_gather_over_nvlink() {
         let cfg = tiny("qwen2", 64, 128);
-        let j = job("[engine]\nrecipe = \"bf16\"\n");
+        let j = job("opd", "[engine]\nrecipe = \"bf16\"\n");
         let one = dry_step(&j, &cfg, Some(&cfg), Workload { gpus: 1, sequences: 3, prompt: 7, response: 9 }, "sm_90a");
         let two = dry_step(&j, &cfg, Some(&cfg), Workload { gpus: 2, sequences: 6, prompt: 7, response: 9 }, "sm_90a");
         let (one, two) = (one.unwrap(), two.unwrap());
@@ -365,32 +378,33 @@ mod tests {
         assert_eq!(one["rollout"].flops, two["rollout"].flops, "each GPU decodes the same share");
     }
 
-    /// The dry GPU launches what a backed simulated GPU launches for the same step, operation
-    /// by operation (launches, replays, FLOPs, bytes): the decode of 3 responses of 9 tokens
-    /// with its graphs, the teacher's scoring, two micro-batches of training and the resync.
-    /// That is what makes its ledger at a 7B model's shapes the code's and not a guess. Once
-    /// with a BF16 engine and OPD, once with the NVFP4 engine and learner (calibrated scales,
-    /// the rounded copies, the requantize) and GRPO/TRIAGE, on both architectures.
+    /// The dry GPUs launch what backed simulated GPUs launch for the same step, operation by
+    /// operation (launches, replays, FLOPs, bytes): the decode of 3 responses of 9 tokens per
+    /// GPU with its graphs, the teacher's scoring, two micro-batches of training per GPU and
+    /// the resync. That is what makes the ledger at a 7B model's shapes the code's and not a
+    /// guess. Three steps: a BF16 engine under OPD on one sm_90a GPU; the NVFP4 engine and
+    /// learner under TRIAGE on one sm_100a GPU (CUTLASS W4A4, the kept tiled scales) and on two
+    /// sm_90a GPUs (the emulated GEMMs with kept decoded weights, ZeRO-1 and its collectives).
     #[test]
     fn a_dry_step_launches_what_a_backed_step_launches_sim() {
         let random: &MakeWeights = &|c, d, t| ModelWeights::random(c, d, t, 7, 0.05);
+        let nvfp4 = "[engine]\nrecipe = \"nvfp4\"\nkeep_bf16 = [\"attention\", \"kv\"]\n[learner]\nprecision = \
+                     \"nvfp4\"\nlinears = [\"gate_proj\", \"up_proj\", \"down_proj\"]\n";
         let cases = [
-            ("sm_90a", tiny("qwen2", 64, 128), job("[engine]\nrecipe = \"bf16\"\n")),
-            (
-                "sm_100a",
-                tiny("qwen3", 64, 128),
-                job("[engine]\nrecipe = \"nvfp4\"\nkeep_bf16 = [\"attention\", \"kv\"]\n[learner]\nprecision = \
-                     \"nvfp4\"\nlinears = [\"gate_proj\", \"up_proj\", \"down_proj\"]\n"),
-            ),
+            ("sm_90a", 1, tiny("qwen2", 64, 128), job("opd", "[engine]\nrecipe = \"bf16\"\n")),
+            ("sm_100a", 1, tiny("qwen3", 64, 128), job("triage", nvfp4)),
+            ("sm_90a", 2, tiny("qwen3", 64, 128), job("triage", nvfp4)),
         ];
-        for (i, (arch, cfg, j)) in cases.iter().enumerate() {
-            let w = Workload { gpus: 1, sequences: 3, prompt: 7, response: 9 };
-            let backed = CudaDevice::sim_unshared_arch(88 - i, arch);
+        for (i, (arch, gpus, cfg, j)) in cases.iter().enumerate() {
+            let w = Workload { gpus: *gpus, sequences: 3 * gpus, prompt: 7, response: 9 };
+            let backed = CudaDevice::sim_unshared_arch(88 - 2 * i, arch);
+            let peers: Vec<CudaDevice> = (1..*gpus).map(|_| CudaDevice::sim_unshared_arch(87 - 2 * i, arch)).collect();
             let teacher = Some(cfg);
-            let a = table(&step_on(&backed, &[], j, cfg, teacher, w, random).unwrap());
+            let a = table(&step_on(&backed, &peers, j, cfg, teacher, w, random).unwrap());
             let b = table(&dry_step(j, cfg, teacher, w, arch).unwrap());
             assert!(a.keys().any(|k| k.0 == "rollout") && a.keys().any(|k| k.0 == "train"), "{arch}: {a:?}");
             assert!(a.values().any(|e| e.1 > 0), "{arch}: some decode steps replay a graph");
+            assert_eq!(a.keys().any(|k| k.1 == Stream::Comm), *gpus > 1, "{arch}: collectives with {gpus} GPUs");
             assert_eq!(a.len(), b.len(), "{arch}: the same operations");
             for (k, x) in &a {
                 assert_eq!(Some(x), b.get(k), "{arch}: {k:?}");

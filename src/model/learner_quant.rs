@@ -44,6 +44,20 @@ impl LearnerQuant {
         Ok(LearnerQuant { linears, opts, act_global: vec![[None; 7]; layers] })
     }
 
+    /// The engine's calibrated input scales where it quantizes the same linears in NVFP4 (the
+    /// learner then rounds those inputs under a fixed global scale, as the engine does).
+    pub fn take_engine_scales(&mut self, q: &crate::model::quant_state::QuantState) {
+        for (l, ql) in q.layers.iter().enumerate() {
+            for (i, a) in ql.act.iter().enumerate() {
+                if let (crate::ops::quantize::ActQuant::Nvfp4 { global, .. }, Some(g)) =
+                    (a, self.act_global.get_mut(l).and_then(|x| x.get_mut(i)))
+                {
+                    *g = Some(*global);
+                }
+            }
+        }
+    }
+
     pub fn on(&self, linear: usize) -> bool {
         self.linears[linear]
     }

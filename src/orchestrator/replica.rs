@@ -294,15 +294,8 @@ impl Replica {
                 s.spec.recipe.nvfp4,
                 self.trainer.cfg.num_layers,
             )?;
-            // The engine's calibrated input scales where it quantizes the same linears in NVFP4.
             if let Some(q) = &rw.quant {
-                for (l, ql) in q.layers.iter().enumerate() {
-                    for (i, a) in ql.act.iter().enumerate() {
-                        if let crate::ops::quantize::ActQuant::Nvfp4 { global, .. } = a {
-                            lq.act_global[l][i] = Some(*global);
-                        }
-                    }
-                }
+                lq.take_engine_scales(q);
             }
             self.trainer.set_learner_quant(Some(lq))?;
         }
@@ -680,7 +673,7 @@ fn kv_block_bytes(cfg: &ModelConfig, dtype: DType, ec: &EngineConfig, block_size
 /// Whether `spec` is the standard engine (it reads the trainer's tensors: no engine of its own).
 /// Decode graphs a rollout engine keeps per batch bucket: one per weight copy its view rotates
 /// over (a stale engine reads `staleness + 1` of them in turn), at least the default.
-fn graph_versions(spec: &EngineSpec) -> usize {
+pub fn graph_versions(spec: &EngineSpec) -> usize {
     (spec.staleness + 1).max(EngineConfig::default().graph_versions)
 }
 
