@@ -25,6 +25,31 @@ fn op(l: &Ledger, op: &str) -> Row {
     a
 }
 
+/// The ledger of one OPD step of the llama_gqa fixture in `dtype` on simulated GPU `ordinal`
+/// with `optimizer` (a TOML table's body), and (T, R, N, V·C): the batch's tokens, its response
+/// rows, the layers' linear parameters (q, k, v, o, gate, up, down) and the LM head's.
+fn opd_step(ordinal: usize, dtype: DType, optimizer: &str) -> (Ledger, colotrain::model::ModelConfig, [f64; 4]) {
+    let cd = CudaDevice::sim(ordinal).unwrap();
+    let dev = Device::Cuda(cd.clone());
+    let lm = load_fixture("llama_gqa", &dev, dtype);
+    let c = lm.cfg.clone();
+    let rollouts = read_file(&fixtures().join("grads").join("llama_gqa_rollouts.jsonl"), c.vocab_size).unwrap();
+    let toml = format!(
+        "[model]\npath = \"unused\"\n[teacher]\npath = \"unused\"\n[objective]\nkind = \"opd\"\n[optimizer]\n{optimizer}"
+    );
+    let job = JobConfig::from_toml(&toml, "inline").unwrap();
+    let mut tr = Trainer::new(&c, lm.weights, &job).unwrap();
+    cd.take_ledger();
+    tr.step(&rollouts).unwrap();
+    assert!(tr.on_device());
+    let t: usize = rollouts.iter().map(|r| r.prompt.len() + r.response.len()).sum();
+    let r: usize = rollouts.iter().map(|r| r.response.len()).sum();
+    let (h, kv, i) = (c.hidden_size, c.num_kv_heads * c.head_dim, c.intermediate_size);
+    let q = c.num_heads * c.head_dim;
+    let n = c.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * i);
+    (cd.take_ledger(), c.clone(), [t as f64, r as f64, n as f64, (c.vocab_size * h) as f64])
+}
+
 /// One OPD step (SGD, F32 weights) of the llama_gqa fixture on a simulated GPU: its GEMMs
 /// declare exactly the FLOPs of the trainer's passes, counted from the model's shapes:
 /// - the layers' linears: 2·T·N forward, 2·T·N for the data gradient, 2·T·N for the weight
@@ -38,27 +63,9 @@ fn op(l: &Ledger, op: &str) -> Row {
 /// and entropies, the loss, the gradient norm — nothing per layer.
 #[test]
 fn a_training_step_declares_the_flops_of_its_passes() {
-    let cd = CudaDevice::sim(3).unwrap();
-    let dev = Device::Cuda(cd.clone());
-    let lm = load_fixture("llama_gqa", &dev, DType::F32);
-    let c = lm.cfg.clone();
-    let rollouts = read_file(&fixtures().join("grads").join("llama_gqa_rollouts.jsonl"), c.vocab_size).unwrap();
-    let toml = "[model]\npath = \"unused\"\n[teacher]\npath = \"unused\"\n[objective]\nkind = \"opd\"\n\
-                [optimizer]\nkind = \"sgd\"\nlr = 1.0\nweight_decay = 0.0\ngrad_clip = 0.0\n";
-    let job = JobConfig::from_toml(toml, "inline").unwrap();
-    let mut tr = Trainer::new(&c, lm.weights, &job).unwrap();
-    cd.take_ledger();
-    tr.step(&rollouts).unwrap();
-    assert!(tr.on_device());
-    let l = cd.take_ledger();
-    let t: usize = rollouts.iter().map(|r| r.prompt.len() + r.response.len()).sum();
-    let r: usize = rollouts.iter().map(|r| r.response.len()).sum();
-    let (h, kv, i) = (c.hidden_size, c.num_kv_heads * c.head_dim, c.intermediate_size);
-    let q = c.num_heads * c.head_dim;
-    // q, k, v, o, gate, up, down.
-    let n = (c.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * i)) as f64;
-    let head = (c.vocab_size * h) as f64;
-    let (t, r, layers) = (t as f64, r as f64, c.num_layers as u64);
+    let (l, c, [t, r, n, head]) =
+        opd_step(3, DType::F32, "kind = \"sgd\"\nlr = 1.0\nweight_decay = 0.0\ngrad_clip = 0.0\n");
+    let layers = c.num_layers as u64;
     let fwd = op(&l, "gemm f32 nt");
     assert_eq!(fwd.flops, 2.0 * t * n + 2.0 * (2.0 * r) * head, "forward GEMMs");
     assert_eq!(fwd.launches, 7 * layers + 2);
@@ -67,6 +74,7 @@ fn a_training_step_declares_the_flops_of_its_passes() {
         assert_eq!(g.flops, 2.0 * t * n + 2.0 * r * head, "{form}");
         assert_eq!(g.launches, 7 * layers + 1, "{form}");
     }
+    let rollouts = read_file(&fixtures().join("grads").join("llama_gqa_rollouts.jsonl"), c.vocab_size).unwrap();
     let pairs: usize = rollouts.iter().map(|x| x.prompt.len() + x.response.len()).map(|s| s * (s + 1) / 2).sum();
     let att = op(&l, "ct_attn_fwd");
     assert_eq!(att.flops, (4 * c.head_dim * c.num_heads * pairs) as f64 * layers as f64, "attention forward");
@@ -81,33 +89,15 @@ fn a_training_step_declares_the_flops_of_its_passes() {
 /// (`bench node --model-gpu h200 --ledger`). The FLOPs are those of the F32 step above.
 #[test]
 fn bf16_weights_train_on_bf16_gemms_only() {
-    let cd = CudaDevice::sim(5).unwrap();
-    let dev = Device::Cuda(cd.clone());
-    let lm = load_fixture("llama_gqa", &dev, DType::BF16);
-    let c = lm.cfg.clone();
-    let rollouts = read_file(&fixtures().join("grads").join("llama_gqa_rollouts.jsonl"), c.vocab_size).unwrap();
-    let toml = "[model]\npath = \"unused\"\n[teacher]\npath = \"unused\"\n[objective]\nkind = \"opd\"\n\
-                [optimizer]\nkind = \"adamw\"\n";
-    let job = JobConfig::from_toml(toml, "inline").unwrap();
-    let mut tr = Trainer::new(&c, lm.weights, &job).unwrap();
-    cd.take_ledger();
-    tr.step(&rollouts).unwrap();
-    assert!(tr.on_device());
-    let l = cd.take_ledger();
+    let (l, c, [t, r, n, head]) = opd_step(5, DType::BF16, "kind = \"adamw\"\n");
     let gemms: Vec<Row> = rows(&l).into_iter().filter(|r| r.op.starts_with("gemm")).collect();
     assert!(
         gemms.iter().all(|r| r.op.starts_with("gemm bf16")),
         "{:?}",
         gemms.iter().map(|r| r.op).collect::<Vec<_>>()
     );
-    let t: usize = rollouts.iter().map(|r| r.prompt.len() + r.response.len()).sum();
-    let r: usize = rollouts.iter().map(|r| r.response.len()).sum();
-    let (h, kv, i) = (c.hidden_size, c.num_kv_heads * c.head_dim, c.intermediate_size);
-    let q = c.num_heads * c.head_dim;
-    let n = (c.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * i)) as f64;
-    let head = (c.vocab_size * h) as f64;
     let dw = op(&l, "gemm bf16 tn");
-    assert_eq!(dw.flops, 2.0 * t as f64 * n + 2.0 * r as f64 * head, "weight-gradient GEMMs");
+    assert_eq!(dw.flops, 2.0 * t * n + 2.0 * r * head, "weight-gradient GEMMs");
     assert_eq!(dw.launches, 7 * c.num_layers as u64 + 1);
 }
 

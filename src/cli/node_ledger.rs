@@ -25,7 +25,7 @@
 use super::node_model::{Row, Workload};
 use crate::config::{JobConfig, LearnerPrecision, ObjectiveKind};
 use crate::data::dataset::PromptItem;
-use crate::device::cuda::ledger::{rows as ledger_rows, Gpu, Ledger, Path, Row as LedgerRow};
+use crate::device::cuda::ledger::{rows as ledger_rows, Gpu, Ledger, Row as LedgerRow};
 use crate::device::cuda::Stream;
 use crate::device::{CudaDevice, DType, Device};
 use crate::engine::rollout::{generate, score_teacher, Rollout};
@@ -250,11 +250,8 @@ fn by_phase(l: &Ledger, col: usize) -> BTreeMap<&'static str, PhaseRow> {
         r.launches += e.launches;
         r.replayed += e.replayed;
         r.flops += e.flops;
-        match e.kind.map(|k| k.1).unwrap_or(Path::Hbm) {
-            Path::Hbm => r.hbm += e.bytes,
-            Path::Nvlink => r.nvlink += e.bytes,
-            Path::Pcie => r.pcie += e.bytes,
-        }
+        let [hbm, nvlink, pcie] = e.bytes_by_path();
+        (r.hbm, r.nvlink, r.pcie) = (r.hbm + hbm, r.nvlink + nvlink, r.pcie + pcie);
         r.seconds += e.seconds[col];
     }
     out

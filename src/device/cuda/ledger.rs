@@ -144,6 +144,15 @@ impl Entry {
         }
     }
 
+    /// Its bytes as [HBM, NVLink, PCIe], by the path its operation takes.
+    pub fn bytes_by_path(&self) -> [f64; 3] {
+        match self.kind.map(|k| k.1).unwrap_or(Path::Hbm) {
+            Path::Hbm => [self.bytes, 0.0, 0.0],
+            Path::Nvlink => [0.0, self.bytes, 0.0],
+            Path::Pcie => [0.0, 0.0, self.bytes],
+        }
+    }
+
     pub fn merge(&mut self, o: &Entry) {
         if let Some(k) = o.kind {
             self.kind.get_or_insert(k);
@@ -256,11 +265,8 @@ pub fn summarize(devices: &[Ledger]) -> BTreeMap<String, PhaseSummary> {
             let s = out.entry(phase.to_string()).or_default();
             s.launches += e.launches;
             s.flops += e.flops;
-            match e.kind.map(|k| k.1).unwrap_or(Path::Hbm) {
-                Path::Hbm => s.bytes += e.bytes,
-                Path::Nvlink => s.nvlink_bytes += e.bytes,
-                Path::Pcie => s.pcie_bytes += e.bytes,
-            }
+            let [hbm, nvlink, pcie] = e.bytes_by_path();
+            (s.bytes, s.nvlink_bytes, s.pcie_bytes) = (s.bytes + hbm, s.nvlink_bytes + nvlink, s.pcie_bytes + pcie);
             let t = secs.entry(phase).or_default();
             t[0] += e.seconds[0];
             t[1] += e.seconds[1];
