@@ -394,8 +394,8 @@ mod tests {
         ];
         for (i, (arch, gpus, cfg, j)) in cases.iter().enumerate() {
             let w = Workload { gpus: *gpus, sequences: 3 * gpus, prompt: 7, response: 9 };
-            let backed = CudaDevice::sim_unshared_arch(88 - 2 * i, arch);
-            let peers: Vec<CudaDevice> = (1..*gpus).map(|_| CudaDevice::sim_unshared_arch(87 - 2 * i, arch)).collect();
+            let backed = CudaDevice::sim_unshared_arch(76 - 2 * i, arch);
+            let peers: Vec<CudaDevice> = (1..*gpus).map(|_| CudaDevice::sim_unshared_arch(75 - 2 * i, arch)).collect();
             let teacher = Some(cfg);
             let a = table(&step_on(&backed, &peers, j, cfg, teacher, w, random).unwrap());
             let b = table(&dry_step(j, cfg, teacher, w, arch).unwrap());

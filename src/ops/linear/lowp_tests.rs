@@ -175,7 +175,7 @@ fn a_kept_gemm_operand_follows_each_requantize_sim() {
     let cpu = Device::cpu(1).unwrap();
     assert!(!lowp::emulated_here(&cpu, QFormat::Nvfp4, n, k));
     for (i, (arch, prep)) in [("sm_90a", "ct_dequant"), ("sm_100a", "ct_swizzle_sf")].into_iter().enumerate() {
-        let cd = CudaDevice::sim_unshared_arch(87 - i, arch);
+        let cd = CudaDevice::sim_unshared_arch(79 - i, arch);
         let gpu = Device::Cuda(cd.clone());
         assert_eq!(lowp::emulated_here(&gpu, QFormat::Nvfp4, n, k), arch == "sm_90a");
         assert!(!lowp::emulated_here(&gpu, QFormat::Fp8, n, k));
