@@ -80,8 +80,8 @@ fn dtype_of(d: Option<&str>) -> Result<DType> {
 /// How a step's weights come to be on its device: [`dry_weights`], or values for a backed one.
 pub type MakeWeights = dyn Fn(&ModelConfig, &Device, DType) -> Result<ModelWeights>;
 
-/// One GPU's share of a synchronous colocated step of `job` (student `student`, teacher
-/// `teacher` for OPD) on a dry simulated GPU of `arch` ("sm_90a" or "sm_100a"): its ledger.
+/// GPU 0's ledger of a synchronous colocated step of `job` (student `student`, teacher
+/// `teacher` for OPD) on `w.gpus` dry simulated GPUs of `arch` ("sm_90a" or "sm_100a").
 pub fn dry_step(
     job: &JobConfig,
     student: &ModelConfig,
