@@ -132,8 +132,11 @@ typedef struct ct_add_bias_params {
 /* dst (rows, cols) (+)= src (rows, cols) * g_row * g_col: the output of an NVFP4 GEMM run with
  * alpha 1 scaled by its operands' global scales, each by ct_quant_nvfp4's rule: fixed if > 0,
  * else amax / 2688 (1 when amax is 0) from the amax bits (row side: row_amax[row] when per_row,
- * else row_amax[0]; column side: col_amax[0]). The learner's W4A4 linear on CUTLASS, whose
- * activation scales are per row or on the device (no scalar alpha known to the host). */
+ * else row_amax[0]; column side: col_fixed if > 0, else col_amax[0]). The learner's W4A4 linear
+ * on CUTLASS, whose activation scales are per row or on the device (no scalar alpha known to the
+ * host). With rht (cols % 16 == 0), each 16-column block of the scaled values is then rotated
+ * back by the inverse RHT (ct_quant_nvfp4's unrotate: H/4, then the signs): the learner's
+ * backward, whose GEMMs run in the rotated domain of its operands' codes. */
 typedef struct ct_nvfp4_scale_out_params {
   const float* src;
   float* dst;
@@ -143,15 +146,23 @@ typedef struct ct_nvfp4_scale_out_params {
   int32_t per_row;
   float row_fixed;
   const uint32_t* col_amax;
+  float col_fixed;
   int32_t accumulate;
+  int32_t rht;
+  float signs[16];
 } ct_nvfp4_scale_out_params;
 
-/* y[i] = dtype(x[i]) (round to nearest even) for i < n; dtype BF16 or F16. */
+/* y[i] = dtype(x[i]) (round to nearest even) for i < n; dtype BF16 or F16. With row_amax (not
+ * NULL), x[i] is first multiplied by the NVFP4 global scale of row i / cols (amax / 2688, 1 when
+ * amax is 0, ct_quant_nvfp4's rule): the NVFP4 learner's weight gradient folds its input's
+ * per-token scales into the output gradient before the BF16 rounding. */
 typedef struct ct_cast_params {
   const float* x;
   void* y;
   int32_t dtype;
   int64_t n;
+  const uint32_t* row_amax;
+  int64_t cols;
 } ct_cast_params;
 
 /* out[i] = mean + std * N(0, 1) from Philox (key seed, counter (i / 2, stream)), for the device

@@ -60,18 +60,40 @@ __device__ __forceinline__ float ct_nvfp4_global(const uint32_t* amax_bits, int6
   return amax > 0.0f ? __fdiv_rn(amax, 2688.0f) : 1.0f;
 }
 
+// One thread per value, or with rht per 16-column block.
 extern "C" __global__ void ct_nvfp4_scale_out(ct_nvfp4_scale_out_params p) {
   const int64_t n = static_cast<int64_t>(p.rows) * p.cols;
-  const float gc = ct_nvfp4_global(p.col_amax, 0, 0.0f);
-  CT_GRID_LOOP(idx, n) {
-    const int64_t row = idx / p.cols;
+  const float gc = ct_nvfp4_global(p.col_amax, 0, p.col_fixed);
+  if (!p.rht) {
+    CT_GRID_LOOP(idx, n) {
+      const int64_t row = idx / p.cols;
+      const float gr = ct_nvfp4_global(p.row_amax, p.per_row ? row : 0, p.row_fixed);
+      const float v = __fmul_rn(__fmul_rn(p.src[idx], gr), gc);
+      p.dst[idx] = p.accumulate ? __fadd_rn(p.dst[idx], v) : v;
+    }
+    return;
+  }
+  const float ones[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  CT_GRID_LOOP(b, n / 16) {
+    const int64_t row = (b * 16) / p.cols;
     const float gr = ct_nvfp4_global(p.row_amax, p.per_row ? row : 0, p.row_fixed);
-    const float v = __fmul_rn(__fmul_rn(p.src[idx], gr), gc);
-    p.dst[idx] = p.accumulate ? __fadd_rn(p.dst[idx], v) : v;
+    float y[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) y[i] = __fmul_rn(__fmul_rn(p.src[b * 16 + i], gr), gc);
+    ct_rht16(y, ones);
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+      const float v = __fmul_rn(y[i], p.signs[i]);
+      p.dst[b * 16 + i] = p.accumulate ? __fadd_rn(p.dst[b * 16 + i], v) : v;
+    }
   }
 }
 
 extern "C" __global__ void ct_cast(ct_cast_params p) {
+  if (p.row_amax) {
+    CT_GRID_LOOP(i, p.n) { ct_store(p.y, p.dtype, i, __fmul_rn(p.x[i], ct_nvfp4_global(p.row_amax, i / p.cols, 0.0f))); }
+    return;
+  }
   CT_GRID_LOOP(i, p.n) { ct_store(p.y, p.dtype, i, p.x[i]); }
 }
 

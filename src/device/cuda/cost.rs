@@ -128,14 +128,18 @@ pub fn add_bias(p: &ffi::ct_add_bias_params) -> Cost {
     Cost::hbm(e, e * 8.0 + n(p.cols) * dsize(p.dtype))
 }
 
-/// dst (+)= src·g_row·g_col.
+/// dst (+)= src·g_row·g_col (then, with the RHT, 4 butterfly stages and the signs: 6 more
+/// FLOPs a value).
 pub fn nvfp4_scale_out(p: &ffi::ct_nvfp4_scale_out_params) -> Cost {
     let e = n(p.rows) * n(p.cols);
-    Cost::hbm(2.0 * e, e * if p.accumulate != 0 { 12.0 } else { 8.0 })
+    let flops = if p.rht != 0 { 8.0 } else { 2.0 };
+    Cost::hbm(flops * e, e * if p.accumulate != 0 { 12.0 } else { 8.0 })
 }
 
+/// One rounding a value (and the row scale's multiply).
 pub fn cast(p: &ffi::ct_cast_params) -> Cost {
-    Cost::hbm(n(p.n), n(p.n) * (4.0 + dsize(p.dtype)))
+    let flops = if p.row_amax.is_null() { 1.0 } else { 2.0 };
+    Cost::hbm(flops * n(p.n), n(p.n) * (4.0 + dsize(p.dtype)))
 }
 
 pub fn fill_normal(p: &ffi::ct_fill_normal_params) -> Cost {

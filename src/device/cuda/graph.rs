@@ -301,6 +301,8 @@ mod tests {
             y: y as *mut std::ffi::c_void,
             dtype: ffi::CT_DTYPE_BF16,
             n: n as i64,
+            row_amax: std::ptr::null(),
+            cols: 1,
         };
         dev.k_cast(p)
     }

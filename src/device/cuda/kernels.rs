@@ -304,7 +304,11 @@ impl CudaDevice {
     }
 
     pub fn k_nvfp4_scale_out(&self, p: ffi::ct_nvfp4_scale_out_params) -> Result<()> {
-        let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
+        let n = p.rows as i64 * p.cols as i64;
+        if p.rht != 0 && p.cols % 16 != 0 {
+            bail!("ct_nvfp4_scale_out: the inverse RHT needs 16-column blocks, got {} columns", p.cols);
+        }
+        let g = self.stride_grid(if p.rht != 0 { n / 16 } else { n }, ELEMENTWISE_THREADS);
         self.launch(Kernel::Nvfp4ScaleOut, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::nvfp4_scale_out(&p))
     }
 

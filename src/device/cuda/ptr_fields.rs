@@ -57,7 +57,11 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_nvfp4_scale_out_params, row_amax),
             offset_of!(ffi::ct_nvfp4_scale_out_params, col_amax),
         ],
-        "ct_cast_params" => &[offset_of!(ffi::ct_cast_params, x), offset_of!(ffi::ct_cast_params, y)],
+        "ct_cast_params" => &[
+            offset_of!(ffi::ct_cast_params, x),
+            offset_of!(ffi::ct_cast_params, y),
+            offset_of!(ffi::ct_cast_params, row_amax),
+        ],
         "ct_fill_normal_params" => &[offset_of!(ffi::ct_fill_normal_params, out)],
         "ct_kv_write_params" => &[
             offset_of!(ffi::ct_kv_write_params, k),

@@ -8,7 +8,14 @@ use super::sim::{Sim, SM100A, SM90A};
 use super::{ffi, CudaDevice};
 
 fn cast_params(x: u64, y: u64, n: i64) -> ffi::ct_cast_params {
-    ffi::ct_cast_params { x: x as *mut f32, y: y as *mut std::ffi::c_void, dtype: ffi::CT_DTYPE_BF16, n }
+    ffi::ct_cast_params {
+        x: x as *mut f32,
+        y: y as *mut std::ffi::c_void,
+        dtype: ffi::CT_DTYPE_BF16,
+        n,
+        row_amax: std::ptr::null(),
+        cols: 1,
+    }
 }
 
 fn launch<P>(d: &Driver, k: Kernel, grid: (u32, u32, u32), block: u32, smem: u32, p: &P) -> String {

@@ -24,8 +24,29 @@ pub fn add_bias(d: &CudaDevice, y: u64, bias: &Tensor, rows: usize, cols: usize)
 
 /// x (n f32) rounded to `dt` (BF16 / F16) into a new scratch buffer.
 pub fn cast_rows(d: &CudaDevice, x: u64, n: usize, dt: DType) -> Result<DevBuf> {
+    cast_rows_scaled(d, x, n, 1, std::ptr::null(), dt)
+}
+
+/// x (rows, cols f32) rounded to `dt` into a new scratch buffer, each row first multiplied by
+/// its NVFP4 global scale from `row_amax` (amax / 2688; NULL: none).
+pub fn cast_rows_scaled(
+    d: &CudaDevice,
+    x: u64,
+    rows: usize,
+    cols: usize,
+    row_amax: *const u32,
+    dt: DType,
+) -> Result<DevBuf> {
+    let n = rows * cols;
     let buf = d.scratch(n * 2, "GEMM input rows")?;
-    d.k_cast(ffi::ct_cast_params { x: f32p(x), y: vp(buf.ptr), dtype: code(dt), n: n as i64 })?;
+    d.k_cast(ffi::ct_cast_params {
+        x: f32p(x),
+        y: vp(buf.ptr),
+        dtype: code(dt),
+        n: n as i64,
+        row_amax,
+        cols: cols.max(1) as i64,
+    })?;
     Ok(buf)
 }
 

@@ -17,10 +17,10 @@
 //! Not yet run on a GPU.
 
 use super::cuda::add_bias;
-use crate::device::cuda::args::{i32_of, ptr};
+use crate::device::cuda::args::ptr;
 use crate::device::cuda::{ffi, CudaDevice, Cutlass, CutlassArgs, DevBuf, Elem};
 use crate::device::{DType, Tensor};
-use crate::ops::quantize::{dequant, quant_rows_fixed, swizzle_sf_into, ActQuant, LearnerCodes};
+use crate::ops::quantize::{dequant, quant_rows_fixed, swizzle_sf_into, ActQuant};
 use crate::quant::nvfp4::Nvfp4Opts;
 use crate::quant::qtensor::{QFormat, QTensor};
 use anyhow::{bail, Result};
@@ -131,7 +131,7 @@ pub fn linear_w4a4(
 pub use crate::ops::quantize::swizzled_sf_bytes;
 
 /// NVFP4 scales (rows, K/16) in the tiled layout, in a new scratch.
-fn swizzle(d: &CudaDevice, src: u64, rows: usize, k: usize) -> Result<DevBuf> {
+pub(super) fn swizzle(d: &CudaDevice, src: u64, rows: usize, k: usize) -> Result<DevBuf> {
     let buf = d.scratch(swizzled_sf_bytes(rows, k), "tiled NVFP4 scales")?;
     swizzle_sf_into(d, src, buf.ptr, rows, k)?;
     Ok(buf)
@@ -139,7 +139,7 @@ fn swizzle(d: &CudaDevice, src: u64, rows: usize, k: usize) -> Result<DevBuf> {
 
 /// The CUTLASS GEMM for `format` on this device (the simulator's reference on cuda-sim), if
 /// there is one.
-fn cutlass_kernel(d: &CudaDevice, format: QFormat) -> Option<Cutlass> {
+pub(super) fn cutlass_kernel(d: &CudaDevice, format: QFormat) -> Option<Cutlass> {
     d.cutlass_kernel(if format == QFormat::Fp8 { Elem::E4M3 } else { Elem::E2M1 })
 }
 
@@ -283,88 +283,6 @@ pub fn emulated_here(dev: &crate::device::Device, format: QFormat, n: usize, k: 
         crate::device::Device::Cuda(d) => !cutlass_supports(d, format, n, k),
         crate::device::Device::Cpu(_) => false,
     }
-}
-
-/// y[..m] (m, N) (+)= x · wᵀ (+ bias) for the NVFP4 learner's operands (codes of the same
-/// rounding as their decoded copies): the unit values' products with FP32 accumulation into a
-/// scratch — the CUTLASS block-scaled GEMM where there is one for the shape, else (Hopper) a
-/// BF16 GEMM of both operands decoded to their unit values (q·bs, exact in BF16: the same
-/// products) — then one kernel multiplying by the operands' global scales read on the device
-/// (per row for per-token activation scales) and adding into y. Ok(false) when K is not a
-/// multiple of 16 (the caller multiplies the decoded copies instead). Before the BF16 path,
-/// Hopper multiplied the rounded f32 copies on the CUDA cores: 22.4 s of the 4B TRIAGE
-/// config's modelled 49 s train phase (`bench node --model-gpu h200 --ledger`).
-pub fn learner_w4a4(
-    d: &CudaDevice,
-    x: &LearnerCodes,
-    w: &LearnerCodes,
-    bias: Option<&Tensor>,
-    y: &mut Tensor,
-    accumulate: bool,
-) -> Result<bool> {
-    let (m, n, k) = (x.rows, w.rows, w.k);
-    if x.k != k || w.per_row || w.fixed > 0.0 {
-        bail!("learner W4A4: activations of K = {} for a weight of K = {k} (per-tensor scale)", x.k);
-    }
-    let yp = ptr(d, y, &[DType::F32], "learner linear output")?;
-    crate::ops::check_rows(y, m, n, "learner linear output")?;
-    if k % 16 != 0 {
-        return Ok(false);
-    }
-    let raw = d.scratch(m * n * 4, "learner W4A4 product")?;
-    let cutlass = cutlass_kernel(d, QFormat::Nvfp4).filter(|_| cutlass_supports(d, QFormat::Nvfp4, n, k));
-    let done = match cutlass {
-        Some(g) => {
-            let (sa, sw) = (swizzle(d, x.scales.ptr, m, k)?, swizzle(d, w.scales.ptr, n, k)?);
-            let args = CutlassArgs {
-                a: x.packed.ptr,
-                b: w.packed.ptr,
-                sfa: sa.ptr,
-                sfb: sw.ptr,
-                d: raw.ptr,
-                m,
-                n,
-                k,
-                alpha: 1.0,
-            };
-            d.cutlass_gemm(g, &args)?
-        }
-        None => false,
-    };
-    if !done {
-        let (xb, wb) = (unit_values(d, x)?, unit_values(d, w)?);
-        d.gemm(Elem::BF16, wb.ptr, xb.ptr, raw.ptr, m, n, k, 1.0, false, None)?;
-    }
-    d.k_nvfp4_scale_out(ffi::ct_nvfp4_scale_out_params {
-        src: raw.ptr as *const f32,
-        dst: yp as *mut f32,
-        rows: i32_of(m, "learner linear rows")?,
-        cols: i32_of(n, "learner linear columns")?,
-        row_amax: x.amax.ptr as *const u32,
-        per_row: x.per_row as i32,
-        row_fixed: x.fixed,
-        col_amax: w.amax.ptr as *const u32,
-        accumulate: accumulate as i32,
-    })?;
-    if let Some(b) = bias {
-        add_bias(d, yp, b, m, n)?;
-    }
-    Ok(true)
-}
-
-/// The learner operand's codes decoded to their BF16 unit values q·bs (exact), in a scratch.
-fn unit_values(d: &CudaDevice, c: &LearnerCodes) -> Result<DevBuf> {
-    let out = d.scratch(c.rows * c.k * 2, "learner unit values")?;
-    d.k_dequant(ffi::ct_dequant_params {
-        codes: c.packed.ptr as *const u8,
-        scales: c.scales.ptr as *const u8,
-        format: ffi::CT_FORMAT_NVFP4,
-        n: (c.rows * c.k) as i64,
-        scale: 1.0,
-        out: out.ptr as *mut std::ffi::c_void,
-        out_dtype: ffi::CT_DTYPE_BF16,
-    })?;
-    Ok(out)
 }
 
 /// The sizes of CUTLASS's scale tensors for an (m, n, k) NVFP4 problem, when this build has

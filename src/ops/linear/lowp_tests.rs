@@ -223,3 +223,65 @@ fn a_kept_gemm_operand_follows_each_requantize_sim() {
         }
     }
 }
+
+/// The NVFP4 learner's straight-through backward on its operands' codes (`learner_dx`,
+/// `learner_dw`: BF16 GEMMs in the RHT's rotated domain, then the scales and the inverse RHT)
+/// against f64 over the host's `learner_round` copies (rotated back): dx = dy·Q(w) and
+/// dw = dyᵀ·Q(x), both accumulating, for every activation global (per tensor, per token,
+/// fixed), with and without RHT + stochastic rounding, on both profiles. The device rounds dy
+/// to BF16 (as every BF16 linear's gradient GEMM); the reference multiplies bf16(dy) exactly,
+/// so only the f32 summation and rotation orders differ: |gpu − ref| ≤ 1e-5 + 1e-4·S with
+/// S = Σ|terms| (a sum over tokens cancels, so |ref| alone would not bound the rounding).
+/// Per-token scales are folded into dy before its rounding (g_t·dy rounded, not dy): one
+/// more BF16 rounding of every term, 2⁻⁸·S besides.
+#[test]
+fn the_learners_backward_multiplies_its_codes_sim() {
+    use crate::formats::nvfp4::Global;
+    let (m, n, k) = (37, 48, 64);
+    let (dys, xs, ws) = (data(m * n, 21, 1.0), data(m * k, 22, 1.0), data(n * k, 23, 0.05));
+    let (dx0, dw0) = (data(m * k, 24, 0.3), data(n * k, 25, 0.3));
+    let bf = |v: f32| half::bf16::from_f32(v).to_f64();
+    for (arch, ordinal) in [("sm_100a", 7), ("sm_90a", 6)] {
+        let dev = Device::Cuda(CudaDevice::sim_arch(ordinal, Some(arch)).unwrap());
+        for opts in [Nvfp4Opts::default(), Nvfp4Opts { rht: Some(5), stochastic: Some(17) }] {
+            for global in [Global::Tensor, Global::Row, Global::Fixed(0.004)] {
+                let what = format!("{arch} {global:?} {opts:?}");
+                let up = |v: &[f32], shape: &[usize]| dev.from_f32(DType::F32, shape, v).unwrap();
+                let (x, w, dy) = (up(&xs, &[m, k]), up(&ws, &[n, k]), up(&dys, &[m, n]));
+                let xc = quantize::learner_codes(&dev, &x, m, global, &opts).unwrap();
+                let wc = quantize::learner_codes(&dev, &w, n, Global::Tensor, &opts).unwrap();
+                let (mut dx, mut dw) = (up(&dx0, &[m, k]), up(&dw0, &[n, k]));
+                super::learner_dx(&dev, &dy, &wc, &mut dx, m, true).unwrap();
+                super::learner_dw(&dev, &dy, &xc, &mut dw, m, true).unwrap();
+                let (mut hx, mut hw) = (xs.clone(), ws.clone());
+                crate::formats::nvfp4::learner_round(&mut hx, k, global, &opts);
+                crate::formats::nvfp4::learner_round(&mut hw, k, Global::Tensor, &opts);
+                let close = |got: f32, base: f32, terms: &mut dyn Iterator<Item = f64>, rtol: f64, at: String| {
+                    let (mut sum, mut s) = (0.0, 0.0);
+                    for t in terms {
+                        sum += t;
+                        s += t.abs();
+                    }
+                    let want = base as f64 + sum;
+                    let tol = 1e-5 + rtol * s;
+                    assert!((got as f64 - want).abs() <= tol, "{what}: {at} {got} vs {want} (tolerance {tol:e})");
+                };
+                let dx = dx.to_f32_vec().unwrap();
+                for i in 0..m {
+                    for t in 0..k {
+                        let mut terms = (0..n).map(|j| bf(dys[i * n + j]) * hw[j * k + t] as f64);
+                        close(dx[i * k + t], dx0[i * k + t], &mut terms, 1e-4, format!("dx[{i},{t}]"));
+                    }
+                }
+                let rtol = if global == Global::Row { 1e-4 + 2f64.powi(-8) } else { 1e-4 };
+                let dw = dw.to_f32_vec().unwrap();
+                for j in 0..n {
+                    for t in 0..k {
+                        let mut terms = (0..m).map(|i| bf(dys[i * n + j]) * hx[i * k + t] as f64);
+                        close(dw[j * k + t], dw0[j * k + t], &mut terms, rtol, format!("dw[{j},{t}]"));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -10,6 +10,7 @@
 
 mod cpu;
 mod cuda;
+pub mod cuda_learner;
 pub mod cuda_lowp;
 pub mod gemm;
 pub mod grad;
@@ -178,7 +179,7 @@ pub fn learner_w4a4_here(dev: &Device, n: usize, k: usize) -> bool {
 
 /// y[..m] (+)= x · wᵀ (+ bias) on the learner's NVFP4 codes (`quantize::learner_round_codes`):
 /// the products of the unit values, FP32 accumulation, then the global scales (CUDA:
-/// `cuda_lowp::learner_w4a4`); Ok(false) on the CPU.
+/// `cuda_learner::learner_w4a4`); Ok(false) on the CPU.
 pub fn learner_w4a4(
     dev: &Device,
     x: &LearnerCodes,
@@ -189,7 +190,43 @@ pub fn learner_w4a4(
 ) -> Result<bool> {
     match dev {
         Device::Cpu(_) => Ok(false),
-        Device::Cuda(c) => cuda_lowp::learner_w4a4(c, x, w, bias, y, accumulate),
+        Device::Cuda(c) => cuda_learner::learner_w4a4(c, x, w, bias, y, accumulate),
+    }
+}
+
+/// The NVFP4 learner's straight-through data gradient on its weight's codes: dx[..m] (m, K)
+/// (+)= dy[..m] (m, N) · Q(w), w's codes (N, K) (`quantize::learner_codes`); dy rounded to
+/// BF16, FP32 accumulation, in the RHT's rotated domain (`cuda_learner::learner_dx`). CUDA
+/// only: the CPU twin multiplies the rounded f32 copy (`linear_dx`).
+pub fn learner_dx(
+    dev: &Device,
+    dy: &Tensor,
+    w: &LearnerCodes,
+    dx: &mut Tensor,
+    m: usize,
+    accumulate: bool,
+) -> Result<()> {
+    match dev {
+        Device::Cpu(_) => anyhow::bail!("learner data gradient on codes: a CUDA device's op"),
+        Device::Cuda(c) => cuda_learner::learner_dx(c, dy, w, dx, m, accumulate),
+    }
+}
+
+/// The NVFP4 learner's straight-through weight gradient on its input's codes: dw (N, K) f32
+/// (+)= dy[..m]ᵀ · Q(x), x's codes (m, K); dy (times each token's scale, for per-token
+/// scales) rounded to BF16, FP32 accumulation (`cuda_learner::learner_dw`). CUDA only: the CPU
+/// twin multiplies the rounded f32 copy (`linear_dw`).
+pub fn learner_dw(
+    dev: &Device,
+    dy: &Tensor,
+    x: &LearnerCodes,
+    dw: &mut Tensor,
+    m: usize,
+    accumulate: bool,
+) -> Result<()> {
+    match dev {
+        Device::Cpu(_) => anyhow::bail!("learner weight gradient on codes: a CUDA device's op"),
+        Device::Cuda(c) => cuda_learner::learner_dw(c, dy, x, dw, m, accumulate),
     }
 }
 

@@ -267,8 +267,9 @@ pub fn quant_rows_fixed(
 }
 
 /// The NVFP4 codes of a learner operand (rotated domain under the RHT), for the real W4A4
-/// GEMM: packed E2M1 codes, E4M3 block scales and the amax its global scale(s) come from
-/// (per row or per tensor, or the fixed global) — the global stays on the device.
+/// GEMM and the backward's: packed E2M1 codes, E4M3 block scales and the amax its global
+/// scale(s) come from (per row or per tensor, or the fixed global) — the global stays on the
+/// device — and the RHT signs that rotated it (None: not rotated).
 pub struct LearnerCodes {
     pub packed: DevBuf,
     pub scales: DevBuf,
@@ -277,17 +278,19 @@ pub struct LearnerCodes {
     pub fixed: f32,
     pub rows: usize,
     pub k: usize,
+    pub signs: Option<[f32; 16]>,
 }
 
-/// The learner's NVFP4 rounding of x's first m rows into out (F32): the amax kernel (per tensor
-/// or per row, over the rotated blocks) and the encode kernel writing the decoded values
-/// rotated back — and, with `codes`, in the same launch the codes and block scales the real
-/// GEMM reads (the same rounding, so the STE backward sees what the forward multiplied).
+/// The learner's NVFP4 rounding of x's first m rows into out (F32; None: not written): the
+/// amax kernel (per tensor or per row, over the rotated blocks) and the encode kernel writing
+/// the decoded values rotated back — and, with `codes`, in the same launch the codes and block
+/// scales the real GEMMs read (the same rounding, so the STE backward sees what the forward
+/// multiplied).
 #[allow(clippy::too_many_arguments)]
 pub fn learner_round(
     d: &CudaDevice,
     x: &Tensor,
-    out: &mut Tensor,
+    out: Option<&mut Tensor>,
     m: usize,
     k: usize,
     global: nvfp4::Global,
@@ -299,7 +302,11 @@ pub fn learner_round(
         return Ok(None);
     }
     let xp = ptr(d, x, FLOATS, "learner NVFP4 input")?;
-    let op = ptr(d, out, &[DType::F32], "learner NVFP4 output")?;
+    let op = match out {
+        Some(out) => ptr(d, out, &[DType::F32], "learner NVFP4 output")?,
+        None if codes => 0,
+        None => bail!("learner NVFP4: neither the rounded values nor the codes asked for"),
+    };
     let signs = opts.rht.map(nvfp4::rht_signs);
     let (slots, row_k, fixed) = match global {
         nvfp4::Global::Tensor => (1, 0, 0.0),
@@ -335,7 +342,7 @@ pub fn learner_round(
     })?;
     Ok(match (packed, scales) {
         (Some(packed), Some(scales)) => {
-            Some(LearnerCodes { packed, scales, amax: buf, per_row: row_k > 0, fixed, rows: m, k })
+            Some(LearnerCodes { packed, scales, amax: buf, per_row: row_k > 0, fixed, rows: m, k, signs })
         }
         _ => None,
     })

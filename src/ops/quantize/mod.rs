@@ -72,6 +72,33 @@ pub fn learner_round_codes(
     opts: &Nvfp4Opts,
     codes: bool,
 ) -> Result<Option<LearnerCodes>> {
+    let k = check_learner(x, m, global)?;
+    check_rows(out, m, k, "learner NVFP4 output")?;
+    match dev {
+        Device::Cpu(d) => cpu::learner_round(d, x, out, m, k, global, opts).map(|_| None),
+        Device::Cuda(d) => cuda::learner_round(d, x, Some(out), m, k, global, opts, codes),
+    }
+}
+
+/// Only the codes of [`learner_round_codes`] (CUDA), no rounded f32 copy: for a learner whose
+/// GEMMs, forward and backward, all read codes (`linear::learner_dx`, `linear::learner_dw`).
+pub fn learner_codes(
+    dev: &Device,
+    x: &Tensor,
+    m: usize,
+    global: nvfp4::Global,
+    opts: &Nvfp4Opts,
+) -> Result<LearnerCodes> {
+    let k = check_learner(x, m, global)?;
+    let codes = match dev {
+        Device::Cpu(_) => anyhow::bail!("learner NVFP4 codes: the CPU learner multiplies the rounded values"),
+        Device::Cuda(d) => cuda::learner_round(d, x, None, m, k, global, opts, true)?,
+    };
+    codes.ok_or_else(|| anyhow::anyhow!("learner NVFP4 codes: an empty operand ({m} rows)"))
+}
+
+/// The learner operand's K, checked: a multiple of the block, m rows present, a usable global.
+fn check_learner(x: &Tensor, m: usize, global: nvfp4::Global) -> Result<usize> {
     let k = x.dim(x.shape().len() - 1);
     if k == 0 || k % nvfp4::BLOCK != 0 {
         anyhow::bail!("learner NVFP4: the reduction dimension {k} is not a multiple of {}", nvfp4::BLOCK);
@@ -79,16 +106,12 @@ pub fn learner_round_codes(
     if x.numel() < m * k {
         anyhow::bail!("learner NVFP4: {m} rows of {k} from a tensor of {} values", x.numel());
     }
-    check_rows(out, m, k, "learner NVFP4 output")?;
     if let nvfp4::Global::Fixed(g) = global {
         if !(g > 0.0 && g.is_finite()) {
             anyhow::bail!("learner NVFP4: a fixed global scale must be positive and finite, got {g}");
         }
     }
-    match dev {
-        Device::Cpu(d) => cpu::learner_round(d, x, out, m, k, global, opts).map(|_| None),
-        Device::Cuda(d) => cuda::learner_round(d, x, out, m, k, global, opts, codes),
-    }
+    Ok(k)
 }
 
 /// Re-quantizes `q` from the weight tensor `src` (same device) in place; fails, naming `name`,
