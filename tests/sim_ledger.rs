@@ -28,7 +28,14 @@ fn op(l: &Ledger, op: &str) -> Row {
 /// The ledger of one OPD step of the llama_gqa fixture in `dtype` on simulated GPU `ordinal`
 /// with `optimizer` (a TOML table's body), and (T, R, N, V·C): the batch's tokens, its response
 /// rows, the layers' linear parameters (q, k, v, o, gate, up, down) and the LM head's.
-fn opd_step(ordinal: usize, dtype: DType, optimizer: &str) -> (Ledger, colotrain::model::ModelConfig, [f64; 4]) {
+/// One OPD step of the llama_gqa fixture on cuda-sim:`ordinal` (sm_90a), with the NVFP4 learner
+/// on the MLP linears (RHT on) when `learner`: its ledger, the config and [T, R, N, V·C].
+fn opd_step(
+    ordinal: usize,
+    dtype: DType,
+    optimizer: &str,
+    learner: bool,
+) -> (Ledger, colotrain::model::ModelConfig, [f64; 4]) {
     let cd = CudaDevice::sim(ordinal).unwrap();
     let dev = Device::Cuda(cd.clone());
     let lm = load_fixture("llama_gqa", &dev, dtype);
@@ -39,6 +46,12 @@ fn opd_step(ordinal: usize, dtype: DType, optimizer: &str) -> (Ledger, colotrain
     );
     let job = JobConfig::from_toml(&toml, "inline").unwrap();
     let mut tr = Trainer::new(&c, lm.weights, &job).unwrap();
+    if learner {
+        let names: Vec<String> = ["gate_proj", "up_proj", "down_proj"].iter().map(|s| s.to_string()).collect();
+        let opts = colotrain::quant::nvfp4::Nvfp4Opts { rht: Some(1), stochastic: None };
+        let lq = colotrain::model::learner_quant::LearnerQuant::new(&names, opts, c.num_layers).unwrap();
+        tr.set_learner_quant(Some(lq)).unwrap();
+    }
     cd.take_ledger();
     tr.step(&rollouts).unwrap();
     assert!(tr.on_device());
@@ -64,7 +77,7 @@ fn opd_step(ordinal: usize, dtype: DType, optimizer: &str) -> (Ledger, colotrain
 #[test]
 fn a_training_step_declares_the_flops_of_its_passes() {
     let (l, c, [t, r, n, head]) =
-        opd_step(3, DType::F32, "kind = \"sgd\"\nlr = 1.0\nweight_decay = 0.0\ngrad_clip = 0.0\n");
+        opd_step(3, DType::F32, "kind = \"sgd\"\nlr = 1.0\nweight_decay = 0.0\ngrad_clip = 0.0\n", false);
     let layers = c.num_layers as u64;
     let fwd = op(&l, "gemm f32 nt");
     assert_eq!(fwd.flops, 2.0 * t * n + 2.0 * (2.0 * r) * head, "forward GEMMs");
@@ -86,19 +99,32 @@ fn a_training_step_declares_the_flops_of_its_passes() {
 /// With BF16 compute weights every GEMM of a training step runs on BF16 operands (tensor
 /// cores, FP32 accumulation), the layers' weight gradients included: they once ran in F32 on
 /// the CUDA cores, 6.8 s of a modelled 9.0 s train phase at Qwen2.5-7B's shapes on an H200
-/// (`bench node --model-gpu h200 --ledger`). The FLOPs are those of the F32 step above.
+/// (`bench node --model-gpu h200 --ledger`). The FLOPs are those of the F32 step above. With
+/// the NVFP4 learner on the MLP linears too (Hopper: its forward and backward GEMMs multiply
+/// the codes' BF16 unit values), with the same FLOPs: its backward once ran F32 GEMMs on its
+/// rounded copies, 22.4 s of the 4B TRIAGE config's modelled 28.6 s train phase.
 #[test]
 fn bf16_weights_train_on_bf16_gemms_only() {
-    let (l, c, [t, r, n, head]) = opd_step(5, DType::BF16, "kind = \"adamw\"\n");
-    let gemms: Vec<Row> = rows(&l).into_iter().filter(|r| r.op.starts_with("gemm")).collect();
-    assert!(
-        gemms.iter().all(|r| r.op.starts_with("gemm bf16")),
-        "{:?}",
-        gemms.iter().map(|r| r.op).collect::<Vec<_>>()
-    );
-    let dw = op(&l, "gemm bf16 tn");
-    assert_eq!(dw.flops, 2.0 * t * n + 2.0 * r * head, "weight-gradient GEMMs");
-    assert_eq!(dw.launches, 7 * c.num_layers as u64 + 1);
+    for (ordinal, learner) in [(5, false), (6, true)] {
+        let (l, c, [t, r, n, head]) = opd_step(ordinal, DType::BF16, "kind = \"adamw\"\n", learner);
+        let gemms: Vec<Row> = rows(&l).into_iter().filter(|r| r.op.starts_with("gemm")).collect();
+        assert!(
+            gemms.iter().all(|r| r.op.starts_with("gemm bf16")),
+            "learner {learner}: {:?}",
+            gemms.iter().map(|r| r.op).collect::<Vec<_>>()
+        );
+        let dw = op(&l, "gemm bf16 tn");
+        assert_eq!(dw.flops, 2.0 * t * n + 2.0 * r * head, "learner {learner}: weight-gradient GEMMs");
+        assert_eq!(dw.launches, 7 * c.num_layers as u64 + 1);
+        // The learner's operands per layer: codes only (9/16 byte a value), no rounded f32 copy
+        // (4 more): the three BF16 weights (H·I each), the F32 gate/up input (T·H) and the F32
+        // down input (T·I), each read once.
+        let enc: Vec<Row> = rows(&l).into_iter().filter(|r| r.op == "ct_quant_nvfp4").collect();
+        let (h, i, layers) = (c.hidden_size as f64, c.intermediate_size as f64, c.num_layers as f64);
+        let bytes = layers * (3.0 * h * i * (2.0 + 0.5625) + t * (h + i) * (4.0 + 0.5625));
+        assert_eq!(enc.iter().map(|r| r.launches).sum::<u64>(), if learner { 5 * c.num_layers as u64 } else { 0 });
+        assert_eq!(enc.iter().map(|r| r.bytes).sum::<f64>(), if learner { bytes } else { 0.0 }, "NVFP4 encodes");
+    }
 }
 
 /// Decode steps replayed from CUDA graphs count in the ledger as the same padded steps

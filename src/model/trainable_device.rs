@@ -7,11 +7,14 @@
 //! coefficients and the per-token results crosses to the host.
 //!
 //! The NVFP4 learner (`set_quant`): the chosen MLP linears run on the learner's rounded
-//! operands (`ops::quantize::learner_round`): through the CUTLASS block-scaled W4A4 GEMM where
-//! the device has one (sm_100a / sm_103a; the simulator's sm_100a profile), else the emulated
-//! path (Hopper: the rounded copies through the BF16/F32 GEMM); straight-through backward —
-//! as the CPU twin. The activations come from the caching allocator (blocks reused between
-//! steps); the memory plan reserves [`DeviceTrainable::activation_bytes`] for them.
+//! operands (`ops::quantize::learner_round`): on CUDA on their codes, through the CUTLASS
+//! block-scaled W4A4 GEMM where the device has one (sm_100a / sm_103a; the simulator's sm_100a
+//! profile), else a BF16 GEMM of the decoded unit values (Hopper); straight-through backward.
+//! With low-precision weights on CUDA the learner keeps only the codes and its backward
+//! multiplies them again ([`LearnerKeep::Codes`]: BF16 GEMMs in the RHT's rotated domain);
+//! with F32 weights, and on the CPU, it keeps the rounded f32 copies and multiplies them in
+//! F32, as the CPU twin. The activations come from the caching allocator (blocks reused
+//! between steps); the memory plan reserves [`DeviceTrainable::activation_bytes`] for them.
 //!
 //! Owns: [`DeviceTrainable`] (RoPE frequencies and saved activations on the device). May call:
 //! the ops' device-level signatures. Must not: own weights or optimizer state.
@@ -23,6 +26,7 @@ use crate::device::{DType, Device, Tensor};
 use crate::ops::attention::grad::Shape;
 use crate::ops::attention::train::{self as attention, Packed};
 use crate::ops::lm_head::{self, DevCenter, Rows};
+use crate::ops::quantize::LearnerCodes;
 use crate::ops::{elementwise, linear, norm, quantize, rope};
 use crate::quant::nvfp4::Global;
 use anyhow::{bail, Result};
@@ -49,6 +53,39 @@ struct Acts {
     a: Tensor,           // (N, I)
     h2q: Option<Tensor>, // (N, C) NVFP4 learner: Q(h2), the gate/up input
     aq: Option<Tensor>,  // (N, I) NVFP4 learner: Q(a), the down input
+    codes: Option<LayerCodes>,
+}
+
+/// The NVFP4 learner's operands of one layer as codes only ([`LearnerKeep::Codes`]): what its
+/// forward multiplied and its backward multiplies again.
+struct LayerCodes {
+    w: [Option<LearnerCodes>; 3], // gate, up, down weights (I, C), (I, C), (C, I)
+    h2: Option<LearnerCodes>,     // (N, C) the gate/up input
+    a: Option<LearnerCodes>,      // (N, I) the down input
+}
+
+/// What the NVFP4 learner keeps of its rounded operands from the forward to the backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LearnerKeep {
+    /// No NVFP4 learner.
+    Off,
+    /// F32 copies rounded and rotated back, multiplied in F32 (`linear_dx` / `linear_dw`): the
+    /// CPU, and F32 weights (the twin of the CPU's f32 learner).
+    Rounded,
+    /// The codes only (9/16 byte a value): low-precision weights on CUDA, whose backward
+    /// multiplies the codes in BF16 as the forward did (`linear::learner_dx` / `learner_dw`).
+    Codes,
+}
+
+impl LearnerKeep {
+    /// For a learner (`on`) training weights of `dtype`, on a CUDA device or not.
+    pub fn of(cuda: bool, dtype: DType, on: bool) -> LearnerKeep {
+        match on {
+            false => LearnerKeep::Off,
+            true if cuda && dtype != DType::F32 => LearnerKeep::Codes,
+            true => LearnerKeep::Rounded,
+        }
+    }
 }
 
 /// The batch on the device.
@@ -77,6 +114,8 @@ pub struct DeviceTrainable {
     /// Per layer, the NVFP4 learner's rounded gate, up, down weights (F32, of the weights'
     /// shapes) as of the last forward.
     qw: Vec<[Option<Tensor>; 3]>,
+    /// `LearnerKeep::Rounded` whatever the weights (see [`Self::set_exact_learner`]).
+    exact_learner: bool,
 }
 
 /// `v` as a u32 tensor on `dev` (no copy on CPU).
@@ -90,9 +129,10 @@ impl DeviceTrainable {
     /// batch's ids), the backward's working buffers, and the fused loss's chunk of logits with
     /// its gathered rows — what the memory plan reserves before it sizes the KV caches. The
     /// BF16 operand copies of the GEMMs (one (tokens, max(C, I, H·D)) at a time) are counted.
-    /// With the NVFP4 learner (`nvfp4`), its rounded MLP inputs per token and rounded MLP
-    /// weights per layer besides.
-    pub fn activation_bytes(cfg: &ModelConfig, tokens: usize, chunk: usize, nvfp4: bool) -> usize {
+    /// With the NVFP4 learner, its kept MLP inputs per token and MLP weights per layer besides
+    /// (`keep`: rounded f32 copies or codes), and its GEMMs' scratch: an f32 product and two
+    /// BF16 operands of (tokens, max(C, I)).
+    pub fn activation_bytes(cfg: &ModelConfig, tokens: usize, chunk: usize, keep: LearnerKeep) -> usize {
         let (c, i, h, hkv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let (qd, kd) = (h * d, hkv * d);
         // Saved per layer: x h1 x2 h2 | qraw q att | kraw k v | rq lse rk | rstd1 rstd2 | g u a.
@@ -103,8 +143,23 @@ impl DeviceTrainable {
         let bwd = 4 * c + 3 * i + 3 * qd + 3 * kd;
         let per_token = 4 * (cfg.num_layers * layer + once + bwd) + 2 * c.max(i).max(qd);
         let rows = chunk.min(tokens);
-        let learner = if nvfp4 { cfg.num_layers * 4 * (tokens * (c + i) + 3 * c * i) } else { 0 };
+        let values = tokens * (c + i) + 3 * c * i;
+        let scratch = 8 * tokens * c.max(i);
+        let learner = match keep {
+            LearnerKeep::Off => 0,
+            LearnerKeep::Rounded => cfg.num_layers * 4 * values + scratch,
+            // Codes and block scales, and the amaxes (per token, per tensor).
+            LearnerKeep::Codes => cfg.num_layers * (values * 9 / 16 + 4 * (2 * tokens + 3)) + scratch,
+        };
         tokens * per_token + 4 * rows * (cfg.vocab_size + 2 * c) + learner
+    }
+
+    /// With low-precision weights on CUDA, keep the learner's rounded f32 copies and run its
+    /// backward in F32 on them (`LearnerKeep::Rounded`, the CPU twin's arithmetic, at 4 bytes
+    /// a value and on the CUDA cores) instead of multiplying its codes again in BF16: the
+    /// reference the codes' backward is tested against.
+    pub fn set_exact_learner(&mut self, on: bool) {
+        self.exact_learner = on;
     }
 
     /// Runs the chosen MLP linears on the NVFP4 learner's rounded operands (None: off).
@@ -130,6 +185,7 @@ impl DeviceTrainable {
             batch: None,
             quant: None,
             qw: Vec::new(),
+            exact_learner: false,
         })
     }
 
@@ -203,6 +259,7 @@ impl DeviceTrainable {
                 a: z(&[n, i_dim])?,
                 h2q: None,
                 aq: None,
+                codes: None,
             };
             let bias = |i: Option<usize>| i.map(|i| p[i]);
             norm::rmsnorm_train(&dev, &a.x, p[li.ln1], eps, &mut a.h1, &mut a.rstd1, n)?;
@@ -244,12 +301,22 @@ impl DeviceTrainable {
             // their codes (written by the same launches as the rounded copies the backward
             // reads) through the CUTLASS W4A4 GEMM or, on Hopper, a BF16 GEMM of the decoded
             // unit values; on the CPU on the rounded copies.
+            // With low-precision weights on CUDA only the codes are made (`LearnerKeep::Codes`).
             let l = acts.len();
             let mut wc: [Option<quantize::LearnerCodes>; 3] = Default::default();
             let (mut xc, mut ac) = (None, None);
+            let keep = LearnerKeep::of(!dev.is_cpu(), p[li.down].dtype(), lq.is_some());
+            let codes_only = !self.exact_learner
+                && keep == LearnerKeep::Codes
+                && [li.gate, li.up, li.down].iter().all(|&w| linear::learner_w4a4_here(&dev, p[w].dim(0), p[w].dim(1)))
+                && [li.gate, li.up].iter().all(|&w| p[w].dtype() == p[li.down].dtype());
             if let Some(q) = &lq {
                 for (j, (lin, w)) in [(GATE, li.gate), (UP, li.up), (DOWN, li.down)].into_iter().enumerate() {
                     self.qw[l][j] = match q.on(lin) {
+                        true if codes_only => {
+                            wc[j] = Some(quantize::learner_codes(&dev, p[w], p[w].dim(0), Global::Tensor, &q.opts)?);
+                            None
+                        }
                         true => {
                             let (rows, k) = (p[w].dim(0), p[w].dim(1));
                             let mut t = dev.uninit(DType::F32, &[rows, k])?;
@@ -262,11 +329,15 @@ impl DeviceTrainable {
                     };
                 }
                 if q.on(GATE) || q.on(UP) {
-                    let mut t = dev.uninit(DType::F32, &[n, c])?;
                     let g = q.act_global(l, if q.on(GATE) { GATE } else { UP });
-                    let fast = wc[0].is_some() || wc[1].is_some();
-                    xc = quantize::learner_round_codes(&dev, &a.h2, &mut t, n, g, &q.opts, fast)?;
-                    a.h2q = Some(t);
+                    if codes_only {
+                        xc = Some(quantize::learner_codes(&dev, &a.h2, n, g, &q.opts)?);
+                    } else {
+                        let mut t = dev.uninit(DType::F32, &[n, c])?;
+                        let fast = wc[0].is_some() || wc[1].is_some();
+                        xc = quantize::learner_round_codes(&dev, &a.h2, &mut t, n, g, &q.opts, fast)?;
+                        a.h2q = Some(t);
+                    }
                 }
             }
             let qw = &self.qw;
@@ -294,22 +365,22 @@ impl DeviceTrainable {
             lin(xu, if on(UP) { &xc } else { &None }, 1, li.up, bias(li.ub), &mut a.u, false)?;
             elementwise::swiglu(&dev, &a.g, &a.u, &mut a.a, n)?;
             if let (Some(q), true) = (&lq, on(DOWN)) {
-                let mut t = dev.uninit(DType::F32, &[n, i_dim])?;
-                ac = quantize::learner_round_codes(
-                    &dev,
-                    &a.a,
-                    &mut t,
-                    n,
-                    q.act_global(l, DOWN),
-                    &q.opts,
-                    wc[2].is_some(),
-                )?;
-                a.aq = Some(t);
+                if codes_only {
+                    ac = Some(quantize::learner_codes(&dev, &a.a, n, q.act_global(l, DOWN), &q.opts)?);
+                } else {
+                    let mut t = dev.uninit(DType::F32, &[n, i_dim])?;
+                    let (g, fast) = (q.act_global(l, DOWN), wc[2].is_some());
+                    ac = quantize::learner_round_codes(&dev, &a.a, &mut t, n, g, &q.opts, fast)?;
+                    a.aq = Some(t);
+                }
             }
             // x = x2 + a·Wdᵀ (+ bd)
             x = dev.uninit(DType::F32, &[n, c])?;
             x.copy_from(&a.x2)?;
             lin(a.aq.as_ref().unwrap_or(&a.a), &ac, 2, li.down, bias(li.db), &mut x, true)?;
+            if codes_only && lq.is_some() {
+                a.codes = Some(LayerCodes { w: wc, h2: xc, a: ac });
+            }
             acts.push(a);
         }
         self.acts = acts;
@@ -385,9 +456,10 @@ impl DeviceTrainable {
         let (mut dqr, mut dkr) = (z(&[n, qd])?, z(&[n, kd])?);
         // The weight gradients' operands: BF16 where the compute weight is BF16 (tensor cores,
         // FP32 accumulation: the forward and the data gradients already round their inputs to
-        // the weight's dtype), F32 for F32 weights and for the NVFP4 learner's rounded operands
-        // (not BF16 values). At Qwen2.5-7B's shapes F32 weight gradients were 6.8 of a
-        // modelled 9.0 s train phase on an H200 (`bench node --model-gpu h200 --ledger`).
+        // the weight's dtype), F32 for F32 weights and for the NVFP4 learner's rounded f32
+        // copies (not BF16 values; `LearnerKeep::Codes` multiplies the codes instead). At
+        // Qwen2.5-7B's shapes F32 weight gradients were 6.8 of a modelled 9.0 s train phase on
+        // an H200 (`bench node --model-gpu h200 --ledger`).
         let wgrad =
             |w: &Tensor, rounded: bool| if w.dtype() == DType::BF16 && !rounded { DType::BF16 } else { DType::F32 };
         for l in (0..cfg.num_layers).rev() {
@@ -400,24 +472,39 @@ impl DeviceTrainable {
             let (rg, ru) = (qw.is_some_and(|w| w[0].is_some()), qw.is_some_and(|w| w[1].is_some()));
             let xg = a.h2q.as_ref().filter(|_| rg).unwrap_or(&a.h2);
             let xu = a.h2q.as_ref().filter(|_| ru).unwrap_or(&a.h2);
-            linear::linear_dx(&dev, &dx, wq(2, li.down), &mut da, n, false)?;
-            linear::linear_dw(
-                &dev,
-                &dx,
-                a.aq.as_ref().unwrap_or(&a.a),
-                &mut grads[li.down],
-                n,
-                true,
-                wgrad(p[li.down], a.aq.is_some()),
-            )?;
+            // `LearnerKeep::Codes`: the learner's linears multiply the codes again (BF16 dy).
+            let lc = a.codes.take();
+            let codes = |j: usize| {
+                let x = lc.as_ref().and_then(|c| if j == 2 { c.a.as_ref() } else { c.h2.as_ref() });
+                lc.as_ref().and_then(|c| c.w[j].as_ref()).zip(x)
+            };
+            if let Some((w, x)) = codes(2) {
+                linear::learner_dx(&dev, &dx, w, &mut da, n, false)?;
+                linear::learner_dw(&dev, &dx, x, &mut grads[li.down], n, true)?;
+            } else {
+                linear::linear_dx(&dev, &dx, wq(2, li.down), &mut da, n, false)?;
+                let xd = a.aq.as_ref().unwrap_or(&a.a);
+                linear::linear_dw(&dev, &dx, xd, &mut grads[li.down], n, true, wgrad(p[li.down], a.aq.is_some()))?;
+            }
             if let Some(bi) = li.db {
                 linear::bias_grad(&dev, &dx, &mut grads[bi], n)?;
             }
             elementwise::swiglu_bwd(&dev, &da, &a.g, &a.u, &mut dg, &mut du)?;
-            linear::linear_dx(&dev, &dg, wq(0, li.gate), &mut dh2, n, false)?;
-            linear::linear_dx(&dev, &du, wq(1, li.up), &mut dh2, n, true)?;
-            linear::linear_dw(&dev, &dg, xg, &mut grads[li.gate], n, true, wgrad(p[li.gate], rg && a.h2q.is_some()))?;
-            linear::linear_dw(&dev, &du, xu, &mut grads[li.up], n, true, wgrad(p[li.up], ru && a.h2q.is_some()))?;
+            for (j, dy, acc) in [(0, &dg, false), (1, &du, true)] {
+                match codes(j) {
+                    Some((w, _)) => linear::learner_dx(&dev, dy, w, &mut dh2, n, acc)?,
+                    None => linear::linear_dx(&dev, dy, wq(j, if j == 0 { li.gate } else { li.up }), &mut dh2, n, acc)?,
+                }
+            }
+            for (j, dy, w, x, rounded) in [(0, &dg, li.gate, xg, rg), (1, &du, li.up, xu, ru)] {
+                match codes(j) {
+                    Some((_, xc)) => linear::learner_dw(&dev, dy, xc, &mut grads[w], n, true)?,
+                    None => {
+                        let ops = wgrad(p[w], rounded && a.h2q.is_some());
+                        linear::linear_dw(&dev, dy, x, &mut grads[w], n, true, ops)?
+                    }
+                }
+            }
             if let Some(bi) = li.gb {
                 linear::bias_grad(&dev, &dg, &mut grads[bi], n)?;
             }
@@ -480,267 +567,4 @@ impl DeviceTrainable {
 }
 
 #[cfg(test)]
-mod tests {
-    //! The device twin against the f64 reference (`Trainable<f64>` on the same values) on the
-    //! CPU and on cuda-sim: token statistics within 1e-4 + 1e-4·|ref|, the loss within 1e-4
-    //! relative, and every parameter's gradient within a relative norm error of 1e-4 (f32 ops
-    //! in other orders against f64), for llama (llama3 RoPE, untied head), qwen2 (q/k/v biases,
-    //! tied head) and qwen3 (q/k norm), with and without score centering.
-    use super::*;
-    use crate::model::learner_quant::{LearnerQuant, DOWN};
-    use crate::model::tiny::{tiny_config, TinySpec};
-    use crate::model::trainable::Trainable;
-    use crate::model::weights::param_specs;
-    use crate::ops::lm_head::grad::Center;
-
-    fn data(n: usize, seed: u64, std: f64, mean: f64) -> Vec<f32> {
-        let mut s = crate::rand::Stream::new(seed, 11);
-        (0..n).map(|_| (mean + s.normal() * std) as f32).collect()
-    }
-
-    /// Random parameters: norm gains near 1, the rest centered, seeded by `seed` + index.
-    fn random_params(specs: &[(String, Vec<usize>)], seed: u64) -> Vec<Vec<f32>> {
-        specs
-            .iter()
-            .enumerate()
-            .map(|(i, (name, shape))| {
-                let n: usize = shape.iter().product();
-                if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
-                    data(n, seed + i as u64, 0.1, 1.0)
-                } else {
-                    data(n, seed + i as u64, 0.2, 0.0)
-                }
-            })
-            .collect()
-    }
-
-    fn batch() -> TrainBatch {
-        let mut b = TrainBatch::default();
-        b.push(&[5, 17, 3], &[44, 2, 90, 13]);
-        b.push(&[7], &[1, 96, 30, 30, 8, 61, 12, 5, 40, 77, 3]);
-        b
-    }
-
-    fn check(arch: &str, dev: &Device, centered: bool) {
-        let spec = TinySpec {
-            arch: arch.into(),
-            layers: 2,
-            hidden: 32,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: Some(8),
-            intermediate: Some(48),
-            vocab: 300,
-            max_position: 64,
-            tie: arch == "qwen2",
-        };
-        let cfg = tiny_config(&spec).unwrap();
-        let specs = param_specs(&cfg);
-        let params = random_params(&specs, 100);
-        let b = batch();
-        let m = b.rows.len();
-        let coef = data(m, 7, 1.0, 0.0);
-        let k = 3;
-        let ids: Vec<u32> = (0..(m * k) as u32).map(|i| (i * 37 + 1) % 300).collect();
-        let probs: Vec<f32> = (0..m * k).map(|i| [0.6, 0.3, 0.1][i % k]).collect();
-        // The f64 reference.
-        let p64: Vec<Vec<f64>> = params.iter().map(|v| v.iter().map(|&x| x as f64).collect()).collect();
-        let mut r = Trainable::<f64>::new(&cfg);
-        let refs: Vec<&[f64]> = p64.iter().map(|v| &v[..]).collect();
-        r.forward(&refs, &b).unwrap();
-        let (mut lp64, mut en64) = (vec![0.0; m], vec![0.0; m]);
-        r.token_stats(&refs, &b, 0.8, 4, &mut lp64, &mut en64);
-        let mut g64: Vec<Vec<f64>> = p64.iter().map(|v| vec![0.0; v.len()]).collect();
-        let c64: Vec<f64> = coef.iter().map(|&x| x as f64).collect();
-        let ct = Center { k, ids: &ids, probs: &probs };
-        let loss64 = r.backward_centered(&refs, &b, &c64, centered.then_some(&ct), 0.8, 4, &mut g64).unwrap();
-        // The device twin.
-        let pt: Vec<Tensor> =
-            specs.iter().zip(&params).map(|((_, s), v)| dev.from_f32(DType::F32, s, v).unwrap()).collect();
-        let pr: Vec<&Tensor> = pt.iter().collect();
-        let mut t = DeviceTrainable::new(&cfg, dev).unwrap();
-        t.forward(&pr, &b).unwrap();
-        let (mut lp, mut en) = (dev.zeros(DType::F32, &[m]).unwrap(), dev.zeros(DType::F32, &[m]).unwrap());
-        t.token_stats(&pr, 0.8, 4, &mut lp, &mut en).unwrap();
-        let what = format!("{} {arch} centered {centered}", dev.name());
-        for (name, got, want) in [("logp", &lp, &lp64), ("entropy", &en, &en64)] {
-            for (i, (&g, &w)) in got.to_f32_vec().unwrap().iter().zip(want).enumerate() {
-                assert!((g as f64 - w).abs() <= 1e-4 + 1e-4 * w.abs(), "{what}: {name}[{i}] {g} vs {w}");
-            }
-        }
-        let mut grads: Vec<Tensor> = specs.iter().map(|(_, s)| dev.zeros(DType::F32, s).unwrap()).collect();
-        let coef_t = dev.from_f32(DType::F32, &[m], &coef).unwrap();
-        let ids_t = up(dev, ids.clone()).unwrap();
-        let probs_t = dev.from_f32(DType::F32, &[m * k], &probs).unwrap();
-        let dc = DevCenter { k, ids: &ids_t, probs: &probs_t };
-        let loss = t.backward(&pr, &coef_t, centered.then_some(&dc), 0.8, 4, &mut grads).unwrap();
-        assert!((loss - loss64).abs() <= 1e-4 * loss64.abs().max(1.0), "{what}: loss {loss} vs {loss64}");
-        for ((name, _), (g, w)) in specs.iter().zip(grads.iter().zip(&g64)) {
-            let g = g.to_f32_vec().unwrap();
-            let diff: f64 = g.iter().zip(w).map(|(&a, &b)| (a as f64 - b).powi(2)).sum::<f64>().sqrt();
-            let norm: f64 = w.iter().map(|b| b * b).sum::<f64>().sqrt();
-            assert!(norm > 0.0, "{what}: {name} has no gradient in the reference");
-            assert!(diff <= 1e-4 * norm, "{what}: {name} relative gradient error {:e}", diff / norm);
-        }
-    }
-
-    /// The NVFP4 learner on the device twin against the CPU twin (`Trainable<f32>` with the same
-    /// `LearnerQuant`, itself checked against finite differences in tests/grad_nvfp4.rs): the
-    /// loss within 1e-4 relative and every gradient within 1e-3 relative norm (f32 against f32
-    /// in other orders; a value within rounding of an NVFP4 decision boundary may round the
-    /// other way). The quantized MLP weights' gradients differ from the dense model's by ≥ 5%
-    /// in norm, so the check sees the learner. All MLP linears, RHT and stochastic rounding,
-    /// per-token scales for gate/up and a fixed scale for down.
-    fn check_nvfp4(dev: &Device) {
-        use crate::quant::nvfp4::Nvfp4Opts;
-        let spec = TinySpec {
-            arch: "qwen3".into(),
-            layers: 2,
-            hidden: 32,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: Some(8),
-            intermediate: Some(48),
-            vocab: 300,
-            max_position: 64,
-            tie: false,
-        };
-        let cfg = tiny_config(&spec).unwrap();
-        let specs = param_specs(&cfg);
-        let params = random_params(&specs, 200);
-        let b = batch();
-        let m = b.rows.len();
-        let coef = data(m, 8, 1.0, 0.0);
-        let names: Vec<String> = ["gate_proj", "up_proj", "down_proj"].iter().map(|s| s.to_string()).collect();
-        let opts = Nvfp4Opts { rht: Some(3), stochastic: Some(9) };
-        let mut lq = LearnerQuant::new(&names, opts, cfg.num_layers).unwrap();
-        for l in 0..cfg.num_layers {
-            lq.act_global[l][DOWN] = Some(0.002);
-        }
-        let refs: Vec<&[f32]> = params.iter().map(|v| &v[..]).collect();
-        let cpu_grads = |q: Option<LearnerQuant>| {
-            let mut r = Trainable::<f32>::new(&cfg);
-            r.set_quant(q);
-            r.forward(&refs, &b).unwrap();
-            let mut g: Vec<Vec<f32>> = params.iter().map(|v| vec![0.0; v.len()]).collect();
-            let loss = r.backward_centered(&refs, &b, &coef, None, 1.0, 4, &mut g).unwrap();
-            (loss, g)
-        };
-        let (loss_ref, g_ref) = cpu_grads(Some(lq.clone()));
-        let loss_ref = loss_ref as f64;
-        let (_, g_dense) = cpu_grads(None);
-        let pt: Vec<Tensor> =
-            specs.iter().zip(&params).map(|((_, s), v)| dev.from_f32(DType::F32, s, v).unwrap()).collect();
-        let pr: Vec<&Tensor> = pt.iter().collect();
-        let mut t = DeviceTrainable::new(&cfg, dev).unwrap();
-        t.set_quant(Some(lq));
-        t.forward(&pr, &b).unwrap();
-        let mut grads: Vec<Tensor> = specs.iter().map(|(_, s)| dev.zeros(DType::F32, s).unwrap()).collect();
-        let coef_t = dev.from_f32(DType::F32, &[m], &coef).unwrap();
-        let loss = t.backward(&pr, &coef_t, None, 1.0, 4, &mut grads).unwrap();
-        let what = format!("{} nvfp4 learner", dev.name());
-        assert!((loss - loss_ref).abs() <= 1e-4 * loss_ref.abs().max(1.0), "{what}: loss {loss} vs {loss_ref}");
-        let rel = |a: &[f32], b: &[f32]| {
-            let d: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum::<f64>().sqrt();
-            d / b.iter().map(|&y| (y as f64).powi(2)).sum::<f64>().sqrt().max(1e-30)
-        };
-        for (i, (name, _)) in specs.iter().enumerate() {
-            let g = grads[i].to_f32_vec().unwrap();
-            let e = rel(&g, &g_ref[i]);
-            assert!(e <= 1e-3, "{what}: {name} relative gradient error {e:e}");
-            if name.contains("mlp") {
-                let e = rel(&g, &g_dense[i]);
-                assert!(e >= 0.05, "{what}: {name} is within {e:e} of the dense model's gradient");
-            }
-        }
-    }
-
-    #[test]
-    fn nvfp4_learner_twin_cpu() {
-        check_nvfp4(&Device::cpu(2).unwrap());
-    }
-
-    #[test]
-    fn nvfp4_learner_twin_sim() {
-        check_nvfp4(&Device::parse("cuda-sim:0").unwrap());
-    }
-
-    /// On the B300 profile the gate and up linears (K = 32) run on the CUTLASS W4A4 GEMM, the
-    /// down linear (K = 48, not a multiple of 32) on a BF16 GEMM of its decoded codes.
-    #[test]
-    fn nvfp4_learner_twin_sim_cutlass() {
-        check_nvfp4(&Device::Cuda(crate::device::cuda::CudaDevice::sim_arch(7, Some("sm_100a")).unwrap()));
-    }
-
-    fn every_arch(dev: &Device) {
-        for arch in ["llama", "qwen2", "qwen3"] {
-            for centered in [false, true] {
-                check(arch, dev, centered);
-            }
-        }
-    }
-
-    #[test]
-    fn device_twin_cpu() {
-        every_arch(&Device::cpu(2).unwrap());
-    }
-
-    #[test]
-    fn device_twin_sim() {
-        every_arch(&Device::parse("cuda-sim:0").unwrap());
-    }
-
-    /// The memory plan's activation reserve covers what a step allocates beyond the weights:
-    /// the forward's saved state, the loss pass and the backward of 16 sequences of 20 tokens
-    /// on a device of its own (cuda-sim:3), measured by the allocator's high-water mark; and it
-    /// is no more than twice that (the plan does not waste the KV cache's room).
-    #[test]
-    fn the_planned_activation_bytes_cover_a_step() {
-        // An ordinal no other lib test opens (cuda-sim:7 is the sm_100a one).
-        let dev = Device::Cuda(crate::device::cuda::CudaDevice::sim_arch(3, Some("sm_90a")).unwrap());
-        let Device::Cuda(cd) = &dev else { panic!("a simulated CUDA device") };
-        let spec = TinySpec {
-            arch: "qwen3".into(),
-            layers: 2,
-            hidden: 64,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: Some(16),
-            intermediate: Some(160),
-            vocab: 300,
-            max_position: 64,
-            tie: false,
-        };
-        let cfg = tiny_config(&spec).unwrap();
-        let specs = param_specs(&cfg);
-        let pt: Vec<Tensor> = specs
-            .iter()
-            .enumerate()
-            .map(|(i, (_, s))| dev.from_f32(DType::F32, s, &data(s.iter().product(), i as u64, 0.1, 0.0)).unwrap())
-            .collect();
-        let pr: Vec<&Tensor> = pt.iter().collect();
-        let mut grads: Vec<Tensor> = specs.iter().map(|(_, s)| dev.zeros(DType::F32, s).unwrap()).collect();
-        let mut b = TrainBatch::default();
-        for i in 0..16u32 {
-            b.push(&[1 + i, 2, 3, 4, 5], &(0..15).map(|j| (i * 7 + j * 3) % 300).collect::<Vec<_>>());
-        }
-        let (n, m, chunk) = (b.tokens.len(), b.rows.len(), 64);
-        let coef = dev.from_f32(DType::F32, &[m], &data(m, 1, 1.0, 0.0)).unwrap();
-        let (mut lp, mut en) = (dev.zeros(DType::F32, &[m]).unwrap(), dev.zeros(DType::F32, &[m]).unwrap());
-        let mut t = DeviceTrainable::new(&cfg, &dev).unwrap();
-        let (in_use, cached, _, _) = cd.memory();
-        t.forward(&pr, &b).unwrap();
-        t.token_stats(&pr, 1.0, chunk, &mut lp, &mut en).unwrap();
-        t.backward(&pr, &coef, None, 1.0, chunk, &mut grads).unwrap();
-        let used = cd.memory().2 - (in_use + cached);
-        let planned = DeviceTrainable::activation_bytes(&cfg, n, chunk, false);
-        eprintln!("{n} tokens: {used} bytes used, {planned} planned");
-        assert!(used <= planned && planned <= 2 * used, "{n} tokens: {used} bytes used, {planned} planned");
-    }
-
-    #[cfg(feature = "cuda")]
-    #[test]
-    fn device_twin_cuda() {
-        every_arch(&Device::cuda(0).unwrap());
-    }
-}
+mod tests;

@@ -242,7 +242,9 @@ impl Trainer {
             return 0;
         }
         let tokens = if self.micro_batch_tokens == 0 { step_tokens } else { self.micro_batch_tokens };
-        crate::model::trainable_device::DeviceTrainable::activation_bytes(&self.cfg, tokens, self.chunk, nvfp4)
+        use crate::model::trainable_device::{DeviceTrainable, LearnerKeep};
+        let keep = LearnerKeep::of(true, self.weights.dtype(), nvfp4); // a device trainer is on CUDA
+        DeviceTrainable::activation_bytes(&self.cfg, tokens, self.chunk, keep)
     }
 
     /// Micro-batches (rollout index ranges) of at most `micro_batch_tokens` tokens each.

@@ -1,0 +1,359 @@
+//! The device twin against the f64 reference (`Trainable<f64>` on the same values) on the
+//! CPU and on cuda-sim: token statistics within 1e-4 + 1e-4·|ref|, the loss within 1e-4
+//! relative, and every parameter's gradient within a relative norm error of 1e-4 (f32 ops
+//! in other orders against f64), for llama (llama3 RoPE, untied head), qwen2 (q/k/v biases,
+//! tied head) and qwen3 (q/k norm), with and without score centering.
+
+use super::*;
+use crate::model::learner_quant::{LearnerQuant, DOWN};
+use crate::model::tiny::{tiny_config, TinySpec};
+use crate::model::trainable::Trainable;
+use crate::model::weights::param_specs;
+use crate::ops::lm_head::grad::Center;
+
+fn data(n: usize, seed: u64, std: f64, mean: f64) -> Vec<f32> {
+    let mut s = crate::rand::Stream::new(seed, 11);
+    (0..n).map(|_| (mean + s.normal() * std) as f32).collect()
+}
+
+/// Random parameters: norm gains near 1, the rest centered, seeded by `seed` + index.
+fn random_params(specs: &[(String, Vec<usize>)], seed: u64) -> Vec<Vec<f32>> {
+    specs
+        .iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let n: usize = shape.iter().product();
+            if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
+                data(n, seed + i as u64, 0.1, 1.0)
+            } else {
+                data(n, seed + i as u64, 0.2, 0.0)
+            }
+        })
+        .collect()
+}
+
+fn batch() -> TrainBatch {
+    let mut b = TrainBatch::default();
+    b.push(&[5, 17, 3], &[44, 2, 90, 13]);
+    b.push(&[7], &[1, 96, 30, 30, 8, 61, 12, 5, 40, 77, 3]);
+    b
+}
+
+fn check(arch: &str, dev: &Device, centered: bool) {
+    let spec = TinySpec {
+        arch: arch.into(),
+        layers: 2,
+        hidden: 32,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: Some(8),
+        intermediate: Some(48),
+        vocab: 300,
+        max_position: 64,
+        tie: arch == "qwen2",
+    };
+    let cfg = tiny_config(&spec).unwrap();
+    let specs = param_specs(&cfg);
+    let params = random_params(&specs, 100);
+    let b = batch();
+    let m = b.rows.len();
+    let coef = data(m, 7, 1.0, 0.0);
+    let k = 3;
+    let ids: Vec<u32> = (0..(m * k) as u32).map(|i| (i * 37 + 1) % 300).collect();
+    let probs: Vec<f32> = (0..m * k).map(|i| [0.6, 0.3, 0.1][i % k]).collect();
+    // The f64 reference.
+    let p64: Vec<Vec<f64>> = params.iter().map(|v| v.iter().map(|&x| x as f64).collect()).collect();
+    let mut r = Trainable::<f64>::new(&cfg);
+    let refs: Vec<&[f64]> = p64.iter().map(|v| &v[..]).collect();
+    r.forward(&refs, &b).unwrap();
+    let (mut lp64, mut en64) = (vec![0.0; m], vec![0.0; m]);
+    r.token_stats(&refs, &b, 0.8, 4, &mut lp64, &mut en64);
+    let mut g64: Vec<Vec<f64>> = p64.iter().map(|v| vec![0.0; v.len()]).collect();
+    let c64: Vec<f64> = coef.iter().map(|&x| x as f64).collect();
+    let ct = Center { k, ids: &ids, probs: &probs };
+    let loss64 = r.backward_centered(&refs, &b, &c64, centered.then_some(&ct), 0.8, 4, &mut g64).unwrap();
+    // The device twin.
+    let pt: Vec<Tensor> =
+        specs.iter().zip(&params).map(|((_, s), v)| dev.from_f32(DType::F32, s, v).unwrap()).collect();
+    let pr: Vec<&Tensor> = pt.iter().collect();
+    let mut t = DeviceTrainable::new(&cfg, dev).unwrap();
+    t.forward(&pr, &b).unwrap();
+    let (mut lp, mut en) = (dev.zeros(DType::F32, &[m]).unwrap(), dev.zeros(DType::F32, &[m]).unwrap());
+    t.token_stats(&pr, 0.8, 4, &mut lp, &mut en).unwrap();
+    let what = format!("{} {arch} centered {centered}", dev.name());
+    for (name, got, want) in [("logp", &lp, &lp64), ("entropy", &en, &en64)] {
+        for (i, (&g, &w)) in got.to_f32_vec().unwrap().iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() <= 1e-4 + 1e-4 * w.abs(), "{what}: {name}[{i}] {g} vs {w}");
+        }
+    }
+    let mut grads: Vec<Tensor> = specs.iter().map(|(_, s)| dev.zeros(DType::F32, s).unwrap()).collect();
+    let coef_t = dev.from_f32(DType::F32, &[m], &coef).unwrap();
+    let ids_t = up(dev, ids.clone()).unwrap();
+    let probs_t = dev.from_f32(DType::F32, &[m * k], &probs).unwrap();
+    let dc = DevCenter { k, ids: &ids_t, probs: &probs_t };
+    let loss = t.backward(&pr, &coef_t, centered.then_some(&dc), 0.8, 4, &mut grads).unwrap();
+    assert!((loss - loss64).abs() <= 1e-4 * loss64.abs().max(1.0), "{what}: loss {loss} vs {loss64}");
+    for ((name, _), (g, w)) in specs.iter().zip(grads.iter().zip(&g64)) {
+        let g = g.to_f32_vec().unwrap();
+        let diff: f64 = g.iter().zip(w).map(|(&a, &b)| (a as f64 - b).powi(2)).sum::<f64>().sqrt();
+        let norm: f64 = w.iter().map(|b| b * b).sum::<f64>().sqrt();
+        assert!(norm > 0.0, "{what}: {name} has no gradient in the reference");
+        assert!(diff <= 1e-4 * norm, "{what}: {name} relative gradient error {:e}", diff / norm);
+    }
+}
+
+/// The NVFP4 learner on the device twin against the CPU twin (`Trainable<f32>` with the same
+/// `LearnerQuant`, itself checked against finite differences in tests/grad_nvfp4.rs): the
+/// loss within 1e-4 relative and every gradient within 1e-3 relative norm (f32 against f32
+/// in other orders; a value within rounding of an NVFP4 decision boundary may round the
+/// other way). The quantized MLP weights' gradients differ from the dense model's by ≥ 5%
+/// in norm, so the check sees the learner. All MLP linears, RHT and stochastic rounding,
+/// per-token scales for gate/up and a fixed scale for down.
+fn check_nvfp4(dev: &Device) {
+    use crate::quant::nvfp4::Nvfp4Opts;
+    let spec = TinySpec {
+        arch: "qwen3".into(),
+        layers: 2,
+        hidden: 32,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: Some(8),
+        intermediate: Some(48),
+        vocab: 300,
+        max_position: 64,
+        tie: false,
+    };
+    let cfg = tiny_config(&spec).unwrap();
+    let specs = param_specs(&cfg);
+    let params = random_params(&specs, 200);
+    let b = batch();
+    let m = b.rows.len();
+    let coef = data(m, 8, 1.0, 0.0);
+    let names: Vec<String> = ["gate_proj", "up_proj", "down_proj"].iter().map(|s| s.to_string()).collect();
+    let opts = Nvfp4Opts { rht: Some(3), stochastic: Some(9) };
+    let mut lq = LearnerQuant::new(&names, opts, cfg.num_layers).unwrap();
+    for l in 0..cfg.num_layers {
+        lq.act_global[l][DOWN] = Some(0.002);
+    }
+    let refs: Vec<&[f32]> = params.iter().map(|v| &v[..]).collect();
+    let cpu_grads = |q: Option<LearnerQuant>| {
+        let mut r = Trainable::<f32>::new(&cfg);
+        r.set_quant(q);
+        r.forward(&refs, &b).unwrap();
+        let mut g: Vec<Vec<f32>> = params.iter().map(|v| vec![0.0; v.len()]).collect();
+        let loss = r.backward_centered(&refs, &b, &coef, None, 1.0, 4, &mut g).unwrap();
+        (loss, g)
+    };
+    let (loss_ref, g_ref) = cpu_grads(Some(lq.clone()));
+    let loss_ref = loss_ref as f64;
+    let (_, g_dense) = cpu_grads(None);
+    let pt: Vec<Tensor> =
+        specs.iter().zip(&params).map(|((_, s), v)| dev.from_f32(DType::F32, s, v).unwrap()).collect();
+    let pr: Vec<&Tensor> = pt.iter().collect();
+    let mut t = DeviceTrainable::new(&cfg, dev).unwrap();
+    t.set_quant(Some(lq));
+    t.forward(&pr, &b).unwrap();
+    let mut grads: Vec<Tensor> = specs.iter().map(|(_, s)| dev.zeros(DType::F32, s).unwrap()).collect();
+    let coef_t = dev.from_f32(DType::F32, &[m], &coef).unwrap();
+    let loss = t.backward(&pr, &coef_t, None, 1.0, 4, &mut grads).unwrap();
+    let what = format!("{} nvfp4 learner", dev.name());
+    assert!((loss - loss_ref).abs() <= 1e-4 * loss_ref.abs().max(1.0), "{what}: loss {loss} vs {loss_ref}");
+    let rel = |a: &[f32], b: &[f32]| {
+        let d: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum::<f64>().sqrt();
+        d / b.iter().map(|&y| (y as f64).powi(2)).sum::<f64>().sqrt().max(1e-30)
+    };
+    for (i, (name, _)) in specs.iter().enumerate() {
+        let g = grads[i].to_f32_vec().unwrap();
+        let e = rel(&g, &g_ref[i]);
+        assert!(e <= 1e-3, "{what}: {name} relative gradient error {e:e}");
+        if name.contains("mlp") {
+            let e = rel(&g, &g_dense[i]);
+            assert!(e >= 0.05, "{what}: {name} is within {e:e} of the dense model's gradient");
+        }
+    }
+}
+
+#[test]
+fn nvfp4_learner_twin_cpu() {
+    check_nvfp4(&Device::cpu(2).unwrap());
+}
+
+#[test]
+fn nvfp4_learner_twin_sim() {
+    check_nvfp4(&Device::parse("cuda-sim:0").unwrap());
+}
+
+/// On the B300 profile the gate and up linears (K = 32) run on the CUTLASS W4A4 GEMM, the
+/// down linear (K = 48, not a multiple of 32) on a BF16 GEMM of its decoded codes.
+#[test]
+fn nvfp4_learner_twin_sim_cutlass() {
+    check_nvfp4(&Device::Cuda(crate::device::cuda::CudaDevice::sim_arch(7, Some("sm_100a")).unwrap()));
+}
+
+fn every_arch(dev: &Device) {
+    for arch in ["llama", "qwen2", "qwen3"] {
+        for centered in [false, true] {
+            check(arch, dev, centered);
+        }
+    }
+}
+
+#[test]
+fn device_twin_cpu() {
+    every_arch(&Device::cpu(2).unwrap());
+}
+
+#[test]
+fn device_twin_sim() {
+    every_arch(&Device::parse("cuda-sim:0").unwrap());
+}
+
+/// The memory plan's activation reserve covers what a step allocates beyond the weights:
+/// the forward's saved state, the loss pass and the backward of 16 sequences of 20 tokens
+/// on a device of its own, measured by the allocator's high-water mark; and it is no more
+/// than twice that (the plan does not waste the KV cache's room). Without the NVFP4 learner
+/// (F32 weights, cuda-sim:3), and with it on BF16 weights keeping its codes (ordinal 68) or
+/// its rounded f32 copies (`set_exact_learner`, ordinal 69): the codes' step takes less.
+#[test]
+fn the_planned_activation_bytes_cover_a_step() {
+    use crate::device::cuda::CudaDevice;
+    // Ordinals no other lib test opens (cuda-sim:7 is the sm_100a one).
+    let cases = [
+        (LearnerKeep::Off, Device::Cuda(CudaDevice::sim_arch(3, Some("sm_90a")).unwrap())),
+        (LearnerKeep::Codes, Device::Cuda(CudaDevice::sim_unshared_arch(68, "sm_90a"))),
+        (LearnerKeep::Rounded, Device::Cuda(CudaDevice::sim_unshared_arch(69, "sm_90a"))),
+    ];
+    let spec = TinySpec {
+        arch: "qwen3".into(),
+        layers: 2,
+        hidden: 64,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: Some(16),
+        intermediate: Some(160),
+        vocab: 300,
+        max_position: 64,
+        tie: false,
+    };
+    let cfg = tiny_config(&spec).unwrap();
+    let specs = param_specs(&cfg);
+    let mut b = TrainBatch::default();
+    for i in 0..16u32 {
+        b.push(&[1 + i, 2, 3, 4, 5], &(0..15).map(|j| (i * 7 + j * 3) % 300).collect::<Vec<_>>());
+    }
+    let (n, m, chunk) = (b.tokens.len(), b.rows.len(), 64);
+    let names: Vec<String> = ["gate_proj", "up_proj", "down_proj"].iter().map(|s| s.to_string()).collect();
+    let opts = crate::quant::nvfp4::Nvfp4Opts { rht: Some(3), stochastic: None };
+    let mut steps = Vec::new();
+    for (keep, dev) in cases {
+        let Device::Cuda(cd) = &dev else { panic!("a simulated CUDA device") };
+        let dtype = if keep == LearnerKeep::Off { DType::F32 } else { DType::BF16 };
+        let pt: Vec<Tensor> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, (_, s))| dev.from_f32(dtype, s, &data(s.iter().product(), i as u64, 0.1, 0.0)).unwrap())
+            .collect();
+        let pr: Vec<&Tensor> = pt.iter().collect();
+        let mut grads: Vec<Tensor> = specs.iter().map(|(_, s)| dev.zeros(DType::F32, s).unwrap()).collect();
+        let coef = dev.from_f32(DType::F32, &[m], &data(m, 1, 1.0, 0.0)).unwrap();
+        let (mut lp, mut en) = (dev.zeros(DType::F32, &[m]).unwrap(), dev.zeros(DType::F32, &[m]).unwrap());
+        let mut t = DeviceTrainable::new(&cfg, &dev).unwrap();
+        if keep != LearnerKeep::Off {
+            t.set_quant(Some(LearnerQuant::new(&names, opts, cfg.num_layers).unwrap()));
+            t.set_exact_learner(keep == LearnerKeep::Rounded);
+        }
+        let (in_use, cached, _, _) = cd.memory();
+        t.forward(&pr, &b).unwrap();
+        t.token_stats(&pr, 1.0, chunk, &mut lp, &mut en).unwrap();
+        t.backward(&pr, &coef, None, 1.0, chunk, &mut grads).unwrap();
+        let used = cd.memory().2 - (in_use + cached);
+        let planned = DeviceTrainable::activation_bytes(&cfg, n, chunk, keep);
+        eprintln!("{keep:?}, {n} tokens: {used} bytes used, {planned} planned");
+        assert!(used <= planned && planned <= 2 * used, "{keep:?}, {n} tokens: {used} bytes used, {planned} planned");
+        steps.push(used);
+    }
+    assert!(steps[1] < steps[2], "the codes' step took {} bytes, the rounded copies' {}", steps[1], steps[2]);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn device_twin_cuda() {
+    every_arch(&Device::cuda(0).unwrap());
+}
+
+/// With BF16 weights on CUDA the NVFP4 learner keeps only its codes and its backward
+/// multiplies them again in BF16 (`LearnerKeep::Codes`). Against the same step keeping the
+/// rounded f32 copies (`set_exact_learner`: the CPU twin's F32 arithmetic, held to the CPU by
+/// `check_nvfp4`), on both profiles: the same
+/// forward (the loss bit for bit: both multiply the codes); the MLP weights' gradients within
+/// 5e-3 relative norm (the codes' backward rounds dy to BF16, as the dense BF16 linears'
+/// backward does: 2⁻⁹ an element; 3e-3 measured), every other gradient within 2e-2 (that
+/// rounding then flows back through the layers below, and the q/k-norm gains' sums cancel:
+/// 1e-2 measured); the MLP weights' gradients ≥ 5% from the dense model's (the check sees
+/// the learner). All MLP linears, RHT and stochastic rounding, per-token scales for
+/// gate/up and a fixed scale for down.
+#[test]
+fn the_learners_codes_backward_is_its_exact_backward_in_bf16_sim() {
+    use crate::device::cuda::CudaDevice;
+    use crate::quant::nvfp4::Nvfp4Opts;
+    let spec = TinySpec {
+        arch: "qwen3".into(),
+        layers: 2,
+        hidden: 32,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: Some(8),
+        intermediate: Some(48),
+        vocab: 300,
+        max_position: 64,
+        tie: false,
+    };
+    let cfg = tiny_config(&spec).unwrap();
+    let specs = param_specs(&cfg);
+    let params = random_params(&specs, 200);
+    let b = batch();
+    let m = b.rows.len();
+    let coef = data(m, 8, 1.0, 0.0);
+    let names: Vec<String> = ["gate_proj", "up_proj", "down_proj"].iter().map(|s| s.to_string()).collect();
+    let mut lq = LearnerQuant::new(&names, Nvfp4Opts { rht: Some(3), stochastic: Some(9) }, cfg.num_layers).unwrap();
+    for l in 0..cfg.num_layers {
+        lq.act_global[l][DOWN] = Some(0.002);
+    }
+    // (loss, gradients) with the learner (Some(exact)) or without.
+    let step = |dev: &Device, exact: Option<bool>| {
+        let pt: Vec<Tensor> =
+            specs.iter().zip(&params).map(|((_, s), v)| dev.from_f32(DType::BF16, s, v).unwrap()).collect();
+        let pr: Vec<&Tensor> = pt.iter().collect();
+        let mut grads: Vec<Tensor> = specs.iter().map(|(_, s)| dev.zeros(DType::F32, s).unwrap()).collect();
+        let coef_t = dev.from_f32(DType::F32, &[m], &coef).unwrap();
+        let mut t = DeviceTrainable::new(&cfg, dev).unwrap();
+        t.set_quant(exact.map(|_| lq.clone()));
+        t.set_exact_learner(exact == Some(true));
+        t.forward(&pr, &b).unwrap();
+        let loss = t.backward(&pr, &coef_t, None, 1.0, 4, &mut grads).unwrap();
+        (loss, grads.iter().map(|g| g.to_f32_vec().unwrap()).collect::<Vec<_>>())
+    };
+    let rel = |a: &[f32], b: &[f32]| {
+        let d: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum::<f64>().sqrt();
+        d / b.iter().map(|&y| (y as f64).powi(2)).sum::<f64>().sqrt().max(1e-30)
+    };
+    let sm100 = Device::Cuda(CudaDevice::sim_arch(7, Some("sm_100a")).unwrap());
+    for dev in [Device::parse("cuda-sim:0").unwrap(), sm100] {
+        let arch = dev.name();
+        let (loss, g) = step(&dev, Some(false));
+        let (loss_x, g_x) = step(&dev, Some(true));
+        let (_, g_dense) = step(&dev, None);
+        assert_eq!(loss.to_bits(), loss_x.to_bits(), "{arch}: the same forward, the same loss");
+        let worst = (0..specs.len()).map(|i| rel(&g[i], &g_x[i])).fold(0.0, f64::max);
+        eprintln!("{arch}: the largest relative gradient difference {worst:e}");
+        for (i, (name, _)) in specs.iter().enumerate() {
+            let e = rel(&g[i], &g_x[i]);
+            let tol = if name.contains("mlp") { 5e-3 } else { 2e-2 };
+            assert!(e <= tol, "{arch}: {name} relative gradient error {e:e} against the exact backward");
+            if name.contains("mlp") {
+                let e = rel(&g[i], &g_dense[i]);
+                assert!(e >= 0.05, "{arch}: {name} is within {e:e} of the dense model's gradient");
+            }
+        }
+    }
+}
