@@ -237,7 +237,7 @@ impl Ctx {
         self.record(op, "u8", &as_f(&c), &as_f(&g), Tol::Exact);
         Ok(())
     }
-    fn skip(&mut self, op: &str, dtype: &str, why: String) {
+    pub(super) fn skip(&mut self, op: &str, dtype: &str, why: String) {
         self.checks.push(Check {
             op: op.into(),
             dtype: dtype.into(),
@@ -591,42 +591,11 @@ fn check_quant(x: &mut Ctx) -> Result<()> {
             x.both(|d, g| quantize::learner_round(d, pick(&w, g), pick_mut(&mut y, g), rows, global, &rht))?;
             x.cmp(&format!("learner_round {label} global, rht+sr"), src_dt.name(), &y, Tol::Exact)?;
             if src_dt == DType::F32 {
-                check_learner_w4a4(x, &xin, &w, global, &rht, label)?;
+                super::learner_checks::w4a4(x, &xin, &w, global, &rht, label)?;
+                super::learner_checks::backward(x, &xin, &w, global, &rht, label)?;
             }
         }
     }
-    Ok(())
-}
-
-/// The NVFP4 learner's W4A4 linear on the learner's codes, globals on the device (CUTLASS's
-/// block-scaled GEMM on sm_100a / sm_103a; on Hopper a BF16 GEMM of the decoded unit values)
-/// against the CPU's product of the rounded operands.
-fn check_learner_w4a4(
-    x: &mut Ctx,
-    xin: &Pair,
-    w: &Pair,
-    global: crate::quant::nvfp4::Global,
-    opts: &Nvfp4Opts,
-    label: &str,
-) -> Result<()> {
-    let (n, k) = (w.c.dim(0), w.c.dim(1));
-    let gpu = x.gpu.clone();
-    let path = if lowp::cutlass_supports(&x.cuda, QFormat::Nvfp4, n, k) { "CUTLASS" } else { "BF16 unit values" };
-    let op = format!("learner W4A4 GEMM ({path}), {label} global, rht+sr");
-    let (mut xr, mut wr) = (x.out(&[M, k])?, x.out(&[n, k])?);
-    quantize::learner_round(&x.cpu, &xin.c, &mut xr.c, M, global, opts)?;
-    quantize::learner_round(&x.cpu, &w.c, &mut wr.c, n, crate::quant::nvfp4::Global::Tensor, opts)?;
-    let mut reference = Tensor::cpu_zeros(DType::F32, &[M, n]);
-    matmul::linear(&x.cpu, &xr.c, &wr.c, None, &mut reference, M, false)?;
-    let xc = quantize::learner_round_codes(&gpu, &xin.g, &mut xr.g, M, global, opts, true)?;
-    let wc = quantize::learner_round_codes(&gpu, &w.g, &mut wr.g, n, crate::quant::nvfp4::Global::Tensor, opts, true)?;
-    let (Some(xc), Some(wc)) = (xc, wc) else { bail!("{op}: no codes from a CUDA device") };
-    let mut y = x.out(&[M, n])?;
-    if !matmul::learner_w4a4(&gpu, &xc, &wc, None, &mut y.g, false)? {
-        x.skip(&op, "f32", format!("K = {k} is not a multiple of 16"));
-        return Ok(());
-    }
-    x.record(&op, "f32", &reference.to_f32_vec()?, &y.g.to_f32_vec()?, Tol::Close(1e-4, 1e-4));
     Ok(())
 }
 

@@ -14,6 +14,7 @@
 
 mod checks;
 mod engine_checks;
+mod learner_checks;
 mod timings;
 mod train_checks;
 
