@@ -102,14 +102,19 @@ fn check(arch: &str, dev: &Device, centered: bool) {
     }
 }
 
-/// The NVFP4 learner on the device twin against the CPU twin (`Trainable<f32>` with the same
-/// `LearnerQuant`, itself checked against finite differences in tests/grad_nvfp4.rs): the
-/// loss within 1e-4 relative and every gradient within 1e-3 relative norm (f32 against f32
-/// in other orders; a value within rounding of an NVFP4 decision boundary may round the
-/// other way). The quantized MLP weights' gradients differ from the dense model's by ≥ 5%
-/// in norm, so the check sees the learner. All MLP linears, RHT and stochastic rounding,
-/// per-token scales for gate/up and a fixed scale for down.
-fn check_nvfp4(dev: &Device) {
+/// The NVFP4 learner's test model: a 2-layer qwen3 (C = 32, I = 48), its parameters, the
+/// batch, the loss coefficients, and a learner on all MLP linears with RHT and stochastic
+/// rounding, per-token scales for gate/up and a fixed scale for down.
+struct Nvfp4Case {
+    cfg: ModelConfig,
+    specs: Vec<(String, Vec<usize>)>,
+    params: Vec<Vec<f32>>,
+    b: TrainBatch,
+    coef: Vec<f32>,
+    lq: LearnerQuant,
+}
+
+fn nvfp4_case() -> Nvfp4Case {
     use crate::quant::nvfp4::Nvfp4Opts;
     let spec = TinySpec {
         arch: "qwen3".into(),
@@ -127,14 +132,32 @@ fn check_nvfp4(dev: &Device) {
     let specs = param_specs(&cfg);
     let params = random_params(&specs, 200);
     let b = batch();
-    let m = b.rows.len();
-    let coef = data(m, 8, 1.0, 0.0);
+    let coef = data(b.rows.len(), 8, 1.0, 0.0);
     let names: Vec<String> = ["gate_proj", "up_proj", "down_proj"].iter().map(|s| s.to_string()).collect();
     let opts = Nvfp4Opts { rht: Some(3), stochastic: Some(9) };
     let mut lq = LearnerQuant::new(&names, opts, cfg.num_layers).unwrap();
     for l in 0..cfg.num_layers {
         lq.act_global[l][DOWN] = Some(0.002);
     }
+    Nvfp4Case { cfg, specs, params, b, coef, lq }
+}
+
+/// ‖a − b‖ / ‖b‖.
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    let d: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum::<f64>().sqrt();
+    d / b.iter().map(|&y| (y as f64).powi(2)).sum::<f64>().sqrt().max(1e-30)
+}
+
+/// The NVFP4 learner on the device twin against the CPU twin (`Trainable<f32>` with the same
+/// `LearnerQuant`, itself checked against finite differences in tests/grad_nvfp4.rs): the
+/// loss within 1e-4 relative and every gradient within 1e-3 relative norm (f32 against f32
+/// in other orders; a value within rounding of an NVFP4 decision boundary may round the
+/// other way). The quantized MLP weights' gradients differ from the dense model's by ≥ 5%
+/// in norm, so the check sees the learner. All MLP linears, RHT and stochastic rounding,
+/// per-token scales for gate/up and a fixed scale for down (`nvfp4_case`).
+fn check_nvfp4(dev: &Device) {
+    let Nvfp4Case { cfg, specs, params, b, coef, lq } = nvfp4_case();
+    let m = b.rows.len();
     let refs: Vec<&[f32]> = params.iter().map(|v| &v[..]).collect();
     let cpu_grads = |q: Option<LearnerQuant>| {
         let mut r = Trainable::<f32>::new(&cfg);
@@ -158,10 +181,6 @@ fn check_nvfp4(dev: &Device) {
     let loss = t.backward(&pr, &coef_t, None, 1.0, 4, &mut grads).unwrap();
     let what = format!("{} nvfp4 learner", dev.name());
     assert!((loss - loss_ref).abs() <= 1e-4 * loss_ref.abs().max(1.0), "{what}: loss {loss} vs {loss_ref}");
-    let rel = |a: &[f32], b: &[f32]| {
-        let d: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum::<f64>().sqrt();
-        d / b.iter().map(|&y| (y as f64).powi(2)).sum::<f64>().sqrt().max(1e-30)
-    };
     for (i, (name, _)) in specs.iter().enumerate() {
         let g = grads[i].to_f32_vec().unwrap();
         let e = rel(&g, &g_ref[i]);
@@ -295,30 +314,8 @@ fn device_twin_cuda() {
 #[test]
 fn the_learners_codes_backward_is_its_exact_backward_in_bf16_sim() {
     use crate::device::cuda::CudaDevice;
-    use crate::quant::nvfp4::Nvfp4Opts;
-    let spec = TinySpec {
-        arch: "qwen3".into(),
-        layers: 2,
-        hidden: 32,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: Some(8),
-        intermediate: Some(48),
-        vocab: 300,
-        max_position: 64,
-        tie: false,
-    };
-    let cfg = tiny_config(&spec).unwrap();
-    let specs = param_specs(&cfg);
-    let params = random_params(&specs, 200);
-    let b = batch();
+    let Nvfp4Case { cfg, specs, params, b, coef, lq } = nvfp4_case();
     let m = b.rows.len();
-    let coef = data(m, 8, 1.0, 0.0);
-    let names: Vec<String> = ["gate_proj", "up_proj", "down_proj"].iter().map(|s| s.to_string()).collect();
-    let mut lq = LearnerQuant::new(&names, Nvfp4Opts { rht: Some(3), stochastic: Some(9) }, cfg.num_layers).unwrap();
-    for l in 0..cfg.num_layers {
-        lq.act_global[l][DOWN] = Some(0.002);
-    }
     // (loss, gradients) with the learner (Some(exact)) or without.
     let step = |dev: &Device, exact: Option<bool>| {
         let pt: Vec<Tensor> =
@@ -332,10 +329,6 @@ fn the_learners_codes_backward_is_its_exact_backward_in_bf16_sim() {
         t.forward(&pr, &b).unwrap();
         let loss = t.backward(&pr, &coef_t, None, 1.0, 4, &mut grads).unwrap();
         (loss, grads.iter().map(|g| g.to_f32_vec().unwrap()).collect::<Vec<_>>())
-    };
-    let rel = |a: &[f32], b: &[f32]| {
-        let d: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum::<f64>().sqrt();
-        d / b.iter().map(|&y| (y as f64).powi(2)).sum::<f64>().sqrt().max(1e-30)
     };
     let sm100 = Device::Cuda(CudaDevice::sim_arch(7, Some("sm_100a")).unwrap());
     for dev in [Device::parse("cuda-sim:0").unwrap(), sm100] {
