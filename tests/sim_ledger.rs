@@ -26,10 +26,9 @@ fn op(l: &Ledger, op: &str) -> Row {
 }
 
 /// The ledger of one OPD step of the llama_gqa fixture in `dtype` on simulated GPU `ordinal`
-/// with `optimizer` (a TOML table's body), and (T, R, N, V·C): the batch's tokens, its response
-/// rows, the layers' linear parameters (q, k, v, o, gate, up, down) and the LM head's.
-/// One OPD step of the llama_gqa fixture on cuda-sim:`ordinal` (sm_90a), with the NVFP4 learner
-/// on the MLP linears (RHT on) when `learner`: its ledger, the config and [T, R, N, V·C].
+/// (sm_90a) with `optimizer` (a TOML table's body), the NVFP4 learner on the MLP linears (RHT
+/// on) when `learner`, and (T, R, N, V·C): the batch's tokens, its response rows, the layers'
+/// linear parameters (q, k, v, o, gate, up, down) and the LM head's.
 fn opd_step(
     ordinal: usize,
     dtype: DType,

@@ -10,7 +10,7 @@
 //! operands (`ops::quantize::learner_round`): on CUDA on their codes, through the CUTLASS
 //! block-scaled W4A4 GEMM where the device has one (sm_100a / sm_103a; the simulator's sm_100a
 //! profile), else a BF16 GEMM of the decoded unit values (Hopper); straight-through backward.
-//! With low-precision weights on CUDA the learner keeps only the codes and its backward
+//! With BF16 weights on CUDA the learner keeps only the codes and its backward
 //! multiplies them again ([`LearnerKeep::Codes`]: BF16 GEMMs in the RHT's rotated domain);
 //! with F32 weights, and on the CPU, it keeps the rounded f32 copies and multiplies them in
 //! F32, as the CPU twin. The activations come from the caching allocator (blocks reused
@@ -70,10 +70,11 @@ pub enum LearnerKeep {
     /// No NVFP4 learner.
     Off,
     /// F32 copies rounded and rotated back, multiplied in F32 (`linear_dx` / `linear_dw`): the
-    /// CPU, and F32 weights (the twin of the CPU's f32 learner).
+    /// CPU, and F32 (or F16) weights (the twin of the CPU's f32 learner).
     Rounded,
-    /// The codes only (9/16 byte a value): low-precision weights on CUDA, whose backward
-    /// multiplies the codes in BF16 as the forward did (`linear::learner_dx` / `learner_dw`).
+    /// The codes only (9/16 byte a value): BF16 weights on CUDA, whose backward multiplies the
+    /// codes in BF16 as the forward did (`linear::learner_dx` / `learner_dw`), dy rounded to
+    /// BF16 as the model's other linears round it.
     Codes,
 }
 
@@ -82,7 +83,7 @@ impl LearnerKeep {
     pub fn of(cuda: bool, dtype: DType, on: bool) -> LearnerKeep {
         match on {
             false => LearnerKeep::Off,
-            true if cuda && dtype != DType::F32 => LearnerKeep::Codes,
+            true if cuda && dtype == DType::BF16 => LearnerKeep::Codes,
             true => LearnerKeep::Rounded,
         }
     }
@@ -130,8 +131,9 @@ impl DeviceTrainable {
     /// its gathered rows — what the memory plan reserves before it sizes the KV caches. The
     /// BF16 operand copies of the GEMMs (one (tokens, max(C, I, H·D)) at a time) are counted.
     /// With the NVFP4 learner, its kept MLP inputs per token and MLP weights per layer besides
-    /// (`keep`: rounded f32 copies or codes), and its GEMMs' scratch: an f32 product and two
-    /// BF16 operands of (tokens, max(C, I)).
+    /// (`keep`: rounded f32 copies or codes), and its GEMMs' scratch: at most an f32 product
+    /// and two BF16 operands of (tokens, max(C, I)), and an (I, C) weight-sized f32 product
+    /// (the weight gradient's) or BF16 unit values.
     pub fn activation_bytes(cfg: &ModelConfig, tokens: usize, chunk: usize, keep: LearnerKeep) -> usize {
         let (c, i, h, hkv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let (qd, kd) = (h * d, hkv * d);
@@ -144,7 +146,7 @@ impl DeviceTrainable {
         let per_token = 4 * (cfg.num_layers * layer + once + bwd) + 2 * c.max(i).max(qd);
         let rows = chunk.min(tokens);
         let values = tokens * (c + i) + 3 * c * i;
-        let scratch = 8 * tokens * c.max(i);
+        let scratch = 8 * tokens * c.max(i) + 4 * c * i;
         let learner = match keep {
             LearnerKeep::Off => 0,
             LearnerKeep::Rounded => cfg.num_layers * 4 * values + scratch,
@@ -154,7 +156,7 @@ impl DeviceTrainable {
         tokens * per_token + 4 * rows * (cfg.vocab_size + 2 * c) + learner
     }
 
-    /// With low-precision weights on CUDA, keep the learner's rounded f32 copies and run its
+    /// With BF16 weights on CUDA, keep the learner's rounded f32 copies and run its
     /// backward in F32 on them (`LearnerKeep::Rounded`, the CPU twin's arithmetic, at 4 bytes
     /// a value and on the CUDA cores) instead of multiplying its codes again in BF16: the
     /// reference the codes' backward is tested against.
@@ -301,15 +303,20 @@ impl DeviceTrainable {
             // their codes (written by the same launches as the rounded copies the backward
             // reads) through the CUTLASS W4A4 GEMM or, on Hopper, a BF16 GEMM of the decoded
             // unit values; on the CPU on the rounded copies.
-            // With low-precision weights on CUDA only the codes are made (`LearnerKeep::Codes`).
+            // With BF16 weights on CUDA only the codes are made (`LearnerKeep::Codes`).
             let l = acts.len();
             let mut wc: [Option<quantize::LearnerCodes>; 3] = Default::default();
             let (mut xc, mut ac) = (None, None);
-            let keep = LearnerKeep::of(!dev.is_cpu(), p[li.down].dtype(), lq.is_some());
-            let codes_only = !self.exact_learner
-                && keep == LearnerKeep::Codes
-                && [li.gate, li.up, li.down].iter().all(|&w| linear::learner_w4a4_here(&dev, p[w].dim(0), p[w].dim(1)))
-                && [li.gate, li.up].iter().all(|&w| p[w].dtype() == p[li.down].dtype());
+            // `LearnerKeep::of` for the weights of the linears the learner is on (a model's
+            // weights share one dtype, which the memory plan reads).
+            let bf16 = lq.as_ref().is_some_and(|q| {
+                [(GATE, li.gate), (UP, li.up), (DOWN, li.down)]
+                    .iter()
+                    .all(|&(i, w)| !q.on(i) || p[w].dtype() == DType::BF16)
+            });
+            let dtype = if bf16 { DType::BF16 } else { DType::F32 };
+            let codes_only =
+                !self.exact_learner && LearnerKeep::of(!dev.is_cpu(), dtype, lq.is_some()) == LearnerKeep::Codes;
             if let Some(q) = &lq {
                 for (j, (lin, w)) in [(GATE, li.gate), (UP, li.up), (DOWN, li.down)].into_iter().enumerate() {
                     self.qw[l][j] = match q.on(lin) {
@@ -473,6 +480,8 @@ impl DeviceTrainable {
             let xg = a.h2q.as_ref().filter(|_| rg).unwrap_or(&a.h2);
             let xu = a.h2q.as_ref().filter(|_| ru).unwrap_or(&a.h2);
             // `LearnerKeep::Codes`: the learner's linears multiply the codes again (BF16 dy).
+            // Taken, so freed layer by layer; a second backward of one forward is refused above
+            // (the batch is taken too), so it never sees the codes gone.
             let lc = a.codes.take();
             let codes = |j: usize| {
                 let x = lc.as_ref().and_then(|c| if j == 2 { c.a.as_ref() } else { c.h2.as_ref() });

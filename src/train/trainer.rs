@@ -235,8 +235,8 @@ impl Trainer {
     /// Bytes the memory plan reserves for the activations of a device trainer: one micro-batch
     /// of `objective.micro_batch_tokens` tokens, or with 0 (the whole step at once) `step_tokens`
     /// (the caller's bound on a step's tokens). 0 on the host path (its arenas are host memory).
-    /// `nvfp4`: the NVFP4 learner will run (its rounded operands are counted; the plan is made
-    /// before the learner's scales are calibrated and set).
+    /// `nvfp4`: the NVFP4 learner will run (what it keeps, `LearnerKeep`, is counted; the plan
+    /// is made before the learner's scales are calibrated and set).
     pub fn activation_plan_bytes(&self, step_tokens: usize, nvfp4: bool) -> usize {
         if self.dstate.is_none() {
             return 0;

@@ -310,14 +310,16 @@ fn device_twin_cuda() {
 /// rounding then flows back through the layers below, and the q/k-norm gains' sums cancel:
 /// 1e-2 measured); the MLP weights' gradients ≥ 5% from the dense model's (the check sees
 /// the learner). All MLP linears, RHT and stochastic rounding, per-token scales for
-/// gate/up and a fixed scale for down.
+/// gate/up and a fixed scale for down; then the learner on down_proj alone (per-token
+/// scales), the other linears dense in the same layers.
 #[test]
 fn the_learners_codes_backward_is_its_exact_backward_in_bf16_sim() {
     use crate::device::cuda::CudaDevice;
-    let Nvfp4Case { cfg, specs, params, b, coef, lq } = nvfp4_case();
+    let Nvfp4Case { cfg, specs, params, b, coef, lq: all } = nvfp4_case();
+    let down_only = LearnerQuant::new(&["down_proj".to_string()], all.opts, cfg.num_layers).unwrap();
     let m = b.rows.len();
-    // (loss, gradients) with the learner (Some(exact)) or without.
-    let step = |dev: &Device, exact: Option<bool>| {
+    // (loss, gradients) with the learner lq (Some(exact)) or without.
+    let step = |dev: &Device, lq: &LearnerQuant, exact: Option<bool>| {
         let pt: Vec<Tensor> =
             specs.iter().zip(&params).map(|((_, s), v)| dev.from_f32(DType::BF16, s, v).unwrap()).collect();
         let pr: Vec<&Tensor> = pt.iter().collect();
@@ -332,20 +334,22 @@ fn the_learners_codes_backward_is_its_exact_backward_in_bf16_sim() {
     };
     let sm100 = Device::Cuda(CudaDevice::sim_arch(7, Some("sm_100a")).unwrap());
     for dev in [Device::parse("cuda-sim:0").unwrap(), sm100] {
-        let arch = dev.name();
-        let (loss, g) = step(&dev, Some(false));
-        let (loss_x, g_x) = step(&dev, Some(true));
-        let (_, g_dense) = step(&dev, None);
-        assert_eq!(loss.to_bits(), loss_x.to_bits(), "{arch}: the same forward, the same loss");
-        let worst = (0..specs.len()).map(|i| rel(&g[i], &g_x[i])).fold(0.0, f64::max);
-        eprintln!("{arch}: the largest relative gradient difference {worst:e}");
-        for (i, (name, _)) in specs.iter().enumerate() {
-            let e = rel(&g[i], &g_x[i]);
-            let tol = if name.contains("mlp") { 5e-3 } else { 2e-2 };
-            assert!(e <= tol, "{arch}: {name} relative gradient error {e:e} against the exact backward");
-            if name.contains("mlp") {
-                let e = rel(&g[i], &g_dense[i]);
-                assert!(e >= 0.05, "{arch}: {name} is within {e:e} of the dense model's gradient");
+        for (lq, on) in [(&all, "mlp"), (&down_only, "down_proj")] {
+            let what = format!("{} learner on {on}", dev.name());
+            let (loss, g) = step(&dev, lq, Some(false));
+            let (loss_x, g_x) = step(&dev, lq, Some(true));
+            let (_, g_dense) = step(&dev, lq, None);
+            assert_eq!(loss.to_bits(), loss_x.to_bits(), "{what}: the same forward, the same loss");
+            let worst = (0..specs.len()).map(|i| rel(&g[i], &g_x[i])).fold(0.0, f64::max);
+            eprintln!("{what}: the largest relative gradient difference {worst:e}");
+            for (i, (name, _)) in specs.iter().enumerate() {
+                let e = rel(&g[i], &g_x[i]);
+                let tol = if name.contains("mlp") { 5e-3 } else { 2e-2 };
+                assert!(e <= tol, "{what}: {name} relative gradient error {e:e} against the exact backward");
+                if name.contains(on) {
+                    let e = rel(&g[i], &g_dense[i]);
+                    assert!(e >= 0.05, "{what}: {name} is within {e:e} of the dense model's gradient");
+                }
             }
         }
     }
