@@ -131,9 +131,9 @@ impl DeviceTrainable {
     /// its gathered rows — what the memory plan reserves before it sizes the KV caches. The
     /// BF16 operand copies of the GEMMs (one (tokens, max(C, I, H·D)) at a time) are counted.
     /// With the NVFP4 learner, its kept MLP inputs per token and MLP weights per layer besides
-    /// (`keep`: rounded f32 copies or codes), and its GEMMs' scratch: at most an f32 product
-    /// and two BF16 operands of (tokens, max(C, I)), and an (I, C) weight-sized f32 product
-    /// (the weight gradient's) or BF16 unit values.
+    /// (`keep`: rounded f32 copies or codes), and its GEMMs' scratch: a linear's backward holds
+    /// dy in BF16, an f32 product and the input's BF16 unit values of (tokens, max(C, I)), and
+    /// the weight's BF16 unit values and the weight gradient's f32 product, (I, C) each.
     pub fn activation_bytes(cfg: &ModelConfig, tokens: usize, chunk: usize, keep: LearnerKeep) -> usize {
         let (c, i, h, hkv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let (qd, kd) = (h * d, hkv * d);
@@ -146,7 +146,7 @@ impl DeviceTrainable {
         let per_token = 4 * (cfg.num_layers * layer + once + bwd) + 2 * c.max(i).max(qd);
         let rows = chunk.min(tokens);
         let values = tokens * (c + i) + 3 * c * i;
-        let scratch = 8 * tokens * c.max(i) + 4 * c * i;
+        let scratch = 8 * tokens * c.max(i) + 6 * c * i;
         let learner = match keep {
             LearnerKeep::Off => 0,
             LearnerKeep::Rounded => cfg.num_layers * 4 * values + scratch,
@@ -488,8 +488,7 @@ impl DeviceTrainable {
                 lc.as_ref().and_then(|c| c.w[j].as_ref()).zip(x)
             };
             if let Some((w, x)) = codes(2) {
-                linear::learner_dx(&dev, &dx, w, &mut da, n, false)?;
-                linear::learner_dw(&dev, &dx, x, &mut grads[li.down], n, true)?;
+                linear::learner_grads(&dev, &dx, w, x, &mut da, false, &mut grads[li.down], n)?;
             } else {
                 linear::linear_dx(&dev, &dx, wq(2, li.down), &mut da, n, false)?;
                 let xd = a.aq.as_ref().unwrap_or(&a.a);
@@ -499,16 +498,11 @@ impl DeviceTrainable {
                 linear::bias_grad(&dev, &dx, &mut grads[bi], n)?;
             }
             elementwise::swiglu_bwd(&dev, &da, &a.g, &a.u, &mut dg, &mut du)?;
-            for (j, dy, acc) in [(0, &dg, false), (1, &du, true)] {
+            for (j, dy, w, x, rounded, acc) in [(0, &dg, li.gate, xg, rg, false), (1, &du, li.up, xu, ru, true)] {
                 match codes(j) {
-                    Some((w, _)) => linear::learner_dx(&dev, dy, w, &mut dh2, n, acc)?,
-                    None => linear::linear_dx(&dev, dy, wq(j, if j == 0 { li.gate } else { li.up }), &mut dh2, n, acc)?,
-                }
-            }
-            for (j, dy, w, x, rounded) in [(0, &dg, li.gate, xg, rg), (1, &du, li.up, xu, ru)] {
-                match codes(j) {
-                    Some((_, xc)) => linear::learner_dw(&dev, dy, xc, &mut grads[w], n, true)?,
+                    Some((wc, xc)) => linear::learner_grads(&dev, dy, wc, xc, &mut dh2, acc, &mut grads[w], n)?,
                     None => {
+                        linear::linear_dx(&dev, dy, wq(j, w), &mut dh2, n, acc)?;
                         let ops = wgrad(p[w], rounded && a.h2q.is_some());
                         linear::linear_dw(&dev, dy, x, &mut grads[w], n, true, ops)?
                     }

@@ -158,22 +158,13 @@ fn scale_out(
 /// the scale and the inverse RHT on the result. Before, the GEMM multiplied the rotated-back
 /// f32 copy on the CUDA cores (not BF16 values).
 pub fn learner_dx(d: &CudaDevice, dy: &Tensor, w: &LearnerCodes, dx: &mut Tensor, m: usize, acc: bool) -> Result<()> {
-    let (n, k) = (w.rows, w.k);
-    if w.per_row {
-        bail!("learner data gradient: the weight's codes need a per-tensor scale");
-    }
-    crate::ops::check_rows(dy, m, n, "learner linear output gradient")?;
-    crate::ops::check_rows(dx, m, k, "learner linear input gradient")?;
-    let dyp = ptr(d, dy, &[DType::F32], "learner linear output gradient")?;
-    let dxp = ptr(d, dx, &[DType::F32], "learner linear input gradient")?;
+    let dyp = check_dy(d, dy, m, w.rows)?;
+    let dxp = check_dx(d, w, dx, m)?;
     if m == 0 {
         return Ok(());
     }
-    let dyh = cast_rows(d, dyp, m * n, DType::BF16)?; // (m, N)
-    let wb = unit_values(d, w)?; // (N, K)
-    let raw = d.scratch(m * k * 4, "learner data gradient")?; // (m, K), rotated domain
-    d.gemm_form(Form::Nn, Elem::BF16, wb.ptr, dyh.ptr, raw.ptr, m, k, n, 1.0, false)?;
-    scale_out(d, raw.ptr, dxp, (m, k), Scale::Value(1.0), Scale::of(w), w.signs, acc)
+    let dyh = cast_rows(d, dyp, m * w.rows, DType::BF16)?; // (m, N)
+    dx_from(d, dyh.ptr, w, dxp, m, acc)
 }
 
 /// The straight-through weight gradient of the learner's linear: dw (N, K) (+)= dy[..m]ᵀ ·
@@ -183,22 +174,94 @@ pub fn learner_dx(d: &CudaDevice, dy: &Tensor, w: &LearnerCodes, dx: &mut Tensor
 /// linear's weight gradient rounds dy), a BF16 GEMM of x's unit values (exact) with FP32
 /// accumulation, then the inverse RHT on the result.
 pub fn learner_dw(d: &CudaDevice, dy: &Tensor, x: &LearnerCodes, dw: &mut Tensor, m: usize, acc: bool) -> Result<()> {
-    let (n, k) = (dw.dim(0), dw.dim(1));
-    if x.rows != m || x.k != k {
-        bail!("learner weight gradient: codes of ({}, {}) for {m} rows of K = {k}", x.rows, x.k);
-    }
-    crate::ops::check_rows(dy, m, n, "learner linear output gradient")?;
-    let dyp = ptr(d, dy, &[DType::F32], "learner linear output gradient")?;
-    let dwp = ptr(d, dw, &[DType::F32], "learner weight gradient")?;
+    let dyp = check_dy(d, dy, m, dw.dim(0))?;
+    let dwp = check_dw(d, x, dw, m)?;
     if m == 0 {
-        return if acc { Ok(()) } else { d.memset0(dwp, n * k * 4) };
+        return if acc { Ok(()) } else { d.memset0(dwp, dw.numel() * 4) };
     }
-    let (dyh, col) = match x.per_row {
-        true => (cast_rows_scaled(d, dyp, m, n, x.amax.ptr as *const u32, DType::BF16)?, Scale::Value(1.0)),
-        false => (cast_rows(d, dyp, m * n, DType::BF16)?, Scale::of(x)),
-    }; // (m, N)
+    let dyh = dy_for_dw(d, dyp, x, m, dw.dim(0))?;
+    dw_from(d, dyh.ptr, x, dwp, dw.dim(0), m, acc)
+}
+
+/// Both straight-through gradients of one learner linear, [`learner_dx`] (accumulating when
+/// `acc_dx`) and [`learner_dw`] (accumulating), from one BF16 rounding of dy where x's scale is
+/// per tensor or fixed (per-token scales round g_t·dy for dw: a second rounding).
+#[allow(clippy::too_many_arguments)]
+pub fn learner_grads(
+    d: &CudaDevice,
+    dy: &Tensor,
+    w: &LearnerCodes,
+    x: &LearnerCodes,
+    dx: &mut Tensor,
+    acc_dx: bool,
+    dw: &mut Tensor,
+    m: usize,
+) -> Result<()> {
+    let n = w.rows;
+    let dyp = check_dy(d, dy, m, n)?;
+    let (dxp, dwp) = (check_dx(d, w, dx, m)?, check_dw(d, x, dw, m)?);
+    if (dw.dim(0), dw.dim(1)) != (n, w.k) {
+        bail!("learner gradients: a weight gradient of {:?} for a weight of ({n}, {})", dw.shape(), w.k);
+    }
+    if m == 0 {
+        return Ok(());
+    }
+    let dyh = cast_rows(d, dyp, m * n, DType::BF16)?; // (m, N)
+    dx_from(d, dyh.ptr, w, dxp, m, acc_dx)?;
+    match x.per_row {
+        true => dw_from(d, dy_for_dw(d, dyp, x, m, n)?.ptr, x, dwp, n, m, true),
+        false => dw_from(d, dyh.ptr, x, dwp, n, m, true),
+    }
+}
+
+/// dy (m, N) f32, checked; its address.
+fn check_dy(d: &CudaDevice, dy: &Tensor, m: usize, n: usize) -> Result<u64> {
+    crate::ops::check_rows(dy, m, n, "learner linear output gradient")?;
+    ptr(d, dy, &[DType::F32], "learner linear output gradient")
+}
+
+/// dx (m, K) f32 for w's codes under a per-tensor scale, checked; its address.
+fn check_dx(d: &CudaDevice, w: &LearnerCodes, dx: &Tensor, m: usize) -> Result<u64> {
+    if w.per_row {
+        bail!("learner data gradient: the weight's codes need a per-tensor scale");
+    }
+    crate::ops::check_rows(dx, m, w.k, "learner linear input gradient")?;
+    ptr(d, dx, &[DType::F32], "learner linear input gradient")
+}
+
+/// dw (N, K) f32 for x's codes of m rows, checked; its address.
+fn check_dw(d: &CudaDevice, x: &LearnerCodes, dw: &Tensor, m: usize) -> Result<u64> {
+    if x.rows != m || x.k != dw.dim(1) {
+        bail!("learner weight gradient: codes of ({}, {}) for {m} rows of K = {}", x.rows, x.k, dw.dim(1));
+    }
+    ptr(d, dw, &[DType::F32], "learner weight gradient")
+}
+
+/// dy (m, N) rounded to BF16 for the weight gradient: each row times its token's scale first
+/// where x's scales are per token.
+fn dy_for_dw(d: &CudaDevice, dyp: u64, x: &LearnerCodes, m: usize, n: usize) -> Result<DevBuf> {
+    match x.per_row {
+        true => cast_rows_scaled(d, dyp, m, n, x.amax.ptr as *const u32, DType::BF16),
+        false => cast_rows(d, dyp, m * n, DType::BF16),
+    }
+}
+
+/// dx (m, K) (+)= g_w·R⁻¹(dyh · (q·bs)), dyh (m, N) BF16.
+fn dx_from(d: &CudaDevice, dyh: u64, w: &LearnerCodes, dxp: u64, m: usize, acc: bool) -> Result<()> {
+    let (n, k) = (w.rows, w.k);
+    let wb = unit_values(d, w)?; // (N, K)
+    let raw = d.scratch(m * k * 4, "learner data gradient")?; // (m, K), rotated domain
+    d.gemm_form(Form::Nn, Elem::BF16, wb.ptr, dyh, raw.ptr, m, k, n, 1.0, false)?;
+    scale_out(d, raw.ptr, dxp, (m, k), Scale::Value(1.0), Scale::of(w), w.signs, acc)
+}
+
+/// dw (N, K) (+)= R⁻¹(dyhᵀ · (q·bs)) · g_x, dyh (m, N) BF16 (g_t already folded in for
+/// per-token scales).
+fn dw_from(d: &CudaDevice, dyh: u64, x: &LearnerCodes, dwp: u64, n: usize, m: usize, acc: bool) -> Result<()> {
+    let k = x.k;
+    let col = if x.per_row { Scale::Value(1.0) } else { Scale::of(x) };
     let xb = unit_values(d, x)?; // (m, K)
     let raw = d.scratch(n * k * 4, "learner weight gradient")?; // (N, K), rotated domain
-    d.gemm_form(Form::Tn, Elem::BF16, xb.ptr, dyh.ptr, raw.ptr, n, k, m, 1.0, false)?;
+    d.gemm_form(Form::Tn, Elem::BF16, xb.ptr, dyh, raw.ptr, n, k, m, 1.0, false)?;
     scale_out(d, raw.ptr, dwp, (n, k), Scale::Value(1.0), col, x.signs, acc)
 }

@@ -233,7 +233,8 @@ fn a_kept_gemm_operand_follows_each_requantize_sim() {
 /// so only the f32 summation and rotation orders differ: |gpu − ref| ≤ 1e-5 + 1e-4·S with
 /// S = Σ|terms| (a sum over tokens cancels, so |ref| alone would not bound the rounding).
 /// Per-token scales are folded into dy before its rounding (g_t·dy rounded, not dy): one
-/// more BF16 rounding of every term, 2⁻⁸·S besides.
+/// more BF16 rounding of every term, 2⁻⁸·S besides. `learner_grads` computes both from one
+/// rounding of dy (two with per-token scales), bit for bit the same.
 #[test]
 fn the_learners_backward_multiplies_its_codes_sim() {
     use crate::formats::nvfp4::Global;
@@ -241,8 +242,10 @@ fn the_learners_backward_multiplies_its_codes_sim() {
     let (dys, xs, ws) = (data(m * n, 21, 1.0), data(m * k, 22, 1.0), data(n * k, 23, 0.05));
     let (dx0, dw0) = (data(m * k, 24, 0.3), data(n * k, 25, 0.3));
     let bf = |v: f32| half::bf16::from_f32(v).to_f64();
-    for (arch, ordinal) in [("sm_100a", 7), ("sm_90a", 6)] {
-        let dev = Device::Cuda(CudaDevice::sim_arch(ordinal, Some(arch)).unwrap());
+    // Devices of their own (ordinals 66, 67): the ledger counts this test's casts only.
+    for (arch, ordinal) in [("sm_100a", 67), ("sm_90a", 66)] {
+        let cd = CudaDevice::sim_unshared_arch(ordinal, arch);
+        let dev = Device::Cuda(cd.clone());
         for opts in [Nvfp4Opts::default(), Nvfp4Opts { rht: Some(5), stochastic: Some(17) }] {
             for global in [Global::Tensor, Global::Row, Global::Fixed(0.004)] {
                 let what = format!("{arch} {global:?} {opts:?}");
@@ -253,6 +256,18 @@ fn the_learners_backward_multiplies_its_codes_sim() {
                 let (mut dx, mut dw) = (up(&dx0, &[m, k]), up(&dw0, &[n, k]));
                 super::learner_dx(&dev, &dy, &wc, &mut dx, m, true).unwrap();
                 super::learner_dw(&dev, &dy, &xc, &mut dw, m, true).unwrap();
+                // Both from one rounding of dy (two for per-token scales): the same bits.
+                let (mut dx2, mut dw2) = (up(&dx0, &[m, k]), up(&dw0, &[n, k]));
+                cd.take_ledger();
+                super::learner_grads(&dev, &dy, &wc, &xc, &mut dx2, true, &mut dw2, m).unwrap();
+                let casts = crate::device::cuda::ledger::rows(&cd.take_ledger())
+                    .into_iter()
+                    .filter(|r| r.op == "ct_cast")
+                    .map(|r| r.launches)
+                    .sum::<u64>();
+                assert_eq!(casts, if global == Global::Row { 2 } else { 1 }, "{what}: dy's BF16 roundings");
+                assert_eq!(dx2.to_f32_vec().unwrap(), dx.to_f32_vec().unwrap(), "{what}: learner_grads' dx");
+                assert_eq!(dw2.to_f32_vec().unwrap(), dw.to_f32_vec().unwrap(), "{what}: learner_grads' dw");
                 let (mut hx, mut hw) = (xs.clone(), ws.clone());
                 crate::formats::nvfp4::learner_round(&mut hx, k, global, &opts);
                 crate::formats::nvfp4::learner_round(&mut hw, k, Global::Tensor, &opts);

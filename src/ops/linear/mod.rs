@@ -230,6 +230,26 @@ pub fn learner_dw(
     }
 }
 
+/// Both of [`learner_dx`] (accumulating when `acc_dx`) and [`learner_dw`] (accumulating) for
+/// one learner linear, dy rounded to BF16 once for both where x's scale is per tensor or fixed
+/// (`cuda_learner::learner_grads`). CUDA only.
+#[allow(clippy::too_many_arguments)]
+pub fn learner_grads(
+    dev: &Device,
+    dy: &Tensor,
+    w: &LearnerCodes,
+    x: &LearnerCodes,
+    dx: &mut Tensor,
+    acc_dx: bool,
+    dw: &mut Tensor,
+    m: usize,
+) -> Result<()> {
+    match dev {
+        Device::Cpu(_) => anyhow::bail!("learner gradients on codes: a CUDA device's op"),
+        Device::Cuda(c) => cuda_learner::learner_grads(c, dy, w, x, dx, acc_dx, dw, m),
+    }
+}
+
 /// dx[..m] (m, K) (+)= dy[..m] (m, N) · w, w (N, K): a linear's data gradient. F32 weights: an
 /// FP32 GEMM; BF16 / F16 weights: dy rounded to the weight's dtype, FP32 accumulation (CUDA;
 /// the CPU twin widens the weight to f32).
