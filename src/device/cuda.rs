@@ -756,10 +756,14 @@ impl CudaStorage {
     }
 
     pub fn write_u32(&mut self, data: &[u32]) -> Result<()> {
-        if self.dtype != DType::U32 || data.len() > self.len {
-            bail!("write_u32 of {} values into {} x {}", data.len(), self.dtype.name(), self.len);
+        self.write_u32_at(0, data)
+    }
+
+    pub fn write_u32_at(&mut self, offset: usize, data: &[u32]) -> Result<()> {
+        if self.dtype != DType::U32 || offset + data.len() > self.len {
+            bail!("write_u32 of {} values at {offset} into {} x {}", data.len(), self.dtype.name(), self.len);
         }
-        self.dev().htod(self.ptr, data)
+        self.dev().htod(self.ptr + 4 * offset as u64, data)
     }
 
     pub fn write_f32(&mut self, data: &[f32]) -> Result<()> {

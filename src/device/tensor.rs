@@ -352,6 +352,21 @@ impl Tensor {
         }
     }
 
+    /// Overwrites the u32 elements `offset..offset + data.len()` from the host.
+    pub fn write_u32_at(&mut self, offset: usize, data: &[u32]) -> Result<()> {
+        if offset + data.len() > self.numel() {
+            bail!("write of {} values at {offset} into a tensor of {}", data.len(), self.numel());
+        }
+        match &mut self.storage {
+            Storage::Cpu(CpuStorage::U32(v)) => {
+                v[offset..offset + data.len()].copy_from_slice(data);
+                Ok(())
+            }
+            Storage::Cuda(c) => c.write_u32_at(offset, data),
+            _ => bail!("write_u32_at into a {} tensor", self.dtype().name()),
+        }
+    }
+
     /// Sets every element to zero, in place (on a CUDA device, a memset queued on its stream).
     pub fn fill_zero(&mut self) -> Result<()> {
         match &mut self.storage {

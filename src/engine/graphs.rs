@@ -12,7 +12,8 @@
 //! train phase (`Engine::release_cache`: on CUDA its memory is unmapped and mapped again at the
 //! same addresses, `device::cuda::vmm`; a cache committed elsewhere, as on the CPU, would drop
 //! the graphs, and each bucket would capture again), and the per-step inputs (ids,
-//! positions, slots, block tables) are copied into the same buffers before each replay. What
+//! positions, slots; of the block tables, the entries that changed) are copied into the same
+//! buffers before each replay. What
 //! a capture freezes besides addresses are host scalars: the quantized engines' tensor scales
 //! (the GEMMs' alpha), their activation formats and the FP8 cache scales. Each graph is keyed
 //! by a fingerprint of every weight address and every such scalar; a step whose fingerprint
@@ -186,7 +187,7 @@ impl Engine {
         bi: usize,
     ) -> Result<()> {
         let size = g.buckets[bi].size;
-        let (bs, maxb) = (self.cache.block_size, self.bufs.meta.max_blocks);
+        let bs = self.cache.block_size;
         let st = &mut self.st;
         let n = st.ids.len();
         for _ in n..size {
@@ -196,7 +197,7 @@ impl Engine {
             st.q_start.push(st.q_start.last().copied().unwrap_or(0) + 1);
             st.ctx_len.push(1);
             st.tables.push(g.pad_block);
-            st.tables.resize(st.tables.len() + maxb - 1, 0);
+            st.table_off.push(st.tables.len() as u32);
         }
         st.sel.clear();
         st.sel.extend(0..size as u32);

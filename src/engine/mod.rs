@@ -14,6 +14,7 @@ pub mod kv_cache;
 pub mod rollout;
 pub mod rollout_weights;
 mod scheduler;
+mod tables;
 
 use crate::device::{DType, Device};
 use crate::model::{ForwardBuffers, ModelConfig, ModelWeights, TextTools, Transformer};
@@ -203,7 +204,9 @@ struct Staging {
     slots: Vec<u32>,
     q_start: Vec<u32>,
     ctx_len: Vec<u32>,
+    /// The rows' blocks, back to back; row r is `tables[table_off[r]..table_off[r + 1]]`.
     tables: Vec<u32>,
+    table_off: Vec<u32>,
     rows: Vec<(u32, RowUse)>,
     chunk: Vec<(u32, RowUse)>,
     plan: Vec<Planned>,
@@ -225,6 +228,8 @@ pub struct Engine {
     bufs: ForwardBuffers,
     sched: Scheduler,
     st: Staging,
+    /// What the device's block tables hold (each step writes only what changed).
+    tables: tables::BlockTables,
     targets: crate::device::Tensor, // (logits_rows) u32
     lp_out: crate::device::Tensor,  // (logits_rows) f32
     max_model_len: usize,
@@ -308,7 +313,13 @@ impl Engine {
             cache,
             bufs,
             sched: Scheduler::new(ec.max_seqs, ec.max_tokens_per_step, ec.block_size),
-            st: Staging::default(),
+            st: Staging {
+                // Full capacity up front: a decode step whose sequence gets a block allocates nothing.
+                tables: Vec::with_capacity(ec.max_seqs * max_blocks),
+                table_off: Vec::with_capacity(ec.max_seqs + 1),
+                ..Staging::default()
+            },
+            tables: tables::BlockTables::new(ec.max_seqs, max_blocks),
             targets: dev.zeros(DType::U32, &[ec.logits_rows])?,
             lp_out: dev.zeros(DType::F32, &[ec.logits_rows])?,
             max_model_len,
@@ -472,7 +483,13 @@ impl Engine {
         } else {
             self.run_rows(w)?;
         }
-        Ok(self.collect_finished())
+        let done = self.collect_finished();
+        if !self.has_work() {
+            // The next batch's tables are uploaded whole: what a step uploads depends on its
+            // own decoding phase only (a resumed run's ledger equals the uninterrupted one's).
+            self.tables.forget();
+        }
+        Ok(done)
     }
 
     /// Copies the staged batch into the forward's input buffers: `seqs` sequences, `tokens` rows.
@@ -482,7 +499,7 @@ impl Engine {
         self.bufs.meta.slot_mapping.write_u32(&self.st.slots)?;
         self.bufs.meta.q_start.write_u32(&self.st.q_start)?;
         self.bufs.meta.ctx_len.write_u32(&self.st.ctx_len)?;
-        self.bufs.meta.block_tables.write_u32(&self.st.tables)?;
+        self.tables.upload(&mut self.bufs.meta.block_tables, &self.st.tables, &self.st.table_off)?;
         self.bufs.meta.num_seqs = seqs;
         self.bufs.meta.num_tokens = tokens;
         self.bufs.meta.attended = crate::ops::attention::attended_keys(&self.st.q_start, &self.st.ctx_len);
@@ -498,13 +515,14 @@ impl Engine {
     fn build_batch(&mut self, plan: &[Planned]) -> Result<()> {
         let st = &mut self.st;
         let bs = self.cache.block_size;
-        let maxb = self.bufs.meta.max_blocks;
         st.ids.clear();
         st.positions.clear();
         st.slots.clear();
         st.q_start.clear();
         st.ctx_len.clear();
         st.tables.clear();
+        st.table_off.clear();
+        st.table_off.push(0);
         st.rows.clear();
         st.q_start.push(0);
         for p in plan {
@@ -523,11 +541,8 @@ impl Engine {
             }
             st.q_start.push(st.ids.len() as u32);
             st.ctx_len.push((p.start + p.n) as u32);
-            if s.blocks.len() > maxb {
-                bail!("engine: sequence needs {} blocks, tables hold {maxb}", s.blocks.len());
-            }
             st.tables.extend_from_slice(&s.blocks);
-            st.tables.resize(st.tables.len() + maxb - s.blocks.len(), 0);
+            st.table_off.push(st.tables.len() as u32);
         }
         Ok(())
     }
