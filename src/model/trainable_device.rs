@@ -25,6 +25,7 @@ use super::trainable::{indices, Indices, TrainBatch};
 use crate::device::{DType, Device, Tensor};
 use crate::ops::attention::grad::Shape;
 use crate::ops::attention::train::{self as attention, Packed};
+use crate::ops::linear::{GradProj, Proj};
 use crate::ops::lm_head::{self, DevCenter, Rows};
 use crate::ops::quantize::LearnerCodes;
 use crate::ops::{elementwise, linear, norm, quantize, rope};
@@ -265,9 +266,14 @@ impl DeviceTrainable {
             };
             let bias = |i: Option<usize>| i.map(|i| p[i]);
             norm::rmsnorm_train(&dev, &a.x, p[li.ln1], eps, &mut a.h1, &mut a.rstd1, n)?;
-            linear::linear(&dev, &a.h1, p[li.q], bias(li.qb), &mut a.qraw, n, false)?;
-            linear::linear(&dev, &a.h1, p[li.k], bias(li.kb), &mut a.kraw, n, false)?;
-            linear::linear(&dev, &a.h1, p[li.v], bias(li.vb), &mut a.v, n, false)?;
+            // q, k, v of one input (on CUDA it is rounded to the weights' dtype once).
+            let proj = |w: usize, b: Option<usize>, y| Proj { w: p[w], panels: None, bias: bias(b), y };
+            linear::linears(
+                &dev,
+                &a.h1,
+                [proj(li.q, li.qb, &mut a.qraw), proj(li.k, li.kb, &mut a.kraw), proj(li.v, li.vb, &mut a.v)],
+                n,
+            )?;
             match (li.qn, li.kn) {
                 (Some(qn), Some(kn)) => {
                     for (raw, out, rs, heads, w) in
@@ -368,8 +374,13 @@ impl DeviceTrainable {
                 }
                 linear::linear(&dev, x, wq(j, dense), b, y, n, acc)
             };
-            lin(xg, if on(GATE) { &xc } else { &None }, 0, li.gate, bias(li.gb), &mut a.g, false)?;
-            lin(xu, if on(UP) { &xc } else { &None }, 1, li.up, bias(li.ub), &mut a.u, false)?;
+            if on(GATE) || on(UP) {
+                lin(xg, if on(GATE) { &xc } else { &None }, 0, li.gate, bias(li.gb), &mut a.g, false)?;
+                lin(xu, if on(UP) { &xc } else { &None }, 1, li.up, bias(li.ub), &mut a.u, false)?;
+            } else {
+                let proj = |w: usize, b: Option<usize>, y| Proj { w: p[w], panels: None, bias: bias(b), y };
+                linear::linears(&dev, &a.h2, [proj(li.gate, li.gb, &mut a.g), proj(li.up, li.ub, &mut a.u)], n)?;
+            }
             elementwise::swiglu(&dev, &a.g, &a.u, &mut a.a, n)?;
             if let (Some(q), true) = (&lq, on(DOWN)) {
                 if codes_only {
@@ -490,21 +501,29 @@ impl DeviceTrainable {
             if let Some((w, x)) = codes(2) {
                 linear::learner_grads(&dev, &dx, w, x, &mut da, false, &mut grads[li.down], n)?;
             } else {
-                linear::linear_dx(&dev, &dx, wq(2, li.down), &mut da, n, false)?;
                 let xd = a.aq.as_ref().unwrap_or(&a.a);
-                linear::linear_dw(&dev, &dx, xd, &mut grads[li.down], n, true, wgrad(p[li.down], a.aq.is_some()))?;
+                let gd = GradProj { dy: &dx, w: wq(2, li.down), dw: &mut grads[li.down] };
+                linear::linear_grads(&dev, xd, [gd], &mut da, false, n, wgrad(p[li.down], a.aq.is_some()))?;
             }
             if let Some(bi) = li.db {
                 linear::bias_grad(&dev, &dx, &mut grads[bi], n)?;
             }
             elementwise::swiglu_bwd(&dev, &da, &a.g, &a.u, &mut dg, &mut du)?;
-            for (j, dy, w, x, rounded, acc) in [(0, &dg, li.gate, xg, rg, false), (1, &du, li.up, xu, ru, true)] {
-                match codes(j) {
-                    Some((wc, xc)) => linear::learner_grads(&dev, dy, wc, xc, &mut dh2, acc, &mut grads[w], n)?,
-                    None => {
-                        linear::linear_dx(&dev, dy, wq(j, w), &mut dh2, n, acc)?;
-                        let ops = wgrad(p[w], rounded && a.h2q.is_some());
-                        linear::linear_dw(&dev, dy, x, &mut grads[w], n, true, ops)?
+            let ops = |w: usize, rounded: bool| wgrad(p[w], rounded && a.h2q.is_some());
+            if codes(0).is_none() && codes(1).is_none() && rg == ru && ops(li.gate, rg) == ops(li.up, ru) {
+                // Both dense, or both on the rounded copies: one input (xg is xu).
+                let [gw, uw] = disjoint(grads, [li.gate, li.up])?;
+                let gg = GradProj { dy: &dg, w: wq(0, li.gate), dw: gw };
+                let gu = GradProj { dy: &du, w: wq(1, li.up), dw: uw };
+                linear::linear_grads(&dev, xg, [gg, gu], &mut dh2, false, n, ops(li.gate, rg))?;
+            } else {
+                for (j, dy, w, x, rounded, acc) in [(0, &dg, li.gate, xg, rg, false), (1, &du, li.up, xu, ru, true)] {
+                    match codes(j) {
+                        Some((wc, xc)) => linear::learner_grads(&dev, dy, wc, xc, &mut dh2, acc, &mut grads[w], n)?,
+                        None => {
+                            let g = GradProj { dy, w: wq(j, w), dw: &mut grads[w] };
+                            linear::linear_grads(&dev, x, [g], &mut dh2, acc, n, ops(w, rounded))?
+                        }
                     }
                 }
             }
@@ -516,8 +535,8 @@ impl DeviceTrainable {
             }
             norm::rmsnorm_bwd(&dev, &dh2, &a.x2, p[li.ln2], &a.rstd2, &mut dx, true, &mut grads[li.ln2], n)?;
             // Attention block: x2 = x + o(att).
-            linear::linear_dx(&dev, &dx, p[li.o], &mut datt, n, false)?;
-            linear::linear_dw(&dev, &dx, &a.att, &mut grads[li.o], n, true, wgrad(p[li.o], false))?;
+            let go = GradProj { dy: &dx, w: p[li.o], dw: &mut grads[li.o] };
+            linear::linear_grads(&dev, &a.att, [go], &mut datt, false, n, wgrad(p[li.o], false))?;
             if let Some(bi) = li.ob {
                 linear::bias_grad(&dev, &dx, &mut grads[bi], n)?;
             }
@@ -549,12 +568,15 @@ impl DeviceTrainable {
                     dkr.copy_from(&dk)?;
                 }
             }
-            linear::linear_dx(&dev, &dqr, p[li.q], &mut dh1, n, false)?;
-            linear::linear_dx(&dev, &dkr, p[li.k], &mut dh1, n, true)?;
-            linear::linear_dx(&dev, &dv, p[li.v], &mut dh1, n, true)?;
-            linear::linear_dw(&dev, &dqr, &a.h1, &mut grads[li.q], n, true, wgrad(p[li.q], false))?;
-            linear::linear_dw(&dev, &dkr, &a.h1, &mut grads[li.k], n, true, wgrad(p[li.k], false))?;
-            linear::linear_dw(&dev, &dv, &a.h1, &mut grads[li.v], n, true, wgrad(p[li.v], false))?;
+            // q, k, v of one input: h1 rounded once for their weight gradients.
+            let ops = wgrad(p[li.q], false);
+            if [li.k, li.v].iter().any(|&w| wgrad(p[w], false) != ops) {
+                bail!("layer {l}: q, k and v weights of different dtypes");
+            }
+            let [gq, gk, gv] = disjoint(grads, [li.q, li.k, li.v])?;
+            let (pq, pk) = (GradProj { dy: &dqr, w: p[li.q], dw: gq }, GradProj { dy: &dkr, w: p[li.k], dw: gk });
+            let pv = GradProj { dy: &dv, w: p[li.v], dw: gv };
+            linear::linear_grads(&dev, &a.h1, [pq, pk, pv], &mut dh1, false, n, ops)?;
             for (bi, g) in [(li.qb, &dqr), (li.kb, &dkr), (li.vb, &dv)] {
                 if let Some(bi) = bi {
                     linear::bias_grad(&dev, g, &mut grads[bi], n)?;
@@ -571,3 +593,8 @@ impl DeviceTrainable {
 
 #[cfg(test)]
 mod tests;
+
+/// Distinct gradients of one parameter list (the projections of one input).
+fn disjoint<const N: usize>(grads: &mut [Tensor], at: [usize; N]) -> Result<[&mut Tensor; N]> {
+    grads.get_disjoint_mut(at).map_err(|e| anyhow::anyhow!("gradients {at:?}: {e}"))
+}

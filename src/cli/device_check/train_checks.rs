@@ -91,6 +91,7 @@ pub(super) fn train_gemm(x: &mut Ctx) -> Result<()> {
         x.both(|d, g| matmul::linear_dw(d, pick(&dy, g), pick(&xin, g), pick_mut(&mut dw, g), m, true, dt))?;
         x.cmp("linear dW += dyᵀ·x", &format!("{} operands", dt.name()), &dw, tol)?;
     }
+    projections(x, &xin)?;
     // The fused loss: 29 of 40 hidden rows scored, chunks of 8, a vocabulary of 5003.
     let (n_h, c, v, rows, k_c) = (40usize, 256usize, 5003usize, 29usize, 4usize);
     let h = x.randp(DType::F32, &[n_h, c], 1.0)?;
@@ -251,5 +252,70 @@ fn attention(x: &mut Ctx) -> Result<()> {
     x.cmp("training attention backward tensor cores: dq", "bf16 ops", &dq, tol)?;
     x.cmp("training attention backward tensor cores: dk", "bf16 ops", &dk, tol)?;
     x.cmp("training attention backward tensor cores: dv", "bf16 ops", &dv, tol)?;
+    Ok(())
+}
+
+/// Three projections of one input (q/k/v-shaped: N, N/2, N/2 rows): `linears` and
+/// `linear_grads`, which round x once for all of them and each dy once for both of its GEMMs,
+/// against the CPU twin (per-dtype tolerance), and on the GPU against one `linear`,
+/// `linear_dx` and `linear_dw` call per projection (exact: the same roundings and GEMMs).
+fn projections(x: &mut Ctx, xin: &super::checks::Pair) -> Result<()> {
+    use crate::ops::linear::{GradProj, Proj};
+    let (m, k, ns) = (M, C, [N, N / 2, N / 2]);
+    for (dt, tol) in [(DType::F32, Tol::Close(1e-4, 1e-4)), (DType::BF16, Tol::Close(1e-2, 1e-2))] {
+        let mut ws = Vec::new();
+        let mut dy = Vec::new();
+        for n in ns {
+            ws.push(x.randp(dt, &[n, k], 1.0 / (k as f32).sqrt())?);
+            dy.push(x.randp(DType::F32, &[m, n], 1.0 / (n as f32).sqrt())?);
+        }
+        let dw0: Vec<Vec<f32>> = ns.iter().map(|&n| x.randn(n * k, 1.0)).collect();
+        let dws =
+            |x: &Ctx| ns.iter().zip(&dw0).map(|(&n, v)| x.pair(DType::F32, &[n, k], v)).collect::<Result<Vec<_>>>();
+        // The forward.
+        let mut ys = ns.iter().map(|&n| x.out(&[m, n])).collect::<Result<Vec<_>>>()?;
+        x.both(|d, g| {
+            let [y0, y1, y2] = &mut ys[..] else { unreachable!() };
+            let projs = [(0, y0), (1, y1), (2, y2)].map(|(j, y)| Proj {
+                w: pick(&ws[j], g),
+                panels: None,
+                bias: None,
+                y: pick_mut(y, g),
+            });
+            matmul::linears(d, pick(xin, g), projs, m)
+        })?;
+        for (j, y) in ys.iter().enumerate() {
+            x.cmp(&format!("linears, one input: projection {j}"), dt.name(), y, tol)?;
+            let mut one = x.gpu.zeros(DType::F32, &[m, ns[j]])?;
+            matmul::linear(&x.gpu, &xin.g, &ws[j].g, None, &mut one, m, false)?;
+            let (a, b) = (one.to_f32_vec()?, y.g.to_f32_vec()?);
+            x.record(&format!("linears vs one linear on the GPU: projection {j}"), dt.name(), &a, &b, Tol::Exact);
+        }
+        // The backward.
+        let mut dx = x.out(&[m, k])?;
+        let mut dw = dws(x)?;
+        x.both(|d, g| {
+            let [g0, g1, g2] = &mut dw[..] else { unreachable!() };
+            let projs = [(0, g0), (1, g1), (2, g2)].map(|(j, dw)| GradProj {
+                dy: pick(&dy[j], g),
+                w: pick(&ws[j], g),
+                dw: pick_mut(dw, g),
+            });
+            matmul::linear_grads(d, pick(xin, g), projs, pick_mut(&mut dx, g), false, m, dt)
+        })?;
+        x.cmp("linear_grads, one input: dx = Σ dy·W", dt.name(), &dx, tol)?;
+        let (mut dx1, mut dw1) = (x.gpu.zeros(DType::F32, &[m, k])?, dws(x)?);
+        for j in 0..3 {
+            matmul::linear_dx(&x.gpu, &dy[j].g, &ws[j].g, &mut dx1, m, j > 0)?;
+            matmul::linear_dw(&x.gpu, &dy[j].g, &xin.g, &mut dw1[j].g, m, true, dt)?;
+        }
+        let (a, b) = (dx1.to_f32_vec()?, dx.g.to_f32_vec()?);
+        x.record("linear_grads vs linear_dx per projection (GPU): dx", dt.name(), &a, &b, Tol::Exact);
+        for j in 0..3 {
+            x.cmp(&format!("linear_grads, one input: dW += dyᵀ·x, projection {j}"), dt.name(), &dw[j], tol)?;
+            let (a, b) = (dw1[j].g.to_f32_vec()?, dw[j].g.to_f32_vec()?);
+            x.record(&format!("linear_grads vs linear_dw (GPU): projection {j}"), dt.name(), &a, &b, Tol::Exact);
+        }
+    }
     Ok(())
 }

@@ -80,6 +80,37 @@ pub fn linear(
     }
 }
 
+/// [`linear`] of several projections of one input: x rounded once where every weight has the
+/// same 16-bit dtype (each GEMM is then the one `linear` launches), else one `linear` each.
+pub fn linears<const J: usize>(
+    d: &CudaDevice,
+    x: &Tensor,
+    projs: [super::Proj<'_>; J],
+    m: usize,
+    acc: bool,
+) -> Result<()> {
+    let dt = projs[0].w.dtype();
+    if dt == DType::F32 || projs.iter().any(|p| p.w.dtype() != dt) || m == 0 {
+        for p in projs {
+            linear(d, x, p.w, p.bias, p.y, m, acc)?;
+        }
+        return Ok(());
+    }
+    let k = projs[0].w.dim(1);
+    let xh = cast_rows(d, ptr(d, x, &[DType::F32], "linear input")?, m * k, dt)?;
+    let e = if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
+    for p in projs {
+        let n = p.w.dim(0);
+        let wp = ptr(d, p.w, FLOATS, "linear weight")?;
+        let yp = ptr(d, p.y, &[DType::F32], "linear output")?;
+        d.gemm(e, wp, xh.ptr, yp, m, n, k, 1.0, acc, None)?;
+        if let Some(b) = p.bias {
+            add_bias(d, yp, b, m, n)?;
+        }
+    }
+    Ok(())
+}
+
 pub fn linear_q(d: &CudaDevice, x: &Tensor, wq: &QTensor, b: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {
     let (n, k) = (wq.rows, wq.k);
     let xp = ptr(d, x, &[DType::F32], "linear input")?;
@@ -140,6 +171,60 @@ pub fn linear_dw(
     } else {
         d.gemm_form(Form::Tn, Elem::F32, xp, dyp, dwp, n, k, m, 1.0, acc)
     }
+}
+
+/// `super::linear_grads`: each projection's `linear_dx` and `linear_dw` launches, with x
+/// rounded to BF16 once for all weight gradients and dy once for both of its GEMMs when its
+/// weight is BF16 and the operands BF16 (the roundings are the same, so the bits are too).
+pub fn linear_grads<const J: usize>(
+    d: &CudaDevice,
+    x: &Tensor,
+    projs: [super::GradProj<'_>; J],
+    dx: &mut Tensor,
+    acc_dx: bool,
+    m: usize,
+    operands: DType,
+) -> Result<()> {
+    let k = projs[0].w.dim(1);
+    let xp = ptr(d, x, &[DType::F32], "linear input")?;
+    let dxp = ptr(d, dx, &[DType::F32], "linear input gradient")?;
+    if m == 0 {
+        return Ok(());
+    }
+    let xh = if operands == DType::BF16 { Some(cast_rows(d, xp, m * k, DType::BF16)?) } else { None };
+    for (j, p) in projs.into_iter().enumerate() {
+        let n = p.w.dim(0);
+        let dyp = ptr(d, p.dy, &[DType::F32], "linear output gradient")?;
+        let wp = ptr(d, p.w, FLOATS, "linear weight")?;
+        let dwp = ptr(d, p.dw, &[DType::F32], "linear weight gradient")?;
+        // dx: dy in the weight's dtype (`linear_dx`).
+        let wdt = p.w.dtype();
+        let dyw = if wdt == DType::F32 { None } else { Some(cast_rows(d, dyp, m * n, wdt)?) };
+        let acc = acc_dx || j > 0;
+        match &dyw {
+            None => d.gemm_form(Form::Nn, Elem::F32, wp, dyp, dxp, m, k, n, 1.0, acc)?,
+            Some(h) => {
+                let e = if wdt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
+                d.gemm_form(Form::Nn, e, wp, h.ptr, dxp, m, k, n, 1.0, acc)?
+            }
+        }
+        // dw (`linear_dw`): BF16 operands reuse dx's rounding of dy when it is BF16.
+        match &xh {
+            None => d.gemm_form(Form::Tn, Elem::F32, xp, dyp, dwp, n, k, m, 1.0, true)?,
+            Some(xh) => {
+                let own;
+                let dyb = match &dyw {
+                    Some(h) if wdt == DType::BF16 => h.ptr,
+                    _ => {
+                        own = cast_rows(d, dyp, m * n, DType::BF16)?;
+                        own.ptr
+                    }
+                };
+                d.gemm_form(Form::Tn, Elem::BF16, xh.ptr, dyb, dwp, n, k, m, 1.0, true)?
+            }
+        }
+    }
+    Ok(())
 }
 
 /// db (N) += column sums of dy (m, N) (ct_col_sum, rows in order: bit-exact with the CPU).

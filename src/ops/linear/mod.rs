@@ -83,7 +83,7 @@ pub struct Proj<'a> {
 
 /// Several projections of one input (q/k/v, gate/up): y_i[..m] = x[..m] · w_iᵀ (+ b_i), each
 /// with the bits of its own [`linear_packed`]. On CPU they run as one parallel region with x
-/// transposed once; CUDA runs them one after another.
+/// transposed once; CUDA runs them one after another on x rounded once to the weights' dtype.
 pub fn linears<const J: usize>(dev: &Device, x: &Tensor, projs: [Proj<'_>; J], m: usize) -> Result<()> {
     linears_acc(dev, x, projs, m, false, false)
 }
@@ -114,12 +114,7 @@ fn linears_acc<const J: usize>(
     let k = projs[0].w.dim(1);
     match dev {
         Device::Cpu(c) => cpu::linears(c, x, projs, m, k, accumulate, stream),
-        Device::Cuda(c) => {
-            for p in projs {
-                cuda::linear(c, x, p.w, p.bias, p.y, m, accumulate)?;
-            }
-            Ok(())
-        }
+        Device::Cuda(c) => cuda::linears(c, x, projs, m, accumulate),
     }
 }
 
@@ -287,6 +282,59 @@ pub fn linear_dw(
     match dev {
         Device::Cpu(_) => cpu::linear_dw(dy, x, dw, m, accumulate, operands),
         Device::Cuda(c) => cuda::linear_dw(c, dy, x, dw, m, accumulate, operands),
+    }
+}
+
+/// One projection's share of [`linear_grads`]: its output gradient dy (m, N), its weight
+/// w (N, K) and its weight gradient dw (N, K) f32.
+pub struct GradProj<'a> {
+    pub dy: &'a Tensor,
+    pub w: &'a Tensor,
+    pub dw: &'a mut Tensor,
+}
+
+/// The gradients of projections of one input x[..m] (m, K) (q/k/v, gate/up, or one linear):
+/// dx[..m] (+)= Σ_j dy_j · w_j (the first overwrites unless `acc_dx`) and dw_j += dy_jᵀ · x.
+/// The bits of [`linear_dx`] then [`linear_dw`] (with `operands`) for each projection in turn.
+/// On CUDA, x is rounded to BF16 once for every weight gradient, and each dy_j once for both
+/// of its gradients where its weight is BF16 and `operands` BF16.
+pub fn linear_grads<const J: usize>(
+    dev: &Device,
+    x: &Tensor,
+    projs: [GradProj<'_>; J],
+    dx: &mut Tensor,
+    acc_dx: bool,
+    m: usize,
+    operands: crate::device::DType,
+) -> Result<()> {
+    const { assert!(J >= 1) };
+    let k = projs[0].w.dim(1);
+    check_rows(x, m, k, "linear input")?;
+    check_rows(dx, m, k, "linear input gradient")?;
+    if !matches!(operands, crate::device::DType::F32 | crate::device::DType::BF16) {
+        bail!("linear weight gradient: F32 or BF16 operands, not {}", operands.name());
+    }
+    for p in &projs {
+        let n = p.w.dim(0);
+        if p.w.dim(1) != k || p.dw.shape() != [n, k] || p.dw.dtype() != crate::device::DType::F32 {
+            bail!(
+                "linear gradients: weights of {k} columns with f32 gradients of their shape expected, found a weight of {:?} and a {} gradient of {:?}",
+                p.w.shape(),
+                p.dw.dtype().name(),
+                p.dw.shape()
+            );
+        }
+        check_rows(p.dy, m, n, "linear output gradient")?;
+    }
+    match dev {
+        Device::Cpu(_) => {
+            for (j, p) in projs.into_iter().enumerate() {
+                cpu::linear_dx(p.dy, p.w, dx, m, acc_dx || j > 0)?;
+                cpu::linear_dw(p.dy, x, p.dw, m, true, operands)?;
+            }
+            Ok(())
+        }
+        Device::Cuda(c) => cuda::linear_grads(c, x, projs, dx, acc_dx, m, operands),
     }
 }
 

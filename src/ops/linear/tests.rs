@@ -133,3 +133,81 @@ fn backward_gemms(dev: &Device) {
 }
 
 test_device!(backward_gemms, backward_gemms_cpu, backward_gemms_sim, backward_gemms_cuda);
+
+/// `linears` and `linear_grads` (projections of one input) against `linear`, `linear_dx` and
+/// `linear_dw` called one projection at a time: bit for bit, on the CPU and on the simulated
+/// GPU, for every weight dtype and weight-gradient operand, with and without accumulation.
+/// On the simulated GPU (a device of its own, ordinal 60, so the ledger counts this test's
+/// launches only) the input is rounded once for all projections and each dy once for both
+/// of its GEMMs where they take the same dtype: the counted `ct_cast` launches.
+#[test]
+fn projections_of_one_input_round_it_once_sim() {
+    use crate::device::cuda::{ledger, CudaDevice};
+    let cd = CudaDevice::sim_unshared_arch(60, "sm_90a");
+    let casts = || -> u64 {
+        ledger::rows(&cd.take_ledger()).into_iter().filter(|r| r.op == "ct_cast").map(|r| r.launches).sum()
+    };
+    let (m, k, ns) = (19, 24, [16, 8, 8]);
+    for dev in [Device::cpu(1).unwrap(), Device::Cuda(cd.clone())] {
+        let up = |v: &[f32], shape: &[usize], dt| dev.from_f32(dt, shape, v).unwrap();
+        let x = up(&data(m * k, 41), &[m, k], DType::F32);
+        let dys: Vec<Tensor> =
+            ns.iter().enumerate().map(|(j, &n)| up(&data(m * n, 42 + j as u64), &[m, n], DType::F32)).collect();
+        let dx0 = data(m * k, 45);
+        let dw0: Vec<Vec<f32>> = ns.iter().enumerate().map(|(j, &n)| data(n * k, 46 + j as u64)).collect();
+        let bits = |t: &Tensor| t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for wdt in [DType::BF16, DType::F16, DType::F32] {
+            let ws: Vec<Tensor> =
+                ns.iter().enumerate().map(|(j, &n)| up(&data(n * k, 50 + j as u64), &[n, k], wdt)).collect();
+            let what = format!("{} {} weights", dev.name(), wdt.name());
+            // The forward: `linears` against one `linear` each.
+            let mut ys: Vec<Tensor> = ns.iter().map(|&n| dev.zeros(DType::F32, &[m, n]).unwrap()).collect();
+            let mut want = Vec::new();
+            for (w, y) in ws.iter().zip(ys.iter_mut()) {
+                linear(&dev, &x, w, None, y, m, false).unwrap();
+                want.push(bits(y));
+            }
+            let [y0, y1, y2] = &mut ys[..] else { unreachable!() };
+            casts();
+            let projs = [(0, y0), (1, y1), (2, y2)].map(|(j, y)| Proj { w: &ws[j], panels: None, bias: None, y });
+            linears(&dev, &x, projs, m).unwrap();
+            if !dev.is_cpu() {
+                assert_eq!(casts(), u64::from(wdt != DType::F32), "{what}: the forward's roundings of x");
+            }
+            for (j, y) in ys.iter().enumerate() {
+                assert_eq!(bits(y), want[j], "{what}: linears' projection {j}");
+            }
+            for operands in [DType::BF16, DType::F32] {
+                for acc_dx in [false, true] {
+                    let what = format!("{what}, {} operands, acc_dx {acc_dx}", operands.name());
+                    let fresh = || {
+                        let dws: Vec<Tensor> =
+                            ns.iter().enumerate().map(|(j, &n)| up(&dw0[j], &[n, k], DType::F32)).collect();
+                        (up(&dx0, &[m, k], DType::F32), dws)
+                    };
+                    let (mut dx, mut dws) = fresh();
+                    for j in 0..3 {
+                        linear_dx(&dev, &dys[j], &ws[j], &mut dx, m, acc_dx || j > 0).unwrap();
+                        linear_dw(&dev, &dys[j], &x, &mut dws[j], m, true, operands).unwrap();
+                    }
+                    let (mut dx2, mut dws2) = fresh();
+                    let [g0, g1, g2] = &mut dws2[..] else { unreachable!() };
+                    casts();
+                    let projs = [(0, g0), (1, g1), (2, g2)].map(|(j, dw)| GradProj { dy: &dys[j], w: &ws[j], dw });
+                    linear_grads(&dev, &x, projs, &mut dx2, acc_dx, m, operands).unwrap();
+                    if !dev.is_cpu() {
+                        // x once for BF16 operands; each dy once in a 16-bit weight's dtype and
+                        // once more in BF16 unless that is the same rounding.
+                        let bf = operands == DType::BF16;
+                        let per_dy = u64::from(wdt != DType::F32) + u64::from(bf && wdt != DType::BF16);
+                        assert_eq!(casts(), u64::from(bf) + 3 * per_dy, "{what}: roundings");
+                    }
+                    assert_eq!(bits(&dx2), bits(&dx), "{what}: dx");
+                    for j in 0..3 {
+                        assert_eq!(bits(&dws2[j]), bits(&dws[j]), "{what}: dw of projection {j}");
+                    }
+                }
+            }
+        }
+    }
+}
