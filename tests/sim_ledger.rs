@@ -1,6 +1,6 @@
 //! The launch ledger (src/device/cuda/ledger.rs) on the simulated GPU: what a training step and
 //! decode steps declare, counted by hand from the shapes. Each test opens a simulated GPU of
-//! its own (the ledger is per device): cuda-sim:3 and cuda-sim:4.
+//! its own (the ledger is per device): cuda-sim:3, cuda-sim:4 and cuda-sim:5.
 
 mod common;
 
@@ -160,10 +160,92 @@ fn replayed_decode_steps_count_as_the_same_steps_launched_eagerly() {
         assert_eq!((a.launches, a.flops, a.bytes), (b.launches, b.flops, b.bytes), "{}", a.op);
         assert_eq!(a.replayed, 0, "{}", a.op);
     }
-    // 2 rounds × 15 decode steps × 2 layers (the prefill steps go to ct_prefill_attention).
+    // 2 rounds × 15 decode steps × 2 layers (the prefill steps go to the tensor cores).
     // The first round runs each of its 4 buckets' first step eagerly and replays 11 steps; the
     // second replays all 15.
     let att = graphed.iter().find(|r| r.op == "ct_paged_attention").unwrap();
     assert_eq!(att.launches, 2 * 15 * 2);
     assert_eq!(att.replayed, (11 + 15) * 2);
+}
+
+/// A prefill step's whole sequences (each starting at position 0) with a BF16 cache attend on
+/// the tensor cores (the training forward, `ct_attn_fwd_tc`), not with the paged prefill
+/// kernel: three prompts of 20, 27 and 34 tokens in one step launch it once per layer. With a
+/// budget of 16 tokens a step the prompts are split into 6 steps (hand-counted from the
+/// scheduler's order, continuing sequences first):
+/// 1. prompt 0's first 16 tokens: whole, tensor cores;
+/// 2. its last 4 (paged, the prefill kernel) and prompt 1's first 12 (whole, tensor cores);
+/// 3. prompt 1's last 15 and prompt 2's first token (a whole sequence of one query: not a
+///    prefill to pack, the step stays paged);
+/// 4. and 5. 16 tokens of prompt 2 each (paged);
+/// 6. its last one (the decode kernel).
+///
+/// So `ct_attn_fwd_tc` twice per layer and `ct_prefill_attention` four times. All
+/// three score the prompts alike (log-probs near −5.3, a 199-token vocabulary):
+/// - whole vs chunked, on the same simulated GPU, differ only in the attention: the tensor
+///   cores round q and the probabilities to BF16 as well. |a − b| ≤ 0.01 + 0.01·|b| (about
+///   0.06; measured 0.042).
+/// - each vs the CPU engine (f32 activations over the same BF16 weights; the GPU's linears
+///   also round their inputs to BF16): |a − b| ≤ 0.02 + 0.02·|b| (about 0.13; measured 0.090
+///   for both).
+#[test]
+fn whole_sequence_prefills_attend_on_the_tensor_cores() {
+    use colotrain::engine::{Request, SamplingConfig};
+    let cd = CudaDevice::sim(5).unwrap();
+    let dev = Device::Cuda(cd.clone());
+    let lm = load_fixture("llama_gqa", &dev, DType::BF16);
+    let cpu = Device::cpu(1).unwrap();
+    let lc = load_fixture("llama_gqa", &cpu, DType::BF16);
+    let c = lm.cfg.clone();
+    let v = c.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> =
+        (0..3u32).map(|i| (0..20 + 7 * i).map(|t| (t * 13 + i * 5 + 3) % v).collect()).collect();
+    let score = |dev: &Device, w: &colotrain::model::ModelWeights, budget: usize| {
+        let ec = EngineConfig { max_tokens_per_step: budget, ..Default::default() };
+        let mut e = Engine::new(dev, &c, DType::BF16, &ec, None).unwrap();
+        let sampling = std::sync::Arc::new(SamplingConfig {
+            temperature: 0.0,
+            max_new_tokens: 1,
+            ignore_eos: true,
+            ..Default::default()
+        });
+        for (i, p) in prompts.iter().enumerate() {
+            let r = Request {
+                id: i as u64,
+                sample: 0,
+                prompt: p.clone(),
+                sampling: sampling.clone(),
+                prompt_logprobs: true,
+            };
+            e.add(r).unwrap();
+        }
+        let mut out = e.run_to_completion(w, |_| {}).unwrap();
+        out.sort_by_key(|o| o.id);
+        out.into_iter().map(|o| o.prompt_logprobs).collect::<Vec<_>>()
+    };
+    let launches = |l: &Ledger, name: &str| rows(l).iter().filter(|r| r.op == name).map(|r| r.launches).sum::<u64>();
+    cd.take_ledger();
+    let whole = score(&dev, &lm.weights, 1024);
+    let l = cd.take_ledger();
+    let layers = c.num_layers as u64;
+    assert_eq!(launches(&l, "ct_attn_fwd_tc"), layers, "one whole-sequence step");
+    assert_eq!(launches(&l, "ct_prefill_attention"), 0);
+    let chunked = score(&dev, &lm.weights, 16);
+    let l = cd.take_ledger();
+    assert_eq!(launches(&l, "ct_attn_fwd_tc"), 2 * layers, "steps 1 and 2 have whole sequences");
+    assert_eq!(launches(&l, "ct_prefill_attention"), 4 * layers, "steps 2 to 5 continue cached sequences");
+    assert_eq!(launches(&l, "ct_paged_attention"), layers, "step 6 decodes one row");
+    let reference = score(&cpu, &lc.weights, 1024);
+    for (what, a, b, tol) in [
+        ("whole vs chunked", &whole, &chunked, 0.01),
+        ("whole vs CPU", &whole, &reference, 0.02),
+        ("chunked vs CPU", &chunked, &reference, 0.02),
+    ] {
+        let worst = a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        println!("{what}: max |Δ log p| {worst:e}");
+        for (i, (x, y)) in a.iter().zip(b.iter()).enumerate() {
+            assert_eq!(x.len(), prompts[i].len() - 1);
+            assert_close(&format!("{what}, prompt {i}"), x, y, tol, tol);
+        }
+    }
 }

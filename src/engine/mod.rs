@@ -503,6 +503,7 @@ impl Engine {
         self.bufs.meta.num_seqs = seqs;
         self.bufs.meta.num_tokens = tokens;
         self.bufs.meta.attended = crate::ops::attention::attended_keys(&self.st.q_start, &self.st.ctx_len);
+        crate::ops::attention::plan_packed(&mut self.bufs.meta, &self.st.q_start, &self.st.ctx_len)?;
         Ok(())
     }
 

@@ -9,7 +9,7 @@ use super::weights::ModelWeights;
 use crate::device::{DType, Device, Tensor};
 use crate::model::calib::Calibration;
 use crate::model::QLayer;
-use crate::ops::attention::{self, AttnMeta};
+use crate::ops::attention::{self, AttnMeta, Packed};
 use crate::ops::linear as matmul;
 use crate::ops::linear::Panels;
 use crate::ops::linear::Proj;
@@ -99,6 +99,11 @@ impl ForwardBuffers {
                 block_tables: dev.zeros(DType::U32, &[max_seqs, max_blocks])?,
                 slot_mapping: u(cap)?,
                 attended: 0,
+                packed: Packed {
+                    offsets: Vec::with_capacity(max_seqs + 1),
+                    cu: if dev.is_cpu() { None } else { Some(u(max_seqs + 1)?) },
+                    ..Packed::default()
+                },
             },
             x: f(&[cap, c])?,
             h: f(&[cap, c])?,
@@ -219,7 +224,9 @@ impl Transformer {
             }
             let (ks, vs) = (cache.k_scale, cache.v_scale);
             attention::kv_write(dev, &b.k, &b.v, &mut cache.k, &mut cache.v, ks, vs, &b.meta)?;
-            attention::paged_attention(dev, &b.q, &cache.k, &cache.v, ks, vs, &b.meta, &mut b.att, h)?;
+            if !attention::packed_prefill(dev, &b.q, &b.k, &b.v, &cache.k, &cache.v, &mut b.meta, &mut b.att, h)? {
+                attention::paged_attention(dev, &b.q, &cache.k, &cache.v, ks, vs, &b.meta, &mut b.att, h)?;
+            }
             observe(dev, &mut b.observe, l, 1, &b.att, m)?;
             proj(dev, &b.att, &mut b.xq, &lw.o_proj, pan(l, 3), lw.o_bias.as_ref(), ql, 3, &mut b.o, m)?;
             // MLP block.

@@ -417,6 +417,7 @@ fn attn_meta(
         block_tables: up(&[seqs.len(), max_blocks], tables.to_vec())?,
         slot_mapping: up(&[tokens], slots.to_vec())?,
         attended,
+        packed: Default::default(),
     })
 }
 
@@ -491,7 +492,46 @@ fn check_attention(x: &mut Ctx, hkv: usize, heads: usize, d: usize) -> Result<()
             )?;
         }
     }
-    Ok(())
+    packed_prefill(x, hkv, heads, d)
+}
+
+/// A prefill step with a BF16 cache: a continuing chunk (7 rows at positions 16..23, through
+/// the cache), then three whole sequences (every one starting at position 0). The engine's
+/// attention (`attention::packed_prefill`: the chunk paged, the whole sequences on the tensor
+/// cores, the training forward over their own q, k, v) against the CPU's paged attention over
+/// the cache the step wrote. BF16 tolerance: the tensor cores round q and the probabilities too.
+fn packed_prefill(x: &mut Ctx, hkv: usize, heads: usize, d: usize) -> Result<()> {
+    let (bs, nb, maxb) = (16usize, 16usize, 3usize);
+    let seqs = [(7u32, 23u32), (5, 5), (33, 33), (17, 17)];
+    let tables: Vec<u32> = (0..(seqs.len() * maxb) as u32).map(|i| (i * 5 + 2) % nb as u32).collect();
+    let mut slots = Vec::new();
+    for (s, (q_len, ctx)) in seqs.iter().enumerate() {
+        slots.extend((ctx - q_len..*ctx).map(|p| tables[s * maxb + p as usize / bs] * bs as u32 + p % bs as u32));
+    }
+    let mc = attn_meta(x, &x.cpu, bs, maxb, &seqs, &tables, &slots)?;
+    let mut mg = attn_meta(x, &x.gpu, bs, maxb, &seqs, &tables, &slots)?;
+    mg.packed.cu = Some(x.gpu.zeros(DType::U32, &[seqs.len() + 1])?);
+    let mut offsets = vec![0u32];
+    for s in &seqs {
+        offsets.push(offsets[offsets.len() - 1] + s.0);
+    }
+    attention::plan_packed(&mut mg, &offsets, &seqs.map(|s| s.1))?;
+    let t = mc.num_tokens;
+    let q = x.randp(DType::F32, &[t, heads * d], 1.0)?;
+    let (k, v) = (x.randp(DType::F32, &[t, hkv * d], 1.0)?, x.randp(DType::F32, &[t, hkv * d], 1.0)?);
+    let shape = [nb, hkv, bs, d];
+    let (mut kc, mut vc) = (x.randp(DType::BF16, &shape, 1.0)?, x.randp(DType::BF16, &shape, 1.0)?);
+    let mut o = x.out(&[t, heads * d])?;
+    attention::kv_write(&x.cpu, &k.c, &v.c, &mut kc.c, &mut vc.c, 1.0, 1.0, &mc)?;
+    attention::paged_attention(&x.cpu, &q.c, &kc.c, &vc.c, 1.0, 1.0, &mc, &mut o.c, heads)?;
+    attention::kv_write(&x.gpu, &k.g, &v.g, &mut kc.g, &mut vc.g, 1.0, 1.0, &mg)?;
+    let ran = attention::packed_prefill(&x.gpu, &q.g, &k.g, &v.g, &kc.g, &vc.g, &mut mg, &mut o.g, heads)?;
+    x.gpu.synchronize()?;
+    if !ran || mg.packed.from != 1 {
+        bail!("the packed prefill did not take the step's 3 whole sequences (h{heads}/kv{hkv} d{d})");
+    }
+    let what = format!("attention h{heads}/kv{hkv} d{d}, packed prefill (tensor cores)");
+    x.cmp(&what, "bf16 cache", &o, Tol::Close(1e-2, 1e-2))
 }
 
 fn check_quant(x: &mut Ctx) -> Result<()> {

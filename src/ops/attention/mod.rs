@@ -39,6 +39,119 @@ pub struct AttnMeta {
     /// The cached positions the rows attend, summed over the rows ([`attended_keys`]): what the
     /// launch ledger counts (the device's copies of q_start and ctx_len are not read back).
     pub attended: u64,
+    /// Which of the step's sequences attend on the tensor cores ([`plan_packed`]).
+    pub packed: Packed,
+}
+
+/// The sequences of a step that are whole (each sequence's queries are its whole context: it
+/// starts at position 0), when they are the step's last ones: the scheduler puts sequences
+/// that continue from the cache (decoding, or a prefill's later chunk) first and newly
+/// admitted ones after, so a prefill step is a few continuing sequences, then whole ones.
+#[derive(Debug, Default)]
+pub struct Packed {
+    /// The continuing sequences before the whole ones (they attend through the cache).
+    pub from: usize,
+    /// The rows before the whole sequences', and the keys those continuing rows attend.
+    pub row0: usize,
+    pub prefix_attended: u64,
+    /// The whole sequences' row offsets from row0 (0 first); empty: none attend packed.
+    pub offsets: Vec<usize>,
+    /// Their device copy when `from` > 0 (with `from` = 0 they are q_start's prefix). None:
+    /// a metadata set without one (tests), whose steps with continuing sequences stay paged.
+    pub cu: Option<Tensor>, // (S + 1) u32
+}
+
+/// Fills `meta.packed` for a step with host offsets `q_start` (S + 1) and `ctx_len` (S): the
+/// whole sequences after the continuing ones, if every sequence after the first whole one is
+/// whole and one of them has more than one query (a prefill: decode steps, which run as CUDA
+/// graphs, must not switch kernels). Uploads their offsets when continuing sequences precede
+/// them (one copy of S + 1 values at most).
+pub fn plan_packed(meta: &mut AttnMeta, q_start: &[u32], ctx_len: &[u32]) -> Result<()> {
+    let p = &mut meta.packed;
+    p.offsets.clear();
+    let q_len = |s: usize| q_start[s + 1].saturating_sub(q_start[s]);
+    let n = ctx_len.len().min(q_start.len().saturating_sub(1));
+    let from = (0..n).find(|&s| q_len(s) == ctx_len[s]).unwrap_or(n);
+    if !(from..n).all(|s| q_len(s) == ctx_len[s]) || !(from..n).any(|s| q_len(s) > 1) {
+        return Ok(());
+    }
+    if from > 0 && p.cu.is_none() {
+        return Ok(());
+    }
+    let row0 = q_start[from];
+    p.offsets.extend(q_start[from..=n].iter().map(|&x| (x - row0) as usize));
+    (p.from, p.row0, p.prefix_attended) = (from, row0 as usize, attended_keys(&q_start[..=from], &ctx_len[..from]));
+    if from > 0 {
+        if let Some(cu) = p.cu.as_mut() {
+            let rel: Vec<u32> = q_start[from..=n].iter().map(|&x| x - row0).collect();
+            cu.write_u32(&rel)?;
+        }
+    }
+    Ok(())
+}
+
+/// The attention of a prefill step on a CUDA device with a BF16 cache, where `meta.packed`
+/// names whole sequences ([`plan_packed`]): their own keys and values are all they attend, so
+/// theirs is causal attention over the packed q, k, v rows, the training forward on the tensor
+/// cores (`ct_attn_fwd_tc`), instead of the paged prefill kernel on the CUDA cores. The
+/// continuing sequences before them run [`paged_attention`] alone. Both read keys and values
+/// rounded to BF16; the tensor cores also round q and the probabilities (FP32 accumulation and
+/// softmax): within BF16 rounding of [`paged_attention`]. Returns false, launching nothing,
+/// where it does not apply (the CPU, an F32, F16 or FP8 cache, no whole sequences, a head_dim
+/// the kernel does not take): then the caller runs [`paged_attention`].
+#[allow(clippy::too_many_arguments)]
+pub fn packed_prefill(
+    dev: &Device,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &mut AttnMeta,
+    out: &mut Tensor,
+    heads: usize,
+) -> Result<bool> {
+    let bf16 = |c: &Tensor| c.dtype() == crate::device::DType::BF16;
+    if dev.is_cpu() || meta.packed.offsets.is_empty() || !bf16(k_cache) || !bf16(v_cache) {
+        return Ok(false);
+    }
+    let (_, hkv, _, d) = cache_dims(k_cache)?;
+    let s = grad::Shape { heads, kv_heads: hkv, head_dim: d };
+    if !train::tensor_cores_fit(&s) || heads % hkv != 0 {
+        return Ok(false);
+    }
+    let (from, row0) = (meta.packed.from, meta.packed.row0);
+    let t = meta.num_tokens.saturating_sub(row0);
+    if meta.packed.offsets.last() != Some(&t) || from + meta.packed.offsets.len() != meta.num_seqs + 1 {
+        bail!(
+            "packed prefill: offsets {:?} after {from} sequences for a step of {} sequences",
+            meta.packed.offsets,
+            meta.num_seqs
+        );
+    }
+    check_rows(q, meta.num_tokens, heads * d, "attention queries")?;
+    check_rows(out, meta.num_tokens, heads * d, "attention output")?;
+    if from > 0 {
+        // The continuing sequences: their prefix of the metadata.
+        let whole = (meta.num_seqs, meta.num_tokens, meta.attended);
+        (meta.num_seqs, meta.num_tokens, meta.attended) = (from, row0, meta.packed.prefix_attended);
+        let r = paged_attention(dev, q, k_cache, v_cache, 1.0, 1.0, meta, out, heads);
+        (meta.num_seqs, meta.num_tokens, meta.attended) = whole;
+        r?;
+    }
+    let rows = |x: &Tensor, w: usize| x.view(row0 * w, &[t, w]);
+    let (qv, kv, vv) = (rows(q, heads * d)?, rows(k, hkv * d)?, rows(v, hkv * d)?);
+    let n = meta.packed.offsets.len();
+    let cu = match (from, &meta.packed.cu) {
+        (0, _) => meta.q_start.view(0, &[n])?,
+        (_, Some(cu)) => cu.view(0, &[n])?,
+        (_, None) => bail!("packed prefill: continuing sequences and no device offsets"),
+    };
+    let mut o = rows(out, heads * d)?;
+    let mut lse = dev.uninit(crate::device::DType::F32, &[t, heads])?;
+    let x = train::Packed { q: &qv, k: &kv, v: &vv, cu: &cu, offsets: &meta.packed.offsets };
+    train::fwd_tensor_cores(dev, &s, &x, &mut o, &mut lse)?;
+    Ok(true)
 }
 
 /// Σ over the rows of the positions each attends: sequence s's q_len rows end at ctx_len[s],

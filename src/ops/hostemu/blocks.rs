@@ -329,6 +329,7 @@ fn check_attention(dtype: i32, heads: usize, hkv: usize, d: usize, bs: usize) {
         block_tables: Tensor::from_u32_host(&[seqs.len(), max_blocks], tables).expect("tables"),
         slot_mapping: Tensor::from_u32_host(&[rows], vec![0; rows]).expect("slots"),
         attended,
+        packed: Default::default(),
     };
     let cpu = Device::cpu(1).expect("cpu");
     let qt = Tensor::from_f32_host(DType::F32, &[rows, heads * d], &q).expect("q");
