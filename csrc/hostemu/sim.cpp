@@ -11,6 +11,7 @@
 #include "../kernels/attention_prefill.cu"
 #include "../kernels/attention_train.cu"
 #include "../kernels/elementwise.cu"
+#include "../kernels/gemm_w4a4.cu"
 #include "../kernels/grad.cu"
 #include "../kernels/lm_head.cu"
 #include "../kernels/logprob.cu"
@@ -74,6 +75,7 @@ extern "C" int ct_sim_launch(int id, unsigned gx, unsigned gy, unsigned bx, size
     case 37: run(ct_attn_bwd_dq_tc, gx, gy, bx, smem, params); break;
     case 38: run(ct_attn_bwd_dkv_tc, gx, gy, bx, smem, params); break;
     case 39: run(ct_nvfp4_scale_out, gx, gy, bx, smem, params); break;
+    case 40: run(ct_gemm_w4a4, gx, gy, bx, smem, params); break;
     default: return -1;
   }
   return 0;

@@ -328,6 +328,23 @@ typedef struct ct_dequant_params {
   int32_t out_dtype;
 } ct_dequant_params;
 
+/* y (m, n) f32 = alpha * dec(a) * dec(w)^T for NVFP4 activations and weights, reading their
+ * codes (gemm_w4a4.cu: the W4A4 GEMM of decode steps on Hopper, which has no FP4 tensor cores).
+ * dec: each code's E2M1 value times its 16-value block's E4M3 scale (linear layout, one row of
+ * k/16 per tensor row); alpha: the product of the two tensor scales. Needs m <= 64,
+ * n % 32 == 0, k % 128 == 0 and 16-byte aligned code rows. */
+typedef struct ct_gemm_w4a4_params {
+  const uint8_t* a_codes;  /* (m, k/2), two codes a byte, the first in the low nibble */
+  const uint8_t* a_scales; /* (m, k/16) */
+  const uint8_t* w_codes;  /* (n, k/2) */
+  const uint8_t* w_scales; /* (n, k/16) */
+  float* y;                /* (m, n) */
+  int32_t m;
+  int32_t n;
+  int32_t k;
+  float alpha;
+} ct_gemm_w4a4_params;
+
 /* Rewrites NVFP4 block scales (rows, sf_cols) from the linear layout into the tiled layout of
  * block-scaled tensor-core GEMMs (CUTLASS Sm1xxBlkScaledConfig, cuBLASLt VEC16_UE4M3): tiles
  * of 128 rows x 4 scale columns (512 bytes), K tiles innermost; inside a tile, row r and

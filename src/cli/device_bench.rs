@@ -127,6 +127,9 @@ pub fn gemms(d: &CudaDevice, shapes: &[(String, usize, usize, usize)], iters: us
                     None,
                 );
             }
+            if format == QFormat::Nvfp4 {
+                row(name, "mma", time_ms(d, iters, || lowp::gemm_q(d, &qa, &wq, yp, Path::Mma).map(|_| ())), base);
+            }
             row(
                 name,
                 "emulated",

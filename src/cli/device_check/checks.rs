@@ -681,7 +681,10 @@ fn check_qlinear(x: &mut Ctx, xin: &Pair, qc: &QTensor, qg: &QTensor, name: &str
     matmul::linear_q(&x.cpu, &xq.c, qc, None, &mut reference, m)?;
     let want = reference.to_f32_vec()?;
     let cd = x.cuda.clone();
-    for path in [lowp::Path::Cutlass, lowp::Path::CublasLt, lowp::Path::Emulated] {
+    let mma = (qc.format == QFormat::Nvfp4).then_some(lowp::Path::Mma);
+    for path in
+        [Some(lowp::Path::Cutlass), Some(lowp::Path::CublasLt), mma, Some(lowp::Path::Emulated)].into_iter().flatten()
+    {
         let mut yg = x.out(&[m, n])?;
         let op = format!("{} GEMM via {path:?}", if qc.format == QFormat::Fp8 { "W8A8" } else { "W4A4" });
         match lowp::linear_act_q(&cd, &xin.g, &act, qg, None, &mut yg.g, m, path) {

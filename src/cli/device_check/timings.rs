@@ -74,6 +74,10 @@ fn gemm(d: &CudaDevice, iters: usize) -> Result<serde_json::Value> {
             shapes.push((format!("{name} m={m}"), m, n, k));
         }
     }
+    // The 4B NVFP4 engine's MLP at its decode batch (on Hopper: the W4A4 mma kernel's shapes).
+    for (name, n, k) in [("4B gate/up", 9728, 2560), ("4B down", 2560, 9728)] {
+        shapes.push((format!("{name} m=32"), 32, n, k));
+    }
     let rows = bench::gemms(d, &shapes, iters).context("GEMM timings")?;
     println!(
         "{:<20} {:>6} {:>6} {:>6} {:<7} {:<9} {:>9} {:>8} {:>9} {:>8}",

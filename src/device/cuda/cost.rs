@@ -208,6 +208,19 @@ pub fn dequant(p: &ffi::ct_dequant_params) -> Cost {
     Cost::hbm(n(p.n), n(p.n) * (code + dsize(p.out_dtype)))
 }
 
+/// The W4A4 decode GEMM: 2·m·n·k FLOPs on the BF16 tensor cores (mma.sync); both operands'
+/// codes and block scales read once (the activations are re-read by every block, from L2),
+/// y written in f32.
+pub fn gemm_w4a4(p: &ffi::ct_gemm_w4a4_params) -> Cost {
+    let (m, nn, kk) = (n(p.m), n(p.n), n(p.k));
+    Cost {
+        flops: 2.0 * m * nn * kk,
+        bytes: (m + nn) * kk * elem_bytes(Elem::E2M1) + m * nn * 4.0,
+        rate: Rate::Bf16,
+        path: Path::Hbm,
+    }
+}
+
 pub fn swizzle_sf(p: &ffi::ct_swizzle_sf_params) -> Cost {
     Cost::hbm(0.0, n(p.rows) * n(p.sf_cols) + n(p.padded_rows) * n(p.padded_cols))
 }

@@ -53,6 +53,12 @@ pub const AT_TILE: u32 = 128;
 /// (CT_TC_MAX_D; a multiple of 16 below it).
 pub const TC_Q: i64 = 64;
 pub const TC_MAX_D: usize = 128;
+/// ct_gemm_w4a4 (gemm_w4a4.cu): threads per block (CT_W4A4_WARPS warps), output columns per
+/// block (CT_W4A4_COLS), the most activation rows (16·CT_W4A4_MT) and K's step (CT_W4A4_CHUNK).
+pub const W4A4_THREADS: u32 = 8 * 32;
+pub const W4A4_COLS: usize = 32;
+pub const W4A4_MAX_M: usize = 64;
+pub const W4A4_K_STEP: usize = 128;
 /// Threads per block of lm_head.cu's row kernels (CT_LM_THREADS).
 pub const LM_THREADS: u32 = 1024;
 
@@ -99,10 +105,11 @@ pub enum Kernel {
     AttnBwdDqTc,
     AttnBwdDkvTc,
     Nvfp4ScaleOut,
+    GemmW4a4,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 40] = [
+    pub const ALL: [Kernel; 41] = [
         Kernel::Rmsnorm,
         Kernel::RopeTable,
         Kernel::Rope,
@@ -143,6 +150,7 @@ impl Kernel {
         Kernel::AttnBwdDqTc,
         Kernel::AttnBwdDkvTc,
         Kernel::Nvfp4ScaleOut,
+        Kernel::GemmW4a4,
     ];
 
     /// (the kernel's name, the csrc/kernels/ file that defines it, without `.cu`).
@@ -188,6 +196,7 @@ impl Kernel {
             Kernel::AttnBwdDqTc => ("ct_attn_bwd_dq_tc", "attention_train"),
             Kernel::AttnBwdDkvTc => ("ct_attn_bwd_dkv_tc", "attention_train"),
             Kernel::Nvfp4ScaleOut => ("ct_nvfp4_scale_out", "elementwise"),
+            Kernel::GemmW4a4 => ("ct_gemm_w4a4", "gemm_w4a4"),
         }
     }
 
@@ -202,7 +211,7 @@ impl Kernel {
     pub fn ptr_align(self) -> u64 {
         use Kernel::*;
         match self {
-            KvWrite | PagedAttention | PrefillAttention | QuantFp8 | QuantNvfp4 | Dequant | SwizzleSf => 1,
+            KvWrite | PagedAttention | PrefillAttention | QuantFp8 | QuantNvfp4 | Dequant | SwizzleSf | GemmW4a4 => 1,
             Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax | Optim => 2,
             RopeTable | Rope | Swiglu | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
             | ScatterAddRows | LmStats | LmDz | Nvfp4ScaleOut => 4,
@@ -215,6 +224,16 @@ impl Kernel {
     pub fn index(self) -> usize {
         self as usize
     }
+}
+
+/// Whether ct_gemm_w4a4 takes an (m, n, k) problem whose code tensors start at `codes`: at most
+/// W4A4_MAX_M rows, whole blocks of columns and of K, rows of codes on 16-byte boundaries.
+pub fn w4a4_fits(m: usize, n: usize, k: usize, codes: &[u64]) -> bool {
+    (1..=W4A4_MAX_M).contains(&m)
+        && n % W4A4_COLS == 0
+        && k % W4A4_K_STEP == 0
+        && n <= i32::MAX as usize
+        && codes.iter().all(|&c| c % 16 == 0)
 }
 
 fn u32_dim(n: i64, what: &str) -> Result<u32> {
@@ -406,6 +425,17 @@ impl CudaDevice {
         let items = if p.format == ffi::CT_FORMAT_NVFP4 { p.n / 16 } else { p.n };
         let g = self.stride_grid(items, ELEMENTWISE_THREADS);
         self.launch(Kernel::Dequant, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::dequant(&p))
+    }
+
+    /// ct_gemm_w4a4: one block per W4A4_COLS output columns. Refuses the shapes and
+    /// alignments the kernel does not take (the caller checks [`w4a4_fits`] first).
+    pub fn k_gemm_w4a4(&self, p: ffi::ct_gemm_w4a4_params) -> Result<()> {
+        let (m, n, k) = (p.m as usize, p.n as usize, p.k as usize);
+        if !w4a4_fits(m, n, k, &[p.a_codes as u64, p.w_codes as u64]) {
+            bail!("ct_gemm_w4a4: (m, n, k) = ({m}, {n}, {k}) or its code rows do not fit the kernel");
+        }
+        let g = u32_dim((n / W4A4_COLS) as i64, "ct_gemm_w4a4 blocks")?;
+        self.launch(Kernel::GemmW4a4, (g, 1, 1), W4A4_THREADS, 0, &p, cost::gemm_w4a4(&p))
     }
 
     pub fn k_swizzle_sf(&self, p: ffi::ct_swizzle_sf_params) -> Result<()> {

@@ -115,6 +115,13 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_dequant_params, scales),
             offset_of!(ffi::ct_dequant_params, out),
         ],
+        "ct_gemm_w4a4_params" => &[
+            offset_of!(ffi::ct_gemm_w4a4_params, a_codes),
+            offset_of!(ffi::ct_gemm_w4a4_params, a_scales),
+            offset_of!(ffi::ct_gemm_w4a4_params, w_codes),
+            offset_of!(ffi::ct_gemm_w4a4_params, w_scales),
+            offset_of!(ffi::ct_gemm_w4a4_params, y),
+        ],
         "ct_swizzle_sf_params" => {
             &[offset_of!(ffi::ct_swizzle_sf_params, src), offset_of!(ffi::ct_swizzle_sf_params, dst)]
         }

@@ -8,9 +8,14 @@
 //!   K % 16, NVFP4: K % 32, and N % 4 for the f32 output) and a build with CUTLASS; on the
 //!   simulator, the references of `device/cuda/sim_gemm.rs` for the profile's architecture.
 //! - `CublasLt`: the library's FP8 / block-scaled NVFP4 GEMMs (the baseline).
+//! - `Mma`: NVFP4 with at most 64 activation rows (decode steps) where there is no CUTLASS
+//!   kernel (Hopper): `ct_gemm_w4a4` (csrc/kernels/gemm_w4a4.cu) decodes both operands' codes
+//!   in registers into BF16 mma.sync, so a decode step reads 0.5625 bytes a weight value
+//!   instead of the 2 of the weight's decoded copy: the emulated path's products.
 //! - `Emulated`: decode both operands to their unit values in BF16 (e4m3, or q·bs for NVFP4:
 //!   exact), a BF16 GEMM with FP32 accumulation and alpha = product of the tensor scales: the
-//!   same products as the real kernel. This is the NVFP4 path on Hopper, and the fallback.
+//!   same products as the real kernel. This is the NVFP4 path on Hopper for prefill, and the
+//!   fallback.
 //!
 //! The engine reaches `linear_act_q` through `ops::linear::linear_act_q` (whose CPU twin is
 //! fake_quant_rows + linear_q); `ops::linear_q` alone (no activation format) stays emulated.
@@ -18,7 +23,7 @@
 
 use super::cuda::add_bias;
 use crate::device::cuda::args::ptr;
-use crate::device::cuda::{ffi, CudaDevice, Cutlass, CutlassArgs, DevBuf, Elem};
+use crate::device::cuda::{ffi, kernels, CudaDevice, Cutlass, CutlassArgs, DevBuf, Elem};
 use crate::device::{DType, Tensor};
 use crate::ops::quantize::{dequant, quant_rows_fixed, swizzle_sf_into, ActQuant};
 use crate::quant::nvfp4::Nvfp4Opts;
@@ -30,6 +35,7 @@ pub enum Path {
     Auto,
     Cutlass,
     CublasLt,
+    Mma,
     Emulated,
 }
 
@@ -191,6 +197,31 @@ pub fn gemm_q(d: &CudaDevice, a: &QAct, w: &QTensor, y: u64, path: Path) -> Resu
     }
     if path == Path::Cutlass {
         bail!("no CUTLASS {:?} GEMM for {} with n={n} k={k} in this build", w.format, d.name());
+    }
+    let mma = w.format == QFormat::Nvfp4 && kernels::w4a4_fits(m, n, k, &[a.codes.ptr, wc]);
+    if mma && matches!(path, Path::Auto | Path::Mma) {
+        let Some(sa) = a.scales.as_ref() else { bail!("NVFP4 activations without block scales") };
+        d.k_gemm_w4a4(ffi::ct_gemm_w4a4_params {
+            a_codes: a.codes.ptr as *const u8,
+            a_scales: sa.ptr as *const u8,
+            w_codes: wc as *const u8,
+            w_scales: ws as *const u8,
+            y: y as *mut f32,
+            m: m as i32,
+            n: n as i32,
+            k: k as i32,
+            alpha,
+        })?;
+        return Ok(Path::Mma);
+    }
+    if path == Path::Mma {
+        bail!(
+            "no W4A4 mma kernel for a {:?} GEMM with m={m} n={n} k={k}: it takes NVFP4, m <= {}, n % {} == 0, k % {} == 0",
+            w.format,
+            kernels::W4A4_MAX_M,
+            kernels::W4A4_COLS,
+            kernels::W4A4_K_STEP
+        );
     }
     if path == Path::CublasLt {
         return match w.format {

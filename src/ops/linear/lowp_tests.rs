@@ -39,12 +39,12 @@ fn dequantized(q: &QTensor) -> Vec<f32> {
     }
 }
 
-/// y = quant(x) · wqᵀ on every path of `arch`'s simulated GPU (ordinal `ordinal`).
-fn paths_on(arch: &str, ordinal: usize, k: usize) {
+/// y = quant(x) · wqᵀ on every path of `arch`'s simulated GPU (ordinal `ordinal`), for an
+/// (m, n, k) problem.
+fn paths_on(arch: &str, ordinal: usize, m: usize, n: usize, k: usize) {
     let cd = CudaDevice::sim_arch(ordinal, Some(arch)).unwrap();
     let gpu = Device::Cuda(cd.clone());
     let cpu = Device::cpu(1).unwrap();
-    let (m, n) = (37, 132);
     let xs = data(m * k, 1, 1.0);
     let ws = data(n * k, 2, 0.05);
     let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
@@ -69,9 +69,12 @@ fn paths_on(arch: &str, ordinal: usize, k: usize) {
         let want: Vec<f64> =
             (0..m * n).map(|ij| (0..k).map(|t| xq[ij / n * k + t] as f64 * wq[ij % n * k + t] as f64).sum()).collect();
         let cutlass = k % if format == QFormat::Fp8 { 16 } else { 32 } == 0 && (format == QFormat::Fp8 || sm100);
-        for path in [Path::Cutlass, Path::CublasLt, Path::Emulated, Path::Auto] {
+        // The W4A4 mma kernel takes NVFP4 decode shapes (and, without CUTLASS, Auto's).
+        let mma = format == QFormat::Nvfp4 && m <= 64 && n % 32 == 0 && k % 128 == 0;
+        for path in [Path::Cutlass, Path::CublasLt, Path::Mma, Path::Emulated, Path::Auto] {
             let mut y = gpu.from_f32(DType::F32, &[m, n], &vec![f32::NAN; m * n]).unwrap();
             let what = format!("{arch} {format:?} K={k} via {path:?}");
+            cd.take_ledger();
             let r = lowp::linear_act_q(&cd, &xg, &act, &qg, None, &mut y, m, path);
             if path == Path::Cutlass && !cutlass {
                 let e = format!("{:#}", r.expect_err(&what));
@@ -84,13 +87,26 @@ fn paths_on(arch: &str, ordinal: usize, k: usize) {
                 assert!(e.contains("K divisible by 32"), "{what}: {e}");
                 continue;
             }
+            if path == Path::Mma && !mma {
+                let e = format!("{:#}", r.expect_err(&what));
+                assert!(e.contains("no W4A4 mma kernel"), "{what}: {e}");
+                continue;
+            }
             let taken = r.unwrap_or_else(|e| panic!("{what}: {e:#}"));
             let expect = match path {
                 Path::Auto if cutlass => Path::Cutlass,
+                Path::Auto if mma => Path::Mma,
                 Path::Auto => Path::Emulated,
                 p => p,
             };
             assert_eq!(taken, expect, "{what}");
+            // What ran: the mma kernel alone reads the codes; the emulated path decodes them.
+            let ledger = cd.take_ledger();
+            let ran = |name: &str| ledger.entries().any(|(key, _)| key.2 == name);
+            assert_eq!(ran("ct_gemm_w4a4"), expect == Path::Mma, "{what}");
+            if expect == Path::Mma {
+                assert!(!ran("ct_dequant") && !ran("gemm bf16 nt"), "{what}");
+            }
             let got = y.to_f32_vec().unwrap();
             for (i, (&g, &r)) in got.iter().zip(&want).enumerate() {
                 assert!((g as f64 - r).abs() <= 1e-4 + 1e-4 * r.abs(), "{what}: y[{i}] = {g}, reference {r}");
@@ -101,16 +117,22 @@ fn paths_on(arch: &str, ordinal: usize, k: usize) {
 
 #[test]
 fn lowp_gemm_paths_on_sim_sm90a() {
-    // FP8 through the sm_90a CUTLASS reference; NVFP4 has no CUTLASS kernel on Hopper.
-    paths_on("sm_90a", 6, 256);
+    // FP8 through the sm_90a CUTLASS reference; NVFP4 has no CUTLASS kernel on Hopper: it
+    // takes the mma kernel where the shape fits (m = 37: three m-tiles, the last partial; 64:
+    // four whole ones; K = 384: three 128-value chunks for the 8 warps, most of them idle) and
+    // the emulated path where it does not (n = 132, m = 65).
+    paths_on("sm_90a", 6, 37, 132, 256);
+    paths_on("sm_90a", 6, 37, 96, 256);
+    paths_on("sm_90a", 6, 64, 32, 384);
+    paths_on("sm_90a", 6, 65, 32, 128);
 }
 
 #[test]
 fn lowp_gemm_paths_on_sim_sm100a() {
     // FP8 and NVFP4 through the sm_100a CUTLASS references (NVFP4 with swizzled scales);
     // K = 272 (17 blocks of 16) breaks NVFP4's K % 32 rule: Auto takes the emulated path.
-    paths_on("sm_100a", 7, 256);
-    paths_on("sm_100a", 7, 272);
+    paths_on("sm_100a", 7, 37, 132, 256);
+    paths_on("sm_100a", 7, 37, 132, 272);
 }
 
 /// The NVFP4 learner's W4A4 linear (`learner_w4a4`: CUTLASS block-scaled GEMM on the learner's
