@@ -190,10 +190,11 @@ fn the_learners_w4a4_linear_multiplies_its_rounded_operands() {
 /// The GEMM through the kept form equals the one that prepares it per call, bit for bit, after
 /// the first requantize and after a second one from other weights (a form left stale would
 /// repeat the first result); and a call then launches one preparation (the activations')
-/// instead of two. FP8 has its CUTLASS kernel on both and keeps nothing.
+/// instead of two. FP8 has its CUTLASS kernel on both and keeps nothing. m = 65 rows: a
+/// prefill's shape (on Hopper, decode shapes take the mma kernel, which reads the codes).
 #[test]
 fn a_kept_gemm_operand_follows_each_requantize_sim() {
-    let (m, n, k) = (5, 64, 128);
+    let (m, n, k) = (65, 64, 128);
     let cpu = Device::cpu(1).unwrap();
     assert!(!lowp::emulated_here(&cpu, QFormat::Nvfp4, n, k));
     for (i, (arch, prep)) in [("sm_90a", "ct_dequant"), ("sm_100a", "ct_swizzle_sf")].into_iter().enumerate() {
