@@ -5,7 +5,8 @@
 //                   the weight's kept BF16 copy (0.5625 bytes a weight value instead of 2).
 // A code times its block scale has at most 2 + 4 significant bits: exact in BF16. So the
 // mma.sync m16n8k16 (BF16 operands, FP32 accumulation) multiplies exactly the values the
-// emulated GEMM multiplies; only the FP32 summation order differs.
+// emulated GEMM multiplies; only the FP32 accumulation differs (its order, and the tensor
+// cores' own accumulation, as in the emulated path's cuBLAS GEMM).
 //
 // A block: CT_W4A4_WARPS warps over CT_W4A4_COLS weight rows (output columns, CT_W4A4_NT
 // n-tiles of 8) and every activation row (m <= 16 * CT_W4A4_MT, in m-tiles of 16). Warp w
@@ -34,11 +35,21 @@ __device__ __forceinline__ void ct_w4a4_load16(uint32_t* w, const uint8_t* p) {
 #endif
 }
 
+// The value of E2M1 code c (bit 3 the sign) from its bits, as ct_e2m1_value's table gives it
+// (the table, indexed at run time, would sit in local memory in the inner loop).
+__device__ __forceinline__ float ct_w4a4_e2m1(uint32_t c) {
+  const uint32_t e = (c >> 1) & 3u, m = c & 1u;
+  const uint32_t mag = e ? ((126u + e) << 23) | (m << 22) : (m ? 0x3F000000u : 0u);
+  return __uint_as_float(mag | ((c & 8u) << 28));
+}
+
 // Codes nib and nib + 1 of a word times their block scale, as one mma register of two BF16.
+// The products are exact in BF16 (above), so their f32 bits end in 16 zeros: truncation is
+// the rounding.
 __device__ __forceinline__ uint32_t ct_w4a4_pair(uint32_t word, int nib, float bs) {
-  const float lo = __fmul_rn(ct_e2m1_value((word >> (4 * nib)) & 0xFu), bs);
-  const float hi = __fmul_rn(ct_e2m1_value((word >> (4 * nib + 4)) & 0xFu), bs);
-  return ct_pack_bf16(lo, hi);
+  const float lo = __fmul_rn(ct_w4a4_e2m1(word >> (4 * nib)), bs);
+  const float hi = __fmul_rn(ct_w4a4_e2m1(word >> (4 * nib + 4)), bs);
+  return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xFFFF0000u);
 }
 
 extern "C" __global__ void __launch_bounds__(CT_W4A4_WARPS* CT_WARP) ct_gemm_w4a4(ct_gemm_w4a4_params p) {

@@ -89,8 +89,9 @@ impl QuantState {
                             .with_context(|| format!("layer {l} {}", crate::quant::recipe::LINEARS[i]))?,
                     ),
                 };
-                // Where its GEMM is emulated (NVFP4 on Hopper) the weight is decoded once per
-                // version, not at every decode step (`QTensor::decoded`); where it is CUTLASS's
+                // Where its GEMM is emulated (NVFP4 on Hopper, shapes the mma kernel does not
+                // take) the weight is decoded once per version, not at every decode step
+                // (`QTensor::decoded`); where it is CUTLASS's
                 // block-scaled kernel (NVFP4 on sm_100), its scales are tiled once per version.
                 // Only where the input is quantized alike (the W8A8 / W4A4 GEMM): a weight-only
                 // linear decodes its weight per call (`linear_q`), keeping its memory small.

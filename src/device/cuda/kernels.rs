@@ -232,7 +232,7 @@ pub fn w4a4_fits(m: usize, n: usize, k: usize, codes: &[u64]) -> bool {
     (1..=W4A4_MAX_M).contains(&m)
         && n % W4A4_COLS == 0
         && k % W4A4_K_STEP == 0
-        && n <= i32::MAX as usize
+        && n.max(k) <= i32::MAX as usize
         && codes.iter().all(|&c| c % 16 == 0)
 }
 

@@ -280,7 +280,8 @@ pub fn decoded_weight(d: &CudaDevice, w: &QTensor) -> Result<Decoded> {
 /// requantize instead of prepared at every GEMM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kept {
-    /// The BF16 unit values (`QTensor::decoded`), where the GEMM is emulated (NVFP4 on Hopper).
+    /// The BF16 unit values (`QTensor::decoded`), where the GEMM is emulated (NVFP4 on Hopper)
+    /// and no decode step reads the codes instead (`ct_gemm_w4a4` does not take the shape).
     Decoded,
     /// The NVFP4 block scales in CUTLASS's tiled layout (`QTensor::swizzled`, sm_100).
     Swizzled,
@@ -288,11 +289,15 @@ pub enum Kept {
 
 impl Kept {
     /// What a quantized (n, K) weight of `format` keeps on `dev` (None on the CPU, and for FP8
-    /// on its CUTLASS kernel, which reads the codes as they are).
+    /// on its CUTLASS kernel, which reads the codes as they are). An NVFP4 weight on Hopper
+    /// whose shape the mma kernel takes keeps nothing either: its decode steps read the codes,
+    /// and a prefill step (m > 64, the emulated GEMM) decodes it into a scratch, a few calls
+    /// a rollout against 2 bytes a weight value held for good.
     pub fn on(dev: &crate::device::Device, format: QFormat, n: usize, k: usize) -> Option<Kept> {
+        let codes_at_decode = format == QFormat::Nvfp4 && n % kernels::W4A4_COLS == 0 && k % kernels::W4A4_K_STEP == 0;
         match dev {
             crate::device::Device::Cpu(_) => None,
-            _ if emulated_here(dev, format, n, k) => Some(Kept::Decoded),
+            _ if emulated_here(dev, format, n, k) => (!codes_at_decode).then_some(Kept::Decoded),
             _ if format == QFormat::Nvfp4 => Some(Kept::Swizzled),
             _ => None,
         }

@@ -118,10 +118,13 @@ fn paths_on(arch: &str, ordinal: usize, m: usize, n: usize, k: usize) {
 #[test]
 fn lowp_gemm_paths_on_sim_sm90a() {
     // FP8 through the sm_90a CUTLASS reference; NVFP4 has no CUTLASS kernel on Hopper: it
-    // takes the mma kernel where the shape fits (m = 37: three m-tiles, the last partial; 64:
-    // four whole ones; K = 384: three 128-value chunks for the 8 warps, most of them idle) and
-    // the emulated path where it does not (n = 132, m = 65).
+    // takes the mma kernel where the shape fits (m = 1, a decode step of one sequence; 9: one
+    // partial m-tile; 37: three, the last partial; 64: four whole ones; K = 384: three
+    // 128-value chunks for the 8 warps, most of them idle) and the emulated path where it does
+    // not (n = 132, m = 65).
     paths_on("sm_90a", 6, 37, 132, 256);
+    paths_on("sm_90a", 6, 1, 32, 128);
+    paths_on("sm_90a", 6, 9, 64, 256);
     paths_on("sm_90a", 6, 37, 96, 256);
     paths_on("sm_90a", 6, 64, 32, 384);
     paths_on("sm_90a", 6, 65, 32, 128);
@@ -194,6 +197,7 @@ fn the_learners_w4a4_linear_multiplies_its_rounded_operands() {
 /// prefill's shape (on Hopper, decode shapes take the mma kernel, which reads the codes).
 #[test]
 fn a_kept_gemm_operand_follows_each_requantize_sim() {
+    use lowp::Kept::{Decoded, Swizzled};
     let (m, n, k) = (65, 64, 128);
     let cpu = Device::cpu(1).unwrap();
     assert!(!lowp::emulated_here(&cpu, QFormat::Nvfp4, n, k));
@@ -202,6 +206,14 @@ fn a_kept_gemm_operand_follows_each_requantize_sim() {
         let gpu = Device::Cuda(cd.clone());
         assert_eq!(lowp::emulated_here(&gpu, QFormat::Nvfp4, n, k), arch == "sm_90a");
         assert!(!lowp::emulated_here(&gpu, QFormat::Fp8, n, k));
+        // What an engine keeps: on Hopper nothing for shapes whose decode steps read the codes
+        // (the mma kernel), the decoded copy for the others (N % 32 != 0, K % 128 != 0).
+        let kept_on = |n, k| lowp::Kept::on(&gpu, QFormat::Nvfp4, n, k);
+        if arch == "sm_90a" {
+            assert_eq!((kept_on(n, k), kept_on(132, k), kept_on(n, 144)), (None, Some(Decoded), Some(Decoded)));
+        } else {
+            assert_eq!((kept_on(n, k), kept_on(132, k)), (Some(Swizzled), Some(Swizzled)));
+        }
         let xg = gpu.from_f32(DType::F32, &[m, k], &data(m * k, 3, 1.0)).unwrap();
         let act = ActQuant::Nvfp4 { global: 4.0 / 2688.0, opts: Nvfp4Opts::default() };
         let mut kept = QTensor::alloc_on(&gpu, QFormat::Nvfp4, n, k, Nvfp4Opts::default()).unwrap();
