@@ -102,6 +102,7 @@ impl ForwardBuffers {
                 packed: Packed {
                     offsets: Vec::with_capacity(max_seqs + 1),
                     cu: if dev.is_cpu() { None } else { Some(u(max_seqs + 1)?) },
+                    lse: if dev.is_cpu() { None } else { Some(dev.uninit(DType::F32, &[cap, cfg.num_heads])?) },
                     ..Packed::default()
                 },
             },

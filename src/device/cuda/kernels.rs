@@ -229,11 +229,13 @@ impl Kernel {
 /// Whether ct_gemm_w4a4 takes an (m, n, k) problem whose code tensors start at `codes`: at most
 /// W4A4_MAX_M rows, whole blocks of columns and of K, rows of codes on 16-byte boundaries.
 pub fn w4a4_fits(m: usize, n: usize, k: usize, codes: &[u64]) -> bool {
-    (1..=W4A4_MAX_M).contains(&m)
-        && n % W4A4_COLS == 0
-        && k % W4A4_K_STEP == 0
-        && n.max(k) <= i32::MAX as usize
-        && codes.iter().all(|&c| c % 16 == 0)
+    (1..=W4A4_MAX_M).contains(&m) && w4a4_takes(n, k) && codes.iter().all(|&c| c % 16 == 0)
+}
+
+/// Whether ct_gemm_w4a4 takes an (n, K) weight at all (whole blocks of columns and of K): what
+/// an engine decides what to keep by (`Kept::on`), before any activation exists.
+pub fn w4a4_takes(n: usize, k: usize) -> bool {
+    n % W4A4_COLS == 0 && k % W4A4_K_STEP == 0 && n.max(k) <= i32::MAX as usize
 }
 
 fn u32_dim(n: i64, what: &str) -> Result<u32> {

@@ -59,6 +59,9 @@ pub struct Packed {
     /// Their device copy when `from` > 0 (with `from` = 0 they are q_start's prefix). None:
     /// a metadata set without one (tests), whose steps with continuing sequences stay paged.
     pub cu: Option<Tensor>, // (S + 1) u32
+    /// The forward's log-sum-exp rows, reserved with the step's buffers (None: allocated per
+    /// call).
+    pub lse: Option<Tensor>, // (tokens, heads) f32
 }
 
 /// Fills `meta.packed` for a step with host offsets `q_start` (S + 1) and `ctx_len` (S): the
@@ -148,7 +151,10 @@ pub fn packed_prefill(
         (_, None) => bail!("packed prefill: continuing sequences and no device offsets"),
     };
     let mut o = rows(out, heads * d)?;
-    let mut lse = dev.uninit(crate::device::DType::F32, &[t, heads])?;
+    let mut lse = match &meta.packed.lse {
+        Some(l) if l.numel() >= t * heads => l.view(0, &[t, heads])?,
+        _ => dev.uninit(crate::device::DType::F32, &[t, heads])?,
+    };
     let x = train::Packed { q: &qv, k: &kv, v: &vv, cu: &cu, offsets: &meta.packed.offsets };
     train::fwd_tensor_cores(dev, &s, &x, &mut o, &mut lse)?;
     Ok(true)

@@ -294,7 +294,7 @@ impl Kept {
     /// and a prefill step (m > 64, the emulated GEMM) decodes it into a scratch, a few calls
     /// a rollout against 2 bytes a weight value held for good.
     pub fn on(dev: &crate::device::Device, format: QFormat, n: usize, k: usize) -> Option<Kept> {
-        let codes_at_decode = format == QFormat::Nvfp4 && n % kernels::W4A4_COLS == 0 && k % kernels::W4A4_K_STEP == 0;
+        let codes_at_decode = format == QFormat::Nvfp4 && kernels::w4a4_takes(n, k);
         match dev {
             crate::device::Device::Cpu(_) => None,
             _ if emulated_here(dev, format, n, k) => (!codes_at_decode).then_some(Kept::Decoded),
