@@ -35,6 +35,8 @@ use crate::model::calib::Calibration;
 use crate::model::learner_quant::LearnerQuant;
 use crate::model::weights::param_specs;
 use crate::model::{ModelConfig, ModelWeights};
+use crate::orchestrator::holdings::{self, Holdings, Planned};
+use crate::orchestrator::memory::{self, KvSizing};
 use crate::parallel::phase::enter_phase;
 use crate::train::device_coll::{DeviceCollective, PeerCopy};
 use crate::train::dp::Dp;
@@ -81,16 +83,31 @@ fn dtype_of(d: Option<&str>) -> Result<DType> {
 pub type MakeWeights = dyn Fn(&ModelConfig, &Device, DType) -> Result<ModelWeights>;
 
 /// GPU 0's ledger of a synchronous colocated step of `job` (student `student`, teacher
-/// `teacher` for OPD) on `w.gpus` dry simulated GPUs of `arch` ("sm_90a" or "sm_100a").
+/// `teacher` for OPD) on `w.gpus` dry simulated GPUs of `arch` ("sm_90a" or "sm_100a"), and
+/// with `budget` GPU 0's memory plan in that many bytes.
 pub fn dry_step(
     job: &JobConfig,
     student: &ModelConfig,
     teacher: Option<&ModelConfig>,
     w: Workload,
     arch: &str,
-) -> Result<Ledger> {
+    budget: Option<usize>,
+) -> Result<DryStep> {
     let peers = (1..w.gpus).map(|r| CudaDevice::sim_dry(r, Some(arch))).collect::<Result<Vec<_>>>()?;
-    step_on(&CudaDevice::sim_dry(0, Some(arch))?, &peers, job, student, teacher, w, &dry_weights)
+    step_on(&CudaDevice::sim_dry(0, Some(arch))?, &peers, job, student, teacher, w, &dry_weights, budget)
+}
+
+/// GPU 0's memory plan at the step's shapes: what it holds (`holdings::plan`, the run's own
+/// itemization) and the plan's answer for its budget (the sizing, or its refusal in words).
+pub struct Memory {
+    pub planned: Planned,
+    pub sizing: std::result::Result<KvSizing, String>,
+}
+
+/// A dry (or backed) step: its ledger, and the memory plan when a budget was given.
+pub struct DryStep {
+    pub ledger: Ledger,
+    pub memory: Option<Memory>,
 }
 
 /// [`dry_step`] on any CUDA device `cd`, with weights from `make`: the ledger of the step,
@@ -98,6 +115,8 @@ pub fn dry_step(
 /// stream, `resync`; what the setup launched is taken out first). With `peers`, `cd` is rank 0
 /// of `1 + peers.len()` training GPUs (ZeRO-1 over the device collective, `PeerCopy`): each
 /// trains its share of every GPU's responses (rank 0's, repeated) and updates its shard.
+/// With `budget`, GPU 0's memory plan in that many bytes besides (before the step runs).
+#[allow(clippy::too_many_arguments)]
 pub fn step_on(
     cd: &CudaDevice,
     peers: &[CudaDevice],
@@ -106,7 +125,8 @@ pub fn step_on(
     teacher: Option<&ModelConfig>,
     w: Workload,
     make: &MakeWeights,
-) -> Result<Ledger> {
+    budget: Option<usize>,
+) -> Result<DryStep> {
     let dev = Device::Cuda(cd.clone());
     let dtype = dtype_of(job.model.dtype.as_deref()).context("[model] dtype")?;
     let spec = job.engine.spec(student.num_layers).context("[engine]")?;
@@ -135,17 +155,34 @@ pub fn step_on(
     let base = crate::orchestrator::plan::engine_config(job);
     let ec = EngineConfig {
         kv_fp8: spec.recipe.kv_layers(),
-        graph_versions: crate::orchestrator::replica::graph_versions(&spec),
+        graph_versions: holdings::graph_versions(&spec),
         ..base.clone()
     };
     let mut engine = Engine::new(&dev, student, dtype, &ec, None)?;
-    let mut teacher = match teacher {
-        Some(tc) if job.objective.kind == ObjectiveKind::Opd => {
+    let teacher_cfg = teacher.filter(|_| job.objective.kind == ObjectiveKind::Opd);
+    let mut teacher = match teacher_cfg {
+        Some(tc) => {
             let td = dtype_of(job.teacher.as_ref().and_then(|t| t.dtype.as_deref())).context("[teacher] dtype")?;
             Some((make(tc, &dev, td)?, Engine::new(&dev, tc, td, &base, None)?))
         }
         _ => None,
     };
+    let memory = budget.map(|b| {
+        let planned = holdings::plan(&Holdings {
+            job,
+            spec: &spec,
+            engine: &base,
+            trainer: &tr,
+            teacher: teacher.as_ref().zip(teacher_cfg).map(|((tw, _), tc)| (tc, tw)),
+            cpu: false,
+            split: false,
+            generates: true,
+            lead_or_all: true,
+            budget: Some(b),
+        });
+        let sizing = memory::size(&planned.need, "GPU 0", &planned.parts).map_err(|e| format!("{e:#}"));
+        Memory { planned, sizing }
+    });
     // The GPU's share: `w.sequences / w.gpus` responses, in groups of samples_per_prompt.
     let share = (w.sequences / w.gpus).max(1);
     let samples = job.rollout.samples_per_prompt.clamp(1, share);
@@ -203,7 +240,7 @@ pub fn step_on(
         rw.sync_with_amax(&tr.weights, tr.version, tr.weight_amax())?;
     }
     cd.synchronize()?;
-    Ok(cd.take_ledger())
+    Ok(DryStep { ledger: cd.take_ledger(), memory })
 }
 
 /// The architecture a dry GPU simulates for a GPU of the model (H200: sm_90a, B300: sm_100a)
@@ -269,7 +306,8 @@ pub fn print(
 ) -> Result<()> {
     let (arch, col) = arch_of(&g);
     let t0 = std::time::Instant::now();
-    let l = dry_step(job, student, teacher, w, arch)?;
+    let d = dry_step(job, student, teacher, w, arch, Some((g.hbm_gb * 1e9) as usize))?;
+    let l = d.ledger;
     println!(
         "\nthe launch ledger of GPU 0 of {} in the same step, its launches at these shapes on dry simulated {}s ({arch}; {:.0} s here): a model, not a measurement",
         w.gpus,
@@ -310,7 +348,48 @@ pub fn print(
             sec(r) * 1e3
         );
     }
+    if let Some(m) = &d.memory {
+        print!("{}", memory_table(m, job, &g));
+    }
     Ok(())
+}
+
+/// GPU 0's memory plan as the report prints it: what it holds, its KV caches and its two
+/// phases (GB), or the plan's refusal.
+fn memory_table(m: &Memory, job: &JobConfig, g: &Gpu) -> String {
+    let (p, n) = (&m.planned, &m.planned.need);
+    let gb = |b: usize| b as f64 / 1e9;
+    let mut out = format!(
+        "GPU 0's memory plan on an {} ({} GB; the run's own plan, `holdings.rs` and `memory.rs`):\n\
+         | weights | trainer state | activations | teacher | engine buffers | KV caches | decode phase | train phase |\n\
+         |---|---|---|---|---|---|---|---|\n",
+        g.name, g.hbm_gb
+    );
+    let state = p.trainer_here - p.activations;
+    let weights = n.used - p.trainer_here - p.teacher - p.engine_buffers - p.snapshot;
+    let head = format!(
+        "| {:.1} | {:.1} | {:.1} ({} tokens) | {:.1} | {:.1} |",
+        gb(weights),
+        gb(state),
+        gb(p.activations),
+        job.objective.micro_batch_tokens,
+        gb(p.teacher),
+        gb(p.engine_buffers)
+    );
+    match &m.sizing {
+        Ok(s) => {
+            let kv = memory::kv_bytes(n, s.blocks);
+            let resident = n.used - p.activations;
+            let (decode, train) = match s.release {
+                true => (resident + kv, n.used),
+                false => (n.used + kv, n.used + kv),
+            };
+            let freed = if s.release { ", freed for training" } else { "" };
+            out += &format!("{head} {:.1}{freed} | {:.1} | {:.1} |\n", gb(kv), gb(decode), gb(train));
+        }
+        Err(e) => out += &format!("{head} | | |\nDOES NOT FIT: {e}\n"),
+    }
+    out
 }
 
 #[cfg(test)]
@@ -358,8 +437,10 @@ mod tests {
     fn two_dry_gpus_reduce_scatter_and_all_gather_over_nvlink() {
         let cfg = tiny("qwen2", 64, 128);
         let j = job("opd", "[engine]\nrecipe = \"bf16\"\n");
-        let one = dry_step(&j, &cfg, Some(&cfg), Workload { gpus: 1, sequences: 3, prompt: 7, response: 9 }, "sm_90a");
-        let two = dry_step(&j, &cfg, Some(&cfg), Workload { gpus: 2, sequences: 6, prompt: 7, response: 9 }, "sm_90a");
+        let w1 = Workload { gpus: 1, sequences: 3, prompt: 7, response: 9 };
+        let one = dry_step(&j, &cfg, Some(&cfg), w1, "sm_90a", None).map(|d| d.ledger);
+        let w2 = Workload { gpus: 2, sequences: 6, prompt: 7, response: 9 };
+        let two = dry_step(&j, &cfg, Some(&cfg), w2, "sm_90a", None).map(|d| d.ledger);
         let (one, two) = (one.unwrap(), two.unwrap());
         let gemm = |l: &Ledger| -> f64 {
             ledger_rows(l).iter().filter(|r| r.phase == "train" && r.op.starts_with("gemm")).map(|r| r.flops).sum()
@@ -373,6 +454,31 @@ mod tests {
         assert_eq!(two["collectives"].nvlink, (4 * s0 + 2 * s1) as f64);
         assert!(!one.contains_key("collectives"));
         assert_eq!(one["rollout"].flops, two["rollout"].flops, "each GPU decodes the same share");
+    }
+
+    /// The report's memory plan is the run's: GPU 0's activations are the trainer's planned
+    /// bytes for one micro-batch (`DeviceTrainable::activation_bytes`), its state what the
+    /// trainer holds, and a budget below the train phase is refused in the plan's words.
+    #[test]
+    fn the_dry_step_plans_gpu_0s_memory_as_a_run_does() {
+        use crate::model::trainable_device::{DeviceTrainable, LearnerKeep};
+        let cfg = tiny("qwen2", 64, 128);
+        let j = job("opd", "[engine]\nrecipe = \"bf16\"\n");
+        let w = Workload { gpus: 2, sequences: 6, prompt: 7, response: 9 };
+        let roomy = dry_step(&j, &cfg, Some(&cfg), w, "sm_90a", Some(1 << 30)).unwrap().memory.unwrap();
+        let p = &roomy.planned;
+        assert_eq!(p.activations, DeviceTrainable::activation_bytes(&cfg, 40, 16, LearnerKeep::Off));
+        let weights = 2 * param_specs(&cfg).iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>();
+        assert_eq!(p.teacher, weights, "a BF16 teacher of the student's shapes");
+        assert!(p.trainer_here > p.activations + 4 * weights / 2, "master, gradient and the ZeRO-1 buffers");
+        let s = roomy.sizing.as_ref().unwrap();
+        assert_eq!((s.blocks, s.release), (None, false), "1 MiB caches fit beside the activations");
+        let table = memory_table(&roomy, &j, &crate::device::cuda::ledger::H200);
+        assert!(table.contains("(40 tokens)") && !table.contains("DOES NOT FIT"), "{table}");
+        let tight = dry_step(&j, &cfg, Some(&cfg), w, "sm_90a", Some(p.need.used / 2)).unwrap().memory.unwrap();
+        let e = tight.sizing.as_ref().unwrap_err();
+        assert!(e.contains("its train phase alone needs"), "{e}");
+        assert!(memory_table(&tight, &j, &crate::device::cuda::ledger::H200).contains("DOES NOT FIT"));
     }
 
     /// The dry GPUs launch what backed simulated GPUs launch for the same step, operation by
@@ -397,8 +503,8 @@ mod tests {
             let backed = CudaDevice::sim_unshared_arch(76 - 2 * i, arch);
             let peers: Vec<CudaDevice> = (1..*gpus).map(|_| CudaDevice::sim_unshared_arch(75 - 2 * i, arch)).collect();
             let teacher = Some(cfg);
-            let a = table(&step_on(&backed, &peers, j, cfg, teacher, w, random).unwrap());
-            let b = table(&dry_step(j, cfg, teacher, w, arch).unwrap());
+            let a = table(&step_on(&backed, &peers, j, cfg, teacher, w, random, None).unwrap().ledger);
+            let b = table(&dry_step(j, cfg, teacher, w, arch, None).unwrap().ledger);
             assert!(a.keys().any(|k| k.0 == "rollout") && a.keys().any(|k| k.0 == "train"), "{arch}: {a:?}");
             assert!(a.values().any(|e| e.1 > 0), "{arch}: some decode steps replay a graph");
             assert_eq!(a.keys().any(|k| k.1 == Stream::Comm), *gpus > 1, "{arch}: collectives with {gpus} GPUs");

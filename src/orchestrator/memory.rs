@@ -51,6 +51,14 @@ pub struct KvSizing {
     pub release: bool,
 }
 
+/// Bytes of every engine's KV cache: `blocks` each (sized from what is left), or with None
+/// `kv_cache_bytes` each, capped at what its sequences can use as `Engine::new` caps it; the
+/// graphs' padding block included.
+pub fn kv_bytes(n: &Need, blocks: Option<usize>) -> usize {
+    let each = |b: usize, useful: usize| blocks.unwrap_or((n.kv_cache_bytes / b.max(1)).clamp(1, useful.max(1)));
+    n.engines.iter().map(|&(b, useful)| (each(b, useful) + n.graph_pad) * b).sum()
+}
+
 fn mib(b: usize) -> f64 {
     b as f64 / (1 << 20) as f64
 }
@@ -116,11 +124,7 @@ pub fn size(n: &Need, who: &str, parts: &str) -> Result<KvSizing> {
     }
     // Fixed caches: each engine takes kv_cache_bytes (capped at what its sequences can use, as
     // `Engine::new` caps it), checked before anything is allocated.
-    let kv: usize = n
-        .engines
-        .iter()
-        .map(|&(b, useful)| ((n.kv_cache_bytes / b.max(1)).clamp(1, useful.max(1)) + n.graph_pad) * b)
-        .sum();
+    let kv = kv_bytes(n, None);
     let release = match n.policy {
         KvRelease::Always => true,
         KvRelease::Never => false,

@@ -8,12 +8,13 @@
 //! for the step, checkpoints and metrics; `parallel` for workers and collectives). Must not:
 //! implement a training step or an op.
 //!
-//! Inside, each file imports only those before it: fault, plan, memory → mailbox, replica → coordinator →
+//! Inside, each file imports only those before it: fault, plan, memory → holdings, mailbox, replica → coordinator →
 //! guard, schedule → job → tiny → this file.
 
 pub mod coordinator;
 pub mod fault;
 pub mod guard;
+pub mod holdings;
 pub mod job;
 pub mod mailbox;
 pub mod memory;

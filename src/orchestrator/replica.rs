@@ -10,13 +10,15 @@
 //! mailbox, the plan's arithmetic (`memory.rs`). Must not: write run files other than the
 //! checkpoint the training lead is asked to write.
 
-use crate::config::{JobConfig, LearnerPrecision, ObjectiveKind, Placement, ScheduleMode};
+pub use super::holdings::graph_versions;
+use super::holdings::{self, is_standard, kv_block_bytes, Holdings};
+use crate::config::{JobConfig, LearnerPrecision, ObjectiveKind, Placement};
 use crate::device::{DType, Device};
 use crate::engine::rollout::{self, Rollout, WorkQueue};
 use crate::engine::rollout_weights::{EngineSpec, RolloutWeights, ViewCheck};
 use crate::engine::{Completion, Engine, EngineConfig};
 use crate::model::calib::Calibration;
-use crate::model::{LoadedModel, ModelConfig, ModelWeights};
+use crate::model::{LoadedModel, ModelWeights};
 use crate::reward::scorer::Scorer;
 use crate::train::dp::Dp;
 use crate::train::trainer::{StepOut, Trainer};
@@ -151,90 +153,32 @@ impl Replica {
         };
         let cfg = student.cfg.clone();
         let dtype = student.weights.dtype();
-        // A separate rollout engine: only where the recipe differs from the standard one and the
-        // device generates.
-        let standard = is_standard(&s.spec) || !generates;
-        let engine_buffers = RolloutWeights::estimate_extra_bytes(&s.spec, &student.weights);
         let trainer = match dp {
             Some(dp) => Trainer::new_dp(&cfg, student.weights, job, dp)?,
             None => Trainer::weights_only(&cfg, student.weights, job)?,
         };
-        let rollout_ec = EngineConfig {
-            kv_fp8: s.spec.recipe.kv_layers(),
-            graph_versions: graph_versions(&s.spec),
-            ..s.engine.clone()
-        };
-        let mut std_ec = s.engine.clone();
-        let mut roll_ec = rollout_ec.clone();
-        let mut teacher_ec = s.engine.clone();
-        // What lives on the device before its KV caches: the trainer's state on CPU devices and
-        // on a CUDA device that trains there (one training GPU: master, moments, gradient, and
-        // the activations of one micro-batch — with objective.micro_batch_tokens = 0, of a
-        // whole step's responses at max_new_tokens each plus as many prompt tokens, a bound
-        // the data does not give before it is read; with several GPUs also the ZeRO-1 buffers).
-        // A split placement's lead trainer on a GPU also holds the snapshot it publishes
-        // through: a copy of its compute weights (`GenLink::publish`).
-        let step_tokens =
-            2 * job.rollout.prompts_per_step * job.rollout.samples_per_prompt * job.rollout.max_new_tokens;
-        let nvfp4 = job.learner.precision == LearnerPrecision::Nvfp4;
-        let activations = trainer.activation_plan_bytes(step_tokens, nvfp4);
-        let trainer_here = if dev.is_cpu() || trainer.on_device() { trainer.state_bytes() + activations } else { 0 };
-        let teacher_bytes = teacher.as_ref().map(|t| t.weights.size_bytes()).unwrap_or(0);
-        let snapshot =
-            if split && !generates && lead_or_all && trainer.on_device() { trainer.weights.size_bytes() } else { 0 };
-        let used = trainer.weights.size_bytes() + trainer_here + teacher_bytes + engine_buffers + snapshot;
         let budget = job.run.memory_budget_mb.map(|m| m << 20).or(dev.memory_budget());
-        let mib = |b: usize| b as f64 / (1 << 20) as f64;
-        let parts =
-            format!(
-                "weights {:.0} MiB + trainer {:.0} MiB + teacher {:.0} MiB + engine buffers {:.0} MiB",
-                mib(trainer.weights.size_bytes()),
-                mib(trainer_here),
-                mib(teacher_bytes),
-                mib(engine_buffers)
-            ) + &if snapshot > 0 { format!(" + published snapshot {:.0} MiB", mib(snapshot)) } else { String::new() };
-        // The engines on this device (the rollout engine, the standard one when it is another,
-        // the teacher's) and their KV block sizes.
-        let bs = s.engine.block_size;
-        let graph_pad = (s.engine.cuda_graphs && !dev.is_cpu()) as usize;
-        let block = |c: &ModelConfig, d: DType, ec: &EngineConfig| kv_block_bytes(c, d, ec, bs);
-        let useful = |c: &ModelConfig| {
-            s.engine.max_seqs * s.engine.max_model_len.unwrap_or(c.max_position_embeddings).div_ceil(bs)
-        };
-        let mut engines = vec![(block(&cfg, dtype, &std_ec), useful(&cfg))];
-        if !standard {
-            engines.push((block(&cfg, dtype, &rollout_ec), useful(&cfg)));
-        }
-        if let Some(t) = &teacher {
-            engines.push((block(&t.cfg, t.weights.dtype(), &teacher_ec), useful(&t.cfg)));
-        }
         if s.engine.kv_cache_bytes == 0 && budget.is_none() {
             bail!("device {rank} ({}): rollout.kv_cache_mb = 0 sizes the KV caches from what is left of the device's memory, but a CPU device has no budget of its own: set run.memory_budget_mb", dev.name());
         }
-        let no_release = if split {
-            Some("a split placement's devices never switch between decoding and training")
-        } else if job.schedule.mode == ScheduleMode::Async {
-            Some("the asynchronous schedule keeps sequences in flight across updates")
-        } else {
-            None
-        };
-        let need = super::memory::Need {
-            used,
-            activations: if trainer_here > 0 { activations } else { 0 },
+        let planned = holdings::plan(&Holdings {
+            job,
+            spec: &s.spec,
+            engine: &s.engine,
+            trainer: &trainer,
+            teacher: teacher.as_ref().map(|t| (&t.cfg, &t.weights)),
+            cpu: dev.is_cpu(),
+            split,
+            generates,
+            lead_or_all,
             budget,
-            budget_source: if job.run.memory_budget_mb.is_some() {
-                "run.memory_budget_mb"
-            } else {
-                "the device's memory"
-            },
-            engines,
-            kv_cache_bytes: s.engine.kv_cache_bytes,
-            graph_pad,
-            min_blocks: (job.rollout.max_new_tokens + 1).div_ceil(bs.max(1)),
-            policy: job.rollout.kv_release,
-            no_release,
-        };
-        let sizing = super::memory::size(&need, &format!("device {rank} ({})", dev.name()), &parts)?;
+        });
+        let (need, parts) = (&planned.need, &planned.parts);
+        let (standard, activations, snapshot) = (planned.standard, planned.activations, planned.snapshot);
+        let mut std_ec = s.engine.clone();
+        let mut roll_ec = planned.rollout_ec.clone();
+        let mut teacher_ec = s.engine.clone();
+        let sizing = super::memory::size(need, &format!("device {rank} ({})", dev.name()), parts)?;
         if let Some(blocks) = sizing.blocks {
             for ec in [&mut std_ec, &mut roll_ec, &mut teacher_ec] {
                 ec.kv_blocks = Some(blocks);
@@ -655,30 +599,6 @@ impl Replica {
         p.peak = p.peak_bytes();
         Ok(p)
     }
-}
-
-/// Bytes of one KV block of an engine with config `ec` over a model of `cfg` in `dtype`
-/// (blocks of `block_size` tokens; FP8 layers one byte a value).
-fn kv_block_bytes(cfg: &ModelConfig, dtype: DType, ec: &EngineConfig, block_size: usize) -> usize {
-    let dt = ec.kv_dtype.unwrap_or(dtype);
-    let kinds: Vec<(DType, DType)> = (0..cfg.num_layers)
-        .map(|l| {
-            let (k, v) = ec.kv_fp8.get(l).copied().unwrap_or((false, false));
-            (if k { DType::U8 } else { dt }, if v { DType::U8 } else { dt })
-        })
-        .collect();
-    crate::engine::kv_cache::KvCache::block_bytes_layers(cfg, block_size, &kinds)
-}
-
-/// Whether `spec` is the standard engine (it reads the trainer's tensors: no engine of its own).
-/// Decode graphs a rollout engine keeps per batch bucket: one per weight copy its view rotates
-/// over (a stale engine reads `staleness + 1` of them in turn), at least the default.
-pub fn graph_versions(spec: &EngineSpec) -> usize {
-    (spec.staleness + 1).max(EngineConfig::default().graph_versions)
-}
-
-fn is_standard(spec: &EngineSpec) -> bool {
-    spec.recipe.is_standard() && spec.noise_sigma == 0.0 && spec.staleness == 0
 }
 
 /// Merges the devices' completions into one list in request order (deterministic whatever

@@ -37,6 +37,9 @@ pub struct Gpu {
     pub nvlink_gbs: f64,
     /// PCIe bandwidth per direction, GB/s (Gen5 x16).
     pub pcie_gbs: f64,
+    /// HBM capacity, GB (10⁹ bytes, the vendor's figure; what a process can allocate is a
+    /// little less, and the memory plan keeps its own margin).
+    pub hbm_gb: f64,
 }
 
 pub const H200: Gpu = Gpu {
@@ -48,6 +51,7 @@ pub const H200: Gpu = Gpu {
     hbm_tbs: 4.8,
     nvlink_gbs: 450.0,
     pcie_gbs: 64.0,
+    hbm_gb: 141.0,
 };
 pub const B300: Gpu = Gpu {
     name: "B300",
@@ -58,6 +62,7 @@ pub const B300: Gpu = Gpu {
     hbm_tbs: 8.0,
     nvlink_gbs: 900.0,
     pcie_gbs: 64.0,
+    hbm_gb: 288.0,
 };
 /// The GPUs every launch is timed for, in the order of [`Entry::seconds`].
 pub const GPUS: [Gpu; 2] = [H200, B300];
