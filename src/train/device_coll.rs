@@ -10,8 +10,10 @@
 //! order with `ct_col_sum` (so the sums are the host collective's, bit for bit). The ranks
 //! meet at host barriers (an [`InProcess`] rendezvous, so an abort wakes them): before the
 //! copies (every rank has synchronized its own writes) and after them (no rank changes a
-//! buffer another is still reading). The reduction after the second barrier runs on the
-//! communication stream; the returned [`Event`] is the point the compute stream must wait on
+//! buffer another is still reading). The reduce-scatter stages its pieces a bounded number of
+//! values at a time (the caller's staging; summing each piece before the next is copied), so
+//! it does not hold the gradient's size again; the last piece's sum runs after the second
+//! barrier on the communication stream; the returned [`Event`] is the point the compute stream must wait on
 //! before it reads the result — the rule the simulator checks (a read without the wait is a
 //! "stream-ordering race" error). NCCL does the same work in one call per collective on a
 //! node with NVLink; it is not wired here yet (see the README).
@@ -30,9 +32,10 @@ use std::sync::Mutex;
 pub trait DeviceCollective: Send + Sync {
     fn world(&self) -> usize;
     /// Σ over ranks of `send` (F32, n values on this rank's device); this rank's shard
-    /// (`shard_range(n, world, rank)`) lands in `recv`. `staging` (F32, world × shard) holds
-    /// the pieces while they are summed. Queued on the communication stream: read `recv`
-    /// only after the compute stream waited on the returned event.
+    /// (`shard_range(n, world, rank)`) lands in `recv`. `staging` (F32, world × c, any c ≥ 1)
+    /// holds the pieces of c values of the shard at a time while they are summed, ranks in
+    /// order (the sums' bits do not depend on c). Queued on the communication stream: read
+    /// `recv` only after the compute stream waited on the returned event.
     fn reduce_scatter(&self, rank: usize, send: &Tensor, staging: &mut Tensor, recv: &mut Tensor) -> Result<Event>;
     /// `buf` (n values of any dtype on this rank's device) holds this rank's shard at
     /// `shard_range(n, world, rank)`; afterwards it holds every rank's. The compute stream
@@ -132,12 +135,14 @@ impl DeviceCollective for PeerCopy {
             let n = send.numel();
             let own = shard_range(n, self.world, rank);
             let len = own.len();
-            if recv.numel() != len || staging.numel() != self.world * len {
+            let c = staging.numel() / self.world;
+            if recv.numel() != len || c == 0 || staging.numel() != self.world * c {
                 bail!(
-                    "reduce_scatter: rank {rank} of {} receives {} values into staging of {} for its shard of {len}",
+                    "reduce_scatter: rank {rank} of {} receives {} values for its shard of {len}, through staging of {} (expected a multiple of {} above 0)",
                     self.world,
                     recv.numel(),
-                    staging.numel()
+                    staging.numel(),
+                    self.world
                 );
             }
             for (t, what) in [(send, "gradient"), (&*staging, "staging"), (&*recv, "shard")] {
@@ -147,25 +152,40 @@ impl DeviceCollective for PeerCopy {
             }
             let (_, stage) = cuda_of(staging, "staging")?;
             let ranks = self.exchange(rank, &dev, src, ("reduce_scatter", n, DType::F32))?;
+            let d = Device::Cuda(dev.clone());
+            // Piece by piece of w ≤ c values: row p of the staging (world, w) takes rank p's
+            // values of them, and their column sums land in the shard. One stream, so a
+            // piece's copies wait for the previous piece's sum to have read the staging.
+            let sum = |start: usize, w: usize, recv: &mut Tensor| -> Result<()> {
+                let rows = staging.view(0, &[self.world, w])?;
+                crate::ops::linear::bias_grad(&d, &rows, &mut recv.view(start, &[w])?, self.world)
+            };
+            let pieces: Vec<(usize, usize)> = (0..len).step_by(c).map(|s| (s, c.min(len - s))).collect();
             on_stream(Stream::Comm, || -> Result<()> {
-                // Row p of the staging: rank p's values of this rank's shard.
-                for (p, (peer, base)) in ranks.iter().enumerate() {
-                    let (dst, from) = (stage + (p * len * 4) as u64, base + (own.start * 4) as u64);
-                    if p == rank {
-                        dev.dtod(dst, from, len * 4)?;
-                    } else {
-                        dev.peer_copy(dst, peer, from, len * 4)?;
+                recv.fill_zero()?;
+                for (i, &(start, w)) in pieces.iter().enumerate() {
+                    for (p, (peer, base)) in ranks.iter().enumerate() {
+                        let (dst, from) = (stage + (p * w * 4) as u64, base + ((own.start + start) * 4) as u64);
+                        if p == rank {
+                            dev.dtod(dst, from, w * 4)?;
+                        } else {
+                            dev.peer_copy(dst, peer, from, w * 4)?;
+                        }
+                    }
+                    if i + 1 < pieces.len() {
+                        sum(start, w, recv)?;
                     }
                 }
                 Ok(())
             })?;
-            // The copies have read every peer's gradient before anyone moves on.
+            // The copies have read every peer's gradient before anyone moves on; the last
+            // piece's sum is queued after (as a collective's work is, the event orders it).
             dev.synchronize()?;
             self.barrier(rank)?;
             on_stream(Stream::Comm, || -> Result<Event> {
-                recv.fill_zero()?;
-                let d = Device::Cuda(dev.clone());
-                crate::ops::linear::bias_grad(&d, staging, recv, self.world)?;
+                if let Some(&(start, w)) = pieces.last() {
+                    sum(start, w, recv)?;
+                }
                 dev.record_event()
             })
         })
@@ -250,6 +270,15 @@ mod tests {
             dev.wait_event(&e).unwrap();
             let rs = peer_bytes(&dev.take_ledger());
             let got = recv.to_f32_vec().unwrap();
+            // Through a staging of 7 columns: 72 pieces (the last of 4 or 5 values), one peer
+            // copy each, the same sums.
+            let mut small = d.zeros(DType::F32, &[world, 7]).unwrap();
+            let mut pieces = d.zeros(DType::F32, &[len]).unwrap();
+            let e = c.reduce_scatter(rank, &send, &mut small, &mut pieces).unwrap();
+            dev.wait_event(&e).unwrap();
+            assert_eq!(peer_bytes(&dev.take_ledger()), (len as f64 * 4.0, len.div_ceil(7) as u64), "rank {rank}");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&pieces.to_f32_vec().unwrap()), bits(&got), "rank {rank}: pieces of 7");
             let mut want = vec![0.0f32; len];
             h.reduce_scatter_sum(rank, &g, &mut want).unwrap();
             // BF16 gather: each rank's shard written, the others' pieces copied in.

@@ -38,7 +38,7 @@ pub(super) struct Zero {
     shard: Range<usize>,
     /// (S) the reduce-scattered gradient of the shard.
     grad_shard: Tensor,
-    /// (world, S) the pieces of the shard's gradient while they are summed.
+    /// (world, min(S, STAGING_PIECE)) the pieces of the shard's gradient while they are summed.
     staging: Tensor,
     /// (P) the whole model in the compute weights' dtype: each device writes its shard, the
     /// all-gather fills in the rest.
@@ -48,6 +48,11 @@ pub(super) struct Zero {
     /// Each parameter's (offset, length) in the flat order.
     spans: Vec<(usize, usize)>,
 }
+
+/// Values of the shard whose pieces the reduce-scatter stages at a time: 64 MiB a rank (512
+/// MiB at 8 GPUs), where the whole shard's pieces took the full gradient's size again (30 GB
+/// for a 7B model on each GPU). The sums' bits do not depend on it.
+const STAGING_PIECE: usize = 1 << 24;
 
 pub(super) struct DeviceState {
     dev: Device,
@@ -133,7 +138,7 @@ impl DeviceState {
                 }
                 Some(Zero {
                     grad_shard: dev.zeros(DType::F32, &[s])?,
-                    staging: dev.zeros(DType::F32, &[dp.world, s])?,
+                    staging: dev.zeros(DType::F32, &[dp.world, s.clamp(1, STAGING_PIECE)])?,
                     gathered,
                     layout: Layout::new(vec![(0, s)])?,
                     spans: spans.clone(),
