@@ -214,6 +214,11 @@ pub struct ObjectiveConfig {
     pub chunk_size: usize,
     /// Tokens per micro-batch of the backward (activation memory bound); 0: the whole step.
     pub micro_batch_tokens: usize,
+    /// A trainer on a GPU keeps each layer's input alone and runs each layer's forward again
+    /// in the backward: about a layer's activations per token instead of every layer's, for
+    /// one more forward pass of the layers. The gradients are the same bits. (The host
+    /// trainer keeps everything.)
+    pub activation_checkpointing: bool,
     /// PPO-style ratio clipping [1 − clip_low, 1 + clip_high] (grpo, triage).
     pub clip_low: f64,
     pub clip_high: f64,
@@ -241,6 +246,7 @@ impl Default for ObjectiveConfig {
             loss_agg: None,
             chunk_size: 256,
             micro_batch_tokens: 0,
+            activation_checkpointing: false,
             clip_low: 0.2,
             clip_high: 0.28,
             tis: None,

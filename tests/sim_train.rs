@@ -95,11 +95,17 @@ fn step(c: &Case, dev: &Device, dtype: DType) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, 
     (before, after, tr.on_device())
 }
 
+/// On sm_100a with activation checkpointing (each layer run again in the backward), against
+/// the same PyTorch gradients.
 #[test]
 fn one_sgd_step_on_the_simulator_is_theta_minus_grad() {
     for (ordinal, arch) in [(0, "sm_90a"), (1, "sm_100a")] {
         let dev = Device::Cuda(CudaDevice::sim_arch(ordinal, Some(arch)).unwrap());
-        for c in cases() {
+        for mut c in cases() {
+            if arch == "sm_100a" {
+                c.toml = c.toml.replace("[objective]\n", "[objective]\nactivation_checkpointing = true\n");
+                assert!(c.toml.contains("activation_checkpointing"), "{}", c.toml);
+            }
             let (before, after, on_device) = step(&c, &dev, DType::F32);
             assert!(on_device, "{arch} {}: the trainer keeps its state on the device", c.key);
             let r = Ref::open(&c.grads);

@@ -467,7 +467,7 @@ mod tests {
         let w = Workload { gpus: 2, sequences: 6, prompt: 7, response: 9 };
         let roomy = dry_step(&j, &cfg, Some(&cfg), w, "sm_90a", Some(1 << 30)).unwrap().memory.unwrap();
         let p = &roomy.planned;
-        assert_eq!(p.activations, DeviceTrainable::activation_bytes(&cfg, 40, 16, LearnerKeep::Off));
+        assert_eq!(p.activations, DeviceTrainable::activation_bytes(&cfg, 40, 16, LearnerKeep::Off, false));
         let weights = 2 * param_specs(&cfg).iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>();
         assert_eq!(p.teacher, weights, "a BF16 teacher of the student's shapes");
         assert!(p.trainer_here > p.activations + 4 * weights / 2, "master, gradient and the ZeRO-1 buffers");

@@ -57,6 +57,15 @@ struct Acts {
     codes: Option<LayerCodes>,
 }
 
+/// What the forward keeps of one layer for the backward: everything, or with checkpointing
+/// ([`DeviceTrainable::set_checkpointing`]) the layer's input alone (N, C).
+enum Saved {
+    Full(Box<Acts>),
+    Input(Tensor),
+    /// In the backward's hands for the moment.
+    Gone,
+}
+
 /// The NVFP4 learner's operands of one layer as codes only ([`LearnerKeep::Codes`]): what its
 /// forward multiplied and its backward multiplies again.
 struct LayerCodes {
@@ -105,7 +114,7 @@ pub struct DeviceTrainable {
     dev: Device,
     ix: Indices,
     inv_freq: Tensor, // (D/2) f32
-    acts: Vec<Acts>,
+    acts: Vec<Saved>,
     cos: Tensor,   // (N, D/2)
     sin: Tensor,   // (N, D/2)
     xf: Tensor,    // (N, C) final residual stream
@@ -118,6 +127,8 @@ pub struct DeviceTrainable {
     qw: Vec<[Option<Tensor>; 3]>,
     /// `LearnerKeep::Rounded` whatever the weights (see [`Self::set_exact_learner`]).
     exact_learner: bool,
+    /// Keep each layer's input only, and run the layer again in the backward.
+    checkpoint: bool,
 }
 
 /// `v` as a u32 tensor on `dev` (no copy on CPU).
@@ -135,7 +146,15 @@ impl DeviceTrainable {
     /// (`keep`: rounded f32 copies or codes), and its GEMMs' scratch: a linear's backward holds
     /// dy in BF16, an f32 product and the input's BF16 unit values of (tokens, max(C, I)), and
     /// the weight's BF16 unit values and the weight gradient's f32 product, (I, C) each.
-    pub fn activation_bytes(cfg: &ModelConfig, tokens: usize, chunk: usize, keep: LearnerKeep) -> usize {
+    /// With `checkpoint` ([`Self::set_checkpointing`]): each layer's input (N, C) instead of its
+    /// activations, and one layer's activations (and learner operands) at a time besides.
+    pub fn activation_bytes(
+        cfg: &ModelConfig,
+        tokens: usize,
+        chunk: usize,
+        keep: LearnerKeep,
+        checkpoint: bool,
+    ) -> usize {
         let (c, i, h, hkv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let (qd, kd) = (h * d, hkv * d);
         // Saved per layer: x h1 x2 h2 | qraw q att | kraw k v | rq lse rk | rstd1 rstd2 | g u a.
@@ -144,15 +163,19 @@ impl DeviceTrainable {
         let once = 2 * c + 1 + d + 4;
         // Backward: dh dx dh2 dh1 | da dg du | datt dq dqr | dk dv dkr.
         let bwd = 4 * c + 3 * i + 3 * qd + 3 * kd;
-        let per_token = 4 * (cfg.num_layers * layer + once + bwd) + 2 * c.max(i).max(qd);
+        let ls = cfg.num_layers;
+        // Layers whose activations are alive at once, and the saved inputs of the others.
+        let (full, inputs) = if checkpoint { (1, ls * c) } else { (ls, 0) };
+        let per_token = 4 * (full * layer + inputs + once + bwd) + 2 * c.max(i).max(qd);
         let rows = chunk.min(tokens);
         let values = tokens * (c + i) + 3 * c * i;
         let scratch = 8 * tokens * c.max(i) + 6 * c * i;
         let learner = match keep {
             LearnerKeep::Off => 0,
-            LearnerKeep::Rounded => cfg.num_layers * 4 * values + scratch,
+            // The rounded weights stay per layer (`qw`); the rounded inputs go with the layer.
+            LearnerKeep::Rounded => 4 * (ls * 3 * c * i + full * tokens * (c + i)) + scratch,
             // Codes and block scales, and the amaxes (per token, per tensor).
-            LearnerKeep::Codes => cfg.num_layers * (values * 9 / 16 + 4 * (2 * tokens + 3)) + scratch,
+            LearnerKeep::Codes => full * (values * 9 / 16 + 4 * (2 * tokens + 3)) + scratch,
         };
         tokens * per_token + 4 * rows * (cfg.vocab_size + 2 * c) + learner
     }
@@ -163,6 +186,14 @@ impl DeviceTrainable {
     /// reference the codes' backward is tested against.
     pub fn set_exact_learner(&mut self, on: bool) {
         self.exact_learner = on;
+    }
+
+    /// Activation checkpointing: the forward keeps each layer's input (N, C) alone, and the
+    /// backward runs each layer's forward again (without its down projection's output, which
+    /// no gradient reads) before its backward. One more forward of the layers; at most one
+    /// layer's activations alive ([`Self::activation_bytes`]). The gradients are the same bits.
+    pub fn set_checkpointing(&mut self, on: bool) {
+        self.checkpoint = on;
     }
 
     /// Runs the chosen MLP linears on the NVFP4 learner's rounded operands (None: off).
@@ -189,6 +220,7 @@ impl DeviceTrainable {
             quant: None,
             qw: Vec::new(),
             exact_learner: false,
+            checkpoint: false,
         })
     }
 
@@ -205,9 +237,7 @@ impl DeviceTrainable {
         if p.len() != n_params {
             bail!("forward: {} parameter tensors for {n_params} parameters", p.len());
         }
-        let (c, i_dim, h, hkv, d) =
-            (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let (qd, kd) = (h * d, hkv * d);
+        let (c, d) = (cfg.hidden_size, cfg.head_dim);
         let n = b.tokens.len();
         if n == 0 || b.cu.last() != Some(&n) {
             bail!("forward: malformed batch ({} tokens, cu {:?})", n, b.cu.last());
@@ -233,173 +263,14 @@ impl DeviceTrainable {
         self.cos = self.uninit(&[n, d / 2])?;
         self.sin = self.uninit(&[n, d / 2])?;
         rope::rope_table(&dev, &positions, &self.inv_freq, &mut self.cos, &mut self.sin, n)?;
-        let shape = Shape { heads: h, kv_heads: hkv, head_dim: d };
         let mut x = self.uninit(&[n, c])?;
         elementwise::embedding(&dev, p[self.ix.embed], &batch.tokens, &mut x, n)?;
         let mut acts = Vec::with_capacity(cfg.num_layers);
-        let lq = self.quant.clone();
-        for li in &self.ix.layers {
-            // Every buffer of the layer is written whole by the kernel that first touches it.
-            let z = |shape: &[usize]| dev.uninit(DType::F32, shape);
-            let mut a = Acts {
-                x,
-                rstd1: z(&[n])?,
-                h1: z(&[n, c])?,
-                qraw: z(&[n, qd])?,
-                kraw: z(&[n, kd])?,
-                rq: z(&[n * h])?,
-                rk: z(&[n * hkv])?,
-                q: z(&[n, qd])?,
-                k: z(&[n, kd])?,
-                v: z(&[n, kd])?,
-                att: z(&[n, qd])?,
-                lse: z(&[n, h])?,
-                x2: z(&[n, c])?,
-                rstd2: z(&[n])?,
-                h2: z(&[n, c])?,
-                g: z(&[n, i_dim])?,
-                u: z(&[n, i_dim])?,
-                a: z(&[n, i_dim])?,
-                h2q: None,
-                aq: None,
-                codes: None,
-            };
-            let bias = |i: Option<usize>| i.map(|i| p[i]);
-            norm::rmsnorm_train(&dev, &a.x, p[li.ln1], eps, &mut a.h1, &mut a.rstd1, n)?;
-            // q, k, v of one input (on CUDA it is rounded to the weights' dtype once).
-            let proj = |w: usize, b: Option<usize>, y| Proj { w: p[w], panels: None, bias: bias(b), y };
-            linear::linears(
-                &dev,
-                &a.h1,
-                [proj(li.q, li.qb, &mut a.qraw), proj(li.k, li.kb, &mut a.kraw), proj(li.v, li.vb, &mut a.v)],
-                n,
-            )?;
-            match (li.qn, li.kn) {
-                (Some(qn), Some(kn)) => {
-                    for (raw, out, rs, heads, w) in
-                        [(&mut a.qraw, &mut a.q, &mut a.rq, h, p[qn]), (&mut a.kraw, &mut a.k, &mut a.rk, hkv, p[kn])]
-                    {
-                        raw.reshape(&[n * heads, d])?;
-                        out.reshape(&[n * heads, d])?;
-                        norm::rmsnorm_train(&dev, raw, w, eps, out, rs, n * heads)?;
-                        raw.reshape(&[n, heads * d])?;
-                        out.reshape(&[n, heads * d])?;
-                    }
-                }
-                _ => {
-                    a.q.copy_from(&a.qraw)?;
-                    a.k.copy_from(&a.kraw)?;
-                }
-            }
-            rope::rope(&dev, &mut a.q, &self.cos, &self.sin, n, h)?;
-            rope::rope(&dev, &mut a.k, &self.cos, &self.sin, n, hkv)?;
-            let packed = Packed { q: &a.q, k: &a.k, v: &a.v, cu: &batch.cu, offsets: &batch.cu_host };
-            // Low-precision compute weights: the tensor-core forward and backward (BF16
-            // operands, as the linears' GEMMs); F32 weights keep the exact CUDA-core kernels.
-            if p[li.q].dtype() != DType::F32 && attention::tensor_cores_fit(&shape) {
-                attention::fwd_tensor_cores(&dev, &shape, &packed, &mut a.att, &mut a.lse)?;
-            } else {
-                attention::fwd(&dev, &shape, &packed, &mut a.att, &mut a.lse)?;
-            }
-            // x2 = x + att·Woᵀ (+ bo)
-            a.x2.copy_from(&a.x)?;
-            linear::linear(&dev, &a.att, p[li.o], bias(li.ob), &mut a.x2, n, true)?;
-            norm::rmsnorm_train(&dev, &a.x2, p[li.ln2], eps, &mut a.h2, &mut a.rstd2, n)?;
-            // The NVFP4 learner: the chosen MLP linears on rounded weights and inputs — on
-            // their codes (written by the same launches as the rounded copies the backward
-            // reads) through the CUTLASS W4A4 GEMM or, on Hopper, a BF16 GEMM of the decoded
-            // unit values; on the CPU on the rounded copies.
-            // With BF16 weights on CUDA only the codes are made (`LearnerKeep::Codes`).
-            let l = acts.len();
-            let mut wc: [Option<quantize::LearnerCodes>; 3] = Default::default();
-            let (mut xc, mut ac) = (None, None);
-            // `LearnerKeep::of` for the weights of the linears the learner is on (a model's
-            // weights share one dtype, which the memory plan reads).
-            let bf16 = lq.as_ref().is_some_and(|q| {
-                [(GATE, li.gate), (UP, li.up), (DOWN, li.down)]
-                    .iter()
-                    .all(|&(i, w)| !q.on(i) || p[w].dtype() == DType::BF16)
-            });
-            let dtype = if bf16 { DType::BF16 } else { DType::F32 };
-            let codes_only =
-                !self.exact_learner && LearnerKeep::of(!dev.is_cpu(), dtype, lq.is_some()) == LearnerKeep::Codes;
-            if let Some(q) = &lq {
-                for (j, (lin, w)) in [(GATE, li.gate), (UP, li.up), (DOWN, li.down)].into_iter().enumerate() {
-                    self.qw[l][j] = match q.on(lin) {
-                        true if codes_only => {
-                            wc[j] = Some(quantize::learner_codes(&dev, p[w], p[w].dim(0), Global::Tensor, &q.opts)?);
-                            None
-                        }
-                        true => {
-                            let (rows, k) = (p[w].dim(0), p[w].dim(1));
-                            let mut t = dev.uninit(DType::F32, &[rows, k])?;
-                            let fast = linear::learner_w4a4_here(&dev, rows, k);
-                            wc[j] =
-                                quantize::learner_round_codes(&dev, p[w], &mut t, rows, Global::Tensor, &q.opts, fast)?;
-                            Some(t)
-                        }
-                        false => None,
-                    };
-                }
-                if q.on(GATE) || q.on(UP) {
-                    let g = q.act_global(l, if q.on(GATE) { GATE } else { UP });
-                    if codes_only {
-                        xc = Some(quantize::learner_codes(&dev, &a.h2, n, g, &q.opts)?);
-                    } else {
-                        let mut t = dev.uninit(DType::F32, &[n, c])?;
-                        let fast = wc[0].is_some() || wc[1].is_some();
-                        xc = quantize::learner_round_codes(&dev, &a.h2, &mut t, n, g, &q.opts, fast)?;
-                        a.h2q = Some(t);
-                    }
-                }
-            }
-            let qw = &self.qw;
-            let wq = |j: usize, dense: usize| qw.get(l).and_then(|w| w[j].as_ref()).unwrap_or(p[dense]);
-            let on = |i: usize| lq.as_ref().is_some_and(|q| q.on(i));
-            let xg = if on(GATE) { a.h2q.as_ref().unwrap_or(&a.h2) } else { &a.h2 };
-            let xu = if on(UP) { a.h2q.as_ref().unwrap_or(&a.h2) } else { &a.h2 };
-            // One of the MLP's linears: W4A4 on the codes when both operands have them.
-            let lin = |x: &Tensor,
-                       xc: &Option<quantize::LearnerCodes>,
-                       j: usize,
-                       dense: usize,
-                       b: Option<&Tensor>,
-                       y: &mut Tensor,
-                       acc: bool|
-             -> Result<()> {
-                if let (Some(xc), Some(wc)) = (xc, &wc[j]) {
-                    if linear::learner_w4a4(&dev, xc, wc, b, y, acc)? {
-                        return Ok(());
-                    }
-                }
-                linear::linear(&dev, x, wq(j, dense), b, y, n, acc)
-            };
-            if on(GATE) || on(UP) {
-                lin(xg, if on(GATE) { &xc } else { &None }, 0, li.gate, bias(li.gb), &mut a.g, false)?;
-                lin(xu, if on(UP) { &xc } else { &None }, 1, li.up, bias(li.ub), &mut a.u, false)?;
-            } else {
-                let proj = |w: usize, b: Option<usize>, y| Proj { w: p[w], panels: None, bias: bias(b), y };
-                linear::linears(&dev, &a.h2, [proj(li.gate, li.gb, &mut a.g), proj(li.up, li.ub, &mut a.u)], n)?;
-            }
-            elementwise::swiglu(&dev, &a.g, &a.u, &mut a.a, n)?;
-            if let (Some(q), true) = (&lq, on(DOWN)) {
-                if codes_only {
-                    ac = Some(quantize::learner_codes(&dev, &a.a, n, q.act_global(l, DOWN), &q.opts)?);
-                } else {
-                    let mut t = dev.uninit(DType::F32, &[n, i_dim])?;
-                    let (g, fast) = (q.act_global(l, DOWN), wc[2].is_some());
-                    ac = quantize::learner_round_codes(&dev, &a.a, &mut t, n, g, &q.opts, fast)?;
-                    a.aq = Some(t);
-                }
-            }
-            // x = x2 + a·Wdᵀ (+ bd)
-            x = dev.uninit(DType::F32, &[n, c])?;
-            x.copy_from(&a.x2)?;
-            lin(a.aq.as_ref().unwrap_or(&a.a), &ac, 2, li.down, bias(li.db), &mut x, true)?;
-            if codes_only && lq.is_some() {
-                a.codes = Some(LayerCodes { w: wc, h2: xc, a: ac });
-            }
-            acts.push(a);
+        for l in 0..cfg.num_layers {
+            let (a, out) = self.layer(p, l, x, &batch, true)?;
+            x = out.ok_or_else(|| anyhow::anyhow!("layer {l}: no output"))?;
+            // Checkpointed: the layer's input alone; the backward runs the layer again.
+            acts.push(if self.checkpoint { Saved::Input(a.x) } else { Saved::Full(Box::new(a)) });
         }
         self.acts = acts;
         self.rstdf = self.uninit(&[n])?;
@@ -408,6 +279,193 @@ impl DeviceTrainable {
         self.xf = x;
         self.batch = Some(batch);
         Ok(())
+    }
+
+    /// Layer `l` over the batch from its input `x` (N, C): its saved activations, and with
+    /// `out` its output (the next layer's input). The backward of a checkpointed forward
+    /// calls it again on the saved input: the same launches on the same values, so the same
+    /// bits.
+    fn layer(
+        &mut self,
+        p: &[&Tensor],
+        l: usize,
+        x: Tensor,
+        batch: &DevBatch,
+        out: bool,
+    ) -> Result<(Acts, Option<Tensor>)> {
+        let cfg = &self.cfg;
+        let (c, i_dim, h, hkv, d) =
+            (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let (qd, kd) = (h * d, hkv * d);
+        let (n, eps) = (batch.n, cfg.rms_norm_eps as f32);
+        let dev = self.dev.clone();
+        let shape = Shape { heads: h, kv_heads: hkv, head_dim: d };
+        let li = self.ix.layers[l];
+        let lq = self.quant.clone();
+        // Every buffer of the layer is written whole by the kernel that first touches it.
+        let z = |shape: &[usize]| dev.uninit(DType::F32, shape);
+        let mut a = Acts {
+            x,
+            rstd1: z(&[n])?,
+            h1: z(&[n, c])?,
+            qraw: z(&[n, qd])?,
+            kraw: z(&[n, kd])?,
+            rq: z(&[n * h])?,
+            rk: z(&[n * hkv])?,
+            q: z(&[n, qd])?,
+            k: z(&[n, kd])?,
+            v: z(&[n, kd])?,
+            att: z(&[n, qd])?,
+            lse: z(&[n, h])?,
+            x2: z(&[n, c])?,
+            rstd2: z(&[n])?,
+            h2: z(&[n, c])?,
+            g: z(&[n, i_dim])?,
+            u: z(&[n, i_dim])?,
+            a: z(&[n, i_dim])?,
+            h2q: None,
+            aq: None,
+            codes: None,
+        };
+        let bias = |i: Option<usize>| i.map(|i| p[i]);
+        norm::rmsnorm_train(&dev, &a.x, p[li.ln1], eps, &mut a.h1, &mut a.rstd1, n)?;
+        // q, k, v of one input (on CUDA it is rounded to the weights' dtype once).
+        let proj = |w: usize, b: Option<usize>, y| Proj { w: p[w], panels: None, bias: bias(b), y };
+        linear::linears(
+            &dev,
+            &a.h1,
+            [proj(li.q, li.qb, &mut a.qraw), proj(li.k, li.kb, &mut a.kraw), proj(li.v, li.vb, &mut a.v)],
+            n,
+        )?;
+        match (li.qn, li.kn) {
+            (Some(qn), Some(kn)) => {
+                for (raw, out, rs, heads, w) in
+                    [(&mut a.qraw, &mut a.q, &mut a.rq, h, p[qn]), (&mut a.kraw, &mut a.k, &mut a.rk, hkv, p[kn])]
+                {
+                    raw.reshape(&[n * heads, d])?;
+                    out.reshape(&[n * heads, d])?;
+                    norm::rmsnorm_train(&dev, raw, w, eps, out, rs, n * heads)?;
+                    raw.reshape(&[n, heads * d])?;
+                    out.reshape(&[n, heads * d])?;
+                }
+            }
+            _ => {
+                a.q.copy_from(&a.qraw)?;
+                a.k.copy_from(&a.kraw)?;
+            }
+        }
+        rope::rope(&dev, &mut a.q, &self.cos, &self.sin, n, h)?;
+        rope::rope(&dev, &mut a.k, &self.cos, &self.sin, n, hkv)?;
+        let packed = Packed { q: &a.q, k: &a.k, v: &a.v, cu: &batch.cu, offsets: &batch.cu_host };
+        // Low-precision compute weights: the tensor-core forward and backward (BF16
+        // operands, as the linears' GEMMs); F32 weights keep the exact CUDA-core kernels.
+        if p[li.q].dtype() != DType::F32 && attention::tensor_cores_fit(&shape) {
+            attention::fwd_tensor_cores(&dev, &shape, &packed, &mut a.att, &mut a.lse)?;
+        } else {
+            attention::fwd(&dev, &shape, &packed, &mut a.att, &mut a.lse)?;
+        }
+        // x2 = x + att·Woᵀ (+ bo)
+        a.x2.copy_from(&a.x)?;
+        linear::linear(&dev, &a.att, p[li.o], bias(li.ob), &mut a.x2, n, true)?;
+        norm::rmsnorm_train(&dev, &a.x2, p[li.ln2], eps, &mut a.h2, &mut a.rstd2, n)?;
+        // The NVFP4 learner: the chosen MLP linears on rounded weights and inputs — on
+        // their codes (written by the same launches as the rounded copies the backward
+        // reads) through the CUTLASS W4A4 GEMM or, on Hopper, a BF16 GEMM of the decoded
+        // unit values; on the CPU on the rounded copies.
+        // With BF16 weights on CUDA only the codes are made (`LearnerKeep::Codes`).
+        let mut wc: [Option<quantize::LearnerCodes>; 3] = Default::default();
+        let (mut xc, mut ac) = (None, None);
+        // `LearnerKeep::of` for the weights of the linears the learner is on (a model's
+        // weights share one dtype, which the memory plan reads).
+        let bf16 = lq.as_ref().is_some_and(|q| {
+            [(GATE, li.gate), (UP, li.up), (DOWN, li.down)]
+                .iter()
+                .all(|&(i, w)| !q.on(i) || p[w].dtype() == DType::BF16)
+        });
+        let dtype = if bf16 { DType::BF16 } else { DType::F32 };
+        let codes_only =
+            !self.exact_learner && LearnerKeep::of(!dev.is_cpu(), dtype, lq.is_some()) == LearnerKeep::Codes;
+        if let Some(q) = &lq {
+            for (j, (lin, w)) in [(GATE, li.gate), (UP, li.up), (DOWN, li.down)].into_iter().enumerate() {
+                self.qw[l][j] = match q.on(lin) {
+                    true if codes_only => {
+                        wc[j] = Some(quantize::learner_codes(&dev, p[w], p[w].dim(0), Global::Tensor, &q.opts)?);
+                        None
+                    }
+                    true => {
+                        let (rows, k) = (p[w].dim(0), p[w].dim(1));
+                        let mut t = dev.uninit(DType::F32, &[rows, k])?;
+                        let fast = linear::learner_w4a4_here(&dev, rows, k);
+                        wc[j] = quantize::learner_round_codes(&dev, p[w], &mut t, rows, Global::Tensor, &q.opts, fast)?;
+                        Some(t)
+                    }
+                    false => None,
+                };
+            }
+            if q.on(GATE) || q.on(UP) {
+                let g = q.act_global(l, if q.on(GATE) { GATE } else { UP });
+                if codes_only {
+                    xc = Some(quantize::learner_codes(&dev, &a.h2, n, g, &q.opts)?);
+                } else {
+                    let mut t = dev.uninit(DType::F32, &[n, c])?;
+                    let fast = wc[0].is_some() || wc[1].is_some();
+                    xc = quantize::learner_round_codes(&dev, &a.h2, &mut t, n, g, &q.opts, fast)?;
+                    a.h2q = Some(t);
+                }
+            }
+        }
+        let qw = &self.qw;
+        let wq = |j: usize, dense: usize| qw.get(l).and_then(|w| w[j].as_ref()).unwrap_or(p[dense]);
+        let on = |i: usize| lq.as_ref().is_some_and(|q| q.on(i));
+        let xg = if on(GATE) { a.h2q.as_ref().unwrap_or(&a.h2) } else { &a.h2 };
+        let xu = if on(UP) { a.h2q.as_ref().unwrap_or(&a.h2) } else { &a.h2 };
+        // One of the MLP's linears: W4A4 on the codes when both operands have them.
+        let lin = |x: &Tensor,
+                   xc: &Option<quantize::LearnerCodes>,
+                   j: usize,
+                   dense: usize,
+                   b: Option<&Tensor>,
+                   y: &mut Tensor,
+                   acc: bool|
+         -> Result<()> {
+            if let (Some(xc), Some(wc)) = (xc, &wc[j]) {
+                if linear::learner_w4a4(&dev, xc, wc, b, y, acc)? {
+                    return Ok(());
+                }
+            }
+            linear::linear(&dev, x, wq(j, dense), b, y, n, acc)
+        };
+        if on(GATE) || on(UP) {
+            lin(xg, if on(GATE) { &xc } else { &None }, 0, li.gate, bias(li.gb), &mut a.g, false)?;
+            lin(xu, if on(UP) { &xc } else { &None }, 1, li.up, bias(li.ub), &mut a.u, false)?;
+        } else {
+            let proj = |w: usize, b: Option<usize>, y| Proj { w: p[w], panels: None, bias: bias(b), y };
+            linear::linears(&dev, &a.h2, [proj(li.gate, li.gb, &mut a.g), proj(li.up, li.ub, &mut a.u)], n)?;
+        }
+        elementwise::swiglu(&dev, &a.g, &a.u, &mut a.a, n)?;
+        if let (Some(q), true) = (&lq, on(DOWN)) {
+            if codes_only {
+                ac = Some(quantize::learner_codes(&dev, &a.a, n, q.act_global(l, DOWN), &q.opts)?);
+            } else {
+                let mut t = dev.uninit(DType::F32, &[n, i_dim])?;
+                let (g, fast) = (q.act_global(l, DOWN), wc[2].is_some());
+                ac = quantize::learner_round_codes(&dev, &a.a, &mut t, n, g, &q.opts, fast)?;
+                a.aq = Some(t);
+            }
+        }
+        // x = x2 + a·Wdᵀ (+ bd): the next layer's input (not needed when the backward runs
+        // the layer again).
+        let mut x = None;
+        if out {
+            let mut y = dev.uninit(DType::F32, &[n, c])?;
+            y.copy_from(&a.x2)?;
+            lin(a.aq.as_ref().unwrap_or(&a.a), &ac, 2, li.down, bias(li.db), &mut y, true)?;
+            x = Some(y);
+        }
+        if codes_only && lq.is_some() {
+            a.codes = Some(LayerCodes { w: wc, h2: xc, a: ac });
+        }
+        Ok((a, x))
     }
 
     /// Returns the saved activations to the allocator (between steps, while the engine decodes).
@@ -482,7 +540,14 @@ impl DeviceTrainable {
             |w: &Tensor, rounded: bool| if w.dtype() == DType::BF16 && !rounded { DType::BF16 } else { DType::F32 };
         for l in (0..cfg.num_layers).rev() {
             let li = self.ix.layers[l];
-            let a = &mut self.acts[l];
+            // A checkpointed layer runs again from its input first.
+            let saved = match std::mem::replace(&mut self.acts[l], Saved::Gone) {
+                Saved::Input(x) => Saved::Full(Box::new(self.layer(p, l, x, &b, false)?.0)),
+                Saved::Gone => bail!("backward: layer {l} has no saved activations"),
+                full => full,
+            };
+            self.acts[l] = saved;
+            let Saved::Full(a) = &mut self.acts[l] else { bail!("backward: layer {l} has no saved activations") };
             // MLP: x_out = x2 + down(a). Linears of the NVFP4 learner use their rounded operands
             // (straight-through estimator), as the CPU twin.
             let qw = self.qw.get(l);
@@ -583,6 +648,12 @@ impl DeviceTrainable {
                 }
             }
             norm::rmsnorm_bwd(&dev, &dh1, &a.x, p[li.ln1], &a.rstd1, &mut dx, true, &mut grads[li.ln1], n)?;
+            // Checkpointed: back to the input alone (the rest returns to the allocator).
+            if self.checkpoint {
+                if let Saved::Full(a) = std::mem::replace(&mut self.acts[l], Saved::Gone) {
+                    self.acts[l] = Saved::Input(a.x);
+                }
+            }
         }
         let embed = self.ix.embed;
         elementwise::embed_bwd(&dev, &b.tokens, &dx, &mut grads[embed], n, cfg.pad_token_id)?;

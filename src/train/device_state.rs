@@ -211,6 +211,12 @@ impl DeviceState {
         self.model.set_quant(q);
     }
 
+    /// Keeps each layer's input alone and runs the layer again in the backward
+    /// (`objective.activation_checkpointing`; `DeviceTrainable::set_checkpointing`).
+    pub fn set_checkpointing(&mut self, on: bool) {
+        self.model.set_checkpointing(on);
+    }
+
     /// Frees the saved activations (the step is over).
     pub fn release(&mut self) {
         self.model.release();

@@ -87,6 +87,8 @@ pub struct Trainer {
     pub temperature: f32,
     chunk: usize,
     micro_batch_tokens: usize,
+    /// `objective.activation_checkpointing` (the device trainer's).
+    checkpoint: bool,
     centering: bool,
     minibatches: usize,
     updates_per_step: usize,
@@ -141,7 +143,9 @@ impl Trainer {
             _ => None,
         };
         let dstate = if on_cuda && !weights_only && (dp.world == 1 || zero.is_some()) {
-            Some(DeviceState::new(cfg, &weights, job.optimizer.kind == super::optimizer::Kind::AdamW, zero)?)
+            let mut ds = DeviceState::new(cfg, &weights, job.optimizer.kind == super::optimizer::Kind::AdamW, zero)?;
+            ds.set_checkpointing(job.objective.activation_checkpointing);
+            Some(ds)
         } else {
             None
         };
@@ -179,6 +183,7 @@ impl Trainer {
             temperature: job.rollout.temperature,
             chunk: job.objective.chunk_size,
             micro_batch_tokens: job.objective.micro_batch_tokens,
+            checkpoint: job.objective.activation_checkpointing,
             centering: job.objective.centering,
             minibatches: job.objective.minibatches,
             updates_per_step: job.objective.updates_per_step,
@@ -244,7 +249,7 @@ impl Trainer {
         let tokens = if self.micro_batch_tokens == 0 { step_tokens } else { self.micro_batch_tokens };
         use crate::model::trainable_device::{DeviceTrainable, LearnerKeep};
         let keep = LearnerKeep::of(true, self.weights.dtype(), nvfp4); // a device trainer is on CUDA
-        DeviceTrainable::activation_bytes(&self.cfg, tokens, self.chunk, keep)
+        DeviceTrainable::activation_bytes(&self.cfg, tokens, self.chunk, keep, self.checkpoint)
     }
 
     /// Micro-batches (rollout index ranges) of at most `micro_batch_tokens` tokens each.

@@ -233,14 +233,20 @@ fn device_twin_sim() {
 /// than twice that (the plan does not waste the KV cache's room). Without the NVFP4 learner
 /// (F32 weights, cuda-sim:3), and with it on BF16 weights keeping its codes (ordinal 68) or
 /// its rounded f32 copies (`set_exact_learner`, ordinal 69): the codes' step takes less.
+/// Each again with activation checkpointing (ordinals 84 to 86): less memory than without,
+/// still covered by the plan, and the same gradients bit for bit (the layers run again on
+/// the same inputs).
 #[test]
 fn the_planned_activation_bytes_cover_a_step() {
     use crate::device::cuda::CudaDevice;
-    // Ordinals no other lib test opens (cuda-sim:7 is the sm_100a one).
+    let sim = |o: usize| Device::Cuda(CudaDevice::sim_unshared_arch(o, "sm_90a"));
     let cases = [
-        (LearnerKeep::Off, Device::Cuda(CudaDevice::sim_arch(3, Some("sm_90a")).unwrap())),
-        (LearnerKeep::Codes, Device::Cuda(CudaDevice::sim_unshared_arch(68, "sm_90a"))),
-        (LearnerKeep::Rounded, Device::Cuda(CudaDevice::sim_unshared_arch(69, "sm_90a"))),
+        (LearnerKeep::Off, false, sim(67)),
+        (LearnerKeep::Codes, false, sim(68)),
+        (LearnerKeep::Rounded, false, sim(69)),
+        (LearnerKeep::Off, true, sim(84)),
+        (LearnerKeep::Codes, true, sim(85)),
+        (LearnerKeep::Rounded, true, sim(86)),
     ];
     let spec = TinySpec {
         arch: "qwen3".into(),
@@ -264,7 +270,8 @@ fn the_planned_activation_bytes_cover_a_step() {
     let names: Vec<String> = ["gate_proj", "up_proj", "down_proj"].iter().map(|s| s.to_string()).collect();
     let opts = crate::quant::nvfp4::Nvfp4Opts { rht: Some(3), stochastic: None };
     let mut steps = Vec::new();
-    for (keep, dev) in cases {
+    let mut all_grads = Vec::new();
+    for (keep, checkpoint, dev) in cases {
         let Device::Cuda(cd) = &dev else { panic!("a simulated CUDA device") };
         let dtype = if keep == LearnerKeep::Off { DType::F32 } else { DType::BF16 };
         let pt: Vec<Tensor> = specs
@@ -277,6 +284,7 @@ fn the_planned_activation_bytes_cover_a_step() {
         let coef = dev.from_f32(DType::F32, &[m], &data(m, 1, 1.0, 0.0)).unwrap();
         let (mut lp, mut en) = (dev.zeros(DType::F32, &[m]).unwrap(), dev.zeros(DType::F32, &[m]).unwrap());
         let mut t = DeviceTrainable::new(&cfg, &dev).unwrap();
+        t.set_checkpointing(checkpoint);
         if keep != LearnerKeep::Off {
             t.set_quant(Some(LearnerQuant::new(&names, opts, cfg.num_layers).unwrap()));
             t.set_exact_learner(keep == LearnerKeep::Rounded);
@@ -286,12 +294,20 @@ fn the_planned_activation_bytes_cover_a_step() {
         t.token_stats(&pr, 1.0, chunk, &mut lp, &mut en).unwrap();
         t.backward(&pr, &coef, None, 1.0, chunk, &mut grads).unwrap();
         let used = cd.memory().2 - (in_use + cached);
-        let planned = DeviceTrainable::activation_bytes(&cfg, n, chunk, keep);
-        eprintln!("{keep:?}, {n} tokens: {used} bytes used, {planned} planned");
-        assert!(used <= planned && planned <= 2 * used, "{keep:?}, {n} tokens: {used} bytes used, {planned} planned");
+        let planned = DeviceTrainable::activation_bytes(&cfg, n, chunk, keep, checkpoint);
+        let case = format!("{keep:?}, checkpointing {checkpoint}, {n} tokens: {used} bytes used, {planned} planned");
+        eprintln!("{case}");
+        assert!(used <= planned && planned <= 2 * used, "{case}");
         steps.push(used);
+        all_grads.push(grads.iter().map(|g| g.to_f32_vec().unwrap()).collect::<Vec<_>>());
     }
     assert!(steps[1] < steps[2], "the codes' step took {} bytes, the rounded copies' {}", steps[1], steps[2]);
+    let bits = |g: &[Vec<f32>]| g.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for i in 0..3 {
+        assert!(steps[i + 3] < steps[i], "case {i}: {} bytes checkpointed, {} not", steps[i + 3], steps[i]);
+        assert!(all_grads[i].iter().flatten().any(|&x| x != 0.0), "case {i}: some gradient");
+        assert_eq!(bits(&all_grads[i + 3]), bits(&all_grads[i]), "case {i}: checkpointed gradients");
+    }
 }
 
 #[cfg(feature = "cuda")]
