@@ -29,7 +29,7 @@ use crate::device::cuda::ledger::{rows as ledger_rows, Gpu, Ledger, Row as Ledge
 use crate::device::cuda::Stream;
 use crate::device::{CudaDevice, DType, Device};
 use crate::engine::rollout::{generate, score_teacher, Rollout};
-use crate::engine::rollout_weights::RolloutWeights;
+use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
 use crate::engine::{Engine, EngineConfig, SamplingConfig};
 use crate::model::calib::Calibration;
 use crate::model::learner_quant::LearnerQuant;
@@ -83,18 +83,16 @@ fn dtype_of(d: Option<&str>) -> Result<DType> {
 pub type MakeWeights = dyn Fn(&ModelConfig, &Device, DType) -> Result<ModelWeights>;
 
 /// GPU 0's ledger of a synchronous colocated step of `job` (student `student`, teacher
-/// `teacher` for OPD) on `w.gpus` dry simulated GPUs of `arch` ("sm_90a" or "sm_100a"), and
-/// with `budget` GPU 0's memory plan in that many bytes.
+/// `teacher` for OPD) on `w.gpus` dry simulated GPUs of `arch` ("sm_90a" or "sm_100a").
 pub fn dry_step(
     job: &JobConfig,
     student: &ModelConfig,
     teacher: Option<&ModelConfig>,
     w: Workload,
     arch: &str,
-    budget: Option<usize>,
-) -> Result<DryStep> {
+) -> Result<Ledger> {
     let peers = (1..w.gpus).map(|r| CudaDevice::sim_dry(r, Some(arch))).collect::<Result<Vec<_>>>()?;
-    step_on(&CudaDevice::sim_dry(0, Some(arch))?, &peers, job, student, teacher, w, &dry_weights, budget)
+    step_on(&CudaDevice::sim_dry(0, Some(arch))?, &peers, job, student, teacher, w, &dry_weights)
 }
 
 /// GPU 0's memory plan at the step's shapes: what it holds (`holdings::plan`, the run's own
@@ -104,10 +102,59 @@ pub struct Memory {
     pub sizing: std::result::Result<KvSizing, String>,
 }
 
-/// A dry (or backed) step: its ledger, and the memory plan when a budget was given.
-pub struct DryStep {
-    pub ledger: Ledger,
-    pub memory: Option<Memory>,
+/// GPU 0's memory plan in `budget` bytes: a synchronous colocated device that trains `tr`,
+/// decodes with `job`'s engine and scores with `teacher`.
+fn memory_of(
+    job: &JobConfig,
+    spec: &EngineSpec,
+    engine: &EngineConfig,
+    tr: &Trainer,
+    teacher: Option<(&ModelConfig, &ModelWeights)>,
+    budget: usize,
+) -> Memory {
+    let planned = holdings::plan(&Holdings {
+        job,
+        spec,
+        engine,
+        trainer: tr,
+        teacher,
+        cpu: false,
+        split: false,
+        generates: true,
+        lead_or_all: true,
+        budget: Some(budget),
+    });
+    let sizing = memory::size(&planned.need, "GPU 0", &planned.parts).map_err(|e| format!("{e:#}"));
+    Memory { planned, sizing }
+}
+
+/// GPU 0's memory plan for `job` on `gpus` training GPUs of `arch` with `budget` bytes, at the
+/// models' real shapes on a dry GPU, without running a step: the trainer (rank 0 of the ZeRO-1
+/// group), the teacher and the engine's buffers as a run builds them.
+pub fn plan_gpu0(
+    job: &JobConfig,
+    student: &ModelConfig,
+    teacher: Option<&ModelConfig>,
+    gpus: usize,
+    arch: &str,
+    budget: usize,
+) -> Result<Memory> {
+    let dev = Device::Cuda(CudaDevice::sim_dry(0, Some(arch))?);
+    let dtype = dtype_of(job.model.dtype.as_deref()).context("[model] dtype")?;
+    let spec = job.engine.spec(student.num_layers).context("[engine]")?;
+    let coll: Arc<dyn crate::parallel::Collective> = Arc::new(crate::parallel::InProcess::new(gpus)?);
+    let dcoll: Arc<dyn DeviceCollective> = Arc::new(PeerCopy::new(gpus)?);
+    let dp = Dp { rank: 0, world: gpus, coll, dcoll: (gpus > 1).then_some(dcoll) };
+    let tr = Trainer::new_dp(student, dry_weights(student, &dev, dtype)?, job, dp).context("GPU 0's trainer")?;
+    let tw = match teacher.filter(|_| job.objective.kind == ObjectiveKind::Opd) {
+        Some(tc) => {
+            let td = dtype_of(job.teacher.as_ref().and_then(|t| t.dtype.as_deref())).context("[teacher] dtype")?;
+            Some((tc, dry_weights(tc, &dev, td)?))
+        }
+        None => None,
+    };
+    let base = crate::orchestrator::plan::engine_config(job);
+    Ok(memory_of(job, &spec, &base, &tr, tw.as_ref().map(|(c, w)| (*c, w)), budget))
 }
 
 /// [`dry_step`] on any CUDA device `cd`, with weights from `make`: the ledger of the step,
@@ -115,8 +162,6 @@ pub struct DryStep {
 /// stream, `resync`; what the setup launched is taken out first). With `peers`, `cd` is rank 0
 /// of `1 + peers.len()` training GPUs (ZeRO-1 over the device collective, `PeerCopy`): each
 /// trains its share of every GPU's responses (rank 0's, repeated) and updates its shard.
-/// With `budget`, GPU 0's memory plan in that many bytes besides (before the step runs).
-#[allow(clippy::too_many_arguments)]
 pub fn step_on(
     cd: &CudaDevice,
     peers: &[CudaDevice],
@@ -125,8 +170,7 @@ pub fn step_on(
     teacher: Option<&ModelConfig>,
     w: Workload,
     make: &MakeWeights,
-    budget: Option<usize>,
-) -> Result<DryStep> {
+) -> Result<Ledger> {
     let dev = Device::Cuda(cd.clone());
     let dtype = dtype_of(job.model.dtype.as_deref()).context("[model] dtype")?;
     let spec = job.engine.spec(student.num_layers).context("[engine]")?;
@@ -159,30 +203,13 @@ pub fn step_on(
         ..base.clone()
     };
     let mut engine = Engine::new(&dev, student, dtype, &ec, None)?;
-    let teacher_cfg = teacher.filter(|_| job.objective.kind == ObjectiveKind::Opd);
-    let mut teacher = match teacher_cfg {
-        Some(tc) => {
+    let mut teacher = match teacher {
+        Some(tc) if job.objective.kind == ObjectiveKind::Opd => {
             let td = dtype_of(job.teacher.as_ref().and_then(|t| t.dtype.as_deref())).context("[teacher] dtype")?;
             Some((make(tc, &dev, td)?, Engine::new(&dev, tc, td, &base, None)?))
         }
         _ => None,
     };
-    let memory = budget.map(|b| {
-        let planned = holdings::plan(&Holdings {
-            job,
-            spec: &spec,
-            engine: &base,
-            trainer: &tr,
-            teacher: teacher.as_ref().zip(teacher_cfg).map(|((tw, _), tc)| (tc, tw)),
-            cpu: false,
-            split: false,
-            generates: true,
-            lead_or_all: true,
-            budget: Some(b),
-        });
-        let sizing = memory::size(&planned.need, "GPU 0", &planned.parts).map_err(|e| format!("{e:#}"));
-        Memory { planned, sizing }
-    });
     // The GPU's share: `w.sequences / w.gpus` responses, in groups of samples_per_prompt.
     let share = (w.sequences / w.gpus).max(1);
     let samples = job.rollout.samples_per_prompt.clamp(1, share);
@@ -240,7 +267,7 @@ pub fn step_on(
         rw.sync_with_amax(&tr.weights, tr.version, tr.weight_amax())?;
     }
     cd.synchronize()?;
-    Ok(DryStep { ledger: cd.take_ledger(), memory })
+    Ok(cd.take_ledger())
 }
 
 /// The architecture a dry GPU simulates for a GPU of the model (H200: sm_90a, B300: sm_100a)
@@ -306,8 +333,7 @@ pub fn print(
 ) -> Result<()> {
     let (arch, col) = arch_of(&g);
     let t0 = std::time::Instant::now();
-    let d = dry_step(job, student, teacher, w, arch, Some((g.hbm_gb * 1e9) as usize))?;
-    let l = d.ledger;
+    let l = dry_step(job, student, teacher, w, arch)?;
     println!(
         "\nthe launch ledger of GPU 0 of {} in the same step, its launches at these shapes on dry simulated {}s ({arch}; {:.0} s here): a model, not a measurement",
         w.gpus,
@@ -348,9 +374,19 @@ pub fn print(
             sec(r) * 1e3
         );
     }
-    if let Some(m) = &d.memory {
-        print!("{}", memory_table(m, job, &g));
-    }
+    Ok(())
+}
+
+/// Prints GPU 0's memory plan for `job` on `gpus` GPUs like `g` ([`plan_gpu0`]).
+pub fn print_memory(
+    job: &JobConfig,
+    student: &ModelConfig,
+    teacher: Option<&ModelConfig>,
+    gpus: usize,
+    g: Gpu,
+) -> Result<()> {
+    let m = plan_gpu0(job, student, teacher, gpus, arch_of(&g).0, (g.hbm_gb * 1e9) as usize)?;
+    print!("{}", memory_table(&m, job, &g));
     Ok(())
 }
 
@@ -438,9 +474,9 @@ mod tests {
         let cfg = tiny("qwen2", 64, 128);
         let j = job("opd", "[engine]\nrecipe = \"bf16\"\n");
         let w1 = Workload { gpus: 1, sequences: 3, prompt: 7, response: 9 };
-        let one = dry_step(&j, &cfg, Some(&cfg), w1, "sm_90a", None).map(|d| d.ledger);
+        let one = dry_step(&j, &cfg, Some(&cfg), w1, "sm_90a");
         let w2 = Workload { gpus: 2, sequences: 6, prompt: 7, response: 9 };
-        let two = dry_step(&j, &cfg, Some(&cfg), w2, "sm_90a", None).map(|d| d.ledger);
+        let two = dry_step(&j, &cfg, Some(&cfg), w2, "sm_90a");
         let (one, two) = (one.unwrap(), two.unwrap());
         let gemm = |l: &Ledger| -> f64 {
             ledger_rows(l).iter().filter(|r| r.phase == "train" && r.op.starts_with("gemm")).map(|r| r.flops).sum()
@@ -460,12 +496,11 @@ mod tests {
     /// bytes for one micro-batch (`DeviceTrainable::activation_bytes`), its state what the
     /// trainer holds, and a budget below the train phase is refused in the plan's words.
     #[test]
-    fn the_dry_step_plans_gpu_0s_memory_as_a_run_does() {
+    fn gpu_0s_memory_is_planned_as_a_run_plans_it() {
         use crate::model::trainable_device::{DeviceTrainable, LearnerKeep};
         let cfg = tiny("qwen2", 64, 128);
         let j = job("opd", "[engine]\nrecipe = \"bf16\"\n");
-        let w = Workload { gpus: 2, sequences: 6, prompt: 7, response: 9 };
-        let roomy = dry_step(&j, &cfg, Some(&cfg), w, "sm_90a", Some(1 << 30)).unwrap().memory.unwrap();
+        let roomy = plan_gpu0(&j, &cfg, Some(&cfg), 2, "sm_90a", 1 << 30).unwrap();
         let p = &roomy.planned;
         assert_eq!(p.activations, DeviceTrainable::activation_bytes(&cfg, 40, 16, LearnerKeep::Off, false));
         let weights = 2 * param_specs(&cfg).iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>();
@@ -475,10 +510,39 @@ mod tests {
         assert_eq!((s.blocks, s.release), (None, false), "1 MiB caches fit beside the activations");
         let table = memory_table(&roomy, &j, &crate::device::cuda::ledger::H200);
         assert!(table.contains("(40 tokens)") && !table.contains("DOES NOT FIT"), "{table}");
-        let tight = dry_step(&j, &cfg, Some(&cfg), w, "sm_90a", Some(p.need.used / 2)).unwrap().memory.unwrap();
+        let tight = plan_gpu0(&j, &cfg, Some(&cfg), 2, "sm_90a", p.need.used / 2).unwrap();
         let e = tight.sizing.as_ref().unwrap_err();
         assert!(e.contains("its train phase alone needs"), "{e}");
         assert!(memory_table(&tight, &j, &crate::device::cuda::ledger::H200).contains("DOES NOT FIT"));
+    }
+
+    /// The shipped 7B and 4B configs fit 8 × H200 and 8 × B300 by the run's own memory plan
+    /// at their models' real shapes: the trainer's state, one micro-batch's activations and the
+    /// engines' KV caches at once (nothing freed or moved at a switch), caches that hold at
+    /// least one whole response per engine, and a micro-batch that holds the longest sequence.
+    #[test]
+    fn the_shipped_configs_fit_8_h200s_and_8_b300s() {
+        use crate::device::cuda::ledger::{B300, H200};
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        for f in [
+            "r1-distill-qwen-7b-opd.toml",
+            "r1-distill-qwen-7b-grpo.toml",
+            "r1-distill-qwen-7b-reinforce.toml",
+            "qwen3-4b-base-grpo-triage-nvfp4.toml",
+        ] {
+            let j = JobConfig::from_file(&root.join(f)).unwrap();
+            let shape = |p: &str| super::super::node_model::known_shape(std::path::Path::new(p)).unwrap();
+            let student = shape(&j.model.path);
+            let teacher = j.teacher.as_ref().map(|t| shape(&t.path));
+            assert!(j.objective.micro_batch_tokens >= j.rollout.max_new_tokens + 1024, "{f}");
+            for g in [H200, B300] {
+                let m = plan_gpu0(&j, &student, teacher.as_ref(), 8, arch_of(&g).0, (g.hbm_gb * 1e9) as usize).unwrap();
+                let s = m.sizing.as_ref().unwrap_or_else(|e| panic!("{f} on {}: {e}", g.name));
+                assert!(!s.release, "{f} on {}: the caches are freed for training", g.name);
+                let blocks = s.blocks.expect("caches sized from what is left");
+                assert!(blocks >= m.planned.need.min_blocks, "{f} on {}: {blocks} KV blocks", g.name);
+            }
+        }
     }
 
     /// The dry GPUs launch what backed simulated GPUs launch for the same step, operation by
@@ -503,8 +567,8 @@ mod tests {
             let backed = CudaDevice::sim_unshared_arch(76 - 2 * i, arch);
             let peers: Vec<CudaDevice> = (1..*gpus).map(|_| CudaDevice::sim_unshared_arch(75 - 2 * i, arch)).collect();
             let teacher = Some(cfg);
-            let a = table(&step_on(&backed, &peers, j, cfg, teacher, w, random, None).unwrap().ledger);
-            let b = table(&dry_step(j, cfg, teacher, w, arch, None).unwrap().ledger);
+            let a = table(&step_on(&backed, &peers, j, cfg, teacher, w, random).unwrap());
+            let b = table(&dry_step(j, cfg, teacher, w, arch).unwrap());
             assert!(a.keys().any(|k| k.0 == "rollout") && a.keys().any(|k| k.0 == "train"), "{arch}: {a:?}");
             assert!(a.values().any(|e| e.1 > 0), "{arch}: some decode steps replay a graph");
             assert_eq!(a.keys().any(|k| k.1 == Stream::Comm), *gpus > 1, "{arch}: collectives with {gpus} GPUs");

@@ -276,6 +276,7 @@ pub fn print(config: Option<&Path>, model_config: Option<&Path>, gpu_name: &str,
             total * 1e3,
             3600.0 / total.max(1e-12)
         );
+        super::node_ledger::print_memory(&j, &student, teacher.as_ref(), w.gpus, g)?;
         if ledger {
             super::node_ledger::print(&j, &student, teacher.as_ref(), w, g, &rows)?;
         }

@@ -165,7 +165,8 @@ impl DeviceTrainable {
         let bwd = 4 * c + 3 * i + 3 * qd + 3 * kd;
         let ls = cfg.num_layers;
         // Layers whose activations are alive at once, and the saved inputs of the others.
-        let (full, inputs) = if checkpoint { (1, ls * c) } else { (ls, 0) };
+        // (The layer alive counts its own input in `layer`.)
+        let (full, inputs) = if checkpoint { (1, ls.saturating_sub(1) * c) } else { (ls, 0) };
         let per_token = 4 * (full * layer + inputs + once + bwd) + 2 * c.max(i).max(qd);
         let rows = chunk.min(tokens);
         let values = tokens * (c + i) + 3 * c * i;

@@ -11,9 +11,10 @@
 //! only its shard of the master and the moments. The gradient is reduce-scattered on the
 //! communication stream (`device_coll::DeviceCollective`); the compute stream waits on the
 //! collective's event, takes the global norm (one f64 per device over the host), updates its
-//! shard and writes the rounded shard into a flat buffer of the compute weights' dtype, which is
-//! all-gathered in place; after the gather's event each parameter is copied from it into its
-//! own tensor (device to device). Only per-token numbers and one norm per update cross PCIe.
+//! shard and writes the rounded shard into the flat buffer of the compute weights (they are its
+//! views, made so when the state is built), which is all-gathered in place: after the gather's
+//! event the weights hold the update, with no copy. Only per-token numbers and one norm per
+//! update cross PCIe.
 //!
 //! Owns: the device tensors of one trainer. May call: `model::trainable_device`, `ops::optim`.
 //! Must not: decide clipping, skipping or the learning rate (`super::optimizer` does).
@@ -40,8 +41,8 @@ pub(super) struct Zero {
     grad_shard: Tensor,
     /// (world, min(S, STAGING_PIECE)) the pieces of the shard's gradient while they are summed.
     staging: Tensor,
-    /// (P) the whole model in the compute weights' dtype: each device writes its shard, the
-    /// all-gather fills in the rest.
+    /// (P) the whole model in the compute weights' dtype, whose views the compute weights
+    /// are: each device writes its shard, the all-gather fills in the rest.
     gathered: Tensor,
     /// The shard as one tensor (the optimizer's layout; no per-parameter amax).
     layout: Layout,
@@ -82,7 +83,7 @@ impl DeviceState {
     /// `zero`: the data-parallel group and its device collective, when several GPUs train.
     pub fn new(
         cfg: &ModelConfig,
-        weights: &ModelWeights,
+        weights: &mut ModelWeights,
         adam: bool,
         zero: Option<(super::dp::Dp, Arc<dyn DeviceCollective>)>,
     ) -> Result<DeviceState> {
@@ -131,11 +132,20 @@ impl DeviceState {
                 })?;
                 let s = shard.len();
                 // The whole model in the compute dtype: each parameter copied in, device to
-                // device (the same dtype by `compute_dtype`).
+                // device (the same dtype by `compute_dtype`); then the compute weights become
+                // its views, so the all-gather lands in them and the model is held once (15 GB
+                // a GPU for a 7B model). Their old buffers go back to the allocator.
                 let gathered = dev.uninit(dtype, &[n])?;
                 for (t, &(off, len)) in weights.tensors().iter().zip(&spans) {
                     gathered.view(off, &[len])?.copy_from(t)?;
                 }
+                let views = weights
+                    .tensors()
+                    .iter()
+                    .zip(&spans)
+                    .map(|(t, &(off, _))| gathered.view(off, t.shape()))
+                    .collect::<Result<Vec<_>>>()?;
+                *weights = ModelWeights::from_ordered(cfg, views)?;
                 Some(Zero {
                     grad_shard: dev.zeros(DType::F32, &[s])?,
                     staging: dev.zeros(DType::F32, &[dp.world, s.clamp(1, STAGING_PIECE)])?,
@@ -177,9 +187,8 @@ impl DeviceState {
     /// gradient shard, the staging of its pieces and the gathered weights).
     pub fn bytes(&self) -> usize {
         let moments = [&self.m, &self.v].iter().filter_map(|t| t.as_ref()).map(|t| t.numel()).sum::<usize>();
-        let zero = self.zero.as_ref().map_or(0, |z| {
-            4 * (z.grad_shard.numel() + z.staging.numel()) + z.gathered.numel() * z.gathered.dtype().size()
-        });
+        // The gathered buffer is the compute weights' memory (counted with the weights).
+        let zero = self.zero.as_ref().map_or(0, |z| 4 * (z.grad_shard.numel() + z.staging.numel()));
         4 * (self.master.numel() + moments + self.grad.numel() + self.amax.numel()) + zero
     }
 
@@ -331,10 +340,15 @@ impl DeviceState {
         let gathered = z.coll.all_gather_in_place(rank, &mut z.gathered)?;
         cd.wait_event(&gathered)?;
         self.last_collective_s += t.elapsed().as_secs_f64();
+        // The compute weights are views of the gathered buffer (`new`); a weight that is not
+        // (replaced since) is copied from it.
         let es = z.gathered.dtype().size();
         let base = ptr_of(&z.gathered)?;
         for (t, &(off, len)) in weights.tensors_mut().into_iter().zip(&z.spans) {
-            cd.dtod(ptr_of(t)?, base + (off * es) as u64, len * es)?;
+            let (dst, src) = (ptr_of(t)?, base + (off * es) as u64);
+            if dst != src {
+                cd.dtod(dst, src, len * es)?;
+            }
         }
         Ok(StepInfo { grad_norm: norm, clip_coef, lr: opt.lr_at(opt.step), skipped: false })
     }
@@ -393,5 +407,53 @@ fn ptr_of(t: &Tensor) -> Result<u64> {
     match t.storage() {
         crate::device::Storage::Cuda(c) => Ok(c.device_ptr() as u64),
         crate::device::Storage::Cpu(_) => bail!("device trainer state: a host tensor"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::cuda::CudaDevice;
+    use crate::model::tiny::{tiny_config, TinySpec};
+
+    /// With ZeRO-1 the compute weights become views of the gathered buffer (one copy of the
+    /// model on the device, the all-gather lands in them), with their values unchanged, and
+    /// the state's bytes no longer count a second copy.
+    #[test]
+    fn zero_1_compute_weights_are_the_gathered_buffer() {
+        let spec = TinySpec {
+            arch: "qwen2".into(),
+            layers: 2,
+            hidden: 32,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: Some(8),
+            intermediate: Some(64),
+            vocab: 300,
+            max_position: 32,
+            tie: true,
+        };
+        let cfg = tiny_config(&spec).unwrap();
+        let dev = Device::Cuda(CudaDevice::sim_unshared_arch(89, "sm_90a"));
+        let mut w = ModelWeights::random(&cfg, &dev, DType::BF16, 5, 0.1).unwrap();
+        let before: Vec<Vec<f32>> = w.tensors().iter().map(|t| t.to_f32_vec().unwrap()).collect();
+        let n: usize = before.iter().map(|v| v.len()).sum();
+        let coll: Arc<dyn crate::parallel::Collective> = Arc::new(crate::parallel::InProcess::new(2).unwrap());
+        let dcoll: Arc<dyn DeviceCollective> = Arc::new(super::super::device_coll::PeerCopy::new(2).unwrap());
+        let dp = super::super::dp::Dp { rank: 0, world: 2, coll, dcoll: Some(dcoll.clone()) };
+        let st = DeviceState::new(&cfg, &mut w, true, Some((dp, dcoll))).unwrap();
+        let z = st.zero.as_ref().unwrap();
+        let base = ptr_of(&z.gathered).unwrap();
+        let mut off = 0;
+        for (i, t) in w.tensors().iter().enumerate() {
+            assert_eq!(ptr_of(t).unwrap(), base + 2 * off as u64, "parameter {i} is a view of the gathered buffer");
+            assert_eq!(t.to_f32_vec().unwrap(), before[i], "parameter {i} keeps its values");
+            off += t.numel();
+        }
+        assert_eq!(off, n);
+        let s = n.div_ceil(2);
+        // master, m, v of the shard; the gradient; amax; the gradient shard and its staging.
+        let want = 4 * (3 * s + n + w.tensors().len()) + 4 * (s + 2 * s);
+        assert_eq!(st.bytes(), want);
     }
 }

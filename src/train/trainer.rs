@@ -133,7 +133,13 @@ impl Trainer {
         Self::build(cfg, weights, job, Dp::single()?, true)
     }
 
-    fn build(cfg: &ModelConfig, weights: ModelWeights, job: &JobConfig, dp: Dp, weights_only: bool) -> Result<Trainer> {
+    fn build(
+        cfg: &ModelConfig,
+        mut weights: ModelWeights,
+        job: &JobConfig,
+        dp: Dp,
+        weights_only: bool,
+    ) -> Result<Trainer> {
         let objective = Objective::from_job(job)?;
         let on_cuda = weights.tensors().first().map(|t| !t.storage().is_cpu()).unwrap_or(false);
         // Several GPUs train on the device when they have a device collective and one compute
@@ -143,7 +149,8 @@ impl Trainer {
             _ => None,
         };
         let dstate = if on_cuda && !weights_only && (dp.world == 1 || zero.is_some()) {
-            let mut ds = DeviceState::new(cfg, &weights, job.optimizer.kind == super::optimizer::Kind::AdamW, zero)?;
+            let mut ds =
+                DeviceState::new(cfg, &mut weights, job.optimizer.kind == super::optimizer::Kind::AdamW, zero)?;
             ds.set_checkpointing(job.objective.activation_checkpointing);
             Some(ds)
         } else {

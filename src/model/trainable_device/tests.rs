@@ -227,30 +227,11 @@ fn device_twin_sim() {
     every_arch(&Device::parse("cuda-sim:0").unwrap());
 }
 
-/// The memory plan's activation reserve covers what a step allocates beyond the weights:
-/// the forward's saved state, the loss pass and the backward of 16 sequences of 20 tokens
-/// on a device of its own, measured by the allocator's high-water mark; and it is no more
-/// than twice that (the plan does not waste the KV cache's room). Without the NVFP4 learner
-/// (F32 weights, cuda-sim:3), and with it on BF16 weights keeping its codes (ordinal 68) or
-/// its rounded f32 copies (`set_exact_learner`, ordinal 69): the codes' step takes less.
-/// Each again with activation checkpointing (ordinals 84 to 86): less memory than without,
-/// still covered by the plan, and the same gradients bit for bit (the layers run again on
-/// the same inputs).
-#[test]
-fn the_planned_activation_bytes_cover_a_step() {
-    use crate::device::cuda::CudaDevice;
-    let sim = |o: usize| Device::Cuda(CudaDevice::sim_unshared_arch(o, "sm_90a"));
-    let cases = [
-        (LearnerKeep::Off, false, sim(67)),
-        (LearnerKeep::Codes, false, sim(68)),
-        (LearnerKeep::Rounded, false, sim(69)),
-        (LearnerKeep::Off, true, sim(84)),
-        (LearnerKeep::Codes, true, sim(85)),
-        (LearnerKeep::Rounded, true, sim(86)),
-    ];
+/// A tiny qwen3 of `layers` layers for the memory tests.
+fn memory_cfg(layers: usize) -> ModelConfig {
     let spec = TinySpec {
         arch: "qwen3".into(),
-        layers: 2,
+        layers,
         hidden: 64,
         heads: 4,
         kv_heads: 2,
@@ -260,8 +241,22 @@ fn the_planned_activation_bytes_cover_a_step() {
         max_position: 64,
         tie: false,
     };
-    let cfg = tiny_config(&spec).unwrap();
-    let specs = param_specs(&cfg);
+    tiny_config(&spec).unwrap()
+}
+
+/// One step (forward, statistics, backward) of 16 sequences of 20 tokens on a fresh simulated
+/// sm_90a device `ordinal`: (the allocator's high-water mark beyond the parameters and
+/// gradients, the planned activation bytes, the gradients).
+fn measure_step(
+    cfg: &ModelConfig,
+    keep: LearnerKeep,
+    checkpoint: bool,
+    ordinal: usize,
+) -> (usize, usize, Vec<Vec<f32>>) {
+    use crate::device::cuda::CudaDevice;
+    let cd = CudaDevice::sim_unshared_arch(ordinal, "sm_90a");
+    let dev = Device::Cuda(cd.clone());
+    let specs = param_specs(cfg);
     let mut b = TrainBatch::default();
     for i in 0..16u32 {
         b.push(&[1 + i, 2, 3, 4, 5], &(0..15).map(|j| (i * 7 + j * 3) % 300).collect::<Vec<_>>());
@@ -269,45 +264,77 @@ fn the_planned_activation_bytes_cover_a_step() {
     let (n, m, chunk) = (b.tokens.len(), b.rows.len(), 64);
     let names: Vec<String> = ["gate_proj", "up_proj", "down_proj"].iter().map(|s| s.to_string()).collect();
     let opts = crate::quant::nvfp4::Nvfp4Opts { rht: Some(3), stochastic: None };
-    let mut steps = Vec::new();
-    let mut all_grads = Vec::new();
-    for (keep, checkpoint, dev) in cases {
-        let Device::Cuda(cd) = &dev else { panic!("a simulated CUDA device") };
-        let dtype = if keep == LearnerKeep::Off { DType::F32 } else { DType::BF16 };
-        let pt: Vec<Tensor> = specs
-            .iter()
-            .enumerate()
-            .map(|(i, (_, s))| dev.from_f32(dtype, s, &data(s.iter().product(), i as u64, 0.1, 0.0)).unwrap())
-            .collect();
-        let pr: Vec<&Tensor> = pt.iter().collect();
-        let mut grads: Vec<Tensor> = specs.iter().map(|(_, s)| dev.zeros(DType::F32, s).unwrap()).collect();
-        let coef = dev.from_f32(DType::F32, &[m], &data(m, 1, 1.0, 0.0)).unwrap();
-        let (mut lp, mut en) = (dev.zeros(DType::F32, &[m]).unwrap(), dev.zeros(DType::F32, &[m]).unwrap());
-        let mut t = DeviceTrainable::new(&cfg, &dev).unwrap();
-        t.set_checkpointing(checkpoint);
-        if keep != LearnerKeep::Off {
-            t.set_quant(Some(LearnerQuant::new(&names, opts, cfg.num_layers).unwrap()));
-            t.set_exact_learner(keep == LearnerKeep::Rounded);
-        }
-        let (in_use, cached, _, _) = cd.memory();
-        t.forward(&pr, &b).unwrap();
-        t.token_stats(&pr, 1.0, chunk, &mut lp, &mut en).unwrap();
-        t.backward(&pr, &coef, None, 1.0, chunk, &mut grads).unwrap();
-        let used = cd.memory().2 - (in_use + cached);
-        let planned = DeviceTrainable::activation_bytes(&cfg, n, chunk, keep, checkpoint);
-        let case = format!("{keep:?}, checkpointing {checkpoint}, {n} tokens: {used} bytes used, {planned} planned");
-        eprintln!("{case}");
-        assert!(used <= planned && planned <= 2 * used, "{case}");
-        steps.push(used);
-        all_grads.push(grads.iter().map(|g| g.to_f32_vec().unwrap()).collect::<Vec<_>>());
+    let dtype = if keep == LearnerKeep::Off { DType::F32 } else { DType::BF16 };
+    let pt: Vec<Tensor> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, (_, s))| dev.from_f32(dtype, s, &data(s.iter().product(), i as u64, 0.1, 0.0)).unwrap())
+        .collect();
+    let pr: Vec<&Tensor> = pt.iter().collect();
+    let mut grads: Vec<Tensor> = specs.iter().map(|(_, s)| dev.zeros(DType::F32, s).unwrap()).collect();
+    let coef = dev.from_f32(DType::F32, &[m], &data(m, 1, 1.0, 0.0)).unwrap();
+    let (mut lp, mut en) = (dev.zeros(DType::F32, &[m]).unwrap(), dev.zeros(DType::F32, &[m]).unwrap());
+    let mut t = DeviceTrainable::new(cfg, &dev).unwrap();
+    t.set_checkpointing(checkpoint);
+    if keep != LearnerKeep::Off {
+        t.set_quant(Some(LearnerQuant::new(&names, opts, cfg.num_layers).unwrap()));
+        t.set_exact_learner(keep == LearnerKeep::Rounded);
     }
-    assert!(steps[1] < steps[2], "the codes' step took {} bytes, the rounded copies' {}", steps[1], steps[2]);
+    let (in_use, cached, _, _) = cd.memory();
+    t.forward(&pr, &b).unwrap();
+    t.token_stats(&pr, 1.0, chunk, &mut lp, &mut en).unwrap();
+    t.backward(&pr, &coef, None, 1.0, chunk, &mut grads).unwrap();
+    let used = cd.memory().2 - (in_use + cached);
+    let planned = DeviceTrainable::activation_bytes(cfg, n, chunk, keep, checkpoint);
+    (used, planned, grads.iter().map(|g| g.to_f32_vec().unwrap()).collect())
+}
+
+/// The memory plan's activation reserve covers what a step allocates beyond the weights:
+/// the forward's saved state, the loss pass and the backward of 16 sequences of 20 tokens
+/// on a device of its own, measured by the allocator's high-water mark; and it is no more
+/// than twice that (the plan does not waste the KV cache's room). Without the NVFP4 learner
+/// (F32 weights), and with it on BF16 weights keeping its codes or its rounded f32 copies
+/// (`set_exact_learner`): the codes' step takes less. Each again with activation
+/// checkpointing: less memory than without, still covered by the plan, and the same
+/// gradients bit for bit (the layers run again on the same inputs).
+#[test]
+fn the_planned_activation_bytes_cover_a_step() {
+    let cfg = memory_cfg(2);
+    let keeps = [LearnerKeep::Off, LearnerKeep::Codes, LearnerKeep::Rounded];
+    let mut steps = Vec::new();
+    for (checkpoint, base) in [(false, 67), (true, 84)] {
+        for (i, keep) in keeps.into_iter().enumerate() {
+            let (used, planned, grads) = measure_step(&cfg, keep, checkpoint, base + i);
+            let case = format!("{keep:?}, checkpointing {checkpoint}: {used} bytes used, {planned} planned");
+            eprintln!("{case}");
+            assert!(used <= planned && planned <= 2 * used, "{case}");
+            assert!(grads.iter().flatten().any(|&x| x != 0.0), "{case}: some gradient");
+            steps.push((used, grads));
+        }
+    }
+    assert!(steps[1].0 < steps[2].0, "the codes' step took {} bytes, the rounded copies' {}", steps[1].0, steps[2].0);
     let bits = |g: &[Vec<f32>]| g.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
     for i in 0..3 {
-        assert!(steps[i + 3] < steps[i], "case {i}: {} bytes checkpointed, {} not", steps[i + 3], steps[i]);
-        assert!(all_grads[i].iter().flatten().any(|&x| x != 0.0), "case {i}: some gradient");
-        assert_eq!(bits(&all_grads[i + 3]), bits(&all_grads[i]), "case {i}: checkpointed gradients");
+        assert!(
+            steps[i + 3].0 < steps[i].0,
+            "{:?}: {} bytes checkpointed, {} not",
+            keeps[i],
+            steps[i + 3].0,
+            steps[i].0
+        );
+        assert_eq!(bits(&steps[i + 3].1), bits(&steps[i].1), "{:?}: checkpointed gradients", keeps[i]);
     }
+}
+
+/// Checkpointed, a step's memory grows by each added layer's saved input (N, C): from 2 to 6
+/// layers the plan grows as the measured high-water mark does, within a tenth.
+#[test]
+fn checkpointed_activations_grow_by_the_layers_inputs() {
+    let (u2, p2, _) = measure_step(&memory_cfg(2), LearnerKeep::Off, true, 87);
+    let (u6, p6, _) = measure_step(&memory_cfg(6), LearnerKeep::Off, true, 88);
+    let (du, dp) = ((u6 - u2) as f64, p6 as f64 - p2 as f64);
+    assert!(du >= 4.0 * 320.0 * 64.0 * 4.0, "4 more layers' inputs of 320 × 64 f32: {du} bytes");
+    assert!((dp - du).abs() <= 0.1 * du, "planned growth {dp} bytes, measured {du}");
 }
 
 #[cfg(feature = "cuda")]
