@@ -14,8 +14,9 @@
 //! engine, as a run does).
 //!
 //! GPU 0 of `Workload::gpus`: it decodes and teacher-scores its share of the sequences (one
-//! engine, the rollout recipe's; a run's KV sizing by the memory plan is left out: capacity
-//! changes no launch), and every GPU trains its share of all the responses as a ZeRO-1 rank
+//! engine, the rollout recipe's, whose cache holds the share at full length: the run's KV
+//! sizing is [`plan_gpu0`]'s, which `the_shipped_configs_fit_8_h200s_and_8_b300s` checks
+//! holds it), and every GPU trains its share of all the responses as a ZeRO-1 rank
 //! over the device collective (`PeerCopy`), so the optimizer covers its shard and the
 //! reduce-scatter and all-gather are the ledger's, on the communication stream.
 //!
@@ -196,7 +197,13 @@ pub fn step_on(
             t.set_learner_quant(Some(lq))?;
         }
     }
-    let base = crate::orchestrator::plan::engine_config(job);
+    let mut base = crate::orchestrator::plan::engine_config(job);
+    // Caches sized from what is left (rollout.kv_cache_mb = 0; the plan's sizing is
+    // `plan_gpu0`'s): each engine holds the GPU's share of sequences at their full length.
+    let share = (w.sequences / w.gpus).max(1);
+    if base.kv_cache_bytes == 0 {
+        base.kv_blocks = Some(share * (w.prompt + w.response + 1).div_ceil(base.block_size.max(1)));
+    }
     let ec = EngineConfig {
         kv_fp8: spec.recipe.kv_layers(),
         graph_versions: holdings::graph_versions(&spec),
@@ -211,7 +218,6 @@ pub fn step_on(
         _ => None,
     };
     // The GPU's share: `w.sequences / w.gpus` responses, in groups of samples_per_prompt.
-    let share = (w.sequences / w.gpus).max(1);
     let samples = job.rollout.samples_per_prompt.clamp(1, share);
     let items = prompts(share.div_ceil(samples), w.prompt, student.vocab_size);
     let sampling = Arc::new(SamplingConfig {
@@ -541,6 +547,12 @@ mod tests {
                 assert!(!s.release, "{f} on {}: the caches are freed for training", g.name);
                 let blocks = s.blocks.expect("caches sized from what is left");
                 assert!(blocks >= m.planned.need.min_blocks, "{f} on {}: {blocks} KV blocks", g.name);
+                // The workload the step-time model assumes (256 + 4,096 tokens a sequence),
+                // the GPU's share at once in each engine.
+                let bs = crate::orchestrator::plan::engine_config(&j).block_size;
+                let share = j.rollout.prompts_per_step * j.rollout.samples_per_prompt / 8;
+                let need = share * (256 + j.rollout.max_new_tokens.min(4096) + 1).div_ceil(bs);
+                assert!(blocks >= need, "{f} on {}: {blocks} KV blocks, the modelled share needs {need}", g.name);
             }
         }
     }
