@@ -95,7 +95,7 @@ pub const GROUPS: [(&str, &str); 10] = [
     ("scale-layout", "NVFP4 scale layout sizes of the sm_100 CUTLASS kernels"),
     ("optim", "the optimizer step (AdamW, SGD, clipping, compute weights and their amax), the squared norm, the device collective on its own stream"),
     ("train-gemm", "the backward GEMMs dx = dy·W, dW = dyᵀ·x and the fused LM-head loss (plain and centered)"),
-    ("backward", "the layers' backward kernels: RMSNorm, RoPE, SwiGLU, embedding, bias, attention"),
+    ("backward", "the layers' backward kernels: RMSNorm, RoPE, SwiGLU, embedding, bias, attention; a checkpointed model backward"),
     ("decode-graph", "decode steps replayed as CUDA graphs per batch bucket vs the same padded steps launched eagerly, before and after an in-place resync and a KV cache release"),
 ];
 

@@ -1,6 +1,7 @@
 //! The training checks of `colotrain device-check`: the optimizer step (and the device
 //! collective's two streams), the backward GEMMs and the fused LM-head loss, the layers' backward kernels, each against its CPU twin on fresh
-//! random inputs (the context and tolerances of `checks`).
+//! random inputs (the context and tolerances of `checks`); and a whole model's backward with
+//! activation checkpointing against the one that kept its activations, bit for bit.
 //!
 //! Owns: the training check groups. May call: the ops. Must not: time anything.
 
@@ -192,7 +193,61 @@ pub(super) fn backward(x: &mut Ctx) -> Result<()> {
     let mut db = x.randp(DType::F32, &[N], 1.0)?;
     x.both(|d, g| matmul::bias_grad(d, pick(&da, g), pick_mut(&mut db, g), M))?;
     x.cmp("bias gradient", "f32", &db, Tol::Exact)?;
-    attention(x)
+    attention(x)?;
+    checkpointed(x)
+}
+
+/// A whole model's backward with activation checkpointing (each layer run again from its
+/// saved input) against the one that kept every layer's activations, on the GPU: the same
+/// gradients bit for bit (the same launches on the same values; no training kernel uses a
+/// floating-point atomic). A 2-layer qwen3 (q/k norms) with BF16 weights, 3 sequences.
+fn checkpointed(x: &mut Ctx) -> Result<()> {
+    use crate::model::tiny::{tiny_config, TinySpec};
+    use crate::model::trainable::TrainBatch;
+    use crate::model::trainable_device::DeviceTrainable;
+    use crate::model::weights::param_specs;
+    let spec = TinySpec {
+        arch: "qwen3".into(),
+        layers: 2,
+        hidden: 128,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: Some(32),
+        intermediate: Some(256),
+        vocab: 320,
+        max_position: 128,
+        tie: false,
+    };
+    let cfg = tiny_config(&spec)?;
+    let specs = param_specs(&cfg);
+    let mut params = Vec::with_capacity(specs.len());
+    for (_, shape) in &specs {
+        params.push(x.randp(DType::BF16, shape, 0.1)?.g);
+    }
+    let p: Vec<&Tensor> = params.iter().collect();
+    let mut b = TrainBatch::default();
+    for (i, len) in [(0u32, 17usize), (1, 40), (2, 5)] {
+        let response: Vec<u32> = (0..len as u32).map(|t| (t * 13 + i * 101 + 7) % 320).collect();
+        b.push(&[1 + i, 2, 3, 4], &response);
+    }
+    let m = b.rows.len();
+    let coef: Vec<f32> = (0..m).map(|_| x.rng.normal() as f32).collect();
+    let coef = x.gpu.from_f32(DType::F32, &[m], &coef)?;
+    let grads_of = |checkpoint: bool| -> Result<Vec<f32>> {
+        let mut t = DeviceTrainable::new(&cfg, &x.gpu)?;
+        t.set_checkpointing(checkpoint);
+        let mut grads = specs.iter().map(|(_, s)| x.gpu.zeros(DType::F32, s)).collect::<Result<Vec<_>>>()?;
+        t.forward(&p, &b)?;
+        t.backward(&p, &coef, None, 1.0, 64, &mut grads)?;
+        let mut out = Vec::new();
+        for g in &grads {
+            out.extend(g.to_f32_vec()?);
+        }
+        Ok(out)
+    };
+    let (kept, again) = (grads_of(false)?, grads_of(true)?);
+    x.record("model backward: checkpointed vs kept", "bf16 weights, f32 grads", &kept, &again, Tol::Exact);
+    Ok(())
 }
 
 /// Training attention forward and backward (CUDA cores and tensor cores) at Qwen2.5-7B's head
