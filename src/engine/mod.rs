@@ -168,6 +168,20 @@ pub struct EngineConfig {
     pub graph_capture: bool,
 }
 
+impl EngineConfig {
+    /// The (K, V) cache dtype of each layer of `cfg` for weights of `weights_dtype`: the
+    /// configured KV dtype (default the weights'), or one byte a value (FP8) where `kv_fp8` says.
+    pub fn kv_dtypes(&self, cfg: &ModelConfig, weights_dtype: DType) -> Vec<(DType, DType)> {
+        let dt = self.kv_dtype.unwrap_or(weights_dtype);
+        (0..cfg.num_layers)
+            .map(|l| {
+                let (k, v) = self.kv_fp8.get(l).copied().unwrap_or((false, false));
+                (if k { DType::U8 } else { dt }, if v { DType::U8 } else { dt })
+            })
+            .collect()
+    }
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
@@ -266,13 +280,7 @@ impl Engine {
         if ec.max_seqs == 0 || ec.max_tokens_per_step == 0 || ec.logits_rows == 0 {
             bail!("engine: max_seqs, max_tokens_per_step and logits_rows must be positive");
         }
-        let kv_dtype = ec.kv_dtype.unwrap_or(weights_dtype);
-        let kv_dtypes: Vec<(DType, DType)> = (0..cfg.num_layers)
-            .map(|l| {
-                let (k, v) = ec.kv_fp8.get(l).copied().unwrap_or((false, false));
-                (if k { DType::U8 } else { kv_dtype }, if v { DType::U8 } else { kv_dtype })
-            })
-            .collect();
+        let kv_dtypes = ec.kv_dtypes(cfg, weights_dtype);
         let max_model_len = ec.max_model_len.unwrap_or(cfg.max_position_embeddings);
         let block_bytes = KvCache::block_bytes_layers(cfg, ec.block_size, &kv_dtypes);
         let max_blocks_per_seq = max_model_len.div_ceil(ec.block_size);

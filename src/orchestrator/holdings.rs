@@ -67,14 +67,7 @@ pub fn graph_versions(spec: &EngineSpec) -> usize {
 /// Bytes of one KV block of an engine with config `ec` over a model of `cfg` in `dtype`
 /// (blocks of `block_size` tokens; FP8 layers one byte a value).
 pub fn kv_block_bytes(cfg: &ModelConfig, dtype: DType, ec: &EngineConfig, block_size: usize) -> usize {
-    let dt = ec.kv_dtype.unwrap_or(dtype);
-    let kinds: Vec<(DType, DType)> = (0..cfg.num_layers)
-        .map(|l| {
-            let (k, v) = ec.kv_fp8.get(l).copied().unwrap_or((false, false));
-            (if k { DType::U8 } else { dt }, if v { DType::U8 } else { dt })
-        })
-        .collect();
-    crate::engine::kv_cache::KvCache::block_bytes_layers(cfg, block_size, &kinds)
+    crate::engine::kv_cache::KvCache::block_bytes_layers(cfg, block_size, &ec.kv_dtypes(cfg, dtype))
 }
 
 /// What the device holds before its caches, in the order the plan lists it.

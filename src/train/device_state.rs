@@ -118,12 +118,11 @@ impl DeviceState {
         let moment = || if adam { dev.zeros(DType::F32, &[shard.len()]).map(Some) } else { Ok(None) };
         let (m, v) = (moment()?, moment()?);
         let grad = dev.zeros(DType::F32, &[n])?;
-        let grads = weights
-            .tensors()
-            .iter()
-            .zip(&spans)
-            .map(|(t, &(off, _))| grad.view(off, t.shape()))
-            .collect::<Result<Vec<_>>>()?;
+        // One view of `flat` per parameter, of its shape.
+        let views_of = |flat: &Tensor, weights: &ModelWeights| -> Result<Vec<Tensor>> {
+            weights.tensors().iter().zip(&spans).map(|(t, &(off, _))| flat.view(off, t.shape())).collect()
+        };
+        let grads = views_of(&grad, weights)?;
         let amax = dev.upload(Tensor::from_u32_host(&[spans.len()], vec![0; spans.len()])?)?;
         let zero = match zero {
             Some((dp, coll)) => {
@@ -139,13 +138,7 @@ impl DeviceState {
                 for (t, &(off, len)) in weights.tensors().iter().zip(&spans) {
                     gathered.view(off, &[len])?.copy_from(t)?;
                 }
-                let views = weights
-                    .tensors()
-                    .iter()
-                    .zip(&spans)
-                    .map(|(t, &(off, _))| gathered.view(off, t.shape()))
-                    .collect::<Result<Vec<_>>>()?;
-                *weights = ModelWeights::from_ordered(cfg, views)?;
+                *weights = ModelWeights::from_ordered(cfg, views_of(&gathered, weights)?)?;
                 Some(Zero {
                     grad_shard: dev.zeros(DType::F32, &[s])?,
                     staging: dev.zeros(DType::F32, &[dp.world, s.clamp(1, STAGING_PIECE)])?,
