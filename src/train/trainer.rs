@@ -31,6 +31,8 @@ use anyhow::{bail, Result};
 use std::borrow::Cow;
 use std::ops::Range;
 
+mod fused;
+
 /// What a step measured.
 #[derive(Clone, Debug, Default)]
 pub struct StepOut {
@@ -89,6 +91,9 @@ pub struct Trainer {
     micro_batch_tokens: usize,
     /// `objective.activation_checkpointing` (the device trainer's).
     checkpoint: bool,
+    /// A device trainer with one minibatch scores and backpropagates each micro-batch in one
+    /// pass at the first update (`trainer/fused.rs`); off only to test it against the two.
+    fuse_first: bool,
     centering: bool,
     minibatches: usize,
     updates_per_step: usize,
@@ -191,6 +196,7 @@ impl Trainer {
             chunk: job.objective.chunk_size,
             micro_batch_tokens: job.objective.micro_batch_tokens,
             checkpoint: job.objective.activation_checkpointing,
+            fuse_first: true,
             centering: job.objective.centering,
             minibatches: job.objective.minibatches,
             updates_per_step: job.objective.updates_per_step,
@@ -200,6 +206,12 @@ impl Trainer {
             skipped_steps: 0,
             last_collective_s: 0.0,
         })
+    }
+
+    /// Whether a device trainer with one minibatch fuses the first update's scoring and
+    /// backward (default on; the gradients are the same bits either way).
+    pub fn set_fused_first(&mut self, on: bool) {
+        self.fuse_first = on;
     }
 
     /// Runs the chosen MLP linears of the learner's forward in NVFP4 (None: off), on the host
@@ -362,8 +374,14 @@ impl Trainer {
         )?;
         let k = self.rollout_steps;
         self.rollout_steps += 1;
-        // Pass 1: π_old, the statistics of every response token at the step's start.
-        let (logp_old, ent, n_chunks, mine0) = self.gathered_stats(&rollouts, &inp, 0..rollouts.len())?;
+        let parts = minibatches(rollouts.len(), self.minibatches);
+        // Pass 1: π_old, the statistics of every response token at the step's start; on a
+        // device trainer with one minibatch fused with the first update's backward.
+        let fused = self.fuse_first && self.dstate.is_some() && parts.len() == 1;
+        let (logp_old, ent, n_chunks, mine0) = match fused {
+            true => self.fused_first(&rollouts, &inp, k)?,
+            false => self.gathered_stats(&rollouts, &inp, 0..rollouts.len())?,
+        };
         let m = logp_old.len();
         let mut out = StepOut {
             entropy: ent / m as f64,
@@ -377,7 +395,6 @@ impl Trainer {
             max_age: inp.mask.is_some().then_some(inp.max_age),
             ..Default::default()
         };
-        let parts = minibatches(rollouts.len(), self.minibatches);
         let mut losses = Vec::new();
         let mut applied = 0;
         for u in 0..self.updates_per_step {
@@ -425,7 +442,10 @@ impl Trainer {
                     .center
                     .as_ref()
                     .map(|(k, ids, p)| (*k, &ids[my.start * k..my.end * k], &p[my.start * k..my.end * k]));
-                self.backward(&rollouts[mine.clone()], &ev.coefs.coef[a..b], center, reuse)?;
+                // Fused: the first update's gradient is already in the device state.
+                if !(first && fused) {
+                    self.backward(&rollouts[mine.clone()], &ev.coefs.coef[a..b], center, reuse)?;
+                }
                 let info = self.apply()?;
                 out.collective_s += self.last_collective_s;
                 if first {
