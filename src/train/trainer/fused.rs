@@ -136,9 +136,9 @@ mod tests {
                         advantages: Some(&adv),
                         mask: Some(&mask),
                     };
-                    let ev = evaluate(&o, &s, agg, 3).unwrap();
+                    let ev = evaluate(&o, &s, agg, 60).unwrap(); // past k_rep: the repair's λ is on
                     if let (true, Some(t)) = (lp == logp.as_slice(), &ev.triage) {
-                        assert!(t.gated_segments > 0 && t.repair_active > 0, "{obj}: gate and repair active: {t:?}");
+                        assert!(t.gated_segments > 0 && t.repair_mass > 0.0, "{obj}: gate and repair active: {t:?}");
                     }
                     ev.coefs.coef.iter().map(|c| c.to_bits()).collect()
                 };
