@@ -15,6 +15,9 @@
 //! with F32 weights, and on the CPU, it keeps the rounded f32 copies and multiplies them in
 //! F32, as the CPU twin. The activations come from the caching allocator (blocks reused
 //! between steps); the memory plan reserves [`DeviceTrainable::activation_bytes`] for them.
+//! With activation checkpointing ([`DeviceTrainable::set_checkpointing`]) the forward keeps
+//! each layer's input alone and the backward runs the layer's forward again first
+//! (`DeviceTrainable::layer`, one function for both).
 //!
 //! Owns: [`DeviceTrainable`] (RoPE frequencies and saved activations on the device). May call:
 //! the ops' device-level signatures. Must not: own weights or optimizer state.
