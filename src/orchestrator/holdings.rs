@@ -64,6 +64,12 @@ pub fn graph_versions(spec: &EngineSpec) -> usize {
     (spec.staleness + 1).max(EngineConfig::default().graph_versions)
 }
 
+/// The rollout engine's config for `spec` over the run's engine config `base`: the recipe's
+/// FP8 KV layers and a decode graph per weight copy it rotates through.
+pub fn rollout_engine_config(spec: &EngineSpec, base: &EngineConfig) -> EngineConfig {
+    EngineConfig { kv_fp8: spec.recipe.kv_layers(), graph_versions: graph_versions(spec), ..base.clone() }
+}
+
 /// Bytes of one KV block of an engine with config `ec` over a model of `cfg` in `dtype`
 /// (blocks of `block_size` tokens; FP8 layers one byte a value).
 pub fn kv_block_bytes(cfg: &ModelConfig, dtype: DType, ec: &EngineConfig, block_size: usize) -> usize {
@@ -83,8 +89,7 @@ pub fn plan(h: &Holdings) -> Planned {
     let dtype = tr.weights.dtype();
     let standard = is_standard(h.spec) || !h.generates;
     let engine_buffers = RolloutWeights::estimate_extra_bytes(h.spec, &tr.weights);
-    let rollout_ec =
-        EngineConfig { kv_fp8: h.spec.recipe.kv_layers(), graph_versions: graph_versions(h.spec), ..h.engine.clone() };
+    let rollout_ec = rollout_engine_config(h.spec, h.engine);
     let step_tokens = 2 * job.rollout.prompts_per_step * job.rollout.samples_per_prompt * job.rollout.max_new_tokens;
     let nvfp4 = job.learner.precision == LearnerPrecision::Nvfp4;
     let activations = tr.activation_plan_bytes(step_tokens, nvfp4);

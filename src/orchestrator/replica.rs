@@ -10,7 +10,6 @@
 //! mailbox, the plan's arithmetic (`memory.rs`). Must not: write run files other than the
 //! checkpoint the training lead is asked to write.
 
-pub use super::holdings::graph_versions;
 use super::holdings::{self, is_standard, kv_block_bytes, Holdings};
 use crate::config::{JobConfig, LearnerPrecision, ObjectiveKind, Placement};
 use crate::device::{DType, Device};
@@ -526,12 +525,7 @@ impl Replica {
     /// standard engine's cache holds (the same capacity in tokens).
     fn rollout_config(&self, s: &Setup, spec: &EngineSpec) -> EngineConfig {
         let blocks = self.std_engine.cache.capacity_tokens() / s.engine.block_size.max(1);
-        EngineConfig {
-            kv_fp8: spec.recipe.kv_layers(),
-            kv_blocks: Some(blocks.max(1)),
-            graph_versions: graph_versions(spec),
-            ..s.engine.clone()
-        }
+        EngineConfig { kv_blocks: Some(blocks.max(1)), ..holdings::rollout_engine_config(spec, &s.engine) }
     }
 
     /// Switches the rollout engine to `spec` in place, between steps: the current engine's
