@@ -69,6 +69,18 @@ case "${DEVICE:-0}" in
     else
       echo "device_check: libcublasLt.so.13 not found; set CUDA_LIBS (or install the nvidia-cublas wheel for CUDA 13)" >&2
     fi
+    # NCCL (the device collective's row): cudarc opens libnccl.so; the nvidia-nccl wheel ships
+    # libnccl.so.2 only, so link it under $OUT/lib.
+    if command -v python3 >/dev/null 2>&1; then
+      for d in $(python3 -c 'import site; print(" ".join(site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/null); do
+        if [ -e "$d/nvidia/nccl/lib/libnccl.so.2" ]; then
+          mkdir -p "$OUT/lib" && ln -sf "$d/nvidia/nccl/lib/libnccl.so.2" "$OUT/lib/libnccl.so"
+          export LD_LIBRARY_PATH="$(cd "$OUT/lib" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+          echo "libnccl.so.2 from $d/nvidia/nccl/lib"
+          break
+        fi
+      done
+    fi
     command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
     ;;
 esac

@@ -1,6 +1,6 @@
 //! One process, several simulated GPUs (issue 21): data parallelism with the trainer's state on
-//! the devices (ZeRO-1 over the device collective: peer copies and the reduction on each
-//! device's communication stream, ordered by events), and a fault on one GPU mid-step.
+//! the devices (ZeRO-1 over the device collective: NCCL calls on each device's communication
+//! stream, ordered by events), and a fault on one GPU mid-step.
 //! Tolerance for N GPUs vs one, as for the CPU devices (tests/devices.rs): SGD, so the weights
 //! differ only by the gradient's summation order (per-device partial sums, then across
 //! devices): |a − b| ≤ 1e-6 + 1e-5·|b|; the sampled tokens are identical (Philox keys do not
@@ -74,6 +74,22 @@ fn one_two_and_four_simulated_gpus_train_the_same_weights_on_the_same_samples() 
             eprintln!("{n} GPUs: step {}: {up} B up, {down} B down", l["step"]);
             assert!(up < 200_000 && down < 200_000, "{n} GPUs: step {}: {up} B up, {down} B down", l["step"]);
         }
+        // The device collective is NCCL's (the default), on the communication stream: no
+        // peer copies, and on several GPUs per GPU and update one broadcast call (the
+        // all-gather) and as many reduce calls as the reduce-scatter has buckets (the head,
+        // each layer, the embedding: at least 3; tests/sim_train.rs counts them exactly).
+        let rows: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("ledger.json")).unwrap()).unwrap();
+        let calls = |op: &str| {
+            rows.iter()
+                .filter(|r| r["op"] == op)
+                .inspect(|r| assert_eq!(r["stream"], "communication", "{n} GPUs: {op}"))
+                .map(|r| r["launches"].as_u64().unwrap())
+                .sum::<u64>()
+        };
+        let (reduce, gather) = (calls("nccl reduce"), calls("nccl broadcast"));
+        assert_eq!((gather, calls("memcpy peer")), (if n > 1 { 3 * n as u64 } else { 0 }, 0), "{n} GPUs");
+        assert!(n == 1 && reduce == 0 || reduce % gather == 0 && reduce / gather >= 3, "{n} GPUs: {reduce} reduces");
         results.push((n, m, master(&dir, &j)));
     }
     let (_, m1, w1) = &results[0];

@@ -302,26 +302,83 @@ fn the_nvfp4_learner_steps_on_the_simulator_like_the_cpu() {
     }
 }
 
-/// The same SGD step data-parallel on two simulated GPUs (ZeRO-1 over the device collective,
-/// each rank with its token-balanced share) still moves every parameter by −∇L, on both
-/// ranks; then a step on a single response, which leaves rank 1's share empty: that rank
-/// joins the collectives with a zero gradient and both ranks end with the same weights.
-#[test]
-fn a_data_parallel_step_on_two_simulated_gpus_is_theta_minus_grad() {
+/// A device collective that records, for each call, its name and how many launches its
+/// device had queued by then (what tells a bucket started during the backward).
+struct Watch {
+    inner: std::sync::Arc<dyn colotrain::train::device_coll::DeviceCollective>,
+    calls: std::sync::Mutex<Vec<Vec<(&'static str, u64)>>>,
+}
+
+impl Watch {
+    fn note(&self, rank: usize, t: &colotrain::device::Tensor, what: &'static str) {
+        if let colotrain::device::Storage::Cuda(c) = t.storage() {
+            let launched = c.device().take_ledger().entries().map(|(_, e)| e.launches).sum::<u64>();
+            let mut calls = self.calls.lock().unwrap();
+            let before = calls[rank].last().map_or(0, |c| c.1);
+            calls[rank].push((what, before + launched));
+        }
+    }
+}
+
+impl colotrain::train::device_coll::DeviceCollective for Watch {
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+    fn staging_columns(&self, shard: usize) -> usize {
+        self.inner.staging_columns(shard)
+    }
+    fn reduce_scatter(
+        &self,
+        rank: usize,
+        send: &colotrain::device::Tensor,
+        staging: &mut colotrain::device::Tensor,
+        recv: &mut colotrain::device::Tensor,
+    ) -> anyhow::Result<colotrain::device::cuda::Event> {
+        self.note(rank, send, "whole");
+        self.inner.reduce_scatter(rank, send, staging, recv)
+    }
+    fn reduce_scatter_ranges(
+        &self,
+        rank: usize,
+        send: &colotrain::device::Tensor,
+        recv: &mut colotrain::device::Tensor,
+        ranges: &[std::ops::Range<usize>],
+    ) -> anyhow::Result<Option<colotrain::device::cuda::Event>> {
+        self.note(rank, send, "bucket");
+        self.inner.reduce_scatter_ranges(rank, send, recv, ranges)
+    }
+    fn all_gather_in_place(
+        &self,
+        rank: usize,
+        buf: &mut colotrain::device::Tensor,
+    ) -> anyhow::Result<colotrain::device::cuda::Event> {
+        self.note(rank, buf, "gather");
+        self.inner.all_gather_in_place(rank, buf)
+    }
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason)
+    }
+}
+
+/// The weights before a step, after it, and after a second step on a single response.
+type Weights = Vec<Vec<f32>>;
+
+/// The fixture's first case, two SGD steps data-parallel on simulated GPUs 2 and 3 over
+/// `dcoll`: (before, after the step, after a step on its first response alone) per rank.
+fn two_rank_steps(
+    c: &Case,
+    dcoll: std::sync::Arc<dyn colotrain::train::device_coll::DeviceCollective>,
+) -> Vec<(Weights, Weights, Weights)> {
     use colotrain::parallel::InProcess;
-    use colotrain::train::device_coll::PeerCopy;
     use colotrain::train::dp::Dp;
     use std::sync::Arc;
-    let c = cases().remove(0);
-    let (coll, dcoll) = (Arc::new(InProcess::new(2).unwrap()), Arc::new(PeerCopy::new(2).unwrap()));
+    let coll = Arc::new(InProcess::new(2).unwrap());
     let ranks: Vec<_> = [2usize, 3]
         .into_iter()
         .enumerate()
         .map(|(rank, ordinal)| {
             let (c, coll, dcoll) = (c.clone(), coll.clone(), dcoll.clone());
             std::thread::spawn(move || {
-                // The weights before the first step, after it, and after the second.
-                type Weights = Vec<Vec<f32>>;
                 let run = || -> anyhow::Result<(Weights, Weights, Weights)> {
                     let dev = Device::Cuda(CudaDevice::sim_arch(ordinal, Some("sm_90a"))?);
                     let lm = load_fixture(c.model, &dev, DType::F32);
@@ -344,20 +401,36 @@ fn a_data_parallel_step_on_two_simulated_gpus_is_theta_minus_grad() {
                 // failure hook does), so a failure is reported instead of hanging.
                 run().inspect_err(|e| {
                     use colotrain::parallel::Collective;
-                    use colotrain::train::device_coll::DeviceCollective;
                     coll.abort(&format!("{e:#}"));
                     dcoll.abort(&format!("{e:#}"));
                 })
             })
         })
         .collect();
-    let out: Vec<_> = ranks
+    ranks
         .into_iter()
         .enumerate()
         .map(|(r, h)| h.join().expect("rank thread").unwrap_or_else(|e| panic!("rank {r}: {e:#}")))
-        .collect();
+        .collect()
+}
+
+/// The same SGD step data-parallel on two simulated GPUs (ZeRO-1 over the device collective,
+/// each rank with its token-balanced share) still moves every parameter by −∇L, on both
+/// ranks; then a step on a single response, which leaves rank 1's share empty: that rank
+/// joins the collectives with a zero gradient and both ranks end with the same weights. Over
+/// NCCL (the default) the reduce-scatter goes in buckets started during the backward, one per
+/// layer and one each for the head and the embedding, and the weights are those of the
+/// in-process collective's whole reduce-scatter, bit for bit.
+#[test]
+fn a_data_parallel_step_on_two_simulated_gpus_is_theta_minus_grad() {
+    use colotrain::train::device_coll::PeerCopy;
+    use colotrain::train::device_nccl::NcclDevice;
+    use std::sync::Arc;
+    let c = cases().remove(0);
+    let out = two_rank_steps(&c, Arc::new(PeerCopy::new(2).unwrap()));
     let r = Ref::open(&c.grads);
-    let specs = param_specs(&load_fixture(c.model, &Device::cpu(1).unwrap(), DType::F32).cfg);
+    let cfg = load_fixture(c.model, &Device::cpu(1).unwrap(), DType::F32).cfg;
+    let specs = param_specs(&cfg);
     for (rank, (before, after, _)) in out.iter().enumerate() {
         for (((pname, _), b), a) in specs.iter().zip(before).zip(after) {
             let (_, g) = r.f32(&format!("grad.{}.{pname}", c.key));
@@ -368,4 +441,22 @@ fn a_data_parallel_step_on_two_simulated_gpus_is_theta_minus_grad() {
     }
     assert_eq!(out[0].2, out[1].2, "both ranks hold the same weights after the step with an empty share");
     assert_ne!(out[0].2, out[0].1, "the single-response step moved the weights");
+    let devs: Vec<CudaDevice> = [2, 3].iter().map(|&o| CudaDevice::sim_arch(o, Some("sm_90a")).unwrap()).collect();
+    let watch = Arc::new(Watch { inner: Arc::new(NcclDevice::new(&devs).unwrap()), calls: Default::default() });
+    *watch.calls.lock().unwrap() = vec![Vec::new(); 2];
+    let nccl = two_rank_steps(&c, watch.clone());
+    for rank in 0..2 {
+        assert_eq!(nccl[rank], out[rank], "rank {rank}: NCCL's bucketed steps vs the whole reduce-scatter");
+    }
+    let buckets = cfg.num_layers + 2;
+    for (rank, calls) in watch.calls.lock().unwrap().iter().enumerate() {
+        let names: Vec<&str> = calls.iter().map(|c| c.0).collect();
+        let update: Vec<&str> = std::iter::repeat_n("bucket", buckets).chain(["gather"]).collect();
+        assert_eq!(names, [update.clone(), update].concat(), "rank {rank}: two updates");
+        // Rank 0's first update: the backward queued kernels between its first bucket and its
+        // last (the buckets started while it ran), and nothing after the last but the update.
+        if rank == 0 {
+            assert!(calls[buckets - 1].1 > calls[0].1, "rank 0: buckets started during the backward: {calls:?}");
+        }
+    }
 }

@@ -17,8 +17,9 @@
 //! engine, the rollout recipe's, whose cache holds the share at full length: the run's KV
 //! sizing is [`plan_gpu0`]'s, which `the_shipped_configs_fit_8_h200s_and_8_b300s` checks
 //! holds it), and every GPU trains its share of all the responses as a ZeRO-1 rank
-//! over the device collective (`PeerCopy`), so the optimizer covers its shard and the
-//! reduce-scatter and all-gather are the ledger's, on the communication stream.
+//! over the device collective (NCCL on the dry devices, `train::device_nccl`), so the
+//! optimizer covers its shard and the reduce-scatter and all-gather are the ledger's, on the
+//! communication stream.
 //!
 //! Owns: the dry step. May call: the engine, the trainer, the orchestrator's plan helpers, the
 //! ledger. Must not: open a real or registered simulated device, or read a model's weights.
@@ -30,8 +31,8 @@ use crate::device::cuda::ledger::{rows as ledger_rows, Gpu, Ledger, Row as Ledge
 use crate::device::cuda::Stream;
 use crate::device::{CudaDevice, DType, Device};
 use crate::engine::rollout::{generate, score_teacher, Rollout};
-use crate::engine::rollout_weights::{EngineSpec, RolloutWeights};
-use crate::engine::{Engine, EngineConfig, SamplingConfig};
+use crate::engine::rollout_weights::RolloutWeights;
+use crate::engine::{Engine, SamplingConfig};
 use crate::model::calib::Calibration;
 use crate::model::learner_quant::LearnerQuant;
 use crate::model::weights::param_specs;
@@ -39,7 +40,8 @@ use crate::model::{ModelConfig, ModelWeights};
 use crate::orchestrator::holdings::{self, Holdings, Planned};
 use crate::orchestrator::memory::{self, KvSizing};
 use crate::parallel::phase::enter_phase;
-use crate::train::device_coll::{DeviceCollective, PeerCopy};
+use crate::train::device_coll::DeviceCollective;
+use crate::train::device_nccl::NcclDevice;
 use crate::train::dp::Dp;
 use crate::train::trainer::Trainer;
 use anyhow::{Context, Result};
@@ -103,32 +105,6 @@ pub struct Memory {
     pub sizing: std::result::Result<KvSizing, String>,
 }
 
-/// GPU 0's memory plan in `budget` bytes: a synchronous colocated device that trains `tr`,
-/// decodes with `job`'s engine and scores with `teacher`.
-fn memory_of(
-    job: &JobConfig,
-    spec: &EngineSpec,
-    engine: &EngineConfig,
-    tr: &Trainer,
-    teacher: Option<(&ModelConfig, &ModelWeights)>,
-    budget: usize,
-) -> Memory {
-    let planned = holdings::plan(&Holdings {
-        job,
-        spec,
-        engine,
-        trainer: tr,
-        teacher,
-        cpu: false,
-        split: false,
-        generates: true,
-        lead_or_all: true,
-        budget: Some(budget),
-    });
-    let sizing = memory::size(&planned.need, "GPU 0", &planned.parts).map_err(|e| format!("{e:#}"));
-    Memory { planned, sizing }
-}
-
 /// GPU 0's memory plan for `job` on `gpus` training GPUs of `arch` with `budget` bytes, at the
 /// models' real shapes on a dry GPU, without running a step: the trainer (rank 0 of the ZeRO-1
 /// group), the teacher and the engine's buffers as a run builds them.
@@ -140,11 +116,12 @@ pub fn plan_gpu0(
     arch: &str,
     budget: usize,
 ) -> Result<Memory> {
-    let dev = Device::Cuda(CudaDevice::sim_dry(0, Some(arch))?);
+    let devs = (0..gpus.max(1)).map(|k| CudaDevice::sim_dry(k, Some(arch))).collect::<Result<Vec<_>>>()?;
+    let dev = Device::Cuda(devs[0].clone());
     let dtype = dtype_of(job.model.dtype.as_deref()).context("[model] dtype")?;
     let spec = job.engine.spec(student.num_layers).context("[engine]")?;
     let coll: Arc<dyn crate::parallel::Collective> = Arc::new(crate::parallel::InProcess::new(gpus)?);
-    let dcoll: Arc<dyn DeviceCollective> = Arc::new(PeerCopy::new(gpus)?);
+    let dcoll: Arc<dyn DeviceCollective> = Arc::new(NcclDevice::new(&devs)?);
     let dp = Dp { rank: 0, world: gpus, coll, dcoll: (gpus > 1).then_some(dcoll) };
     let tr = Trainer::new_dp(student, dry_weights(student, &dev, dtype)?, job, dp).context("GPU 0's trainer")?;
     let tw = match teacher.filter(|_| job.objective.kind == ObjectiveKind::Opd) {
@@ -155,13 +132,27 @@ pub fn plan_gpu0(
         None => None,
     };
     let base = crate::orchestrator::plan::engine_config(job);
-    Ok(memory_of(job, &spec, &base, &tr, tw.as_ref().map(|(c, w)| (*c, w)), budget))
+    // A synchronous colocated device that trains, decodes with the job's engine and scores.
+    let planned = holdings::plan(&Holdings {
+        job,
+        spec: &spec,
+        engine: &base,
+        trainer: &tr,
+        teacher: tw.as_ref().map(|(c, w)| (*c, w)),
+        cpu: false,
+        split: false,
+        generates: true,
+        lead_or_all: true,
+        budget: Some(budget),
+    });
+    let sizing = memory::size(&planned.need, "GPU 0", &planned.parts).map_err(|e| format!("{e:#}"));
+    Ok(Memory { planned, sizing })
 }
 
 /// [`dry_step`] on any CUDA device `cd`, with weights from `make`: the ledger of the step,
 /// phase by phase (`rollout`, `teacher`, `train` with its collectives on the communication
 /// stream, `resync`; what the setup launched is taken out first). With `peers`, `cd` is rank 0
-/// of `1 + peers.len()` training GPUs (ZeRO-1 over the device collective, `PeerCopy`): each
+/// of `1 + peers.len()` training GPUs (ZeRO-1 over the device collective, NCCL): each
 /// trains its share of every GPU's responses (rank 0's, repeated) and updates its shard.
 pub fn step_on(
     cd: &CudaDevice,
@@ -177,7 +168,8 @@ pub fn step_on(
     let spec = job.engine.spec(student.num_layers).context("[engine]")?;
     let world = 1 + peers.len();
     let host: Arc<dyn crate::parallel::Collective> = Arc::new(crate::parallel::InProcess::new(world)?);
-    let coll: Arc<dyn DeviceCollective> = Arc::new(PeerCopy::new(world)?);
+    let all: Vec<CudaDevice> = std::iter::once(cd.clone()).chain(peers.iter().cloned()).collect();
+    let coll: Arc<dyn DeviceCollective> = Arc::new(NcclDevice::new(&all)?);
     let trainer = |rank: usize, d: &Device| -> Result<Trainer> {
         let dp = Dp { rank, world, coll: host.clone(), dcoll: (world > 1).then(|| coll.clone()) };
         Trainer::new_dp(student, make(student, d, dtype)?, job, dp).context("the step's trainer")
@@ -204,11 +196,7 @@ pub fn step_on(
     if base.kv_cache_bytes == 0 {
         base.kv_blocks = Some(share * (w.prompt + w.response + 1).div_ceil(base.block_size.max(1)));
     }
-    let ec = EngineConfig {
-        kv_fp8: spec.recipe.kv_layers(),
-        graph_versions: holdings::graph_versions(&spec),
-        ..base.clone()
-    };
+    let ec = holdings::rollout_engine_config(&spec, &base);
     let mut engine = Engine::new(&dev, student, dtype, &ec, None)?;
     let mut teacher = match teacher {
         Some(tc) if job.objective.kind == ObjectiveKind::Opd => {

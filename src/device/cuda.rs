@@ -62,6 +62,8 @@ pub mod ledger;
 mod ptr_fields;
 #[path = "cuda/nvtx.rs"]
 pub mod nvtx;
+#[path = "cuda/nccl.rs"]
+pub mod nccl;
 #[cfg(feature = "cuda")]
 #[path = "cuda/real.rs"]
 mod real;
@@ -95,6 +97,7 @@ pub use driver::{current_stream, on_stream, Cutlass, CutlassArgs, Elem, Event, F
 pub use embedded::BUILT_ARCHS;
 pub use graph::{DeviceGraph, GraphPool};
 pub use kernels::TC_MAX_D;
+pub use nccl::{CommGroup, Part};
 pub use registry::{take_ledger_of, take_memory_peak_of, transfer_bytes_of};
 /// The architectures this binary carries kernels for: none without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]

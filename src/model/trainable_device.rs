@@ -510,6 +510,23 @@ impl DeviceTrainable {
         chunk: usize,
         grads: &mut [Tensor],
     ) -> Result<f64> {
+        self.backward_with(p, coef, center, t, chunk, grads, &mut |_| Ok(()))
+    }
+
+    /// [`Self::backward`], calling `done(k)` once the work writing the gradients of the
+    /// parameters at point k ([`gradient_points`]) has been queued, k = 0, 1, …, L + 1 in turn:
+    /// what a bucketed reduce-scatter may start on while the backward goes on.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_with(
+        &mut self,
+        p: &[&Tensor],
+        coef: &Tensor,
+        center: Option<&DevCenter<'_>>,
+        t: f32,
+        chunk: usize,
+        grads: &mut [Tensor],
+        done: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<f64> {
         let cfg = self.cfg.clone();
         let (c, i_dim, h, hkv, d) =
             (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
@@ -529,6 +546,7 @@ impl DeviceTrainable {
         let mut dx = z(&[n, c])?;
         let nf = self.ix.norm_f;
         norm::rmsnorm_bwd(&dev, &dh, &self.xf, p[nf], &self.rstdf, &mut dx, false, &mut grads[nf], n)?;
+        done(0)?;
         let shape = Shape { heads: h, kv_heads: hkv, head_dim: d };
         let (mut da, mut dg, mut du) = (z(&[n, i_dim])?, z(&[n, i_dim])?, z(&[n, i_dim])?);
         let (mut dh2, mut datt, mut dh1) = (z(&[n, c])?, z(&[n, qd])?, z(&[n, c])?);
@@ -658,12 +676,32 @@ impl DeviceTrainable {
                     self.acts[l] = Saved::Input(a.x);
                 }
             }
+            done(cfg.num_layers - l)?;
         }
         let embed = self.ix.embed;
         elementwise::embed_bwd(&dev, &b.tokens, &dx, &mut grads[embed], n, cfg.pad_token_id)?;
+        done(cfg.num_layers + 1)?;
         self.batch = Some(b);
         Ok(loss)
     }
+}
+
+/// For each parameter (in parameter order), the point of the backward after which its gradient
+/// is complete (`DeviceTrainable::backward_with`): 0 for the final norm and an untied LM head,
+/// L − l for layer l's parameters, L + 1 for the embedding (a tied head's gradient too).
+pub fn gradient_points(cfg: &ModelConfig) -> Vec<usize> {
+    let layers = cfg.num_layers;
+    super::weights::param_specs(cfg)
+        .iter()
+        .map(|(name, _)| match name.strip_prefix("model.layers.") {
+            Some(rest) => match rest.split('.').next().and_then(|l| l.parse::<usize>().ok()) {
+                Some(l) if l < layers => layers - l,
+                _ => layers + 1,
+            },
+            None if name == "model.norm.weight" || name == "lm_head.weight" => 0,
+            None => layers + 1,
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -78,8 +78,22 @@ impl DeviceCollective for FaultyCollective {
         self.inner.world()
     }
 
+    fn staging_columns(&self, shard: usize) -> usize {
+        self.inner.staging_columns(shard)
+    }
+
     fn reduce_scatter(&self, rank: usize, send: &Tensor, staging: &mut Tensor, recv: &mut Tensor) -> Result<Event> {
         self.inner.reduce_scatter(rank, send, staging, recv)
+    }
+
+    fn reduce_scatter_ranges(
+        &self,
+        rank: usize,
+        send: &Tensor,
+        recv: &mut Tensor,
+        ranges: &[std::ops::Range<usize>],
+    ) -> Result<Option<Event>> {
+        self.inner.reduce_scatter_ranges(rank, send, recv, ranges)
     }
 
     fn all_gather_in_place(&self, rank: usize, buf: &mut Tensor) -> Result<Event> {

@@ -102,9 +102,11 @@ pub fn collective(names: &[String]) -> Result<Arc<dyn Collective>> {
     }
 }
 
-/// The device collective of the training devices `names` (ZeRO-1 on the GPUs' own memory):
-/// the in-process `train::device_coll::PeerCopy` for several CUDA or simulated GPUs; None for
-/// one, for CPU devices, and under COLOTRAIN_COLLECTIVE=nccl (which keeps the host-staged
+/// The device collective of the training devices `names` (ZeRO-1 on the GPUs' own memory),
+/// for several CUDA or simulated GPUs: NCCL on their buffers (`train::device_nccl`, the
+/// default; on the simulator its calls run between simulated devices), or the in-process peer
+/// copies of `train::device_coll::PeerCopy` with COLOTRAIN_DEVICE_COLLECTIVE=peer. None for one
+/// device, for CPU devices, and under COLOTRAIN_COLLECTIVE=nccl (which keeps the host-staged
 /// NCCL path for the trainers).
 pub fn device_collective(
     names: &[String],
@@ -114,7 +116,20 @@ pub fn device_collective(
     if on_cpu || names.len() < 2 || nccl {
         return Ok(None);
     }
-    Ok(Some(Arc::new(crate::train::device_coll::PeerCopy::new(names.len())?)))
+    match std::env::var("COLOTRAIN_DEVICE_COLLECTIVE").as_deref() {
+        Err(_) | Ok("") | Ok("nccl") => {
+            let devs = names
+                .iter()
+                .map(|n| match crate::device::Device::parse(n)? {
+                    crate::device::Device::Cuda(c) => Ok(c),
+                    _ => bail!("the device collective over {names:?}: {n} is not a CUDA device"),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Some(Arc::new(crate::train::device_nccl::NcclDevice::new(&devs)?)))
+        }
+        Ok("peer") => Ok(Some(Arc::new(crate::train::device_coll::PeerCopy::new(names.len())?))),
+        Ok(other) => bail!("COLOTRAIN_DEVICE_COLLECTIVE='{other}': expected 'nccl' (the default) or 'peer'"),
+    }
 }
 
 #[cfg(feature = "cuda")]

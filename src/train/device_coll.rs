@@ -15,8 +15,9 @@
 //! it does not hold the gradient's size again; the last piece's sum runs after the second
 //! barrier on the communication stream; the returned [`Event`] is the point the compute stream must wait on
 //! before it reads the result — the rule the simulator checks (a read without the wait is a
-//! "stream-ordering race" error). NCCL does the same work in one call per collective on a
-//! node with NVLink; it is not wired here yet (see the README).
+//! "stream-ordering race" error). NCCL does the same work without the host barriers and
+//! synchronizations (`train::device_nccl`, the default); this one stays for GPUs without NCCL
+//! (COLOTRAIN_DEVICE_COLLECTIVE=peer).
 //!
 //! Owns: the rendezvous and the per-call exchange of device addresses. May call: the CUDA
 //! device layer, `ops::linear::bias_grad` (the column sum). Must not: know about models or
@@ -31,12 +32,31 @@ use std::sync::Mutex;
 /// A group of ranks, one per device, that call the same collective in the same order.
 pub trait DeviceCollective: Send + Sync {
     fn world(&self) -> usize;
+    /// The columns of the staging `reduce_scatter` takes for a shard of `shard` values: how
+    /// many of them it sums at a time (at least 1).
+    fn staging_columns(&self, shard: usize) -> usize;
     /// Σ over ranks of `send` (F32, n values on this rank's device); this rank's shard
     /// (`shard_range(n, world, rank)`) lands in `recv`. `staging` (F32, world × c, any c ≥ 1)
     /// holds the pieces of c values of the shard at a time while they are summed, ranks in
     /// order (the sums' bits do not depend on c). Queued on the communication stream: read
     /// `recv` only after the compute stream waited on the returned event.
     fn reduce_scatter(&self, rank: usize, send: &Tensor, staging: &mut Tensor, recv: &mut Tensor) -> Result<Event>;
+    /// One bucket of `reduce_scatter`, started while the backward goes on: Σ over ranks of
+    /// `send`'s values in `ranges` (final on every rank), each rank's part of them landing in
+    /// its `recv` (its shard of `send`) at the same offsets. Queued on the communication stream
+    /// after the compute stream's work so far; every rank calls with the same ranges in the same
+    /// order, and the buckets of one update cover every value once. The event after it orders
+    /// it (and the buckets before it) for the compute stream. None: this collective reduces
+    /// whole gradients only.
+    fn reduce_scatter_ranges(
+        &self,
+        _rank: usize,
+        _send: &Tensor,
+        _recv: &mut Tensor,
+        _ranges: &[std::ops::Range<usize>],
+    ) -> Result<Option<Event>> {
+        Ok(None)
+    }
     /// `buf` (n values of any dtype on this rank's device) holds this rank's shard at
     /// `shard_range(n, world, rank)`; afterwards it holds every rank's. The compute stream
     /// must wait on the returned event before it reads `buf`.
@@ -124,9 +144,18 @@ impl PeerCopy {
     }
 }
 
+/// Values of the shard whose pieces `PeerCopy` stages at a time: 64 MiB a rank (512 MiB at 8
+/// GPUs), where the whole shard's pieces took the full gradient's size again (30 GB for a 7B
+/// model on each GPU). The sums' bits do not depend on it.
+const STAGING_PIECE: usize = 1 << 24;
+
 impl DeviceCollective for PeerCopy {
     fn world(&self) -> usize {
         self.world
+    }
+
+    fn staging_columns(&self, shard: usize) -> usize {
+        shard.clamp(1, STAGING_PIECE)
     }
 
     fn reduce_scatter(&self, rank: usize, send: &Tensor, staging: &mut Tensor, recv: &mut Tensor) -> Result<Event> {

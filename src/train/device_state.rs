@@ -9,12 +9,16 @@
 //!
 //! With several training GPUs (ZeRO-1, [`Zero`]): every device keeps the whole gradient, but
 //! only its shard of the master and the moments. The gradient is reduce-scattered on the
-//! communication stream (`device_coll::DeviceCollective`); the compute stream waits on the
-//! collective's event, takes the global norm (one f64 per device over the host), updates its
-//! shard and writes the rounded shard into the flat buffer of the compute weights (they are its
-//! views, made so when the state is built), which is all-gathered in place: after the gather's
-//! event the weights hold the update, with no copy. Only per-token numbers and one norm per
-//! update cross PCIe.
+//! communication stream (`device_coll::DeviceCollective`), in buckets where the collective
+//! takes them (NCCL): the last micro-batch's backward starts the bucket of the LM head and
+//! final norm, then one per layer as each layer's backward has been queued, then the
+//! embedding's, each NCCL call ordered after the compute stream's work so far, so the
+//! reduction of later layers runs while earlier layers' backward does. The compute stream waits
+//! on the last bucket's (or the whole collective's) event, takes the global norm (one f64 per
+//! device over the host), updates its shard and writes the rounded shard into the flat buffer
+//! of the compute weights (they are its views, made so when the state is built), which is
+//! all-gathered in place: after the gather's event the weights hold the update, with no copy.
+//! Only per-token numbers and one norm per update cross PCIe.
 //!
 //! Owns: the device tensors of one trainer. May call: `model::trainable_device`, `ops::optim`.
 //! Must not: decide clipping, skipping or the learning rate (`super::optimizer` does).
@@ -39,7 +43,8 @@ pub(super) struct Zero {
     shard: Range<usize>,
     /// (S) the reduce-scattered gradient of the shard.
     grad_shard: Tensor,
-    /// (world, min(S, STAGING_PIECE)) the pieces of the shard's gradient while they are summed.
+    /// (world, c) the pieces of the shard's gradient while they are summed (c from the
+    /// collective: 1 for NCCL, which needs none).
     staging: Tensor,
     /// (P) the whole model in the compute weights' dtype, whose views the compute weights
     /// are: each device writes its shard, the all-gather fills in the rest.
@@ -48,12 +53,50 @@ pub(super) struct Zero {
     layout: Layout,
     /// Each parameter's (offset, length) in the flat order.
     spans: Vec<(usize, usize)>,
+    /// The buckets of the reduce-scatter: for each point of the backward
+    /// (`trainable_device::gradient_points`), the flat ranges whose gradients are complete
+    /// there, merged. Started in turn as the last micro-batch's backward passes each point.
+    buckets: Vec<Vec<Range<usize>>>,
+    /// Buckets started in this update, and the event after the last one (None: none started,
+    /// or a collective that reduces whole gradients only).
+    started: usize,
+    bucketed: Option<crate::device::cuda::Event>,
 }
 
-/// Values of the shard whose pieces the reduce-scatter stages at a time: 64 MiB a rank (512
-/// MiB at 8 GPUs), where the whole shard's pieces took the full gradient's size again (30 GB
-/// for a 7B model on each GPU). The sums' bits do not depend on it.
-const STAGING_PIECE: usize = 1 << 24;
+impl Zero {
+    /// Starts every bucket up to point `upto` not started yet (in order: every rank starts the
+    /// same buckets in the same order). A collective without buckets starts none.
+    fn start_buckets(&mut self, grad: &Tensor, upto: usize) -> Result<()> {
+        while self.started < self.buckets.len() && self.started <= upto {
+            let k = self.started;
+            self.started += 1;
+            if self.buckets[k].is_empty() {
+                continue;
+            }
+            match self.coll.reduce_scatter_ranges(self.dp.rank, grad, &mut self.grad_shard, &self.buckets[k])? {
+                Some(e) => self.bucketed = Some(e),
+                None => {
+                    self.started = self.buckets.len();
+                    self.bucketed = None;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// For each point of the backward, the merged flat ranges of the parameters whose gradients are
+/// complete there (`spans`: each parameter's (offset, length), `points`: each one's point).
+fn buckets_of(spans: &[(usize, usize)], points: &[usize]) -> Vec<Vec<Range<usize>>> {
+    let mut out: Vec<Vec<Range<usize>>> = vec![Vec::new(); points.iter().max().map_or(0, |m| m + 1)];
+    for (&(off, len), &k) in spans.iter().zip(points) {
+        match out[k].last_mut() {
+            Some(r) if r.end == off => r.end += len,
+            _ => out[k].push(off..off + len),
+        }
+    }
+    out
+}
 
 pub(super) struct DeviceState {
     dev: Device,
@@ -141,9 +184,12 @@ impl DeviceState {
                 *weights = ModelWeights::from_ordered(cfg, views_of(&gathered, weights)?)?;
                 Some(Zero {
                     grad_shard: dev.zeros(DType::F32, &[s])?,
-                    staging: dev.zeros(DType::F32, &[dp.world, s.clamp(1, STAGING_PIECE)])?,
+                    staging: dev.zeros(DType::F32, &[dp.world, coll.staging_columns(s)])?,
                     gathered,
                     layout: Layout::new(vec![(0, s)])?,
+                    buckets: buckets_of(&spans, &crate::model::trainable_device::gradient_points(cfg)),
+                    started: 0,
+                    bucketed: None,
                     spans: spans.clone(),
                     shard: shard.clone(),
                     dp,
@@ -225,11 +271,25 @@ impl DeviceState {
     }
 
     pub fn zero_grads(&mut self) -> Result<()> {
+        if let Some(z) = self.zero.as_mut() {
+            (z.started, z.bucketed) = (0, None);
+        }
         self.grad.fill_zero()
     }
 
+    /// A device with no responses in this update (its gradient stays zero): starts the buckets
+    /// of the reduce-scatter at once, as the others start theirs in their backward.
+    pub fn no_backward(&mut self) -> Result<()> {
+        match self.zero.as_mut() {
+            Some(z) => z.start_buckets(&self.grad, usize::MAX),
+            None => Ok(()),
+        }
+    }
+
     /// The fused loss pass and the backward of micro-batch `b` into the gradients (`forward`:
-    /// run the forward first; false when the model still holds `b`'s activations).
+    /// run the forward first; false when the model still holds `b`'s activations). `last`: the
+    /// update's last micro-batch, whose backward starts the reduce-scatter's buckets as the
+    /// gradients they hold are complete (several GPUs).
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &mut self,
@@ -240,6 +300,7 @@ impl DeviceState {
         t: f32,
         chunk: usize,
         forward: bool,
+        last: bool,
     ) -> Result<()> {
         let p = weights.tensors();
         if forward {
@@ -255,7 +316,12 @@ impl DeviceState {
             None => None,
         };
         let dc = ct.as_ref().map(|(k, ids, probs)| DevCenter { k: *k, ids, probs });
-        self.model.backward(&p, &c, dc.as_ref(), t, chunk, &mut self.grads)?;
+        let (zero, grad) = (&mut self.zero, &self.grad);
+        let mut done = |k: usize| match zero.as_mut() {
+            Some(z) if last => z.start_buckets(grad, k),
+            _ => Ok(()),
+        };
+        self.model.backward_with(&p, &c, dc.as_ref(), t, chunk, &mut self.grads, &mut done)?;
         Ok(())
     }
 
@@ -309,7 +375,13 @@ impl DeviceState {
         self.amax_valid = false;
         let rank = z.dp.rank;
         let t = std::time::Instant::now();
-        let reduced = z.coll.reduce_scatter(rank, &self.grad, &mut z.staging, &mut z.grad_shard)?;
+        // The buckets the backward did not start (all of them after a backward that was not
+        // the update's last micro-batch's), then the last one's event; or the whole gradient.
+        z.start_buckets(&self.grad, usize::MAX)?;
+        let reduced = match z.bucketed.take() {
+            Some(e) => e,
+            None => z.coll.reduce_scatter(rank, &self.grad, &mut z.staging, &mut z.grad_shard)?,
+        };
         // The compute stream reads the shard only after the communication stream wrote it.
         cd.wait_event(&reduced)?;
         let local = optim::sum_sq(&self.dev, &z.grad_shard)?;

@@ -4,13 +4,15 @@
 //! pass, the metrics a step reports, and reading finished runs.
 //!
 //! Owns: the trainer state. May call: `model`, `objective`, `mismatch`, `engine`, `data`,
-//! `parallel` (the host collectives; `device_coll` builds the device-buffer ones on them),
+//! `parallel` (the host collectives; `device_coll` and `device_nccl` build the device-buffer
+//! ones on them),
 //! `device`, `config`. Must not: reimplement ops (they live in `ops`), start devices or threads
 //! (the orchestrator does).
 
 pub mod calibrate;
 pub mod checkpoint;
 pub mod device_coll;
+pub mod device_nccl;
 mod device_state;
 pub mod dp;
 pub mod eval;

@@ -492,15 +492,15 @@ impl Trainer {
             // A device whose token-balanced share is empty (one long response can take a
             // whole share) joins the collectives with a zero gradient.
             if rollouts.is_empty() {
-                return Ok(());
+                return ds.no_backward();
             }
             let mut at = 0;
-            for mb in &mbs {
+            for (i, mb) in mbs.iter().enumerate() {
                 let b = Self::batch(&rollouts[mb.clone()]);
                 let k = b.rows.len();
                 let ct = center.map(|(kk, ids, p)| (kk, &ids[at * kk..(at + k) * kk], &p[at * kk..(at + k) * kk]));
                 let forward = !(reuse && mbs.len() == 1);
-                ds.backward(&self.weights, &b, &coef[at..at + k], ct, t, chunk, forward)?;
+                ds.backward(&self.weights, &b, &coef[at..at + k], ct, t, chunk, forward, i + 1 == mbs.len())?;
                 at += k;
             }
             return Ok(());

@@ -74,6 +74,17 @@ pub(super) fn optim(x: &mut Ctx) -> Result<()> {
     x.cuda.wait_event(&e)?;
     let got = recv.to_f32_vec()?;
     x.record("device collective: reduce-scatter on the communication stream (1 GPU)", "f32", &v, &got, Tol::Exact);
+    // The same through NCCL (libnccl, one communicator, the group call on the communication
+    // stream between two events), then its in-place all-gather, which leaves one rank's buffer
+    // as it is.
+    let nccl = crate::train::device_nccl::NcclDevice::new(std::slice::from_ref(&x.cuda))?;
+    let mut recv = x.gpu.zeros(DType::F32, &[n])?;
+    let e = nccl.reduce_scatter(0, &send, &mut staging, &mut recv)?;
+    x.cuda.wait_event(&e)?;
+    x.record("NCCL: reduce-scatter on the communication stream (1 GPU)", "f32", &v, &recv.to_f32_vec()?, Tol::Exact);
+    let e = nccl.all_gather_in_place(0, &mut recv)?;
+    x.cuda.wait_event(&e)?;
+    x.record("NCCL: all-gather in place (1 GPU)", "f32", &v, &recv.to_f32_vec()?, Tol::Exact);
     Ok(())
 }
 

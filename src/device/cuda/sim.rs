@@ -13,10 +13,11 @@
 //!
 //! What it cannot catch: real concurrency beyond the shim's varied thread orders, tensor-core
 //! and libm numerics, register or resource launch failures, driver and cubin loading, cuBLASLt
-//! heuristics, TMA, NCCL, speed. Pointer parameters are found by value (a parameter word that
-//! lies inside a live simulated allocation), so a pointer to freed or foreign host memory is
-//! not seen. A kernel bug the shim detects (divergent warps, a thread at a
-//! different barrier, a stack overflow) ends the process with the shim's message.
+//! heuristics, TMA, NCCL's own behaviour (`sim_nccl.rs` gives its calls their meaning), speed.
+//! Pointer parameters are found by value (a parameter word that lies inside a live simulated
+//! allocation), so a pointer to freed or foreign host memory is not seen. A kernel bug the shim
+//! detects (divergent warps, a thread at a different barrier, a stack overflow) ends the
+//! process with the shim's message.
 //!
 //! Owns: the simulated memory, queue and launch rules of one device. May call: the kernel
 //! library (`ct_sim_launch`), `sim_gemm`. Must not: be reached except through `driver::Driver`.
@@ -37,6 +38,9 @@ pub(super) use graph::SimGraph;
 mod vmm;
 #[path = "sim_dry.rs"]
 mod dry;
+#[path = "sim_nccl.rs"]
+mod nccl;
+pub(super) use nccl::SimGroup;
 
 unsafe extern "C" {
     /// csrc/hostemu/sim.cpp: runs kernel `id` (Kernel::index) with grid (gx, gy), a block of
@@ -160,6 +164,11 @@ enum Op {
         src: u64,
         bytes: usize,
     },
+    /// An NCCL call (`sim_nccl.rs`): its inputs were taken when it was queued; it writes
+    /// what it received.
+    Nccl {
+        writes: Vec<(u64, Vec<u8>)>,
+    },
     /// Nothing after this runs before stream `on` has run `upto` operations.
     Wait {
         on: Stream,
@@ -177,6 +186,7 @@ impl Op {
             Op::Gemm { .. } => "a cuBLASLt GEMM".into(),
             Op::Cutlass { g, .. } => g.name().into(),
             Op::Peer { .. } => "a peer copy".into(),
+            Op::Nccl { .. } => "an NCCL call".into(),
             Op::Wait { on, upto } => format!("a wait for the {} stream's operation {upto}", on.name()),
         }
     }
@@ -630,6 +640,13 @@ impl Sim {
             // peer's when queued; the collective keeps the peer's block alive and unchanged
             // until this device has synchronized (see `train::device_coll`).
             Op::Peer { dst, src, bytes } => unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) },
+            // SAFETY: each destination range was checked against a live allocation of this
+            // device when the call was queued (`sim_nccl.rs`).
+            Op::Nccl { writes } => {
+                for (dst, data) in writes {
+                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) }
+                }
+            }
             Op::Wait { .. } => {}
         }
         Ok(())

@@ -46,8 +46,10 @@ impl Trainer {
         let mut known = vec![0.0f32; m];
         let mut entropy = Vec::with_capacity(my.len());
         let mut at = my.start;
-        if !mine.is_empty() {
-            for mb in &mbs {
+        if mine.is_empty() {
+            ds.no_backward()?;
+        } else {
+            for (i, mb) in mbs.iter().enumerate() {
                 let b = Self::batch(&rollouts[mine.start + mb.start..mine.start + mb.end]);
                 let (lp, en) = ds.token_stats(&self.weights, &b, t, chunk)?;
                 let n = lp.len();
@@ -68,7 +70,8 @@ impl Trainer {
                     .center
                     .as_ref()
                     .map(|(kk, ids, p)| (*kk, &ids[at * kk..(at + n) * kk], &p[at * kk..(at + n) * kk]));
-                ds.backward(&self.weights, &b, &ev.coefs.coef[at..at + n], center, t, chunk, false)?;
+                let coef = &ev.coefs.coef[at..at + n];
+                ds.backward(&self.weights, &b, coef, center, t, chunk, false, i + 1 == mbs.len())?;
                 at += n;
             }
         }
