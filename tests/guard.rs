@@ -1,6 +1,6 @@
 //! The mismatch guard on the tiny OPD job (CPU): a skipped resync and a corrupted view are
 //! caught, classified as stale views and repaired on the same recipe; weight noise σ = 1.0 falls
-//! back down its ladder within a few steps, σ = 0.05 and the standard engine never trip over
+//! back down its ladder within a few steps, σ = 0.02 and the standard engine never trip over
 //! 300 steps; the decisions are the same straight and resumed; bad `[guard]` settings are
 //! refused naming their key.
 
@@ -137,7 +137,7 @@ fn heavy_noise_falls_back_light_noise_and_the_standard_engine_never_trip() {
     assert!(svg.contains("guard: line") && svg.contains("fall-back to bf16"), "the mismatch plot lacks the guard");
     // 300 steps each without a single breach.
     for (name, ladder, sigma) in
-        [("light", ["noise=0.05", "bf16"].as_slice(), 0.05), ("standard", ["bf16"].as_slice(), 0.0)]
+        [("light", ["noise=0.02", "bf16"].as_slice(), 0.02), ("standard", ["bf16"].as_slice(), 0.0)]
     {
         let j = tiny(&t.path().join(name), 300, ladder, |j| j.engine.noise_sigma = sigma);
         job::run(&j, &JobOptions::default()).unwrap();
