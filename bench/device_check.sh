@@ -5,7 +5,8 @@
 # (7B-shaped model per recipe vs a copy) and training attention (16k tokens, CUDA-core vs
 # tensor-core forward, backward; then PyTorch's SDPA at the same shape,
 # bench/attention_sdpa.py), fused loss and training-step (1.5B-shaped, 8 x 2048 tokens; then
-# PyTorch eager at the same shape, bench/train_step_torch.py) timings. Each group runs in its own process: a failing,
+# PyTorch eager at the same shape, bench/train_step_torch.py) timings, and last a short colocated
+# OPD job (1.5B-shaped, sync vs async k = 4) next to the launch ledger's model of its step. Each group runs in its own process: a failing,
 # crashing or hanging group is reported and the next one runs. Rows are printed and the JSON
 # report rewritten as they arrive. `device-check --list` names the groups.
 #

@@ -125,3 +125,33 @@ fn a_crashing_group_is_reported_and_the_others_still_run() {
     let err = String::from_utf8_lossy(&e.stderr);
     assert!(!e.status.success() && err.contains("no group 'nope'") && err.contains("attention-128"), "{err}");
 }
+
+/// The `node` timing group runs on the simulator at a tiny shape: both schedules finish their
+/// steps on the CUDA glue, and each row carries the launch ledger's model of its own launches.
+#[test]
+fn the_node_timing_runs_sync_and_async_jobs_next_to_the_step_time_model() {
+    let dir = TempDir::new("device-check-node");
+    let out = dir.path().join("report.json");
+    let o = Command::new(env!("CARGO_BIN_EXE_colotrain"))
+        .args(["device-check", "--device", "cuda-sim:3", "--groups", "node", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{text}");
+    let r: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(r["groups"][0]["status"], "ok", "{text}");
+    let rows = r["timings"]["node"].as_array().unwrap_or_else(|| panic!("no node rows: {r}"));
+    let names: Vec<&str> = rows.iter().map(|x| x["schedule"].as_str().unwrap()).collect();
+    assert_eq!(names, ["sync", "async k=4"], "{text}");
+    for x in rows {
+        assert_eq!(x["steps_measured"], 2, "{x}");
+        for f in ["updates_per_hour", "step_s", "model_step_s", "rollout_s", "train_s", "gen_tokens_per_s"] {
+            let v = x[f].as_f64().unwrap_or(f64::NAN);
+            assert!(v.is_finite() && v > 0.0, "{f} = {v} in {x}");
+        }
+        // The model is a roofline: the simulator (the host) is far slower than an H200.
+        assert!(x["model_step_s"].as_f64().unwrap() < x["step_s"].as_f64().unwrap(), "{x}");
+    }
+    assert!(text.contains("async / sync upd/h"), "{text}");
+}

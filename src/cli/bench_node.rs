@@ -152,14 +152,34 @@ pub fn run(a: NodeArgs) -> Result<()> {
     }
     let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     j.run.out_dir = Some(a.out_dir.clone().unwrap_or_else(|| PathBuf::from(format!("runs/bench-node-{stamp}"))));
+    let config = a.config.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "built-in tiny-opd".into());
+    let (r, summary) = measure(&mut j, &config, a.warmup, a.peak_tflops)?;
+    let dir = summary.out_dir.clone();
+    print!("{}", table(&r));
+    print!("{}", ledger_table(&r, summary.steps, only));
+    let out = dir.join("node_report.json");
+    crate::util::write_atomic(&out, serde_json::to_string_pretty(&r)?.as_bytes())?;
+    println!("report: {}", out.display());
+    Ok(())
+}
+
+/// Runs job `j` (no held-out evaluation, no checkpoint before the last step) and reports its
+/// steps after `warmup`, with its launch ledger's costliest rows; `peak`: the dense BF16 peak
+/// per device for the MFU (default: from the first device's name).
+pub fn measure(
+    j: &mut JobConfig,
+    config: &str,
+    warmup: u64,
+    peak: Option<f64>,
+) -> Result<(NodeReport, job::JobSummary)> {
     // No held-out evaluation: the report is about the steps.
     (j.eval.every, j.data.heldout, j.data.heldout_size) = (0, None, 0);
     j.checkpoint.every = 0;
     j.validate("bench node")?;
-    let summary = job::run(&j, &JobOptions::default())?;
+    let summary = job::run(j, &JobOptions::default())?;
     let dir = summary.out_dir.clone();
     let names = device_names(&dir)?;
-    let peak = a.peak_tflops.or_else(|| names.first().and_then(|n| peak_of(n)));
+    let peak = peak.or_else(|| names.first().and_then(|n| peak_of(n)));
     let text = std::fs::read_to_string(dir.join("metrics.jsonl"))
         .with_context(|| format!("cannot read {}", dir.join("metrics.jsonl").display()))?;
     let lines: Vec<serde_json::Value> = text
@@ -167,9 +187,8 @@ pub fn run(a: NodeArgs) -> Result<()> {
         .enumerate()
         .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("metrics.jsonl line {}", i + 1)))
         .collect::<Result<_>>()?;
-    let config = a.config.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "built-in tiny-opd".into());
-    let (train_devs, gen_devs) = roles(&j, names.len());
-    let mut r = report(&config, &names, &lines, a.warmup, peak, train_devs, gen_devs)?;
+    let (train_devs, gen_devs) = roles(j, names.len());
+    let mut r = report(config, &names, &lines, warmup, peak, train_devs, gen_devs)?;
     let ledger_path = dir.join("ledger.json");
     if ledger_path.exists() {
         let text =
@@ -178,12 +197,7 @@ pub fn run(a: NodeArgs) -> Result<()> {
             serde_json::from_str(&text).with_context(|| format!("{}: not a launch ledger", ledger_path.display()))?;
         r.ledger_top = rows.into_iter().take(12).collect();
     }
-    print!("{}", table(&r));
-    print!("{}", ledger_table(&r, summary.steps, only));
-    let out = dir.join("node_report.json");
-    crate::util::write_atomic(&out, serde_json::to_string_pretty(&r)?.as_bytes())?;
-    println!("report: {}", out.display());
-    Ok(())
+    Ok((r, summary))
 }
 
 /// How many of `n` devices train and how many generate (colocated: all of them do both).

@@ -10,7 +10,7 @@ use crate::device::cuda::CudaDevice;
 use anyhow::{bail, Context, Result};
 
 /// The timing groups, in the order they run: (name, what it measures).
-pub const GROUPS: [(&str, &str); 6] = [
+pub const GROUPS: [(&str, &str); 7] = [
     ("gemm", "BF16 / FP8 / NVFP4 GEMMs per path against cuBLASLt (8192³ and Qwen2.5-7B's linears)"),
     ("decode", "decode of a random Qwen2-1.5B-shaped model at batch 1 / 64 / 256 against the bandwidth bound, eager steps and CUDA-graph replays"),
     ("resync", "in-place resync of a Qwen2.5-7B-shaped model per recipe against a copy of the same bytes"),
@@ -22,6 +22,10 @@ pub const GROUPS: [(&str, &str); 6] = [
     (
         "train",
         "one OPD training step of a random Qwen2-1.5B-shaped BF16 model at 8 x 2048 tokens with AdamW (PyTorch eager: bench/train_step_torch.py)",
+    ),
+    (
+        "node",
+        "a short colocated OPD job of a random Qwen2-1.5B-shaped model, sync vs async k = 4, each next to the launch ledger's roofline of its own launches",
     ),
 ];
 
@@ -61,6 +65,7 @@ pub fn run_group(name: &str, d: &CudaDevice, iters: usize, steps: usize) -> Resu
         "attention" => attention(d, iters),
         "loss" => loss(d, iters),
         "train" => train(d, iters),
+        "node" => Ok(serde_json::to_value(super::node_timing::node(d)?)?),
         other => bail!("no timing group '{other}'"),
     }
 }
