@@ -70,17 +70,26 @@ case "${DEVICE:-0}" in
     else
       echo "device_check: libcublasLt.so.13 not found; set CUDA_LIBS (or install the nvidia-cublas wheel for CUDA 13)" >&2
     fi
-    # NCCL (the device collective's row): cudarc opens libnccl.so; the nvidia-nccl wheel ships
-    # libnccl.so.2 only, so link it under $OUT/lib.
+    # NCCL (the device collective's rows): cudarc opens libnccl.so (or .so.1, .so.9-13), never
+    # NCCL's soname libnccl.so.2, which is all the nvidia-nccl wheel and apt's libnccl2 ship:
+    # link the first one found (the wheels', then the system's ldconfig cache) under $OUT/lib.
+    NCCL2=""
     if command -v python3 >/dev/null 2>&1; then
       for d in $(python3 -c 'import site; print(" ".join(site.getsitepackages() + [site.getusersitepackages()]))' 2>/dev/null); do
-        if [ -e "$d/nvidia/nccl/lib/libnccl.so.2" ]; then
-          mkdir -p "$OUT/lib" && ln -sf "$d/nvidia/nccl/lib/libnccl.so.2" "$OUT/lib/libnccl.so"
-          export LD_LIBRARY_PATH="$(cd "$OUT/lib" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-          echo "libnccl.so.2 from $d/nvidia/nccl/lib"
-          break
-        fi
+        for f in "$d"/nvidia/nccl/lib/libnccl.so.2 "$d"/nvidia/*/lib/libnccl.so.2; do
+          if [ -z "$NCCL2" ] && [ -e "$f" ]; then NCCL2=$f; fi
+        done
       done
+    fi
+    if [ -z "$NCCL2" ] && command -v ldconfig >/dev/null 2>&1; then
+      NCCL2=$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 / {print $NF; exit}')
+    fi
+    if [ -n "$NCCL2" ]; then
+      mkdir -p "$OUT/lib" && ln -sf "$NCCL2" "$OUT/lib/libnccl.so"
+      export LD_LIBRARY_PATH="$(cd "$OUT/lib" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      echo "libnccl.so.2 from $NCCL2"
+    else
+      echo "device_check: libnccl.so.2 not found (pip install nvidia-nccl-cu13): the NCCL rows will fail" >&2
     fi
     command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
     ;;

@@ -574,10 +574,12 @@ pub fn train_step(
 mod tests {
     /// The training timings run end to end on the simulated GPU at small shapes (their numbers
     /// mean nothing there; this checks their launches before a GPU's time is spent on them):
-    /// the fused loss holds less memory than the bare GEMMs' materialized logits.
+    /// the fused loss holds less memory than the bare GEMMs' materialized logits. The device is
+    /// the test's own: the peaks are read from its allocator, which other tests of the process
+    /// would share on `cuda-sim:0` (a concurrent test's blocks made a step's peak read 0).
     #[test]
     fn the_training_timings_run_on_the_simulator() {
-        let d = crate::device::CudaDevice::sim(0).unwrap();
+        let d = crate::device::CudaDevice::sim_unshared(91);
         let rows = super::attention(&d, 150, 6, 2, 64, 1).unwrap();
         assert_eq!(rows.len(), 4);
         assert!(rows.iter().all(|r| r.ms.is_finite() && r.ms >= 0.0), "{rows:?}");

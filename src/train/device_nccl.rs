@@ -16,7 +16,9 @@
 //! Before each NCCL call the ranks check that they agree on it (which collective, how many
 //! values, which dtype) and meet at a host rendezvous: all ranks enter NCCL or none does, so a
 //! rank that failed before its call aborts the group instead of leaving the others inside
-//! NCCL. On the simulator the same calls run between simulated devices (`cuda/sim_nccl.rs`:
+//! NCCL; one that fails after it aborts the communicators (`CommGroup::abort`: on GPUs
+//! ncclCommAbort, which makes the NCCL kernels the others queued return). On the simulator
+//! the same calls run between simulated devices (`cuda/sim_nccl.rs`:
 //! sums in rank order, bit for bit [`super::device_coll::PeerCopy`]'s); on GPUs NCCL sums in
 //! its own order (ring or tree), within rounding of the simulator's.
 //!

@@ -4,7 +4,9 @@
 //! GPU's peak rates (an H200's for a GPU of the Hopper class, a B300's for Blackwell; the
 //! simulator stands for the GPU its architecture names). On a GPU the student and teacher are
 //! random Qwen2-1.5B-shaped BF16 models written to a temporary folder; on the simulator a tiny
-//! shape of the same kind, so the glue runs in CI's reach.
+//! shape of the same kind, so the glue runs in CI's reach. Both carry the byte-level tiny
+//! tokenizer, whose 259 ids are fewer than the model's vocabulary (as the 1.5B's are): a
+//! random model samples ids the tokenizer does not know, which decoding skips.
 //!
 //! Owns: the job and its model folder (removed afterwards). May call: `bench_node::measure`,
 //! the tiny model writer. Must not: change the card's settings.
@@ -38,7 +40,7 @@ pub struct NodeRow {
 /// The shape: Qwen2-1.5B on a GPU, a tiny one on the simulator.
 fn spec(sim: bool) -> TinySpec {
     let (layers, hidden, heads, kv_heads, intermediate, vocab) =
-        if sim { (2, 64, 4, 2, 128, 320) } else { (28, 1536, 12, 2, 8960, 151936) };
+        if sim { (2, 64, 4, 2, 128, 1024) } else { (28, 1536, 12, 2, 8960, 151936) };
     TinySpec {
         arch: "qwen2".into(),
         layers,

@@ -56,8 +56,10 @@ pub struct CommGroup {
 
 enum Kind {
     Sim(Arc<super::sim::SimGroup>),
+    /// Each rank's communicator behind its own lock (a call holds it), and whether the group
+    /// was aborted (read without the locks).
     #[cfg(feature = "cuda")]
-    Real(Vec<std::sync::Mutex<super::real::RealComm>>),
+    Real(Vec<std::sync::Mutex<super::real::RealComm>>, std::sync::atomic::AtomicBool),
 }
 
 impl CommGroup {
@@ -81,7 +83,8 @@ impl CommGroup {
     fn real(devs: &[CudaDevice]) -> Result<CommGroup> {
         let ords: Vec<usize> = devs.iter().map(|d| d.ordinal()).collect();
         let comms = super::real::RealComm::init_all(&ords)?;
-        Ok(CommGroup { world: devs.len(), kind: Kind::Real(comms.into_iter().map(std::sync::Mutex::new).collect()) })
+        let comms = comms.into_iter().map(std::sync::Mutex::new).collect();
+        Ok(CommGroup { world: devs.len(), kind: Kind::Real(comms, Default::default()) })
     }
 
     #[cfg(not(feature = "cuda"))]
@@ -93,16 +96,24 @@ impl CommGroup {
         self.world
     }
 
-    /// Wakes every rank waiting in (or later entering) a simulated call with an error. On GPUs
-    /// the communicators are aborted when the group is dropped (a kernel waiting for a dead
-    /// peer stops then).
+    /// Wakes every rank waiting in (or later entering) a call with an error. On GPUs each
+    /// communicator is aborted (ncclCommAbort: its kernels waiting for a dead peer return) at
+    /// once if no call of its rank is inside NCCL, else by that rank as its call returns; every
+    /// later call is refused. Not reached: a rank's thread blocked inside ncclGroupEnd itself
+    /// while NCCL connects the ranks (at their first call, by default) to a peer that failed
+    /// after the rendezvous; that needs NCCL's non-blocking communicators.
     pub fn abort(&self, reason: &str) {
         match &self.kind {
             Kind::Sim(g) => g.abort(reason),
             #[cfg(feature = "cuda")]
-            Kind::Real(cs) => {
+            Kind::Real(cs, aborted) => {
+                aborted.store(true, std::sync::atomic::Ordering::SeqCst);
                 for c in cs {
-                    c.lock().unwrap_or_else(|e| e.into_inner()).aborted = true;
+                    match c.try_lock() {
+                        Ok(mut c) => c.abort(),
+                        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().abort(),
+                        Err(std::sync::TryLockError::WouldBlock) => {}
+                    }
                 }
             }
         }
@@ -112,9 +123,10 @@ impl CommGroup {
 #[cfg(feature = "cuda")]
 impl Drop for CommGroup {
     fn drop(&mut self) {
-        if let Kind::Real(cs) = &self.kind {
-            let held: Vec<_> = cs.iter().map(|c| c.lock().unwrap_or_else(|e| e.into_inner())).collect();
-            super::real::RealComm::release(&held.iter().map(|g| &**g).collect::<Vec<_>>());
+        if let Kind::Real(cs, aborted) = &mut self.kind {
+            let aborted = *aborted.get_mut();
+            let mut held: Vec<_> = cs.iter_mut().map(|c| c.get_mut().unwrap_or_else(|e| e.into_inner())).collect();
+            super::real::RealComm::release(&mut held, aborted);
         }
     }
 }
@@ -134,12 +146,24 @@ impl CudaDevice {
         match (&self.inner.driver, &comm.kind) {
             (Driver::Sim(s), Kind::Sim(g)) => s.nccl(g, rank, parts)?,
             #[cfg(feature = "cuda")]
-            (Driver::Real(r), Kind::Real(cs)) => {
-                let c = cs[rank].lock().unwrap_or_else(|e| e.into_inner());
+            (Driver::Real(r), Kind::Real(cs, aborted)) => {
+                use std::sync::atomic::Ordering::SeqCst;
+                let mut c = cs[rank].lock().unwrap_or_else(|e| e.into_inner());
                 if c.ordinal != self.ordinal() {
                     bail!("{}: NCCL rank {rank}'s communicator is on cuda:{}", self.name(), c.ordinal);
                 }
-                r.nccl(&c, parts)?
+                if aborted.load(SeqCst) || c.is_gone() {
+                    c.abort();
+                    bail!("{}: the NCCL group was aborted after a rank failed", self.name());
+                }
+                let out = r.nccl(&c, parts);
+                // An abort while this rank was inside NCCL left its communicator to it.
+                if aborted.load(SeqCst) {
+                    c.abort();
+                    out?;
+                    bail!("{}: the NCCL group was aborted after a rank failed", self.name());
+                }
+                out?
             }
             #[allow(unreachable_patterns)]
             _ => bail!("{}: an NCCL call on a communicator of another kind of device", self.name()),

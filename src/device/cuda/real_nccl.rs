@@ -14,8 +14,8 @@ use cudarc::nccl::{result as nr, sys as ns};
 pub(in crate::device) struct RealComm {
     comm: ns::ncclComm_t,
     pub ordinal: usize,
-    /// A rank failed: destroying would wait for it, so the communicator is aborted instead.
-    pub aborted: bool,
+    /// Aborted (ncclCommAbort, which also frees it): never used again, not destroyed.
+    gone: bool,
 }
 
 // SAFETY: `comm` is NCCL's communicator handle; NCCL lets a communicator be used from any
@@ -39,24 +39,38 @@ impl RealComm {
         let mut comms: Vec<ns::ncclComm_t> = vec![std::ptr::null_mut(); n];
         // SAFETY: `comms` has room for n handles and `devs` holds n device ordinals.
         unsafe { nr::comm_init_all(comms.as_mut_ptr(), n as i32, devs.as_ptr()) }
-            .map_err(|e| anyhow!("ncclCommInitAll over GPUs {ordinals:?}: {e:?}"))?;
-        Ok(comms.into_iter().zip(ordinals).map(|(comm, &ordinal)| RealComm { comm, ordinal, aborted: false }).collect())
+            .map_err(|e| anyhow!("ncclCommInitAll over GPUs {ordinals:?}: {}", why(&e)))?;
+        Ok(comms.into_iter().zip(ordinals).map(|(comm, &ordinal)| RealComm { comm, ordinal, gone: false }).collect())
     }
 
-    /// Destroys (or, after a failure, aborts) every communicator of a group, in one NCCL group:
-    /// destroying one may wait for its peers.
-    pub fn release(comms: &[&RealComm]) {
-        let aborted = comms.iter().any(|c| c.aborted);
-        let grouped = !aborted && nr::group_start().is_ok();
-        for c in comms {
-            // SAFETY: each handle came from ncclCommInitAll and nothing uses it after this.
-            let _ = unsafe {
-                if aborted {
-                    nr::comm_abort(c.comm)
-                } else {
-                    nr::comm_destroy(c.comm)
-                }
-            };
+    pub fn is_gone(&self) -> bool {
+        self.gone
+    }
+
+    /// Aborts this communicator now: NCCL sets its abort flag, so its kernels queued on the
+    /// stream (one waiting for a peer that failed) return, and frees it. Idempotent.
+    pub fn abort(&mut self) {
+        if !self.gone {
+            // SAFETY: the handle came from ncclCommInitAll, the caller holds this rank's lock
+            // (no call of this rank is inside NCCL), and `gone` keeps it from being used again.
+            let _ = unsafe { nr::comm_abort(self.comm) };
+            self.gone = true;
+        }
+    }
+
+    /// Destroys every communicator of a group that is not gone, in one NCCL group (destroying
+    /// one may wait for its peers); after an abort (`aborted`), aborts them instead.
+    pub fn release(comms: &mut [&mut RealComm], aborted: bool) {
+        if aborted {
+            comms.iter_mut().for_each(|c| c.abort());
+            return;
+        }
+        let grouped = nr::group_start().is_ok();
+        for c in comms.iter_mut().filter(|c| !c.gone) {
+            // SAFETY: each handle came from ncclCommInitAll and `gone` keeps it from being used
+            // after this.
+            let _ = unsafe { nr::comm_destroy(c.comm) };
+            c.gone = true;
         }
         if grouped {
             let _ = nr::group_end();
@@ -64,12 +78,29 @@ impl RealComm {
     }
 }
 
+/// An NCCL error as NCCL names it (cudarc's Debug prints only "NcclError").
+fn why(e: &nr::NcclError) -> String {
+    // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any result code.
+    let text = unsafe {
+        let p = ns::ncclGetErrorString(e.0);
+        if p.is_null() {
+            String::new()
+        } else {
+            std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    };
+    format!("{:?} ({text})", e.0)
+}
+
 impl Real {
     /// Queues `parts` on the current stream as one NCCL group call of `c`'s rank.
     pub fn nccl(&self, c: &RealComm, parts: &[Part]) -> Result<()> {
+        if c.gone {
+            bail!("cuda:{}: NCCL call on an aborted communicator", c.ordinal);
+        }
         self.bind()?;
         let stream = self.stream().cu_stream() as ns::cudaStream_t;
-        nr::group_start().map_err(|e| anyhow!("ncclGroupStart: {e:?}"))?;
+        nr::group_start().map_err(|e| anyhow!("ncclGroupStart: {}", why(&e)))?;
         let mut first_err = None;
         for p in parts {
             // SAFETY: the caller checked each range against a live allocation of this GPU and
@@ -99,7 +130,7 @@ impl Real {
                 }
             };
             if let Err(e) = r {
-                first_err.get_or_insert(format!("{p:?}: {e:?}"));
+                first_err.get_or_insert(format!("{p:?}: {}", why(&e)));
             }
         }
         // The group is closed whatever happened inside it.
@@ -107,6 +138,6 @@ impl Real {
         if let Some(e) = first_err {
             bail!("cuda:{}: NCCL {e}", c.ordinal);
         }
-        end.map(|_| ()).map_err(|e| anyhow!("cuda:{}: ncclGroupEnd: {e:?}", c.ordinal))
+        end.map(|_| ()).map_err(|e| anyhow!("cuda:{}: ncclGroupEnd: {}", c.ordinal, why(&e)))
     }
 }
