@@ -71,6 +71,12 @@ fn every_check_group_passes_on_both_simulated_architectures() {
         for label in ["fp8 from bf16", "nvfp4 rht+sr from f32"] {
             assert_eq!(check(&r, &format!("guard view check {label}"), "agree, caught")["pass"], true, "{arch}");
         }
+        // NCCL's calls on one GPU: the ZeRO-1 pair and the split placement's weight broadcast.
+        for op in
+            ["reduce-scatter on the communication stream", "all-gather in place", "broadcast of two tensors in place"]
+        {
+            assert_eq!(check(&r, &format!("NCCL: {op} (1 GPU)"), "f32")["pass"], true, "{arch} {op}");
+        }
         // The real W8A8 / W4A4 paths: CUTLASS's FP8 on both; its NVFP4 kernel only on sm_100.
         assert_eq!(check(&r, "W8A8 GEMM via Cutlass", "fp8")["pass"], true, "{arch}");
         assert_eq!(check(&r, "W4A4 GEMM via CublasLt", "nvfp4")["pass"], true, "{arch}");

@@ -127,44 +127,64 @@ fn bf16_weights_on_two_simulated_gpus_are_gathered_as_the_rounded_master() {
 }
 
 /// Split placement, k = 2, on two simulated GPUs: cuda-sim:0 generates while cuda-sim:1 trains.
-/// After each update the trainer copies its weights into a snapshot on its own device and the
-/// generator copies them from there into its compute weights, in place, between engine steps
-/// (peer copies, device to device): no step moves the weights across PCIe; every step trains
-/// one step's worth of groups, and no token trained on is more than k versions old.
+/// By default each version goes out by NCCL broadcast from the trainer's compute weights
+/// straight into the generator's, in place, between its engine steps: one broadcast round per
+/// update on each of the two GPUs, no peer copy, no snapshot in the memory plan. With
+/// COLOTRAIN_DEVICE_COLLECTIVE=peer the trainer copies its weights into a snapshot on its own
+/// device (counted in its plan, and only there) and the generator copies them from there by
+/// peer copies. Either way no step moves the weights across PCIe, every step trains one step's
+/// worth of groups, and no token trained on is more than k versions old.
 #[test]
 fn split_placement_on_two_simulated_gpus_publishes_device_to_device_within_the_bound() {
     let _turn = serial();
     let t = TempDir::new("sim-split");
-    let dir = t.path().join("r");
-    let mut j = tiny(&dir, 0, 2, 5);
-    j.schedule.mode = ScheduleMode::Async;
-    j.schedule.placement = Placement::Split;
-    j.schedule.rollout_devices = 1;
-    j.schedule.max_staleness = 2;
-    j.checkpoint.every = 0;
-    j.validate("test").unwrap();
-    let s = job::run(&j, &JobOptions::default()).unwrap();
-    assert_eq!(s.steps, 5);
-    let m = lines(&dir);
-    for l in m.iter().filter(|l| l.get("loss").is_some()) {
-        let lag = l["max_lag"].as_u64().unwrap();
-        assert!(lag <= 2, "step {}: lag {lag}", l["step"]);
-        assert!(l["gen_tokens"].as_u64().unwrap() > 0);
-        let (up, down) = (l["transfer"]["h2d_bytes"].as_u64().unwrap(), l["transfer"]["d2h_bytes"].as_u64().unwrap());
-        eprintln!("split: step {}: lag {lag}, {up} B up, {down} B down", l["step"]);
-        if l["step"] != 5 {
-            assert!(up < 200_000 && down < 200_000, "step {}: {up} B up, {down} B down", l["step"]);
+    for peer in [false, true] {
+        let dir = t.path().join(if peer { "peer" } else { "broadcast" });
+        let mut j = tiny(&dir, 0, 2, 5);
+        j.schedule.mode = ScheduleMode::Async;
+        j.schedule.placement = Placement::Split;
+        j.schedule.rollout_devices = 1;
+        j.schedule.max_staleness = 2;
+        j.checkpoint.every = 0;
+        j.validate("test").unwrap();
+        // Every test of this file holds `serial()`, so no other thread reads the environment.
+        if peer {
+            std::env::set_var("COLOTRAIN_DEVICE_COLLECTIVE", "peer");
+        }
+        let s = job::run(&j, &JobOptions::default());
+        std::env::remove_var("COLOTRAIN_DEVICE_COLLECTIVE");
+        assert_eq!(s.unwrap().steps, 5);
+        let m = lines(&dir);
+        for l in m.iter().filter(|l| l.get("loss").is_some()) {
+            let lag = l["max_lag"].as_u64().unwrap();
+            assert!(lag <= 2, "peer {peer}: step {}: lag {lag}", l["step"]);
+            assert!(l["gen_tokens"].as_u64().unwrap() > 0);
+            let (up, down) =
+                (l["transfer"]["h2d_bytes"].as_u64().unwrap(), l["transfer"]["d2h_bytes"].as_u64().unwrap());
+            eprintln!("split (peer {peer}): step {}: lag {lag}, {up} B up, {down} B down", l["step"]);
+            if l["step"] != 5 {
+                assert!(up < 200_000 && down < 200_000, "peer {peer}: step {}: {up} B up, {down} B down", l["step"]);
+            }
+        }
+        assert_eq!(m.last().unwrap()["version"].as_u64(), Some(5));
+        let plan: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+        let snap: Vec<(u64, u64)> =
+            plan.iter().map(|p| (p["snapshot"].as_u64().unwrap(), p["weights"].as_u64().unwrap())).collect();
+        assert_eq!(snap.iter().filter(|s| s.0 > 0).count(), usize::from(peer), "peer {peer}: {snap:?}");
+        assert!(snap.iter().all(|&(s, w)| s == 0 || s == w), "{snap:?}");
+        let rows: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("ledger.json")).unwrap()).unwrap();
+        let launches =
+            |op: &str| rows.iter().filter(|r| r["op"] == op).map(|r| r["launches"].as_u64().unwrap()).sum::<u64>();
+        let (broadcasts, peer_copies) = (launches("nccl broadcast"), launches("memcpy peer"));
+        if peer {
+            assert!(broadcasts == 0 && peer_copies > 0, "{broadcasts} broadcasts, {peer_copies} peer copies");
+        } else {
+            assert_eq!((broadcasts, peer_copies), (2 * 5, 0), "5 rounds on 2 GPUs, no peer copy");
+            assert!(rows.iter().filter(|r| r["op"] == "nccl broadcast").all(|r| r["stream"] == "communication"));
         }
     }
-    assert_eq!(m.last().unwrap()["version"].as_u64(), Some(5));
-    // The memory plan counts the lead trainer's published snapshot (a copy of its compute
-    // weights on its own GPU), and only there.
-    let plan: Vec<serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
-    let snap: Vec<(u64, u64)> =
-        plan.iter().map(|p| (p["snapshot"].as_u64().unwrap(), p["weights"].as_u64().unwrap())).collect();
-    assert_eq!(snap.iter().filter(|s| s.0 > 0).count(), 1, "{snap:?}");
-    assert!(snap.iter().all(|&(s, w)| s == 0 || s == w), "{snap:?}");
 }
 
 /// A device that errors, or panics, as the train phase of step 3 of a 2-GPU run starts (its

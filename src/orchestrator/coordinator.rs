@@ -63,6 +63,9 @@ pub struct Coordinator {
     /// the resyncs now (after [`ViewFault::Corrupt`], until a repair).
     pub view_fault: Option<ViewFault>,
     pub detached: std::sync::atomic::AtomicBool,
+    /// A split placement on GPUs: the lead trainer and the generators, one NCCL group that
+    /// each version is broadcast over (`mailbox::GenLink`).
+    pub publish: Option<Arc<crate::train::device_nccl::NcclDevice>>,
 }
 
 impl Coordinator {
@@ -372,6 +375,8 @@ pub fn start(
     let on_cpu = matches!(crate::device::DeviceSpec::parse(&job.run.device)?, crate::device::DeviceSpec::Cpu { .. });
     let dcoll = super::plan::device_collective(&names[gens..], on_cpu)?
         .map(|d| super::fault::FaultyCollective::wrap(d, fault.filter(|f| f.phase == "all-gather")));
+    // A split placement on GPUs broadcasts each version from the lead into the generators.
+    let publish = super::plan::publish_group(&names, gens, on_cpu)?;
     let cores = if on_cpu { crate::parallel::split_cores(n) } else { vec![Vec::new(); n] };
     let (s2, c2, d2, names2) = (setup.clone(), coll.clone(), dcoll.clone(), names.clone());
     let mut pool = WorkerPool::spawn(names.clone(), cores.clone(), move |rank| {
@@ -393,11 +398,14 @@ pub fn start(
         Replica::new(rank, dev, &s2, dp)
     })?;
     // A failed device wakes the others out of their collectives instead of leaving them waiting.
-    let (abort, dabort) = (coll.clone(), dcoll.clone());
+    let (abort, dabort, pabort) = (coll.clone(), dcoll.clone(), publish.clone());
     pool.set_on_failure(move |why| {
         abort.abort(why);
         if let Some(d) = &dabort {
             d.abort(why);
+        }
+        if let Some(p) = &pabort {
+            crate::train::device_coll::DeviceCollective::abort(p.as_ref(), why);
         }
     });
     // Calibrated once for the run: for its recipe, or any the guard may fall back to.
@@ -490,6 +498,7 @@ pub fn start(
         resumed_guard,
         view_fault: None,
         detached: Default::default(),
+        publish,
     };
     Ok((host, start))
 }

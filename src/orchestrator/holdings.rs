@@ -1,6 +1,6 @@
 //! What one device holds before its KV caches, in bytes, as the memory plan (`memory.rs`)
 //! takes it: the compute weights, the trainer's state and activation arenas where it trains
-//! there, the teacher, the rollout engine's buffers, a split lead's published snapshot, and the
+//! there, the teacher, the rollout engine's buffers, a split lead's published snapshot (if it has one), and the
 //! KV block of each engine the device runs. `Replica::new` plans a run's device with it, and
 //! `bench node --model-gpu … --ledger` plans GPU 0 of a shipped config at its model's real
 //! shapes with it, so the report's memory line is the run's own arithmetic.
@@ -81,8 +81,9 @@ pub fn kv_block_bytes(cfg: &ModelConfig, dtype: DType, ec: &EngineConfig, block_
 /// moments, gradient, and the activations of one micro-batch — with
 /// objective.micro_batch_tokens = 0, of a whole step's responses at max_new_tokens each plus as
 /// many prompt tokens, a bound the data does not give before it is read; with several GPUs
-/// also the ZeRO-1 buffers). A split placement's lead trainer on a GPU also holds the snapshot
-/// it publishes through: a copy of its compute weights (`GenLink::publish`).
+/// also the ZeRO-1 buffers). A split placement's lead trainer on a GPU that publishes through a
+/// snapshot (COLOTRAIN_DEVICE_COLLECTIVE=peer; the default broadcasts, `GenLink::publish`)
+/// also holds it: a copy of its compute weights.
 pub fn plan(h: &Holdings) -> Planned {
     let (job, tr) = (h.job, h.trainer);
     let cfg = &tr.cfg;
@@ -95,7 +96,12 @@ pub fn plan(h: &Holdings) -> Planned {
     let activations = tr.activation_plan_bytes(step_tokens, nvfp4);
     let trainer_here = if h.cpu || tr.on_device() { tr.state_bytes() + activations } else { 0 };
     let teacher = h.teacher.map(|t| t.1.size_bytes()).unwrap_or(0);
-    let snapshot = if h.split && !h.generates && h.lead_or_all && tr.on_device() { tr.weights.size_bytes() } else { 0 };
+    let snapshot =
+        if h.split && !h.generates && h.lead_or_all && tr.on_device() && !super::plan::publishes_by_broadcast() {
+            tr.weights.size_bytes()
+        } else {
+            0
+        };
     let used = tr.weights.size_bytes() + trainer_here + teacher + engine_buffers + snapshot;
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     let parts =

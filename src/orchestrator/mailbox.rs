@@ -3,15 +3,26 @@
 //! [`GenLink`] of a split placement (request queue, board, weight mailbox, stop flag, busy
 //! counters).
 //!
-//! Owns: [`Board`], [`GenLink`], the published [`Snapshot`]. May call: the trainer (to publish
-//! and to load weights), the engine's completion type, the reward scorer. Must not: run an
-//! engine step or a training step.
+//! How a split placement's generators receive each version: on GPUs (simulated or not) by an
+//! NCCL broadcast from the lead trainer's compute weights straight into each generator's, in
+//! place (one group of the lead and the generators, `train::device_nccl`). The lead posts a
+//! round and enters the broadcast; each generator joins it between two engine steps, so the
+//! lead waits at most one engine step of the slowest generator (and no generator misses a
+//! version: the next round is posted only after every generator joined this one). Nothing is
+//! copied twice and the lead holds no snapshot. With COLOTRAIN_DEVICE_COLLECTIVE=peer, or on
+//! the host, the lead publishes a snapshot instead (a copy of its compute weights on its GPU,
+//! or its FP32 master) and each generator pulls the newest one when it likes.
+//!
+//! Owns: [`Board`], [`GenLink`], the published [`Snapshot`], the broadcast rounds. May call:
+//! the trainer (to publish and to load weights), the broadcast group, the engine's completion
+//! type, the reward scorer. Must not: run an engine step or a training step.
 
 use crate::engine::rollout::WorkQueue;
 use crate::engine::Completion;
 use crate::reward::scorer::Scorer;
+use crate::train::device_nccl::NcclDevice;
 use crate::train::trainer::Trainer;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -104,11 +115,24 @@ pub struct GenLink {
     pub teacher_temperature: Option<f32>,
     /// The run's reward service: generators post each completion as it finishes.
     pub scorer: Arc<Scorer>,
+    /// GPUs: the lead trainer (rank 0) and generator `slot` (rank 1 + slot) in one NCCL group
+    /// that each version is broadcast over (None: the snapshot mailbox).
+    bcast: Option<Arc<NcclDevice>>,
+    /// The broadcast rounds the lead posted, and the version of the last one.
+    posted: Mutex<(u64, u64)>,
 }
 
 impl GenLink {
-    pub fn new(samples: usize, generators: usize, teacher_temperature: Option<f32>, scorer: Arc<Scorer>) -> GenLink {
+    pub fn new(
+        samples: usize,
+        generators: usize,
+        teacher_temperature: Option<f32>,
+        scorer: Arc<Scorer>,
+        bcast: Option<Arc<NcclDevice>>,
+    ) -> GenLink {
         GenLink {
+            bcast,
+            posted: Mutex::new((0, 0)),
             teacher_temperature,
             scorer,
             queue: queue(Vec::new()),
@@ -123,13 +147,34 @@ impl GenLink {
         self.published.lock().map_err(|_| anyhow::anyhow!("the weight mailbox was poisoned"))
     }
 
+    /// Whether versions go out by NCCL broadcast (GPUs) rather than through the mailbox.
+    pub fn broadcasts(&self) -> bool {
+        self.bcast.is_some()
+    }
+
+    /// Wakes the lead or a generator waiting in a broadcast round (a device failed).
+    pub fn abort(&self, reason: &str) {
+        if let Some(g) = &self.bcast {
+            crate::train::device_coll::DeviceCollective::abort(g.as_ref(), reason);
+        }
+    }
+
     /// Publishes `trainer`'s weights (the lead trainer's, after an update) as the generators'
-    /// next. A trainer on a GPU copies its compute weights into the snapshot buffer on its own
-    /// device (allocated at the first publication, rewritten in place after) under the
-    /// mailbox's lock, so no generator reads it half written; on the host the FP32 master is
-    /// shared.
-    pub fn publish(&self, trainer: &Trainer) -> Result<()> {
+    /// next. Over the broadcast group: posts a round and broadcasts the compute weights; this
+    /// returns once every generator joined (their copies then run on the GPUs' communication
+    /// streams, which the compute streams wait for). Otherwise a trainer on a GPU copies its
+    /// compute weights into the snapshot buffer on its own device (allocated at the first
+    /// publication, rewritten in place after) under the mailbox's lock, so no generator reads
+    /// it half written; on the host the FP32 master is shared.
+    pub fn publish(&self, trainer: &mut Trainer) -> Result<()> {
         let v = trainer.version;
+        if let Some(g) = &self.bcast {
+            {
+                let mut p = self.posted.lock().map_err(|_| anyhow::anyhow!("the broadcast rounds were poisoned"))?;
+                *p = (p.0 + 1, v);
+            }
+            return broadcast_weights(g, 0, trainer);
+        }
         let mut p = self.mailbox()?;
         if trainer.on_device() {
             if !matches!(p.as_ref(), Some((_, Snapshot::Device(_)))) {
@@ -146,10 +191,28 @@ impl GenLink {
         Ok(())
     }
 
-    /// A generator takes in the published weights when they are newer than `have`: in place
-    /// into its compute weights, from the trainer's GPU device to device (under the mailbox's
-    /// lock) or from the host. The version taken, if any.
-    pub(super) fn load_newer(&self, have: u64, trainer: &mut Trainer) -> Result<Option<u64>> {
+    /// Generator `slot` takes in the published weights: over the broadcast group, joins the
+    /// lead's round if one is posted that it has not joined (`rounds`: those it joined);
+    /// otherwise the mailbox's when they are newer than `have`, in place into its compute
+    /// weights, from the trainer's GPU device to device (under the mailbox's lock) or from the
+    /// host. The version taken, if any.
+    pub(super) fn load_newer(
+        &self,
+        slot: usize,
+        have: u64,
+        rounds: &mut u64,
+        trainer: &mut Trainer,
+    ) -> Result<Option<u64>> {
+        if let Some(g) = &self.bcast {
+            let (posted, v) = *self.posted.lock().map_err(|_| anyhow::anyhow!("the broadcast rounds were poisoned"))?;
+            if posted <= *rounds {
+                return Ok(None);
+            }
+            broadcast_weights(g, 1 + slot, trainer)?;
+            *rounds += 1;
+            trainer.version = v;
+            return Ok(Some(v));
+        }
         let p = self.mailbox()?;
         match p.as_ref() {
             Some((v, snap)) if *v > have => {
@@ -162,6 +225,19 @@ impl GenLink {
             _ => Ok(None),
         }
     }
+}
+
+/// One broadcast round of the compute weights of `trainer` (rank 0: the lead, which sends),
+/// in parameter order; its compute stream then waits for the round (the lead's optimizer
+/// writes the weights next, a generator's engine reads them).
+fn broadcast_weights(g: &NcclDevice, rank: usize, trainer: &mut Trainer) -> Result<()> {
+    let mut ts = trainer.weights.tensors_mut();
+    let dev = match ts.first().map(|t| t.storage()) {
+        Some(crate::device::Storage::Cuda(c)) => c.device().clone(),
+        _ => bail!("a weight broadcast needs compute weights on a GPU (rank {rank} of the publishing group)"),
+    };
+    let done = g.broadcast(rank, 0, &mut ts)?;
+    dev.wait_event(&done)
 }
 
 /// Published weights: on the lead trainer's GPU (the whole model, flat in the compute weights'

@@ -132,6 +132,34 @@ pub fn device_collective(
     }
 }
 
+/// Whether a split placement on GPUs publishes each version by NCCL broadcast (the default)
+/// rather than through a snapshot the generators copy from (COLOTRAIN_DEVICE_COLLECTIVE=peer).
+pub fn publishes_by_broadcast() -> bool {
+    std::env::var("COLOTRAIN_DEVICE_COLLECTIVE").as_deref() != Ok("peer")
+}
+
+/// A split placement's publishing group on GPUs: the lead trainer `names[gens]` (rank 0) and
+/// the generators `names[..gens]` (rank 1 + slot), one NCCL communicator each
+/// (`orchestrator::mailbox`). None on CPU devices, colocated, or under
+/// COLOTRAIN_DEVICE_COLLECTIVE=peer.
+pub fn publish_group(
+    names: &[String],
+    gens: usize,
+    on_cpu: bool,
+) -> Result<Option<Arc<crate::train::device_nccl::NcclDevice>>> {
+    if on_cpu || gens == 0 || gens >= names.len() || !publishes_by_broadcast() {
+        return Ok(None);
+    }
+    let devs = std::iter::once(&names[gens])
+        .chain(&names[..gens])
+        .map(|n| match crate::device::Device::parse(n)? {
+            crate::device::Device::Cuda(c) => Ok(c),
+            _ => bail!("the split placement's publishing group: {n} is not a CUDA device"),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Some(Arc::new(crate::train::device_nccl::NcclDevice::new(&devs)?)))
+}
+
 #[cfg(feature = "cuda")]
 fn nccl_group(ords: &[usize]) -> Result<Arc<dyn Collective>> {
     Ok(Arc::new(crate::parallel::nccl::Nccl::new(ords)?))

@@ -297,15 +297,26 @@ impl Replica {
     /// between engine steps loads newer published weights in place (sequences in flight go on
     /// under them; every token records its version). Requests popped after a publication are
     /// always started under it, so a request queued after weights v is never sampled older.
+    /// However it ends (stopped, an error, a panic), it wakes a lead waiting for it in a
+    /// broadcast round: no round is posted after the stop.
     pub fn generate_forever(&mut self, link: &GenLink, slot: usize, inflight: usize) -> Result<()> {
+        /// (link, slot, the error it ended with).
+        struct Leaving<'a>(&'a GenLink, usize, Option<String>);
+        impl Drop for Leaving<'_> {
+            fn drop(&mut self) {
+                let why = self.2.take().unwrap_or_else(|| "it stopped".into());
+                self.0.abort(&format!("generator {}: {why}", self.1));
+            }
+        }
+        let mut leaving = Leaving(link, slot, None);
         let rw = self.rw.as_mut().context("the rollout engine is not initialized")?;
         let engine = self.rollout_engine.as_mut().unwrap_or(&mut self.std_engine);
         let trainer = &mut self.trainer;
         let mut teacher = self.teacher.as_mut().filter(|_| link.teacher_temperature.is_some());
         let dev = engine.device().clone();
         engine.set_version(rw.version);
-        let mut loaded = trainer.version;
-        dev.install(|| -> Result<()> {
+        let (mut loaded, mut rounds) = (trainer.version, 0);
+        let out = dev.install(|| -> Result<()> {
             let mut popped: Vec<crate::engine::Request> = Vec::new();
             // Prompts of requests in flight (for teacher scoring): id -> (tokens, samples left).
             let mut prompts: std::collections::HashMap<u64, (Vec<u32>, usize)> = Default::default();
@@ -324,7 +335,7 @@ impl Replica {
                 }
                 // `loaded`: the newest published version taken in; the engine stamps tokens with
                 // what its view reads (a stale engine's ring lags `loaded` by its staleness).
-                if let Some(v) = link.load_newer(loaded, trainer)? {
+                if let Some(v) = link.load_newer(slot, loaded, &mut rounds, trainer)? {
                     rw.sync(&trainer.weights, v)?;
                     engine.set_version(rw.version);
                     loaded = v;
@@ -364,7 +375,9 @@ impl Replica {
                 link.busy_ns[slot].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
             }
             Ok(())
-        })
+        });
+        leaving.2 = out.as_ref().err().map(|e| format!("{e:#}"));
+        out
     }
 
     /// Teacher-scores requests from the shared queue.

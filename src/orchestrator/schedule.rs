@@ -10,8 +10,8 @@
 //! - Asynchronous, split: the first `rollout_devices` devices only generate, the others only
 //!   score and train, at the same time. Each generator runs one long command
 //!   (`Replica::generate_forever`) that pulls from the queue and posts to the board; after each
-//!   update the trainers publish their FP32 master, which the generators load in place between
-//!   engine steps. The queue holds this step's and the next k steps' requests, so tokens are
+//!   update the lead trainer publishes its weights, which the generators load in place between
+//!   engine steps (on GPUs by NCCL broadcast, `mailbox.rs`). The queue holds this step's and the next k steps' requests, so tokens are
 //!   mostly within k versions when trained; the trainer's mask is what enforces the bound (a
 //!   version is one optimizer update: several per step with minibatches, and a group that
 //!   completes late is trained late).
@@ -73,6 +73,7 @@ impl Scheduler {
                 (h.split() && h.job.objective.kind == ObjectiveKind::Opd && h.job.teacher.is_some())
                     .then_some(h.job.rollout.temperature),
                 h.scorer.clone(),
+                h.publish.clone(),
             )),
             generators: Vec::new(),
             gen_busy: vec![0; h.generators.len()],
@@ -86,7 +87,7 @@ impl Scheduler {
             return h.resync();
         }
         let link = self.link.clone();
-        h.pool.run_on(h.lead(), "publish", move |r| link.publish(&r.trainer))
+        h.pool.run_on(h.lead(), "publish", move |r| link.publish(&mut r.trainer))
     }
 
     /// Split placement: starts the generators' commands (once).

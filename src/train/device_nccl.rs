@@ -121,6 +121,39 @@ impl NcclDevice {
     fn guarded<T>(&self, body: impl FnOnce() -> Result<T>) -> Result<T> {
         body().inspect_err(|e| self.abort(&format!("{e:#}")))
     }
+
+    /// Broadcasts rank `root`'s `bufs` into every other rank's, in place, as one NCCL group
+    /// call (one ncclBroadcast per tensor): a split placement's lead trainer sends its compute
+    /// weights straight into the generators' (`orchestrator::mailbox`). Every rank passes its
+    /// own tensors of the same sizes in the same order, on one GPU, of one dtype. Queued on the
+    /// communication stream after the compute stream's work so far; the compute stream must
+    /// wait on the returned event before it writes (root) or reads (the others) `bufs`.
+    pub fn broadcast(&self, rank: usize, root: usize, bufs: &mut [&mut Tensor]) -> Result<Event> {
+        self.guarded(|| {
+            let first = bufs.first().ok_or_else(|| anyhow::anyhow!("NCCL broadcast of no tensors"))?;
+            let (dev, dtype) = (cuda_of(first, "broadcast tensor")?.0, first.dtype());
+            let mut parts = Vec::with_capacity(bufs.len());
+            for t in bufs.iter() {
+                let (d, ptr) = cuda_of(t, "broadcast tensor")?;
+                if d.ordinal() != dev.ordinal() || t.dtype() != dtype {
+                    bail!(
+                        "NCCL broadcast: rank {rank}'s tensors are on cuda:{} and cuda:{}, or {} and {}",
+                        dev.ordinal(),
+                        d.ordinal(),
+                        dtype.name(),
+                        t.dtype().name()
+                    );
+                }
+                parts.push(Part::Broadcast { root, buf: ptr, bytes: t.numel() * dtype.size() });
+            }
+            if root >= self.world() {
+                bail!("NCCL broadcast from rank {root} of a group of {}", self.world());
+            }
+            let total = bufs.iter().map(|t| t.numel()).sum();
+            self.enter(rank, ("broadcast", total, dtype))?;
+            self.queue(&dev, rank, &parts)
+        })
+    }
 }
 
 impl DeviceCollective for NcclDevice {
@@ -311,6 +344,49 @@ mod tests {
             let ring = |bytes: usize| ((bytes as f64) * 2.0 / 3.0) as usize as f64;
             assert_eq!(rs, (ring(4 * n), 0), "rank {rank}: reduce-scatter NVLink bytes, copies");
             assert_eq!(ag, ring(2 * n), "rank {rank}: all-gather NVLink bytes");
+        }
+    }
+
+    /// A broadcast of two BF16 tensors from rank 0 of three (a split lead's weights into its
+    /// generators'): every other rank's tensors become rank 0's exactly, in place, rank 0's are
+    /// left as they were, the ledger counts NCCL's ring bytes on the communication stream and
+    /// no host copy; a rank that passes fewer values fails the call on every rank.
+    #[test]
+    fn an_nccl_broadcast_writes_the_roots_tensors_into_every_rank_in_place() {
+        let sizes = [37usize, 300];
+        let value = |t: usize, i: usize| ((i * 5 + t * 11) % 250) as f32 - 125.0; // exact in BF16
+        let out = on_sims(3, 100, |rank, dev, c| {
+            let d = Device::Cuda(dev.clone());
+            let mut ts: Vec<Tensor> = sizes
+                .iter()
+                .enumerate()
+                .map(|(t, &n)| {
+                    let v: Vec<f32> = (0..n).map(|i| if rank == 0 { value(t, i) } else { f32::NAN }).collect();
+                    d.from_f32(DType::BF16, &[n], &v).unwrap()
+                })
+                .collect();
+            dev.take_ledger();
+            let e = c.broadcast(rank, 0, &mut ts.iter_mut().collect::<Vec<_>>()).unwrap();
+            dev.wait_event(&e).unwrap();
+            let l = dev.take_ledger();
+            let copies = l.entries().filter(|(k, _)| k.2.starts_with("memcpy")).count();
+            (ts.iter().map(|t| t.to_f32_vec().unwrap()).collect::<Vec<_>>(), comm_bytes(&l, "nccl broadcast"), copies)
+        });
+        let ring = |bytes: usize| ((bytes as f64) * 2.0 / 3.0) as usize as f64;
+        for (rank, (got, nvlink, copies)) in out.into_iter().enumerate() {
+            for (t, v) in got.iter().enumerate() {
+                let bad = v.iter().enumerate().position(|(i, &x)| x != value(t, i));
+                assert_eq!(bad, None, "rank {rank} tensor {t}");
+            }
+            assert_eq!((nvlink, copies), (ring(2 * sizes[0]) + ring(2 * sizes[1]), 0), "rank {rank}");
+        }
+        let out = on_sims(2, 103, |rank, dev, c| {
+            let mut t = Device::Cuda(dev).zeros(DType::BF16, &[16 - rank]).unwrap();
+            c.broadcast(rank, 0, &mut [&mut t]).map(|_| ()).map_err(|e| format!("{e:#}"))
+        });
+        for (rank, r) in out.into_iter().enumerate() {
+            let e = r.expect_err("a short rank must fail the broadcast");
+            assert!(e.contains("broadcast of 15 bf16 values") || e.contains("aborted"), "rank {rank}: {e}");
         }
     }
 

@@ -85,6 +85,15 @@ pub(super) fn optim(x: &mut Ctx) -> Result<()> {
     let e = nccl.all_gather_in_place(0, &mut recv)?;
     x.cuda.wait_event(&e)?;
     x.record("NCCL: all-gather in place (1 GPU)", "f32", &v, &recv.to_f32_vec()?, Tol::Exact);
+    // The split placement's weight broadcast: two tensors in one group call (one ncclBroadcast
+    // each), which leaves the root's tensors as they are.
+    let w = x.randn(CHUNK + 5, 1.0);
+    let mut t1 = x.gpu.from_f32(DType::F32, &[n], &v)?;
+    let mut t2 = x.gpu.from_f32(DType::F32, &[w.len()], &w)?;
+    let e = nccl.broadcast(0, 0, &mut [&mut t1, &mut t2])?;
+    x.cuda.wait_event(&e)?;
+    let (want, got) = ([v, w].concat(), [t1.to_f32_vec()?, t2.to_f32_vec()?].concat());
+    x.record("NCCL: broadcast of two tensors in place (1 GPU)", "f32", &want, &got, Tol::Exact);
     Ok(())
 }
 
