@@ -1,6 +1,7 @@
 //! One process, several simulated GPUs (issue 21): data parallelism with the trainer's state on
 //! the devices (ZeRO-1 over the device collective: NCCL calls on each device's communication
-//! stream, ordered by events), and a fault on one GPU mid-step.
+//! stream, ordered by events), a fault on one GPU mid-step, and the split placement's
+//! weight broadcast from the lead trainer into the generators (and a generator failing in it).
 //! Tolerance for N GPUs vs one, as for the CPU devices (tests/devices.rs): SGD, so the weights
 //! differ only by the gradient's summation order (per-device partial sums, then across
 //! devices): |a − b| ≤ 1e-6 + 1e-5·|b|; the sampled tokens are identical (Philox keys do not
@@ -184,6 +185,36 @@ fn split_placement_on_two_simulated_gpus_publishes_device_to_device_within_the_b
             assert_eq!((broadcasts, peer_copies), (2 * 5, 0), "5 rounds on 2 GPUs, no peer copy");
             assert!(rows.iter().filter(|r| r["op"] == "nccl broadcast").all(|r| r["stream"] == "communication"));
         }
+    }
+}
+
+/// A split placement's generator that errors, or panics, as it is about to join the third
+/// broadcast round (the lead trainer already waits in it): the lead wakes with the
+/// generator's error naming its device, the run stops, the checkpoint of step 2 is intact and
+/// the run resumes from it.
+#[test]
+fn a_generator_failing_at_a_broadcast_round_wakes_the_lead_with_the_checkpoint_intact() {
+    let _turn = serial();
+    let t = TempDir::new("sim-split-fault");
+    for panic in [false, true] {
+        let dir = t.path().join(format!("p{panic}"));
+        let mut j = tiny(&dir, 6, 2, 4);
+        j.schedule.mode = ScheduleMode::Async;
+        j.schedule.placement = Placement::Split;
+        j.schedule.rollout_devices = 1;
+        j.checkpoint.every = 2;
+        j.validate("test").unwrap();
+        let opts =
+            JobOptions { fault: Some(Fault { step: 3, rank: 0, panic, phase: "broadcast" }), ..Default::default() };
+        let e = format!("{:#}", job::run(&j, &opts).unwrap_err());
+        assert!(e.contains("phase 'publish'") && e.contains("generator 0 on cuda-sim:6"), "{e}");
+        assert!(e.contains(if panic { "it panicked" } else { "injected device error at step 3" }), "{e}");
+        let cks = checkpoint::list(&dir).unwrap();
+        assert_eq!(cks.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2]);
+        let before = master(&dir, &j);
+        job::run(&j, &JobOptions { resume: Some(dir.clone()), ..Default::default() }).unwrap();
+        assert_eq!(checkpoint::list(&dir).unwrap().iter().map(|c| c.0).max(), Some(4));
+        assert_ne!(master(&dir, &j), before, "the resumed run trained on");
     }
 }
 

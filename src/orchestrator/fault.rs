@@ -22,7 +22,9 @@ pub struct Fault {
     /// train phase of several GPUs, after the reduce-scatter and the optimizer step, as the
     /// device's `step`-th all-gather since the run (or its resume) started begins — its peers
     /// are already in it. That is update `step`: the step itself when each step makes one
-    /// update and none is skipped.
+    /// update and none is skipped. "broadcast": a split placement's generator on a GPU, as it
+    /// is about to join the `step`-th broadcast round of the lead's weights (the lead already
+    /// waits in it): round `step` is update `step` when each step makes one update.
     pub phase: &'static str,
 }
 

@@ -15,7 +15,7 @@
 //!
 //! Owns: [`Board`], [`GenLink`], the published [`Snapshot`], the broadcast rounds. May call:
 //! the trainer (to publish and to load weights), the broadcast group, the engine's completion
-//! type, the reward scorer. Must not: run an engine step or a training step.
+//! type, the reward scorer, the tests' fault. Must not: run an engine step or a training step.
 
 use crate::engine::rollout::WorkQueue;
 use crate::engine::Completion;
@@ -120,6 +120,8 @@ pub struct GenLink {
     bcast: Option<Arc<NcclDevice>>,
     /// The broadcast rounds the lead posted, and the version of the last one.
     posted: Mutex<(u64, u64)>,
+    /// Tests: a generator that fails as it is about to join a broadcast round.
+    fault: Option<super::fault::Fault>,
 }
 
 impl GenLink {
@@ -129,9 +131,11 @@ impl GenLink {
         teacher_temperature: Option<f32>,
         scorer: Arc<Scorer>,
         bcast: Option<Arc<NcclDevice>>,
+        fault: Option<super::fault::Fault>,
     ) -> GenLink {
         GenLink {
             bcast,
+            fault: fault.filter(|f| f.phase == "broadcast"),
             posted: Mutex::new((0, 0)),
             teacher_temperature,
             scorer,
@@ -208,6 +212,8 @@ impl GenLink {
             if posted <= *rounds {
                 return Ok(None);
             }
+            // Generator `slot` is device `slot` (the first devices generate).
+            super::fault::Fault::check(self.fault, "broadcast", *rounds + 1, slot)?;
             broadcast_weights(g, 1 + slot, trainer)?;
             *rounds += 1;
             trainer.version = v;

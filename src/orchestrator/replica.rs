@@ -300,15 +300,19 @@ impl Replica {
     /// However it ends (stopped, an error, a panic), it wakes a lead waiting for it in a
     /// broadcast round: no round is posted after the stop.
     pub fn generate_forever(&mut self, link: &GenLink, slot: usize, inflight: usize) -> Result<()> {
-        /// (link, slot, the error it ended with).
-        struct Leaving<'a>(&'a GenLink, usize, Option<String>);
+        /// (link, which generator, the error it ended with).
+        struct Leaving<'a>(&'a GenLink, String, Option<String>);
         impl Drop for Leaving<'_> {
             fn drop(&mut self) {
-                let why = self.2.take().unwrap_or_else(|| "it stopped".into());
-                self.0.abort(&format!("generator {}: {why}", self.1));
+                let why = match self.2.take() {
+                    Some(e) => e,
+                    None if std::thread::panicking() => "it panicked".into(),
+                    None => "it stopped".into(),
+                };
+                self.0.abort(&format!("{}: {why}", self.1));
             }
         }
-        let mut leaving = Leaving(link, slot, None);
+        let mut leaving = Leaving(link, format!("generator {slot} on {}", self.dev.name()), None);
         let rw = self.rw.as_mut().context("the rollout engine is not initialized")?;
         let engine = self.rollout_engine.as_mut().unwrap_or(&mut self.std_engine);
         let trainer = &mut self.trainer;

@@ -74,6 +74,7 @@ impl Scheduler {
                     .then_some(h.job.rollout.temperature),
                 h.scorer.clone(),
                 h.publish.clone(),
+                h.fault,
             )),
             generators: Vec::new(),
             gen_busy: vec![0; h.generators.len()],
