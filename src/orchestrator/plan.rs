@@ -147,8 +147,13 @@ pub fn publish_group(
     gens: usize,
     on_cpu: bool,
 ) -> Result<Option<Arc<crate::train::device_nccl::NcclDevice>>> {
-    if on_cpu || gens == 0 || gens >= names.len() || !publishes_by_broadcast() {
+    if on_cpu || gens == 0 || gens >= names.len() {
         return Ok(None);
+    }
+    match std::env::var("COLOTRAIN_DEVICE_COLLECTIVE").as_deref() {
+        Err(_) | Ok("") | Ok("nccl") => {}
+        Ok("peer") => return Ok(None),
+        Ok(other) => bail!("COLOTRAIN_DEVICE_COLLECTIVE='{other}': expected 'nccl' (the default) or 'peer'"),
     }
     let devs = std::iter::once(&names[gens])
         .chain(&names[..gens])

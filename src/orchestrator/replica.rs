@@ -297,30 +297,41 @@ impl Replica {
     /// between engine steps loads newer published weights in place (sequences in flight go on
     /// under them; every token records its version). Requests popped after a publication are
     /// always started under it, so a request queued after weights v is never sampled older.
-    /// However it ends (stopped, an error, a panic), it wakes a lead waiting for it in a
-    /// broadcast round: no round is posted after the stop.
+    /// If it fails or panics (or stops with a broadcast round posted that it did not join), it
+    /// wakes a lead waiting for it in a broadcast round with its error; a clean stop aborts
+    /// nothing (no round is posted after the stop, and the other generators may still be
+    /// finishing the last round's call).
     pub fn generate_forever(&mut self, link: &GenLink, slot: usize, inflight: usize) -> Result<()> {
-        /// (link, which generator, the error it ended with).
+        /// (link, which generator, why it leaves: the abort's reason, None on a clean stop).
         struct Leaving<'a>(&'a GenLink, String, Option<String>);
         impl Drop for Leaving<'_> {
             fn drop(&mut self) {
-                let why = match self.2.take() {
-                    Some(e) => e,
-                    None if std::thread::panicking() => "it panicked".into(),
-                    None => "it stopped".into(),
-                };
-                self.0.abort(&format!("{}: {why}", self.1));
+                if let Some(why) = self.2.take() {
+                    self.0.abort(&format!("{}: {why}", self.1));
+                }
             }
         }
-        let mut leaving = Leaving(link, format!("generator {slot} on {}", self.dev.name()), None);
+        // Until the loop returns, leaving means a panic.
+        let mut leaving = Leaving(link, format!("generator {slot} on {}", self.dev.name()), Some("it panicked".into()));
+        let mut rounds = 0;
+        let out = self.generate_loop(link, slot, inflight, &mut rounds);
+        leaving.2 = match &out {
+            Err(e) => Some(format!("{e:#}")),
+            Ok(()) => link.unjoined(rounds).then(|| "it stopped before joining a posted round".into()),
+        };
+        out
+    }
+
+    /// `generate_forever`'s loop; `rounds`: the broadcast rounds joined.
+    fn generate_loop(&mut self, link: &GenLink, slot: usize, inflight: usize, rounds: &mut u64) -> Result<()> {
         let rw = self.rw.as_mut().context("the rollout engine is not initialized")?;
         let engine = self.rollout_engine.as_mut().unwrap_or(&mut self.std_engine);
         let trainer = &mut self.trainer;
         let mut teacher = self.teacher.as_mut().filter(|_| link.teacher_temperature.is_some());
         let dev = engine.device().clone();
         engine.set_version(rw.version);
-        let (mut loaded, mut rounds) = (trainer.version, 0);
-        let out = dev.install(|| -> Result<()> {
+        let mut loaded = trainer.version;
+        dev.install(|| -> Result<()> {
             let mut popped: Vec<crate::engine::Request> = Vec::new();
             // Prompts of requests in flight (for teacher scoring): id -> (tokens, samples left).
             let mut prompts: std::collections::HashMap<u64, (Vec<u32>, usize)> = Default::default();
@@ -339,7 +350,7 @@ impl Replica {
                 }
                 // `loaded`: the newest published version taken in; the engine stamps tokens with
                 // what its view reads (a stale engine's ring lags `loaded` by its staleness).
-                if let Some(v) = link.load_newer(slot, loaded, &mut rounds, trainer)? {
+                if let Some(v) = link.load_newer(slot, loaded, rounds, trainer)? {
                     rw.sync(&trainer.weights, v)?;
                     engine.set_version(rw.version);
                     loaded = v;
@@ -379,9 +390,7 @@ impl Replica {
                 link.busy_ns[slot].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
             }
             Ok(())
-        });
-        leaving.2 = out.as_ref().err().map(|e| format!("{e:#}"));
-        out
+        })
     }
 
     /// Teacher-scores requests from the shared queue.
