@@ -50,6 +50,17 @@ fn lines(p: &std::path::Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// After a run that failed at step 3 of 4: the checkpoint of step 2 is the only one, and a run
+/// resumed from it trains on to step 4.
+fn resumes_from_step_2(dir: &std::path::Path, j: &JobConfig) {
+    let cks = checkpoint::list(dir).unwrap();
+    assert_eq!(cks.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2]);
+    let before = master(dir, j);
+    job::run(j, &JobOptions { resume: Some(dir.to_path_buf()), ..Default::default() }).unwrap();
+    assert_eq!(checkpoint::list(dir).unwrap().iter().map(|c| c.0).max(), Some(4));
+    assert_ne!(master(dir, j), before, "the resumed run trained on");
+}
+
 fn master(dir: &std::path::Path, j: &JobConfig) -> Vec<f32> {
     let ck = checkpoint::resolve(dir).unwrap();
     checkpoint::load(&ck, j).unwrap().1
@@ -209,12 +220,7 @@ fn a_generator_failing_at_a_broadcast_round_wakes_the_lead_with_the_checkpoint_i
         let e = format!("{:#}", job::run(&j, &opts).unwrap_err());
         assert!(e.contains("phase 'publish'") && e.contains("generator 0 on cuda-sim:6"), "{e}");
         assert!(e.contains(if panic { "it panicked" } else { "injected device error at step 3" }), "{e}");
-        let cks = checkpoint::list(&dir).unwrap();
-        assert_eq!(cks.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2]);
-        let before = master(&dir, &j);
-        job::run(&j, &JobOptions { resume: Some(dir.clone()), ..Default::default() }).unwrap();
-        assert_eq!(checkpoint::list(&dir).unwrap().iter().map(|c| c.0).max(), Some(4));
-        assert_ne!(master(&dir, &j), before, "the resumed run trained on");
+        resumes_from_step_2(&dir, &j);
     }
 }
 
@@ -237,12 +243,7 @@ fn a_fault_on_one_simulated_gpu_mid_step_stops_the_run_with_the_checkpoint_intac
         let dev = format!("worker 1 (cuda-sim:{})", first + 1);
         assert!(e.contains(&dev) && e.contains("phase 'train'"), "{e}");
         assert!(e.contains(if panic { "panicked" } else { "injected device error" }), "{e}");
-        let cks = checkpoint::list(&dir).unwrap();
-        assert_eq!(cks.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2]);
-        let before = master(&dir, &j);
-        job::run(&j, &JobOptions { resume: Some(dir.clone()), ..Default::default() }).unwrap();
-        assert_eq!(checkpoint::list(&dir).unwrap().iter().map(|c| c.0).max(), Some(4));
-        assert_ne!(master(&dir, &j), before, "the resumed run trained on");
+        resumes_from_step_2(&dir, &j);
     }
 }
 

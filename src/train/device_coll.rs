@@ -244,9 +244,35 @@ impl DeviceCollective for PeerCopy {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use std::sync::Arc;
+
+    /// An all-gather's values (exact in BF16) and rank `rank`'s BF16 buffer of `n`: its shard
+    /// of them, NaN elsewhere (what the gather must fill in).
+    pub(in crate::train) fn gather_input(d: &Device, n: usize, world: usize, rank: usize) -> (Vec<f32>, Tensor) {
+        let full: Vec<f32> = (0..n).map(|i| (i % 200) as f32 - 100.0).collect();
+        let mine = shard_range(n, world, rank);
+        let mut init = vec![f32::NAN; n];
+        init[mine.clone()].copy_from_slice(&full[mine]);
+        let buf = d.from_f32(DType::BF16, &[n], &init).unwrap();
+        (full, buf)
+    }
+
+    /// Rank 1 aborts `c`; rank 0 enters an all-gather and must be woken with the reason (the
+    /// abort test of every device collective).
+    pub(in crate::train) fn rank_1_aborts(
+        c: &dyn DeviceCollective,
+        rank: usize,
+        dev: CudaDevice,
+    ) -> Result<(), String> {
+        if rank == 1 {
+            c.abort("rank 1 failed in its backward");
+            return Ok(());
+        }
+        let mut buf = Device::Cuda(dev).zeros(DType::F32, &[8]).unwrap();
+        c.all_gather_in_place(0, &mut buf).map(|_| ()).map_err(|e| format!("{e:#}"))
+    }
 
     /// The tests here take turns on simulated GPUs 1 and 2, which no other lib test opens:
     /// the race test's error discards its device's queue.
@@ -311,11 +337,7 @@ mod tests {
             let mut want = vec![0.0f32; len];
             h.reduce_scatter_sum(rank, &g, &mut want).unwrap();
             // BF16 gather: each rank's shard written, the others' pieces copied in.
-            let full: Vec<f32> = (0..n).map(|i| (i % 200) as f32 - 100.0).collect(); // exact in BF16
-            let mine = shard_range(n, world, rank);
-            let mut init = vec![f32::NAN; n];
-            init[mine.clone()].copy_from_slice(&full[mine]);
-            let mut buf = d.from_f32(DType::BF16, &[n], &init).unwrap();
+            let (full, mut buf) = gather_input(&d, n, world, rank);
             dev.take_ledger();
             let e = c.all_gather_in_place(rank, &mut buf).unwrap();
             dev.wait_event(&e).unwrap();
@@ -360,14 +382,7 @@ mod tests {
         }
         let coll = Arc::new(PeerCopy::new(2).unwrap());
         let c = coll.clone();
-        let out = on_two_sims(move |rank, dev| {
-            if rank == 1 {
-                c.abort("rank 1 failed in its backward");
-                return Ok(());
-            }
-            let mut buf = Device::Cuda(dev).zeros(DType::F32, &[8]).unwrap();
-            c.all_gather_in_place(0, &mut buf).map(|_| ()).map_err(|e| format!("{e:#}"))
-        });
+        let out = on_two_sims(move |rank, dev| rank_1_aborts(c.as_ref(), rank, dev));
         let e = out[0].clone().expect_err("rank 0 must be woken with an error");
         assert!(e.contains("rank 1 failed in its backward"), "{e}");
     }

@@ -117,6 +117,30 @@ impl NcclDevice {
         })
     }
 
+    /// Rank `rank`'s reduce-scatter operands for `what`, checked (an F32 gradient and its F32
+    /// shard): (device, gradient address, shard address, gradient values).
+    fn shard_operands(
+        &self,
+        what: &str,
+        rank: usize,
+        send: &Tensor,
+        recv: &Tensor,
+    ) -> Result<(CudaDevice, u64, u64, usize)> {
+        let world = self.world();
+        let (dev, src) = cuda_of(send, "gradient")?;
+        let (_, dst) = cuda_of(recv, "shard")?;
+        let (n, own) = (send.numel(), shard_range(send.numel(), world, rank).len());
+        if recv.numel() != own || send.dtype() != DType::F32 || recv.dtype() != DType::F32 {
+            bail!(
+                "{what}: rank {rank} of {world}: an F32 gradient and its F32 shard of {own} of its {n} values expected, got a {} shard of {} values and a {} gradient",
+                recv.dtype().name(),
+                recv.numel(),
+                send.dtype().name()
+            );
+        }
+        Ok((dev, src, dst, n))
+    }
+
     /// Runs `body`; an error aborts the group, so the other ranks leave the rendezvous and NCCL.
     fn guarded<T>(&self, body: impl FnOnce() -> Result<T>) -> Result<T> {
         body().inspect_err(|e| self.abort(&format!("{e:#}")))
@@ -170,22 +194,7 @@ impl DeviceCollective for NcclDevice {
     fn reduce_scatter(&self, rank: usize, send: &Tensor, _staging: &mut Tensor, recv: &mut Tensor) -> Result<Event> {
         self.guarded(|| {
             let world = self.world();
-            let (dev, src) = cuda_of(send, "gradient")?;
-            let (_, dst) = cuda_of(recv, "shard")?;
-            let n = send.numel();
-            let own = shard_range(n, world, rank);
-            if recv.numel() != own.len() {
-                bail!(
-                    "reduce_scatter: rank {rank} of {world} receives {} values for its shard of {}",
-                    recv.numel(),
-                    own.len()
-                );
-            }
-            for (t, what) in [(send, "gradient"), (&*recv, "shard")] {
-                if t.dtype() != DType::F32 {
-                    bail!("reduce_scatter: the {what} is {}, expected F32", t.dtype().name());
-                }
-            }
+            let (dev, src, dst, n) = self.shard_operands("reduce_scatter", rank, send, recv)?;
             self.enter(rank, ("reduce_scatter", n, DType::F32))?;
             let parts: Vec<Part> = (0..world)
                 .map(|r| (r, shard_range(n, world, r)))
@@ -209,13 +218,7 @@ impl DeviceCollective for NcclDevice {
     ) -> Result<Option<Event>> {
         self.guarded(|| {
             let world = self.world();
-            let (dev, src) = cuda_of(send, "gradient")?;
-            let (_, dst) = cuda_of(recv, "shard")?;
-            let n = send.numel();
-            let own = shard_range(n, world, rank);
-            if recv.numel() != own.len() || send.dtype() != DType::F32 || recv.dtype() != DType::F32 {
-                bail!("reduce_scatter_ranges: rank {rank} of {world}: an F32 gradient of {n} and its F32 shard of {} values expected", own.len());
-            }
+            let (dev, src, dst, n) = self.shard_operands("reduce_scatter_ranges", rank, send, recv)?;
             if let Some(r) = ranges.iter().find(|r| r.start > r.end || r.end > n) {
                 bail!("reduce_scatter_ranges: range {r:?} outside the gradient of {n} values");
             }
@@ -325,11 +328,7 @@ mod tests {
             host.reduce_scatter_sum(rank, &g, &mut want).unwrap();
             assert_eq!(bits(&send.to_f32_vec().unwrap()), bits(&g), "rank {rank}: the gradient is read only");
             // BF16 gather: each rank's shard written, NaN elsewhere.
-            let full: Vec<f32> = (0..n).map(|i| (i % 200) as f32 - 100.0).collect(); // exact in BF16
-            let mine = shard_range(n, world, rank);
-            let mut init = vec![f32::NAN; n];
-            init[mine.clone()].copy_from_slice(&full[mine]);
-            let mut buf = d.from_f32(DType::BF16, &[n], &init).unwrap();
+            let (full, mut buf) = super::super::device_coll::tests::gather_input(&d, n, world, rank);
             dev.take_ledger();
             let e = c.all_gather_in_place(rank, &mut buf).unwrap();
             dev.wait_event(&e).unwrap();
@@ -406,14 +405,7 @@ mod tests {
             let e = r.expect_err("a mismatched call must fail");
             assert!(e.contains("reduce_scatter of 65 f32 values") || e.contains("aborted"), "rank {rank}: {e}");
         }
-        let out = on_sims(2, 97, |rank, dev, c| {
-            if rank == 1 {
-                c.abort("rank 1 failed in its backward");
-                return Ok(());
-            }
-            let mut buf = Device::Cuda(dev).zeros(DType::F32, &[8]).unwrap();
-            c.all_gather_in_place(0, &mut buf).map(|_| ()).map_err(|e| format!("{e:#}"))
-        });
+        let out = on_sims(2, 97, |rank, dev, c| super::super::device_coll::tests::rank_1_aborts(c, rank, dev));
         let e = out[0].clone().expect_err("rank 0 must be woken with an error");
         assert!(e.contains("rank 1 failed in its backward"), "{e}");
     }
