@@ -151,6 +151,11 @@ impl GenLink {
         self.published.lock().map_err(|_| anyhow::anyhow!("the weight mailbox was poisoned"))
     }
 
+    /// (broadcast rounds posted, the version of the last one).
+    fn rounds(&self) -> Result<MutexGuard<'_, (u64, u64)>> {
+        self.posted.lock().map_err(|_| anyhow::anyhow!("the broadcast rounds were poisoned"))
+    }
+
     /// Whether a broadcast round is posted that a generator that joined `rounds` did not join.
     pub fn unjoined(&self, rounds: u64) -> bool {
         self.bcast.is_some() && self.posted.lock().map_or(true, |p| p.0 > rounds)
@@ -173,17 +178,12 @@ impl GenLink {
     pub fn publish(&self, trainer: &mut Trainer) -> Result<()> {
         let v = trainer.version;
         if let Some(g) = &self.bcast {
-            // Checked before the round is posted: from then on the generators wait in it, and
-            // only the broadcast (which aborts the group if it fails) lets them go.
-            let mut ts = trainer.weights.tensors_mut();
-            let dev = gpu_of(&ts, 0)?;
-            {
-                let mut p = self.posted.lock().map_err(|_| anyhow::anyhow!("the broadcast rounds were poisoned"))?;
-                *p = (p.0 + 1, v);
-            }
-            let done = g.broadcast(0, 0, &mut ts)?;
             // The lead's optimizer writes these weights next.
-            return dev.wait_event(&done);
+            return broadcast_weights(g, 0, trainer, || {
+                let mut p = self.rounds()?;
+                *p = (p.0 + 1, v);
+                Ok(())
+            });
         }
         let mut p = self.mailbox()?;
         if trainer.on_device() {
@@ -214,17 +214,14 @@ impl GenLink {
         trainer: &mut Trainer,
     ) -> Result<Option<u64>> {
         if let Some(g) = &self.bcast {
-            let (posted, v) = *self.posted.lock().map_err(|_| anyhow::anyhow!("the broadcast rounds were poisoned"))?;
+            let (posted, v) = *self.rounds()?;
             if posted <= *rounds {
                 return Ok(None);
             }
             // Generator `slot` is device `slot` (the first devices generate).
             super::fault::Fault::check(self.fault, "broadcast", *rounds + 1, slot)?;
-            let mut ts = trainer.weights.tensors_mut();
-            let dev = gpu_of(&ts, 1 + slot)?;
-            let done = g.broadcast(1 + slot, 0, &mut ts)?;
             // The generator's engine reads these weights next.
-            dev.wait_event(&done)?;
+            broadcast_weights(g, 1 + slot, trainer, || Ok(()))?;
             *rounds += 1;
             trainer.version = v;
             return Ok(Some(v));
@@ -243,12 +240,25 @@ impl GenLink {
     }
 }
 
-/// The GPU of a broadcast rank's compute weights (`ts`, in parameter order).
-fn gpu_of(ts: &[&mut crate::device::Tensor], rank: usize) -> Result<crate::device::cuda::CudaDevice> {
-    match ts.first().map(|t| t.storage()) {
-        Some(crate::device::Storage::Cuda(c)) => Ok(c.device().clone()),
+/// One broadcast round of `trainer`'s compute weights as rank `rank` (0: the lead, which
+/// sends), in parameter order; its compute stream then waits for the round. `before` runs once
+/// the weights are checked, before the group call (the lead posts the round there: from then
+/// on the generators wait in it, and only the broadcast, which aborts the group if it fails,
+/// lets them go).
+fn broadcast_weights(
+    g: &NcclDevice,
+    rank: usize,
+    trainer: &mut Trainer,
+    before: impl FnOnce() -> Result<()>,
+) -> Result<()> {
+    let mut ts = trainer.weights.tensors_mut();
+    let dev = match ts.first().map(|t| t.storage()) {
+        Some(crate::device::Storage::Cuda(c)) => c.device().clone(),
         _ => bail!("a weight broadcast needs compute weights on a GPU (rank {rank} of the publishing group)"),
-    }
+    };
+    before()?;
+    let done = g.broadcast(rank, 0, &mut ts)?;
+    dev.wait_event(&done)
 }
 
 /// Published weights: on the lead trainer's GPU (the whole model, flat in the compute weights'

@@ -116,26 +116,43 @@ pub fn device_collective(
     if on_cpu || names.len() < 2 || nccl {
         return Ok(None);
     }
+    if peer_requested()? {
+        Ok(Some(Arc::new(crate::train::device_coll::PeerCopy::new(names.len())?)))
+    } else {
+        let devs = cuda_devices(names.iter(), "the device collective")?;
+        Ok(Some(Arc::new(crate::train::device_nccl::NcclDevice::new(&devs)?)))
+    }
+}
+
+/// The CUDA (or simulated) devices `names`, for the NCCL group `what`.
+fn cuda_devices<'a>(
+    names: impl Iterator<Item = &'a String>,
+    what: &str,
+) -> Result<Vec<crate::device::cuda::CudaDevice>> {
+    names
+        .map(|n| match crate::device::Device::parse(n)? {
+            crate::device::Device::Cuda(c) => Ok(c),
+            _ => bail!("{what}: {n} is not a CUDA device"),
+        })
+        .collect()
+}
+
+/// Whether COLOTRAIN_DEVICE_COLLECTIVE asks for the in-process peer copies ('peer') rather
+/// than NCCL ('nccl', the default), for the trainers' ZeRO-1 and a split placement's
+/// publishing alike; another value is an error.
+fn peer_requested() -> Result<bool> {
     match std::env::var("COLOTRAIN_DEVICE_COLLECTIVE").as_deref() {
-        Err(_) | Ok("") | Ok("nccl") => {
-            let devs = names
-                .iter()
-                .map(|n| match crate::device::Device::parse(n)? {
-                    crate::device::Device::Cuda(c) => Ok(c),
-                    _ => bail!("the device collective over {names:?}: {n} is not a CUDA device"),
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Ok(Some(Arc::new(crate::train::device_nccl::NcclDevice::new(&devs)?)))
-        }
-        Ok("peer") => Ok(Some(Arc::new(crate::train::device_coll::PeerCopy::new(names.len())?))),
+        Err(_) | Ok("") | Ok("nccl") => Ok(false),
+        Ok("peer") => Ok(true),
         Ok(other) => bail!("COLOTRAIN_DEVICE_COLLECTIVE='{other}': expected 'nccl' (the default) or 'peer'"),
     }
 }
 
 /// Whether a split placement on GPUs publishes each version by NCCL broadcast (the default)
 /// rather than through a snapshot the generators copy from (COLOTRAIN_DEVICE_COLLECTIVE=peer).
+/// (An invalid value fails the run in `publish_group` first.)
 pub fn publishes_by_broadcast() -> bool {
-    std::env::var("COLOTRAIN_DEVICE_COLLECTIVE").as_deref() != Ok("peer")
+    !peer_requested().unwrap_or(false)
 }
 
 /// A split placement's publishing group on GPUs: the lead trainer `names[gens]` (rank 0) and
@@ -147,21 +164,11 @@ pub fn publish_group(
     gens: usize,
     on_cpu: bool,
 ) -> Result<Option<Arc<crate::train::device_nccl::NcclDevice>>> {
-    if on_cpu || gens == 0 || gens >= names.len() {
+    if on_cpu || gens == 0 || gens >= names.len() || peer_requested()? {
         return Ok(None);
     }
-    match std::env::var("COLOTRAIN_DEVICE_COLLECTIVE").as_deref() {
-        Err(_) | Ok("") | Ok("nccl") => {}
-        Ok("peer") => return Ok(None),
-        Ok(other) => bail!("COLOTRAIN_DEVICE_COLLECTIVE='{other}': expected 'nccl' (the default) or 'peer'"),
-    }
-    let devs = std::iter::once(&names[gens])
-        .chain(&names[..gens])
-        .map(|n| match crate::device::Device::parse(n)? {
-            crate::device::Device::Cuda(c) => Ok(c),
-            _ => bail!("the split placement's publishing group: {n} is not a CUDA device"),
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let devs =
+        cuda_devices(std::iter::once(&names[gens]).chain(&names[..gens]), "the split placement's publishing group")?;
     Ok(Some(Arc::new(crate::train::device_nccl::NcclDevice::new(&devs)?)))
 }
 
