@@ -1,7 +1,7 @@
 //! What one device holds before its KV caches, in bytes, as the memory plan (`memory.rs`)
 //! takes it: the compute weights, the trainer's state and activation arenas where it trains
-//! there, the teacher, the rollout engine's buffers, a split lead's published snapshot (if it has one), and the
-//! KV block of each engine the device runs. `Replica::new` plans a run's device with it, and
+//! there, the teacher, the rollout engine's buffers, a split lead's published snapshot (if it
+//! publishes through one), and the KV block of each engine the device runs. `Replica::new` plans a run's device with it, and
 //! `bench node --model-gpu … --ledger` plans GPU 0 of a shipped config at its model's real
 //! shapes with it, so the report's memory line is the run's own arithmetic.
 //!
