@@ -66,21 +66,24 @@ fn opd_step(
 /// declare exactly the FLOPs of the trainer's passes, counted from the model's shapes:
 /// - the layers' linears: 2·T·N forward, 2·T·N for the data gradient, 2·T·N for the weight
 ///   gradient (N the layers' linear parameters, T the batch's tokens);
-/// - the LM head (V × C) over the R response rows: its logits twice, once in the statistics
-///   pass (π_old's log-probs and entropy) and once in the fused loss pass, which recomputes
-///   them chunk by chunk rather than keeping R × V logits; its two gradients once each.
+/// - the LM head (V × C) over the R response rows: its logits once, and its two gradients
+///   once each. The loss pass is the statistics pass too (OPD's coefficients at ratio 1 need
+///   only each token's own log-prob, which the pass evaluates on the device): the logits were
+///   computed twice before, once for π_old's log-probs and entropy and once in the loss pass,
+///   which recomputes them chunk by chunk rather than keeping R × V of them. The policy-
+///   gradient objectives still run both passes (`sim_train.rs` counts both ways).
 ///
 /// The training attention declares 4·D FLOPs per (query head, causal pair) forward, and the
-/// step reads back from the device only what the host needs: the statistics pass's log-probs
-/// and entropies, the loss, the gradient norm — nothing per layer.
+/// step reads back from the device only what the host needs: the loss pass's log-probs and
+/// entropies, the loss, the gradient norm — nothing per layer.
 #[test]
 fn a_training_step_declares_the_flops_of_its_passes() {
     let (l, c, [t, r, n, head]) =
         opd_step(3, DType::F32, "kind = \"sgd\"\nlr = 1.0\nweight_decay = 0.0\ngrad_clip = 0.0\n", false);
     let layers = c.num_layers as u64;
     let fwd = op(&l, "gemm f32 nt");
-    assert_eq!(fwd.flops, 2.0 * t * n + 2.0 * (2.0 * r) * head, "forward GEMMs");
-    assert_eq!(fwd.launches, 7 * layers + 2);
+    assert_eq!(fwd.flops, 2.0 * t * n + 2.0 * r * head, "forward GEMMs");
+    assert_eq!(fwd.launches, 7 * layers + 1);
     for form in ["gemm f32 nn", "gemm f32 tn"] {
         let g = op(&l, form);
         assert_eq!(g.flops, 2.0 * t * n + 2.0 * r * head, "{form}");

@@ -121,34 +121,58 @@ fn one_sgd_step_on_the_simulator_is_theta_minus_grad() {
 }
 
 /// The fused first pass (each micro-batch scored and backpropagated at once,
-/// `train/trainer/fused.rs`) steps to the same weights, bit for bit, with the same loss, as
-/// scoring every micro-batch first and running each forward again before its backward: every
-/// case (OPD under three aggregations, GRPO with TIS, TRIAGE, centered REINFORCE) in
-/// micro-batches of about 40 tokens, BF16 weights with checkpointing on sm_90a.
+/// `train/trainer/fused.rs`), in two passes and in one, steps to the same weights, bit for bit,
+/// with the same loss and π_old, as scoring every micro-batch first and running each forward
+/// again before its backward: every case (OPD under three aggregations, GRPO with TIS, TRIAGE,
+/// centered REINFORCE) plus OPD with an advantage offset and SFT, in micro-batches of at most 16
+/// tokens (3 of the OPD fixture batch, 4 of the RL one), BF16 weights with checkpointing on sm_90a. The one pass runs where the objective
+/// allows it (OPD, SFT): one LM-head GEMM per chunk and one ct_lm_stats fewer than the two
+/// passes, the same count elsewhere.
 #[test]
 fn the_fused_first_pass_steps_like_score_then_backward() {
-    let dev = Device::Cuda(CudaDevice::sim_arch(0, Some("sm_90a")).unwrap());
-    for c in cases() {
+    use colotrain::device::cuda::ledger::rows;
+    use colotrain::train::trainer::FirstPass;
+    let cd = CudaDevice::sim_arch(4, Some("sm_90a")).unwrap(); // its own: the test reads its ledger
+    let dev = Device::Cuda(cd.clone());
+    let mut all = cases();
+    let opd = all[0].toml.clone();
+    let extra = [("opd_offset", "kind = \"opd\"\nadvantage_offset = 0.15"), ("sft", "kind = \"sft\"")];
+    for (key, kind) in extra {
+        all.push(Case { key: key.into(), toml: opd.replace("kind = \"opd\"", kind), ..cases().remove(0) });
+    }
+    let mut most_chunks = 0;
+    for c in all {
         let toml =
-            c.toml.replace("[objective]\n", "[objective]\nmicro_batch_tokens = 40\nactivation_checkpointing = true\n");
+            c.toml.replace("[objective]\n", "[objective]\nmicro_batch_tokens = 16\nactivation_checkpointing = true\n");
         let job = JobConfig::from_toml(&toml, "inline").unwrap();
-        let run = |fused: bool| {
+        let run = |how: FirstPass| {
             let lm = load_fixture(c.model, &dev, DType::BF16);
             let rollouts = read_file(&c.rollouts, lm.cfg.vocab_size).unwrap();
             let mut tr = Trainer::new(&lm.cfg, lm.weights, &job).unwrap();
-            tr.set_fused_first(fused);
+            tr.set_first_pass(how);
+            cd.take_ledger();
             let out = tr.step(&rollouts).unwrap();
+            let l = cd.take_ledger();
+            let count = |op: &str| rows(&l).iter().filter(|r| r.op == op).map(|r| r.launches).sum::<u64>();
             assert!(!out.skipped && out.updates == 1, "{}", c.key);
             let w: Vec<u32> =
                 tr.weights.tensors().iter().flat_map(|t| t.to_f32_vec().unwrap()).map(|x| x.to_bits()).collect();
-            (w, out.loss, out.logp, rollouts.len())
+            (w, out.loss, out.logp, rollouts.len(), [count("ct_lm_stats"), count("gemm bf16 nt")])
         };
-        let (fused, unfused) = (run(true), run(false));
-        assert!(fused.3 >= 3, "{}: several micro-batches", c.key);
-        assert_eq!(fused.2, unfused.2, "{}: π_old", c.key);
-        assert_eq!(fused.1.to_bits(), unfused.1.to_bits(), "{}: loss", c.key);
-        assert!(fused.0 == unfused.0, "{}: the weights after the step", c.key);
+        let (one, two, unfused) = (run(FirstPass::OnePass), run(FirstPass::TwoPass), run(FirstPass::Unfused));
+        for (how, r) in [("one pass", &one), ("two passes", &two)] {
+            assert_eq!(r.2, unfused.2, "{} {how}: π_old", c.key);
+            assert_eq!(r.1.to_bits(), unfused.1.to_bits(), "{} {how}: loss", c.key);
+            assert!(r.0 == unfused.0, "{} {how}: the weights after the step", c.key);
+        }
+        // The two passes run ct_lm_stats twice per chunk of scored rows.
+        let [stats, fwd] = two.4;
+        assert!(stats >= 2 && stats % 2 == 0, "{}: statistics launches {:?}", c.key, two.4);
+        most_chunks = most_chunks.max(stats / 2);
+        let saved = if c.key.starts_with("opd") || c.key == "sft" { stats / 2 } else { 0 };
+        assert_eq!(one.4, [stats - saved, fwd - saved], "{}: the one pass's LM-head launches", c.key);
     }
+    assert!(most_chunks >= 4, "micro-batches of 16 tokens: {most_chunks} chunks at most");
 }
 
 #[test]

@@ -463,7 +463,12 @@ typedef struct ct_attn_train_params {
  *   entropy[r] = lse[r] - sum_j softmax_rj * z_rj (logp / entropy may be NULL).
  * ct_lm_dz (after ct_lm_stats): loss[r] = -c_r (z[r, y_r] - lse_r) (+ c_r sum_i q_ri (z[r, id_ri]
  *   - lse_r) with centering), then z[r] = dz_r = (c_r / T) (softmax_r - e_{y_r}) (centering:
- *   (c_r / T) (q~_r - e_{y_r})), the gradient of the loss term in the logits. */
+ *   (c_r / T) (q~_r - e_{y_r})), the gradient of the loss term in the logits.
+ * One pass (coef_den != NULL): ct_lm_stats also writes the coefficient the objective gives
+ *   the row at ratio 1 from its own log-prob, in double then rounded to float as
+ *   src/objective/{opd,sft}.rs do: w = 1 / coef_den[r] (0 where coef_den[r] is 0),
+ *   coef_out[r] = w ((coef_teacher[r] - logp_r) + coef_offset) (OPD, seed 000 Eq. 1) or w (SFT,
+ *   coef_teacher NULL); ct_lm_dz then reads it as coef. */
 typedef struct ct_lm_params {
   float* z;
   const uint32_t* targets;
@@ -479,6 +484,10 @@ typedef struct ct_lm_params {
   const float* center_probs;   /* (rows, center_k) */
   float* loss;
   uint32_t* err;
+  const uint32_t* coef_den;    /* (rows) or NULL: no coefficient written */
+  const float* coef_teacher;   /* (rows) or NULL */
+  double coef_offset;
+  float* coef_out;             /* (rows) */
 } ct_lm_params;
 
 /* ---- optimizer.cu: the optimizer step on the device ------------------------------------- */

@@ -8,6 +8,17 @@
 
 #define CT_LM_THREADS 1024
 
+// The row's coefficient at ratio 1 from its log-prob lp (the header's one pass): the double
+// operations of src/objective/opd.rs (w * ((teacher - logp) + offset), the ratio's factor 1
+// left out: exact) and sft.rs (w), each correctly rounded and none contracted into an FMA.
+__device__ __forceinline__ float ct_lm_coef(const ct_lm_params& p, int row, float lp) {
+  const uint32_t den = p.coef_den[row];
+  const double w = den == 0u ? 0.0 : __ddiv_rn(1.0, static_cast<double>(den));
+  if (p.coef_teacher == nullptr) return __double2float_rn(w);
+  const double a = __dsub_rn(static_cast<double>(p.coef_teacher[row]), static_cast<double>(lp));
+  return __double2float_rn(__dmul_rn(w, __dadd_rn(a, p.coef_offset)));
+}
+
 // One block of CT_LM_THREADS per row.
 extern "C" __global__ void __launch_bounds__(CT_LM_THREADS) ct_lm_stats(ct_lm_params p) {
   CT_SHARED(float, fscratch, 32);
@@ -35,14 +46,16 @@ extern "C" __global__ void __launch_bounds__(CT_LM_THREADS) ct_lm_stats(ct_lm_pa
   if (threadIdx.x == 0) {
     p.lse[row] = lse;
     if (p.entropy != nullptr) p.entropy[row] = static_cast<float>(static_cast<double>(lse) - e);
-    if (p.logp != nullptr) {
+    if (p.logp != nullptr || p.coef_den != nullptr) {
       const uint32_t y = p.targets[row];
+      float lp = __uint_as_float(0x7FC00000u);
       if (y >= static_cast<uint32_t>(p.vocab)) {
         ct_set_error(p.err, CT_ERR_TARGET);
-        p.logp[row] = __uint_as_float(0x7FC00000u);
       } else {
-        p.logp[row] = __fsub_rn(z[y], lse);
+        lp = __fsub_rn(z[y], lse);
       }
+      if (p.logp != nullptr) p.logp[row] = lp;
+      if (p.coef_den != nullptr) p.coef_out[row] = ct_lm_coef(p, row, lp);
     }
   }
 }

@@ -29,7 +29,7 @@ use crate::device::{DType, Device, Tensor};
 use crate::ops::attention::grad::Shape;
 use crate::ops::attention::train::{self as attention, Packed};
 use crate::ops::linear::{GradProj, Proj};
-use crate::ops::lm_head::{self, DevCenter, Rows};
+use crate::ops::lm_head::{self, Coef, DevCenter, Rows};
 use crate::ops::quantize::LearnerCodes;
 use crate::ops::{elementwise, linear, norm, quantize, rope};
 use crate::quant::nvfp4::Global;
@@ -510,20 +510,19 @@ impl DeviceTrainable {
         chunk: usize,
         grads: &mut [Tensor],
     ) -> Result<f64> {
-        self.backward_with(p, coef, center, t, chunk, grads, &mut |_| Ok(()))
+        let pass = lm_head::Pass { coef: Coef::Given(coef), center, temperature: t, chunk, stats: None };
+        self.backward_with(p, pass, grads, &mut |_| Ok(()))
     }
 
-    /// [`Self::backward`], calling `done(k)` once the work writing the gradients of the
-    /// parameters at point k ([`gradient_points`]) has been queued, k = 0, 1, …, L + 1 in turn:
-    /// what a bucketed reduce-scatter may start on while the backward goes on.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Self::backward`] with the loss pass's choices (`lm_head::Pass`: a one-pass loss that
+    /// evaluates its own coefficients and writes the statistics), calling `done(k)` once the
+    /// work writing the gradients of the parameters at point k ([`gradient_points`]) has been
+    /// queued, k = 0, 1, …, L + 1 in turn: what a bucketed reduce-scatter may start on while
+    /// the backward goes on.
     pub fn backward_with(
         &mut self,
         p: &[&Tensor],
-        coef: &Tensor,
-        center: Option<&DevCenter<'_>>,
-        t: f32,
-        chunk: usize,
+        pass: lm_head::Pass<'_, '_>,
         grads: &mut [Tensor],
         done: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<f64> {
@@ -541,7 +540,7 @@ impl DeviceTrainable {
         let mut dh = dev.zeros(DType::F32, &[n, c])?;
         let r = Rows { rows: &b.rows, targets: &b.targets };
         let head = self.ix.head;
-        let loss = lm_head::loss_grad(&dev, &self.hf, p[head], &r, coef, center, t, chunk, &mut dh, &mut grads[head])?;
+        let loss = lm_head::loss_grad_with(&dev, &self.hf, p[head], &r, pass, &mut dh, &mut grads[head])?;
         // Final norm.
         let mut dx = z(&[n, c])?;
         let nf = self.ix.norm_f;

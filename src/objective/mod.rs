@@ -104,30 +104,38 @@ impl TokenStats<'_> {
 /// Loss aggregation weights w_t (Σ_t w_t·ℓ_t is the step's loss), over active tokens:
 /// token-mean 1/N (N active tokens of the batch); seq-mean-token-mean 1/(B·n_i);
 /// seq-mean-token-sum 1/B (B sequences with at least one active token, n_i their active tokens).
+/// Each is 1 / [`agg_denominators`]'s integer, divided in f64 (0 for an inactive token).
 pub fn agg_weights(s: &TokenStats, agg: LossAgg) -> Vec<f64> {
-    let mut w = vec![0.0; s.len()];
+    agg_denominators(s, agg).iter().map(|&d| if d == 0 { 0.0 } else { 1.0 / d as f64 }).collect()
+}
+
+/// The integer d_t with w_t = 1/d_t ([`agg_weights`]), 0 for an inactive token: what the
+/// device's one-pass loss (`ops::lm_head::Coef::Rule`) uploads and divides itself, to the
+/// same bits.
+pub fn agg_denominators(s: &TokenStats, agg: LossAgg) -> Vec<u64> {
+    let mut d = vec![0; s.len()];
     let mut counts = Vec::with_capacity(s.seq_lens.len());
     let mut t = 0;
     for &n in s.seq_lens {
-        counts.push((t..t + n).filter(|&i| s.active(i)).count());
+        counts.push((t..t + n).filter(|&i| s.active(i)).count() as u64);
         t += n;
     }
-    let total: usize = counts.iter().sum();
-    let b = counts.iter().filter(|&&c| c > 0).count();
+    let total: u64 = counts.iter().sum();
+    let b = counts.iter().filter(|&&c| c > 0).count() as u64;
     let mut t = 0;
     for (&n, &c) in s.seq_lens.iter().zip(&counts) {
         for i in t..t + n {
             if s.active(i) {
-                w[i] = match agg {
-                    LossAgg::TokenMean => 1.0 / total as f64,
-                    LossAgg::SeqMeanTokenMean => 1.0 / (b * c) as f64,
-                    LossAgg::SeqMeanTokenSum => 1.0 / b as f64,
+                d[i] = match agg {
+                    LossAgg::TokenMean => total,
+                    LossAgg::SeqMeanTokenMean => b * c,
+                    LossAgg::SeqMeanTokenSum => b,
                 };
             }
         }
         t += n;
     }
-    w
+    d
 }
 
 /// What an objective returns.

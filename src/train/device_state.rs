@@ -29,7 +29,7 @@ use crate::device::{DType, Device, Tensor};
 use crate::model::trainable::TrainBatch;
 use crate::model::trainable_device::DeviceTrainable;
 use crate::model::{ModelConfig, ModelWeights};
-use crate::ops::lm_head::DevCenter;
+use crate::ops::lm_head::{Coef, DevCenter, Pass, StatsOut};
 use crate::ops::optim::{self, Compute, Layout, Rule, State};
 use anyhow::{bail, Result};
 use std::ops::Range;
@@ -302,11 +302,54 @@ impl DeviceState {
         forward: bool,
         last: bool,
     ) -> Result<()> {
-        let p = weights.tensors();
         if forward {
-            self.model.forward(&p, b)?;
+            self.model.forward(&weights.tensors(), b)?;
         }
         let c = self.dev.from_f32(DType::F32, &[coef.len()], coef)?;
+        self.loss_and_backward(weights, Coef::Given(&c), center, t, chunk, None, last)
+    }
+
+    /// Micro-batch `b`'s forward, then its loss pass and backward in one pass: the loss pass
+    /// evaluates each scored row's coefficient from its own log-prob (`lm_head::Coef::Rule`:
+    /// `den`, `teacher` and `offset` per row, OPD or SFT at ratio 1) instead of taking them
+    /// from a statistics pass before it, and writes that pass's log-probs and entropies, which
+    /// it returns on the device (M each, f32): nothing is read back, so the host queues the
+    /// next micro-batch without waiting for this one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn one_pass(
+        &mut self,
+        weights: &ModelWeights,
+        b: &TrainBatch,
+        (den, teacher, offset): (&[u32], Option<&[f32]>, f64),
+        center: Option<(usize, &[u32], &[f32])>,
+        t: f32,
+        chunk: usize,
+        last: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        self.model.forward(&weights.tensors(), b)?;
+        let m = b.rows.len();
+        let dt = self.dev.upload(Tensor::from_u32_host(&[den.len()], den.to_vec())?)?;
+        let tt = teacher.map(|x| self.dev.from_f32(DType::F32, &[x.len()], x)).transpose()?;
+        let coef = Coef::Rule { den: &dt, teacher: tt.as_ref(), offset };
+        let (mut lp, mut en) = (self.dev.uninit(DType::F32, &[m])?, self.dev.uninit(DType::F32, &[m])?);
+        let stats = StatsOut { logp: &mut lp, entropy: &mut en };
+        self.loss_and_backward(weights, coef, center, t, chunk, Some(stats), last)?;
+        Ok((lp, en))
+    }
+
+    /// The loss pass of the micro-batch whose activations the model holds, then its backward.
+    #[allow(clippy::too_many_arguments)]
+    fn loss_and_backward(
+        &mut self,
+        weights: &ModelWeights,
+        coef: Coef<'_>,
+        center: Option<(usize, &[u32], &[f32])>,
+        temperature: f32,
+        chunk: usize,
+        stats: Option<StatsOut<'_>>,
+        last: bool,
+    ) -> Result<()> {
+        let p = weights.tensors();
         let ct = match center {
             Some((k, ids, probs)) => Some((
                 k,
@@ -316,12 +359,13 @@ impl DeviceState {
             None => None,
         };
         let dc = ct.as_ref().map(|(k, ids, probs)| DevCenter { k: *k, ids, probs });
+        let pass = Pass { coef, center: dc.as_ref(), temperature, chunk, stats };
         let (zero, grad) = (&mut self.zero, &self.grad);
         let mut done = |k: usize| match zero.as_mut() {
             Some(z) if last => z.start_buckets(grad, k),
             _ => Ok(()),
         };
-        self.model.backward_with(&p, &c, dc.as_ref(), t, chunk, &mut self.grads, &mut done)?;
+        self.model.backward_with(&p, pass, &mut self.grads, &mut done)?;
         Ok(())
     }
 

@@ -54,6 +54,19 @@ impl Objective {
         })
     }
 
+    /// How the device's one-pass loss evaluates this objective's coefficient at ratio 1
+    /// (`ops::lm_head::Coef::Rule`): Some((from the teacher's log-prob, the offset)) for SFT
+    /// and OPD, whose coefficient needs only the token's own log-prob besides inputs known
+    /// before the pass; None for the policy-gradient objectives (TIS's exponential of the
+    /// sampler's log-prob, TRIAGE's segments).
+    pub fn one_pass_rule(&self) -> Option<(bool, f64)> {
+        match self {
+            Objective::Sft => Some((false, 0.0)),
+            Objective::Opd { offset } => Some((true, *offset)),
+            Objective::Pg { .. } => None,
+        }
+    }
+
     pub fn needs_teacher(&self) -> bool {
         matches!(self, Objective::Opd { .. })
     }

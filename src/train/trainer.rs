@@ -32,6 +32,7 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 mod fused;
+pub use fused::FirstPass;
 
 /// What a step measured.
 #[derive(Clone, Debug, Default)]
@@ -91,9 +92,8 @@ pub struct Trainer {
     micro_batch_tokens: usize,
     /// `objective.activation_checkpointing` (the device trainer's).
     checkpoint: bool,
-    /// A device trainer with one minibatch scores and backpropagates each micro-batch in one
-    /// pass at the first update (`trainer/fused.rs`); off only to test it against the two.
-    fuse_first: bool,
+    /// How a device trainer with one minibatch runs the first update (`trainer/fused.rs`).
+    first_pass: FirstPass,
     centering: bool,
     minibatches: usize,
     updates_per_step: usize,
@@ -196,7 +196,7 @@ impl Trainer {
             chunk: job.objective.chunk_size,
             micro_batch_tokens: job.objective.micro_batch_tokens,
             checkpoint: job.objective.activation_checkpointing,
-            fuse_first: true,
+            first_pass: FirstPass::OnePass,
             centering: job.objective.centering,
             minibatches: job.objective.minibatches,
             updates_per_step: job.objective.updates_per_step,
@@ -208,10 +208,10 @@ impl Trainer {
         })
     }
 
-    /// Whether a device trainer with one minibatch fuses the first update's scoring and
-    /// backward (default on; the gradients are the same bits either way).
-    pub fn set_fused_first(&mut self, on: bool) {
-        self.fuse_first = on;
+    /// How a device trainer with one minibatch runs the first update (default
+    /// [`FirstPass::OnePass`]; the gradients are the same bits each way).
+    pub fn set_first_pass(&mut self, how: FirstPass) {
+        self.first_pass = how;
     }
 
     /// Runs the chosen MLP linears of the learner's forward in NVFP4 (None: off), on the host
@@ -377,7 +377,7 @@ impl Trainer {
         let parts = minibatches(rollouts.len(), self.minibatches);
         // Pass 1: π_old, the statistics of every response token at the step's start; on a
         // device trainer with one minibatch fused with the first update's backward.
-        let fused = self.fuse_first && self.dstate.is_some() && parts.len() == 1;
+        let fused = self.first_pass != FirstPass::Unfused && self.dstate.is_some() && parts.len() == 1;
         let (logp_old, ent, n_chunks, mine0) = match fused {
             true => self.fused_first(&rollouts, &inp, k)?,
             false => self.gathered_stats(&rollouts, &inp, 0..rollouts.len())?,

@@ -163,6 +163,65 @@ pub(super) fn train_gemm(x: &mut Ctx) -> Result<()> {
         x.cmp(&format!("{name}: dh"), "f32 head", &dh, Tol::Close(1e-5, 1e-4))?;
         x.cmp(&format!("{name}: dWh"), "f32 head", &dwh, Tol::Close(1e-5, 1e-4))?;
     }
+    let r = Rows { rows: &idx.g, targets: &tg.g };
+    one_pass(x, &h.g, &wh.g, &r)
+}
+
+/// The one-pass OPD loss on the GPU (`lm_head::Coef::Rule`: the loss pass evaluates each row's
+/// coefficient from its own log-prob, offset 0.15, token-mean over the rows with one masked)
+/// against the GPU's two passes (statistics, `objective::opd` on the host, then the loss pass
+/// given those coefficients): the same bits.
+fn one_pass(x: &mut Ctx, h: &Tensor, wh: &Tensor, r: &crate::ops::lm_head::Rows<'_>) -> Result<()> {
+    use crate::config::LossAgg;
+    use crate::objective::{agg_denominators, opd, TokenStats};
+    use crate::ops::lm_head::{self, Coef, Pass, StatsOut};
+    let (n, g) = (r.rows.numel(), x.gpu.clone());
+    let teacher: Vec<f32> = x.randn(n, 0.5).iter().map(|v| v - 1.5).collect();
+    let mask: Vec<bool> = (0..n).map(|i| i != 3).collect();
+    let zeros = vec![0.0f32; n];
+    let st = |lp: &'_ [f32]| -> Result<crate::objective::Coefficients> {
+        let s = TokenStats {
+            seq_lens: &[n],
+            logp: lp,
+            logp_old: None,
+            sampler: None,
+            teacher: Some(&teacher),
+            advantages: None,
+            mask: Some(&mask),
+        };
+        opd::coefficients_with_offset(&s, LossAgg::TokenMean, 0.15)
+    };
+    let dens = {
+        let s = TokenStats {
+            seq_lens: &[n],
+            logp: &zeros,
+            logp_old: None,
+            sampler: None,
+            teacher: None,
+            advantages: None,
+            mask: Some(&mask),
+        };
+        agg_denominators(&s, LossAgg::TokenMean).iter().map(|&d| d as u32).collect::<Vec<u32>>()
+    };
+    let den = g.upload(Tensor::from_u32_host(&[n], dens)?)?;
+    let tt = g.from_f32(DType::F32, &[n], &teacher)?;
+    let (v, c) = (wh.dim(0), wh.dim(1));
+    let zero = |shape: &[usize]| g.zeros(DType::F32, shape);
+    let (mut dh1, mut dw1, mut lp1, mut en1) = (zero(h.shape())?, zero(&[v, c])?, zero(&[n])?, zero(&[n])?);
+    let coef = Coef::Rule { den: &den, teacher: Some(&tt), offset: 0.15 };
+    let stats = Some(StatsOut { logp: &mut lp1, entropy: &mut en1 });
+    let pass = Pass { coef, center: None, temperature: 0.7, chunk: 8, stats };
+    let l1 = lm_head::loss_grad_with(&g, h, wh, r, pass, &mut dh1, &mut dw1)? as f32;
+    let (mut lp2, mut en2) = (zero(&[n])?, zero(&[n])?);
+    lm_head::stats(&g, h, wh, r, 0.7, 8, &mut lp2, &mut en2)?;
+    let coef2 = g.from_f32(DType::F32, &[n], &st(&lp2.to_f32_vec()?)?.coef)?;
+    let (mut dh2, mut dw2) = (zero(h.shape())?, zero(&[v, c])?);
+    let l2 = lm_head::loss_grad(&g, h, wh, r, &coef2, None, 0.7, 8, &mut dh2, &mut dw2)? as f32;
+    let name = "LM head one pass (OPD coefficients on the GPU) vs two passes";
+    x.record(&format!("{name}: log p(y)"), "f32 head", &lp2.to_f32_vec()?, &lp1.to_f32_vec()?, Tol::Exact);
+    x.record(&format!("{name}: value"), "f32 head", &[l2], &[l1], Tol::Exact);
+    x.record(&format!("{name}: dh"), "f32 head", &dh2.to_f32_vec()?, &dh1.to_f32_vec()?, Tol::Exact);
+    x.record(&format!("{name}: dWh"), "f32 head", &dw2.to_f32_vec()?, &dw1.to_f32_vec()?, Tol::Exact);
     Ok(())
 }
 

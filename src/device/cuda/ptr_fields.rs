@@ -178,6 +178,9 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_lm_params, center_probs),
             offset_of!(ffi::ct_lm_params, loss),
             offset_of!(ffi::ct_lm_params, err),
+            offset_of!(ffi::ct_lm_params, coef_den),
+            offset_of!(ffi::ct_lm_params, coef_teacher),
+            offset_of!(ffi::ct_lm_params, coef_out),
         ],
         "ct_sum_sq_params" => &[
             offset_of!(ffi::ct_sum_sq_params, g),

@@ -4,7 +4,7 @@
 //! Owns: nothing. May call: `super::grad`. Must not: hold state.
 
 use super::grad::{self, Center, Scratch};
-use super::{DevCenter, Rows};
+use super::{Coef, Pass, Rows};
 use crate::device::Tensor;
 use anyhow::{bail, Result};
 
@@ -39,23 +39,48 @@ pub fn stats(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
+/// [`Coef::Rule`]'s c_i from the row's log-prob: `objective::opd` at ratio 1 with a teacher,
+/// `objective::sft` without, w = 1/den in f64.
+fn rule(den: u32, teacher: Option<f32>, offset: f64, logp: f32) -> f32 {
+    let w = if den == 0 { 0.0 } else { 1.0 / den as f64 };
+    match teacher {
+        Some(t) => (w * ((t as f64 - logp as f64) + offset)) as f32,
+        None => w as f32,
+    }
+}
+
 pub fn loss_grad(
     h: &Tensor,
     wh: &Tensor,
     r: &Rows<'_>,
-    coef: &Tensor,
-    center: Option<&DevCenter<'_>>,
-    temperature: f32,
-    chunk: usize,
+    pass: Pass<'_, '_>,
     dh: &mut Tensor,
     dwh: &mut Tensor,
 ) -> Result<f64> {
     let (v, c) = (wh.dim(0), wh.dim(1));
     check_ids(h, v, c, r)?;
+    let (t, chunk) = (pass.temperature, pass.chunk);
     let whf = wh.to_f32_vec()?;
     let mut s = Scratch::<f32>::new(chunk, c, v);
-    let ct = match center {
+    let (rows, targets) = (r.rows.u32s()?, r.targets.u32s()?);
+    // The statistics first where the pass writes them or its coefficients need them.
+    let n = rows.len();
+    let (mut lp, mut en) = (vec![0.0f32; n], vec![0.0f32; n]);
+    if pass.stats.is_some() || matches!(pass.coef, Coef::Rule { .. }) {
+        grad::stats(c, v, rows, targets, h.f32s()?, &whf, t, &mut s, &mut lp, &mut en);
+    }
+    if let Some(out) = pass.stats {
+        out.logp.f32s_mut()?.copy_from_slice(&lp);
+        out.entropy.f32s_mut()?.copy_from_slice(&en);
+    }
+    let coef: Vec<f32> = match pass.coef {
+        Coef::Given(k) => k.f32s()?.to_vec(),
+        Coef::Rule { den, teacher, offset } => {
+            let (den, teacher) = (den.u32s()?, teacher.map(|x| x.f32s()).transpose()?);
+            (0..n).map(|i| rule(den[i], teacher.map(|x| x[i]), offset, lp[i])).collect()
+        }
+    };
+    let ct = match pass.center {
         Some(ct) => {
             let ids = ct.ids.u32s()?;
             if let Some(&bad) = ids.iter().find(|&&x| x as usize >= v) {
@@ -65,17 +90,16 @@ pub fn loss_grad(
         }
         None => None,
     };
-    let (rows, targets) = (r.rows.u32s()?, r.targets.u32s()?);
     let loss = grad::grad_centered(
         c,
         v,
         rows,
         targets,
-        coef.f32s()?,
+        &coef,
         ct.as_ref(),
         h.f32s()?,
         &whf,
-        temperature,
+        t,
         &mut s,
         dh.f32s_mut()?,
         dwh.f32s_mut()?,

@@ -5,7 +5,7 @@
 //! exist at once; only per-row numbers come back to the host (the loss terms). A BF16 head
 //! runs the GEMMs on BF16 operands (hc, dz rounded) with FP32 accumulation. Not yet run on a GPU.
 
-use super::{DevCenter, Rows};
+use super::{Coef, Pass, Rows};
 use crate::device::cuda::args::{err_word, i32_of, ptr};
 use crate::device::cuda::{ffi, CudaDevice, DevBuf, Elem, Form};
 use crate::device::{DType, Tensor};
@@ -13,7 +13,7 @@ use crate::ops::linear::cast_rows;
 use anyhow::Result;
 
 /// The pointers one pass needs, checked once.
-struct Pass {
+struct Head {
     h: u64,
     wh: u64,
     rows: u64,
@@ -24,10 +24,10 @@ struct Pass {
     bf16: bool,
 }
 
-impl Pass {
-    fn new(d: &CudaDevice, h: &Tensor, wh: &Tensor, r: &Rows<'_>) -> Result<Pass> {
+impl Head {
+    fn new(d: &CudaDevice, h: &Tensor, wh: &Tensor, r: &Rows<'_>) -> Result<Head> {
         let (v, c) = (wh.dim(0), wh.dim(1));
-        Ok(Pass {
+        Ok(Head {
             h: ptr(d, h, &[DType::F32], "LM head hidden rows")?,
             wh: ptr(d, wh, &[DType::F32, DType::BF16], "LM head weight")?,
             rows: ptr(d, r.rows, &[DType::U32], "LM head row indices")?,
@@ -93,6 +93,10 @@ impl Pass {
             center_probs: std::ptr::null(),
             loss: std::ptr::null_mut(),
             err: err_word(d),
+            coef_den: std::ptr::null(),
+            coef_teacher: std::ptr::null(),
+            coef_offset: 0.0,
+            coef_out: std::ptr::null_mut(),
         })
     }
 }
@@ -108,7 +112,7 @@ pub fn stats(
     logp: &mut Tensor,
     entropy: &mut Tensor,
 ) -> Result<()> {
-    let pass = Pass::new(d, h, wh, r)?;
+    let pass = Head::new(d, h, wh, r)?;
     let (lp, en) = (ptr(d, logp, &[DType::F32], "log-probs")?, ptr(d, entropy, &[DType::F32], "entropies")?);
     let total = r.rows.numel();
     let inv_t = 1.0 / temperature;
@@ -124,24 +128,43 @@ pub fn stats(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The loss pass; with [`Coef::Rule`] each chunk's ct_lm_stats also writes its rows'
+/// coefficients into a scratch that its ct_lm_dz reads (no statistics pass before it).
 pub fn loss_grad(
     d: &CudaDevice,
     h: &Tensor,
     wh: &Tensor,
     r: &Rows<'_>,
-    coef: &Tensor,
-    center: Option<&DevCenter<'_>>,
-    temperature: f32,
-    chunk: usize,
+    p: Pass<'_, '_>,
     dh: &mut Tensor,
     dwh: &mut Tensor,
 ) -> Result<f64> {
-    let pass = Pass::new(d, h, wh, r)?;
-    let cp = ptr(d, coef, &[DType::F32], "loss coefficients")?;
+    let pass = Head::new(d, h, wh, r)?;
+    let total = r.rows.numel();
+    // (den, teacher or 0, offset) of a rule, and the coefficients' buffer.
+    let (rule, own);
+    let cp = match p.coef {
+        Coef::Given(c) => {
+            rule = None;
+            ptr(d, c, &[DType::F32], "loss coefficients")?
+        }
+        Coef::Rule { den, teacher, offset } => {
+            let tp = match teacher {
+                Some(t) => ptr(d, t, &[DType::F32], "teacher log-probs")?,
+                None => 0,
+            };
+            rule = Some((ptr(d, den, &[DType::U32], "loss weight denominators")?, tp, offset));
+            own = d.scratch(total.max(1) * 4, "loss coefficients")?;
+            own.ptr
+        }
+    };
+    let outs = match p.stats {
+        Some(s) => Some((ptr(d, s.logp, &[DType::F32], "log-probs")?, ptr(d, s.entropy, &[DType::F32], "entropies")?)),
+        None => None,
+    };
     let dhp = ptr(d, dh, &[DType::F32], "hidden-row gradient")?;
     let dwp = ptr(d, dwh, &[DType::F32], "LM head weight gradient")?;
-    let ct = match center {
+    let ct = match p.center {
         Some(ct) => Some((
             ct.k,
             ptr(d, ct.ids, &[DType::U32], "centering token ids")?,
@@ -149,7 +172,7 @@ pub fn loss_grad(
         )),
         None => None,
     };
-    let total = r.rows.numel();
+    let (temperature, chunk) = (p.temperature, p.chunk);
     let inv_t = 1.0 / temperature;
     let (v, c, e) = (pass.v, pass.c, pass.elem());
     let lse = d.scratch(chunk.min(total).max(1) * 4, "LM head normalizers")?;
@@ -158,8 +181,18 @@ pub fn loss_grad(
         let n = chunk.min(total - start);
         let (hc, z) = pass.logits(d, start, n)?;
         let mut p = pass.params(d, z.ptr, start, n, inv_t, lse.ptr)?;
-        d.k_lm_stats(p)?;
-        p.coef = (cp + 4 * start as u64) as *const f32;
+        let at = |base: u64| base + 4 * start as u64;
+        let mut sp = p;
+        if let Some((lp, en)) = outs {
+            (sp.logp, sp.entropy) = (at(lp) as *mut f32, at(en) as *mut f32);
+        }
+        if let Some((den, teacher, offset)) = rule {
+            sp.coef_den = at(den) as *const u32;
+            sp.coef_teacher = if teacher == 0 { std::ptr::null() } else { at(teacher) as *const f32 };
+            (sp.coef_offset, sp.coef_out) = (offset, at(cp) as *mut f32);
+        }
+        d.k_lm_stats(sp)?;
+        p.coef = at(cp) as *const f32;
         p.loss = (losses.ptr + 4 * start as u64) as *mut f32;
         if let Some((k, ids, probs)) = ct {
             p.center_k = i32_of(k, "centering k")?;

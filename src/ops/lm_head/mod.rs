@@ -51,6 +51,15 @@ fn check(h: &Tensor, wh: &Tensor, r: &Rows<'_>, chunk: usize) -> Result<usize> {
     Ok(n)
 }
 
+fn check_stats(logp: &Tensor, entropy: &Tensor, n: usize) -> Result<()> {
+    for (t, what) in [(logp, "log-probs"), (entropy, "entropies")] {
+        if t.numel() != n || t.dtype() != DType::F32 {
+            bail!("LM head {what}: {n} f32 values expected, found {} {}", t.numel(), t.dtype().name());
+        }
+    }
+    Ok(())
+}
+
 /// logp[i] = log softmax(z_i/T)[y_i] and entropy[i] of softmax(z_i/T), z_i = h[rows[i]]·Whᵀ,
 /// `chunk` rows at a time.
 #[allow(clippy::too_many_arguments)]
@@ -65,15 +74,46 @@ pub fn stats(
     entropy: &mut Tensor,
 ) -> Result<()> {
     let n = check(h, wh, r, chunk)?;
-    for (t, what) in [(&*logp, "log-probs"), (&*entropy, "entropies")] {
-        if t.numel() != n || t.dtype() != DType::F32 {
-            bail!("LM head {what}: {n} f32 values expected, found {} {}", t.numel(), t.dtype().name());
-        }
-    }
+    check_stats(logp, entropy, n)?;
     match dev {
         Device::Cpu(_) => cpu::stats(h, wh, r, temperature, chunk, logp, entropy),
         Device::Cuda(d) => cuda::stats(d, h, wh, r, temperature, chunk, logp, entropy),
     }
+}
+
+/// The loss pass's coefficients c_i.
+#[derive(Clone, Copy)]
+pub enum Coef<'a> {
+    /// Given: (n) f32, evaluated from a statistics pass before this one.
+    Given(&'a Tensor),
+    /// Computed in this pass from its own log-prob at ratio 1, where the objective needs
+    /// nothing else of the batch: the one-pass loss, with no statistics pass before it. In f64,
+    /// then rounded to f32, as `objective::opd` and `objective::sft` compute them:
+    /// c_i = w_i·((log p_T,i − logp_i) + offset) with `teacher` (OPD, seed 000 Eq. 1, the ratio
+    /// ρ = 1), c_i = w_i without (SFT); w_i = 1/den_i (`objective::agg_denominators`, (n)
+    /// u32; 0: an inactive token, w_i = 0). `teacher`: (n) f32.
+    Rule { den: &'a Tensor, teacher: Option<&'a Tensor>, offset: f64 },
+}
+
+/// The per-row statistics a loss pass may also write ([`stats`]'s, at no extra GEMM): (n) f32
+/// each.
+pub struct StatsOut<'a> {
+    pub logp: &'a mut Tensor,
+    pub entropy: &'a mut Tensor,
+}
+
+fn check_coef(coef: Coef<'_>, n: usize) -> Result<()> {
+    let bad = |what: &str, t: &Tensor, dt: DType| {
+        (t.numel() != n || t.dtype() != dt).then(|| {
+            anyhow::anyhow!("LM head: {n} {} {what} expected, found {} {}", dt.name(), t.numel(), t.dtype().name())
+        })
+    };
+    let err = match coef {
+        Coef::Given(c) => bad("coefficients", c, DType::F32),
+        Coef::Rule { den, teacher, .. } => bad("weight denominators", den, DType::U32)
+            .or_else(|| teacher.and_then(|t| bad("teacher log-probs", t, DType::F32))),
+    };
+    err.map_or(Ok(()), Err)
 }
 
 /// The fused loss pass: dh[rows] += dz·Wh and dWh += dzᵀ·h for dz_i = −coef_i (e_{y_i} − p_i)/T
@@ -93,10 +133,38 @@ pub fn loss_grad(
     dh: &mut Tensor,
     dwh: &mut Tensor,
 ) -> Result<f64> {
-    let n = check(h, wh, r, chunk)?;
-    if coef.numel() != n || coef.dtype() != DType::F32 {
-        bail!("LM head: {n} f32 coefficients expected, found {} {}", coef.numel(), coef.dtype().name());
+    let pass = Pass { coef: Coef::Given(coef), center, temperature, chunk, stats: None };
+    loss_grad_with(dev, h, wh, r, pass, dh, dwh)
+}
+
+/// One loss pass's settings besides its operands: the coefficients, score centering's target,
+/// the temperature, the rows per chunk, and where the pass also writes the rows' statistics.
+pub struct Pass<'a, 'b> {
+    pub coef: Coef<'a>,
+    pub center: Option<&'a DevCenter<'a>>,
+    pub temperature: f32,
+    pub chunk: usize,
+    pub stats: Option<StatsOut<'b>>,
+}
+
+/// [`loss_grad`] with [`Pass`]'s choices: a [`Coef::Rule`] pass is the statistics pass and the
+/// loss pass at once (one LM-head GEMM per chunk instead of two), and the statistics it
+/// writes are [`stats`]'s to the bit (the same launches on the same logits).
+pub fn loss_grad_with(
+    dev: &Device,
+    h: &Tensor,
+    wh: &Tensor,
+    r: &Rows<'_>,
+    pass: Pass<'_, '_>,
+    dh: &mut Tensor,
+    dwh: &mut Tensor,
+) -> Result<f64> {
+    let n = check(h, wh, r, pass.chunk)?;
+    check_coef(pass.coef, n)?;
+    if let Some(s) = &pass.stats {
+        check_stats(&*s.logp, &*s.entropy, n)?;
     }
+    let center = pass.center;
     if let Some(ct) = center {
         if ct.ids.numel() != n * ct.k || ct.probs.numel() != n * ct.k || ct.k == 0 {
             bail!("LM head centering: {n}·k ids and probabilities expected (k = {})", ct.k);
@@ -106,7 +174,7 @@ pub fn loss_grad(
         bail!("LM head gradients: f32 tensors of h's and Wh's shapes expected");
     }
     match dev {
-        Device::Cpu(_) => cpu::loss_grad(h, wh, r, coef, center, temperature, chunk, dh, dwh),
-        Device::Cuda(d) => cuda::loss_grad(d, h, wh, r, coef, center, temperature, chunk, dh, dwh),
+        Device::Cpu(_) => cpu::loss_grad(h, wh, r, pass, dh, dwh),
+        Device::Cuda(d) => cuda::loss_grad(d, h, wh, r, pass, dh, dwh),
     }
 }

@@ -136,6 +136,75 @@ fn fused_loss(dev: &Device) {
 
 test_device!(fused_loss, fused_loss_cpu, fused_loss_sim, fused_loss_cuda);
 
+/// The one-pass loss (`Coef::Rule`) is the statistics pass and the loss pass at once, to the
+/// bit: its log-probs and entropies are [`stats`]'s, and its gradients and loss are those of a
+/// loss pass given the coefficients `objective::opd` (advantage offset 0.15) or
+/// `objective::sft` evaluates on those log-probs, under seq-mean-token-mean with two masked
+/// tokens (w = 0), centered and not, in chunks of 5 of the 13 rows.
+fn one_pass_loss(dev: &Device) {
+    use crate::config::LossAgg;
+    use crate::objective::{agg_denominators, opd, sft, TokenStats};
+    let x = inputs();
+    let n = x.rows.len();
+    let up = |v: Vec<u32>| dev.upload(Tensor::from_u32_host(&[v.len()], v).unwrap()).unwrap();
+    let (rows, targets, ids) = (up(x.rows.clone()), up(x.targets.clone()), up(x.ids.clone()));
+    let h = dev.from_f32(DType::F32, &[N_H, C], &x.h).unwrap();
+    let probs = dev.from_f32(DType::F32, &[n * K], &x.probs).unwrap();
+    let r = Rows { rows: &rows, targets: &targets };
+    let teacher: Vec<f32> = data(n, 5, 1.0).iter().map(|v| -1.5 + 0.5 * v).collect();
+    let mask: Vec<bool> = (0..n).map(|i| i != 2 && i != 9).collect();
+    let seq_lens = [5usize, 8];
+    fn st<'a>(seq_lens: &'a [usize], lp: &'a [f32], teacher: &'a [f32], mask: &'a [bool]) -> TokenStats<'a> {
+        TokenStats {
+            seq_lens,
+            logp: lp,
+            logp_old: None,
+            sampler: None,
+            teacher: Some(teacher),
+            advantages: None,
+            mask: Some(mask),
+        }
+    }
+    let agg = LossAgg::SeqMeanTokenMean;
+    let den: Vec<u32> =
+        agg_denominators(&st(&seq_lens, &vec![0.0; n], &teacher, &mask), agg).iter().map(|&d| d as u32).collect();
+    assert!(den.contains(&0) && den.iter().any(|&d| d > 1), "{den:?}");
+    let (den_t, teacher_t) = (up(den), dev.from_f32(DType::F32, &[n], &teacher).unwrap());
+    let bits = |t: &Tensor| t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    for wdt in [DType::F32, DType::BF16] {
+        let wh = dev.from_f32(wdt, &[V, C], &x.wh).unwrap();
+        for (opd_on, center) in [(true, false), (true, true), (false, false)] {
+            let what = format!("{} {} head, centered {center}", if opd_on { "OPD" } else { "SFT" }, wdt.name());
+            let ct = DevCenter { k: K, ids: &ids, probs: &probs };
+            let center = center.then_some(&ct);
+            let zeros = |shape: &[usize]| dev.zeros(DType::F32, shape).unwrap();
+            let (mut dh, mut dwh, mut lp, mut en) = (zeros(&[N_H, C]), zeros(&[V, C]), zeros(&[n]), zeros(&[n]));
+            let coef = Coef::Rule { den: &den_t, teacher: opd_on.then_some(&teacher_t), offset: 0.15 };
+            let stats_out = Some(StatsOut { logp: &mut lp, entropy: &mut en });
+            let pass = Pass { coef, center, temperature: 0.7, chunk: 5, stats: stats_out };
+            let loss = loss_grad_with(dev, &h, &wh, &r, pass, &mut dh, &mut dwh).unwrap();
+            let (mut lp2, mut en2) = (zeros(&[n]), zeros(&[n]));
+            stats(dev, &h, &wh, &r, 0.7, 5, &mut lp2, &mut en2).unwrap();
+            assert_eq!(bits(&lp), bits(&lp2), "{what}: log-probs");
+            assert_eq!(bits(&en), bits(&en2), "{what}: entropies");
+            let lpv = lp.to_f32_vec().unwrap();
+            let c = match opd_on {
+                true => opd::coefficients_with_offset(&st(&seq_lens, &lpv, &teacher, &mask), agg, 0.15).unwrap(),
+                false => sft::coefficients(&st(&seq_lens, &lpv, &teacher, &mask), agg).unwrap(),
+            };
+            assert!(c.coef.iter().filter(|&&v| v != 0.0).count() == n - 2, "{what}: {:?}", c.coef);
+            let coef = dev.from_f32(DType::F32, &[n], &c.coef).unwrap();
+            let (mut dh2, mut dwh2) = (zeros(&[N_H, C]), zeros(&[V, C]));
+            let loss2 = loss_grad(dev, &h, &wh, &r, &coef, center, 0.7, 5, &mut dh2, &mut dwh2).unwrap();
+            assert_eq!(loss.to_bits(), loss2.to_bits(), "{what}: loss");
+            assert_eq!(bits(&dh), bits(&dh2), "{what}: dh");
+            assert_eq!(bits(&dwh), bits(&dwh2), "{what}: dWh");
+        }
+    }
+}
+
+test_device!(one_pass_loss, one_pass_loss_cpu, one_pass_loss_sim, one_pass_loss_cuda);
+
 #[test]
 fn bad_indices_are_errors_not_panics() {
     let dev = Device::cpu(1).unwrap();

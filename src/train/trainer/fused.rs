@@ -14,14 +14,38 @@
 //! statistics and skip decision still come from the whole batch's evaluation after the
 //! log-probs are gathered, exactly as before.
 //!
-//! Owns: that pass. May call: the device state, the objective's evaluation. Must not: apply
-//! the update (the step does, after its skip checks).
+//! One pass, where the objective allows it (SFT and OPD: a token's coefficient at ratio 1 is a
+//! function of its own log-prob and of inputs known before the pass, its aggregation weight
+//! and the teacher's log-prob): the loss pass evaluates the coefficients itself on the device
+//! (`ops::lm_head::Coef::Rule`) and its statistics are π_old's, so the statistics pass and its
+//! LM-head GEMMs go, and nothing is read back until every micro-batch is queued. The same
+//! bits again: the rule's f64 operations are the objective's, on the same log-probs.
+//!
+//! Owns: that pass, [`FirstPass`]. May call: the device state, the objective's evaluation.
+//! Must not: apply the update (the step does, after its skip checks).
 
 use super::{StepInputs, Trainer};
 use crate::engine::rollout::Rollout;
-use crate::objective::TokenStats;
+use crate::objective::{agg_denominators, TokenStats};
 use anyhow::{anyhow, Result};
 use std::ops::Range;
+
+/// How a device trainer with one minibatch runs the first update's pass (the gradients are
+/// the same bits each way; the default is the fastest the objective allows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FirstPass {
+    /// Score every micro-batch, then run each forward again before its backward.
+    Unfused,
+    /// Each micro-batch scored (a statistics pass), its coefficients evaluated on the host,
+    /// then its loss pass and backward on the same activations.
+    TwoPass,
+    /// [`FirstPass::TwoPass`], but SFT and OPD evaluate their coefficients in the loss pass.
+    OnePass,
+}
+
+/// The one pass's inputs over the step's tokens: (aggregation denominators, the teacher's
+/// log-probs, the advantage offset).
+type Rule<'a> = (Vec<u32>, Option<&'a [f32]>, f64);
 
 impl Trainer {
     /// The fused first pass over all of `rollouts` (one minibatch): the gradient of this
@@ -40,6 +64,7 @@ impl Trainer {
         let m = inp.tokens(&all).len();
         let my = inp.tokens(&mine);
         let (t, chunk) = (self.temperature, self.chunk);
+        let rule = self.one_pass_rule(inp, m);
         let ds = self.dstate.as_mut().ok_or_else(|| anyhow!("the fused pass needs a device trainer"))?;
         ds.zero_grads()?;
         // Every device's log-probs as far as this device knows them (its own, so far).
@@ -48,6 +73,24 @@ impl Trainer {
         let mut at = my.start;
         if mine.is_empty() {
             ds.no_backward()?;
+        } else if let Some((den, teacher, offset)) = rule {
+            let mut pending = Vec::with_capacity(mbs.len());
+            for (i, mb) in mbs.iter().enumerate() {
+                let b = Self::batch(&rollouts[mine.start + mb.start..mine.start + mb.end]);
+                let n = b.rows.len();
+                let rows = at..at + n;
+                let center = inp
+                    .center
+                    .as_ref()
+                    .map(|(kk, ids, p)| (*kk, &ids[at * kk..(at + n) * kk], &p[at * kk..(at + n) * kk]));
+                let rule = (&den[rows.clone()], teacher.map(|t| &t[rows.clone()]), offset);
+                pending.push((rows, ds.one_pass(&self.weights, &b, rule, center, t, chunk, i + 1 == mbs.len())?));
+                at += n;
+            }
+            for (rows, (lp, en)) in pending {
+                known[rows].copy_from_slice(&lp.to_f32_vec()?);
+                entropy.extend_from_slice(&en.to_f32_vec()?);
+            }
         } else {
             for (i, mb) in mbs.iter().enumerate() {
                 let b = Self::batch(&rollouts[mine.start + mb.start..mine.start + mb.end]);
@@ -78,6 +121,33 @@ impl Trainer {
         let logp = self.dp.allgather_v(&known[my.clone()], my.start, m)?;
         let ent = self.dp.sum_f64(entropy.iter().map(|&x| x as f64).sum())?;
         Ok((logp, ent, mbs.len(), mine))
+    }
+
+    /// The one pass's per-token inputs over the step's `m` tokens, where it runs: each token's
+    /// aggregation denominator (u32; a larger one leaves the step to the two passes), the
+    /// teacher's log-probs (OPD) and the advantage offset.
+    fn one_pass_rule<'a>(&self, inp: &'a StepInputs, m: usize) -> Option<Rule<'a>> {
+        if self.first_pass != FirstPass::OnePass {
+            return None;
+        }
+        let (teacher, offset) = self.objective.one_pass_rule()?;
+        let teacher = match teacher {
+            true => Some(inp.teacher.as_deref()?), // missing: the host evaluation says so
+            false => None,
+        };
+        let zeros = vec![0.0f32; m];
+        let s = TokenStats {
+            seq_lens: &inp.seq_lens,
+            logp: &zeros,
+            logp_old: None,
+            sampler: None,
+            teacher: None,
+            advantages: None,
+            mask: inp.mask.as_deref(),
+        };
+        let den =
+            agg_denominators(&s, self.agg).into_iter().map(u32::try_from).collect::<Result<Vec<u32>, _>>().ok()?;
+        Some((den, teacher, offset))
     }
 }
 
