@@ -78,7 +78,7 @@ fn every_check_group_passes_on_both_simulated_architectures() {
             assert_eq!(check(&r, &format!("NCCL: {op} (1 GPU)"), "f32")["pass"], true, "{arch} {op}");
         }
         // The one-pass OPD loss against the two passes, bit for bit.
-        for part in ["log p(y)", "value", "dh", "dWh"] {
+        for part in ["log p(y)", "entropy", "value", "dh", "dWh"] {
             let op = format!("LM head one pass (OPD coefficients on the GPU) vs two passes: {part}");
             assert_eq!(check(&r, &op, "f32 head")["pass"], true, "{arch} {op}");
         }

@@ -124,10 +124,12 @@ fn one_sgd_step_on_the_simulator_is_theta_minus_grad() {
 /// `train/trainer/fused.rs`), in two passes and in one, steps to the same weights, bit for bit,
 /// with the same loss and π_old, as scoring every micro-batch first and running each forward
 /// again before its backward: every case (OPD under three aggregations, GRPO with TIS, TRIAGE,
-/// centered REINFORCE) plus OPD with an advantage offset and SFT, in micro-batches of at most 16
-/// tokens (3 of the OPD fixture batch, 4 of the RL one), BF16 weights with checkpointing on sm_90a. The one pass runs where the objective
-/// allows it (OPD, SFT): one LM-head GEMM per chunk and one ct_lm_stats fewer than the two
-/// passes, the same count elsewhere.
+/// centered REINFORCE) plus OPD with an advantage offset, SFT and GRPO without TIS, in
+/// micro-batches of at most 16 tokens (3 of the OPD fixture batch, 4 of the RL one), BF16
+/// weights with checkpointing on sm_90a. The one pass runs where the objective allows it
+/// (all but TIS and TRIAGE): one LM-head GEMM per chunk and one ct_lm_stats fewer than the
+/// two passes, the same count for those two. With two minibatches (OPD, GRPO, TRIAGE) the
+/// first is fused and the second scored after it: the same bits again, over two updates.
 #[test]
 fn the_fused_first_pass_steps_like_score_then_backward() {
     use colotrain::device::cuda::ledger::rows;
@@ -139,6 +141,16 @@ fn the_fused_first_pass_steps_like_score_then_backward() {
     let extra = [("opd_offset", "kind = \"opd\"\nadvantage_offset = 0.15"), ("sft", "kind = \"sft\"")];
     for (key, kind) in extra {
         all.push(Case { key: key.into(), toml: opd.replace("kind = \"opd\"", kind), ..cases().remove(0) });
+    }
+    let grpo = all.iter().find(|c| c.key == "grpo_tis").map(|c| c.toml.replace("tis = true", "tis = false"));
+    all.push(Case { key: "grpo".into(), toml: grpo.unwrap(), ..cases().remove(3) });
+    // Two minibatches: the first fused, the second scored after it and trained after the first
+    // update.
+    for (key, from) in [("opd_mb2", "opd_token_mean"), ("grpo_mb2", "grpo"), ("triage_mb2", "triage")] {
+        let c = all.iter().find(|c| c.key == from).unwrap();
+        let toml = c.toml.replace("[objective]\n", "[objective]\nminibatches = 2\n");
+        let (model, rollouts, grads) = (c.model, c.rollouts.clone(), c.grads.clone());
+        all.push(Case { key: key.into(), toml, model, rollouts, grads });
     }
     let mut most_chunks = 0;
     for c in all {
@@ -154,7 +166,8 @@ fn the_fused_first_pass_steps_like_score_then_backward() {
             let out = tr.step(&rollouts).unwrap();
             let l = cd.take_ledger();
             let count = |op: &str| rows(&l).iter().filter(|r| r.op == op).map(|r| r.launches).sum::<u64>();
-            assert!(!out.skipped && out.updates == 1, "{}", c.key);
+            let updates = if c.key.ends_with("_mb2") { 2 } else { 1 };
+            assert!(!out.skipped && out.updates == updates, "{}", c.key);
             let w: Vec<u32> =
                 tr.weights.tensors().iter().flat_map(|t| t.to_f32_vec().unwrap()).map(|x| x.to_bits()).collect();
             (w, out.loss, out.logp, rollouts.len(), [count("ct_lm_stats"), count("gemm bf16 nt")])
@@ -169,7 +182,16 @@ fn the_fused_first_pass_steps_like_score_then_backward() {
         let [stats, fwd] = two.4;
         assert!(stats >= 2 && stats % 2 == 0, "{}: statistics launches {:?}", c.key, two.4);
         most_chunks = most_chunks.max(stats / 2);
-        let saved = if c.key.starts_with("opd") || c.key == "sft" { stats / 2 } else { 0 };
+        // TIS and TRIAGE need π_old's log-probs for their coefficients: two passes.
+        let two_pass = c.key.starts_with("grpo_tis") || c.key.starts_with("triage");
+        if c.key.ends_with("_mb2") {
+            // Only the first minibatch's chunks lose their statistics pass.
+            let saved = stats - one.4[0];
+            assert!((saved > 0) != two_pass, "{}: {:?} vs {:?}", c.key, one.4, two.4);
+            assert_eq!(fwd - one.4[1], saved, "{}: one LM-head GEMM fewer per statistics launch", c.key);
+            continue;
+        }
+        let saved = if two_pass { 0 } else { stats / 2 };
         assert_eq!(one.4, [stats - saved, fwd - saved], "{}: the one pass's LM-head launches", c.key);
     }
     assert!(most_chunks >= 4, "micro-batches of 16 tokens: {most_chunks} chunks at most");

@@ -14,8 +14,8 @@
 //     exited lanes, threads at different __syncthreads, writes past the dynamic shared memory
 //     and stack overflows. Threads that return leave the barriers (as exited threads do on
 //     the GPU). blocks.cpp runs the block-level kernels (reductions, sampling, attention).
-// The _rn intrinsics become single IEEE f32 operations (volatile, so never contracted into
-// FMAs); expf/logf/exp/log are the host libm's, which may differ from CUDA's by an ulp. Used by
+// The _rn intrinsics become single IEEE f32 / f64 operations (volatile, so never contracted
+// into FMAs); expf/logf/exp/log are the host libm's, which may differ from CUDA's by an ulp. Used by
 // the unit tests in src/ops/hostemu/: they check the kernels' arithmetic, indexing and
 // synchronization against the CPU twins without a GPU; they say nothing about the GPU itself.
 #pragma once

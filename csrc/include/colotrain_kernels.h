@@ -468,7 +468,7 @@ typedef struct ct_attn_train_params {
  *   the row at ratio 1 from its own log-prob, in double then rounded to float as
  *   src/objective/{opd,sft}.rs do: w = 1 / coef_den[r] (0 where coef_den[r] is 0),
  *   coef_out[r] = w ((coef_teacher[r] - logp_r) + coef_offset) (OPD, seed 000 Eq. 1) or w (SFT,
- *   coef_teacher NULL); ct_lm_dz then reads it as coef. */
+ *   coef_teacher NULL), which the host then gives ct_lm_dz as its coef. */
 typedef struct ct_lm_params {
   float* z;
   const uint32_t* targets;

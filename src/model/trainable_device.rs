@@ -510,12 +510,13 @@ impl DeviceTrainable {
         chunk: usize,
         grads: &mut [Tensor],
     ) -> Result<f64> {
-        let pass = lm_head::Pass { coef: Coef::Given(coef), center, temperature: t, chunk, stats: None };
-        self.backward_with(p, pass, grads, &mut |_| Ok(()))
+        let pass = lm_head::Pass { coef: Coef::Given(coef), center, temperature: t, chunk, stats: None, loss: true };
+        Ok(self.backward_with(p, pass, grads, &mut |_| Ok(()))?.unwrap_or(f64::NAN))
     }
 
-    /// [`Self::backward`] with the loss pass's choices (`lm_head::Pass`: a one-pass loss that
-    /// evaluates its own coefficients and writes the statistics), calling `done(k)` once the
+    /// [`Self::backward`] with the loss pass's choices (`lm_head::Pass`: the statistics written
+    /// on the way, coefficients it evaluates itself, the loss read back or not: None when not
+    /// asked), calling `done(k)` once the
     /// work writing the gradients of the parameters at point k ([`gradient_points`]) has been
     /// queued, k = 0, 1, …, L + 1 in turn: what a bucketed reduce-scatter may start on while
     /// the backward goes on.
@@ -525,7 +526,7 @@ impl DeviceTrainable {
         pass: lm_head::Pass<'_, '_>,
         grads: &mut [Tensor],
         done: &mut dyn FnMut(usize) -> Result<()>,
-    ) -> Result<f64> {
+    ) -> Result<Option<f64>> {
         let cfg = self.cfg.clone();
         let (c, i_dim, h, hkv, d) =
             (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);

@@ -65,7 +65,12 @@ pub struct TokenStats<'a> {
     pub mask: Option<&'a [bool]>,
 }
 
-impl TokenStats<'_> {
+impl<'a> TokenStats<'a> {
+    /// The statistics of responses of `seq_lens` tokens with log-probs `logp` and nothing else
+    /// (no old, sampler or teacher log-probs, advantages or mask): a base for struct update.
+    pub fn of(seq_lens: &'a [usize], logp: &'a [f32]) -> TokenStats<'a> {
+        TokenStats { seq_lens, logp, logp_old: None, sampler: None, teacher: None, advantages: None, mask: None }
+    }
     pub fn len(&self) -> usize {
         self.logp.len()
     }

@@ -98,6 +98,14 @@ fn buckets_of(spans: &[(usize, usize)], points: &[usize]) -> Vec<Vec<Range<usize
     out
 }
 
+/// The coefficients of a one-pass loss ([`DeviceState::one_pass`]), per scored row of the
+/// micro-batch: known before the pass, or the pass's own rule (`lm_head::Coef::Rule`: the
+/// aggregation denominators, the teacher's log-probs, the offset).
+pub(super) enum OnePassCoef<'a> {
+    Given(&'a [f32]),
+    Rule { den: &'a [u32], teacher: Option<&'a [f32]>, offset: f64 },
+}
+
 pub(super) struct DeviceState {
     dev: Device,
     model: DeviceTrainable,
@@ -310,17 +318,16 @@ impl DeviceState {
     }
 
     /// Micro-batch `b`'s forward, then its loss pass and backward in one pass: the loss pass
-    /// evaluates each scored row's coefficient from its own log-prob (`lm_head::Coef::Rule`:
-    /// `den`, `teacher` and `offset` per row, OPD or SFT at ratio 1) instead of taking them
-    /// from a statistics pass before it, and writes that pass's log-probs and entropies, which
-    /// it returns on the device (M each, f32): nothing is read back, so the host queues the
-    /// next micro-batch without waiting for this one.
+    /// takes coefficients known before it or evaluates each scored row's from its own log-prob
+    /// ([`OnePassCoef`]), and writes its log-probs and entropies (π_old's at the step's first
+    /// update), which it returns on the device (M each, f32): nothing is read back, so the
+    /// host queues the next micro-batch without waiting for this one.
     #[allow(clippy::too_many_arguments)]
     pub fn one_pass(
         &mut self,
         weights: &ModelWeights,
         b: &TrainBatch,
-        (den, teacher, offset): (&[u32], Option<&[f32]>, f64),
+        coef: OnePassCoef<'_>,
         center: Option<(usize, &[u32], &[f32])>,
         t: f32,
         chunk: usize,
@@ -328,9 +335,19 @@ impl DeviceState {
     ) -> Result<(Tensor, Tensor)> {
         self.model.forward(&weights.tensors(), b)?;
         let m = b.rows.len();
-        let dt = self.dev.upload(Tensor::from_u32_host(&[den.len()], den.to_vec())?)?;
-        let tt = teacher.map(|x| self.dev.from_f32(DType::F32, &[x.len()], x)).transpose()?;
-        let coef = Coef::Rule { den: &dt, teacher: tt.as_ref(), offset };
+        let up = |x: &[f32]| self.dev.from_f32(DType::F32, &[x.len()], x);
+        let (given, den, teacher, offset) = match coef {
+            OnePassCoef::Given(c) => (Some(up(c)?), None, None, 0.0),
+            OnePassCoef::Rule { den, teacher, offset } => {
+                let d = self.dev.upload(Tensor::from_u32_host(&[den.len()], den.to_vec())?)?;
+                (None, Some(d), teacher.map(up).transpose()?, offset)
+            }
+        };
+        let coef = match (&given, &den) {
+            (Some(c), _) => Coef::Given(c),
+            (None, Some(den)) => Coef::Rule { den, teacher: teacher.as_ref(), offset },
+            (None, None) => anyhow::bail!("one pass: no coefficients"),
+        };
         let (mut lp, mut en) = (self.dev.uninit(DType::F32, &[m])?, self.dev.uninit(DType::F32, &[m])?);
         let stats = StatsOut { logp: &mut lp, entropy: &mut en };
         self.loss_and_backward(weights, coef, center, t, chunk, Some(stats), last)?;
@@ -359,7 +376,9 @@ impl DeviceState {
             None => None,
         };
         let dc = ct.as_ref().map(|(k, ids, probs)| DevCenter { k: *k, ids, probs });
-        let pass = Pass { coef, center: dc.as_ref(), temperature, chunk, stats };
+        // The trainer never uses the loss pass's loss (the objective reports its own): not
+        // reading it back keeps the host from waiting on the device at every micro-batch.
+        let pass = Pass { coef, center: dc.as_ref(), temperature, chunk, stats, loss: false };
         let (zero, grad) = (&mut self.zero, &self.grad);
         let mut done = |k: usize| match zero.as_mut() {
             Some(z) if last => z.start_buckets(grad, k),

@@ -3,7 +3,7 @@
 //! centering's normalized top-k targets; and the objective dispatch that turns token statistics
 //! into coefficients.
 //!
-//! Owns: [`Objective`] (the configured objective), [`StepInputs`]. May call: `crate::objective`.
+//! Owns: [`Objective`] (the configured objective) and its [`OnePass`] answer, [`StepInputs`]. May call: `crate::objective`.
 //! Must not: run models.
 
 use crate::config::{JobConfig, LossAgg, ObjectiveKind};
@@ -54,15 +54,14 @@ impl Objective {
         })
     }
 
-    /// How the device's one-pass loss evaluates this objective's coefficient at ratio 1
-    /// (`ops::lm_head::Coef::Rule`): Some((from the teacher's log-prob, the offset)) for SFT
-    /// and OPD, whose coefficient needs only the token's own log-prob besides inputs known
-    /// before the pass; None for the policy-gradient objectives (TIS's exponential of the
-    /// sampler's log-prob, TRIAGE's segments).
-    pub fn one_pass_rule(&self) -> Option<(bool, f64)> {
+    /// How the device's one-pass loss gets this objective's coefficients at the step's first
+    /// update (ratio 1, `train/trainer/fused.rs`); None: from a statistics pass before it
+    /// (TIS's weight exp(log π_old − log π_s) and TRIAGE's gate need π_old's log-probs).
+    pub fn one_pass(&self) -> Option<OnePass> {
         match self {
-            Objective::Sft => Some((false, 0.0)),
-            Objective::Opd { offset } => Some((true, *offset)),
+            Objective::Sft => Some(OnePass::Rule { teacher: false, offset: 0.0 }),
+            Objective::Opd { offset } => Some(OnePass::Rule { teacher: true, offset: *offset }),
+            Objective::Pg { pg, triage: None, .. } if pg.tis_cap.is_none() => Some(OnePass::Known),
             Objective::Pg { .. } => None,
         }
     }
@@ -104,6 +103,17 @@ pub fn evaluate(obj: &Objective, s: &TokenStats, agg: LossAgg, k: u64) -> Result
             Evaluated { coefs, triage: Some(st), clipped }
         }
     })
+}
+
+/// [`Objective::one_pass`]'s answer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OnePass {
+    /// The coefficients do not depend on the log-probs at ratio 1: evaluated on the host before
+    /// the pass (GRPO and REINFORCE without TIS: ρ = 1, nothing clipped, c_t = w_t·A_t).
+    Known,
+    /// Each depends on its token's own log-prob: the pass evaluates them on the device
+    /// (`ops::lm_head::Coef::Rule`: OPD with the teacher's log-probs and the offset; SFT).
+    Rule { teacher: bool, offset: f64 },
 }
 
 /// Per-step inputs, token-aligned with the concatenated responses.

@@ -92,7 +92,7 @@ pub struct Trainer {
     micro_batch_tokens: usize,
     /// `objective.activation_checkpointing` (the device trainer's).
     checkpoint: bool,
-    /// How a device trainer with one minibatch runs the first update (`trainer/fused.rs`).
+    /// How a device trainer runs the first update (`trainer/fused.rs`).
     first_pass: FirstPass,
     centering: bool,
     minibatches: usize,
@@ -208,7 +208,7 @@ impl Trainer {
         })
     }
 
-    /// How a device trainer with one minibatch runs the first update (default
+    /// How a device trainer runs the first update (default
     /// [`FirstPass::OnePass`]; the gradients are the same bits each way).
     pub fn set_first_pass(&mut self, how: FirstPass) {
         self.first_pass = how;
@@ -376,10 +376,10 @@ impl Trainer {
         self.rollout_steps += 1;
         let parts = minibatches(rollouts.len(), self.minibatches);
         // Pass 1: π_old, the statistics of every response token at the step's start; on a
-        // device trainer with one minibatch fused with the first update's backward.
-        let fused = self.first_pass != FirstPass::Unfused && self.dstate.is_some() && parts.len() == 1;
+        // device trainer the first minibatch's fused with the first update's backward.
+        let fused = self.first_pass != FirstPass::Unfused && self.dstate.is_some();
         let (logp_old, ent, n_chunks, mine0) = match fused {
-            true => self.fused_first(&rollouts, &inp, k)?,
+            true => self.first_stats(&rollouts, &inp, k, &parts)?,
             false => self.gathered_stats(&rollouts, &inp, 0..rollouts.len())?,
         };
         let m = logp_old.len();

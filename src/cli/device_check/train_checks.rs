@@ -179,30 +179,13 @@ fn one_pass(x: &mut Ctx, h: &Tensor, wh: &Tensor, r: &crate::ops::lm_head::Rows<
     let teacher: Vec<f32> = x.randn(n, 0.5).iter().map(|v| v - 1.5).collect();
     let mask: Vec<bool> = (0..n).map(|i| i != 3).collect();
     let zeros = vec![0.0f32; n];
+    let lens = [n];
     let st = |lp: &'_ [f32]| -> Result<crate::objective::Coefficients> {
-        let s = TokenStats {
-            seq_lens: &[n],
-            logp: lp,
-            logp_old: None,
-            sampler: None,
-            teacher: Some(&teacher),
-            advantages: None,
-            mask: Some(&mask),
-        };
+        let s = TokenStats { teacher: Some(&teacher), mask: Some(&mask), ..TokenStats::of(&lens, lp) };
         opd::coefficients_with_offset(&s, LossAgg::TokenMean, 0.15)
     };
-    let dens = {
-        let s = TokenStats {
-            seq_lens: &[n],
-            logp: &zeros,
-            logp_old: None,
-            sampler: None,
-            teacher: None,
-            advantages: None,
-            mask: Some(&mask),
-        };
-        agg_denominators(&s, LossAgg::TokenMean).iter().map(|&d| d as u32).collect::<Vec<u32>>()
-    };
+    let s = TokenStats { mask: Some(&mask), ..TokenStats::of(&lens, &zeros) };
+    let dens: Vec<u32> = agg_denominators(&s, LossAgg::TokenMean).iter().map(|&d| d as u32).collect();
     let den = g.upload(Tensor::from_u32_host(&[n], dens)?)?;
     let tt = g.from_f32(DType::F32, &[n], &teacher)?;
     let (v, c) = (wh.dim(0), wh.dim(1));
@@ -210,8 +193,8 @@ fn one_pass(x: &mut Ctx, h: &Tensor, wh: &Tensor, r: &crate::ops::lm_head::Rows<
     let (mut dh1, mut dw1, mut lp1, mut en1) = (zero(h.shape())?, zero(&[v, c])?, zero(&[n])?, zero(&[n])?);
     let coef = Coef::Rule { den: &den, teacher: Some(&tt), offset: 0.15 };
     let stats = Some(StatsOut { logp: &mut lp1, entropy: &mut en1 });
-    let pass = Pass { coef, center: None, temperature: 0.7, chunk: 8, stats };
-    let l1 = lm_head::loss_grad_with(&g, h, wh, r, pass, &mut dh1, &mut dw1)? as f32;
+    let pass = Pass { coef, center: None, temperature: 0.7, chunk: 8, stats, loss: true };
+    let l1 = lm_head::loss_grad_with(&g, h, wh, r, pass, &mut dh1, &mut dw1)?.unwrap_or(f64::NAN) as f32;
     let (mut lp2, mut en2) = (zero(&[n])?, zero(&[n])?);
     lm_head::stats(&g, h, wh, r, 0.7, 8, &mut lp2, &mut en2)?;
     let coef2 = g.from_f32(DType::F32, &[n], &st(&lp2.to_f32_vec()?)?.coef)?;
@@ -219,6 +202,7 @@ fn one_pass(x: &mut Ctx, h: &Tensor, wh: &Tensor, r: &crate::ops::lm_head::Rows<
     let l2 = lm_head::loss_grad(&g, h, wh, r, &coef2, None, 0.7, 8, &mut dh2, &mut dw2)? as f32;
     let name = "LM head one pass (OPD coefficients on the GPU) vs two passes";
     x.record(&format!("{name}: log p(y)"), "f32 head", &lp2.to_f32_vec()?, &lp1.to_f32_vec()?, Tol::Exact);
+    x.record(&format!("{name}: entropy"), "f32 head", &en2.to_f32_vec()?, &en1.to_f32_vec()?, Tol::Exact);
     x.record(&format!("{name}: value"), "f32 head", &[l2], &[l1], Tol::Exact);
     x.record(&format!("{name}: dh"), "f32 head", &dh2.to_f32_vec()?, &dh1.to_f32_vec()?, Tol::Exact);
     x.record(&format!("{name}: dWh"), "f32 head", &dw2.to_f32_vec()?, &dw1.to_f32_vec()?, Tol::Exact);

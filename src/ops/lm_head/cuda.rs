@@ -129,7 +129,8 @@ pub fn stats(
 }
 
 /// The loss pass; with [`Coef::Rule`] each chunk's ct_lm_stats also writes its rows'
-/// coefficients into a scratch that its ct_lm_dz reads (no statistics pass before it).
+/// coefficients into a scratch that its ct_lm_dz reads (no statistics pass before it). The
+/// loss terms are read back (a synchronization) only when `p.loss` asks for them.
 pub fn loss_grad(
     d: &CudaDevice,
     h: &Tensor,
@@ -138,7 +139,7 @@ pub fn loss_grad(
     p: Pass<'_, '_>,
     dh: &mut Tensor,
     dwh: &mut Tensor,
-) -> Result<f64> {
+) -> Result<Option<f64>> {
     let pass = Head::new(d, h, wh, r)?;
     let total = r.rows.numel();
     // (den, teacher or 0, offset) of a rule, and the coefficients' buffer.
@@ -172,7 +173,7 @@ pub fn loss_grad(
         )),
         None => None,
     };
-    let (temperature, chunk) = (p.temperature, p.chunk);
+    let (temperature, chunk, p_loss) = (p.temperature, p.chunk, p.loss);
     let inv_t = 1.0 / temperature;
     let (v, c, e) = (pass.v, pass.c, pass.elem());
     let lse = d.scratch(chunk.min(total).max(1) * 4, "LM head normalizers")?;
@@ -220,7 +221,10 @@ pub fn loss_grad(
             err: err_word(d),
         })?;
     }
+    if !p_loss {
+        return Ok(None);
+    }
     let mut terms = vec![0.0f32; total];
     d.dtoh(&mut terms, losses.ptr)?;
-    Ok(terms.iter().map(|&t| t as f64).sum())
+    Ok(Some(terms.iter().map(|&t| t as f64).sum()))
 }

@@ -84,7 +84,8 @@ pub fn stats(
 /// The loss pass's coefficients c_i.
 #[derive(Clone, Copy)]
 pub enum Coef<'a> {
-    /// Given: (n) f32, evaluated from a statistics pass before this one.
+    /// Given: (n) f32, evaluated before this pass (from a statistics pass, or without one
+    /// where they do not depend on the log-probs).
     Given(&'a Tensor),
     /// Computed in this pass from its own log-prob at ratio 1, where the objective needs
     /// nothing else of the batch: the one-pass loss, with no statistics pass before it. In f64,
@@ -133,23 +134,27 @@ pub fn loss_grad(
     dh: &mut Tensor,
     dwh: &mut Tensor,
 ) -> Result<f64> {
-    let pass = Pass { coef: Coef::Given(coef), center, temperature, chunk, stats: None };
-    loss_grad_with(dev, h, wh, r, pass, dh, dwh)
+    let pass = Pass { coef: Coef::Given(coef), center, temperature, chunk, stats: None, loss: true };
+    Ok(loss_grad_with(dev, h, wh, r, pass, dh, dwh)?.unwrap_or(f64::NAN))
 }
 
 /// One loss pass's settings besides its operands: the coefficients, score centering's target,
-/// the temperature, the rows per chunk, and where the pass also writes the rows' statistics.
+/// the temperature, the rows per chunk, where the pass also writes the rows' statistics, and
+/// whether it returns the surrogate loss (on a GPU a read-back, so a synchronization).
 pub struct Pass<'a, 'b> {
     pub coef: Coef<'a>,
     pub center: Option<&'a DevCenter<'a>>,
     pub temperature: f32,
     pub chunk: usize,
     pub stats: Option<StatsOut<'b>>,
+    pub loss: bool,
 }
 
-/// [`loss_grad`] with [`Pass`]'s choices: a [`Coef::Rule`] pass is the statistics pass and the
-/// loss pass at once (one LM-head GEMM per chunk instead of two), and the statistics it
-/// writes are [`stats`]'s to the bit (the same launches on the same logits).
+/// [`loss_grad`] with [`Pass`]'s choices; the loss is None unless asked for. With `stats` the
+/// pass is the statistics pass too, its statistics [`stats`]'s to the bit (on CUDA the same
+/// launches on the same logits: one LM-head GEMM per chunk where the two passes ran two; the
+/// CPU arm, the reference, runs its statistics first), so with coefficients known before it
+/// or a [`Coef::Rule`] no statistics pass is needed.
 pub fn loss_grad_with(
     dev: &Device,
     h: &Tensor,
@@ -158,7 +163,7 @@ pub fn loss_grad_with(
     pass: Pass<'_, '_>,
     dh: &mut Tensor,
     dwh: &mut Tensor,
-) -> Result<f64> {
+) -> Result<Option<f64>> {
     let n = check(h, wh, r, pass.chunk)?;
     check_coef(pass.coef, n)?;
     if let Some(s) = &pass.stats {
@@ -173,8 +178,10 @@ pub fn loss_grad_with(
     if dh.numel() != h.numel() || dwh.numel() != wh.numel() || dh.dtype() != DType::F32 || dwh.dtype() != DType::F32 {
         bail!("LM head gradients: f32 tensors of h's and Wh's shapes expected");
     }
-    match dev {
-        Device::Cpu(_) => cpu::loss_grad(h, wh, r, pass, dh, dwh),
-        Device::Cuda(d) => cuda::loss_grad(d, h, wh, r, pass, dh, dwh),
-    }
+    let asked = pass.loss;
+    let loss = match dev {
+        Device::Cpu(_) => Some(cpu::loss_grad(h, wh, r, pass, dh, dwh)?),
+        Device::Cuda(d) => cuda::loss_grad(d, h, wh, r, pass, dh, dwh)?,
+    };
+    Ok(loss.filter(|_| asked))
 }

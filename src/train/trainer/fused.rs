@@ -1,25 +1,33 @@
-//! The first update's pass of a device trainer when one minibatch covers the step: each
-//! micro-batch of this device's share is scored (π_old's log-probs and entropy), its
-//! coefficients evaluated, and its backward run on the activations the scoring forward left,
-//! so the step runs one forward of the model where it ran two (score every micro-batch, then
-//! forward each again before its backward). The gradient is the unfused pass's bit for bit:
-//! the same micro-batches, the same coefficients, the same launches on the same activations.
+//! The first update's pass of a device trainer: each micro-batch of this device's share of
+//! the first minibatch is scored (π_old's log-probs and entropy), its coefficients evaluated,
+//! and its backward run on the activations the scoring forward left, so that minibatch runs
+//! one forward of the model where it ran two (score every micro-batch, then forward each
+//! again before its backward); the step's other minibatches are scored after it, before any
+//! update. The gradient is the unfused pass's bit for bit: the same micro-batches, the same
+//! coefficients, the same launches on the same activations.
 //!
 //! Why the coefficients can be evaluated micro-batch by micro-batch: every objective's
 //! coefficient of a token depends on its own response's log-probs and on constants of the
 //! whole update batch that come from the lengths and masks alone (the loss aggregation's
-//! counts, TRIAGE's repair segment count N_rep). So the whole batch is evaluated with the
+//! counts, TRIAGE's repair segment count N_rep). So the whole minibatch is evaluated with the
 //! log-probs known so far (the rest 0) and this micro-batch's coefficients are read off;
-//! `objective::tests` checks that separability for each objective. The step's loss,
-//! statistics and skip decision still come from the whole batch's evaluation after the
-//! log-probs are gathered, exactly as before.
+//! `tests::coefficients_depend_on_their_own_responses_log_probs_alone` checks that
+//! separability for each objective. The step's loss, statistics and skip decision still come
+//! from the whole batch's evaluation after the log-probs are gathered, exactly as before.
 //!
-//! One pass, where the objective allows it (SFT and OPD: a token's coefficient at ratio 1 is a
-//! function of its own log-prob and of inputs known before the pass, its aggregation weight
-//! and the teacher's log-prob): the loss pass evaluates the coefficients itself on the device
-//! (`ops::lm_head::Coef::Rule`) and its statistics are π_old's, so the statistics pass and its
-//! LM-head GEMMs go, and nothing is read back until every micro-batch is queued. The same
-//! bits again: the rule's f64 operations are the objective's, on the same log-probs.
+//! One pass, where the objective allows it: at the first update the ratio is 1, and then a
+//! token's coefficient is either known before the pass (GRPO and REINFORCE without TIS:
+//! c_t = w_t·A_t, evaluated on the host with every log-prob 0) or a function of its own
+//! log-prob and of inputs known before the pass (SFT: its aggregation weight; OPD: also the
+//! teacher's log-prob and the offset), which the loss pass evaluates on the device
+//! (`ops::lm_head::Coef::Rule`). Either way the loss pass's statistics are π_old's, so the
+//! statistics pass and its LM-head GEMMs go, and the host reads nothing back (not even the
+//! loss pass's loss) until every micro-batch is queued. The same bits again for finite
+//! log-probs: the coefficients are the objective's, the rule's f64 operations its own, on the
+//! same log-probs. A log-prob that is not finite makes the host's coefficient NaN (ρ =
+//! exp(NaN)) where the one pass's may be finite or infinite; the step's evaluation after the
+//! pass then skips the update, as it would have. TIS and TRIAGE keep the two passes (TIS's
+//! weight is an exponential of π_old's log-prob, TRIAGE gates on it).
 //!
 //! Owns: that pass, [`FirstPass`]. May call: the device state, the objective's evaluation.
 //! Must not: apply the update (the step does, after its skip checks).
@@ -27,64 +35,115 @@
 use super::{StepInputs, Trainer};
 use crate::engine::rollout::Rollout;
 use crate::objective::{agg_denominators, TokenStats};
+use crate::train::device_state::OnePassCoef;
+use crate::train::step_inputs::OnePass;
 use anyhow::{anyhow, Result};
 use std::ops::Range;
 
-/// How a device trainer with one minibatch runs the first update's pass (the gradients are
-/// the same bits each way; the default is the fastest the objective allows).
+/// How a device trainer runs the first update's pass (the gradients are the same bits each
+/// way; the default is the fastest the objective allows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FirstPass {
-    /// Score every micro-batch, then run each forward again before its backward.
+    /// Score every micro-batch of the step, then run each forward again before its backward.
     Unfused,
     /// Each micro-batch scored (a statistics pass), its coefficients evaluated on the host,
     /// then its loss pass and backward on the same activations.
     TwoPass,
-    /// [`FirstPass::TwoPass`], but SFT and OPD evaluate their coefficients in the loss pass.
+    /// [`FirstPass::TwoPass`] without the statistics pass where the objective allows it (see
+    /// the module's comment).
     OnePass,
 }
 
-/// The one pass's inputs over the step's tokens: (aggregation denominators, the teacher's
-/// log-probs, the advantage offset).
-type Rule<'a> = (Vec<u32>, Option<&'a [f32]>, f64);
+/// The one pass's coefficients over the step's tokens: known before it, or the device rule's
+/// inputs (aggregation denominators, the teacher's log-probs, the advantage offset).
+enum Rule<'a> {
+    Known(Vec<f32>),
+    Device(Vec<u32>, Option<&'a [f32]>, f64),
+}
+
+/// The token statistics of minibatch `part` with `logp` (its tokens') as both the current and
+/// the old log-probs: ratio 1, the step's first update (as `Trainer::step` slices them).
+fn part_stats<'a>(inp: &'a StepInputs, part: &Range<usize>, logp: &'a [f32]) -> TokenStats<'a> {
+    let toks = inp.tokens(part);
+    TokenStats {
+        seq_lens: &inp.seq_lens[part.clone()],
+        logp,
+        logp_old: Some(logp),
+        sampler: Some(&inp.sampler[toks.clone()]),
+        teacher: inp.teacher.as_ref().map(|t| &t[toks.clone()]),
+        advantages: inp.adv_tokens.as_ref().map(|a| &a[toks.clone()]),
+        mask: inp.mask.as_ref().map(|m| &m[toks.clone()]),
+    }
+}
 
 impl Trainer {
-    /// The fused first pass over all of `rollouts` (one minibatch): the gradient of this
-    /// device's share is in the device state afterwards. Returns what
-    /// [`Trainer::gathered_stats`] returns for the whole step: every device's log-probs, the
-    /// entropy sum, this device's micro-batch count and its share of the responses.
-    pub(super) fn fused_first(
+    /// The step's π_old statistics, the first update's pass fused with them: minibatch `parts[0]`
+    /// by [`Self::fused_first`] (its gradient is in the device state afterwards), the others
+    /// scored after it, before any update. Returns what [`Trainer::gathered_stats`] returns for
+    /// the whole step: every device's log-probs, the entropy sum, this device's micro-batch
+    /// count in the first minibatch and its share of that minibatch's responses.
+    pub(super) fn first_stats(
         &mut self,
         rollouts: &[Rollout],
         inp: &StepInputs,
         k: u64,
+        parts: &[Range<usize>],
     ) -> Result<(Vec<f32>, f64, usize, Range<usize>)> {
-        let all = 0..rollouts.len();
-        let mine = self.dp.split(rollouts, all.clone());
+        let first = parts.first().cloned().unwrap_or(0..rollouts.len());
+        let (mut logp, mut ent, chunks, mine) = self.fused_first(rollouts, inp, k, first.clone())?;
+        if first.end < rollouts.len() {
+            let (rest, rest_ent, _, _) = self.gathered_stats(rollouts, inp, first.end..rollouts.len())?;
+            logp.extend_from_slice(&rest);
+            ent += rest_ent;
+        }
+        Ok((logp, ent, chunks, mine))
+    }
+
+    /// The fused first pass over minibatch `part` of `rollouts`: the gradient of this device's
+    /// share is in the device state afterwards. Returns what [`Trainer::gathered_stats`]
+    /// returns for `part`.
+    fn fused_first(
+        &mut self,
+        rollouts: &[Rollout],
+        inp: &StepInputs,
+        k: u64,
+        part: Range<usize>,
+    ) -> Result<(Vec<f32>, f64, usize, Range<usize>)> {
+        let mine = self.dp.split(rollouts, part.clone());
         let mbs = self.micro_batches(&rollouts[mine.clone()]);
-        let m = inp.tokens(&all).len();
+        // Token indices: `at` and `my` into the step's tokens, `at - base` into the part's.
+        let base = inp.tokens(&part).start;
+        let m = inp.tokens(&part).len();
         let my = inp.tokens(&mine);
         let (t, chunk) = (self.temperature, self.chunk);
-        let rule = self.one_pass_rule(inp, m);
+        let rule = self.one_pass_rule(inp, &part, k)?;
         let ds = self.dstate.as_mut().ok_or_else(|| anyhow!("the fused pass needs a device trainer"))?;
         ds.zero_grads()?;
-        // Every device's log-probs as far as this device knows them (its own, so far).
+        // Every device's log-probs of the part as far as this device knows them (its own, so far).
         let mut known = vec![0.0f32; m];
         let mut entropy = Vec::with_capacity(my.len());
         let mut at = my.start;
+        let center_of = |at: usize, n: usize| {
+            inp.center.as_ref().map(|(kk, ids, p)| (*kk, &ids[at * kk..(at + n) * kk], &p[at * kk..(at + n) * kk]))
+        };
         if mine.is_empty() {
             ds.no_backward()?;
-        } else if let Some((den, teacher, offset)) = rule {
+        } else if let Some(rule) = rule {
             let mut pending = Vec::with_capacity(mbs.len());
             for (i, mb) in mbs.iter().enumerate() {
                 let b = Self::batch(&rollouts[mine.start + mb.start..mine.start + mb.end]);
                 let n = b.rows.len();
-                let rows = at..at + n;
-                let center = inp
-                    .center
-                    .as_ref()
-                    .map(|(kk, ids, p)| (*kk, &ids[at * kk..(at + n) * kk], &p[at * kk..(at + n) * kk]));
-                let rule = (&den[rows.clone()], teacher.map(|t| &t[rows.clone()]), offset);
-                pending.push((rows, ds.one_pass(&self.weights, &b, rule, center, t, chunk, i + 1 == mbs.len())?));
+                let rows = at - base..at - base + n;
+                let coef = match &rule {
+                    Rule::Known(c) => OnePassCoef::Given(&c[rows.clone()]),
+                    Rule::Device(den, teacher, offset) => OnePassCoef::Rule {
+                        den: &den[rows.clone()],
+                        teacher: teacher.map(|t| &t[rows.clone()]),
+                        offset: *offset,
+                    },
+                };
+                let last = i + 1 == mbs.len();
+                pending.push((rows, ds.one_pass(&self.weights, &b, coef, center_of(at, n), t, chunk, last)?));
                 at += n;
             }
             for (rows, (lp, en)) in pending {
@@ -95,59 +154,49 @@ impl Trainer {
             for (i, mb) in mbs.iter().enumerate() {
                 let b = Self::batch(&rollouts[mine.start + mb.start..mine.start + mb.end]);
                 let (lp, en) = ds.token_stats(&self.weights, &b, t, chunk)?;
-                let n = lp.len();
-                known[at..at + n].copy_from_slice(&lp);
+                let (n, lo) = (lp.len(), at - base);
+                known[lo..lo + n].copy_from_slice(&lp);
                 entropy.extend_from_slice(&en);
                 // π_old is the current policy: the ratio is 1, as in the unfused first update.
-                let stats = TokenStats {
-                    seq_lens: &inp.seq_lens,
-                    logp: &known,
-                    logp_old: Some(&known),
-                    sampler: Some(&inp.sampler),
-                    teacher: inp.teacher.as_deref(),
-                    advantages: inp.adv_tokens.as_deref(),
-                    mask: inp.mask.as_deref(),
-                };
-                let ev = super::evaluate(&self.objective, &stats, self.agg, k)?;
-                let center = inp
-                    .center
-                    .as_ref()
-                    .map(|(kk, ids, p)| (*kk, &ids[at * kk..(at + n) * kk], &p[at * kk..(at + n) * kk]));
-                let coef = &ev.coefs.coef[at..at + n];
-                ds.backward(&self.weights, &b, coef, center, t, chunk, false, i + 1 == mbs.len())?;
+                let ev = super::evaluate(&self.objective, &part_stats(inp, &part, &known), self.agg, k)?;
+                let coef = &ev.coefs.coef[lo..lo + n];
+                ds.backward(&self.weights, &b, coef, center_of(at, n), t, chunk, false, i + 1 == mbs.len())?;
                 at += n;
             }
         }
-        let logp = self.dp.allgather_v(&known[my.clone()], my.start, m)?;
+        let logp = self.dp.allgather_v(&known[my.start - base..my.end - base], my.start - base, m)?;
         let ent = self.dp.sum_f64(entropy.iter().map(|&x| x as f64).sum())?;
         Ok((logp, ent, mbs.len(), mine))
     }
 
-    /// The one pass's per-token inputs over the step's `m` tokens, where it runs: each token's
-    /// aggregation denominator (u32; a larger one leaves the step to the two passes), the
-    /// teacher's log-probs (OPD) and the advantage offset.
-    fn one_pass_rule<'a>(&self, inp: &'a StepInputs, m: usize) -> Option<Rule<'a>> {
+    /// The one pass's coefficients over minibatch `part`'s tokens, where it runs
+    /// ([`Objective::one_pass`](super::Objective::one_pass)): evaluated now at ratio 1 with
+    /// every log-prob 0 where they do not depend on the log-probs, else the device rule's
+    /// inputs (each token's aggregation denominator, u32: a larger one leaves the step to the
+    /// two passes; the teacher's log-probs for OPD; the advantage offset).
+    fn one_pass_rule<'a>(&self, inp: &'a StepInputs, part: &Range<usize>, k: u64) -> Result<Option<Rule<'a>>> {
         if self.first_pass != FirstPass::OnePass {
-            return None;
+            return Ok(None);
         }
-        let (teacher, offset) = self.objective.one_pass_rule()?;
-        let teacher = match teacher {
-            true => Some(inp.teacher.as_deref()?), // missing: the host evaluation says so
-            false => None,
-        };
-        let zeros = vec![0.0f32; m];
-        let s = TokenStats {
-            seq_lens: &inp.seq_lens,
-            logp: &zeros,
-            logp_old: None,
-            sampler: None,
-            teacher: None,
-            advantages: None,
-            mask: inp.mask.as_deref(),
-        };
-        let den =
-            agg_denominators(&s, self.agg).into_iter().map(u32::try_from).collect::<Result<Vec<u32>, _>>().ok()?;
-        Some((den, teacher, offset))
+        let Some(how) = self.objective.one_pass() else { return Ok(None) };
+        let toks = inp.tokens(part);
+        let zeros = vec![0.0f32; toks.len()];
+        let s = part_stats(inp, part, &zeros);
+        Ok(match how {
+            OnePass::Known => Some(Rule::Known(super::evaluate(&self.objective, &s, self.agg, k)?.coefs.coef)),
+            OnePass::Rule { teacher, offset } => {
+                let teacher = match teacher {
+                    true => match inp.teacher.as_deref() {
+                        Some(t) => Some(&t[toks.clone()]),
+                        None => return Ok(None), // the host evaluation says what is missing
+                    },
+                    false => None,
+                };
+                let den =
+                    agg_denominators(&s, self.agg).into_iter().map(u32::try_from).collect::<Result<Vec<u32>, _>>();
+                den.ok().map(|d| Rule::Device(d, teacher, offset))
+            }
+        })
     }
 }
 
@@ -156,11 +205,14 @@ mod tests {
     use super::super::{evaluate, Objective};
     use crate::config::{JobConfig, LossAgg};
     use crate::objective::TokenStats;
+    use crate::train::step_inputs::OnePass;
 
     /// Every objective's coefficients of some responses are the same bits whether the other
     /// responses' log-probs are known or 0 (what the fused pass relies on): SFT, OPD, GRPO with
-    /// TIS, REINFORCE and TRIAGE, under each loss aggregation, with masked tokens; TRIAGE with its
-    /// gate and its repair both active.
+    /// and without TIS, REINFORCE and TRIAGE, under each loss aggregation, with masked tokens;
+    /// TRIAGE with its gate and its repair both active. Where the objective says its
+    /// coefficients are known before the pass (`OnePass::Known`: GRPO without TIS, REINFORCE),
+    /// they are the same bits with every log-prob 0.
     #[test]
     fn coefficients_depend_on_their_own_responses_log_probs_alone() {
         let lens = [130usize, 70, 200, 64, 150, 90];
@@ -191,9 +243,11 @@ mod tests {
             "kind = \"sft\"",
             "kind = \"opd\"\nadvantage_offset = 0.1",
             "kind = \"grpo\"\ntis = true",
+            "kind = \"grpo\"\nadvantage_offset = 0.2",
             "kind = \"reinforce\"",
             "kind = \"triage\"",
         ];
+        let mut known_before = 0;
         for obj in objectives {
             let toml = format!("[model]\npath = \"unused\"\n[teacher]\npath = \"unused\"\n[objective]\n{obj}\n");
             let job = JobConfig::from_toml(&toml, "inline").unwrap();
@@ -217,6 +271,10 @@ mod tests {
                 };
                 let full = stats(&logp);
                 assert!(full.iter().any(|&c| f32::from_bits(c) != 0.0), "{obj} {agg:?}: some coefficient");
+                if o.one_pass() == Some(OnePass::Known) {
+                    known_before += 1;
+                    assert_eq!(stats(&vec![0.0; m]), full, "{obj} {agg:?}: known before the pass");
+                }
                 for (a, b) in [(0, 2), (2, 3), (3, 6)] {
                     let r = offsets[a]..offsets[b];
                     let mut known = vec![0.0f32; m];
@@ -225,5 +283,83 @@ mod tests {
                 }
             }
         }
+        assert_eq!(known_before, 6, "GRPO without TIS and REINFORCE, three aggregations each");
+    }
+
+    /// The one-pass loss's device rule (`ops::lm_head::Coef::Rule`) against the objective's
+    /// code: the pass's log-probs and entropies are `lm_head::stats`'s bit for bit, and its
+    /// gradients and loss are those of a loss pass given the coefficients `objective::opd`
+    /// (advantage offset 0.15) or `objective::sft` evaluates on those log-probs, under
+    /// seq-mean-token-mean with two masked tokens (w = 0), centered and not, F32 and BF16
+    /// heads, in chunks of 5 of 13 rows; on the CPU arm and on the simulated GPU.
+    fn one_pass_loss(dev: &crate::device::Device) {
+        use crate::device::{DType, Tensor};
+        use crate::objective::{agg_denominators, opd, sft};
+        use crate::ops::lm_head::{loss_grad, loss_grad_with, stats, Coef, DevCenter, Pass, Rows, StatsOut};
+        let (c, v, n_h, k) = (40usize, 1500usize, 23usize, 3usize);
+        let mut rng = crate::rand::Stream::new(11, 3);
+        let mut data = |n: usize, std: f64| -> Vec<f32> { (0..n).map(|_| (rng.normal() * std) as f32).collect() };
+        let rows: Vec<u32> = vec![3, 0, 22, 7, 8, 9, 15, 1, 2, 19, 11, 12, 5];
+        let n = rows.len();
+        let up = |v: Vec<u32>| dev.upload(Tensor::from_u32_host(&[v.len()], v).unwrap()).unwrap();
+        let targets = up((0..n as u32).map(|i| (i * 397 + 11) % v as u32).collect());
+        let ids = up((0..(n * k) as u32).map(|i| (i * 131 + 7) % v as u32).collect());
+        let probs: Vec<f32> = (0..n * k).map(|i| [0.5, 0.3, 0.2][i % k]).collect();
+        let probs = dev.from_f32(DType::F32, &[n * k], &probs).unwrap();
+        let h = dev.from_f32(DType::F32, &[n_h, c], &data(n_h * c, 1.0)).unwrap();
+        let whv = data(v * c, 0.3);
+        let teacher: Vec<f32> = data(n, 0.5).iter().map(|x| x - 1.5).collect();
+        let rows = up(rows);
+        let r = Rows { rows: &rows, targets: &targets };
+        let mask: Vec<bool> = (0..n).map(|i| i != 2 && i != 9).collect();
+        let seq_lens = [5usize, 8];
+        let zeros = vec![0.0; n];
+        let s = TokenStats { mask: Some(&mask), ..TokenStats::of(&seq_lens, &zeros) };
+        let den: Vec<u32> = agg_denominators(&s, LossAgg::SeqMeanTokenMean).iter().map(|&d| d as u32).collect();
+        assert!(den.contains(&0) && den.iter().any(|&d| d > 1), "{den:?}");
+        let (den_t, teacher_t) = (up(den), dev.from_f32(DType::F32, &[n], &teacher).unwrap());
+        let bits = |t: &Tensor| t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        for wdt in [DType::F32, DType::BF16] {
+            let wh = dev.from_f32(wdt, &[v, c], &whv).unwrap();
+            for (opd_on, centered) in [(true, false), (true, true), (false, false)] {
+                let what = format!("{} {} head, centered {centered}", if opd_on { "OPD" } else { "SFT" }, wdt.name());
+                let ct = DevCenter { k, ids: &ids, probs: &probs };
+                let center = centered.then_some(&ct);
+                let zeros = |shape: &[usize]| dev.zeros(DType::F32, shape).unwrap();
+                let (mut dh, mut dwh, mut lp, mut en) = (zeros(&[n_h, c]), zeros(&[v, c]), zeros(&[n]), zeros(&[n]));
+                let coef = Coef::Rule { den: &den_t, teacher: opd_on.then_some(&teacher_t), offset: 0.15 };
+                let out = Some(StatsOut { logp: &mut lp, entropy: &mut en });
+                let pass = Pass { coef, center, temperature: 0.7, chunk: 5, stats: out, loss: true };
+                let loss =
+                    loss_grad_with(dev, &h, &wh, &r, pass, &mut dh, &mut dwh).unwrap().expect("the loss, asked for");
+                let (mut lp2, mut en2) = (zeros(&[n]), zeros(&[n]));
+                stats(dev, &h, &wh, &r, 0.7, 5, &mut lp2, &mut en2).unwrap();
+                assert_eq!(bits(&lp), bits(&lp2), "{what}: log-probs");
+                assert_eq!(bits(&en), bits(&en2), "{what}: entropies");
+                let lpv = lp.to_f32_vec().unwrap();
+                let s = TokenStats { teacher: Some(&teacher), mask: Some(&mask), ..TokenStats::of(&seq_lens, &lpv) };
+                let cf = match opd_on {
+                    true => opd::coefficients_with_offset(&s, LossAgg::SeqMeanTokenMean, 0.15).unwrap(),
+                    false => sft::coefficients(&s, LossAgg::SeqMeanTokenMean).unwrap(),
+                };
+                assert_eq!(cf.coef.iter().filter(|&&x| x != 0.0).count(), n - 2, "{what}: {:?}", cf.coef);
+                let coef = dev.from_f32(DType::F32, &[n], &cf.coef).unwrap();
+                let (mut dh2, mut dwh2) = (zeros(&[n_h, c]), zeros(&[v, c]));
+                let loss2 = loss_grad(dev, &h, &wh, &r, &coef, center, 0.7, 5, &mut dh2, &mut dwh2).unwrap();
+                assert_eq!(loss.to_bits(), loss2.to_bits(), "{what}: loss");
+                assert_eq!(bits(&dh), bits(&dh2), "{what}: dh");
+                assert_eq!(bits(&dwh), bits(&dwh2), "{what}: dWh");
+            }
+        }
+    }
+
+    #[test]
+    fn one_pass_loss_cpu() {
+        one_pass_loss(&crate::device::Device::cpu(2).expect("a CPU device"));
+    }
+
+    #[test]
+    fn one_pass_loss_sim() {
+        one_pass_loss(&crate::device::Device::parse("cuda-sim:0").expect("cuda-sim:0"));
     }
 }
