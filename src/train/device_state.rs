@@ -336,17 +336,21 @@ impl DeviceState {
         self.model.forward(&weights.tensors(), b)?;
         let m = b.rows.len();
         let up = |x: &[f32]| self.dev.from_f32(DType::F32, &[x.len()], x);
-        let (given, den, teacher, offset) = match coef {
-            OnePassCoef::Given(c) => (Some(up(c)?), None, None, 0.0),
+        // The host's per-row numbers, uploaded.
+        enum Uploaded {
+            Given(Tensor),
+            Rule(Tensor, Option<Tensor>, f64),
+        }
+        let on_device = match coef {
+            OnePassCoef::Given(c) => Uploaded::Given(up(c)?),
             OnePassCoef::Rule { den, teacher, offset } => {
                 let d = self.dev.upload(Tensor::from_u32_host(&[den.len()], den.to_vec())?)?;
-                (None, Some(d), teacher.map(up).transpose()?, offset)
+                Uploaded::Rule(d, teacher.map(up).transpose()?, offset)
             }
         };
-        let coef = match (&given, &den) {
-            (Some(c), _) => Coef::Given(c),
-            (None, Some(den)) => Coef::Rule { den, teacher: teacher.as_ref(), offset },
-            (None, None) => anyhow::bail!("one pass: no coefficients"),
+        let coef = match &on_device {
+            Uploaded::Given(c) => Coef::Given(c),
+            Uploaded::Rule(den, teacher, offset) => Coef::Rule { den, teacher: teacher.as_ref(), offset: *offset },
         };
         let (mut lp, mut en) = (self.dev.uninit(DType::F32, &[m])?, self.dev.uninit(DType::F32, &[m])?);
         let stats = StatsOut { logp: &mut lp, entropy: &mut en };

@@ -54,7 +54,7 @@ pub enum FirstPass {
     OnePass,
 }
 
-/// The one pass's coefficients over the step's tokens: known before it, or the device rule's
+/// The one pass's coefficients over the first minibatch's tokens: known before it, or the rule's
 /// inputs (aggregation denominators, the teacher's log-probs, the advantage offset).
 enum Rule<'a> {
     Known(Vec<f32>),
