@@ -139,6 +139,21 @@ pub struct StepInputs {
 }
 
 impl StepInputs {
+    /// The token statistics of the responses `part` (their tokens' current log-probs `logp`
+    /// and old ones `old`), with the step's inputs sliced to them.
+    pub fn stats<'a>(&'a self, part: &Range<usize>, logp: &'a [f32], old: &'a [f32]) -> TokenStats<'a> {
+        let toks = self.tokens(part);
+        TokenStats {
+            seq_lens: &self.seq_lens[part.clone()],
+            logp,
+            logp_old: Some(old),
+            sampler: Some(&self.sampler[toks.clone()]),
+            teacher: self.teacher.as_ref().map(|t| &t[toks.clone()]),
+            advantages: self.adv_tokens.as_ref().map(|a| &a[toks.clone()]),
+            mask: self.mask.as_ref().map(|m| &m[toks.clone()]),
+        }
+    }
+
     /// `staleness`: (the trainer's weight version, the bound k) under an asynchronous schedule.
     pub fn build(
         rollouts: &[Rollout],

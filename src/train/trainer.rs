@@ -25,7 +25,6 @@ use crate::model::learner_quant::LearnerQuant;
 use crate::model::trainable::{TrainBatch, Trainable};
 use crate::model::{ModelConfig, ModelWeights};
 use crate::objective::triage::TriageStats;
-use crate::objective::TokenStats;
 use crate::ops::lm_head::grad::Center;
 use anyhow::{bail, Result};
 use std::borrow::Cow;
@@ -410,15 +409,7 @@ impl Trainer {
                     let (lp, _, _, mine) = self.gathered_stats(&rollouts, &inp, mb.clone())?;
                     (lp, mine)
                 };
-                let stats = TokenStats {
-                    seq_lens: &inp.seq_lens[mb.clone()],
-                    logp: &logp_now,
-                    logp_old: Some(&logp_old[toks.clone()]),
-                    sampler: Some(&inp.sampler[toks.clone()]),
-                    teacher: inp.teacher.as_ref().map(|t| &t[toks.clone()]),
-                    advantages: inp.adv_tokens.as_ref().map(|a| &a[toks.clone()]),
-                    mask: inp.mask.as_ref().map(|m| &m[toks.clone()]),
-                };
+                let stats = inp.stats(mb, &logp_now, &logp_old[toks.clone()]);
                 let ev = evaluate(&self.objective, &stats, self.agg, k)?;
                 out.clipped += ev.clipped;
                 if u == 0 {

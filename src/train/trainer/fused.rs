@@ -34,7 +34,7 @@
 
 use super::{StepInputs, Trainer};
 use crate::engine::rollout::Rollout;
-use crate::objective::{agg_denominators, TokenStats};
+use crate::objective::agg_denominators;
 use crate::train::device_state::OnePassCoef;
 use crate::train::step_inputs::OnePass;
 use anyhow::{anyhow, Result};
@@ -59,21 +59,6 @@ pub enum FirstPass {
 enum Rule<'a> {
     Known(Vec<f32>),
     Device(Vec<u32>, Option<&'a [f32]>, f64),
-}
-
-/// The token statistics of minibatch `part` with `logp` (its tokens') as both the current and
-/// the old log-probs: ratio 1, the step's first update (as `Trainer::step` slices them).
-fn part_stats<'a>(inp: &'a StepInputs, part: &Range<usize>, logp: &'a [f32]) -> TokenStats<'a> {
-    let toks = inp.tokens(part);
-    TokenStats {
-        seq_lens: &inp.seq_lens[part.clone()],
-        logp,
-        logp_old: Some(logp),
-        sampler: Some(&inp.sampler[toks.clone()]),
-        teacher: inp.teacher.as_ref().map(|t| &t[toks.clone()]),
-        advantages: inp.adv_tokens.as_ref().map(|a| &a[toks.clone()]),
-        mask: inp.mask.as_ref().map(|m| &m[toks.clone()]),
-    }
 }
 
 impl Trainer {
@@ -158,7 +143,7 @@ impl Trainer {
                 known[lo..lo + n].copy_from_slice(&lp);
                 entropy.extend_from_slice(&en);
                 // π_old is the current policy: the ratio is 1, as in the unfused first update.
-                let ev = super::evaluate(&self.objective, &part_stats(inp, &part, &known), self.agg, k)?;
+                let ev = super::evaluate(&self.objective, &inp.stats(&part, &known, &known), self.agg, k)?;
                 let coef = &ev.coefs.coef[lo..lo + n];
                 ds.backward(&self.weights, &b, coef, center_of(at, n), t, chunk, false, i + 1 == mbs.len())?;
                 at += n;
@@ -181,7 +166,7 @@ impl Trainer {
         let Some(how) = self.objective.one_pass() else { return Ok(None) };
         let toks = inp.tokens(part);
         let zeros = vec![0.0f32; toks.len()];
-        let s = part_stats(inp, part, &zeros);
+        let s = inp.stats(part, &zeros, &zeros);
         Ok(match how {
             OnePass::Known => Some(Rule::Known(super::evaluate(&self.objective, &s, self.agg, k)?.coefs.coef)),
             OnePass::Rule { teacher, offset } => {
