@@ -48,9 +48,10 @@ fn score_logprobs_match_transformers() {
         let (shape, ids) = r.u32s("input_ids");
         let (_, want) = r.f32("logprobs");
         let t = shape[1];
-        // Small step budget: prefill of both sequences is split across steps and batched.
-        let mut e =
-            engine_for(&lm, &dev, EngineConfig { max_tokens_per_step: 10, logits_rows: 5, ..Default::default() });
+        // Small step budget: prefill of both sequences is split across steps and batched, and
+        // scored in chunks of 5 rows.
+        let ec = EngineConfig { max_tokens_per_step: 10, logits_rows: 5, score_rows: 5, ..Default::default() };
+        let mut e = engine_for(&lm, &dev, ec);
         let sampling = Arc::new(SamplingConfig { max_new_tokens: 0, ..Default::default() });
         for row in 0..shape[0] {
             let prompt = ids[row * t..(row + 1) * t].to_vec();

@@ -1,6 +1,6 @@
 //! The launch ledger (src/device/cuda/ledger.rs) on the simulated GPU: what a training step and
 //! decode steps declare, counted by hand from the shapes. Each test opens a simulated GPU of
-//! its own (the ledger is per device): cuda-sim:3, cuda-sim:4 and cuda-sim:5.
+//! its own (the ledger is per device): cuda-sim:3 to cuda-sim:6.
 
 mod common;
 
@@ -251,5 +251,77 @@ fn whole_sequence_prefills_attend_on_the_tensor_cores() {
             assert_eq!(x.len(), prompts[i].len() - 1);
             assert_close(&format!("{what}, prompt {i}"), x, y, tol, tol);
         }
+    }
+}
+
+/// An engine that scores (the teacher's, `EngineConfig::scoring`) runs its LM head in chunks
+/// of `SCORE_ROWS` rows instead of the sampling chunk's `logits_rows`: the head's weight is
+/// read once per chunk, so 64-row chunks left a long response's scoring memory-bound (the
+/// 7B OPD config's teacher read its 1.09 GB head 544 times a step). Three prompts of 40, 55
+/// and 70 tokens (161 scored rows, one step) in chunks of 7 rows and of `scoring()`'s:
+/// - both chunkings give the same bits, on the CPU and on the simulated GPU alike (a row's
+///   logits and its log-softmax do not depend on the rows beside it);
+/// - on the simulated GPU the chunks are 23 (161 rows by 7) and 1: one log-softmax launch and
+///   one d2h read each, and the GEMMs' FLOPs are the same while their bytes fall by the
+///   head's V × C BF16 weight for every chunk saved.
+#[test]
+fn a_scoring_engine_reads_the_lm_head_once_per_score_rows() {
+    use colotrain::engine::{Request, SamplingConfig, SCORE_ROWS};
+    let cd = CudaDevice::sim(6).unwrap();
+    let sim = Device::Cuda(cd.clone());
+    let cpu = Device::cpu(1).unwrap();
+    let lens = [40usize, 55, 70];
+    let rows: usize = lens.iter().map(|l| l - 1).sum();
+    assert!(rows <= SCORE_ROWS, "one chunk when scoring");
+    let score =
+        |dev: &Device, w: &colotrain::model::ModelWeights, c: &colotrain::model::ModelConfig, ec: &EngineConfig| {
+            let mut e = Engine::new(dev, c, DType::BF16, ec, None).unwrap();
+            let sampling = std::sync::Arc::new(SamplingConfig { max_new_tokens: 0, ..Default::default() });
+            let v = c.vocab_size as u32;
+            for (i, &n) in lens.iter().enumerate() {
+                let prompt = (0..n as u32).map(|t| (t * 17 + 5 * i as u32 + 1) % v).collect();
+                e.add(Request { id: i as u64, sample: 0, prompt, sampling: sampling.clone(), prompt_logprobs: true })
+                    .unwrap();
+            }
+            let mut out = e.run_to_completion(w, |_| {}).unwrap();
+            assert_eq!(e.stats.steps, 1, "one step scores all three");
+            out.sort_by_key(|o| o.id);
+            out.into_iter().map(|o| o.prompt_logprobs).collect::<Vec<_>>()
+        };
+    let small = EngineConfig { score_rows: 7, ..Default::default() };
+    let big = EngineConfig::default().scoring();
+    assert_eq!(big.score_rows, SCORE_ROWS);
+    for dev in [&cpu, &sim] {
+        let lm = load_fixture("llama_gqa", dev, DType::BF16);
+        let c = lm.cfg.clone();
+        cd.take_ledger();
+        let a = score(dev, &lm.weights, &c, &small);
+        let la = cd.take_ledger();
+        let b = score(dev, &lm.weights, &c, &big);
+        let lb = cd.take_ledger();
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert_eq!(x.len(), lens[i] - 1);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(x), bits(y), "{}: prompt {i}'s log-probs in chunks of 7 and of {SCORE_ROWS}", dev.name());
+            assert!(x.iter().all(|l| l.is_finite() && *l < 0.0), "{}: log-probs {x:?}", dev.name());
+        }
+        if dev.is_cpu() {
+            continue;
+        }
+        let (chunks_a, chunks_b) = (rows.div_ceil(7) as u64, 1u64);
+        assert_eq!(op(&la, "ct_log_softmax_gather").launches, chunks_a);
+        assert_eq!(op(&lb, "ct_log_softmax_gather").launches, chunks_b);
+        assert_eq!(op(&la, "memcpy d2h").launches, chunks_a, "one read of each chunk's log-probs");
+        assert_eq!(op(&lb, "memcpy d2h").launches, chunks_b);
+        let (ga, gb) = (op(&la, "gemm bf16 nt"), op(&lb, "gemm bf16 nt"));
+        assert_eq!(ga.launches - gb.launches, chunks_a - chunks_b, "one LM-head GEMM per chunk");
+        assert!((ga.flops - gb.flops).abs() <= 1e-9 * ga.flops, "FLOPs {} vs {}", ga.flops, gb.flops);
+        let head = (c.vocab_size * c.hidden_size * 2) as f64;
+        let saved = ga.bytes - gb.bytes;
+        assert!(
+            (saved - (chunks_a - chunks_b) as f64 * head).abs() <= 1e-9 * ga.bytes,
+            "bytes saved {saved} vs {} head reads of {head}",
+            chunks_a - chunks_b
+        );
     }
 }

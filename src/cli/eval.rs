@@ -140,7 +140,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("{hspec}: no held-out problems");
     }
     let mut se = Engine::new(&dev, &st.cfg, dtype, &EngineConfig::default(), st.text.clone())?;
-    let mut tt = Engine::new(&dev, &te.cfg, dtype, &EngineConfig::default(), None)?;
+    let mut tt = Engine::new(&dev, &te.cfg, dtype, &EngineConfig::default().scoring(), None)?;
     let step = match a.step {
         Some(s) => s,
         None => std::fs::read_to_string(ck.join(crate::train::checkpoint::STATE_FILE))

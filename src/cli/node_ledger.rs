@@ -201,7 +201,7 @@ pub fn step_on(
     let mut teacher = match teacher {
         Some(tc) if job.objective.kind == ObjectiveKind::Opd => {
             let td = dtype_of(job.teacher.as_ref().and_then(|t| t.dtype.as_deref())).context("[teacher] dtype")?;
-            Some((make(tc, &dev, td)?, Engine::new(&dev, tc, td, &base, None)?))
+            Some((make(tc, &dev, td)?, Engine::new(&dev, tc, td, &base.scoring(), None)?))
         }
         _ => None,
     };

@@ -36,7 +36,7 @@ pub fn run(a: Args) -> Result<()> {
         bail!("{}: no sequences (the file is empty)", a.input.display());
     }
     let sampling = Arc::new(SamplingConfig { max_new_tokens: 0, ..Default::default() });
-    let mut engine = Engine::new(&dev, &lm.cfg, dtype, &a.engine.config(), None)?;
+    let mut engine = Engine::new(&dev, &lm.cfg, dtype, &a.engine.config().scoring(), None)?;
     let mut prompt_lens = Vec::new();
     for (i, (line, v)) in lines.iter().enumerate() {
         let ctx = || format!("{}:{line}", a.input.display());

@@ -9,6 +9,7 @@
 //! `crate::ops`, `crate::quant`, `crate::data` (prompts of rollouts). Must not: own weights — every step reads the caller's [`ModelWeights`], which
 //! is what lets a trainer and an engine share one weight store without copies.
 
+mod config;
 mod graphs;
 pub mod kv_cache;
 pub mod rollout;
@@ -23,6 +24,7 @@ use crate::ops::{
     sample::{self, SampleParams},
 };
 use anyhow::{bail, Result};
+pub use config::{EngineConfig, SCORE_ROWS};
 pub use graphs::GraphStats;
 use kv_cache::KvCache;
 use scheduler::{Planned, Scheduler};
@@ -141,66 +143,6 @@ pub struct Completion {
     pub stop_string: Option<usize>,
 }
 
-#[derive(Clone, Debug)]
-pub struct EngineConfig {
-    pub block_size: usize,
-    /// KV cache size in blocks; `None`: from `kv_cache_bytes`.
-    pub kv_blocks: Option<usize>,
-    pub kv_cache_bytes: usize,
-    /// `None`: the weights' dtype.
-    pub kv_dtype: Option<DType>,
-    pub max_seqs: usize,
-    pub max_tokens_per_step: usize,
-    /// Rows of logits computed at once (bounds the logits buffer to rows × vocab).
-    pub logits_rows: usize,
-    /// `None`: the model's max_position_embeddings.
-    pub max_model_len: Option<usize>,
-    /// Layers whose KV cache is FP8 E4M3 (empty: none).
-    /// (keys, values) in FP8 E4M3, per layer (empty: none).
-    pub kv_fp8: Vec<(bool, bool)>,
-    /// CUDA devices: decode steps replay a CUDA graph per batch-size bucket (`graphs.rs`).
-    pub cuda_graphs: bool,
-    /// Graphs kept per bucket, one per fingerprint (a stale engine's view rotates over
-    /// `staleness + 1` weight copies: one graph each).
-    pub graph_versions: usize,
-    /// False: graph-eligible decode steps run padded to their bucket but are never captured —
-    /// the same launches as a replay, eagerly (the device check's reference for the graphs).
-    pub graph_capture: bool,
-}
-
-impl EngineConfig {
-    /// The (K, V) cache dtype of each layer of `cfg` for weights of `weights_dtype`: the
-    /// configured KV dtype (default the weights'), or one byte a value (FP8) where `kv_fp8` says.
-    pub fn kv_dtypes(&self, cfg: &ModelConfig, weights_dtype: DType) -> Vec<(DType, DType)> {
-        let dt = self.kv_dtype.unwrap_or(weights_dtype);
-        (0..cfg.num_layers)
-            .map(|l| {
-                let (k, v) = self.kv_fp8.get(l).copied().unwrap_or((false, false));
-                (if k { DType::U8 } else { dt }, if v { DType::U8 } else { dt })
-            })
-            .collect()
-    }
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            block_size: 16,
-            kv_blocks: None,
-            kv_cache_bytes: 512 << 20,
-            kv_dtype: None,
-            max_seqs: 64,
-            max_tokens_per_step: 1024,
-            logits_rows: 64,
-            max_model_len: None,
-            kv_fp8: Vec::new(),
-            cuda_graphs: true,
-            graph_versions: 4,
-            graph_capture: true,
-        }
-    }
-}
-
 /// What a step's logit row is for.
 #[derive(Clone, Copy)]
 enum RowUse {
@@ -244,8 +186,10 @@ pub struct Engine {
     st: Staging,
     /// What the device's block tables hold (each step writes only what changed).
     tables: tables::BlockTables,
-    targets: crate::device::Tensor, // (logits_rows) u32
-    lp_out: crate::device::Tensor,  // (logits_rows) f32
+    targets: crate::device::Tensor, // (score_rows) u32
+    lp_out: crate::device::Tensor,  // (score_rows) f32
+    /// Rows of a scoring chunk and of a sampling chunk (`score_rows`, `logits_rows`).
+    chunk_rows: [usize; 2],
     max_model_len: usize,
     text: Option<Arc<TextTools>>,
     /// Weight version stamped on sampled tokens.
@@ -277,8 +221,8 @@ impl Engine {
         ec: &EngineConfig,
         text: Option<Arc<TextTools>>,
     ) -> Result<Engine> {
-        if ec.max_seqs == 0 || ec.max_tokens_per_step == 0 || ec.logits_rows == 0 {
-            bail!("engine: max_seqs, max_tokens_per_step and logits_rows must be positive");
+        if ec.max_seqs == 0 || ec.max_tokens_per_step == 0 || ec.logits_rows == 0 || ec.score_rows == 0 {
+            bail!("engine: max_seqs, max_tokens_per_step, logits_rows and score_rows must be positive");
         }
         let kv_dtypes = ec.kv_dtypes(cfg, weights_dtype);
         let max_model_len = ec.max_model_len.unwrap_or(cfg.max_position_embeddings);
@@ -301,7 +245,7 @@ impl Engine {
             dev,
             cfg,
             ec.max_tokens_per_step,
-            ec.logits_rows,
+            ec.logits_rows.max(ec.score_rows),
             ec.max_seqs,
             max_blocks,
             ec.block_size,
@@ -328,8 +272,9 @@ impl Engine {
                 ..Staging::default()
             },
             tables: tables::BlockTables::new(ec.max_seqs, max_blocks),
-            targets: dev.zeros(DType::U32, &[ec.logits_rows])?,
-            lp_out: dev.zeros(DType::F32, &[ec.logits_rows])?,
+            targets: dev.zeros(DType::U32, &[ec.score_rows])?,
+            lp_out: dev.zeros(DType::F32, &[ec.score_rows])?,
+            chunk_rows: [ec.score_rows, ec.logits_rows],
             max_model_len,
             text,
             version: 0,
@@ -557,12 +502,12 @@ impl Engine {
     }
 
     /// Computes the logits of the step's scored and sampled rows, chunk by chunk: score rows
-    /// first, then sample rows, so that each chunk is of one kind.
+    /// first (chunks of `score_rows`), then sample rows (of `logits_rows`), so that each chunk
+    /// is of one kind.
     fn run_rows(&mut self, w: &ModelWeights) -> Result<()> {
-        let cap = self.bufs.cap_rows;
         let rows = std::mem::take(&mut self.st.rows);
         let mut chunk = std::mem::take(&mut self.st.chunk);
-        for scoring in [true, false] {
+        for (scoring, cap) in [(true, self.chunk_rows[0]), (false, self.chunk_rows[1])] {
             let mut it = rows.iter().filter(|r| matches!(r.1, RowUse::Score { .. }) == scoring).peekable();
             while let Some(first) = it.peek() {
                 // A chunk holds rows of one kind and, when scoring, of one temperature.

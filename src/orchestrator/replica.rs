@@ -176,7 +176,8 @@ impl Replica {
         let (standard, activations, snapshot) = (planned.standard, planned.activations, planned.snapshot);
         let mut std_ec = s.engine.clone();
         let mut roll_ec = planned.rollout_ec.clone();
-        let mut teacher_ec = s.engine.clone();
+        // The teacher's engine scores whole responses: LM-head chunks of SCORE_ROWS rows.
+        let mut teacher_ec = s.engine.scoring();
         let sizing = super::memory::size(need, &format!("device {rank} ({})", dev.name()), parts)?;
         if let Some(blocks) = sizing.blocks {
             for ec in [&mut std_ec, &mut roll_ec, &mut teacher_ec] {
