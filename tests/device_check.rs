@@ -64,6 +64,15 @@ fn every_check_group_passes_on_both_simulated_architectures() {
         // Rows are streamed as they are measured, under one header.
         assert_eq!(text.matches("max|Δ|").count(), 1, "{text}");
         assert!(text.contains("attention h14/kv2 d128, prefill kernel"), "{text}");
+        // The prefill of a BF16 cache on the tensor cores, the others' on the CUDA cores.
+        for (op, dt) in [
+            ("attention h14/kv2 d128, prefill kernel (tensor cores)", "bf16 cache"),
+            ("attention h6/kv2 d64, prefill kernel (tensor cores)", "bf16 cache"),
+            ("attention h14/kv2 d128, prefill kernel", "f32 cache"),
+            ("attention h14/kv2 d128, prefill kernel", "u8 cache"),
+        ] {
+            assert_eq!(check(&r, op, dt)["pass"], true, "{arch} {op} {dt}");
+        }
         for dt in ["f32 cache", "bf16 cache", "u8 cache"] {
             assert_eq!(check(&r, "attention h14/kv2 d128, decode kernel", dt)["pass"], true, "{arch} {dt}");
         }

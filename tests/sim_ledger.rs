@@ -233,11 +233,12 @@ fn whole_sequence_prefills_attend_on_the_tensor_cores() {
     let l = cd.take_ledger();
     let layers = c.num_layers as u64;
     assert_eq!(launches(&l, "ct_attn_fwd_tc"), layers, "one whole-sequence step");
-    assert_eq!(launches(&l, "ct_prefill_attention"), 0);
+    assert_eq!(launches(&l, "ct_prefill_attention") + launches(&l, "ct_prefill_attention_tc"), 0);
     let chunked = score(&dev, &lm.weights, 16);
     let l = cd.take_ledger();
     assert_eq!(launches(&l, "ct_attn_fwd_tc"), 2 * layers, "steps 1 and 2 have whole sequences");
-    assert_eq!(launches(&l, "ct_prefill_attention"), 4 * layers, "steps 2 to 5 continue cached sequences");
+    assert_eq!(launches(&l, "ct_prefill_attention_tc"), 4 * layers, "steps 2 to 5 continue cached sequences");
+    assert_eq!(launches(&l, "ct_prefill_attention"), 0, "a BF16 cache's prefill runs on the tensor cores");
     assert_eq!(launches(&l, "ct_paged_attention"), layers, "step 6 decodes one row");
     let reference = score(&cpu, &lc.weights, 1024);
     for (what, a, b, tol) in [

@@ -5,7 +5,7 @@
 // block per (row, head) with tiles of CT_AT_TILE keys: the checked reference and fallback of
 // the training attention, not its fast path (a tensor-core kernel or cuDNN's fused attention
 // is). Not yet run on a GPU.
-#include "common.cuh"
+#include "attention_tc.cuh"
 
 #define CT_AT_TILE 128
 #define CT_AT_MAX_D 256
@@ -170,95 +170,6 @@ extern "C" __global__ void ct_attn_bwd_dkv(ct_attn_train_params p) {
 // A block's rows may span sequences: each row masks keys outside [start of its sequence, row].
 // q, k, v and P are rounded to BF16 (the twin's tolerance says so); head_dim a multiple of 16,
 // at most CT_TC_MAX_D. Grid (ceil(tokens / CT_TC_Q), heads), 128 threads.
-#define CT_TC_Q 64
-#define CT_TC_K 64
-#define CT_TC_MAX_D 128
-#define CT_TC_LD (CT_TC_MAX_D + 8)  // shared row stride (bf16 values): staggers the banks
-
-// Stages rows row0 .. row0 + CT_TC_K - 1 (zeros past `tokens`) of a (tokens, stride) f32 tensor,
-// columns off .. off + D - 1, into dst (CT_TC_K x CT_TC_LD bf16 bits). All threads of the block.
-__device__ __forceinline__ void ct_tc_stage(uint16_t* dst, const float* src, int row0, int tokens, int64_t stride,
-                                            int64_t off, int D) {
-  for (int idx = threadIdx.x; idx < CT_TC_K * D; idx += blockDim.x) {
-    const int jj = idx / D, d = idx % D, j = row0 + jj;
-    dst[jj * CT_TC_LD + d] = static_cast<uint16_t>(ct_bf16_bits(j < tokens ? src[j * stride + off + d] : 0.0f));
-  }
-}
-
-// B fragment of B[k][n] = tile[n][k] (the tile's rows are B's columns: K for S = QK^T): rows
-// n8 * 8 .. + 7, columns st * 16 .. + 15.
-__device__ __forceinline__ void ct_tc_b_rows(uint32_t* b, const uint16_t* tile, int n8, int st, int g, int t) {
-  const uint16_t* r = tile + (n8 * 8 + g) * CT_TC_LD + st * 16 + 2 * t;
-  b[0] = r[0] | (static_cast<uint32_t>(r[1]) << 16);
-  b[1] = r[8] | (static_cast<uint32_t>(r[9]) << 16);
-}
-
-// B fragment of B[k][n] = tile[k][n] (the tile's rows run along k: V for O += PV): rows
-// kk * 16 .. + 15, columns n8 * 8 .. + 7.
-__device__ __forceinline__ void ct_tc_b_cols(uint32_t* b, const uint16_t* tile, int kk, int n8, int g, int t) {
-  const uint16_t* c = tile + (kk * 16 + 2 * t) * CT_TC_LD + n8 * 8 + g;
-  b[0] = c[0] | (static_cast<uint32_t>(c[CT_TC_LD]) << 16);
-  b[1] = c[8 * CT_TC_LD] | (static_cast<uint32_t>(c[9 * CT_TC_LD]) << 16);
-}
-
-// The A fragment of columns 16 kk .. 16 kk + 15 of a 16-row accumulator block s[n8][4] (C layout
-// of n-tiles 2 kk and 2 kk + 1), rounded to bf16.
-__device__ __forceinline__ void ct_tc_acc_a(uint32_t* a, const float (*s)[4], int kk) {
-  a[0] = ct_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-  a[1] = ct_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-  a[2] = ct_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-  a[3] = ct_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-}
-
-// s (16 x 64: 8 n-tiles of the warp's 16 rows) = A . tile^T over D dims: A the warp's rows as
-// fragments (D / 16), the tile's 64 rows the columns (S = Q K^T, dP = dO V^T, and transposed).
-__device__ __forceinline__ void ct_tc_rows_product(float (*s)[4], const uint32_t (*a)[4], const uint16_t* tile, int D,
-                                                   int g, int t) {
-#pragma unroll
-  for (int n = 0; n < CT_TC_K / 8; n++) {
-    s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-    for (int st = 0; st < D / 16; st++) {
-      uint32_t b[2];
-      ct_tc_b_rows(b, tile, n, st, g, t);
-      ct_mma_16816(s[n], a[st], b, s[n]);
-    }
-  }
-}
-
-// acc (16 x D: D / 8 n-tiles) += w . tile: w the warp's 16 x 64 accumulators (rounded to bf16 as
-// the A operand, k = the tile's 64 rows), the tile's columns the output dims (O += P V,
-// dq += dS K, dv += P^T dO, dk += dS^T Q).
-__device__ __forceinline__ void ct_tc_acc_product(float (*acc)[4], const float (*w)[4], const uint16_t* tile, int D,
-                                                  int g, int t) {
-#pragma unroll
-  for (int kk = 0; kk < CT_TC_K / 16; kk++) {
-    uint32_t a[4];
-    ct_tc_acc_a(a, w, kk);
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) {
-      uint32_t b[2];
-      ct_tc_b_cols(b, tile, kk, n, g, t);
-      ct_mma_16816(acc[n], a, b, acc[n]);
-    }
-  }
-}
-
-// The A fragments (D / 16 of them) of 16 rows of a (tokens, stride) f32 tensor at column off:
-// rows[x] is the thread's row g (x = 0) or g + 8 (x = 1), zeros where !valid[x].
-__device__ __forceinline__ void ct_tc_load_a(uint32_t (*a)[4], const float* src, const int* rows, const bool* valid,
-                                             int64_t stride, int64_t off, int D, int t) {
-#pragma unroll
-  for (int s = 0; s < D / 16; s++) {
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-      const int x = r & 1, col = s * 16 + 2 * t + 8 * (r >> 1);
-      const float* v = src + rows[x] * stride + off + col;
-      a[s][r] = valid[x] ? ct_pack_bf16(v[0], v[1]) : 0u;
-    }
-  }
-}
-
 template <int DT>
 __device__ __forceinline__ void ct_attn_fwd_tc_body(const ct_attn_train_params& p, uint16_t* ks, uint16_t* vs, float*,
                                                     float*) {

@@ -170,6 +170,15 @@ pub fn prefill_attention(p: &ffi::ct_attention_params, keys: u64, rows_per_tile:
     Charge { base: Cost::hbm(0.0, rows), per_key: Some((per_key, keys)) }
 }
 
+/// ct_prefill_attention_tc: [`prefill_attention`]'s bytes for a BF16 cache (a tile of
+/// `rows_per_tile` rows reads each key and value once), its FLOPs on the tensor cores (the
+/// ledger times a launch at its base's rate).
+pub fn prefill_attention_tc(p: &ffi::ct_attention_params, keys: u64, rows_per_tile: usize) -> Charge {
+    let c = prefill_attention(p, keys, rows_per_tile);
+    let tc = |k: Cost| Cost { rate: Rate::Bf16, ..k };
+    Charge { base: tc(c.base), per_key: c.per_key.map(|(k, n)| (tc(k), n)) }
+}
+
 /// One row's log-softmax and the gathered target: the row read, 3 FLOPs an element.
 pub fn log_softmax_gather(p: &ffi::ct_logprob_params) -> Cost {
     let e = n(p.rows) * n(p.vocab);
@@ -388,6 +397,11 @@ mod tests {
         // the FLOPs stay.
         let pf = prefill_attention(&p, 1000, 16).per_key.unwrap().0;
         assert_eq!((pf.bytes, pf.flops), (k.bytes / 16.0, k.flops));
+        // The tensor-core prefill: the same work, timed at the BF16 tensor-core rate.
+        let tc = prefill_attention_tc(&p, 1000, 16);
+        let (tk, _) = tc.per_key.unwrap();
+        assert_eq!((tk.bytes, tk.flops, tk.rate, tc.base.rate), (pf.bytes, pf.flops, Rate::Bf16, Rate::Bf16));
+        assert_eq!(tc.base.bytes, prefill_attention(&p, 1000, 16).base.bytes);
         // SAFETY: as above.
         let mut t: ffi::ct_attn_train_params = unsafe { std::mem::zeroed() };
         (t.heads, t.kv_heads, t.head_dim, t.tokens) = (4, 2, 16, 10);

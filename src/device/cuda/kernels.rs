@@ -44,6 +44,16 @@ pub fn prefill_launch(num_tokens: usize, num_seqs: usize, groups: usize, head_di
     (num_tokens / rows + num_seqs, smem)
 }
 
+/// Whether ct_prefill_attention_tc takes `groups` query heads per KV head of `head_dim`.
+pub fn prefill_tc_fits(groups: usize, head_dim: usize) -> bool {
+    (1..=TC_Q as usize).contains(&groups) && head_dim % 16 == 0 && (16..=TC_MAX_D).contains(&head_dim)
+}
+
+/// Query rows per tile of ct_prefill_attention_tc: its 64 mma rows hold rows × groups vectors.
+pub fn prefill_tc_rows(groups: usize) -> usize {
+    (TC_Q as usize / groups.max(1)).max(1)
+}
+
 const ELEMENTWISE_THREADS: u32 = 256;
 const NORM_THREADS: u32 = 256;
 const OPTIM_THREADS: u32 = 256;
@@ -106,10 +116,11 @@ pub enum Kernel {
     AttnBwdDkvTc,
     Nvfp4ScaleOut,
     GemmW4a4,
+    PrefillAttentionTc,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 41] = [
+    pub const ALL: [Kernel; 42] = [
         Kernel::Rmsnorm,
         Kernel::RopeTable,
         Kernel::Rope,
@@ -151,6 +162,7 @@ impl Kernel {
         Kernel::AttnBwdDkvTc,
         Kernel::Nvfp4ScaleOut,
         Kernel::GemmW4a4,
+        Kernel::PrefillAttentionTc,
     ];
 
     /// (the kernel's name, the csrc/kernels/ file that defines it, without `.cu`).
@@ -197,6 +209,7 @@ impl Kernel {
             Kernel::AttnBwdDkvTc => ("ct_attn_bwd_dkv_tc", "attention_train"),
             Kernel::Nvfp4ScaleOut => ("ct_nvfp4_scale_out", "elementwise"),
             Kernel::GemmW4a4 => ("ct_gemm_w4a4", "gemm_w4a4"),
+            Kernel::PrefillAttentionTc => ("ct_prefill_attention_tc", "attention_prefill"),
         }
     }
 
@@ -212,7 +225,7 @@ impl Kernel {
         use Kernel::*;
         match self {
             KvWrite | PagedAttention | PrefillAttention | QuantFp8 | QuantNvfp4 | Dequant | SwizzleSf | GemmW4a4 => 1,
-            Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax | Optim => 2,
+            Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax | Optim | PrefillAttentionTc => 2,
             RopeTable | Rope | Swiglu | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
             | ScatterAddRows | LmStats | LmDz | Nvfp4ScaleOut => 4,
             RmsnormTrain | RmsnormBwd | RmsnormDw | SwigluBwd | RopeBwd | ColSum | EmbedBwd => 4,
@@ -385,6 +398,26 @@ impl CudaDevice {
             &p,
             cost::prefill_attention(&p, keys, rows_per_tile),
         )
+    }
+
+    /// The tensor-core prefill of a BF16 cache (ct_prefill_attention_tc): grid
+    /// (num_tokens / R + num_seqs, kv_heads) of 4 warps, R = max(1, TC_Q / groups) rows a tile.
+    /// `keys`: as [`CudaDevice::k_paged_attention`]'s.
+    pub fn k_prefill_attention_tc(&self, p: ffi::ct_attention_params, keys: u64) -> Result<()> {
+        if p.kv_heads <= 0 || p.heads % p.kv_heads != 0 {
+            bail!("prefill attention: {} query heads not a multiple of {} KV heads", p.heads, p.kv_heads);
+        }
+        let (groups, d) = ((p.heads / p.kv_heads) as usize, p.head_dim as usize);
+        if !prefill_tc_fits(groups, d) || p.dtype != ffi::CT_DTYPE_BF16 {
+            bail!(
+                "tensor-core prefill attention: a BF16 cache, head_dim a multiple of 16 up to {TC_MAX_D} and at most {TC_Q} query heads per KV head (got {groups} of dimension {d}, cache dtype code {})",
+                p.dtype
+            );
+        }
+        let rows = prefill_tc_rows(groups);
+        let tiles = p.num_tokens.max(0) as usize / rows + p.num_seqs.max(0) as usize;
+        let grid = (u32_dim(tiles as i64, "prefill attention tiles")?, p.kv_heads as u32, 1);
+        self.launch(Kernel::PrefillAttentionTc, grid, 128, 0, &p, cost::prefill_attention_tc(&p, keys, rows))
     }
 
     pub fn k_log_softmax_gather(&self, p: ffi::ct_logprob_params) -> Result<()> {

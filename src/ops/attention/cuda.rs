@@ -1,9 +1,12 @@
 //! Paged attention's CUDA twin: ct_kv_write, and ct_paged_attention (mostly decode rows, one
-//! block per row) or ct_prefill_attention (mostly prefill rows, key tiles shared across a tile
-//! of rows); both equal the CPU twin to rounding. Not yet run on a GPU.
+//! block per row) or, for mostly prefill rows (key tiles shared across a tile of rows),
+//! ct_prefill_attention on the CUDA cores or, with a BF16 cache, ct_prefill_attention_tc on
+//! the tensor cores. The CUDA-core kernels equal the CPU twin to f32 rounding, the tensor
+//! cores to BF16 rounding (they round q and the probabilities too). Not yet run on a GPU.
 
 use super::{cache_dims, AttnMeta};
 use crate::device::cuda::args::{code, err_word, f32p, i32_of, ptr, u32p, vp};
+use crate::device::cuda::kernels::prefill_tc_fits;
 use crate::device::cuda::{ffi, CudaDevice};
 use crate::device::{DType, Tensor};
 use anyhow::{bail, Result};
@@ -91,10 +94,15 @@ pub fn paged_attention(
         out: f32p(ptr(d, o, &[DType::F32], "attention output")?),
         err: err_word(d),
     };
-    // Mostly prefill rows: the flash-style kernel (shares each key tile across a tile of rows);
-    // mostly decode rows: one block per row. Both give every row the same result to rounding.
+    // Mostly prefill rows: the flash-style kernel (shares each key tile across a tile of rows),
+    // on the tensor cores where the cache is BF16 and the shape fits; mostly decode rows: one
+    // block per row (a decode step never switches kernels: CUDA graphs replay it).
     if m.num_tokens >= 2 * m.num_seqs {
-        d.k_prefill_attention(p, m.attended)
+        if kc.dtype() == DType::BF16 && prefill_tc_fits(h / hkv.max(1), hd) {
+            d.k_prefill_attention_tc(p, m.attended)
+        } else {
+            d.k_prefill_attention(p, m.attended)
+        }
     } else {
         d.k_paged_attention(p, m.attended)
     }

@@ -122,3 +122,90 @@ fn attended_keys_follow_the_causal_rows() {
     assert_eq!(super::attended_keys(&[0, 4], &[4]), 10);
     assert_eq!(super::attended_keys(&[0, 5], &[2]), 0);
 }
+
+/// A prefill step over a BF16 cache on the simulated GPU runs ct_prefill_attention_tc (the
+/// tensor cores) and equals the CPU twin to BF16 rounding. The step mixes a chunk that
+/// continues a sequence (70 rows at positions 80..149: three key tiles of 64 and several
+/// query tiles), a decode row at position 89, and two whole sequences (40 and 23 rows), over
+/// blocks scattered through the cache; group sizes 3, 8, 7 and 1, head dimensions 16 and 32
+/// (the kernel's generic body) and 64 and 128 (its unrolled ones). The tensor cores round q
+/// and the probabilities to BF16 (the cache's keys and values are BF16 already): an output
+/// value, a probability-weighted mean of values of magnitude ~1, moves by about 2⁻⁸;
+/// |gpu − cpu| ≤ 1e-2 + 1e-2·|cpu|.
+#[test]
+fn bf16_prefill_on_the_tensor_cores_sim() {
+    use crate::device::{DType, Device, Tensor};
+    let sim = Device::parse("cuda-sim:0").expect("cuda-sim:0");
+    let cpu = Device::cpu(1).expect("cpu");
+    let (bs, seqs) = (16usize, [(70u32, 150u32), (1, 90), (40, 40), (23, 23)]);
+    let maxb = 150usize.div_ceil(bs);
+    let nb = seqs.len() * maxb + 3;
+    let mut s = crate::rand::Stream::new(21, 0);
+    // Every sequence's blocks, drawn without replacement from the cache's.
+    let mut perm: Vec<u32> = (0..nb as u32).collect();
+    for i in (1..nb).rev() {
+        perm.swap(i, s.below(i as u64 + 1) as usize);
+    }
+    let tables = perm[..seqs.len() * maxb].to_vec();
+    let mut q_start = vec![0u32];
+    for (q, _) in &seqs {
+        q_start.push(q_start[q_start.len() - 1] + q);
+    }
+    let tokens = q_start[seqs.len()] as usize;
+    let ctx: Vec<u32> = seqs.iter().map(|x| x.1).collect();
+    let meta = |dev: &Device| -> super::AttnMeta {
+        let up = |shape: &[usize], v: Vec<u32>| {
+            let h = Tensor::from_u32_host(shape, v).expect("host tensor");
+            if dev.is_cpu() {
+                h
+            } else {
+                dev.upload(h).expect("upload")
+            }
+        };
+        super::AttnMeta {
+            num_seqs: seqs.len(),
+            num_tokens: tokens,
+            block_size: bs,
+            max_blocks: maxb,
+            q_start: up(&[seqs.len() + 1], q_start.clone()),
+            ctx_len: up(&[seqs.len()], ctx.clone()),
+            block_tables: up(&[seqs.len(), maxb], tables.clone()),
+            slot_mapping: up(&[tokens], vec![0; tokens]),
+            attended: super::attended_keys(&q_start, &ctx),
+            packed: Default::default(),
+        }
+    };
+    let (mc, mg) = (meta(&cpu), meta(&sim));
+    for (hkv, heads, d) in [(2usize, 6usize, 16usize), (1, 8, 64), (2, 14, 128), (4, 4, 32)] {
+        let what = format!("h{heads}/kv{hkv} d{d}");
+        let mut rnd = |n: usize| (0..n).map(|_| s.normal() as f32).collect::<Vec<f32>>();
+        let shape = [nb, hkv, bs, d];
+        let (qh, kh, vh) = (rnd(tokens * heads * d), rnd(nb * hkv * bs * d), rnd(nb * hkv * bs * d));
+        let q = Tensor::from_f32_host(DType::F32, &[tokens, heads * d], &qh).expect("q");
+        let kc = Tensor::from_f32_host(DType::BF16, &shape, &kh).expect("keys");
+        let vc = Tensor::from_f32_host(DType::BF16, &shape, &vh).expect("values");
+        let mut want = Tensor::cpu_zeros(DType::F32, &[tokens, heads * d]);
+        super::paged_attention(&cpu, &q, &kc, &vc, 1.0, 1.0, &mc, &mut want, heads).expect("cpu attention");
+        let (qg, kg, vg) = (
+            sim.upload(q.try_clone().expect("q")).expect("q up"),
+            sim.upload(kc.try_clone().expect("k")).expect("k up"),
+            sim.upload(vc.try_clone().expect("v")).expect("v up"),
+        );
+        let mut out = sim.zeros(DType::F32, &[tokens, heads * d]).expect("out");
+        let Device::Cuda(cd) = &sim else { unreachable!("cuda-sim is a CUDA device") };
+        cd.take_ledger();
+        super::paged_attention(&sim, &qg, &kg, &vg, 1.0, 1.0, &mg, &mut out, heads).expect("gpu attention");
+        let ran: Vec<&str> = crate::device::cuda::ledger::rows(&cd.take_ledger()).into_iter().map(|r| r.op).collect();
+        assert_eq!(ran, ["ct_prefill_attention_tc"], "{what}");
+        let (got, want) = (out.to_f32_vec().expect("read"), want.to_f32_vec().expect("read"));
+        let mut worst = 0.0f64;
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            let (a, b) = (*a as f64, *b as f64);
+            let excess = (a - b).abs() - (1e-2 + 1e-2 * b.abs());
+            assert!(excess <= 0.0, "{what}: element {i} (row {}): {a} vs {b}", i / (heads * d));
+            worst = worst.max((a - b).abs());
+        }
+        assert!(worst > 0.0, "{what}: the tensor cores round q and the probabilities: some difference is expected");
+        println!("{what}: max |gpu − cpu| {worst:e}");
+    }
+}
