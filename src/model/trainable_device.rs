@@ -160,12 +160,14 @@ impl DeviceTrainable {
     ) -> usize {
         let (c, i, h, hkv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let (qd, kd) = (h * d, hkv * d);
-        // Saved per layer: x h1 x2 h2 | qraw q att | kraw k v | rq lse rk | rstd1 rstd2 | g u a.
-        let layer = 4 * c + 3 * qd + 3 * kd + 2 * h + hkv + 2 + 3 * i;
+        // Saved per layer: x h1 x2 h2 | qraw q att | kraw k v | rq lse rk | rstd1 rstd2 | g u a,
+        // where qraw, kraw, rq and rk are empty without q/k-norm.
+        let nr = cfg.qk_norm as usize;
+        let layer = 4 * c + (2 + nr) * (qd + kd) + h + nr * (h + hkv) + 2 + 3 * i;
         // Final stream and norm (xf hf rstdf), RoPE tables (cos sin), tokens positions rows targets.
         let once = 2 * c + 1 + d + 4;
-        // Backward: dh dx dh2 dh1 | da dg du | datt dq dqr | dk dv dkr.
-        let bwd = 4 * c + 3 * i + 3 * qd + 3 * kd;
+        // Backward: dh dx dh2 dh1 | da dg du | datt dq dqr | dk dv dkr (dqr, dkr: with q/k-norm).
+        let bwd = 4 * c + 3 * i + (2 + nr) * (qd + kd);
         let ls = cfg.num_layers;
         // Layers whose activations are alive at once, and the saved inputs of the others.
         // (The layer alive counts its own input in `layer`.)
@@ -308,14 +310,19 @@ impl DeviceTrainable {
         let lq = self.quant.clone();
         // Every buffer of the layer is written whole by the kernel that first touches it.
         let z = |shape: &[usize]| dev.uninit(DType::F32, shape);
+        // With q/k-norm the projections write the raw rows the norms read (and their backward
+        // reads again); without, they write q and k themselves, which RoPE rotates in place,
+        // and the raw rows are empty (no copy of q and k).
+        let qk_norm = matches!((li.qn, li.kn), (Some(_), Some(_)));
+        let raw = if qk_norm { n } else { 0 };
         let mut a = Acts {
             x,
             rstd1: z(&[n])?,
             h1: z(&[n, c])?,
-            qraw: z(&[n, qd])?,
-            kraw: z(&[n, kd])?,
-            rq: z(&[n * h])?,
-            rk: z(&[n * hkv])?,
+            qraw: z(&[raw, qd])?,
+            kraw: z(&[raw, kd])?,
+            rq: z(&[raw * h])?,
+            rk: z(&[raw * hkv])?,
             q: z(&[n, qd])?,
             k: z(&[n, kd])?,
             v: z(&[n, kd])?,
@@ -335,27 +342,17 @@ impl DeviceTrainable {
         norm::rmsnorm_train(&dev, &a.x, p[li.ln1], eps, &mut a.h1, &mut a.rstd1, n)?;
         // q, k, v of one input (on CUDA it is rounded to the weights' dtype once).
         let proj = |w: usize, b: Option<usize>, y| Proj { w: p[w], panels: None, bias: bias(b), y };
-        linear::linears(
-            &dev,
-            &a.h1,
-            [proj(li.q, li.qb, &mut a.qraw), proj(li.k, li.kb, &mut a.kraw), proj(li.v, li.vb, &mut a.v)],
-            n,
-        )?;
-        match (li.qn, li.kn) {
-            (Some(qn), Some(kn)) => {
-                for (raw, out, rs, heads, w) in
-                    [(&mut a.qraw, &mut a.q, &mut a.rq, h, p[qn]), (&mut a.kraw, &mut a.k, &mut a.rk, hkv, p[kn])]
-                {
-                    raw.reshape(&[n * heads, d])?;
-                    out.reshape(&[n * heads, d])?;
-                    norm::rmsnorm_train(&dev, raw, w, eps, out, rs, n * heads)?;
-                    raw.reshape(&[n, heads * d])?;
-                    out.reshape(&[n, heads * d])?;
-                }
-            }
-            _ => {
-                a.q.copy_from(&a.qraw)?;
-                a.k.copy_from(&a.kraw)?;
+        let (yq, yk) = if qk_norm { (&mut a.qraw, &mut a.kraw) } else { (&mut a.q, &mut a.k) };
+        linear::linears(&dev, &a.h1, [proj(li.q, li.qb, yq), proj(li.k, li.kb, yk), proj(li.v, li.vb, &mut a.v)], n)?;
+        if let (Some(qn), Some(kn)) = (li.qn, li.kn) {
+            for (raw, out, rs, heads, w) in
+                [(&mut a.qraw, &mut a.q, &mut a.rq, h, p[qn]), (&mut a.kraw, &mut a.k, &mut a.rk, hkv, p[kn])]
+            {
+                raw.reshape(&[n * heads, d])?;
+                out.reshape(&[n * heads, d])?;
+                norm::rmsnorm_train(&dev, raw, w, eps, out, rs, n * heads)?;
+                raw.reshape(&[n, heads * d])?;
+                out.reshape(&[n, heads * d])?;
             }
         }
         rope::rope(&dev, &mut a.q, &self.cos, &self.sin, n, h)?;
@@ -551,7 +548,10 @@ impl DeviceTrainable {
         let (mut da, mut dg, mut du) = (z(&[n, i_dim])?, z(&[n, i_dim])?, z(&[n, i_dim])?);
         let (mut dh2, mut datt, mut dh1) = (z(&[n, c])?, z(&[n, qd])?, z(&[n, c])?);
         let (mut dq, mut dk, mut dv) = (z(&[n, qd])?, z(&[n, kd])?, z(&[n, kd])?);
-        let (mut dqr, mut dkr) = (z(&[n, qd])?, z(&[n, kd])?);
+        // The gradients of the raw q and k rows, before q/k-norm (empty without it: then the
+        // RoPE backward's dq and dk are the projections' gradients themselves).
+        let raw = if cfg.qk_norm { n } else { 0 };
+        let (mut dqr, mut dkr) = (z(&[raw, qd])?, z(&[raw, kd])?);
         // The weight gradients' operands: BF16 where the compute weight is BF16 (tensor cores,
         // FP32 accumulation: the forward and the data gradients already round their inputs to
         // the weight's dtype), F32 for F32 weights and for the NVFP4 learner's rounded f32
@@ -635,36 +635,31 @@ impl DeviceTrainable {
             }
             rope::rope_bwd(&dev, &mut dq, &self.cos, &self.sin, n, h)?;
             rope::rope_bwd(&dev, &mut dk, &self.cos, &self.sin, n, hkv)?;
-            match (li.qn, li.kn) {
-                (Some(qn), Some(kn)) => {
-                    for (g, raw, rs, out, heads, wi) in [
-                        (&mut dq, &mut a.qraw, &a.rq, &mut dqr, h, qn),
-                        (&mut dk, &mut a.kraw, &a.rk, &mut dkr, hkv, kn),
-                    ] {
-                        for t in [&mut *g, &mut *raw, &mut *out] {
-                            t.reshape(&[n * heads, d])?;
-                        }
-                        norm::rmsnorm_bwd(&dev, g, raw, p[wi], rs, out, false, &mut grads[wi], n * heads)?;
-                        for t in [g, raw, out] {
-                            t.reshape(&[n, heads * d])?;
-                        }
+            if let (Some(qn), Some(kn)) = (li.qn, li.kn) {
+                for (g, raw, rs, out, heads, wi) in [
+                    (&mut dq, &mut a.qraw, &a.rq, &mut dqr, h, qn),
+                    (&mut dk, &mut a.kraw, &a.rk, &mut dkr, hkv, kn),
+                ] {
+                    for t in [&mut *g, &mut *raw, &mut *out] {
+                        t.reshape(&[n * heads, d])?;
+                    }
+                    norm::rmsnorm_bwd(&dev, g, raw, p[wi], rs, out, false, &mut grads[wi], n * heads)?;
+                    for t in [g, raw, out] {
+                        t.reshape(&[n, heads * d])?;
                     }
                 }
-                _ => {
-                    dqr.copy_from(&dq)?;
-                    dkr.copy_from(&dk)?;
-                }
             }
+            let (gq, gk) = if matches!((li.qn, li.kn), (Some(_), Some(_))) { (&dqr, &dkr) } else { (&dq, &dk) };
             // q, k, v of one input: h1 rounded once for their weight gradients.
             let ops = wgrad(p[li.q], false);
             if [li.k, li.v].iter().any(|&w| wgrad(p[w], false) != ops) {
                 bail!("layer {l}: q, k and v weights of different dtypes");
             }
-            let [gq, gk, gv] = disjoint(grads, [li.q, li.k, li.v])?;
-            let (pq, pk) = (GradProj { dy: &dqr, w: p[li.q], dw: gq }, GradProj { dy: &dkr, w: p[li.k], dw: gk });
-            let pv = GradProj { dy: &dv, w: p[li.v], dw: gv };
+            let [dwq, dwk, dwv] = disjoint(grads, [li.q, li.k, li.v])?;
+            let (pq, pk) = (GradProj { dy: gq, w: p[li.q], dw: dwq }, GradProj { dy: gk, w: p[li.k], dw: dwk });
+            let pv = GradProj { dy: &dv, w: p[li.v], dw: dwv };
             linear::linear_grads(&dev, &a.h1, [pq, pk, pv], &mut dh1, false, n, ops)?;
-            for (bi, g) in [(li.qb, &dqr), (li.kb, &dkr), (li.vb, &dv)] {
+            for (bi, g) in [(li.qb, gq), (li.kb, gk), (li.vb, &dv)] {
                 if let Some(bi) = bi {
                     linear::bias_grad(&dev, g, &mut grads[bi], n)?;
                 }

@@ -229,8 +229,13 @@ fn device_twin_sim() {
 
 /// A tiny qwen3 of `layers` layers for the memory tests.
 fn memory_cfg(layers: usize) -> ModelConfig {
+    memory_cfg_arch("qwen3", layers)
+}
+
+/// [`memory_cfg`] of `arch` (qwen3 has q/k-norm, qwen2 not).
+fn memory_cfg_arch(arch: &str, layers: usize) -> ModelConfig {
     let spec = TinySpec {
-        arch: "qwen3".into(),
+        arch: arch.into(),
         layers,
         hidden: 64,
         heads: 4,
@@ -324,6 +329,21 @@ fn the_planned_activation_bytes_cover_a_step() {
         );
         assert_eq!(bits(&steps[i + 3].1), bits(&steps[i].1), "{:?}: checkpointed gradients", keeps[i]);
     }
+}
+
+/// Without q/k-norm (qwen2) the projections write q and k themselves and a layer keeps no
+/// raw rows: against the same shapes with q/k-norm (qwen3) the step's high-water mark is
+/// lower by at least the two layers' raw q and k rows, 320 × (64 + 32) f32 each, and the plan
+/// still covers it within a factor of two.
+#[test]
+fn without_qk_norm_a_layer_keeps_no_raw_q_and_k() {
+    let (u2, p2, g2) = measure_step(&memory_cfg_arch("qwen2", 2), LearnerKeep::Off, false, 93);
+    let (u3, p3, _) = measure_step(&memory_cfg_arch("qwen3", 2), LearnerKeep::Off, false, 94);
+    eprintln!("qwen2: {u2} bytes used, {p2} planned; qwen3: {u3} used, {p3} planned");
+    assert!(u2 <= p2 && p2 <= 2 * u2, "qwen2: {u2} used, {p2} planned");
+    assert!(u3 >= u2 + 2 * 320 * 96 * 4, "qwen3 {u3} bytes, qwen2 {u2}");
+    assert!(p3 >= p2 + 2 * 320 * 96 * 4, "planned: qwen3 {p3} bytes, qwen2 {p2}");
+    assert!(g2.iter().flatten().any(|&x| x != 0.0), "some gradient");
 }
 
 /// Checkpointed, a step's memory grows by each added layer's saved input (N, C): from 2 to 6
