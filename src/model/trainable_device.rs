@@ -365,9 +365,8 @@ impl DeviceTrainable {
         } else {
             attention::fwd(&dev, &shape, &packed, &mut a.att, &mut a.lse)?;
         }
-        // x2 = x + att·Woᵀ (+ bo)
-        a.x2.copy_from(&a.x)?;
-        linear::linear(&dev, &a.att, p[li.o], bias(li.ob), &mut a.x2, n, true)?;
+        // x2 = x + att·Woᵀ (+ bo): the GEMM reads x and writes x2 (no copy of x).
+        linear::linear_residual(&dev, &a.att, p[li.o], bias(li.ob), &a.x, &mut a.x2, n)?;
         norm::rmsnorm_train(&dev, &a.x2, p[li.ln2], eps, &mut a.h2, &mut a.rstd2, n)?;
         // The NVFP4 learner: the chosen MLP linears on rounded weights and inputs — on
         // their codes (written by the same launches as the rounded copies the backward
@@ -459,8 +458,13 @@ impl DeviceTrainable {
         let mut x = None;
         if out {
             let mut y = dev.uninit(DType::F32, &[n, c])?;
-            y.copy_from(&a.x2)?;
-            lin(a.aq.as_ref().unwrap_or(&a.a), &ac, 2, li.down, bias(li.db), &mut y, true)?;
+            if on(DOWN) {
+                // The learner's down projection (W4A4 or on its rounded copies) adds to a copy.
+                y.copy_from(&a.x2)?;
+                lin(a.aq.as_ref().unwrap_or(&a.a), &ac, 2, li.down, bias(li.db), &mut y, true)?;
+            } else {
+                linear::linear_residual(&dev, &a.a, p[li.down], bias(li.db), &a.x2, &mut y, n)?;
+            }
             x = Some(y);
         }
         if codes_only && lq.is_some() {
@@ -636,10 +640,9 @@ impl DeviceTrainable {
             rope::rope_bwd(&dev, &mut dq, &self.cos, &self.sin, n, h)?;
             rope::rope_bwd(&dev, &mut dk, &self.cos, &self.sin, n, hkv)?;
             if let (Some(qn), Some(kn)) = (li.qn, li.kn) {
-                for (g, raw, rs, out, heads, wi) in [
-                    (&mut dq, &mut a.qraw, &a.rq, &mut dqr, h, qn),
-                    (&mut dk, &mut a.kraw, &a.rk, &mut dkr, hkv, kn),
-                ] {
+                for (g, raw, rs, out, heads, wi) in
+                    [(&mut dq, &mut a.qraw, &a.rq, &mut dqr, h, qn), (&mut dk, &mut a.kraw, &a.rk, &mut dkr, hkv, kn)]
+                {
                     for t in [&mut *g, &mut *raw, &mut *out] {
                         t.reshape(&[n * heads, d])?;
                     }

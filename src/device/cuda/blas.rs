@@ -139,8 +139,9 @@ impl Blas {
         Ok(Plan { desc, la, lb, lc, algo: heur.algo })
     }
 
-    /// y (+)= alpha · x · wᵀ on `stream` (see the module header). For E2M1, `scales` are the
-    /// tiled block scales of (w, x).
+    /// y = alpha · x · wᵀ (+ c with `key.accumulate`: c = y in place, or another buffer of y's
+    /// layout, cuBLASLt's C ≠ D) on `stream` (see the module header). For E2M1, `scales` are
+    /// the tiled block scales of (w, x).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &mut self,
@@ -148,6 +149,7 @@ impl Blas {
         key: GemmKey,
         w: u64,
         x: u64,
+        c: u64,
         y: u64,
         alpha: f32,
         scales: Option<(u64, u64)>,
@@ -166,7 +168,7 @@ impl Blas {
                 set_attr(plan.desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx)?;
             }
         }
-        // SAFETY: w, x, y are device allocations of the plan's shapes (checked by the callers),
+        // SAFETY: w, x, c, y are device allocations of the plan's shapes (checked by the callers),
         // the workspace is owned by the device and only used on its single stream, and alpha /
         // beta are host scalars (the default pointer mode) that outlive the call.
         unsafe {
@@ -179,7 +181,7 @@ impl Blas {
                 plan.la,
                 x as *const c_void,
                 plan.lb,
-                y as *const c_void,
+                c as *const c_void,
                 plan.lc,
                 y as *mut c_void,
                 plan.lc,

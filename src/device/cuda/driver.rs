@@ -318,8 +318,20 @@ impl Driver {
     /// The cuBLASLt matmul of `key` (see `GemmKey`); `scales`: E2M1's tiled block scales of
     /// (w, x).
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm(&self, key: GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) -> Result<()> {
-        each!(self, d => d.gemm(key, w, x, y, alpha, scales))
+    /// y (m, n) = alpha · op(x) · op(w) (+ c when `key.accumulate`; c is y itself for an
+    /// accumulation in place, another (m, n) f32 buffer for a residual: C ≠ D).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        key: GemmKey,
+        w: u64,
+        x: u64,
+        c: u64,
+        y: u64,
+        alpha: f32,
+        scales: Option<(u64, u64)>,
+    ) -> Result<()> {
+        each!(self, d => d.gemm(key, w, x, c, y, alpha, scales))
     }
 
     /// Whether CUTLASS GEMM `g` can be called: a real GPU when this build compiled it, the

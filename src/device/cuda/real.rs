@@ -389,7 +389,17 @@ impl Real {
         .map_err(|e| anyhow!("{e}"))
     }
 
-    pub fn gemm(&self, key: GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) -> Result<()> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        key: GemmKey,
+        w: u64,
+        x: u64,
+        c: u64,
+        y: u64,
+        alpha: f32,
+        scales: Option<(u64, u64)>,
+    ) -> Result<()> {
         self.bind()?;
         let mut blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
         if blas.is_none() {
@@ -397,7 +407,7 @@ impl Real {
             *blas = Some(Blas::new(ws, ws_bytes)?);
         }
         match blas.as_mut() {
-            Some(b) => b.gemm(self.stream().cu_stream(), key, w, x, y, alpha, scales),
+            Some(b) => b.gemm(self.stream().cu_stream(), key, w, x, c, y, alpha, scales),
             None => bail!("cuBLASLt is not open"),
         }
     }

@@ -150,6 +150,8 @@ enum Op {
         key: GemmKey,
         w: u64,
         x: u64,
+        /// The accumulator read with `key.accumulate` (y itself, or a residual: C ≠ D).
+        c: u64,
         y: u64,
         alpha: f32,
         scales: Option<(u64, u64)>,
@@ -455,20 +457,34 @@ impl Sim {
         Ok(())
     }
 
-    pub fn gemm(&self, key: GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) -> Result<()> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        key: GemmKey,
+        w: u64,
+        x: u64,
+        c: u64,
+        y: u64,
+        alpha: f32,
+        scales: Option<(u64, u64)>,
+    ) -> Result<()> {
         let mut st = self.state();
-        super::sim_gemm::check(&key, w, x, y, scales).map_err(|e| anyhow!("{}: cuBLASLt {e}", self.name()))?;
+        super::sim_gemm::check(&key, w, x, c, y, scales).map_err(|e| anyhow!("{}: cuBLASLt {e}", self.name()))?;
         let (m, n, k) = (key.m, key.n, key.k);
         check_range(&st, w, super::sim_gemm::matrix_bytes(key.ab, n, k), "GEMM weight")?;
         check_range(&st, x, super::sim_gemm::matrix_bytes(key.ab, m, k), "GEMM input")?;
         check_range(&st, y, m * n * 4, "GEMM output")?;
+        if key.accumulate && c != y {
+            check_range(&st, c, m * n * 4, "GEMM accumulator C")?;
+        }
         if let Some((sw, sx)) = scales {
             check_range(&st, sw, super::sim_gemm::sf_bytes(n, k), "GEMM weight block scales")?;
             check_range(&st, sx, super::sim_gemm::sf_bytes(m, k), "GEMM input block scales")?;
         }
         let mut uses = vec![w, x, y];
+        uses.extend((key.accumulate && c != y).then_some(c));
         uses.extend(scales.map(|(a, b)| [a, b]).into_iter().flatten());
-        st.push(Op::Gemm { key, w, x, y, alpha, scales }, &uses);
+        st.push(Op::Gemm { key, w, x, c, y, alpha, scales }, &uses);
         Ok(())
     }
 
@@ -634,7 +650,7 @@ impl Sim {
                     bail!("{}: the kernel library has no {} (id {})", self.name(), k.name(), k.index());
                 }
             }
-            Op::Gemm { key, w, x, y, alpha, scales } => super::sim_gemm::run(&key, w, x, y, alpha, scales),
+            Op::Gemm { key, w, x, c, y, alpha, scales } => super::sim_gemm::run(&key, w, x, c, y, alpha, scales),
             Op::Cutlass { g, args } => super::sim_gemm::run_cutlass(g, &args),
             // SAFETY: `dst` was checked against this device's allocations and `src` against the
             // peer's when queued; the collective keeps the peer's block alive and unchanged

@@ -66,7 +66,7 @@ fn sf_offset(r: usize, kb: usize, k: usize) -> usize {
 }
 
 /// What cuBLASLt would refuse for this call.
-pub(super) fn check(key: &GemmKey, w: u64, x: u64, y: u64, scales: Option<(u64, u64)>) -> Result<()> {
+pub(super) fn check(key: &GemmKey, w: u64, x: u64, c: u64, y: u64, scales: Option<(u64, u64)>) -> Result<()> {
     if key.form != Form::Nt && !matches!(key.ab, Elem::F32 | Elem::BF16 | Elem::F16) {
         bail!("{:?} operands in the TN form only, not {:?}", key.ab, key.form);
     }
@@ -76,7 +76,7 @@ pub(super) fn check(key: &GemmKey, w: u64, x: u64, y: u64, scales: Option<(u64, 
             if key.k % k_mult != 0 {
                 bail!("{name} GEMM needs K divisible by {k_mult}, got K = {}", key.k);
             }
-            if [w, x, y].iter().any(|p| p % 16 != 0) {
+            if [w, x, c, y].iter().any(|p| p % 16 != 0) {
                 bail!("{name} GEMM needs 16-byte aligned operands (w {w:#x}, x {x:#x}, y {y:#x})");
             }
             match (key.ab, scales) {
@@ -165,10 +165,21 @@ impl Operand {
     }
 }
 
-/// y (m, n) (+)= alpha · a · bᵀ.
+/// y (m, n) = alpha · a · bᵀ (+ c (m, n) with `accumulate`; c may be y).
 ///
 /// SAFETY (callers): every range was checked against a live allocation when the op was queued.
-unsafe fn reference(m: usize, n: usize, k: usize, a: Operand, b: Operand, y: u64, alpha: f32, accumulate: bool) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn reference(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: u64,
+    y: u64,
+    alpha: f32,
+    accumulate: bool,
+) {
     for i in 0..m {
         for j in 0..n {
             let mut acc = 0.0f64;
@@ -176,10 +187,10 @@ unsafe fn reference(m: usize, n: usize, k: usize, a: Operand, b: Operand, y: u64
                 // SAFETY: as documented above.
                 acc += unsafe { a.at(i, t) * b.at(j, t) };
             }
-            let out = (y as *mut f32).wrapping_add(i * n + j);
-            // SAFETY: y holds m·n f32 values.
+            let (out, src) = ((y as *mut f32).wrapping_add(i * n + j), (c as *const f32).wrapping_add(i * n + j));
+            // SAFETY: y (and with `accumulate` c) holds m·n f32 values.
             unsafe {
-                let prev = if accumulate { *out as f64 } else { 0.0 };
+                let prev = if accumulate { *src as f64 } else { 0.0 };
                 *out = (alpha as f64 * acc + prev) as f32;
             }
         }
@@ -187,7 +198,7 @@ unsafe fn reference(m: usize, n: usize, k: usize, a: Operand, b: Operand, y: u64
 }
 
 /// Runs a queued cuBLASLt GEMM (`scales`: the tiled block scales of (w, x) for NVFP4).
-pub(super) fn run(key: &GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) {
+pub(super) fn run(key: &GemmKey, w: u64, x: u64, c: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) {
     let GemmKey { m, n, k, ab, accumulate, form } = *key;
     let (sw, sx) = scales.unwrap_or((0, 0));
     let (mut a, mut b) = (Operand::rows(ab, x, sx, k), Operand::rows(ab, w, sw, k));
@@ -199,7 +210,7 @@ pub(super) fn run(key: &GemmKey, w: u64, x: u64, y: u64, alpha: f32, scales: Opt
         (b.rs, b.cs) = (1, n);
     }
     // SAFETY: the ranges were checked when the GEMM was queued (`Sim::gemm`).
-    unsafe { reference(m, n, k, a, b, y, alpha, accumulate) }
+    unsafe { reference(m, n, k, a, b, c, y, alpha, accumulate) }
 }
 
 /// Runs a queued CUTLASS GEMM.
@@ -207,7 +218,7 @@ pub(super) fn run_cutlass(g: Cutlass, p: &CutlassArgs) {
     let e = if g == Cutlass::Nvfp4Sm100 { Elem::E2M1 } else { Elem::E4M3 };
     let (a, b) = (Operand::rows(e, p.a, p.sfa, p.k), Operand::rows(e, p.b, p.sfb, p.k));
     // SAFETY: the ranges were checked when the GEMM was queued (`Sim::cutlass`).
-    unsafe { reference(p.m, p.n, p.k, a, b, p.d, p.alpha, false) }
+    unsafe { reference(p.m, p.n, p.k, a, b, p.d, p.d, p.alpha, false) }
 }
 
 #[cfg(test)]

@@ -80,6 +80,39 @@ pub fn linear(
     }
 }
 
+/// y (m, N) = r (m, N) + x · wᵀ (+ b): [`linear`] accumulating onto the residual r, which
+/// cuBLASLt reads as its C while it writes y (C ≠ D): no copy of r into y first.
+pub fn linear_residual(
+    d: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    r: &Tensor,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
+    let (n, k) = (w.dim(0), w.dim(1));
+    let xp = ptr(d, x, &[DType::F32], "linear input")?;
+    let wp = ptr(d, w, FLOATS, "linear weight")?;
+    let rp = ptr(d, r, &[DType::F32], "linear residual")?;
+    let yp = ptr(d, y, &[DType::F32], "linear output")?;
+    if m == 0 {
+        return Ok(());
+    }
+    match w.dtype() {
+        DType::F32 => d.gemm_residual(Elem::F32, wp, xp, rp, yp, m, n, k)?,
+        dt => {
+            let xh = cast_rows(d, xp, m * k, dt)?;
+            let e = if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
+            d.gemm_residual(e, wp, xh.ptr, rp, yp, m, n, k)?;
+        }
+    }
+    match b {
+        Some(b) => add_bias(d, yp, b, m, n),
+        None => Ok(()),
+    }
+}
+
 /// [`linear`] of several projections of one input: x rounded once where every weight has the
 /// same 16-bit dtype (each GEMM is then the one `linear` launches), else one `linear` each.
 pub fn linears<const J: usize>(

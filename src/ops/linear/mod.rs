@@ -43,6 +43,35 @@ pub fn linear(
     linear_packed(dev, x, w, None, bias, y, m, accumulate)
 }
 
+/// y[..m] (m, N) = r[..m] + x[..m] · wᵀ (+ bias): [`linear`] accumulating onto the residual r
+/// (m, N), the same bits as copying r into y and accumulating, without the copy on CUDA
+/// (cuBLASLt reads r as its C and writes y: C ≠ D); the CPU copies r's rows into y first.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_residual(
+    dev: &Device,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    r: &Tensor,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
+    let (n, k) = (w.dim(0), w.dim(1));
+    check_rows(x, m, k, "linear input")?;
+    check_rows(r, m, n, "linear residual")?;
+    check_rows(y, m, n, "linear output")?;
+    if let Some(b) = bias {
+        check_rows(b, 1, n, "linear bias")?;
+    }
+    match dev {
+        Device::Cpu(_) => {
+            y.f32s_mut()?[..m * n].copy_from_slice(&r.f32s()?[..m * n]);
+            linear(dev, x, w, bias, y, m, true)
+        }
+        Device::Cuda(c) => cuda::linear_residual(c, x, w, bias, r, y, m),
+    }
+}
+
 /// [`linear`], reading W from `panels` (the same weight packed once, see
 /// `ModelWeights::pack_panels`) where given: the same bits on CPU; CUDA ignores them.
 #[allow(clippy::too_many_arguments)]

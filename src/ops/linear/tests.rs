@@ -211,3 +211,59 @@ fn projections_of_one_input_round_it_once_sim() {
         }
     }
 }
+
+/// `linear_residual` (y = r + x·wᵀ + b) equals copying r into y and accumulating (`linear`
+/// with `accumulate`), bit for bit, on the CPU and the simulated GPU, for F32, BF16 and F16
+/// weights with and without a bias, over the first m of more rows; r and the rows of y past m
+/// stay as they were. On the GPU it is one GEMM reading r as its C and no copy: its declared
+/// bytes are the in-place GEMM's (C read, D written) and nothing else is launched but the
+/// input's rounding and the bias.
+#[test]
+fn a_residual_linear_reads_the_residual_in_place_of_a_copy_sim() {
+    use crate::device::cuda::{ledger, CudaDevice};
+    let cd = CudaDevice::sim_unshared_arch(71, "sm_90a");
+    let (m, rows, k, n) = (13usize, 16usize, 24usize, 20usize);
+    for dev in [Device::cpu(1).unwrap(), Device::Cuda(cd.clone())] {
+        let up = |v: &[f32], shape: &[usize], dt| dev.from_f32(dt, shape, v).unwrap();
+        let bits = |t: &Tensor| t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let x = up(&data(rows * k, 61), &[rows, k], DType::F32);
+        let r = up(&data(rows * n, 62), &[rows, n], DType::F32);
+        let y0 = data(rows * n, 63);
+        let b = up(&data(n, 64), &[n], DType::F32);
+        for wdt in [DType::F32, DType::BF16, DType::F16] {
+            let w = up(&data(n * k, 65), &[n, k], wdt);
+            for bias in [None, Some(&b)] {
+                let what = format!("{} {} weights, bias {}", dev.name(), wdt.name(), bias.is_some());
+                let mut want = up(&y0, &[rows, n], DType::F32);
+                let mut head = r.to_f32_vec().unwrap();
+                head[m * n..].copy_from_slice(&y0[m * n..]);
+                want.write_f32(&head).unwrap();
+                linear(&dev, &x, &w, bias, &mut want, m, true).unwrap();
+                let mut y = up(&y0, &[rows, n], DType::F32);
+                cd.take_ledger();
+                linear_residual(&dev, &x, &w, bias, &r, &mut y, m).unwrap();
+                let ops = ledger::rows(&cd.take_ledger());
+                assert_eq!(bits(&y), bits(&want), "{what}");
+                assert_eq!(r.to_f32_vec().unwrap(), data(rows * n, 62), "{what}: the residual is read only");
+                assert!(
+                    y.to_f32_vec().unwrap().iter().zip(&y0).skip(m * n).all(|(a, b)| a == b),
+                    "{what}: rows past m"
+                );
+                if !dev.is_cpu() {
+                    let gemm: Vec<_> = ops.iter().filter(|o| o.op.starts_with("gemm")).collect();
+                    assert_eq!(gemm.len(), 1, "{what}: {ops:?}");
+                    let e = if wdt == DType::F32 { 4.0 } else { 2.0 };
+                    let (mf, nf, kf) = (m as f64, n as f64, k as f64);
+                    assert_eq!(gemm[0].bytes, (mf * kf + nf * kf) * e + 2.0 * mf * nf * 4.0, "{what}");
+                    let mut other: Vec<&str> = ops.iter().map(|o| o.op).filter(|o| !o.starts_with("gemm")).collect();
+                    other.sort();
+                    let want_other: Vec<&str> = [(bias.is_some(), "ct_add_bias"), (wdt != DType::F32, "ct_cast")]
+                        .into_iter()
+                        .filter_map(|(on, op)| on.then_some(op))
+                        .collect();
+                    assert_eq!(other, want_other, "{what}: no copy");
+                }
+            }
+        }
+    }
+}
