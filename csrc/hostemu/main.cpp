@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
     std::vector<float> up(x, x + n), out(n);
     std::reverse(up.begin(), up.end());
     ct_swiglu_params w{};
-    w.gate = x, w.up = up.data(), w.out = out.data(), w.n = n;
+    w.gate = x, w.up = up.data(), w.out = out.data(), w.out_dtype = CT_DTYPE_F32, w.n = n;
     ct_swiglu(w);
     wr("swiglu", out.data(), 4 * n);
   }

@@ -89,11 +89,13 @@ typedef struct ct_embedding_params {
   uint32_t* err;
 } ct_embedding_params;
 
-/* out[i] = silu(gate[i]) * up[i] for i < n. */
+/* out[i] = silu(gate[i]) * up[i] for i < n, stored as out_dtype (F32, or BF16 rounded to
+ * nearest even: what a BF16 GEMM that reads it would round it to). */
 typedef struct ct_swiglu_params {
   const float* gate;
   const float* up;
-  float* out;
+  void* out;
+  int32_t out_dtype;
   int64_t n;
 } ct_swiglu_params;
 
@@ -363,12 +365,14 @@ typedef struct ct_swizzle_sf_params {
 /* ---- grad.cu: the backward kernels of the layers around the GEMMs ---------------------------- */
 
 /* Training RMSNorm: y (rows, cols) = x r w with r = (mean_j x_j^2 + eps)^(-1/2) saved in
- * rstd (rows); w (cols) of w_dtype (the compute weights' dtype). */
+ * rstd (rows); w (cols) of w_dtype (the compute weights' dtype); y stored as y_dtype (F32, or
+ * BF16 rounded to nearest even for a consumer that rounds it so anyway). */
 typedef struct ct_rmsnorm_train_params {
   const float* x;
   const void* w;
   int32_t w_dtype;
-  float* y;
+  void* y;
+  int32_t y_dtype;
   float* rstd;
   int32_t rows;
   int32_t cols;

@@ -14,12 +14,13 @@ extern "C" __global__ void ct_rmsnorm_train(ct_rmsnorm_train_params p) {
   CT_SHARED(float, scratch, 32);
   const int64_t row = blockIdx.x;
   const float* x = p.x + row * p.cols;
-  float* y = p.y + row * p.cols;
+  const int64_t y0 = row * p.cols;
   float ss = 0.0f;
   for (int j = threadIdx.x; j < p.cols; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(x[j], x[j]));
   ss = ct_block_sum(ss, scratch);
   const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(p.cols)), p.eps)));
-  for (int j = threadIdx.x; j < p.cols; j += blockDim.x) y[j] = __fmul_rn(__fmul_rn(x[j], r), ct_load(p.w, p.w_dtype, j));
+  for (int j = threadIdx.x; j < p.cols; j += blockDim.x)
+    ct_store(p.y, p.y_dtype, y0 + j, __fmul_rn(__fmul_rn(x[j], r), ct_load(p.w, p.w_dtype, j)));
   if (threadIdx.x == 0) p.rstd[row] = r;
 }
 

@@ -132,6 +132,10 @@ pub struct DeviceTrainable {
     exact_learner: bool,
     /// Keep each layer's input only, and run the layer again in the backward.
     checkpoint: bool,
+    /// On CUDA, the inputs that only BF16 GEMMs read (the two norms' outputs, SwiGLU's) are
+    /// written in BF16 by their producers instead of f32 rounded by each GEMM
+    /// ([`Self::set_bf16_inputs`]).
+    bf16_inputs: bool,
 }
 
 /// `v` as a u32 tensor on `dev` (no copy on CPU).
@@ -140,7 +144,8 @@ fn up(dev: &Device, v: Vec<u32>) -> Result<Tensor> {
 }
 
 impl DeviceTrainable {
-    /// Peak device bytes of one micro-batch of `tokens` tokens (f32 throughout): what
+    /// Peak device bytes of one micro-batch of `tokens` tokens (f32 throughout: an upper bound
+    /// where the GEMM-only inputs are BF16, [`Self::set_bf16_inputs`]): what
     /// [`Self::forward`] saves (every layer's `Acts`, the final stream, the RoPE tables, the
     /// batch's ids), the backward's working buffers, and the fused loss's chunk of logits with
     /// its gathered rows — what the memory plan reserves before it sizes the KV caches. The
@@ -194,6 +199,16 @@ impl DeviceTrainable {
         self.exact_learner = on;
     }
 
+    /// On CUDA (on by default): h1 (q, k, v's input), h2 (gate and up's) and a (down's) are
+    /// written in BF16 by `rmsnorm_train` and `swiglu` where every linear that reads them has
+    /// BF16 weights and no NVFP4 learner (which quantizes from the f32 values). Those GEMMs,
+    /// forward and weight gradient, round their f32 input to BF16 first otherwise: the same
+    /// values, so the same bits, without a `ct_cast` launch and its 6 bytes a value per GEMM
+    /// and with half the producers' writes. Off: every activation f32 (the reference).
+    pub fn set_bf16_inputs(&mut self, on: bool) {
+        self.bf16_inputs = on;
+    }
+
     /// Activation checkpointing: the forward keeps each layer's input (N, C) alone, and the
     /// backward runs each layer's forward again (without its down projection's output, which
     /// no gradient reads) before its backward. One more forward of the layers; at most one
@@ -226,6 +241,7 @@ impl DeviceTrainable {
             quant: None,
             qw: Vec::new(),
             exact_learner: false,
+            bf16_inputs: true,
             checkpoint: false,
         })
     }
@@ -315,10 +331,24 @@ impl DeviceTrainable {
         // and the raw rows are empty (no copy of q and k).
         let qk_norm = matches!((li.qn, li.kn), (Some(_), Some(_)));
         let raw = if qk_norm { n } else { 0 };
+        // The GEMM-only inputs in BF16 where every reader is a dense BF16 linear
+        // (`set_bf16_inputs`): h1 for q, k, v; h2 for gate and up; a for down.
+        let learner_on = |i: usize| lq.as_ref().is_some_and(|q| q.on(i));
+        let bf = |ws: &[usize]| {
+            let all = self.bf16_inputs && !dev.is_cpu() && ws.iter().all(|&w| p[w].dtype() == DType::BF16);
+            if all {
+                DType::BF16
+            } else {
+                DType::F32
+            }
+        };
+        let h1_dt = bf(&[li.q, li.k, li.v]);
+        let h2_dt = if learner_on(GATE) || learner_on(UP) { DType::F32 } else { bf(&[li.gate, li.up]) };
+        let a_dt = if learner_on(DOWN) { DType::F32 } else { bf(&[li.down]) };
         let mut a = Acts {
             x,
             rstd1: z(&[n])?,
-            h1: z(&[n, c])?,
+            h1: dev.uninit(h1_dt, &[n, c])?,
             qraw: z(&[raw, qd])?,
             kraw: z(&[raw, kd])?,
             rq: z(&[raw * h])?,
@@ -330,10 +360,10 @@ impl DeviceTrainable {
             lse: z(&[n, h])?,
             x2: z(&[n, c])?,
             rstd2: z(&[n])?,
-            h2: z(&[n, c])?,
+            h2: dev.uninit(h2_dt, &[n, c])?,
             g: z(&[n, i_dim])?,
             u: z(&[n, i_dim])?,
-            a: z(&[n, i_dim])?,
+            a: dev.uninit(a_dt, &[n, i_dim])?,
             h2q: None,
             aq: None,
             codes: None,

@@ -108,9 +108,9 @@ pub fn embedding(p: &ffi::ct_embedding_params) -> Cost {
     Cost::hbm(0.0, e * (dsize(p.dtype) + 4.0) + 4.0 * n(p.rows))
 }
 
-/// silu(gate)·up: gate and up read, out written; 5 FLOPs an element.
+/// silu(gate)·up: gate and up read, out written in its dtype; 5 FLOPs an element.
 pub fn swiglu(p: &ffi::ct_swiglu_params) -> Cost {
-    Cost::hbm(5.0 * n(p.n), 12.0 * n(p.n))
+    Cost::hbm(5.0 * n(p.n), (8.0 + dsize(p.out_dtype)) * n(p.n))
 }
 
 pub fn gather_rows(p: &ffi::ct_gather_rows_params) -> Cost {
@@ -269,9 +269,10 @@ pub fn lm_dz(p: &ffi::ct_lm_params) -> Cost {
     Cost::hbm(4.0 * e, 8.0 * e + 16.0 * n(p.rows) + center)
 }
 
+/// x read, y written in its dtype, the row's 1/rms written, the gain read.
 pub fn rmsnorm_train(p: &ffi::ct_rmsnorm_train_params) -> Cost {
     let e = n(p.rows) * n(p.cols);
-    Cost::hbm(4.0 * e, 8.0 * e + 4.0 * n(p.rows) + n(p.cols) * dsize(p.w_dtype))
+    Cost::hbm(4.0 * e, (4.0 + dsize(p.y_dtype)) * e + 4.0 * n(p.rows) + n(p.cols) * dsize(p.w_dtype))
 }
 
 /// dx from dy, x, w, rstd: dy and x read, dx written (and read when accumulating); 8 FLOPs an

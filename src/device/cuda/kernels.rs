@@ -225,10 +225,11 @@ impl Kernel {
         use Kernel::*;
         match self {
             KvWrite | PagedAttention | PrefillAttention | QuantFp8 | QuantNvfp4 | Dequant | SwizzleSf | GemmW4a4 => 1,
-            Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax | Optim | PrefillAttentionTc => 2,
-            RopeTable | Rope | Swiglu | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
+            Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax | Optim | PrefillAttentionTc | Swiglu => 2,
+            RopeTable | Rope | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
             | ScatterAddRows | LmStats | LmDz | Nvfp4ScaleOut => 4,
-            RmsnormTrain | RmsnormBwd | RmsnormDw | SwigluBwd | RopeBwd | ColSum | EmbedBwd => 4,
+            RmsnormTrain => 2,
+            RmsnormBwd | RmsnormDw | SwigluBwd | RopeBwd | ColSum | EmbedBwd => 4,
             AttnFwd | AttnBwdDq | AttnBwdDkv | AttnFwdTc | AttnBwdDqTc | AttnBwdDkvTc => 4,
         }
     }

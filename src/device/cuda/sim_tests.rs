@@ -122,20 +122,27 @@ fn cutlass_kernels_exist_only_for_their_architecture_and_need_tma_alignment() {
 #[test]
 fn pointer_parameters_must_belong_to_the_device_and_be_aligned() {
     let (d0, d1) = (Driver::Sim(Sim::new(95, SM90A)), Driver::Sim(Sim::new(94, SM90A)));
-    let (x, y) = (d0.malloc(1024).unwrap(), d0.malloc(1024).unwrap());
+    let (x, y, idx, err) =
+        (d0.malloc(1024).unwrap(), d0.malloc(1024).unwrap(), d0.malloc(4).unwrap(), d0.malloc(4).unwrap());
+    d0.htod(idx, &[0u8; 4]).unwrap();
+    d0.htod(err, &[0u8; 4]).unwrap();
     let other = d1.malloc(1024).unwrap();
-    let swiglu = |gate: u64, up: u64, out: u64| ffi::ct_swiglu_params {
-        gate: gate as *const f32,
-        up: up as *const f32,
-        out: out as *mut f32,
-        n: 16,
+    // ct_gather_rows: f32 rows, u32 indices (every pointer 4-byte elements).
+    let gather = |src: u64, idx: u64, dst: u64| ffi::ct_gather_rows_params {
+        src: src as *const f32,
+        idx: idx as *const u32,
+        dst: dst as *mut f32,
+        rows: 1,
+        cols: 4,
+        src_rows: 1,
+        err: err as *mut u32,
     };
-    assert_eq!(launch(&d0, Kernel::Swiglu, (1, 1, 1), 32, 0, &swiglu(x, x, y)), "");
-    let e = launch(&d0, Kernel::Swiglu, (1, 1, 1), 32, 0, &swiglu(x, other, y));
-    assert!(e.contains("ct_swiglu") && e.contains("byte 8") && e.contains("memory of cuda-sim:94"), "{e}");
+    assert_eq!(launch(&d0, Kernel::GatherRows, (1, 1, 1), 32, 0, &gather(x, idx, y)), "");
+    let e = launch(&d0, Kernel::GatherRows, (1, 1, 1), 32, 0, &gather(x, other, y));
+    assert!(e.contains("ct_gather_rows") && e.contains("byte 8") && e.contains("memory of cuda-sim:94"), "{e}");
     // An f32 pointer 2 bytes into a block: a misaligned load on a GPU.
-    let e = launch(&d0, Kernel::Swiglu, (1, 1, 1), 32, 0, &swiglu(x, x, y + 2));
-    assert!(e.contains("ct_swiglu") && e.contains("byte 16") && e.contains("4-byte elements"), "{e}");
+    let e = launch(&d0, Kernel::GatherRows, (1, 1, 1), 32, 0, &gather(x, idx, y + 2));
+    assert!(e.contains("ct_gather_rows") && e.contains("byte 16") && e.contains("4-byte elements"), "{e}");
     // A kernel that reads bytes (the FP8 KV cache, NVFP4 scales) takes any offset.
     let p = ffi::ct_swizzle_sf_params {
         src: (x + 3) as *const u8,

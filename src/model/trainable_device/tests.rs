@@ -417,3 +417,71 @@ fn the_learners_codes_backward_is_its_exact_backward_in_bf16_sim() {
         }
     }
 }
+
+/// One step of 16 sequences of 20 tokens with BF16 weights on a fresh simulated sm_90a device
+/// `ordinal`, the NVFP4 learner on down_proj alone when `learner`: (the bits of the loss, the
+/// token statistics and every gradient; the `ct_cast` launches and the bytes of all launches).
+fn bf16_step(cfg: &ModelConfig, ordinal: usize, bf16_inputs: bool, learner: bool) -> (Vec<u32>, u64, f64) {
+    use crate::device::cuda::{ledger, CudaDevice};
+    let cd = CudaDevice::sim_unshared_arch(ordinal, "sm_90a");
+    let dev = Device::Cuda(cd.clone());
+    let specs = param_specs(cfg);
+    let mut b = TrainBatch::default();
+    for i in 0..16u32 {
+        b.push(&[1 + i, 2, 3, 4, 5], &(0..15).map(|j| (i * 7 + j * 3) % 300).collect::<Vec<_>>());
+    }
+    let (m, chunk) = (b.rows.len(), 64);
+    let params = random_params(&specs, 5);
+    let pt: Vec<Tensor> =
+        specs.iter().zip(&params).map(|((_, s), v)| dev.from_f32(DType::BF16, s, v).unwrap()).collect();
+    let pr: Vec<&Tensor> = pt.iter().collect();
+    let mut grads: Vec<Tensor> = specs.iter().map(|(_, s)| dev.zeros(DType::F32, s).unwrap()).collect();
+    let coef = dev.from_f32(DType::F32, &[m], &data(m, 1, 1.0, 0.0)).unwrap();
+    let (mut lp, mut en) = (dev.zeros(DType::F32, &[m]).unwrap(), dev.zeros(DType::F32, &[m]).unwrap());
+    let mut t = DeviceTrainable::new(cfg, &dev).unwrap();
+    t.set_bf16_inputs(bf16_inputs);
+    if learner {
+        let opts = crate::quant::nvfp4::Nvfp4Opts { rht: Some(3), stochastic: None };
+        t.set_quant(Some(LearnerQuant::new(&["down_proj".to_string()], opts, cfg.num_layers).unwrap()));
+    }
+    cd.take_ledger();
+    t.forward(&pr, &b).unwrap();
+    t.token_stats(&pr, 1.0, chunk, &mut lp, &mut en).unwrap();
+    let loss = t.backward(&pr, &coef, None, 1.0, chunk, &mut grads).unwrap();
+    let rows = ledger::rows(&cd.take_ledger());
+    let casts = rows.iter().filter(|r| r.op == "ct_cast").map(|r| r.launches).sum();
+    let bytes = rows.iter().map(|r| r.bytes).sum();
+    let mut bits = vec![(loss as f32).to_bits()];
+    for x in [&lp, &en].into_iter().chain(grads.iter()) {
+        bits.extend(x.to_f32_vec().unwrap().iter().map(|v| v.to_bits()));
+    }
+    (bits, casts, bytes)
+}
+
+/// BF16 weights on CUDA: the norms and SwiGLU write the inputs that only BF16 GEMMs read in
+/// BF16 (`set_bf16_inputs`), which is the rounding each GEMM applied to the f32 values: the
+/// loss, the token statistics and every gradient are the same bits as with f32 inputs, for
+/// llama, qwen2 and qwen3, and with the NVFP4 learner on down_proj (whose input a stays f32:
+/// the learner quantizes from f32). Each dense layer launches 6 roundings fewer (h1, h2 and a
+/// before their forward GEMMs and again before their weight gradients), 4 with the learner on
+/// down (h1 and h2: its a stays f32), and the step moves fewer bytes.
+#[test]
+fn bf16_inputs_are_the_gemms_own_rounding_sim() {
+    let mut ordinal = 95;
+    for arch in ["llama", "qwen2", "qwen3"] {
+        let cfg = memory_cfg_arch(arch, 2);
+        for learner in [false, true] {
+            let what = format!("{arch}, learner on down {learner}");
+            let (off, casts_off, bytes_off) = bf16_step(&cfg, ordinal, false, learner);
+            let (on, casts_on, bytes_on) = bf16_step(&cfg, ordinal + 1, true, learner);
+            ordinal += 2;
+            assert_eq!(off.len(), on.len(), "{what}");
+            let differ = off.iter().zip(&on).filter(|(a, b)| a != b).count();
+            assert_eq!(differ, 0, "{what}: {differ} of {} values differ", off.len());
+            let saved_per_layer = if learner { 4 } else { 6 };
+            eprintln!("{what}: ct_cast {casts_off} -> {casts_on}, {bytes_off:.0} -> {bytes_on:.0} bytes");
+            assert_eq!(casts_off - casts_on, saved_per_layer * cfg.num_layers as u64, "{what}");
+            assert!(bytes_on < bytes_off, "{what}: {bytes_on} bytes, {bytes_off} with f32 inputs");
+        }
+    }
+}

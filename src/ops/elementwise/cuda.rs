@@ -26,7 +26,8 @@ pub fn swiglu(d: &CudaDevice, g: &Tensor, u: &Tensor, o: &mut Tensor, m: usize) 
     d.k_swiglu(ffi::ct_swiglu_params {
         gate: ptr(d, g, &[DType::F32], "swiglu gate")? as *const f32,
         up: ptr(d, u, &[DType::F32], "swiglu up")? as *const f32,
-        out: f32p(ptr(d, o, &[DType::F32], "swiglu output")?),
+        out: vp(ptr(d, o, &[DType::F32, DType::BF16], "swiglu output")?),
+        out_dtype: code(o.dtype()),
         n: (m * i) as i64,
     })
 }

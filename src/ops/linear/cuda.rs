@@ -8,7 +8,7 @@ use crate::device::cuda::args::{code, f32p, i32_of, ptr, vp, FLOATS};
 use crate::device::cuda::{ffi, CudaDevice, DevBuf, Elem, Form};
 use crate::device::{DType, Tensor};
 use crate::quant::qtensor::QTensor;
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 /// y (rows, cols) += bias.
 pub fn add_bias(d: &CudaDevice, y: u64, bias: &Tensor, rows: usize, cols: usize) -> Result<()> {
@@ -50,6 +50,41 @@ pub fn cast_rows_scaled(
     Ok(buf)
 }
 
+/// A GEMM's 16-bit input rows: x itself when it already holds them in the GEMM's dtype (a
+/// producer wrote them rounded: `rmsnorm_train`, `swiglu` with a BF16 output), else x (f32)
+/// rounded into a scratch buffer (kept alive with this value).
+struct Rounded {
+    ptr: u64,
+    _scratch: Option<DevBuf>,
+}
+
+/// x's first `n` values in `dt` (BF16 / F16) at `xp` (x's device address): see [`Rounded`].
+fn rounded(d: &CudaDevice, x: &Tensor, xp: u64, n: usize, dt: DType) -> Result<Rounded> {
+    if x.dtype() == dt {
+        return Ok(Rounded { ptr: xp, _scratch: None });
+    }
+    if x.dtype() != DType::F32 {
+        bail!(
+            "linear: a {} input for {} GEMM operands (F32 inputs are rounded, or the operands' own dtype)",
+            x.dtype().name(),
+            dt.name()
+        );
+    }
+    let buf = cast_rows(d, xp, n, dt)?;
+    Ok(Rounded { ptr: buf.ptr, _scratch: Some(buf) })
+}
+
+/// An F32 GEMM's input must be F32 (a 16-bit input would be read as f32 values).
+fn f32_input(x: &Tensor) -> Result<()> {
+    if x.dtype() != DType::F32 {
+        bail!("linear: a {} input for an F32 GEMM", x.dtype().name());
+    }
+    Ok(())
+}
+
+/// The dtypes a linear's input may have: f32, or the 16-bit values a producer rounded.
+const INPUTS: &[DType] = &[DType::F32, DType::BF16, DType::F16];
+
 pub fn linear(
     d: &CudaDevice,
     x: &Tensor,
@@ -60,16 +95,19 @@ pub fn linear(
     acc: bool,
 ) -> Result<()> {
     let (n, k) = (w.dim(0), w.dim(1));
-    let xp = ptr(d, x, &[DType::F32], "linear input")?;
+    let xp = ptr(d, x, INPUTS, "linear input")?;
     let wp = ptr(d, w, FLOATS, "linear weight")?;
     let yp = ptr(d, y, &[DType::F32], "linear output")?;
     if m == 0 {
         return Ok(());
     }
     match w.dtype() {
-        DType::F32 => d.gemm(Elem::F32, wp, xp, yp, m, n, k, 1.0, acc, None)?,
+        DType::F32 => {
+            f32_input(x)?;
+            d.gemm(Elem::F32, wp, xp, yp, m, n, k, 1.0, acc, None)?
+        }
         dt => {
-            let xh = cast_rows(d, xp, m * k, dt)?;
+            let xh = rounded(d, x, xp, m * k, dt)?;
             let e = if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
             d.gemm(e, wp, xh.ptr, yp, m, n, k, 1.0, acc, None)?;
         }
@@ -92,7 +130,7 @@ pub fn linear_residual(
     m: usize,
 ) -> Result<()> {
     let (n, k) = (w.dim(0), w.dim(1));
-    let xp = ptr(d, x, &[DType::F32], "linear input")?;
+    let xp = ptr(d, x, INPUTS, "linear input")?;
     let wp = ptr(d, w, FLOATS, "linear weight")?;
     let rp = ptr(d, r, &[DType::F32], "linear residual")?;
     let yp = ptr(d, y, &[DType::F32], "linear output")?;
@@ -100,9 +138,12 @@ pub fn linear_residual(
         return Ok(());
     }
     match w.dtype() {
-        DType::F32 => d.gemm_residual(Elem::F32, wp, xp, rp, yp, m, n, k)?,
+        DType::F32 => {
+            f32_input(x)?;
+            d.gemm_residual(Elem::F32, wp, xp, rp, yp, m, n, k)?
+        }
         dt => {
-            let xh = cast_rows(d, xp, m * k, dt)?;
+            let xh = rounded(d, x, xp, m * k, dt)?;
             let e = if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
             d.gemm_residual(e, wp, xh.ptr, rp, yp, m, n, k)?;
         }
@@ -130,7 +171,7 @@ pub fn linears<const J: usize>(
         return Ok(());
     }
     let k = projs[0].w.dim(1);
-    let xh = cast_rows(d, ptr(d, x, &[DType::F32], "linear input")?, m * k, dt)?;
+    let xh = rounded(d, x, ptr(d, x, INPUTS, "linear input")?, m * k, dt)?;
     let e = if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
     for p in projs {
         let n = p.w.dim(0);
@@ -193,15 +234,16 @@ pub fn linear_dw(
 ) -> Result<()> {
     let (n, k) = (dw.dim(0), dw.dim(1));
     let dyp = ptr(d, dy, &[DType::F32], "linear output gradient")?;
-    let xp = ptr(d, x, &[DType::F32], "linear input")?;
+    let xp = ptr(d, x, INPUTS, "linear input")?;
     let dwp = ptr(d, dw, &[DType::F32], "linear weight gradient")?;
     if m == 0 {
         return if acc { Ok(()) } else { d.memset0(dwp, n * k * 4) };
     }
     if operands == DType::BF16 {
-        let (dyh, xh) = (cast_rows(d, dyp, m * n, DType::BF16)?, cast_rows(d, xp, m * k, DType::BF16)?);
+        let (dyh, xh) = (cast_rows(d, dyp, m * n, DType::BF16)?, rounded(d, x, xp, m * k, DType::BF16)?);
         d.gemm_form(Form::Tn, Elem::BF16, xh.ptr, dyh.ptr, dwp, n, k, m, 1.0, acc)
     } else {
+        f32_input(x)?;
         d.gemm_form(Form::Tn, Elem::F32, xp, dyp, dwp, n, k, m, 1.0, acc)
     }
 }
@@ -219,12 +261,17 @@ pub fn linear_grads<const J: usize>(
     operands: DType,
 ) -> Result<()> {
     let k = projs[0].w.dim(1);
-    let xp = ptr(d, x, &[DType::F32], "linear input")?;
+    let xp = ptr(d, x, INPUTS, "linear input")?;
     let dxp = ptr(d, dx, &[DType::F32], "linear input gradient")?;
     if m == 0 {
         return Ok(());
     }
-    let xh = if operands == DType::BF16 { Some(cast_rows(d, xp, m * k, DType::BF16)?) } else { None };
+    let xh = if operands == DType::BF16 {
+        Some(rounded(d, x, xp, m * k, DType::BF16)?)
+    } else {
+        f32_input(x)?;
+        None
+    };
     for (j, p) in projs.into_iter().enumerate() {
         let n = p.w.dim(0);
         let dyp = ptr(d, p.dy, &[DType::F32], "linear output gradient")?;
