@@ -1,6 +1,6 @@
 //! The launch ledger (src/device/cuda/ledger.rs) on the simulated GPU: what a training step and
 //! decode steps declare, counted by hand from the shapes. Each test opens a simulated GPU of
-//! its own (the ledger is per device): cuda-sim:3 to cuda-sim:6.
+//! its own (the ledger is per device, and the tests run at once): cuda-sim:2 to cuda-sim:7.
 
 mod common;
 
@@ -108,7 +108,7 @@ fn a_training_step_declares_the_flops_of_its_passes() {
 /// rounded copies, 22.4 s of the 4B TRIAGE config's modelled 28.6 s train phase.
 #[test]
 fn bf16_weights_train_on_bf16_gemms_only() {
-    for (ordinal, learner) in [(5, false), (6, true)] {
+    for (ordinal, learner) in [(6, false), (7, true)] {
         let (l, c, [t, r, n, head]) = opd_step(ordinal, DType::BF16, "kind = \"adamw\"\n", learner);
         let gemms: Vec<Row> = rows(&l).into_iter().filter(|r| r.op.starts_with("gemm")).collect();
         assert!(
@@ -268,7 +268,7 @@ fn whole_sequence_prefills_attend_on_the_tensor_cores() {
 #[test]
 fn a_scoring_engine_reads_the_lm_head_once_per_score_rows() {
     use colotrain::engine::{Request, SamplingConfig, SCORE_ROWS};
-    let cd = CudaDevice::sim(6).unwrap();
+    let cd = CudaDevice::sim(2).unwrap();
     let sim = Device::Cuda(cd.clone());
     let cpu = Device::cpu(1).unwrap();
     let lens = [40usize, 55, 70];
