@@ -86,6 +86,15 @@ fn every_check_group_passes_on_both_simulated_architectures() {
         {
             assert_eq!(check(&r, &format!("NCCL: {op} (1 GPU)"), "f32")["pass"], true, "{arch} {op}");
         }
+        // The residual GEMM (C ≠ D) and the producers' BF16 outputs, bit for bit.
+        for (op, dt) in [
+            ("linear y = r + x·Wᵀ (C ≠ D) vs r + x·Wᵀ in place", "f32"),
+            ("linear y = r + x·Wᵀ (C ≠ D) vs r + x·Wᵀ in place", "bf16"),
+            ("swiglu: BF16 output vs the f32 output rounded", "bf16"),
+        ] {
+            assert_eq!(check(&r, op, dt)["pass"], true, "{arch} {op} {dt}");
+        }
+        assert!(text.contains("BF16 output vs the f32 output rounded"), "{text}");
         // The one-pass OPD loss against the two passes, bit for bit.
         for part in ["log p(y)", "entropy", "value", "dh", "dWh"] {
             let op = format!("LM head one pass (OPD coefficients on the GPU) vs two passes: {part}");

@@ -111,6 +111,16 @@ pub(super) fn train_gemm(x: &mut Ctx) -> Result<()> {
         let mut dw = x.randp(DType::F32, &[n, k], 1.0)?;
         x.both(|d, g| matmul::linear_dw(d, pick(&dy, g), pick(&xin, g), pick_mut(&mut dw, g), m, true, dt))?;
         x.cmp("linear dW += dyᵀ·x", &format!("{} operands", dt.name()), &dw, tol)?;
+        // y = r + x·Wᵀ with cuBLASLt reading r as C and writing y (C ≠ D), against r copied
+        // into y and accumulated in place, on the GPU: exact.
+        let r = x.randp(DType::F32, &[m, n], 1.0)?;
+        let mut inplace = x.gpu.zeros(DType::F32, &[m, n])?;
+        inplace.copy_from(&r.g)?;
+        matmul::linear(&x.gpu, &xin.g, &w.g, None, &mut inplace, m, true)?;
+        let mut out = x.gpu.zeros(DType::F32, &[m, n])?;
+        matmul::linear_residual(&x.gpu, &xin.g, &w.g, None, &r.g, &mut out, m)?;
+        let (want, got) = (inplace.to_f32_vec()?, out.to_f32_vec()?);
+        x.record("linear y = r + x·Wᵀ (C ≠ D) vs r + x·Wᵀ in place", dt.name(), &want, &got, Tol::Exact);
     }
     projections(x, &xin)?;
     // The fused loss: 29 of 40 hidden rows scored, chunks of 8, a vocabulary of 5003.
@@ -223,6 +233,20 @@ pub(super) fn backward(x: &mut Ctx) -> Result<()> {
         let shape = format!("{rows}x{c}");
         x.cmp(&format!("rmsnorm train {shape}: y"), "f32", &y, tol)?;
         x.cmp(&format!("rmsnorm train {shape}: 1/rms"), "f32", &rstd, tol)?;
+        // The BF16 output (the trainer's GEMM-only inputs) is the f32 output rounded to
+        // nearest even, on the host: exact.
+        let mut yb = x.gpu.zeros(DType::BF16, &[rows, c])?;
+        let mut rs2 = x.gpu.zeros(DType::F32, &[rows])?;
+        norm::rmsnorm_train(&x.gpu, &xin.g, &w.g, 1e-6, &mut yb, &mut rs2, rows)?;
+        let want: Vec<f32> = y.g.to_f32_vec()?.iter().map(|&v| crate::device::bf16_rne(v).to_f32()).collect();
+        let got = yb.to_f32_vec()?;
+        x.record(
+            &format!("rmsnorm train {shape}: BF16 output vs the f32 output rounded"),
+            "bf16",
+            &want,
+            &got,
+            Tol::Exact,
+        );
         let dy = x.randp(DType::F32, &[rows, c], 1.0)?;
         let (mut dx, mut dw) = (x.randp(DType::F32, &[rows, c], 1.0)?, x.randp(DType::F32, &[c], 1.0)?);
         let r = rstd.c.to_f32_vec()?;
@@ -245,6 +269,13 @@ pub(super) fn backward(x: &mut Ctx) -> Result<()> {
     x.both(|d, g| {
         elementwise::swiglu_bwd(d, pick(&da, g), pick(&gt, g), pick(&up, g), pick_mut(&mut dg, g), pick_mut(&mut du, g))
     })?;
+    // SwiGLU's BF16 output (down_proj's input in the trainer) against its f32 output rounded
+    // to nearest even on the host: exact.
+    let (mut a32, mut a16) = (x.gpu.zeros(DType::F32, &[M, N])?, x.gpu.zeros(DType::BF16, &[M, N])?);
+    elementwise::swiglu(&x.gpu, &gt.g, &up.g, &mut a32, M)?;
+    elementwise::swiglu(&x.gpu, &gt.g, &up.g, &mut a16, M)?;
+    let want: Vec<f32> = a32.to_f32_vec()?.iter().map(|&v| crate::device::bf16_rne(v).to_f32()).collect();
+    x.record("swiglu: BF16 output vs the f32 output rounded", "bf16", &want, &a16.to_f32_vec()?, Tol::Exact);
     x.cmp("swiglu backward: dg", "f32", &dg, Tol::Close(1e-6, 1e-5))?;
     x.cmp("swiglu backward: du", "f32", &du, Tol::Close(1e-6, 1e-5))?;
     let v = 1000usize;
