@@ -25,6 +25,24 @@
 __device__ __forceinline__ int ct_pf_qv(int head_dim) { return head_dim > 128 ? 32 : 64; }
 __device__ __forceinline__ int ct_pf_rows(int head_dim, int groups) { return max(1, ct_pf_qv(head_dim) / groups); }
 
+// This block's tile: the blockIdx.x-th of the sequences' tiles of R rows, in order (its
+// sequence, or -1 past the last tile, and its first row). One thread walks q_start.
+__device__ __forceinline__ void ct_pf_find_tile(const ct_attention_params& p, int R, int* seq, int* row0) {
+  int b = blockIdx.x;
+  *seq = -1;
+  *row0 = 0;
+  for (int s = 0; s < p.num_seqs; s++) {
+    const int q_len = static_cast<int>(p.q_start[s + 1]) - static_cast<int>(p.q_start[s]);
+    const int tiles = q_len > 0 ? (q_len + R - 1) / R : 0;
+    if (b < tiles) {
+      *seq = s;
+      *row0 = static_cast<int>(p.q_start[s]) + b * R;
+      return;
+    }
+    b -= tiles;
+  }
+}
+
 // Dynamic shared memory (floats), QVm = max(QV, groups), KD = head_dim + 1 (padded key rows):
 //   q (QVm * D) | acc (QVm * D) | k (KEYS * KD) | v (KEYS * D) | p (QVm * (KEYS + 1)) | m, l, corr (3 * QVm)
 extern "C" __global__ void __launch_bounds__(CT_PF_THREADS) ct_prefill_attention(ct_attention_params p) {
@@ -34,21 +52,7 @@ extern "C" __global__ void __launch_bounds__(CT_PF_THREADS) ct_prefill_attention
   const int D = p.head_dim, G = p.heads / p.kv_heads, kvh = blockIdx.y;
   const int R = ct_pf_rows(D, G), QVm = max(ct_pf_qv(D), G), KD = D + 1;
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    int b = blockIdx.x, seq = -1, row0 = 0;
-    for (int s = 0; s < p.num_seqs; s++) {
-      const int q_len = static_cast<int>(p.q_start[s + 1]) - static_cast<int>(p.q_start[s]);
-      const int tiles = q_len > 0 ? (q_len + R - 1) / R : 0;
-      if (b < tiles) {
-        seq = s;
-        row0 = static_cast<int>(p.q_start[s]) + b * R;
-        break;
-      }
-      b -= tiles;
-    }
-    tile_seq = seq;
-    tile_row0 = row0;
-  }
+  if (tid == 0) ct_pf_find_tile(p, R, &tile_seq, &tile_row0);
   __syncthreads();
   const int s = tile_seq, row0 = tile_row0;
   if (s < 0) return;
@@ -222,7 +226,6 @@ __device__ __forceinline__ void ct_prefill_tc_body(const ct_attention_params& p,
     ct_tc_rows_product(sc, qa, ks, D, g, t);
 #pragma unroll
     for (int x = 0; x < 2; x++) {
-      float mx = -INFINITY;
 #pragma unroll
       for (int n = 0; n < CT_TC_K / 8; n++) {
 #pragma unroll
@@ -230,47 +233,16 @@ __device__ __forceinline__ void ct_prefill_tc_body(const ct_attention_params& p,
           const int64_t j = kt + n * 8 + 2 * t + e;
           const float v = valid[x] && j <= pos[x] ? __fmul_rn(p.softmax_scale, sc[n][2 * x + e]) : -INFINITY;
           sc[n][2 * x + e] = v;
-          mx = fmaxf(mx, v);
         }
       }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mnew = fmaxf(m[x], mx);
-      const float corr = mnew == -INFINITY ? 1.0f : expf(__fsub_rn(m[x], mnew));
-      l[x] = __fmul_rn(l[x], corr);
-#pragma unroll
-      for (int n = 0; n < D / 8; n++) {
-        o[n][2 * x] = __fmul_rn(o[n][2 * x], corr);
-        o[n][2 * x + 1] = __fmul_rn(o[n][2 * x + 1], corr);
-      }
-#pragma unroll
-      for (int n = 0; n < CT_TC_K / 8; n++) {
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const float v = sc[n][2 * x + e];
-          const float pv = v == -INFINITY ? 0.0f : expf(__fsub_rn(v, mnew));
-          sc[n][2 * x + e] = pv;
-          l[x] = __fadd_rn(l[x], pv);
-        }
-      }
-      m[x] = mnew;
+      ct_tc_softmax_tile(sc, o, m, l, x, D);
     }
     // O += P V (P's accumulators as the A operand, V's columns down the tile's keys).
     ct_tc_acc_product(o, sc, vs, D, g, t);
   }
-  // Row sums over the 4-lane group, then out = o / l.
+  // out = o / l per vector.
 #pragma unroll
-  for (int x = 0; x < 2; x++) {
-    float L = l[x];
-    L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 1));
-    L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 2));
-    if (!valid[x]) continue;
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) {
-      op[x][n * 8 + 2 * t] = __fdiv_rn(o[n][2 * x], L);
-      op[x][n * 8 + 2 * t + 1] = __fdiv_rn(o[n][2 * x + 1], L);
-    }
-  }
+  for (int x = 0; x < 2; x++) ct_tc_finish_row(op[x], o, l[x], x, valid[x], D, t);
 }
 
 extern "C" __global__ void __launch_bounds__(128) ct_prefill_attention_tc(ct_attention_params p) {
@@ -279,22 +251,7 @@ extern "C" __global__ void __launch_bounds__(128) ct_prefill_attention_tc(ct_att
   CT_SHARED_VAR(int, tile_seq);
   CT_SHARED_VAR(int, tile_row0);
   const int R = max(1, CT_TC_Q / (p.heads / p.kv_heads));
-  if (threadIdx.x == 0) {
-    // This block's tile: the b-th of the sequences' tiles of R rows, in order.
-    int b = blockIdx.x, seq = -1, row0 = 0;
-    for (int s = 0; s < p.num_seqs; s++) {
-      const int q_len = static_cast<int>(p.q_start[s + 1]) - static_cast<int>(p.q_start[s]);
-      const int tiles = q_len > 0 ? (q_len + R - 1) / R : 0;
-      if (b < tiles) {
-        seq = s;
-        row0 = static_cast<int>(p.q_start[s]) + b * R;
-        break;
-      }
-      b -= tiles;
-    }
-    tile_seq = seq;
-    tile_row0 = row0;
-  }
+  if (threadIdx.x == 0) ct_pf_find_tile(p, R, &tile_seq, &tile_row0);
   __syncthreads();
   const int s = tile_seq, row0 = tile_row0;
   if (s < 0) return;

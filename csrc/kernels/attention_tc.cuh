@@ -82,6 +82,55 @@ __device__ __forceinline__ void ct_tc_acc_product(float (*acc)[4], const float (
   }
 }
 
+// One key tile of the online softmax of the thread's row x (0: g, 1: g + 8; its 4-lane group
+// holds the row's CT_TC_K scores): s holds the tile's scaled scores, -inf where a key is out of
+// the row's reach. The row's running max m[x] and sum l[x] advance, its accumulators o (D / 8
+// n-tiles) are rescaled to the new max, and s becomes the tile's exp(score − max).
+__device__ __forceinline__ void ct_tc_softmax_tile(float (*s)[4], float (*o)[4], float* m, float* l, int x, int D) {
+  float mx = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < CT_TC_K / 8; n++) mx = fmaxf(mx, fmaxf(s[n][2 * x], s[n][2 * x + 1]));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float mnew = fmaxf(m[x], mx);
+  const float corr = mnew == -INFINITY ? 1.0f : expf(__fsub_rn(m[x], mnew));
+  l[x] = __fmul_rn(l[x], corr);
+#pragma unroll
+  for (int n = 0; n < D / 8; n++) {
+    o[n][2 * x] = __fmul_rn(o[n][2 * x], corr);
+    o[n][2 * x + 1] = __fmul_rn(o[n][2 * x + 1], corr);
+  }
+#pragma unroll
+  for (int n = 0; n < CT_TC_K / 8; n++) {
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const float v = s[n][2 * x + e];
+      const float pv = v == -INFINITY ? 0.0f : expf(__fsub_rn(v, mnew));
+      s[n][2 * x + e] = pv;
+      l[x] = __fadd_rn(l[x], pv);
+    }
+  }
+  m[x] = mnew;
+}
+
+// The end of row x's online softmax: its sum l over the 4-lane group (returned; every lane
+// calls, the shuffles need them all), and, when `valid`, out[d] = o / sum for the thread's
+// columns d of the row (out: the row's first value).
+__device__ __forceinline__ float ct_tc_finish_row(float* out, const float (*o)[4], float l, int x, bool valid, int D,
+                                                  int t) {
+  float L = l;
+  L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 1));
+  L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 2));
+  if (valid) {
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+      out[n * 8 + 2 * t] = __fdiv_rn(o[n][2 * x], L);
+      out[n * 8 + 2 * t + 1] = __fdiv_rn(o[n][2 * x + 1], L);
+    }
+  }
+  return L;
+}
+
 // The A fragments (D / 16 of them) of 16 rows of f32 values: rp[x] points at the thread's row g
 // (x = 0) or g + 8 (x = 1), zeros where !valid[x].
 __device__ __forceinline__ void ct_tc_load_a_rows(uint32_t (*a)[4], const float* const* rp, const bool* valid, int D,

@@ -208,58 +208,26 @@ __device__ __forceinline__ void ct_attn_fwd_tc_body(const ct_attn_train_params& 
     // holds a row's 64 scores).
 #pragma unroll
     for (int x = 0; x < 2; x++) {
-      float mx = -INFINITY;
 #pragma unroll
       for (int n = 0; n < CT_TC_K / 8; n++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
           const int j = kt + n * 8 + 2 * t + e;
           const bool ok = valid[x] && j >= starts[x] && j <= rows[x];
-          const float v = ok ? __fmul_rn(p.scale, s[n][2 * x + e]) : -INFINITY;
-          s[n][2 * x + e] = v;
-          mx = fmaxf(mx, v);
+          s[n][2 * x + e] = ok ? __fmul_rn(p.scale, s[n][2 * x + e]) : -INFINITY;
         }
       }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mnew = fmaxf(m[x], mx);
-      const float corr = mnew == -INFINITY ? 1.0f : expf(__fsub_rn(m[x], mnew));
-      l[x] = __fmul_rn(l[x], corr);
-#pragma unroll
-      for (int n = 0; n < D / 8; n++) {
-        o[n][2 * x] = __fmul_rn(o[n][2 * x], corr);
-        o[n][2 * x + 1] = __fmul_rn(o[n][2 * x + 1], corr);
-      }
-#pragma unroll
-      for (int n = 0; n < CT_TC_K / 8; n++) {
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const float v = s[n][2 * x + e];
-          const float pv = v == -INFINITY ? 0.0f : expf(__fsub_rn(v, mnew));
-          s[n][2 * x + e] = pv;
-          l[x] = __fadd_rn(l[x], pv);
-        }
-      }
-      m[x] = mnew;
+      ct_tc_softmax_tile(s, o, m, l, x, D);
     }
     // O += P V: P's accumulators of key tiles 2kk, 2kk + 1 are the A fragment of keys
     // 16kk .. 16kk + 15; B[k = key][n = dim] reads V's column n down 16 keys.
     ct_tc_acc_product(o, s, vs, D, g, t);
   }
-  // The row sums over the 4-lane group, then o / l and lse = m + log l.
+  // o / l per row, and lse = m + log l.
 #pragma unroll
   for (int x = 0; x < 2; x++) {
-    float L = l[x];
-    L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 1));
-    L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 2));
-    if (!valid[x]) continue;
-    float* out = p.o + rows[x] * qstride + qoff;
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) {
-      out[n * 8 + 2 * t] = __fdiv_rn(o[n][2 * x], L);
-      out[n * 8 + 2 * t + 1] = __fdiv_rn(o[n][2 * x + 1], L);
-    }
-    if (t == 0) p.lse[static_cast<int64_t>(rows[x]) * p.heads + h] = __fadd_rn(m[x], logf(L));
+    const float L = ct_tc_finish_row(p.o + rows[x] * qstride + qoff, o, l[x], x, valid[x], D, t);
+    if (valid[x] && t == 0) p.lse[static_cast<int64_t>(rows[x]) * p.heads + h] = __fadd_rn(m[x], logf(L));
   }
 }
 

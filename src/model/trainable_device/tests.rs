@@ -249,6 +249,15 @@ fn memory_cfg_arch(arch: &str, layers: usize) -> ModelConfig {
     tiny_config(&spec).unwrap()
 }
 
+/// 16 sequences of a 5-token prompt and a 15-token response (vocabulary 300).
+fn batch_16x20() -> TrainBatch {
+    let mut b = TrainBatch::default();
+    for i in 0..16u32 {
+        b.push(&[1 + i, 2, 3, 4, 5], &(0..15).map(|j| (i * 7 + j * 3) % 300).collect::<Vec<_>>());
+    }
+    b
+}
+
 /// One step (forward, statistics, backward) of 16 sequences of 20 tokens on a fresh simulated
 /// sm_90a device `ordinal`: (the allocator's high-water mark beyond the parameters and
 /// gradients, the planned activation bytes, the gradients).
@@ -262,10 +271,7 @@ fn measure_step(
     let cd = CudaDevice::sim_unshared_arch(ordinal, "sm_90a");
     let dev = Device::Cuda(cd.clone());
     let specs = param_specs(cfg);
-    let mut b = TrainBatch::default();
-    for i in 0..16u32 {
-        b.push(&[1 + i, 2, 3, 4, 5], &(0..15).map(|j| (i * 7 + j * 3) % 300).collect::<Vec<_>>());
-    }
+    let b = batch_16x20();
     let (n, m, chunk) = (b.tokens.len(), b.rows.len(), 64);
     let names: Vec<String> = ["gate_proj", "up_proj", "down_proj"].iter().map(|s| s.to_string()).collect();
     let opts = crate::quant::nvfp4::Nvfp4Opts { rht: Some(3), stochastic: None };
@@ -426,10 +432,7 @@ fn bf16_step(cfg: &ModelConfig, ordinal: usize, bf16_inputs: bool, learner: bool
     let cd = CudaDevice::sim_unshared_arch(ordinal, "sm_90a");
     let dev = Device::Cuda(cd.clone());
     let specs = param_specs(cfg);
-    let mut b = TrainBatch::default();
-    for i in 0..16u32 {
-        b.push(&[1 + i, 2, 3, 4, 5], &(0..15).map(|j| (i * 7 + j * 3) % 300).collect::<Vec<_>>());
-    }
+    let b = batch_16x20();
     let (m, chunk) = (b.rows.len(), 64);
     let params = random_params(&specs, 5);
     let pt: Vec<Tensor> =

@@ -94,28 +94,7 @@ pub fn linear(
     m: usize,
     acc: bool,
 ) -> Result<()> {
-    let (n, k) = (w.dim(0), w.dim(1));
-    let xp = ptr(d, x, INPUTS, "linear input")?;
-    let wp = ptr(d, w, FLOATS, "linear weight")?;
-    let yp = ptr(d, y, &[DType::F32], "linear output")?;
-    if m == 0 {
-        return Ok(());
-    }
-    match w.dtype() {
-        DType::F32 => {
-            f32_input(x)?;
-            d.gemm(Elem::F32, wp, xp, yp, m, n, k, 1.0, acc, None)?
-        }
-        dt => {
-            let xh = rounded(d, x, xp, m * k, dt)?;
-            let e = if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
-            d.gemm(e, wp, xh.ptr, yp, m, n, k, 1.0, acc, None)?;
-        }
-    }
-    match b {
-        Some(b) => add_bias(d, yp, b, m, n),
-        None => Ok(()),
-    }
+    linear_onto(d, x, w, b, None, y, m, acc)
 }
 
 /// y (m, N) = r (m, N) + x · wᵀ (+ b): [`linear`] accumulating onto the residual r, which
@@ -129,24 +108,39 @@ pub fn linear_residual(
     y: &mut Tensor,
     m: usize,
 ) -> Result<()> {
+    linear_onto(d, x, w, b, Some(r), y, m, true)
+}
+
+/// y = x · wᵀ (+ b), accumulated (`acc`) onto y itself or, given `r`, onto r.
+#[allow(clippy::too_many_arguments)]
+fn linear_onto(
+    d: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    r: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+    acc: bool,
+) -> Result<()> {
     let (n, k) = (w.dim(0), w.dim(1));
     let xp = ptr(d, x, INPUTS, "linear input")?;
     let wp = ptr(d, w, FLOATS, "linear weight")?;
-    let rp = ptr(d, r, &[DType::F32], "linear residual")?;
+    let rp = r.map(|r| ptr(d, r, &[DType::F32], "linear residual")).transpose()?;
     let yp = ptr(d, y, &[DType::F32], "linear output")?;
     if m == 0 {
         return Ok(());
     }
-    match w.dtype() {
+    let (e, xg) = match w.dtype() {
         DType::F32 => {
             f32_input(x)?;
-            d.gemm_residual(Elem::F32, wp, xp, rp, yp, m, n, k)?
+            (Elem::F32, Rounded { ptr: xp, _scratch: None })
         }
-        dt => {
-            let xh = rounded(d, x, xp, m * k, dt)?;
-            let e = if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
-            d.gemm_residual(e, wp, xh.ptr, rp, yp, m, n, k)?;
-        }
+        dt => (if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 }, rounded(d, x, xp, m * k, dt)?),
+    };
+    match rp {
+        Some(rp) => d.gemm_residual(e, wp, xg.ptr, rp, yp, m, n, k)?,
+        None => d.gemm(e, wp, xg.ptr, yp, m, n, k, 1.0, acc, None)?,
     }
     match b {
         Some(b) => add_bias(d, yp, b, m, n),
