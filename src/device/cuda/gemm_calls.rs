@@ -1,0 +1,76 @@
+//! The cuBLASLt GEMM entry points of a [`CudaDevice`]: the forward form (y (+)= x·wᵀ), the
+//! residual form (y = c + x·wᵀ, cuBLASLt's C ≠ D) and the backward forms, each checked through
+//! the driver seam and declared to the launch ledger at its shapes.
+//!
+//! Owns: nothing (methods of `CudaDevice`). May call: the driver seam, `cost`. Must not: touch
+//! the allocator or tensors.
+
+use super::{cost, CudaDevice, Elem, Form, GemmKey};
+use anyhow::Result;
+
+impl CudaDevice {
+    /// y (m, n) f32 (+)= alpha · x (m, k) · w (n, k)ᵀ through cuBLASLt, w and x of element type
+    /// `ab` (device addresses); `scales`: NVFP4's (weight, activation) block-scale buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        ab: Elem,
+        w: u64,
+        x: u64,
+        y: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        accumulate: bool,
+        scales: Option<(u64, u64)>,
+    ) -> Result<()> {
+        self.run_gemm(GemmKey { m, n, k, ab, accumulate, form: Form::Nt }, w, x, y, y, alpha, scales)
+    }
+
+    /// y (m, n) f32 = c (m, n) f32 + x (m, k) · w (n, k)ᵀ through cuBLASLt (C ≠ D: a residual
+    /// added without copying it into y first), w and x of element type `ab`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_residual(&self, ab: Elem, w: u64, x: u64, c: u64, y: u64, m: usize, n: usize, k: usize) -> Result<()> {
+        self.run_gemm(GemmKey { m, n, k, ab, accumulate: true, form: Form::Nt }, w, x, c, y, 1.0, None)
+    }
+
+    /// y (m, n) f32 (+)= alpha · op(x) · op(w) through cuBLASLt in `form` (`Form::Nn`: the
+    /// data gradient x·w, `Form::Tn`: the weight gradient xᵀ·w; F32, BF16 or F16 operands).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_form(
+        &self,
+        form: Form,
+        ab: Elem,
+        w: u64,
+        x: u64,
+        y: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.run_gemm(GemmKey { m, n, k, ab, accumulate, form }, w, x, y, y, alpha, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_gemm(
+        &self,
+        key: GemmKey,
+        w: u64,
+        x: u64,
+        c: u64,
+        y: u64,
+        alpha: f32,
+        scales: Option<(u64, u64)>,
+    ) -> Result<()> {
+        if key.m == 0 || key.n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        self.inner.driver.gemm(key, w, x, c, y, alpha, scales)?;
+        self.record(key.op_name(), cost::gemm(&key));
+        Ok(())
+    }
+}
