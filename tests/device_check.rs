@@ -91,6 +91,8 @@ fn every_check_group_passes_on_both_simulated_architectures() {
             ("linear y = r + x·Wᵀ (C ≠ D) vs r + x·Wᵀ in place", "f32"),
             ("linear y = r + x·Wᵀ (C ≠ D) vs r + x·Wᵀ in place", "bf16"),
             ("swiglu: BF16 output vs the f32 output rounded", "bf16"),
+            ("swiglu backward: BF16 dg vs the f32 dg rounded", "bf16"),
+            ("swiglu backward: BF16 du vs the f32 du rounded", "bf16"),
         ] {
             assert_eq!(check(&r, op, dt)["pass"], true, "{arch} {op} {dt}");
         }

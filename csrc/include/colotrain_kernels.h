@@ -395,13 +395,16 @@ typedef struct ct_rmsnorm_bwd_params {
   int32_t accumulate;
 } ct_rmsnorm_bwd_params;
 
-/* SwiGLU backward over n values: s = sigmoid(g); du = da g s; dg = da u s (1 + g (1 - s)). */
+/* SwiGLU backward over n values: s = sigmoid(g); du = da g s; dg = da u s (1 + g (1 - s)),
+ * dg and du stored as out_dtype (F32, or BF16 rounded to nearest even: what the BF16 GEMMs of
+ * the gate and up projections' gradients that read them would round them to). */
 typedef struct ct_swiglu_bwd_params {
   const float* da;
   const float* g;
   const float* u;
-  float* dg;
-  float* du;
+  void* dg;
+  void* du;
+  int32_t out_dtype;
   int64_t n;
 } ct_swiglu_bwd_params;
 

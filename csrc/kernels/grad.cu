@@ -58,8 +58,9 @@ extern "C" __global__ void ct_swiglu_bwd(ct_swiglu_bwd_params p) {
   CT_GRID_LOOP(i, p.n) {
     const float g = p.g[i], da = p.da[i];
     const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
-    p.du[i] = __fmul_rn(da, __fmul_rn(g, s));
-    p.dg[i] = __fmul_rn(__fmul_rn(__fmul_rn(da, p.u[i]), s), __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s))));
+    ct_store(p.du, p.out_dtype, i, __fmul_rn(da, __fmul_rn(g, s)));
+    ct_store(p.dg, p.out_dtype, i,
+             __fmul_rn(__fmul_rn(__fmul_rn(da, p.u[i]), s), __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s)))));
   }
 }
 

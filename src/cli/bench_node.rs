@@ -57,6 +57,9 @@ pub struct NodeArgs {
     /// ledger beside the shape model (`node_ledger.rs`; 15 to 30 s per config here).
     #[arg(long)]
     pub ledger: bool,
+    /// With --ledger: how many of the costliest operations to print (0: every one).
+    #[arg(long, default_value_t = 12)]
+    pub ledger_rows: usize,
 }
 
 /// The report, as written to JSON.
@@ -131,7 +134,12 @@ pub fn peak_of(name: &str) -> Option<f64> {
 pub fn run(a: NodeArgs) -> Result<()> {
     let only = match (&a.model_gpu, &a.device) {
         (Some(gpu), None) => {
-            return super::node_model::print(a.config.as_deref(), a.model_config.as_deref(), gpu, a.ledger)
+            return super::node_model::print(
+                a.config.as_deref(),
+                a.model_config.as_deref(),
+                gpu,
+                a.ledger.then_some(a.ledger_rows),
+            )
         }
         (Some(gpu), Some(_)) => Some(super::node_model::gpu(gpu)?.name),
         (None, _) => None,

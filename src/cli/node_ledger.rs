@@ -316,7 +316,7 @@ fn by_phase(l: &Ledger, col: usize) -> BTreeMap<&'static str, PhaseRow> {
 }
 
 /// Prints rank 0's ledger of the dry step of `job` beside the shape model's `rows`, and its
-/// costliest operations.
+/// costliest operations (the first `top` of them; 0: every one).
 pub fn print(
     job: &JobConfig,
     student: &ModelConfig,
@@ -324,6 +324,7 @@ pub fn print(
     w: Workload,
     g: Gpu,
     rows: &[Row],
+    top: usize,
 ) -> Result<()> {
     let (arch, col) = arch_of(&g);
     let t0 = std::time::Instant::now();
@@ -357,7 +358,7 @@ pub fn print(
     let sec = |r: &LedgerRow| if col == 0 { r.h200_s } else { r.b300_s };
     let mut ops = ledger_rows(&l);
     ops.sort_by(|a, b| sec(b).total_cmp(&sec(a)));
-    for r in ops.iter().take(12) {
+    for r in ops.iter().take(if top == 0 { usize::MAX } else { top }) {
         println!(
             "| {} | {} | {} | {:.2} | {:.2} | {:.1} |",
             r.phase,

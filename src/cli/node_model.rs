@@ -196,7 +196,8 @@ pub fn phases(
 }
 
 /// `bench node --model-gpu`: the table for a config (default: the two shipped GPU configs).
-pub fn print(config: Option<&Path>, model_config: Option<&Path>, gpu_name: &str, ledger: bool) -> Result<()> {
+/// `ledger`: with the dry launch ledger, and how many of its costliest operations to print (0: all).
+pub fn print(config: Option<&Path>, model_config: Option<&Path>, gpu_name: &str, ledger: Option<usize>) -> Result<()> {
     let g = gpu(gpu_name)?;
     let configs: Vec<std::path::PathBuf> = match config {
         Some(c) => vec![c.to_path_buf()],
@@ -277,8 +278,8 @@ pub fn print(config: Option<&Path>, model_config: Option<&Path>, gpu_name: &str,
             3600.0 / total.max(1e-12)
         );
         super::node_ledger::print_memory(&j, &student, teacher.as_ref(), w.gpus, g)?;
-        if ledger {
-            super::node_ledger::print(&j, &student, teacher.as_ref(), w, g, &rows)?;
+        if let Some(top) = ledger {
+            super::node_ledger::print(&j, &student, teacher.as_ref(), w, g, &rows, top)?;
         }
     }
     Ok(())

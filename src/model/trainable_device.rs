@@ -132,9 +132,9 @@ pub struct DeviceTrainable {
     exact_learner: bool,
     /// Keep each layer's input only, and run the layer again in the backward.
     checkpoint: bool,
-    /// On CUDA, the inputs that only BF16 GEMMs read (the two norms' outputs, SwiGLU's) are
-    /// written in BF16 by their producers instead of f32 rounded by each GEMM
-    /// ([`Self::set_bf16_inputs`]).
+    /// On CUDA, the operands that only BF16 GEMMs read (the two norms' outputs, SwiGLU's, and
+    /// SwiGLU's gradients) are written in BF16 by their producers instead of f32 rounded by
+    /// each GEMM ([`Self::set_bf16_inputs`]).
     bf16_inputs: bool,
 }
 
@@ -204,7 +204,9 @@ impl DeviceTrainable {
     /// BF16 weights and no NVFP4 learner (which quantizes from the f32 values). Those GEMMs,
     /// forward and weight gradient, round their f32 input to BF16 first otherwise: the same
     /// values, so the same bits, without a `ct_cast` launch and its 6 bytes a value per GEMM
-    /// and with half the producers' writes. Off: every activation f32 (the reference).
+    /// and with half the producers' writes. Likewise in the backward, SwiGLU's gradients dg and
+    /// du (the gate and up projections' dy) where those are dense BF16 linears without biases.
+    /// Off: every activation and gradient f32 (the reference).
     pub fn set_bf16_inputs(&mut self, on: bool) {
         self.bf16_inputs = on;
     }
@@ -503,6 +505,20 @@ impl DeviceTrainable {
         Ok((a, x))
     }
 
+    /// The dtype of SwiGLU's gradients dg and du in the backward (see [`Self::backward_with`]).
+    fn mlp_dy_dtype(&self, p: &[&Tensor]) -> DType {
+        let lq = self.quant.as_ref();
+        let learner = lq.is_some_and(|q| q.on(GATE) || q.on(UP));
+        let dense_bf16 = self.ix.layers.iter().all(|li| {
+            [li.gate, li.up].iter().all(|&w| p[w].dtype() == DType::BF16) && li.gb.is_none() && li.ub.is_none()
+        });
+        if self.bf16_inputs && !self.dev.is_cpu() && !learner && dense_bf16 {
+            DType::BF16
+        } else {
+            DType::F32
+        }
+    }
+
     /// Returns the saved activations to the allocator (between steps, while the engine decodes).
     pub fn release(&mut self) {
         self.acts.clear();
@@ -579,7 +595,13 @@ impl DeviceTrainable {
         norm::rmsnorm_bwd(&dev, &dh, &self.xf, p[nf], &self.rstdf, &mut dx, false, &mut grads[nf], n)?;
         done(0)?;
         let shape = Shape { heads: h, kv_heads: hkv, head_dim: d };
-        let (mut da, mut dg, mut du) = (z(&[n, i_dim])?, z(&[n, i_dim])?, z(&[n, i_dim])?);
+        // SwiGLU's gradients dg and du in BF16 where only the dense BF16 gate and up
+        // projections' gradient GEMMs read them (`set_bf16_inputs`; no biases, whose gradients
+        // sum f32 values, no NVFP4 learner, which rounds dy from f32 itself): the rounding
+        // each GEMM applied to the f32 values.
+        let mlp_dy = self.mlp_dy_dtype(p);
+        let (mut da, mut dg, mut du) =
+            (z(&[n, i_dim])?, dev.uninit(mlp_dy, &[n, i_dim])?, dev.uninit(mlp_dy, &[n, i_dim])?);
         let (mut dh2, mut datt, mut dh1) = (z(&[n, c])?, z(&[n, qd])?, z(&[n, c])?);
         let (mut dq, mut dk, mut dv) = (z(&[n, qd])?, z(&[n, kd])?, z(&[n, kd])?);
         // The gradients of the raw q and k rows, before q/k-norm (empty without it: then the

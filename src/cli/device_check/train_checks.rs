@@ -278,6 +278,15 @@ pub(super) fn backward(x: &mut Ctx) -> Result<()> {
     x.record("swiglu: BF16 output vs the f32 output rounded", "bf16", &want, &a16.to_f32_vec()?, Tol::Exact);
     x.cmp("swiglu backward: dg", "f32", &dg, Tol::Close(1e-6, 1e-5))?;
     x.cmp("swiglu backward: du", "f32", &du, Tol::Close(1e-6, 1e-5))?;
+    // Its BF16 gradients (the gate and up projections' dy in the trainer) against its f32
+    // ones rounded to nearest even on the host: exact.
+    let (mut gb, mut ub) = (x.gpu.zeros(DType::BF16, &[M, N])?, x.gpu.zeros(DType::BF16, &[M, N])?);
+    elementwise::swiglu_bwd(&x.gpu, &da.g, &gt.g, &up.g, &mut gb, &mut ub)?;
+    for (what, f, b) in [("dg", &dg.g, &gb), ("du", &du.g, &ub)] {
+        let want: Vec<f32> = f.to_f32_vec()?.iter().map(|&v| crate::device::bf16_rne(v).to_f32()).collect();
+        let name = format!("swiglu backward: BF16 {what} vs the f32 {what} rounded");
+        x.record(&name, "bf16", &want, &b.to_f32_vec()?, Tol::Exact);
+    }
     let v = 1000usize;
     let ids = x.u32s(&[M * 4], (0..(M * 4) as u32).map(|i| (i * i * 7 + 3) % 50).collect())?;
     let dxe = x.randp(DType::F32, &[M * 4, C], 1.0)?;

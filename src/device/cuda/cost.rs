@@ -289,9 +289,9 @@ pub fn rmsnorm_dw(p: &ffi::ct_rmsnorm_bwd_params) -> Cost {
     Cost::hbm(3.0 * e, e * 8.0 + 4.0 * n(p.rows) + 8.0 * n(p.cols))
 }
 
-/// da, g, u read; dg, du written; 10 FLOPs an element.
+/// da, g, u read; dg, du written in their dtype; 10 FLOPs an element.
 pub fn swiglu_bwd(p: &ffi::ct_swiglu_bwd_params) -> Cost {
-    Cost::hbm(10.0 * n(p.n), 20.0 * n(p.n))
+    Cost::hbm(10.0 * n(p.n), (12.0 + 2.0 * dsize(p.out_dtype)) * n(p.n))
 }
 
 pub fn col_sum(p: &ffi::ct_col_sum_params) -> Cost {

@@ -228,8 +228,8 @@ impl Kernel {
             Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax | Optim | PrefillAttentionTc | Swiglu => 2,
             RopeTable | Rope | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
             | ScatterAddRows | LmStats | LmDz | Nvfp4ScaleOut => 4,
-            RmsnormTrain => 2,
-            RmsnormBwd | RmsnormDw | SwigluBwd | RopeBwd | ColSum | EmbedBwd => 4,
+            RmsnormTrain | SwigluBwd => 2,
+            RmsnormBwd | RmsnormDw | RopeBwd | ColSum | EmbedBwd => 4,
             AttnFwd | AttnBwdDq | AttnBwdDkv | AttnFwdTc | AttnBwdDqTc | AttnBwdDkvTc => 4,
         }
     }

@@ -67,12 +67,14 @@ pub fn fill_normal(d: &CudaDevice, t: &mut Tensor, seed: u64, stream: u64, mean:
 
 pub fn swiglu_bwd(d: &CudaDevice, da: &Tensor, g: &Tensor, u: &Tensor, dg: &mut Tensor, du: &mut Tensor) -> Result<()> {
     let f = |t: &Tensor, what: &str| ptr(d, t, &[DType::F32], what);
+    let out = |t: &Tensor, what: &str| ptr(d, t, &[DType::F32, DType::BF16], what).map(vp);
     d.k_swiglu_bwd(ffi::ct_swiglu_bwd_params {
         da: f(da, "swiglu output gradient")? as *const f32,
         g: f(g, "swiglu gate")? as *const f32,
         u: f(u, "swiglu up")? as *const f32,
-        dg: f32p(f(dg, "swiglu gate gradient")?),
-        du: f32p(f(du, "swiglu up gradient")?),
+        dg: out(dg, "swiglu gate gradient")?,
+        du: out(du, "swiglu up gradient")?,
+        out_dtype: code(dg.dtype()),
         n: da.numel() as i64,
     })
 }

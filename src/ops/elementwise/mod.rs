@@ -60,10 +60,15 @@ pub fn amax_rows(dev: &Device, x: &Tensor, m: usize) -> Result<f32> {
 }
 
 /// SwiGLU backward over whole tensors: dg, du from da, the gate g and the up projection u.
+/// dg and du are f32, or on CUDA both BF16: the values rounded as the BF16 GEMMs of the gate
+/// and up projections' gradients round them (nothing else may read them then).
 pub fn swiglu_bwd(dev: &Device, da: &Tensor, g: &Tensor, u: &Tensor, dg: &mut Tensor, du: &mut Tensor) -> Result<()> {
     let n = da.numel();
     if [g.numel(), u.numel(), dg.numel(), du.numel()].iter().any(|&x| x != n) {
         anyhow::bail!("swiglu backward: tensors of {n} values expected");
+    }
+    if dg.dtype() != du.dtype() {
+        anyhow::bail!("swiglu backward: gradients of dtypes {} and {}", dg.dtype().name(), du.dtype().name());
     }
     match dev {
         Device::Cpu(_) => {

@@ -50,9 +50,10 @@ pub fn cast_rows_scaled(
     Ok(buf)
 }
 
-/// A GEMM's 16-bit input rows: x itself when it already holds them in the GEMM's dtype (a
-/// producer wrote them rounded: `rmsnorm_train`, `swiglu` with a BF16 output), else x (f32)
-/// rounded into a scratch buffer (kept alive with this value).
+/// A GEMM's 16-bit operand rows (an input, or an output gradient): x itself when it already
+/// holds them in the GEMM's dtype (a producer wrote them rounded: `rmsnorm_train`, `swiglu`,
+/// `swiglu_bwd` with a BF16 output), else x (f32) rounded into a scratch buffer (kept alive
+/// with this value).
 struct Rounded {
     ptr: u64,
     _scratch: Option<DevBuf>,
@@ -65,7 +66,7 @@ fn rounded(d: &CudaDevice, x: &Tensor, xp: u64, n: usize, dt: DType) -> Result<R
     }
     if x.dtype() != DType::F32 {
         bail!(
-            "linear: a {} input for {} GEMM operands (F32 inputs are rounded, or the operands' own dtype)",
+            "linear: a {} operand for {} GEMM operands (f32 values are rounded, or the operands' own dtype)",
             x.dtype().name(),
             dt.name()
         );
@@ -74,15 +75,16 @@ fn rounded(d: &CudaDevice, x: &Tensor, xp: u64, n: usize, dt: DType) -> Result<R
     Ok(Rounded { ptr: buf.ptr, _scratch: Some(buf) })
 }
 
-/// An F32 GEMM's input must be F32 (a 16-bit input would be read as f32 values).
+/// An F32 GEMM's operand must be F32 (16-bit values would be read as f32 values).
 fn f32_input(x: &Tensor) -> Result<()> {
     if x.dtype() != DType::F32 {
-        bail!("linear: a {} input for an F32 GEMM", x.dtype().name());
+        bail!("linear: a {} operand for an F32 GEMM", x.dtype().name());
     }
     Ok(())
 }
 
-/// The dtypes a linear's input may have: f32, or the 16-bit values a producer rounded.
+/// The dtypes a linear's input (and a backward's output gradient) may have: f32, or the
+/// 16-bit values a producer rounded.
 const INPUTS: &[DType] = &[DType::F32, DType::BF16, DType::F16];
 
 pub fn linear(
@@ -196,19 +198,22 @@ pub fn linear_q(d: &CudaDevice, x: &Tensor, wq: &QTensor, b: Option<&Tensor>, y:
 }
 
 /// dx (m, K) (+)= dy (m, N) · W (N, K): cuBLASLt's x·w form, dy rounded to a 16-bit weight's
-/// dtype first.
+/// dtype first (unless its producer wrote it so).
 pub fn linear_dx(d: &CudaDevice, dy: &Tensor, w: &Tensor, dx: &mut Tensor, m: usize, acc: bool) -> Result<()> {
     let (n, k) = (w.dim(0), w.dim(1));
-    let dyp = ptr(d, dy, &[DType::F32], "linear output gradient")?;
+    let dyp = ptr(d, dy, INPUTS, "linear output gradient")?;
     let wp = ptr(d, w, FLOATS, "linear weight")?;
     let dxp = ptr(d, dx, &[DType::F32], "linear input gradient")?;
     if m == 0 {
         return Ok(());
     }
     match w.dtype() {
-        DType::F32 => d.gemm_form(Form::Nn, Elem::F32, wp, dyp, dxp, m, k, n, 1.0, acc),
+        DType::F32 => {
+            f32_input(dy)?;
+            d.gemm_form(Form::Nn, Elem::F32, wp, dyp, dxp, m, k, n, 1.0, acc)
+        }
         dt => {
-            let dyh = cast_rows(d, dyp, m * n, dt)?;
+            let dyh = rounded(d, dy, dyp, m * n, dt)?;
             let e = if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
             d.gemm_form(Form::Nn, e, wp, dyh.ptr, dxp, m, k, n, 1.0, acc)
         }
@@ -227,24 +232,26 @@ pub fn linear_dw(
     operands: DType,
 ) -> Result<()> {
     let (n, k) = (dw.dim(0), dw.dim(1));
-    let dyp = ptr(d, dy, &[DType::F32], "linear output gradient")?;
+    let dyp = ptr(d, dy, INPUTS, "linear output gradient")?;
     let xp = ptr(d, x, INPUTS, "linear input")?;
     let dwp = ptr(d, dw, &[DType::F32], "linear weight gradient")?;
     if m == 0 {
         return if acc { Ok(()) } else { d.memset0(dwp, n * k * 4) };
     }
     if operands == DType::BF16 {
-        let (dyh, xh) = (cast_rows(d, dyp, m * n, DType::BF16)?, rounded(d, x, xp, m * k, DType::BF16)?);
+        let (dyh, xh) = (rounded(d, dy, dyp, m * n, DType::BF16)?, rounded(d, x, xp, m * k, DType::BF16)?);
         d.gemm_form(Form::Tn, Elem::BF16, xh.ptr, dyh.ptr, dwp, n, k, m, 1.0, acc)
     } else {
         f32_input(x)?;
+        f32_input(dy)?;
         d.gemm_form(Form::Tn, Elem::F32, xp, dyp, dwp, n, k, m, 1.0, acc)
     }
 }
 
 /// `super::linear_grads`: each projection's `linear_dx` and `linear_dw` launches, with x
 /// rounded to BF16 once for all weight gradients and dy once for both of its GEMMs when its
-/// weight is BF16 and the operands BF16 (the roundings are the same, so the bits are too).
+/// weight is BF16 and the operands BF16 (the roundings are the same, so the bits are too); a
+/// dy its producer already wrote in BF16 is not rounded at all.
 pub fn linear_grads<const J: usize>(
     d: &CudaDevice,
     x: &Tensor,
@@ -268,12 +275,18 @@ pub fn linear_grads<const J: usize>(
     };
     for (j, p) in projs.into_iter().enumerate() {
         let n = p.w.dim(0);
-        let dyp = ptr(d, p.dy, &[DType::F32], "linear output gradient")?;
+        let dyp = ptr(d, p.dy, INPUTS, "linear output gradient")?;
         let wp = ptr(d, p.w, FLOATS, "linear weight")?;
         let dwp = ptr(d, p.dw, &[DType::F32], "linear weight gradient")?;
         // dx: dy in the weight's dtype (`linear_dx`).
         let wdt = p.w.dtype();
-        let dyw = if wdt == DType::F32 { None } else { Some(cast_rows(d, dyp, m * n, wdt)?) };
+        let dyw = match wdt {
+            DType::F32 => {
+                f32_input(p.dy)?;
+                None
+            }
+            _ => Some(rounded(d, p.dy, dyp, m * n, wdt)?),
+        };
         let acc = acc_dx || j > 0;
         match &dyw {
             None => d.gemm_form(Form::Nn, Elem::F32, wp, dyp, dxp, m, k, n, 1.0, acc)?,
@@ -284,13 +297,16 @@ pub fn linear_grads<const J: usize>(
         }
         // dw (`linear_dw`): BF16 operands reuse dx's rounding of dy when it is BF16.
         match &xh {
-            None => d.gemm_form(Form::Tn, Elem::F32, xp, dyp, dwp, n, k, m, 1.0, true)?,
+            None => {
+                f32_input(p.dy)?;
+                d.gemm_form(Form::Tn, Elem::F32, xp, dyp, dwp, n, k, m, 1.0, true)?
+            }
             Some(xh) => {
                 let own;
                 let dyb = match &dyw {
                     Some(h) if wdt == DType::BF16 => h.ptr,
                     _ => {
-                        own = cast_rows(d, dyp, m * n, DType::BF16)?;
+                        own = rounded(d, p.dy, dyp, m * n, DType::BF16)?;
                         own.ptr
                     }
                 };
