@@ -97,10 +97,12 @@ fn every_check_group_passes_on_both_simulated_architectures() {
             assert_eq!(check(&r, op, dt)["pass"], true, "{arch} {op} {dt}");
         }
         assert!(text.contains("BF16 output vs the f32 output rounded"), "{text}");
-        // The one-pass OPD loss against the two passes, bit for bit.
-        for part in ["log p(y)", "entropy", "value", "dh", "dWh"] {
-            let op = format!("LM head one pass (OPD coefficients on the GPU) vs two passes: {part}");
-            assert_eq!(check(&r, &op, "f32 head")["pass"], true, "{arch} {op}");
+        // The one-pass OPD and TIS losses against the two passes.
+        for kind in ["OPD", "TIS"] {
+            for part in ["log p(y)", "entropy", "value", "dh", "dWh"] {
+                let op = format!("LM head one pass ({kind} coefficients on the GPU) vs two passes: {part}");
+                assert_eq!(check(&r, &op, "f32 head")["pass"], true, "{arch} {op}");
+            }
         }
         // The real W8A8 / W4A4 paths: CUTLASS's FP8 on both; its NVFP4 kernel only on sm_100.
         assert_eq!(check(&r, "W8A8 GEMM via Cutlass", "fp8")["pass"], true, "{arch}");

@@ -127,7 +127,7 @@ fn one_sgd_step_on_the_simulator_is_theta_minus_grad() {
 /// centered REINFORCE) plus OPD with an advantage offset, SFT and GRPO without TIS, in
 /// micro-batches of at most 16 tokens (3 of the OPD fixture batch, 4 of the RL one), BF16
 /// weights with checkpointing on sm_90a. The one pass runs where the objective allows it
-/// (all but TIS and TRIAGE): one LM-head GEMM per chunk and one ct_lm_stats fewer than the
+/// (all but TRIAGE): one LM-head GEMM per chunk and one ct_lm_stats fewer than the
 /// two passes, the same count for those two. With two minibatches (OPD, GRPO, TRIAGE) the
 /// first is fused and the second scored after it: the same bits again, over two updates.
 #[test]
@@ -182,8 +182,8 @@ fn the_fused_first_pass_steps_like_score_then_backward() {
         let [stats, fwd] = two.4;
         assert!(stats >= 2 && stats % 2 == 0, "{}: statistics launches {:?}", c.key, two.4);
         most_chunks = most_chunks.max(stats / 2);
-        // TIS and TRIAGE need π_old's log-probs for their coefficients: two passes.
-        let two_pass = c.key.starts_with("grpo_tis") || c.key.starts_with("triage");
+        // TRIAGE needs whole segments of π_old's log-probs for its coefficients: two passes.
+        let two_pass = c.key.starts_with("triage");
         if c.key.ends_with("_mb2") {
             // Only the first minibatch's chunks lose their statistics pass.
             let saved = stats - one.4[0];

@@ -475,7 +475,13 @@ typedef struct ct_attn_train_params {
  *   the row at ratio 1 from its own log-prob, in double then rounded to float as
  *   src/objective/{opd,sft}.rs do: w = 1 / coef_den[r] (0 where coef_den[r] is 0),
  *   coef_out[r] = w ((coef_teacher[r] - logp_r) + coef_offset) (OPD, seed 000 Eq. 1) or w (SFT,
- *   coef_teacher NULL), which the host then gives ct_lm_dz as its coef. */
+ *   coef_teacher NULL), which the host then gives ct_lm_dz as its coef. With coef_adv (GRPO or
+ *   REINFORCE with TIS, seed 004 Eq. 3, as src/objective/grpo.rs's base at rho = 1; coef_teacher
+ *   NULL): v = fmin(exp(logp_r - coef_sampler[r]), coef_cap), rho = exp(logp_r - logp_r) (1, or
+ *   NaN for a log-prob that is not finite, as the host's), coef_out[r] = ((w v) coef_adv[r]) rho
+ *   (never clipped at rho = 1). exp is the device's double exp (at most 1 ulp from the host's
+ *   correctly rounded one: a coefficient may differ from the host's in its last f32 bit, rarely;
+ *   the simulator runs the host's, the same bits). */
 typedef struct ct_lm_params {
   float* z;
   const uint32_t* targets;
@@ -495,6 +501,9 @@ typedef struct ct_lm_params {
   const float* coef_teacher;   /* (rows) or NULL */
   double coef_offset;
   float* coef_out;             /* (rows) */
+  const float* coef_sampler;   /* (rows) the sampler's log-probs, with coef_adv */
+  const double* coef_adv;      /* (rows) advantages, or NULL: no TIS */
+  double coef_cap;             /* TIS cap C */
 } ct_lm_params;
 
 /* ---- optimizer.cu: the optimizer step on the device ------------------------------------- */

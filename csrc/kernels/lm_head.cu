@@ -10,10 +10,17 @@
 
 // The row's coefficient at ratio 1 from its log-prob lp (the header's one pass): the double
 // operations of src/objective/opd.rs (w * ((teacher - logp) + offset), the ratio's factor 1
-// left out: exact) and sft.rs (w), each correctly rounded and none contracted into an FMA.
+// left out: exact), sft.rs (w) and grpo.rs's base with TIS (((w * v) * a) * rho), each
+// correctly rounded and none contracted into an FMA.
 __device__ __forceinline__ float ct_lm_coef(const ct_lm_params& p, int row, float lp) {
   const uint32_t den = p.coef_den[row];
   const double w = den == 0u ? 0.0 : __ddiv_rn(1.0, static_cast<double>(den));
+  if (p.coef_adv != nullptr) {
+    const double l = static_cast<double>(lp);
+    const double v = fmin(exp(__dsub_rn(l, static_cast<double>(p.coef_sampler[row]))), p.coef_cap);
+    const double rho = exp(__dsub_rn(l, l));
+    return __double2float_rn(__dmul_rn(__dmul_rn(__dmul_rn(w, v), p.coef_adv[row]), rho));
+  }
   if (p.coef_teacher == nullptr) return __double2float_rn(w);
   const double a = __dsub_rn(static_cast<double>(p.coef_teacher[row]), static_cast<double>(lp));
   return __double2float_rn(__dmul_rn(w, __dadd_rn(a, p.coef_offset)));

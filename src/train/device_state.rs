@@ -29,7 +29,7 @@ use crate::device::{DType, Device, Tensor};
 use crate::model::trainable::TrainBatch;
 use crate::model::trainable_device::DeviceTrainable;
 use crate::model::{ModelConfig, ModelWeights};
-use crate::ops::lm_head::{Coef, DevCenter, Pass, StatsOut};
+use crate::ops::lm_head::{Coef, DevCenter, Pass, StatsOut, TisRule};
 use crate::ops::optim::{self, Compute, Layout, Rule, State};
 use anyhow::{bail, Result};
 use std::ops::Range;
@@ -100,10 +100,11 @@ fn buckets_of(spans: &[(usize, usize)], points: &[usize]) -> Vec<Vec<Range<usize
 
 /// The coefficients of a one-pass loss ([`DeviceState::one_pass`]), per scored row of the
 /// micro-batch: known before the pass, or the pass's own rule (`lm_head::Coef::Rule`: the
-/// aggregation denominators, the teacher's log-probs, the offset).
+/// aggregation denominators, the teacher's log-probs, the offset; or TIS's sampler log-probs,
+/// advantages and cap).
 pub(super) enum OnePassCoef<'a> {
     Given(&'a [f32]),
-    Rule { den: &'a [u32], teacher: Option<&'a [f32]>, offset: f64 },
+    Rule { den: &'a [u32], teacher: Option<&'a [f32]>, offset: f64, tis: Option<(&'a [f32], &'a [f64], f64)> },
 }
 
 pub(super) struct DeviceState {
@@ -337,20 +338,37 @@ impl DeviceState {
         let m = b.rows.len();
         let up = |x: &[f32]| self.dev.from_f32(DType::F32, &[x.len()], x);
         // The host's per-row numbers, uploaded.
+        let words = |v: Vec<u32>| self.dev.upload(Tensor::from_u32_host(&[v.len()], v)?);
+        struct RuleUp {
+            den: Tensor,
+            teacher: Option<Tensor>,
+            offset: f64,
+            /// The sampler's log-probs, the advantages' words, the cap.
+            tis: Option<(Tensor, Tensor, f64)>,
+        }
         enum Uploaded {
             Given(Tensor),
-            Rule(Tensor, Option<Tensor>, f64),
+            Rule(Box<RuleUp>),
         }
         let on_device = match coef {
             OnePassCoef::Given(c) => Uploaded::Given(up(c)?),
-            OnePassCoef::Rule { den, teacher, offset } => {
-                let d = self.dev.upload(Tensor::from_u32_host(&[den.len()], den.to_vec())?)?;
-                Uploaded::Rule(d, teacher.map(up).transpose()?, offset)
+            OnePassCoef::Rule { den, teacher, offset, tis } => {
+                let tis = match tis {
+                    Some((s, a, cap)) => Some((up(s)?, words(TisRule::words(a))?, cap)),
+                    None => None,
+                };
+                let (den, teacher) = (words(den.to_vec())?, teacher.map(up).transpose()?);
+                Uploaded::Rule(Box::new(RuleUp { den, teacher, offset, tis }))
             }
         };
         let coef = match &on_device {
             Uploaded::Given(c) => Coef::Given(c),
-            Uploaded::Rule(den, teacher, offset) => Coef::Rule { den, teacher: teacher.as_ref(), offset: *offset },
+            Uploaded::Rule(r) => Coef::Rule {
+                den: &r.den,
+                teacher: r.teacher.as_ref(),
+                offset: r.offset,
+                tis: r.tis.as_ref().map(|(sampler, adv, cap)| TisRule { sampler, adv, cap: *cap }),
+            },
         };
         let (mut lp, mut en) = (self.dev.uninit(DType::F32, &[m])?, self.dev.uninit(DType::F32, &[m])?);
         let stats = StatsOut { logp: &mut lp, entropy: &mut en };

@@ -56,12 +56,15 @@ impl Objective {
 
     /// How the device's one-pass loss gets this objective's coefficients at the step's first
     /// update (ratio 1, `train/trainer/fused.rs`); None: from a statistics pass before it
-    /// (TIS's weight exp(log π_old − log π_s) and TRIAGE's gate need π_old's log-probs).
+    /// (TRIAGE's gate and repair need whole segments of π_old's log-probs).
     pub fn one_pass(&self) -> Option<OnePass> {
         match self {
-            Objective::Sft => Some(OnePass::Rule { teacher: false, offset: 0.0 }),
-            Objective::Opd { offset } => Some(OnePass::Rule { teacher: true, offset: *offset }),
-            Objective::Pg { pg, triage: None, .. } if pg.tis_cap.is_none() => Some(OnePass::Known),
+            Objective::Sft => Some(OnePass::Rule { teacher: false, offset: 0.0, tis: None }),
+            Objective::Opd { offset } => Some(OnePass::Rule { teacher: true, offset: *offset, tis: None }),
+            Objective::Pg { pg, triage: None, .. } => match pg.tis_cap {
+                None => Some(OnePass::Known),
+                Some(cap) => Some(OnePass::Rule { teacher: false, offset: 0.0, tis: Some(cap) }),
+            },
             Objective::Pg { .. } => None,
         }
     }
@@ -112,8 +115,9 @@ pub enum OnePass {
     /// the pass (GRPO and REINFORCE without TIS: ρ = 1, nothing clipped, c_t = w_t·A_t).
     Known,
     /// Each depends on its token's own log-prob: the pass evaluates them on the device
-    /// (`ops::lm_head::Coef::Rule`: OPD with the teacher's log-probs and the offset; SFT).
-    Rule { teacher: bool, offset: f64 },
+    /// (`ops::lm_head::Coef::Rule`: OPD with the teacher's log-probs and the offset; SFT; GRPO
+    /// and REINFORCE with TIS at cap `tis`, with the sampler's log-probs and the advantages).
+    Rule { teacher: bool, offset: f64, tis: Option<f64> },
 }
 
 /// Per-step inputs, token-aligned with the concatenated responses.

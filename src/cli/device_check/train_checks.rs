@@ -177,45 +177,68 @@ pub(super) fn train_gemm(x: &mut Ctx) -> Result<()> {
     one_pass(x, &h.g, &wh.g, &r)
 }
 
-/// The one-pass OPD loss on the GPU (`lm_head::Coef::Rule`: the loss pass evaluates each row's
-/// coefficient from its own log-prob, offset 0.15, token-mean over the rows with one masked)
-/// against the GPU's two passes (statistics, `objective::opd` on the host, then the loss pass
-/// given those coefficients): the same bits.
+/// The one-pass loss on the GPU (`lm_head::Coef::Rule`: the loss pass evaluates each row's
+/// coefficient from its own log-prob, token-mean over the rows with one masked) against the
+/// GPU's two passes (statistics, the objective on the host, then the loss pass given those
+/// coefficients): OPD (offset 0.15) the same bits; GRPO with TIS (C = 2, advantages of both
+/// signs, the sampler's log-probs around the head's) within 1e-6 + 1e-5·|ref| for what the
+/// coefficients reach (the device's f64 exp may differ from the host's in its last bit, which
+/// may move a coefficient's last f32 bit), the statistics the same bits.
 fn one_pass(x: &mut Ctx, h: &Tensor, wh: &Tensor, r: &crate::ops::lm_head::Rows<'_>) -> Result<()> {
     use crate::config::LossAgg;
+    use crate::objective::grpo::{self, PgConfig};
     use crate::objective::{agg_denominators, opd, TokenStats};
-    use crate::ops::lm_head::{self, Coef, Pass, StatsOut};
+    use crate::ops::lm_head::{self, Coef, Pass, StatsOut, TisRule};
     let (n, g) = (r.rows.numel(), x.gpu.clone());
     let teacher: Vec<f32> = x.randn(n, 0.5).iter().map(|v| v - 1.5).collect();
+    let gap: Vec<f32> = x.randn(n, 0.6);
+    let adv: Vec<f64> = (0..n).map(|i| if i % 3 == 0 { -0.75 } else { 1.5 }).collect();
+    let pg = PgConfig { eps_low: 0.2, eps_high: 0.28, tis_cap: Some(2.0) };
     let mask: Vec<bool> = (0..n).map(|i| i != 3).collect();
     let zeros = vec![0.0f32; n];
     let lens = [n];
-    let st = |lp: &'_ [f32]| -> Result<crate::objective::Coefficients> {
-        let s = TokenStats { teacher: Some(&teacher), mask: Some(&mask), ..TokenStats::of(&lens, lp) };
-        opd::coefficients_with_offset(&s, LossAgg::TokenMean, 0.15)
-    };
     let s = TokenStats { mask: Some(&mask), ..TokenStats::of(&lens, &zeros) };
     let dens: Vec<u32> = agg_denominators(&s, LossAgg::TokenMean).iter().map(|&d| d as u32).collect();
     let den = g.upload(Tensor::from_u32_host(&[n], dens)?)?;
     let tt = g.from_f32(DType::F32, &[n], &teacher)?;
+    let adv_t = g.upload(Tensor::from_u32_host(&[2 * n], TisRule::words(&adv))?)?;
     let (v, c) = (wh.dim(0), wh.dim(1));
     let zero = |shape: &[usize]| g.zeros(DType::F32, shape);
-    let (mut dh1, mut dw1, mut lp1, mut en1) = (zero(h.shape())?, zero(&[v, c])?, zero(&[n])?, zero(&[n])?);
-    let coef = Coef::Rule { den: &den, teacher: Some(&tt), offset: 0.15 };
-    let stats = Some(StatsOut { logp: &mut lp1, entropy: &mut en1 });
-    let pass = Pass { coef, center: None, temperature: 0.7, chunk: 8, stats, loss: true };
-    let l1 = lm_head::loss_grad_with(&g, h, wh, r, pass, &mut dh1, &mut dw1)?.unwrap_or(f64::NAN) as f32;
     let (mut lp2, mut en2) = (zero(&[n])?, zero(&[n])?);
     lm_head::stats(&g, h, wh, r, 0.7, 8, &mut lp2, &mut en2)?;
-    let coef2 = g.from_f32(DType::F32, &[n], &st(&lp2.to_f32_vec()?)?.coef)?;
-    let (mut dh2, mut dw2) = (zero(h.shape())?, zero(&[v, c])?);
-    let l2 = lm_head::loss_grad(&g, h, wh, r, &coef2, None, 0.7, 8, &mut dh2, &mut dw2)? as f32;
-    let name = "LM head one pass (OPD coefficients on the GPU) vs two passes";
-    x.record(&format!("{name}: log p(y)"), "f32 head", &lp2.to_f32_vec()?, &lp1.to_f32_vec()?, Tol::Exact);
-    x.record(&format!("{name}: entropy"), "f32 head", &en2.to_f32_vec()?, &en1.to_f32_vec()?, Tol::Exact);
-    x.record(&format!("{name}: value"), "f32 head", &[l2], &[l1], Tol::Exact);
-    x.record(&format!("{name}: dh"), "f32 head", &dh2.to_f32_vec()?, &dh1.to_f32_vec()?, Tol::Exact);
-    x.record(&format!("{name}: dWh"), "f32 head", &dw2.to_f32_vec()?, &dw1.to_f32_vec()?, Tol::Exact);
+    let lp2v = lp2.to_f32_vec()?;
+    let sampler: Vec<f32> = lp2v.iter().zip(&gap).map(|(l, d)| l + d).collect();
+    let st = g.from_f32(DType::F32, &[n], &sampler)?;
+    for kind in ["OPD", "TIS"] {
+        let (mut dh1, mut dw1, mut lp1, mut en1) = (zero(h.shape())?, zero(&[v, c])?, zero(&[n])?, zero(&[n])?);
+        let tis = (kind == "TIS").then_some(TisRule { sampler: &st, adv: &adv_t, cap: 2.0 });
+        let coef = Coef::Rule { den: &den, teacher: (kind == "OPD").then_some(&tt), offset: 0.15, tis };
+        let stats = Some(StatsOut { logp: &mut lp1, entropy: &mut en1 });
+        let pass = Pass { coef, center: None, temperature: 0.7, chunk: 8, stats, loss: true };
+        let l1 = lm_head::loss_grad_with(&g, h, wh, r, pass, &mut dh1, &mut dw1)?.unwrap_or(f64::NAN) as f32;
+        let s = TokenStats {
+            teacher: Some(&teacher),
+            mask: Some(&mask),
+            logp_old: Some(&lp2v),
+            sampler: Some(&sampler),
+            advantages: Some(&adv),
+            ..TokenStats::of(&lens, &lp2v)
+        };
+        let cf = match kind {
+            "OPD" => opd::coefficients_with_offset(&s, LossAgg::TokenMean, 0.15)?,
+            _ => grpo::coefficients(&s, LossAgg::TokenMean, &pg)?,
+        };
+        let coef2 = g.from_f32(DType::F32, &[n], &cf.coef)?;
+        let (mut dh2, mut dw2) = (zero(h.shape())?, zero(&[v, c])?);
+        let l2 = lm_head::loss_grad(&g, h, wh, r, &coef2, None, 0.7, 8, &mut dh2, &mut dw2)? as f32;
+        let tol = if kind == "OPD" { Tol::Exact } else { Tol::Close(1e-6, 1e-5) };
+        let name = format!("LM head one pass ({kind} coefficients on the GPU) vs two passes");
+        x.record(&format!("{name}: log p(y)"), "f32 head", &lp2v, &lp1.to_f32_vec()?, Tol::Exact);
+        x.record(&format!("{name}: entropy"), "f32 head", &en2.to_f32_vec()?, &en1.to_f32_vec()?, Tol::Exact);
+        x.record(&format!("{name}: value"), "f32 head", &[l2], &[l1], tol);
+        x.record(&format!("{name}: dh"), "f32 head", &dh2.to_f32_vec()?, &dh1.to_f32_vec()?, tol);
+        x.record(&format!("{name}: dWh"), "f32 head", &dw2.to_f32_vec()?, &dw1.to_f32_vec()?, tol);
+    }
     Ok(())
 }
 

@@ -256,9 +256,11 @@ pub fn sum_sq_finish(p: &ffi::ct_sum_sq_params) -> Cost {
 /// ct_lm_stats over a chunk of logits: z scaled in place (read, written), 4 FLOPs an element.
 pub fn lm_stats(p: &ffi::ct_lm_params) -> Cost {
     let e = n(p.rows) * n(p.vocab);
-    // The one pass's coefficient: its denominator (and teacher log-prob) read, the value written.
+    // The one pass's coefficient: its denominator (and teacher log-prob, or sampler log-prob
+    // and advantage) read, the value written.
     let teacher = if p.coef_teacher.is_null() { 0.0 } else { 4.0 };
-    let coef = if p.coef_den.is_null() { 0.0 } else { (8.0 + teacher) * n(p.rows) };
+    let tis = if p.coef_adv.is_null() { 0.0 } else { 12.0 };
+    let coef = if p.coef_den.is_null() { 0.0 } else { (8.0 + teacher + tis) * n(p.rows) };
     Cost::hbm(4.0 * e, 8.0 * e + 16.0 * n(p.rows) + coef)
 }
 

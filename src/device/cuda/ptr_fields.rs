@@ -181,6 +181,8 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_lm_params, coef_den),
             offset_of!(ffi::ct_lm_params, coef_teacher),
             offset_of!(ffi::ct_lm_params, coef_out),
+            offset_of!(ffi::ct_lm_params, coef_sampler),
+            offset_of!(ffi::ct_lm_params, coef_adv),
         ],
         "ct_sum_sq_params" => &[
             offset_of!(ffi::ct_sum_sq_params, g),

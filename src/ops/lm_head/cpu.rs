@@ -39,13 +39,35 @@ pub fn stats(
     Ok(())
 }
 
-/// [`Coef::Rule`]'s c_i from the row's log-prob: `objective::opd` at ratio 1 with a teacher,
-/// `objective::sft` without, w = 1/den in f64.
-fn rule(den: u32, teacher: Option<f32>, offset: f64, logp: f32) -> f32 {
+/// What [`Coef::Rule`] reads of a row besides its denominator.
+enum RowRule {
+    Sft,
+    Opd {
+        teacher: f32,
+        offset: f64,
+    },
+    /// The sampler's log-prob, the advantage and the cap.
+    Tis {
+        sampler: f32,
+        adv: f64,
+        cap: f64,
+    },
+}
+
+/// [`Coef::Rule`]'s c_i from the row's log-prob, w = 1/den in f64: `objective::opd` at ratio
+/// 1 with a teacher, `objective::sft` without, `objective::grpo::base` with TIS at ρ = 1
+/// (there ρ = exp(logp − logp_old) with logp_old = logp: 1, or NaN where logp is not finite).
+fn rule(den: u32, r: RowRule, logp: f32) -> f32 {
     let w = if den == 0 { 0.0 } else { 1.0 / den as f64 };
-    match teacher {
-        Some(t) => (w * ((t as f64 - logp as f64) + offset)) as f32,
-        None => w as f32,
+    let l = logp as f64;
+    match r {
+        RowRule::Opd { teacher, offset } => (w * ((teacher as f64 - l) + offset)) as f32,
+        RowRule::Sft => w as f32,
+        RowRule::Tis { sampler, adv, cap } => {
+            let v = (l - sampler as f64).exp().min(cap);
+            let rho = if l.is_finite() { 1.0 } else { f64::NAN };
+            (w * v * adv * rho) as f32
+        }
     }
 }
 
@@ -75,9 +97,21 @@ pub fn loss_grad(
     }
     let coef: Vec<f32> = match pass.coef {
         Coef::Given(k) => k.f32s()?.to_vec(),
-        Coef::Rule { den, teacher, offset } => {
+        Coef::Rule { den, teacher, offset, tis } => {
             let (den, teacher) = (den.u32s()?, teacher.map(|x| x.f32s()).transpose()?);
-            (0..n).map(|i| rule(den[i], teacher.map(|x| x[i]), offset, lp[i])).collect()
+            let tis = match tis {
+                Some(t) => Some((t.sampler.f32s()?, t.adv.u32s()?, t.cap)),
+                None => None,
+            };
+            let row = |i: usize| match (teacher, tis) {
+                (_, Some((s, a, cap))) => {
+                    let adv = f64::from_bits(a[2 * i] as u64 | (a[2 * i + 1] as u64) << 32);
+                    RowRule::Tis { sampler: s[i], adv, cap }
+                }
+                (Some(t), None) => RowRule::Opd { teacher: t[i], offset },
+                (None, None) => RowRule::Sft,
+            };
+            (0..n).map(|i| rule(den[i], row(i), lp[i])).collect()
         }
     };
     let ct = match pass.center {

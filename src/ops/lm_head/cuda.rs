@@ -97,6 +97,9 @@ impl Head {
             coef_teacher: std::ptr::null(),
             coef_offset: 0.0,
             coef_out: std::ptr::null_mut(),
+            coef_sampler: std::ptr::null(),
+            coef_adv: std::ptr::null(),
+            coef_cap: 0.0,
         })
     }
 }
@@ -142,19 +145,28 @@ pub fn loss_grad(
 ) -> Result<Option<f64>> {
     let pass = Head::new(d, h, wh, r)?;
     let total = r.rows.numel();
-    // (den, teacher or 0, offset) of a rule, and the coefficients' buffer.
+    // (den, teacher or 0, offset, TIS's (sampler, advantages, cap)) of a rule, and the
+    // coefficients' buffer.
     let (rule, own);
     let cp = match p.coef {
         Coef::Given(c) => {
             rule = None;
             ptr(d, c, &[DType::F32], "loss coefficients")?
         }
-        Coef::Rule { den, teacher, offset } => {
+        Coef::Rule { den, teacher, offset, tis } => {
             let tp = match teacher {
                 Some(t) => ptr(d, t, &[DType::F32], "teacher log-probs")?,
                 None => 0,
             };
-            rule = Some((ptr(d, den, &[DType::U32], "loss weight denominators")?, tp, offset));
+            let tis = match tis {
+                Some(t) => Some((
+                    ptr(d, t.sampler, &[DType::F32], "sampler log-probs")?,
+                    ptr(d, t.adv, &[DType::U32], "advantages")?,
+                    t.cap,
+                )),
+                None => None,
+            };
+            rule = Some((ptr(d, den, &[DType::U32], "loss weight denominators")?, tp, offset, tis));
             own = d.scratch(total.max(1) * 4, "loss coefficients")?;
             own.ptr
         }
@@ -187,10 +199,14 @@ pub fn loss_grad(
         if let Some((lp, en)) = outs {
             (sp.logp, sp.entropy) = (at(lp) as *mut f32, at(en) as *mut f32);
         }
-        if let Some((den, teacher, offset)) = rule {
+        if let Some((den, teacher, offset, tis)) = rule {
             sp.coef_den = at(den) as *const u32;
             sp.coef_teacher = if teacher == 0 { std::ptr::null() } else { at(teacher) as *const f32 };
             (sp.coef_offset, sp.coef_out) = (offset, at(cp) as *mut f32);
+            if let Some((sampler, adv, cap)) = tis {
+                sp.coef_sampler = at(sampler) as *const f32;
+                (sp.coef_adv, sp.coef_cap) = ((adv + 8 * start as u64) as *const f64, cap);
+            }
         }
         d.k_lm_stats(sp)?;
         p.coef = at(cp) as *const f32;

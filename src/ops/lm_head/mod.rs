@@ -92,8 +92,29 @@ pub enum Coef<'a> {
     /// then rounded to f32, as `objective::opd` and `objective::sft` compute them:
     /// c_i = w_i·((log p_T,i − logp_i) + offset) with `teacher` (OPD, seed 000 Eq. 1, the ratio
     /// ρ = 1), c_i = w_i without (SFT); w_i = 1/den_i (`objective::agg_denominators`, (n)
-    /// u32; 0: an inactive token, w_i = 0). `teacher`: (n) f32.
-    Rule { den: &'a Tensor, teacher: Option<&'a Tensor>, offset: f64 },
+    /// u32; 0: an inactive token, w_i = 0). `teacher`: (n) f32. With `tis` (and no teacher):
+    /// GRPO or REINFORCE with TIS, `objective::grpo::base` at ρ = 1 (never clipped there):
+    /// c_i = w_i·v_i·A_i, v_i = min(exp(logp_i − log π_s,i), C) (seed 004 Eq. 3).
+    Rule { den: &'a Tensor, teacher: Option<&'a Tensor>, offset: f64, tis: Option<TisRule<'a>> },
+}
+
+/// TIS's inputs of a [`Coef::Rule`].
+#[derive(Clone, Copy)]
+pub struct TisRule<'a> {
+    /// (n) f32: the sampler's log-probs log π_s.
+    pub sampler: &'a Tensor,
+    /// (2n) u32: the advantages A_i, f64 (the host's, exact), as their bits, low word first
+    /// ([`TisRule::words`]; tensors have no f64 dtype).
+    pub adv: &'a Tensor,
+    /// The cap C.
+    pub cap: f64,
+}
+
+impl TisRule<'_> {
+    /// f64 values as the u32 words `adv` holds.
+    pub fn words(adv: &[f64]) -> Vec<u32> {
+        adv.iter().flat_map(|a| [a.to_bits() as u32, (a.to_bits() >> 32) as u32]).collect()
+    }
 }
 
 /// The per-row statistics a loss pass may also write ([`stats`]'s, at no extra GEMM): (n) f32
@@ -111,8 +132,18 @@ fn check_coef(coef: Coef<'_>, n: usize) -> Result<()> {
     };
     let err = match coef {
         Coef::Given(c) => bad("coefficients", c, DType::F32),
-        Coef::Rule { den, teacher, .. } => bad("weight denominators", den, DType::U32)
-            .or_else(|| teacher.and_then(|t| bad("teacher log-probs", t, DType::F32))),
+        Coef::Rule { den, teacher, tis, .. } => bad("weight denominators", den, DType::U32)
+            .or_else(|| teacher.and_then(|t| bad("teacher log-probs", t, DType::F32)))
+            .or_else(|| tis.and_then(|t| bad("sampler log-probs", t.sampler, DType::F32)))
+            .or_else(|| {
+                tis.and_then(|t| {
+                    (t.adv.numel() != 2 * n || t.adv.dtype() != DType::U32)
+                        .then(|| anyhow::anyhow!("LM head: {n} advantages (as {} u32 words) expected", 2 * n))
+                })
+            })
+            .or_else(|| {
+                (teacher.is_some() && tis.is_some()).then(|| anyhow::anyhow!("LM head: a rule with a teacher and TIS"))
+            }),
     };
     err.map_or(Ok(()), Err)
 }

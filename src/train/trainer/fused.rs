@@ -19,15 +19,18 @@
 //! token's coefficient is either known before the pass (GRPO and REINFORCE without TIS:
 //! c_t = w_t·A_t, evaluated on the host with every log-prob 0) or a function of its own
 //! log-prob and of inputs known before the pass (SFT: its aggregation weight; OPD: also the
-//! teacher's log-prob and the offset), which the loss pass evaluates on the device
-//! (`ops::lm_head::Coef::Rule`). Either way the loss pass's statistics are π_old's, so the
+//! teacher's log-prob and the offset; GRPO and REINFORCE with TIS: w_t·min(exp(log π_old −
+//! log π_s), C)·A_t, the sampler's log-prob and the advantage), which the loss pass evaluates
+//! on the device (`ops::lm_head::Coef::Rule`). Either way the loss pass's statistics are π_old's, so the
 //! statistics pass and its LM-head GEMMs go, and the host reads nothing back (not even the
 //! loss pass's loss) until every micro-batch is queued. The same bits again for finite
 //! log-probs: the coefficients are the objective's, the rule's f64 operations its own, on the
 //! same log-probs. A log-prob that is not finite makes the host's coefficient NaN (ρ =
 //! exp(NaN)) where the one pass's may be finite or infinite; the step's evaluation after the
-//! pass then skips the update, as it would have. TIS and TRIAGE keep the two passes (TIS's
-//! weight is an exponential of π_old's log-prob, TRIAGE gates on it).
+//! pass then skips the update, as it would have. TIS's weight takes the device's f64 exp (at
+//! most 1 ulp from the host's: on a GPU a coefficient may, rarely, differ in its last f32 bit;
+//! the simulator runs the host's). TRIAGE keeps the two passes: its gate and repair read whole
+//! segments of π_old's log-probs.
 //!
 //! Owns: that pass, [`FirstPass`]. May call: the device state, the objective's evaluation.
 //! Must not: apply the update (the step does, after its skip checks).
@@ -58,7 +61,9 @@ pub enum FirstPass {
 /// inputs (aggregation denominators, the teacher's log-probs, the advantage offset).
 enum Rule<'a> {
     Known(Vec<f32>),
-    Device(Vec<u32>, Option<&'a [f32]>, f64),
+    /// Denominators, the teacher's log-probs, the offset, TIS's (sampler log-probs,
+    /// advantages, cap).
+    Device(Vec<u32>, Option<&'a [f32]>, f64, Option<(&'a [f32], &'a [f64], f64)>),
 }
 
 impl Trainer {
@@ -121,10 +126,11 @@ impl Trainer {
                 let rows = at - base..at - base + n;
                 let coef = match &rule {
                     Rule::Known(c) => OnePassCoef::Given(&c[rows.clone()]),
-                    Rule::Device(den, teacher, offset) => OnePassCoef::Rule {
+                    Rule::Device(den, teacher, offset, tis) => OnePassCoef::Rule {
                         den: &den[rows.clone()],
                         teacher: teacher.map(|t| &t[rows.clone()]),
                         offset: *offset,
+                        tis: tis.map(|(s, a, cap)| (&s[rows.clone()], &a[rows.clone()], cap)),
                     },
                 };
                 let last = i + 1 == mbs.len();
@@ -169,7 +175,7 @@ impl Trainer {
         let s = inp.stats(part, &zeros, &zeros);
         Ok(match how {
             OnePass::Known => Some(Rule::Known(super::evaluate(&self.objective, &s, self.agg, k)?.coefs.coef)),
-            OnePass::Rule { teacher, offset } => {
+            OnePass::Rule { teacher, offset, tis } => {
                 let teacher = match teacher {
                     true => match inp.teacher.as_deref() {
                         Some(t) => Some(&t[toks.clone()]),
@@ -177,9 +183,14 @@ impl Trainer {
                     },
                     false => None,
                 };
+                let tis = match (tis, inp.adv_tokens.as_deref()) {
+                    (Some(cap), Some(a)) => Some((&inp.sampler[toks.clone()], &a[toks.clone()], cap)),
+                    (Some(_), None) => return Ok(None), // as above
+                    (None, _) => None,
+                };
                 let den =
                     agg_denominators(&s, self.agg).into_iter().map(u32::try_from).collect::<Result<Vec<u32>, _>>();
-                den.ok().map(|d| Rule::Device(d, teacher, offset))
+                den.ok().map(|d| Rule::Device(d, teacher, offset, tis))
             }
         })
     }
@@ -274,13 +285,15 @@ mod tests {
     /// The one-pass loss's device rule (`ops::lm_head::Coef::Rule`) against the objective's
     /// code: the pass's log-probs and entropies are `lm_head::stats`'s bit for bit, and its
     /// gradients and loss are those of a loss pass given the coefficients `objective::opd`
-    /// (advantage offset 0.15) or `objective::sft` evaluates on those log-probs, under
+    /// (advantage offset 0.15), `objective::sft` or `objective::grpo` with TIS (C = 2, some
+    /// weights capped, advantages of both signs) evaluates on those log-probs, under
     /// seq-mean-token-mean with two masked tokens (w = 0), centered and not, F32 and BF16
     /// heads, in chunks of 5 of 13 rows; on the CPU arm and on the simulated GPU.
     fn one_pass_loss(dev: &crate::device::Device) {
         use crate::device::{DType, Tensor};
+        use crate::objective::grpo::{self, PgConfig};
         use crate::objective::{agg_denominators, opd, sft};
-        use crate::ops::lm_head::{loss_grad, loss_grad_with, stats, Coef, DevCenter, Pass, Rows, StatsOut};
+        use crate::ops::lm_head::{loss_grad, loss_grad_with, stats, Coef, DevCenter, Pass, Rows, StatsOut, TisRule};
         let (c, v, n_h, k) = (40usize, 1500usize, 23usize, 3usize);
         let mut rng = crate::rand::Stream::new(11, 3);
         let mut data = |n: usize, std: f64| -> Vec<f32> { (0..n).map(|_| (rng.normal() * std) as f32).collect() };
@@ -294,6 +307,11 @@ mod tests {
         let h = dev.from_f32(DType::F32, &[n_h, c], &data(n_h * c, 1.0)).unwrap();
         let whv = data(v * c, 0.3);
         let teacher: Vec<f32> = data(n, 0.5).iter().map(|x| x - 1.5).collect();
+        // The sampler's log-probs: the head's own plus a gap in [-1, 1] (v = e^-gap, capped
+        // at 2 below -ln 2); the advantages of the two responses, of both signs.
+        let gap: Vec<f32> = (0..n).map(|i| -1.0 + 2.0 * i as f32 / (n - 1) as f32).collect();
+        let adv: Vec<f64> = (0..n).map(|i| if i < 5 { 1.25 } else { -0.625 }).collect();
+        let pg = PgConfig { eps_low: 0.2, eps_high: 0.28, tis_cap: Some(2.0) };
         let rows = up(rows);
         let r = Rows { rows: &rows, targets: &targets };
         let mask: Vec<bool> = (0..n).map(|i| i != 2 && i != 9).collect();
@@ -303,31 +321,58 @@ mod tests {
         let den: Vec<u32> = agg_denominators(&s, LossAgg::SeqMeanTokenMean).iter().map(|&d| d as u32).collect();
         assert!(den.contains(&0) && den.iter().any(|&d| d > 1), "{den:?}");
         let (den_t, teacher_t) = (up(den), dev.from_f32(DType::F32, &[n], &teacher).unwrap());
+        let adv_t = up(TisRule::words(&adv));
         let bits = |t: &Tensor| t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
         for wdt in [DType::F32, DType::BF16] {
             let wh = dev.from_f32(wdt, &[v, c], &whv).unwrap();
-            for (opd_on, centered) in [(true, false), (true, true), (false, false)] {
-                let what = format!("{} {} head, centered {centered}", if opd_on { "OPD" } else { "SFT" }, wdt.name());
+            let zeros = |shape: &[usize]| dev.zeros(DType::F32, shape).unwrap();
+            let (mut lp2, mut en2) = (zeros(&[n]), zeros(&[n]));
+            stats(dev, &h, &wh, &r, 0.7, 5, &mut lp2, &mut en2).unwrap();
+            let sampler: Vec<f32> = lp2.to_f32_vec().unwrap().iter().zip(&gap).map(|(l, g)| l + g).collect();
+            let sampler_t = dev.from_f32(DType::F32, &[n], &sampler).unwrap();
+            for (kind, centered) in [("OPD", false), ("OPD", true), ("SFT", false), ("TIS", false), ("TIS", true)] {
+                let what = format!("{kind} {} head, centered {centered}", wdt.name());
                 let ct = DevCenter { k, ids: &ids, probs: &probs };
                 let center = centered.then_some(&ct);
-                let zeros = |shape: &[usize]| dev.zeros(DType::F32, shape).unwrap();
                 let (mut dh, mut dwh, mut lp, mut en) = (zeros(&[n_h, c]), zeros(&[v, c]), zeros(&[n]), zeros(&[n]));
-                let coef = Coef::Rule { den: &den_t, teacher: opd_on.then_some(&teacher_t), offset: 0.15 };
+                let tis = TisRule { sampler: &sampler_t, adv: &adv_t, cap: 2.0 };
+                let coef = Coef::Rule {
+                    den: &den_t,
+                    teacher: (kind == "OPD").then_some(&teacher_t),
+                    offset: 0.15,
+                    tis: (kind == "TIS").then_some(tis),
+                };
                 let out = Some(StatsOut { logp: &mut lp, entropy: &mut en });
                 let pass = Pass { coef, center, temperature: 0.7, chunk: 5, stats: out, loss: true };
                 let loss =
                     loss_grad_with(dev, &h, &wh, &r, pass, &mut dh, &mut dwh).unwrap().expect("the loss, asked for");
-                let (mut lp2, mut en2) = (zeros(&[n]), zeros(&[n]));
-                stats(dev, &h, &wh, &r, 0.7, 5, &mut lp2, &mut en2).unwrap();
                 assert_eq!(bits(&lp), bits(&lp2), "{what}: log-probs");
                 assert_eq!(bits(&en), bits(&en2), "{what}: entropies");
                 let lpv = lp.to_f32_vec().unwrap();
-                let s = TokenStats { teacher: Some(&teacher), mask: Some(&mask), ..TokenStats::of(&seq_lens, &lpv) };
-                let cf = match opd_on {
-                    true => opd::coefficients_with_offset(&s, LossAgg::SeqMeanTokenMean, 0.15).unwrap(),
-                    false => sft::coefficients(&s, LossAgg::SeqMeanTokenMean).unwrap(),
+                let s = TokenStats {
+                    teacher: Some(&teacher),
+                    mask: Some(&mask),
+                    logp_old: Some(&lpv),
+                    sampler: Some(&sampler),
+                    advantages: Some(&adv),
+                    ..TokenStats::of(&seq_lens, &lpv)
+                };
+                let cf = match kind {
+                    "OPD" => opd::coefficients_with_offset(&s, LossAgg::SeqMeanTokenMean, 0.15).unwrap(),
+                    "SFT" => sft::coefficients(&s, LossAgg::SeqMeanTokenMean).unwrap(),
+                    _ => {
+                        let b = grpo::base(&s, LossAgg::SeqMeanTokenMean, &pg).unwrap();
+                        assert!(b.tis_mean > 0.0 && b.clipped == 0, "{what}: {}", b.tis_mean);
+                        grpo::coefficients(&s, LossAgg::SeqMeanTokenMean, &pg).unwrap()
+                    }
                 };
                 assert_eq!(cf.coef.iter().filter(|&&x| x != 0.0).count(), n - 2, "{what}: {:?}", cf.coef);
+                if kind == "TIS" {
+                    // Some weights capped at C, some not: both branches of the minimum ran.
+                    let v: Vec<f64> = lpv.iter().zip(&sampler).map(|(l, s)| (*l as f64 - *s as f64).exp()).collect();
+                    assert!(v.iter().any(|&x| x > 2.0) && v.iter().any(|&x| x < 1.0), "{what}: {v:?}");
+                    assert!(cf.coef.iter().any(|&x| x > 0.0) && cf.coef.iter().any(|&x| x < 0.0), "{what}");
+                }
                 let coef = dev.from_f32(DType::F32, &[n], &cf.coef).unwrap();
                 let (mut dh2, mut dwh2) = (zeros(&[n_h, c]), zeros(&[v, c]));
                 let loss2 = loss_grad(dev, &h, &wh, &r, &coef, center, 0.7, 5, &mut dh2, &mut dwh2).unwrap();
