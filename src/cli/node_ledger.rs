@@ -492,12 +492,14 @@ mod tests {
     /// trainer holds, and a budget below the train phase is refused in the plan's words.
     #[test]
     fn gpu_0s_memory_is_planned_as_a_run_plans_it() {
-        use crate::model::trainable_device::{DeviceTrainable, LearnerKeep};
+        use crate::model::trainable_device::{Bf16Operands, DeviceTrainable, LearnerKeep};
         let cfg = tiny("qwen2", 64, 128);
         let j = job("opd", "[engine]\nrecipe = \"bf16\"\n");
         let roomy = plan_gpu0(&j, &cfg, Some(&cfg), 2, "sm_90a", 1 << 30).unwrap();
         let p = &roomy.planned;
-        assert_eq!(p.activations, DeviceTrainable::activation_bytes(&cfg, 40, 16, LearnerKeep::Off, false));
+        let ops = Bf16Operands::of(&cfg, DType::BF16, [false; 3]);
+        assert!(ops.h1 && ops.h2 && ops.a && ops.dmlp && ops.head, "BF16 weights, no learner: {ops:?}");
+        assert_eq!(p.activations, DeviceTrainable::activation_bytes(&cfg, 40, 16, LearnerKeep::Off, false, ops));
         let weights = 2 * param_specs(&cfg).iter().map(|(_, s)| s.iter().product::<usize>()).sum::<usize>();
         assert_eq!(p.teacher, weights, "a BF16 teacher of the student's shapes");
         assert!(p.trainer_here > p.activations + 4 * weights / 2, "master, gradient and the ZeRO-1 buffers");

@@ -77,6 +77,41 @@ struct LayerCodes {
     a: Option<LearnerCodes>,      // (N, I) the down input
 }
 
+/// Which of a layer's GEMM-only operands the device trainer writes in BF16 (on CUDA, by
+/// default: `DeviceTrainable::set_bf16_inputs`), so that what it allocates and what the memory
+/// plan reserves ([`DeviceTrainable::activation_bytes`]) follow one rule.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Bf16Operands {
+    /// The first norm's output (q, k, v's input).
+    pub h1: bool,
+    /// The second norm's output (gate and up's input).
+    pub h2: bool,
+    /// SwiGLU's output (down's input).
+    pub a: bool,
+    /// SwiGLU's gradients dg and du (gate and up's output gradients).
+    pub dmlp: bool,
+    /// A BF16 LM head: the loss pass rounds each chunk's logits and rows to BF16 for its
+    /// gradient GEMMs (scratch the plan counts; the head rounds whatever `set_bf16_inputs` says).
+    pub head: bool,
+}
+
+impl Bf16Operands {
+    /// For weights of `dtype` on CUDA, the NVFP4 learner on `learner` = [gate, up, down] (it
+    /// quantizes its inputs and rounds its dy from f32): BF16 where every reader is a dense
+    /// BF16 linear, and for dg and du without MLP biases (whose gradients sum the f32 values).
+    pub fn of(cfg: &ModelConfig, dtype: DType, learner: [bool; 3]) -> Bf16Operands {
+        let bf = dtype == DType::BF16;
+        let gate_up = learner[0] || learner[1];
+        Bf16Operands {
+            h1: bf,
+            h2: bf && !gate_up,
+            a: bf && !learner[2],
+            dmlp: bf && !gate_up && !cfg.mlp_bias,
+            head: bf,
+        }
+    }
+}
+
 /// What the NVFP4 learner keeps of its rounded operands from the forward to the backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LearnerKeep {
@@ -144,43 +179,50 @@ fn up(dev: &Device, v: Vec<u32>) -> Result<Tensor> {
 }
 
 impl DeviceTrainable {
-    /// Peak device bytes of one micro-batch of `tokens` tokens (f32 throughout: an upper bound
-    /// where the GEMM-only inputs are BF16, [`Self::set_bf16_inputs`]): what
+    /// Peak device bytes of one micro-batch of `tokens` tokens, the operands `ops` says in
+    /// BF16 at 2 bytes a value and the rest f32 ([`Bf16Operands::of`] for the run's weights
+    /// and learner: what [`Self::forward`] and the backward then allocate): what
     /// [`Self::forward`] saves (every layer's `Acts`, the final stream, the RoPE tables, the
     /// batch's ids), the backward's working buffers, and the fused loss's chunk of logits with
     /// its gathered rows — what the memory plan reserves before it sizes the KV caches. The
     /// BF16 operand copies of the GEMMs (one (tokens, max(C, I, H·D)) at a time) are counted.
-    /// With the NVFP4 learner, its kept MLP inputs per token and MLP weights per layer besides
-    /// (`keep`: rounded f32 copies or codes), and its GEMMs' scratch: a linear's backward holds
-    /// dy in BF16, an f32 product and the input's BF16 unit values of (tokens, max(C, I)), and
-    /// the weight's BF16 unit values and the weight gradient's f32 product, (I, C) each.
-    /// With `checkpoint` ([`Self::set_checkpointing`]): each layer's input (N, C) instead of its
-    /// activations, and one layer's activations (and learner operands) at a time besides.
     pub fn activation_bytes(
         cfg: &ModelConfig,
         tokens: usize,
         chunk: usize,
         keep: LearnerKeep,
         checkpoint: bool,
+        ops: Bf16Operands,
     ) -> usize {
         let (c, i, h, hkv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let (qd, kd) = (h * d, hkv * d);
-        // Saved per layer: x h1 x2 h2 | qraw q att | kraw k v | rq lse rk | rstd1 rstd2 | g u a,
-        // where qraw, kraw, rq and rk are empty without q/k-norm.
+        // Bytes a token of n values: 2 in BF16, else 4.
+        let b = |bf16: bool, n: usize| if bf16 { 2 * n } else { 4 * n };
+        // Saved per layer: x x2 | qraw q att | kraw k v | rq lse rk | rstd1 rstd2 | g u in f32,
+        // h1 h2 a in their dtypes, where qraw, kraw, rq and rk are empty without q/k-norm.
         let nr = cfg.qk_norm as usize;
-        let layer = 4 * c + (2 + nr) * (qd + kd) + h + nr * (h + hkv) + 2 + 3 * i;
+        let layer = 4 * (2 * c + (2 + nr) * (qd + kd) + h + nr * (h + hkv) + 2 + 2 * i)
+            + b(ops.h1, c)
+            + b(ops.h2, c)
+            + b(ops.a, i);
         // Final stream and norm (xf hf rstdf), RoPE tables (cos sin), tokens positions rows targets.
         let once = 2 * c + 1 + d + 4;
-        // Backward: dh dx dh2 dh1 | da dg du | datt dq dqr | dk dv dkr (dqr, dkr: with q/k-norm).
-        let bwd = 4 * c + 3 * i + (2 + nr) * (qd + kd);
+        // Backward: dh dx dh2 dh1 | da | datt dq dqr | dk dv dkr (dqr, dkr: with q/k-norm) in f32,
+        // dg du in their dtype.
+        let bwd = 4 * (4 * c + i + (2 + nr) * (qd + kd)) + 2 * b(ops.dmlp, i);
         let ls = cfg.num_layers;
         // Layers whose activations are alive at once, and the saved inputs of the others.
         // (The layer alive counts its own input in `layer`.)
         let (full, inputs) = if checkpoint { (1, ls.saturating_sub(1) * c) } else { (ls, 0) };
-        let per_token = 4 * (full * layer + inputs + once + bwd) + 2 * c.max(i).max(qd);
+        let per_token = full * layer + 4 * (inputs + once) + bwd + 2 * c.max(i).max(qd);
         let rows = chunk.min(tokens);
         let values = tokens * (c + i) + 3 * c * i;
-        let scratch = 8 * tokens * c.max(i) + 6 * c * i;
+        // The learner's scratch (`linear::learner_*`): the products in f32 and the unit values
+        // and roundings of dy in BF16, of both widths: freed blocks stay cached for the next
+        // request of their size class, so each class counts (4C + 4I products, 2C + 2I unit
+        // values, two dy roundings of each width), and the weights' unit values and f32
+        // weight-gradient product.
+        let scratch = 8 * tokens * (c + i) + 6 * c * i;
         let learner = match keep {
             LearnerKeep::Off => 0,
             // The rounded weights stay per layer (`qw`); the rounded inputs go with the layer.
@@ -188,7 +230,10 @@ impl DeviceTrainable {
             // Codes and block scales, and the amaxes (per token, per tensor).
             LearnerKeep::Codes => full * (values * 9 / 16 + 4 * (2 * tokens + 3)) + scratch,
         };
-        tokens * per_token + 4 * rows * (cfg.vocab_size + 2 * c) + learner
+        // The loss pass's chunk: its logits, gathered rows and their gradient in f32, and with
+        // a BF16 head the logits and rows rounded for its GEMMs.
+        let head = 4 * rows * (cfg.vocab_size + 2 * c) + if ops.head { 2 * rows * (cfg.vocab_size + c) } else { 0 };
+        tokens * per_token + head + learner
     }
 
     /// With BF16 weights on CUDA, keep the learner's rounded f32 copies and run its
@@ -335,18 +380,9 @@ impl DeviceTrainable {
         let raw = if qk_norm { n } else { 0 };
         // The GEMM-only inputs in BF16 where every reader is a dense BF16 linear
         // (`set_bf16_inputs`): h1 for q, k, v; h2 for gate and up; a for down.
-        let learner_on = |i: usize| lq.as_ref().is_some_and(|q| q.on(i));
-        let bf = |ws: &[usize]| {
-            let all = self.bf16_inputs && !dev.is_cpu() && ws.iter().all(|&w| p[w].dtype() == DType::BF16);
-            if all {
-                DType::BF16
-            } else {
-                DType::F32
-            }
-        };
-        let h1_dt = bf(&[li.q, li.k, li.v]);
-        let h2_dt = if learner_on(GATE) || learner_on(UP) { DType::F32 } else { bf(&[li.gate, li.up]) };
-        let a_dt = if learner_on(DOWN) { DType::F32 } else { bf(&[li.down]) };
+        let ops = self.bf16_operands(p);
+        let dt = |bf16: bool| if bf16 { DType::BF16 } else { DType::F32 };
+        let (h1_dt, h2_dt, a_dt) = (dt(ops.h1), dt(ops.h2), dt(ops.a));
         let mut a = Acts {
             x,
             rstd1: z(&[n])?,
@@ -505,18 +541,16 @@ impl DeviceTrainable {
         Ok((a, x))
     }
 
-    /// The dtype of SwiGLU's gradients dg and du in the backward (see [`Self::backward_with`]).
-    fn mlp_dy_dtype(&self, p: &[&Tensor]) -> DType {
-        let lq = self.quant.as_ref();
-        let learner = lq.is_some_and(|q| q.on(GATE) || q.on(UP));
-        let dense_bf16 = self.ix.layers.iter().all(|li| {
-            [li.gate, li.up].iter().all(|&w| p[w].dtype() == DType::BF16) && li.gb.is_none() && li.ub.is_none()
-        });
-        if self.bf16_inputs && !self.dev.is_cpu() && !learner && dense_bf16 {
-            DType::BF16
-        } else {
-            DType::F32
+    /// Which GEMM-only operands this trainer keeps in BF16 over the weights `p`
+    /// ([`Bf16Operands::of`] for the model's dtype and the learner's linears; none with
+    /// `set_bf16_inputs(false)` or on the CPU).
+    fn bf16_operands(&self, p: &[&Tensor]) -> Bf16Operands {
+        let dtype = if p.iter().all(|t| t.dtype() == DType::BF16) { DType::BF16 } else { DType::F32 };
+        if !self.bf16_inputs || self.dev.is_cpu() {
+            return Bf16Operands { head: dtype == DType::BF16 && !self.dev.is_cpu(), ..Default::default() };
         }
+        let on = |i: usize| self.quant.as_ref().is_some_and(|q| q.on(i));
+        Bf16Operands::of(&self.cfg, dtype, [on(GATE), on(UP), on(DOWN)])
     }
 
     /// Returns the saved activations to the allocator (between steps, while the engine decodes).
@@ -599,7 +633,7 @@ impl DeviceTrainable {
         // projections' gradient GEMMs read them (`set_bf16_inputs`; no biases, whose gradients
         // sum f32 values, no NVFP4 learner, which rounds dy from f32 itself): the rounding
         // each GEMM applied to the f32 values.
-        let mlp_dy = self.mlp_dy_dtype(p);
+        let mlp_dy = if self.bf16_operands(p).dmlp { DType::BF16 } else { DType::F32 };
         let (mut da, mut dg, mut du) =
             (z(&[n, i_dim])?, dev.uninit(mlp_dy, &[n, i_dim])?, dev.uninit(mlp_dy, &[n, i_dim])?);
         let (mut dh2, mut datt, mut dh1) = (z(&[n, c])?, z(&[n, qd])?, z(&[n, c])?);

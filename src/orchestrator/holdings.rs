@@ -92,8 +92,11 @@ pub fn plan(h: &Holdings) -> Planned {
     let engine_buffers = RolloutWeights::estimate_extra_bytes(h.spec, &tr.weights);
     let rollout_ec = rollout_engine_config(h.spec, h.engine);
     let step_tokens = 2 * job.rollout.prompts_per_step * job.rollout.samples_per_prompt * job.rollout.max_new_tokens;
-    let nvfp4 = job.learner.precision == LearnerPrecision::Nvfp4;
-    let activations = tr.activation_plan_bytes(step_tokens, nvfp4);
+    let learner: &[String] = match job.learner.precision {
+        LearnerPrecision::Nvfp4 => &job.learner.linears,
+        _ => &[],
+    };
+    let activations = tr.activation_plan_bytes(step_tokens, learner);
     let trainer_here = if h.cpu || tr.on_device() { tr.state_bytes() + activations } else { 0 };
     let teacher = h.teacher.map(|t| t.1.size_bytes()).unwrap_or(0);
     let snapshot =

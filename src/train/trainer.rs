@@ -258,16 +258,20 @@ impl Trainer {
     /// Bytes the memory plan reserves for the activations of a device trainer: one micro-batch
     /// of `objective.micro_batch_tokens` tokens, or with 0 (the whole step at once) `step_tokens`
     /// (the caller's bound on a step's tokens). 0 on the host path (its arenas are host memory).
-    /// `nvfp4`: the NVFP4 learner will run (what it keeps, `LearnerKeep`, is counted; the plan
-    /// is made before the learner's scales are calibrated and set).
-    pub fn activation_plan_bytes(&self, step_tokens: usize, nvfp4: bool) -> usize {
+    /// `learner`: the linears the NVFP4 learner will run on (`learner.linears`; empty: none):
+    /// what it keeps (`LearnerKeep`) and the operands it leaves in f32 are counted (the plan is
+    /// made before the learner's scales are calibrated and set).
+    pub fn activation_plan_bytes(&self, step_tokens: usize, learner: &[String]) -> usize {
         if self.dstate.is_none() {
             return 0;
         }
         let tokens = if self.micro_batch_tokens == 0 { step_tokens } else { self.micro_batch_tokens };
-        use crate::model::trainable_device::{DeviceTrainable, LearnerKeep};
-        let keep = LearnerKeep::of(true, self.weights.dtype(), nvfp4); // a device trainer is on CUDA
-        DeviceTrainable::activation_bytes(&self.cfg, tokens, self.chunk, keep, self.checkpoint)
+        use crate::model::trainable_device::{Bf16Operands, DeviceTrainable, LearnerKeep};
+        let dtype = self.weights.dtype();
+        let keep = LearnerKeep::of(true, dtype, !learner.is_empty()); // a device trainer is on CUDA
+        let on = |name: &str| learner.iter().any(|l| l == name);
+        let ops = Bf16Operands::of(&self.cfg, dtype, [on("gate_proj"), on("up_proj"), on("down_proj")]);
+        DeviceTrainable::activation_bytes(&self.cfg, tokens, self.chunk, keep, self.checkpoint, ops)
     }
 
     /// Micro-batches (rollout index ranges) of at most `micro_batch_tokens` tokens each.

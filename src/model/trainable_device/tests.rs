@@ -260,10 +260,25 @@ fn batch_16x20() -> TrainBatch {
 
 /// One step (forward, statistics, backward) of 16 sequences of 20 tokens on a fresh simulated
 /// sm_90a device `ordinal`: (the allocator's high-water mark beyond the parameters and
-/// gradients, the planned activation bytes, the gradients).
+/// gradients, the planned activation bytes, the gradients). F32 weights without the learner,
+/// BF16 with it on gate, up and down.
 fn measure_step(
     cfg: &ModelConfig,
     keep: LearnerKeep,
+    checkpoint: bool,
+    ordinal: usize,
+) -> (usize, usize, Vec<Vec<f32>>) {
+    let dtype = if keep == LearnerKeep::Off { DType::F32 } else { DType::BF16 };
+    measure_step_with(cfg, keep, dtype, true, checkpoint, ordinal)
+}
+
+/// [`measure_step`] with weights of `dtype` and the BF16 operands on or off
+/// (`set_bf16_inputs`); the plan counts what `bf16_inputs` gives.
+fn measure_step_with(
+    cfg: &ModelConfig,
+    keep: LearnerKeep,
+    dtype: DType,
+    bf16_inputs: bool,
     checkpoint: bool,
     ordinal: usize,
 ) -> (usize, usize, Vec<Vec<f32>>) {
@@ -275,7 +290,6 @@ fn measure_step(
     let (n, m, chunk) = (b.tokens.len(), b.rows.len(), 64);
     let names: Vec<String> = ["gate_proj", "up_proj", "down_proj"].iter().map(|s| s.to_string()).collect();
     let opts = crate::quant::nvfp4::Nvfp4Opts { rht: Some(3), stochastic: None };
-    let dtype = if keep == LearnerKeep::Off { DType::F32 } else { DType::BF16 };
     let pt: Vec<Tensor> = specs
         .iter()
         .enumerate()
@@ -287,16 +301,22 @@ fn measure_step(
     let (mut lp, mut en) = (dev.zeros(DType::F32, &[m]).unwrap(), dev.zeros(DType::F32, &[m]).unwrap());
     let mut t = DeviceTrainable::new(cfg, &dev).unwrap();
     t.set_checkpointing(checkpoint);
+    t.set_bf16_inputs(bf16_inputs);
     if keep != LearnerKeep::Off {
         t.set_quant(Some(LearnerQuant::new(&names, opts, cfg.num_layers).unwrap()));
         t.set_exact_learner(keep == LearnerKeep::Rounded);
     }
+    let learner = keep != LearnerKeep::Off;
+    let ops = match bf16_inputs {
+        true => Bf16Operands::of(cfg, dtype, [learner; 3]),
+        false => Bf16Operands { head: dtype == DType::BF16, ..Default::default() },
+    };
     let (in_use, cached, _, _) = cd.memory();
     t.forward(&pr, &b).unwrap();
     t.token_stats(&pr, 1.0, chunk, &mut lp, &mut en).unwrap();
     t.backward(&pr, &coef, None, 1.0, chunk, &mut grads).unwrap();
     let used = cd.memory().2 - (in_use + cached);
-    let planned = DeviceTrainable::activation_bytes(cfg, n, chunk, keep, checkpoint);
+    let planned = DeviceTrainable::activation_bytes(cfg, n, chunk, keep, checkpoint, ops);
     (used, planned, grads.iter().map(|g| g.to_f32_vec().unwrap()).collect())
 }
 
@@ -334,6 +354,31 @@ fn the_planned_activation_bytes_cover_a_step() {
             steps[i].0
         );
         assert_eq!(bits(&steps[i + 3].1), bits(&steps[i].1), "{:?}: checkpointed gradients", keeps[i]);
+    }
+}
+
+/// BF16 weights without the learner: the BF16 operands (h1, h2, a, dg, du) take less of a
+/// step's memory than the same step in f32 (`set_bf16_inputs(false)`, the reference, which
+/// the plan does not size: its f32 operands' casts take more scratch), and the plan, which
+/// counts them at 2 bytes, covers the step within a factor of two; it plans less than with
+/// f32 operands by 2 bytes a value of them: per token 2·(2C + I) for each layer alive (all,
+/// or one checkpointed) and 2·2I for the backward's dg and du.
+#[test]
+fn bf16_operands_are_planned_at_two_bytes() {
+    let cfg = memory_cfg(2);
+    let (c, i, tokens) = (cfg.hidden_size, cfg.intermediate_size, 320);
+    for (checkpoint, ordinal) in [(false, 107), (true, 109)] {
+        let (on, planned_on, g_on) = measure_step_with(&cfg, LearnerKeep::Off, DType::BF16, true, checkpoint, ordinal);
+        let (off, planned_off, g_off) =
+            measure_step_with(&cfg, LearnerKeep::Off, DType::BF16, false, checkpoint, ordinal + 1);
+        let case = format!("checkpointing {checkpoint}: BF16 operands {on} bytes used, {planned_on} planned; f32 {off} used, {planned_off} planned");
+        eprintln!("{case}");
+        assert!(on < off, "{case}");
+        assert!(on <= planned_on && planned_on <= 2 * on, "{case}");
+        let alive = if checkpoint { 1 } else { cfg.num_layers };
+        assert_eq!(planned_off - planned_on, tokens * (alive * 2 * (2 * c + i) + 2 * 2 * i), "{case}");
+        assert_eq!(g_on.len(), g_off.len());
+        assert!(g_on.iter().zip(&g_off).all(|(a, b)| a == b), "{case}: the same gradients");
     }
 }
 
