@@ -93,7 +93,7 @@ mod embedded {
     use super::Cubin;
     include!(concat!(env!("OUT_DIR"), "/cuda_kernels.rs"));
 }
-pub use driver::{current_stream, on_stream, Cutlass, CutlassArgs, Elem, Event, Form, GemmKey, Stream};
+pub use driver::{current_stream, on_stream, Cutlass, CutlassArgs, Elem, Event, Form, GemmKey, GemmOperands, Stream};
 /// The architectures this binary carries kernels for (COLOTRAIN_CUDA_ARCHS at build time).
 #[cfg(feature = "cuda")]
 pub use embedded::BUILT_ARCHS;

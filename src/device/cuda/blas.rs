@@ -8,7 +8,7 @@
 //! cached. FP8 and NVFP4 here are the library baselines the device check times the CUTLASS
 //! kernels against. Not yet run on a GPU.
 
-use super::driver::{Elem, Form, GemmKey};
+use super::driver::{Elem, Form, GemmKey, GemmOperands};
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublaslt::{result as lt, sys};
 use std::collections::HashMap;
@@ -139,21 +139,11 @@ impl Blas {
         Ok(Plan { desc, la, lb, lc, algo: heur.algo })
     }
 
-    /// y = alpha · x · wᵀ (+ c with `key.accumulate`: c = y in place, or another buffer of y's
-    /// layout, cuBLASLt's C ≠ D) on `stream` (see the module header). For E2M1, `scales` are
-    /// the tiled block scales of (w, x).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm(
-        &mut self,
-        stream: cudarc::driver::sys::CUstream,
-        key: GemmKey,
-        w: u64,
-        x: u64,
-        c: u64,
-        y: u64,
-        alpha: f32,
-        scales: Option<(u64, u64)>,
-    ) -> Result<()> {
+    /// y = alpha · op(x) · op(w) (+ c with `key.accumulate`: c = y in place, or another buffer
+    /// of y's layout, cuBLASLt's C ≠ D) on `stream` (see the module header and
+    /// [`GemmOperands`]). For E2M1, `ops.scales` are the tiled block scales of (w, x).
+    pub fn gemm(&mut self, stream: cudarc::driver::sys::CUstream, key: GemmKey, ops: GemmOperands) -> Result<()> {
+        let GemmOperands { w, x, c, y, alpha, scales } = ops;
         if key.m == 0 || key.n == 0 {
             return Ok(());
         }

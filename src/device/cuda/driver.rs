@@ -124,6 +124,19 @@ pub struct GemmKey {
     pub form: Form,
 }
 
+/// The operands of one GEMM of a [`GemmKey`] (device addresses): y = alpha · op(x) · op(w),
+/// plus c with `key.accumulate` (c = y for an accumulation in place, another (m, n) f32 buffer
+/// for a residual: cuBLASLt's C ≠ D); `scales`: E2M1's tiled block scales of (w, x).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmOperands {
+    pub w: u64,
+    pub x: u64,
+    pub c: u64,
+    pub y: u64,
+    pub alpha: f32,
+    pub scales: Option<(u64, u64)>,
+}
+
 impl GemmKey {
     /// The GEMM's name in the launch ledger: its operands' type and form.
     pub fn op_name(&self) -> &'static str {
@@ -315,23 +328,9 @@ impl Driver {
         each!(self, d => d.launch(l))
     }
 
-    /// The cuBLASLt matmul of `key` (see `GemmKey`); `scales`: E2M1's tiled block scales of
-    /// (w, x).
-    #[allow(clippy::too_many_arguments)]
-    /// y (m, n) = alpha · op(x) · op(w) (+ c when `key.accumulate`; c is y itself for an
-    /// accumulation in place, another (m, n) f32 buffer for a residual: C ≠ D).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm(
-        &self,
-        key: GemmKey,
-        w: u64,
-        x: u64,
-        c: u64,
-        y: u64,
-        alpha: f32,
-        scales: Option<(u64, u64)>,
-    ) -> Result<()> {
-        each!(self, d => d.gemm(key, w, x, c, y, alpha, scales))
+    /// The cuBLASLt matmul of `key` on `ops` (see [`GemmKey`], [`GemmOperands`]).
+    pub fn gemm(&self, key: GemmKey, ops: GemmOperands) -> Result<()> {
+        each!(self, d => d.gemm(key, ops))
     }
 
     /// Whether CUTLASS GEMM `g` can be called: a real GPU when this build compiled it, the

@@ -5,7 +5,7 @@
 //! Owns: nothing (methods of `CudaDevice`). May call: the driver seam, `cost`. Must not: touch
 //! the allocator or tensors.
 
-use super::{cost, CudaDevice, Elem, Form, GemmKey};
+use super::{cost, CudaDevice, Elem, Form, GemmKey, GemmOperands};
 use anyhow::Result;
 
 impl CudaDevice {
@@ -25,14 +25,18 @@ impl CudaDevice {
         accumulate: bool,
         scales: Option<(u64, u64)>,
     ) -> Result<()> {
-        self.run_gemm(GemmKey { m, n, k, ab, accumulate, form: Form::Nt }, w, x, y, y, alpha, scales)
+        self.run_gemm(
+            GemmKey { m, n, k, ab, accumulate, form: Form::Nt },
+            GemmOperands { w, x, c: y, y, alpha, scales },
+        )
     }
 
     /// y (m, n) f32 = c (m, n) f32 + x (m, k) · w (n, k)ᵀ through cuBLASLt (C ≠ D: a residual
     /// added without copying it into y first), w and x of element type `ab`.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_residual(&self, ab: Elem, w: u64, x: u64, c: u64, y: u64, m: usize, n: usize, k: usize) -> Result<()> {
-        self.run_gemm(GemmKey { m, n, k, ab, accumulate: true, form: Form::Nt }, w, x, c, y, 1.0, None)
+        let ops = GemmOperands { w, x, c, y, alpha: 1.0, scales: None };
+        self.run_gemm(GemmKey { m, n, k, ab, accumulate: true, form: Form::Nt }, ops)
     }
 
     /// y (m, n) f32 (+)= alpha · op(x) · op(w) through cuBLASLt in `form` (`Form::Nn`: the
@@ -51,25 +55,15 @@ impl CudaDevice {
         alpha: f32,
         accumulate: bool,
     ) -> Result<()> {
-        self.run_gemm(GemmKey { m, n, k, ab, accumulate, form }, w, x, y, y, alpha, None)
+        self.run_gemm(GemmKey { m, n, k, ab, accumulate, form }, GemmOperands { w, x, c: y, y, alpha, scales: None })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn run_gemm(
-        &self,
-        key: GemmKey,
-        w: u64,
-        x: u64,
-        c: u64,
-        y: u64,
-        alpha: f32,
-        scales: Option<(u64, u64)>,
-    ) -> Result<()> {
+    fn run_gemm(&self, key: GemmKey, ops: GemmOperands) -> Result<()> {
         if key.m == 0 || key.n == 0 {
             return Ok(());
         }
         self.bind()?;
-        self.inner.driver.gemm(key, w, x, c, y, alpha, scales)?;
+        self.inner.driver.gemm(key, ops)?;
         self.record(key.op_name(), cost::gemm(&key));
         Ok(())
     }

@@ -8,7 +8,7 @@
 //! Must not: be reached except through `driver::Driver`.
 
 use super::blas::Blas;
-use super::driver::{current_stream, Cutlass, CutlassArgs, Event, GemmKey, Graph, Launch};
+use super::driver::{current_stream, Cutlass, CutlassArgs, Event, GemmKey, GemmOperands, Graph, Launch};
 use super::kernels::Kernel;
 use super::{ffi, Cubin};
 use anyhow::{anyhow, bail, Context, Result};
@@ -389,17 +389,7 @@ impl Real {
         .map_err(|e| anyhow!("{e}"))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm(
-        &self,
-        key: GemmKey,
-        w: u64,
-        x: u64,
-        c: u64,
-        y: u64,
-        alpha: f32,
-        scales: Option<(u64, u64)>,
-    ) -> Result<()> {
+    pub fn gemm(&self, key: GemmKey, ops: GemmOperands) -> Result<()> {
         self.bind()?;
         let mut blas = self.blas.lock().unwrap_or_else(|e| e.into_inner());
         if blas.is_none() {
@@ -407,7 +397,7 @@ impl Real {
             *blas = Some(Blas::new(ws, ws_bytes)?);
         }
         match blas.as_mut() {
-            Some(b) => b.gemm(self.stream().cu_stream(), key, w, x, c, y, alpha, scales),
+            Some(b) => b.gemm(self.stream().cu_stream(), key, ops),
             None => bail!("cuBLASLt is not open"),
         }
     }

@@ -22,7 +22,7 @@
 //! Owns: the simulated memory, queue and launch rules of one device. May call: the kernel
 //! library (`ct_sim_launch`), `sim_gemm`. Must not: be reached except through `driver::Driver`.
 
-use super::driver::{current_stream, Cutlass, CutlassArgs, Event, GemmKey, Launch, Stream};
+use super::driver::{current_stream, Cutlass, CutlassArgs, Event, GemmKey, GemmOperands, Launch, Stream};
 use super::kernels::Kernel;
 use anyhow::{anyhow, bail, Result};
 use std::alloc::Layout;
@@ -146,15 +146,10 @@ enum Op {
         smem: u32,
         params: Vec<MaybeUninit<u64>>,
     },
+    /// Its accumulator `ops.c` is read with `key.accumulate` (y itself, or a residual: C ≠ D).
     Gemm {
         key: GemmKey,
-        w: u64,
-        x: u64,
-        /// The accumulator read with `key.accumulate` (y itself, or a residual: C ≠ D).
-        c: u64,
-        y: u64,
-        alpha: f32,
-        scales: Option<(u64, u64)>,
+        ops: GemmOperands,
     },
     Cutlass {
         g: Cutlass,
@@ -457,19 +452,10 @@ impl Sim {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm(
-        &self,
-        key: GemmKey,
-        w: u64,
-        x: u64,
-        c: u64,
-        y: u64,
-        alpha: f32,
-        scales: Option<(u64, u64)>,
-    ) -> Result<()> {
+    pub fn gemm(&self, key: GemmKey, ops: GemmOperands) -> Result<()> {
         let mut st = self.state();
-        super::sim_gemm::check(&key, w, x, c, y, scales).map_err(|e| anyhow!("{}: cuBLASLt {e}", self.name()))?;
+        super::sim_gemm::check(&key, &ops).map_err(|e| anyhow!("{}: cuBLASLt {e}", self.name()))?;
+        let GemmOperands { w, x, c, y, scales, .. } = ops;
         let (m, n, k) = (key.m, key.n, key.k);
         check_range(&st, w, super::sim_gemm::matrix_bytes(key.ab, n, k), "GEMM weight")?;
         check_range(&st, x, super::sim_gemm::matrix_bytes(key.ab, m, k), "GEMM input")?;
@@ -484,7 +470,7 @@ impl Sim {
         let mut uses = vec![w, x, y];
         uses.extend((key.accumulate && c != y).then_some(c));
         uses.extend(scales.map(|(a, b)| [a, b]).into_iter().flatten());
-        st.push(Op::Gemm { key, w, x, c, y, alpha, scales }, &uses);
+        st.push(Op::Gemm { key, ops }, &uses);
         Ok(())
     }
 
@@ -650,7 +636,7 @@ impl Sim {
                     bail!("{}: the kernel library has no {} (id {})", self.name(), k.name(), k.index());
                 }
             }
-            Op::Gemm { key, w, x, c, y, alpha, scales } => super::sim_gemm::run(&key, w, x, c, y, alpha, scales),
+            Op::Gemm { key, ops } => super::sim_gemm::run(&key, &ops),
             Op::Cutlass { g, args } => super::sim_gemm::run_cutlass(g, &args),
             // SAFETY: `dst` was checked against this device's allocations and `src` against the
             // peer's when queued; the collective keeps the peer's block alive and unchanged

@@ -22,7 +22,7 @@
 //!
 //! Owns: nothing. May call: `crate::formats`. Must not: be called except from `sim.rs`.
 
-use super::driver::{Cutlass, CutlassArgs, Elem, Form, GemmKey};
+use super::driver::{Cutlass, CutlassArgs, Elem, Form, GemmKey, GemmOperands};
 use crate::formats::fp8::{e4m3_table, E2M1_VALUES};
 use anyhow::{bail, Result};
 use half::{bf16, f16};
@@ -66,7 +66,8 @@ fn sf_offset(r: usize, kb: usize, k: usize) -> usize {
 }
 
 /// What cuBLASLt would refuse for this call.
-pub(super) fn check(key: &GemmKey, w: u64, x: u64, c: u64, y: u64, scales: Option<(u64, u64)>) -> Result<()> {
+pub(super) fn check(key: &GemmKey, ops: &GemmOperands) -> Result<()> {
+    let GemmOperands { w, x, c, y, scales, .. } = *ops;
     if key.form != Form::Nt && !matches!(key.ab, Elem::F32 | Elem::BF16 | Elem::F16) {
         bail!("{:?} operands in the TN form only, not {:?}", key.ab, key.form);
     }
@@ -198,8 +199,9 @@ unsafe fn reference(
 }
 
 /// Runs a queued cuBLASLt GEMM (`scales`: the tiled block scales of (w, x) for NVFP4).
-pub(super) fn run(key: &GemmKey, w: u64, x: u64, c: u64, y: u64, alpha: f32, scales: Option<(u64, u64)>) {
+pub(super) fn run(key: &GemmKey, ops: &GemmOperands) {
     let GemmKey { m, n, k, ab, accumulate, form } = *key;
+    let GemmOperands { w, x, c, y, alpha, scales } = *ops;
     let (sw, sx) = scales.unwrap_or((0, 0));
     let (mut a, mut b) = (Operand::rows(ab, x, sx, k), Operand::rows(ab, w, sw, k));
     // x (m, k) or, for Tn, (k, m); w (n, k) or, for Nn and Tn, (k, n).
