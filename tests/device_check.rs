@@ -93,6 +93,8 @@ fn every_check_group_passes_on_both_simulated_architectures() {
             ("swiglu: BF16 output vs the f32 output rounded", "bf16"),
             ("swiglu backward: BF16 dg vs the f32 dg rounded", "bf16"),
             ("swiglu backward: BF16 du vs the f32 du rounded", "bf16"),
+            ("add_rmsnorm: BF16 output vs the f32 output rounded", "bf16"),
+            ("add_rmsnorm: residual beside a BF16 output", "f32"),
         ] {
             assert_eq!(check(&r, op, dt)["pass"], true, "{arch} {op} {dt}");
         }

@@ -1,6 +1,6 @@
 //! The launch ledger (src/device/cuda/ledger.rs) on the simulated GPU: what a training step and
 //! decode steps declare, counted by hand from the shapes. Each test opens a simulated GPU of
-//! its own (the ledger is per device, and the tests run at once): cuda-sim:2 to cuda-sim:7.
+//! its own (the ledger is per device, and the tests run at once): cuda-sim:1 to cuda-sim:7.
 
 mod common;
 
@@ -324,5 +324,65 @@ fn a_scoring_engine_reads_the_lm_head_once_per_score_rows() {
             "bytes saved {saved} vs {} head reads of {head}",
             chunks_a - chunks_b
         );
+    }
+}
+
+/// An engine with BF16 weights on a simulated GPU writes the inputs that only dense BF16
+/// linears read in BF16 (`EngineConfig::bf16_operands`: the norms' outputs and SwiGLU's): the
+/// rounding each GEMM applied to their f32 values, so the same tokens, log-probs and prompt
+/// log-probs bit for bit as with f32 inputs, decode graphs included, and exactly 3 `ct_cast`
+/// launches fewer per layer and forward step: unquantized, h1 (q, k, v's), h2 (gate and up's)
+/// and a (down's); with the NVFP4 recipe that keeps the attention in BF16, h1 for each of q, k
+/// and v (a quantized engine runs its projections one by one), while its MLP quantizes from
+/// f32 as before.
+#[test]
+fn an_engine_writes_its_gemm_inputs_in_bf16() {
+    use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
+    use colotrain::model::calib::Calibration;
+    use colotrain::quant::recipe::{KvScale, Recipe};
+    let cd = CudaDevice::sim(1).unwrap();
+    let dev = Device::Cuda(cd.clone());
+    let lm = load_fixture("llama_gqa", &dev, DType::BF16);
+    let c = lm.cfg.clone();
+    let mut cal = Calibration::new(Calibration::fingerprint(&c), c.num_layers);
+    for l in 0..c.num_layers {
+        cal.input_amax[l] = [4.0; 4];
+        cal.k_amax[l] = 6.0;
+        cal.v_amax[l] = 3.0;
+    }
+    for recipe in ["bf16", "nvfp4"] {
+        let keep = vec!["attention".to_string()];
+        let r = Recipe::preset(recipe, c.num_layers, &keep, KvScale::Calibrated, Default::default()).unwrap();
+        let spec = EngineSpec { recipe: r, noise_sigma: 0.0, noise_seed: 0, staleness: 0 };
+        let rw = (recipe != "bf16").then(|| RolloutWeights::new(&dev, &spec, &c, &lm.weights, Some(&cal), 0).unwrap());
+        let run = |on: bool| {
+            let ec = EngineConfig { bf16_operands: on, kv_fp8: spec.recipe.kv_layers(), ..Default::default() };
+            let mut e = Engine::new(&dev, &c, DType::BF16, &ec, None).unwrap();
+            for mut q in decode_requests(c.vocab_size, 3) {
+                q.prompt_logprobs = true;
+                e.add(q).unwrap();
+            }
+            let view = match &rw {
+                Some(rw) => rw.view(&lm.weights),
+                None => (&lm.weights).into(),
+            };
+            cd.take_ledger();
+            let mut done = e.run_to_completion(view, |_| {}).unwrap();
+            let l = cd.take_ledger();
+            done.sort_by_key(|d| d.id);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let out: Vec<_> =
+                done.iter().map(|d| (d.tokens.clone(), bits(&d.logprobs), bits(&d.prompt_logprobs))).collect();
+            (out, op(&l, "ct_cast").launches, e.stats.steps, e.graph_stats().replays)
+        };
+        let (off, casts_off, steps, _) = run(false);
+        let (on, casts_on, steps_on, replays) = run(true);
+        assert_eq!(steps, steps_on, "{recipe}");
+        assert!(replays > 0, "{recipe}: decode graphs replayed");
+        assert_eq!(off.len(), 5, "{recipe}");
+        assert!(off.iter().all(|o| !o.0.is_empty() && !o.2.is_empty()), "{recipe}: tokens and prompt log-probs");
+        assert!(off == on, "{recipe}: the same tokens, log-probs and prompt log-probs");
+        eprintln!("{recipe}: ct_cast {casts_off} -> {casts_on} over {steps} steps");
+        assert_eq!(casts_off - casts_on, 3 * c.num_layers as u64 * steps, "{recipe}");
     }
 }

@@ -44,10 +44,13 @@ extern "C" {
 #define CT_ERR_ATTN_META 5   /* paged_attention: inconsistent q_start / ctx_len / block table */
 
 /* rmsnorm / add_rmsnorm / head_rmsnorm:
- *   if r: x += r (x is the residual stream, updated in place); y = x / sqrt(mean(x^2) + eps) * w.
- * head_rmsnorm runs it in place over rows of one head (y == x, rows = m * heads, cols = D). */
+ *   if r: x += r (x is the residual stream, updated in place); y = x / sqrt(mean(x^2) + eps) * w,
+ *   stored as y_dtype (F32, or BF16 rounded to nearest even: what a BF16 GEMM that reads it
+ *   would round it to). head_rmsnorm runs it in place over rows of one head (y == x, F32,
+ *   rows = m * heads, cols = D). */
 typedef struct ct_rmsnorm_params {
-  float* y;
+  void* y;
+  int32_t y_dtype;
   float* x;
   const float* r; /* NULL: plain rmsnorm */
   const void* w;  /* (cols), w_dtype */

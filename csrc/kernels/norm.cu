@@ -9,7 +9,7 @@ extern "C" __global__ void __launch_bounds__(256) ct_rmsnorm(ct_rmsnorm_params p
   const int row = blockIdx.x;
   if (row >= p.rows) return;
   float* x = p.x + static_cast<int64_t>(row) * p.cols;
-  float* y = p.y + static_cast<int64_t>(row) * p.cols;
+  const int64_t y0 = static_cast<int64_t>(row) * p.cols;
   const float* r = p.r ? p.r + static_cast<int64_t>(row) * p.cols : nullptr;
   float ss = 0.0f;
   for (int j = threadIdx.x; j < p.cols; j += blockDim.x) {
@@ -25,6 +25,6 @@ extern "C" __global__ void __launch_bounds__(256) ct_rmsnorm(ct_rmsnorm_params p
   const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(p.cols)), p.eps)));
   for (int j = threadIdx.x; j < p.cols; j += blockDim.x) {
     // The same thread wrote x[j] above (when r): no cross-thread dependency.
-    y[j] = __fmul_rn(__fmul_rn(x[j], rstd), ct_load(p.w, p.w_dtype, j));
+    ct_store(p.y, p.y_dtype, y0 + j, __fmul_rn(__fmul_rn(x[j], rstd), ct_load(p.w, p.w_dtype, j)));
   }
 }

@@ -213,7 +213,8 @@ pub fn decode(
             fill_normal(d, &mut v, 8, 2 * l as u64 + 1, 0.0, 1.0)?;
             kv.push(KvLayer { k, v, k_scale: 1.0, v_scale: 1.0 });
         }
-        let mut b = ForwardBuffers::new(&dev, cfg, batch, batch, batch, per_seq, bs)?;
+        // BF16 weights on a GPU: the engine's BF16 operands, as a run decodes.
+        let mut b = ForwardBuffers::new(&dev, cfg, batch, batch, batch, per_seq, bs, true)?;
         let tables: Vec<u32> = (0..nb as u32).collect();
         b.meta.block_tables.write_u32(&tables)?;
         b.meta.q_start.write_u32(&(0..=batch as u32).collect::<Vec<_>>())?;

@@ -249,6 +249,7 @@ impl Engine {
             ec.max_seqs,
             max_blocks,
             ec.block_size,
+            ec.bf16_operands && !dev.is_cpu() && weights_dtype == DType::BF16,
         )?;
         crate::ops::reserve_scratch(
             dev,

@@ -58,12 +58,19 @@ pub struct ForwardBuffers {
     hn: Tensor,         // (cap_rows, C)
     pub logits: Tensor, // (cap_rows, V)
     xq: Tensor,         // (cap · max K) fake-quantized linear input (low-precision engines)
+    /// BF16 copies' room for the GEMM-only inputs (CUDA, BF16 weights; else empty): the norms
+    /// and SwiGLU write these instead of h and act where every reader is a dense BF16 linear.
+    h16: Tensor, // (cap, C) bf16
+    act16: Tensor,      // (cap, I) bf16
     /// When set, the forward records the max magnitude of every linear input and of the keys and
     /// values (the calibration pass of the low-precision engines).
     pub observe: Option<Calibration>,
 }
 
 impl ForwardBuffers {
+    /// `bf16_operands`: hold [`ForwardBuffers::h16`]'s and `act16`'s room (a CUDA device with
+    /// BF16 weights; the CPU multiplies f32 inputs).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         dev: &Device,
         cfg: &ModelConfig,
@@ -72,6 +79,7 @@ impl ForwardBuffers {
         max_seqs: usize,
         max_blocks: usize,
         block_size: usize,
+        bf16_operands: bool,
     ) -> Result<ForwardBuffers> {
         let (c, i, q, kv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
         // CPU activations are written once here, so that the first step (the prefill, where
@@ -84,6 +92,7 @@ impl ForwardBuffers {
             Ok(t)
         };
         let u = |n: usize| dev.zeros(DType::U32, &[n]);
+        let half = |cols: usize| dev.zeros(DType::BF16, &[if bf16_operands { cap } else { 0 }, cols]);
         Ok(ForwardBuffers {
             cap,
             cap_rows,
@@ -124,6 +133,8 @@ impl ForwardBuffers {
             hn: f(&[cap_rows, c])?,
             logits: f(&[cap_rows, cfg.vocab_size])?,
             xq: f(&[cap, c.max(i).max(q)])?,
+            h16: half(c)?,
+            act16: half(i)?,
             observe: None,
         })
     }
@@ -147,6 +158,8 @@ impl ForwardBuffers {
             &self.os,
             &self.hn,
             &self.logits,
+            &self.h16,
+            &self.act16,
         ]
         .iter()
         .map(|t| t.size_bytes())
@@ -189,18 +202,31 @@ impl Transformer {
         rope::rope_table(dev, &b.positions, &self.inv_freq, &mut b.cos, &mut b.sin, m)?;
         for (l, (lw, cache)) in w.layers.iter().zip(kv.iter_mut()).enumerate() {
             let ql = q.map(|q| &q[l]);
+            // The GEMM-only inputs in BF16 (h16, act16) where every linear that reads them is a
+            // dense BF16 one: the norms and SwiGLU store the rounding each GEMM applied to the
+            // f32 values (the same bits, without a cast); f32 while calibrating (the observer
+            // reads the f32 values) and for quantized linears (they quantize from f32).
+            let dense = |i: usize, w: &Tensor| {
+                w.dtype() == DType::BF16 && ql.is_none_or(|q| q.w[i].is_none() && q.act[i] == ActQuant::None)
+            };
+            let on16 = b.h16.numel() > 0 && b.observe.is_none();
+            let attn16 = on16 && dense(0, &lw.q_proj) && dense(1, &lw.k_proj) && dense(2, &lw.v_proj);
+            let mlp16 = on16 && dense(4, &lw.gate_proj) && dense(5, &lw.up_proj);
+            let down16 = on16 && dense(6, &lw.down_proj);
             // Attention block. b.o holds the previous layer's MLP output, not yet added to x.
+            let hy = if attn16 { &mut b.h16 } else { &mut b.h };
             if l == 0 {
-                norm::rmsnorm(dev, &b.x, &lw.input_layernorm, eps, &mut b.h, m)?;
+                norm::rmsnorm(dev, &b.x, &lw.input_layernorm, eps, hy, m)?;
             } else {
-                norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.input_layernorm, eps, &mut b.h, m)?;
+                norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.input_layernorm, eps, hy, m)?;
             }
             observe(dev, &mut b.observe, l, 0, &b.h, m)?;
+            let hx = if attn16 { &b.h16 } else { &b.h };
             // Unquantized: the three projections of one input in one call (x transposed once).
             if ql.is_none() {
                 matmul::linears(
                     dev,
-                    &b.h,
+                    hx,
                     [
                         Proj { w: &lw.q_proj, panels: pan(l, 0), bias: lw.q_bias.as_ref(), y: &mut b.q },
                         Proj { w: &lw.k_proj, panels: pan(l, 1), bias: lw.k_bias.as_ref(), y: &mut b.k },
@@ -209,9 +235,9 @@ impl Transformer {
                     m,
                 )?;
             } else {
-                proj(dev, &b.h, &mut b.xq, &lw.q_proj, pan(l, 0), lw.q_bias.as_ref(), ql, 0, &mut b.q, m)?;
-                proj(dev, &b.h, &mut b.xq, &lw.k_proj, pan(l, 1), lw.k_bias.as_ref(), ql, 1, &mut b.k, m)?;
-                proj(dev, &b.h, &mut b.xq, &lw.v_proj, pan(l, 2), lw.v_bias.as_ref(), ql, 2, &mut b.v, m)?;
+                proj(dev, hx, &mut b.xq, &lw.q_proj, pan(l, 0), lw.q_bias.as_ref(), ql, 0, &mut b.q, m)?;
+                proj(dev, hx, &mut b.xq, &lw.k_proj, pan(l, 1), lw.k_bias.as_ref(), ql, 1, &mut b.k, m)?;
+                proj(dev, hx, &mut b.xq, &lw.v_proj, pan(l, 2), lw.v_bias.as_ref(), ql, 2, &mut b.v, m)?;
             }
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
                 norm::head_rmsnorm(dev, &mut b.q, qn, eps, m, h)?;
@@ -231,12 +257,14 @@ impl Transformer {
             observe(dev, &mut b.observe, l, 1, &b.att, m)?;
             proj(dev, &b.att, &mut b.xq, &lw.o_proj, pan(l, 3), lw.o_bias.as_ref(), ql, 3, &mut b.o, m)?;
             // MLP block.
-            norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.post_attention_layernorm, eps, &mut b.h, m)?;
+            let hy = if mlp16 { &mut b.h16 } else { &mut b.h };
+            norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.post_attention_layernorm, eps, hy, m)?;
             observe(dev, &mut b.observe, l, 2, &b.h, m)?;
+            let hx = if mlp16 { &b.h16 } else { &b.h };
             if ql.is_none() {
                 matmul::linears(
                     dev,
-                    &b.h,
+                    hx,
                     [
                         Proj { w: &lw.gate_proj, panels: pan(l, 4), bias: lw.gate_bias.as_ref(), y: &mut b.gate },
                         Proj { w: &lw.up_proj, panels: pan(l, 5), bias: lw.up_bias.as_ref(), y: &mut b.up },
@@ -244,12 +272,14 @@ impl Transformer {
                     m,
                 )?;
             } else {
-                proj(dev, &b.h, &mut b.xq, &lw.gate_proj, pan(l, 4), lw.gate_bias.as_ref(), ql, 4, &mut b.gate, m)?;
-                proj(dev, &b.h, &mut b.xq, &lw.up_proj, pan(l, 5), lw.up_bias.as_ref(), ql, 5, &mut b.up, m)?;
+                proj(dev, hx, &mut b.xq, &lw.gate_proj, pan(l, 4), lw.gate_bias.as_ref(), ql, 4, &mut b.gate, m)?;
+                proj(dev, hx, &mut b.xq, &lw.up_proj, pan(l, 5), lw.up_bias.as_ref(), ql, 5, &mut b.up, m)?;
             }
-            elementwise::swiglu(dev, &b.gate, &b.up, &mut b.act, m)?;
+            let ay = if down16 { &mut b.act16 } else { &mut b.act };
+            elementwise::swiglu(dev, &b.gate, &b.up, ay, m)?;
             observe(dev, &mut b.observe, l, 3, &b.act, m)?;
-            proj(dev, &b.act, &mut b.xq, &lw.down_proj, pan(l, 6), lw.down_bias.as_ref(), ql, 6, &mut b.o, m)?;
+            let ax = if down16 { &b.act16 } else { &b.act };
+            proj(dev, ax, &mut b.xq, &lw.down_proj, pan(l, 6), lw.down_bias.as_ref(), ql, 6, &mut b.o, m)?;
         }
         Ok(())
     }

@@ -76,7 +76,8 @@ pub fn full_logits(dev: &Device, lm: &LoadedModel, ids: &[u32], chunk: usize) ->
     let nblocks = ids.len().div_ceil(bs);
     let mut cache = KvCache::new(dev, cfg, bs, nblocks, DType::F32).unwrap();
     let t = Transformer::new(dev, cfg.clone()).unwrap();
-    let mut b = ForwardBuffers::new(dev, cfg, chunk, chunk, 1, nblocks, bs).unwrap();
+    let bf16 = !dev.is_cpu() && lm.weights.dtype() == DType::BF16;
+    let mut b = ForwardBuffers::new(dev, cfg, chunk, chunk, 1, nblocks, bs, bf16).unwrap();
     let table: Vec<u32> = (0..nblocks as u32).collect();
     let mut out = Vec::new();
     let mut start = 0;

@@ -309,6 +309,17 @@ fn check_dense(x: &mut Ctx) -> Result<()> {
     })?;
     x.cmp("add_rmsnorm (output)", "bf16 w", &y, Tol::Close(1e-5, 1e-5))?;
     x.cmp("add_rmsnorm (residual)", "f32", &res, Tol::Exact)?;
+    // The engine's BF16 norm outputs (a dense BF16 linear's input) against the f32 ones
+    // rounded to nearest even on the host: exact. The residual is updated once per call, so
+    // both runs start from the same residual.
+    let r0 = res.c.to_f32_vec()?;
+    let (mut r32, mut r16) = (x.gpu.from_f32(DType::F32, &[M, C], &r0)?, x.gpu.from_f32(DType::F32, &[M, C], &r0)?);
+    let (mut y32, mut y16) = (x.gpu.zeros(DType::F32, &[M, C])?, x.gpu.zeros(DType::BF16, &[M, C])?);
+    norm::add_rmsnorm(&x.gpu, &mut r32, &upd.g, &w.g, 1e-6, &mut y32, M)?;
+    norm::add_rmsnorm(&x.gpu, &mut r16, &upd.g, &w.g, 1e-6, &mut y16, M)?;
+    let want: Vec<f32> = y32.to_f32_vec()?.iter().map(|&v| crate::device::bf16_rne(v).to_f32()).collect();
+    x.record("add_rmsnorm: BF16 output vs the f32 output rounded", "bf16", &want, &y16.to_f32_vec()?, Tol::Exact);
+    x.record("add_rmsnorm: residual beside a BF16 output", "f32", &r32.to_f32_vec()?, &r16.to_f32_vec()?, Tol::Exact);
     let (heads, d) = (6, 64);
     let mut q = x.randp(DType::F32, &[M, heads * d], 1.0)?;
     let wn = x.randp(DType::F32, &[d], 1.0)?;

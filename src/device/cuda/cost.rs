@@ -85,8 +85,9 @@ pub fn memset(bytes: usize) -> Cost {
 pub fn rmsnorm(p: &ffi::ct_rmsnorm_params) -> Cost {
     let e = n(p.rows) * n(p.cols);
     let res = !p.r.is_null();
-    let rw = if res { 4.0 } else { 2.0 };
-    Cost::hbm(e * if res { 5.0 } else { 4.0 }, e * 4.0 * rw + n(p.cols) * dsize(p.w_dtype))
+    // x read (and with r: r read, x written), y written in its dtype.
+    let rw = if res { 3.0 } else { 1.0 };
+    Cost::hbm(e * if res { 5.0 } else { 4.0 }, e * (4.0 * rw + dsize(p.y_dtype)) + n(p.cols) * dsize(p.w_dtype))
 }
 
 /// cos, sin (rows, half) written, pos and inv_freq read; 3 FLOPs (a product, two functions

@@ -7,11 +7,26 @@ use crate::device::cuda::{ffi, CudaDevice};
 use crate::device::{DType, Tensor};
 use anyhow::Result;
 
+/// A norm's output: f32, or BF16 for a BF16 GEMM that reads nothing else (the engine's
+/// `ForwardBuffers::h16`).
+const OUTPUTS: &[DType] = &[DType::F32, DType::BF16];
+
+/// ct_rmsnorm writing y (`y_dtype`: F32 or BF16) from x (+ r).
 #[allow(clippy::too_many_arguments)]
-fn norm(d: &CudaDevice, y: u64, x: u64, r: Option<u64>, w: &Tensor, eps: f32, rows: usize, cols: usize) -> Result<()> {
+fn norm(
+    d: &CudaDevice,
+    (y, y_dtype): (u64, DType),
+    x: u64,
+    r: Option<u64>,
+    w: &Tensor,
+    eps: f32,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
     let wp = ptr(d, w, FLOATS, "norm weight")?;
     d.k_rmsnorm(ffi::ct_rmsnorm_params {
-        y: f32p(y),
+        y: vp(y),
+        y_dtype: code(y_dtype),
         x: f32p(x),
         r: r.map(|r| r as *const f32).unwrap_or(std::ptr::null()),
         w: vp(wp),
@@ -24,8 +39,8 @@ fn norm(d: &CudaDevice, y: u64, x: u64, r: Option<u64>, w: &Tensor, eps: f32, ro
 
 pub fn rmsnorm(d: &CudaDevice, x: &Tensor, w: &Tensor, eps: f32, y: &mut Tensor, m: usize) -> Result<()> {
     let xp = ptr(d, x, &[DType::F32], "rmsnorm input")?;
-    let yp = ptr(d, y, &[DType::F32], "rmsnorm output")?;
-    norm(d, yp, xp, None, w, eps, m, w.numel())
+    let yp = ptr(d, y, OUTPUTS, "rmsnorm output")?;
+    norm(d, (yp, y.dtype()), xp, None, w, eps, m, w.numel())
 }
 
 pub fn add_rmsnorm(
@@ -39,13 +54,13 @@ pub fn add_rmsnorm(
 ) -> Result<()> {
     let xp = ptr(d, x, &[DType::F32], "add_rmsnorm residual")?;
     let rp = ptr(d, r, &[DType::F32], "add_rmsnorm update")?;
-    let yp = ptr(d, y, &[DType::F32], "add_rmsnorm output")?;
-    norm(d, yp, xp, Some(rp), w, eps, m, w.numel())
+    let yp = ptr(d, y, OUTPUTS, "add_rmsnorm output")?;
+    norm(d, (yp, y.dtype()), xp, Some(rp), w, eps, m, w.numel())
 }
 
 pub fn head_rmsnorm(d: &CudaDevice, x: &mut Tensor, w: &Tensor, eps: f32, m: usize, heads: usize) -> Result<()> {
     let xp = ptr(d, x, &[DType::F32], "head_rmsnorm input")?;
-    norm(d, xp, xp, None, w, eps, m * heads, w.numel())
+    norm(d, (xp, DType::F32), xp, None, w, eps, m * heads, w.numel())
 }
 
 pub fn rmsnorm_train(

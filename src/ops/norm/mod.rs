@@ -1,5 +1,7 @@
 //! RMSNorm in its three uses: the block norms, the fused residual-add + norm, and the per-head
-//! q/k norm of Qwen3. `y = x / sqrt(mean(x²) + eps) · w`, all in f32 (as transformers does).
+//! q/k norm of Qwen3. `y = x / sqrt(mean(x²) + eps) · w`, all in f32 (as transformers does); on
+//! CUDA the block norms may store y in BF16 for a BF16 GEMM that reads nothing else (the
+//! rounding that GEMM applied to the f32 values).
 //!
 //! Owns: the public signatures, their shape checks and the dispatch by device; the CPU twin
 //! (`cpu.rs`), the CUDA twin (`cuda.rs`, kernel csrc/kernels/norm.cu) and the training twin
