@@ -125,13 +125,21 @@ typedef struct ct_scatter_add_rows_params {
   uint32_t* err;
 } ct_scatter_add_rows_params;
 
-/* y (rows, cols) += bias (cols) of `dtype`. */
+/* y_j (rows, cols_j) += bias_j (cols_j) of `dtype` for j = 0, 1, 2 (a segment of cols_j = 0 is
+ * none, its pointers NULL): the biases of up to three projections of one input (q, k, v) in
+ * one launch. */
 typedef struct ct_add_bias_params {
-  float* y;
-  const void* bias;
+  float* y0;
+  float* y1;
+  float* y2;
+  const void* bias0;
+  const void* bias1;
+  const void* bias2;
+  int32_t cols0;
+  int32_t cols1;
+  int32_t cols2;
   int32_t dtype;
   int32_t rows;
-  int32_t cols;
 } ct_add_bias_params;
 
 /* dst (rows, cols) (+)= src (rows, cols) * g_row * g_col: the output of an NVFP4 GEMM run with

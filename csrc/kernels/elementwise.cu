@@ -46,10 +46,30 @@ extern "C" __global__ void ct_gather_rows(ct_gather_rows_params p) {
   }
 }
 
+// One thread per (row, column of the three segments side by side).
 extern "C" __global__ void ct_add_bias(ct_add_bias_params p) {
-  const int64_t n = static_cast<int64_t>(p.rows) * p.cols;
+  const int64_t w = static_cast<int64_t>(p.cols0) + p.cols1 + p.cols2;
+  const int64_t n = static_cast<int64_t>(p.rows) * w;
   CT_GRID_LOOP(idx, n) {
-    p.y[idx] = __fadd_rn(p.y[idx], ct_load(p.bias, p.dtype, idx % p.cols));
+    const int64_t row = idx / w;
+    int64_t col = idx % w;
+    float* y = p.y0;
+    const void* b = p.bias0;
+    int64_t cols = p.cols0;
+    if (col >= p.cols0) {
+      col -= p.cols0;
+      if (col < p.cols1) {
+        y = p.y1;
+        b = p.bias1;
+        cols = p.cols1;
+      } else {
+        col -= p.cols1;
+        y = p.y2;
+        b = p.bias2;
+        cols = p.cols2;
+      }
+    }
+    y[row * cols + col] = __fadd_rn(y[row * cols + col], ct_load(b, p.dtype, col));
   }
 }
 

@@ -436,18 +436,20 @@ fn attention(x: &mut Ctx) -> Result<()> {
     Ok(())
 }
 
-/// Three projections of one input (q/k/v-shaped: N, N/2, N/2 rows): `linears` and
-/// `linear_grads`, which round x once for all of them and each dy once for both of its GEMMs,
-/// against the CPU twin (per-dtype tolerance), and on the GPU against one `linear`,
-/// `linear_dx` and `linear_dw` call per projection (exact: the same roundings and GEMMs).
+/// Three projections of one input (q/k/v-shaped: N, N/2, N/2 rows): `linears` with biases
+/// (added in one launch) and `linear_grads`, which round x once for all of them and each dy
+/// once for both of its GEMMs, against the CPU twin (per-dtype tolerance), and on the GPU
+/// against one `linear`, `linear_dx` and `linear_dw` call per projection (exact: the same
+/// roundings, GEMMs and adds).
 fn projections(x: &mut Ctx, xin: &super::checks::Pair) -> Result<()> {
     use crate::ops::linear::{GradProj, Proj};
     let (m, k, ns) = (M, C, [N, N / 2, N / 2]);
     for (dt, tol) in [(DType::F32, Tol::Close(1e-4, 1e-4)), (DType::BF16, Tol::Close(1e-2, 1e-2))] {
-        let mut ws = Vec::new();
+        let (mut ws, mut bs) = (Vec::new(), Vec::new());
         let mut dy = Vec::new();
         for n in ns {
             ws.push(x.randp(dt, &[n, k], 1.0 / (k as f32).sqrt())?);
+            bs.push(x.randp(dt, &[n], 1.0)?);
             dy.push(x.randp(DType::F32, &[m, n], 1.0 / (n as f32).sqrt())?);
         }
         let dw0: Vec<Vec<f32>> = ns.iter().map(|&n| x.randn(n * k, 1.0)).collect();
@@ -460,7 +462,7 @@ fn projections(x: &mut Ctx, xin: &super::checks::Pair) -> Result<()> {
             let projs = [(0, y0), (1, y1), (2, y2)].map(|(j, y)| Proj {
                 w: pick(&ws[j], g),
                 panels: None,
-                bias: None,
+                bias: Some(pick(&bs[j], g)),
                 y: pick_mut(y, g),
             });
             matmul::linears(d, pick(xin, g), projs, m)
@@ -468,7 +470,7 @@ fn projections(x: &mut Ctx, xin: &super::checks::Pair) -> Result<()> {
         for (j, y) in ys.iter().enumerate() {
             x.cmp(&format!("linears, one input: projection {j}"), dt.name(), y, tol)?;
             let mut one = x.gpu.zeros(DType::F32, &[m, ns[j]])?;
-            matmul::linear(&x.gpu, &xin.g, &ws[j].g, None, &mut one, m, false)?;
+            matmul::linear(&x.gpu, &xin.g, &ws[j].g, Some(&bs[j].g), &mut one, m, false)?;
             let (a, b) = (one.to_f32_vec()?, y.g.to_f32_vec()?);
             x.record(&format!("linears vs one linear on the GPU: projection {j}"), dt.name(), &a, &b, Tol::Exact);
         }

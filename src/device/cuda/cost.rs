@@ -125,8 +125,9 @@ pub fn scatter_add_rows(p: &ffi::ct_scatter_add_rows_params) -> Cost {
 }
 
 pub fn add_bias(p: &ffi::ct_add_bias_params) -> Cost {
-    let e = n(p.rows) * n(p.cols);
-    Cost::hbm(e, e * 8.0 + n(p.cols) * dsize(p.dtype))
+    let cols = n(p.cols0) + n(p.cols1) + n(p.cols2);
+    let e = n(p.rows) * cols;
+    Cost::hbm(e, e * 8.0 + cols * dsize(p.dtype))
 }
 
 /// dst (+)= src·g_row·g_col (then, with the RHT, 4 butterfly stages and the signs: 6 more

@@ -334,7 +334,8 @@ impl CudaDevice {
     }
 
     pub fn k_add_bias(&self, p: ffi::ct_add_bias_params) -> Result<()> {
-        let g = self.stride_grid(p.rows as i64 * p.cols as i64, ELEMENTWISE_THREADS);
+        let cols = p.cols0 as i64 + p.cols1 as i64 + p.cols2 as i64;
+        let g = self.stride_grid(p.rows as i64 * cols, ELEMENTWISE_THREADS);
         self.launch(Kernel::AddBias, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::add_bias(&p))
     }
 

@@ -50,7 +50,14 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_scatter_add_rows_params, dst),
             offset_of!(ffi::ct_scatter_add_rows_params, err),
         ],
-        "ct_add_bias_params" => &[offset_of!(ffi::ct_add_bias_params, y), offset_of!(ffi::ct_add_bias_params, bias)],
+        "ct_add_bias_params" => &[
+            offset_of!(ffi::ct_add_bias_params, y0),
+            offset_of!(ffi::ct_add_bias_params, y1),
+            offset_of!(ffi::ct_add_bias_params, y2),
+            offset_of!(ffi::ct_add_bias_params, bias0),
+            offset_of!(ffi::ct_add_bias_params, bias1),
+            offset_of!(ffi::ct_add_bias_params, bias2),
+        ],
         "ct_nvfp4_scale_out_params" => &[
             offset_of!(ffi::ct_nvfp4_scale_out_params, src),
             offset_of!(ffi::ct_nvfp4_scale_out_params, dst),

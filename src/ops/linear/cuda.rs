@@ -12,13 +12,38 @@ use anyhow::{bail, Result};
 
 /// y (rows, cols) += bias.
 pub fn add_bias(d: &CudaDevice, y: u64, bias: &Tensor, rows: usize, cols: usize) -> Result<()> {
-    let b = ptr(d, bias, FLOATS, "linear bias")?;
+    if bias.numel() != cols {
+        bail!("linear bias: {} values for {cols} columns", bias.numel());
+    }
+    add_biases(d, &[(y, bias)], rows)
+}
+
+/// y_j (rows, N_j) += bias_j (N_j) for the projections (y_j, bias_j) of one input: one
+/// ct_add_bias launch for up to three of one dtype (q, k, v), else one each.
+pub fn add_biases(d: &CudaDevice, ys: &[(u64, &Tensor)], rows: usize) -> Result<()> {
+    if ys.len() > 3 || ys.iter().any(|(_, b)| b.dtype() != ys[0].1.dtype()) {
+        return ys.iter().try_for_each(|&(y, b)| add_biases(d, &[(y, b)], rows));
+    }
+    let Some(&(_, first)) = ys.first() else { return Ok(()) };
+    let seg = |j: usize| -> Result<(*mut f32, *const std::ffi::c_void, i32)> {
+        match ys.get(j) {
+            Some(&(y, b)) => Ok((f32p(y), vp(ptr(d, b, FLOATS, "linear bias")?), i32_of(b.numel(), "bias columns")?)),
+            None => Ok((std::ptr::null_mut(), std::ptr::null(), 0)),
+        }
+    };
+    let ((y0, bias0, cols0), (y1, bias1, cols1), (y2, bias2, cols2)) = (seg(0)?, seg(1)?, seg(2)?);
     d.k_add_bias(ffi::ct_add_bias_params {
-        y: f32p(y),
-        bias: vp(b),
-        dtype: code(bias.dtype()),
+        y0,
+        y1,
+        y2,
+        bias0,
+        bias1,
+        bias2,
+        cols0,
+        cols1,
+        cols2,
+        dtype: code(first.dtype()),
         rows: i32_of(rows, "bias rows")?,
-        cols: i32_of(cols, "bias columns")?,
     })
 }
 
@@ -169,16 +194,21 @@ pub fn linears<const J: usize>(
     let k = projs[0].w.dim(1);
     let xh = rounded(d, x, ptr(d, x, INPUTS, "linear input")?, m * k, dt)?;
     let e = if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
+    // The projections' biases after their GEMMs, in one launch (each y its own: the same adds).
+    let mut biases = Vec::with_capacity(J);
     for p in projs {
         let n = p.w.dim(0);
         let wp = ptr(d, p.w, FLOATS, "linear weight")?;
         let yp = ptr(d, p.y, &[DType::F32], "linear output")?;
         d.gemm(e, wp, xh.ptr, yp, m, n, k, 1.0, acc, None)?;
         if let Some(b) = p.bias {
-            add_bias(d, yp, b, m, n)?;
+            if b.numel() != n {
+                bail!("linear bias: {} values for {n} columns", b.numel());
+            }
+            biases.push((yp, b));
         }
     }
-    Ok(())
+    add_biases(d, &biases, m)
 }
 
 pub fn linear_q(d: &CudaDevice, x: &Tensor, wq: &QTensor, b: Option<&Tensor>, y: &mut Tensor, m: usize) -> Result<()> {

@@ -136,10 +136,11 @@ test_device!(backward_gemms, backward_gemms_cpu, backward_gemms_sim, backward_ge
 
 /// `linears` and `linear_grads` (projections of one input) against `linear`, `linear_dx` and
 /// `linear_dw` called one projection at a time: bit for bit, on the CPU and on the simulated
-/// GPU, for every weight dtype and weight-gradient operand, with and without accumulation.
-/// On the simulated GPU (a device of its own, ordinal 60, so the ledger counts this test's
-/// launches only) the input is rounded once for all projections and each dy once for both
-/// of its GEMMs where they take the same dtype: the counted `ct_cast` launches.
+/// GPU, for every weight dtype and weight-gradient operand, with and without accumulation,
+/// the forward with biases. On the simulated GPU (a device of its own, ordinal 60, so the
+/// ledger counts this test's launches only) the input is rounded once for all projections
+/// and each dy once for both of its GEMMs where they take the same dtype: the counted
+/// `ct_cast` launches; and the three biases are added in one `ct_add_bias` launch.
 #[test]
 fn projections_of_one_input_round_it_once_sim() {
     use crate::device::cuda::{ledger, CudaDevice};
@@ -159,23 +160,39 @@ fn projections_of_one_input_round_it_once_sim() {
         for wdt in [DType::BF16, DType::F16, DType::F32] {
             let ws: Vec<Tensor> =
                 ns.iter().enumerate().map(|(j, &n)| up(&data(n * k, 50 + j as u64), &[n, k], wdt)).collect();
+            let bs: Vec<Tensor> = ns.iter().enumerate().map(|(j, &n)| up(&data(n, 60 + j as u64), &[n], wdt)).collect();
             let what = format!("{} {} weights", dev.name(), wdt.name());
-            // The forward: `linears` against one `linear` each.
-            let mut ys: Vec<Tensor> = ns.iter().map(|&n| dev.zeros(DType::F32, &[m, n]).unwrap()).collect();
-            let mut want = Vec::new();
-            for (w, y) in ws.iter().zip(ys.iter_mut()) {
-                linear(&dev, &x, w, None, y, m, false).unwrap();
-                want.push(bits(y));
-            }
-            let [y0, y1, y2] = &mut ys[..] else { unreachable!() };
-            casts();
-            let projs = [(0, y0), (1, y1), (2, y2)].map(|(j, y)| Proj { w: &ws[j], panels: None, bias: None, y });
-            linears(&dev, &x, projs, m).unwrap();
-            if !dev.is_cpu() {
-                assert_eq!(casts(), u64::from(wdt != DType::F32), "{what}: the forward's roundings of x");
-            }
-            for (j, y) in ys.iter().enumerate() {
-                assert_eq!(bits(y), want[j], "{what}: linears' projection {j}");
+            // The forward: `linears` against one `linear` each, without and with biases.
+            for biased in [false, true] {
+                let bias = |j: usize| biased.then_some(&bs[j]);
+                let mut ys: Vec<Tensor> = ns.iter().map(|&n| dev.zeros(DType::F32, &[m, n]).unwrap()).collect();
+                let mut want = Vec::new();
+                for (j, (w, y)) in ws.iter().zip(ys.iter_mut()).enumerate() {
+                    linear(&dev, &x, w, bias(j), y, m, false).unwrap();
+                    want.push(bits(y));
+                }
+                let [y0, y1, y2] = &mut ys[..] else { unreachable!() };
+                casts();
+                let projs =
+                    [(0, y0), (1, y1), (2, y2)].map(|(j, y)| Proj { w: &ws[j], panels: None, bias: bias(j), y });
+                linears(&dev, &x, projs, m).unwrap();
+                if !dev.is_cpu() {
+                    let l = ledger::rows(&cd.take_ledger());
+                    let n = |op: &str| l.iter().filter(|r| r.op == op).map(|r| r.launches).sum::<u64>();
+                    assert_eq!(n("ct_cast"), u64::from(wdt != DType::F32), "{what}: the forward's roundings of x");
+                    // One launch for the three biases (F32 weights run one `linear` each).
+                    let adds = if !biased {
+                        0
+                    } else if wdt == DType::F32 {
+                        3
+                    } else {
+                        1
+                    };
+                    assert_eq!(n("ct_add_bias"), adds, "{what}: bias launches");
+                }
+                for (j, y) in ys.iter().enumerate() {
+                    assert_eq!(bits(y), want[j], "{what}, biases {biased}: linears' projection {j}");
+                }
             }
             for operands in [DType::BF16, DType::F32] {
                 for acc_dx in [false, true] {
