@@ -490,9 +490,10 @@ typedef struct ct_attn_train_params {
  *   REINFORCE with TIS, seed 004 Eq. 3, as src/objective/grpo.rs's base at rho = 1; coef_teacher
  *   NULL): v = fmin(exp(logp_r - coef_sampler[r]), coef_cap), rho = exp(logp_r - logp_r) (1, or
  *   NaN for a log-prob that is not finite, as the host's), coef_out[r] = ((w v) coef_adv[r]) rho
- *   (never clipped at rho = 1). exp is the device's double exp (at most 1 ulp from the host's
- *   correctly rounded one: a coefficient may differ from the host's in its last f32 bit, rarely;
- *   the simulator runs the host's, the same bits). */
+ *   (never clipped at rho = 1). exp is the device's double exp (within 1 ulp; the host's libm
+ *   exp may differ from it in the last bit, so a coefficient may differ from the host's in its
+ *   last f32 bit, rarely; the simulator calls the same libm exp as the host's objective: the
+ *   same bits). coef_adv must be 8-byte aligned. */
 typedef struct ct_lm_params {
   float* z;
   const uint32_t* targets;

@@ -219,9 +219,9 @@ impl DeviceTrainable {
         let values = tokens * (c + i) + 3 * c * i;
         // The learner's scratch (`linear::learner_*`): the products in f32 and the unit values
         // and roundings of dy in BF16, of both widths: freed blocks stay cached for the next
-        // request of their size class, so each class counts (4C + 4I products, 2C + 2I unit
-        // values, two dy roundings of each width), and the weights' unit values and f32
-        // weight-gradient product.
+        // request of their size class, so each class counts (per token 4C + 4I for the
+        // products, 2C + 2I for the unit values, 2C + 2I for a dy rounding of each width), and
+        // the weights' unit values and f32 weight-gradient product.
         let scratch = 8 * tokens * (c + i) + 6 * c * i;
         let learner = match keep {
             LearnerKeep::Off => 0,

@@ -192,6 +192,11 @@ pub fn linears<const J: usize>(
         return Ok(());
     }
     let k = projs[0].w.dim(1);
+    for p in &projs {
+        if let Some(b) = p.bias.filter(|b| b.numel() != p.w.dim(0)) {
+            bail!("linear bias: {} values for {} columns", b.numel(), p.w.dim(0));
+        }
+    }
     let xh = rounded(d, x, ptr(d, x, INPUTS, "linear input")?, m * k, dt)?;
     let e = if dt == DType::BF16 { Elem::BF16 } else { Elem::F16 };
     // The projections' biases after their GEMMs, in one launch (each y its own: the same adds).
@@ -202,9 +207,6 @@ pub fn linears<const J: usize>(
         let yp = ptr(d, p.y, &[DType::F32], "linear output")?;
         d.gemm(e, wp, xh.ptr, yp, m, n, k, 1.0, acc, None)?;
         if let Some(b) = p.bias {
-            if b.numel() != n {
-                bail!("linear bias: {} values for {n} columns", b.numel());
-            }
             biases.push((yp, b));
         }
     }
@@ -296,6 +298,13 @@ pub fn linear_grads<const J: usize>(
     let dxp = ptr(d, dx, &[DType::F32], "linear input gradient")?;
     if m == 0 {
         return Ok(());
+    }
+    // Every dy's dtype before the first launch: 16-bit only where each of its GEMMs rounds
+    // to that dtype (a 16-bit weight's data gradient, BF16 weight-gradient operands).
+    for p in &projs {
+        if p.w.dtype() == DType::F32 || operands != DType::BF16 {
+            f32_input(p.dy)?;
+        }
     }
     let xh = if operands == DType::BF16 {
         Some(rounded(d, x, xp, m * k, DType::BF16)?)

@@ -10,7 +10,7 @@ use crate::device::cuda::args::{err_word, i32_of, ptr};
 use crate::device::cuda::{ffi, CudaDevice, DevBuf, Elem, Form};
 use crate::device::{DType, Tensor};
 use crate::ops::linear::cast_rows;
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 /// The pointers one pass needs, checked once.
 struct Head {
@@ -159,11 +159,13 @@ pub fn loss_grad(
                 None => 0,
             };
             let tis = match tis {
-                Some(t) => Some((
-                    ptr(d, t.sampler, &[DType::F32], "sampler log-probs")?,
-                    ptr(d, t.adv, &[DType::U32], "advantages")?,
-                    t.cap,
-                )),
+                Some(t) => {
+                    let adv = ptr(d, t.adv, &[DType::U32], "advantages")?;
+                    if adv % 8 != 0 {
+                        bail!("LM head: the advantages' words at {adv:#x} are not 8-byte aligned (read as f64)");
+                    }
+                    Some((ptr(d, t.sampler, &[DType::F32], "sampler log-probs")?, adv, t.cap))
+                }
                 None => None,
             };
             rule = Some((ptr(d, den, &[DType::U32], "loss weight denominators")?, tp, offset, tis));

@@ -27,10 +27,10 @@
 //! log-probs: the coefficients are the objective's, the rule's f64 operations its own, on the
 //! same log-probs. A log-prob that is not finite makes the host's coefficient NaN (ρ =
 //! exp(NaN)) where the one pass's may be finite or infinite; the step's evaluation after the
-//! pass then skips the update, as it would have. TIS's weight takes the device's f64 exp (at
-//! most 1 ulp from the host's: on a GPU a coefficient may, rarely, differ in its last f32 bit;
-//! the simulator runs the host's). TRIAGE keeps the two passes: its gate and repair read whole
-//! segments of π_old's log-probs.
+//! pass then skips the update, as it would have. TIS's weight takes the device's f64 exp
+//! (within 1 ulp, as the host libm's: on a GPU a coefficient may, rarely, differ in its last
+//! f32 bit; the simulator calls the host's libm, the same bits). TRIAGE keeps the two passes:
+//! its gate and repair read whole segments of π_old's log-probs.
 //!
 //! Owns: that pass, [`FirstPass`]. May call: the device state, the objective's evaluation.
 //! Must not: apply the update (the step does, after its skip checks).
@@ -58,7 +58,8 @@ pub enum FirstPass {
 }
 
 /// The one pass's coefficients over the first minibatch's tokens: known before it, or the rule's
-/// inputs (aggregation denominators, the teacher's log-probs, the advantage offset).
+/// inputs (aggregation denominators, the teacher's log-probs, the advantage offset; TIS's
+/// sampler log-probs, advantages and cap).
 enum Rule<'a> {
     Known(Vec<f32>),
     /// Denominators, the teacher's log-probs, the offset, TIS's (sampler log-probs,
@@ -164,7 +165,8 @@ impl Trainer {
     /// ([`Objective::one_pass`](super::Objective::one_pass)): evaluated now at ratio 1 with
     /// every log-prob 0 where they do not depend on the log-probs, else the device rule's
     /// inputs (each token's aggregation denominator, u32: a larger one leaves the step to the
-    /// two passes; the teacher's log-probs for OPD; the advantage offset).
+    /// two passes; the teacher's log-probs for OPD; the advantage offset; for TIS the
+    /// sampler's log-probs, the advantages and the cap).
     fn one_pass_rule<'a>(&self, inp: &'a StepInputs, part: &Range<usize>, k: u64) -> Result<Option<Rule<'a>>> {
         if self.first_pass != FirstPass::OnePass {
             return Ok(None);
