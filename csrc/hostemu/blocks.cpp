@@ -168,7 +168,7 @@ static void rmsnorm() {
   all_schedules("rmsnorm", [&] {
     std::vector<float> x = x0, y(x0.size(), NAN);
     ct_rmsnorm_params p{};
-    p.x = x.data(), p.r = r.data(), p.y = y.data(), p.w = w.data(), p.w_dtype = CT_DTYPE_F32;
+    p.x = x.data(), p.r = r.data(), p.y = y.data(), p.y_dtype = CT_DTYPE_F32, p.w = w.data(), p.w_dtype = CT_DTYPE_F32;
     p.rows = rows, p.cols = cols, p.eps = dim_f(d, 2);
     ct_emu::launch(ct_rmsnorm, rows, 1, 256, 0, p);  // kernels.rs NORM_THREADS
     wr("y.bin", y.data(), 4 * y.size());

@@ -155,8 +155,8 @@ int main(int argc, char** argv) {
   for (int t = 0; t < 2; t++) {
     std::vector<float> y(x, x + n);
     ct_add_bias_params b{};
-    b.y = y.data(), b.bias = t == 0 ? static_cast<const void*>(x) : static_cast<const void*>(xb.data());
-    b.dtype = t == 0 ? CT_DTYPE_F32 : CT_DTYPE_BF16, b.rows = vocab, b.cols = 64;
+    b.y0 = y.data(), b.bias0 = t == 0 ? static_cast<const void*>(x) : static_cast<const void*>(xb.data());
+    b.dtype = t == 0 ? CT_DTYPE_F32 : CT_DTYPE_BF16, b.rows = vocab, b.cols0 = 64;
     ct_add_bias(b);
     wr(t == 0 ? "bias_f32" : "bias_bf16", y.data(), 4 * n);
   }
