@@ -30,6 +30,15 @@ use crate::device::{Device, Tensor};
 use crate::quant::qtensor::QTensor;
 use anyhow::{bail, Result};
 
+/// A linear's bias: exactly N values (one per output column; the CUDA arm adds several
+/// projections' biases in one launch by their lengths).
+fn check_bias(b: &Tensor, n: usize) -> Result<()> {
+    if b.numel() != n {
+        bail!("linear bias: tensor of shape {:?} for {n} output columns", b.shape());
+    }
+    Ok(())
+}
+
 /// y[..m] (m, N) = x[..m] (m, K) · wᵀ, w (N, K), plus `bias` (N) when given; `accumulate` adds to y.
 pub fn linear(
     dev: &Device,
@@ -61,7 +70,7 @@ pub fn linear_residual(
     check_rows(r, m, n, "linear residual")?;
     check_rows(y, m, n, "linear output")?;
     if let Some(b) = bias {
-        check_rows(b, 1, n, "linear bias")?;
+        check_bias(b, n)?;
     }
     match dev {
         Device::Cpu(_) => {
@@ -136,7 +145,7 @@ fn linears_acc<const J: usize>(
         check_rows(x, m, kw, "linear input")?;
         check_rows(p.y, m, n, "linear output")?;
         if let Some(b) = p.bias {
-            check_rows(b, 1, n, "linear bias")?;
+            check_bias(b, n)?;
         }
     }
     // (Every projection's K equals x's row width: checked above.)
