@@ -143,7 +143,7 @@ static void attention() {
     std::vector<float> out(static_cast<size_t>(rows) * p.heads * p.head_dim, NAN), out2(out.size(), NAN);
     uint32_t err = 0;
     ct_attention_params a = p;
-    a.out = out.data(), a.err = &err;
+    a.out = out.data(), a.out_dtype = CT_DTYPE_F32, a.err = &err;
     // kernels.rs k_paged_attention: grid (rows, kv_heads), CT_ATT_THREADS threads.
     ct_emu::launch(ct_paged_attention, rows, p.kv_heads, CT_ATT_THREADS, smem, a);
     // kernels.rs k_prefill_attention: grid (pf_grid, kv_heads), CT_PF_THREADS threads.

@@ -233,7 +233,8 @@ typedef struct ct_attention_params {
   int32_t kv_heads;
   int32_t head_dim;
   float softmax_scale;
-  float* out;
+  void* out;         /* (num_tokens, heads * head_dim) in out_dtype */
+  int32_t out_dtype; /* F32, or BF16 / F16 rounded as ct_cast rounds (a GEMM's input) */
   uint32_t* err;
 } ct_attention_params;
 
@@ -459,7 +460,8 @@ typedef struct ct_attn_train_params {
   const float* v;
   const float* out;
   const float* dout;
-  float* o;
+  void* o;         /* the forward's output, in o_dtype */
+  int32_t o_dtype; /* F32 (the backward's out), or BF16 / F16 rounded as ct_cast rounds */
   float* lse;
   float* dq;
   float* dk;

@@ -64,7 +64,7 @@ extern "C" __global__ void __launch_bounds__(CT_ATT_THREADS) ct_paged_attention(
   const int tid = threadIdx.x, lane = tid % CT_WARP, warp = tid / CT_WARP;
   const int nwarps = blockDim.x / CT_WARP;
   const int64_t row_stride = static_cast<int64_t>(p.heads) * D;
-  float* out = p.out + t * row_stride + static_cast<int64_t>(kvh) * groups * D;
+  const int64_t out0 = t * row_stride + static_cast<int64_t>(kvh) * groups * D;  // the group's first output
 
   // The sequence of row t: the last s with q_start[s] <= t.
   int lo = 0, hi = p.num_seqs;
@@ -79,7 +79,7 @@ extern "C" __global__ void __launch_bounds__(CT_ATT_THREADS) ct_paged_attention(
   const int64_t n = pos + 1;
   if (q_len <= 0 || t - q0 >= q_len || pos < 0 || n > static_cast<int64_t>(p.max_blocks) * p.block_size) {
     if (tid == 0) ct_set_error(p.err, CT_ERR_ATTN_META);
-    for (int i = tid; i < groups * D; i += blockDim.x) out[i] = __uint_as_float(0x7FC00000u);
+    for (int i = tid; i < groups * D; i += blockDim.x) ct_store(p.out, p.out_dtype, out0 + i, __uint_as_float(0x7FC00000u));
     return;
   }
   const uint32_t* table = p.block_tables + static_cast<int64_t>(s) * p.max_blocks;
@@ -133,5 +133,5 @@ extern "C" __global__ void __launch_bounds__(CT_ATT_THREADS) ct_paged_attention(
     }
     __syncthreads();
   }
-  for (int i = tid; i < groups * D; i += blockDim.x) out[i] = acc[i] / lrun[i / D];
+  for (int i = tid; i < groups * D; i += blockDim.x) ct_store(p.out, p.out_dtype, out0 + i, acc[i] / lrun[i / D]);
 }

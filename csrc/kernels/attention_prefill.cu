@@ -76,7 +76,8 @@ extern "C" __global__ void __launch_bounds__(CT_PF_THREADS) ct_prefill_attention
     if (tid == 0) ct_set_error(p.err, CT_ERR_ATTN_META);
     for (int i = tid; i < nv * D; i += blockDim.x) {
       const int v = i / D, r = v / G, g = v % G;
-      p.out[(row0 + r) * row_stride + static_cast<int64_t>(kvh * G + g) * D + i % D] = __uint_as_float(0x7FC00000u);
+      ct_store(p.out, p.out_dtype, (row0 + r) * row_stride + static_cast<int64_t>(kvh * G + g) * D + i % D,
+               __uint_as_float(0x7FC00000u));
     }
     return;
   }
@@ -137,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(CT_PF_THREADS) ct_prefill_attention
   __syncthreads();
   for (int i = tid; i < nv * D; i += blockDim.x) {
     const int v = i / D, r = v / G, g = v % G;
-    p.out[(row0 + r) * row_stride + static_cast<int64_t>(kvh * G + g) * D + i % D] = acc[i] / lrun[v];
+    ct_store(p.out, p.out_dtype, (row0 + r) * row_stride + static_cast<int64_t>(kvh * G + g) * D + i % D, acc[i] / lrun[v]);
   }
 }
 
@@ -170,8 +171,8 @@ __device__ __forceinline__ void ct_prefill_tc_body(const ct_attention_params& p,
     if (threadIdx.x == 0) ct_set_error(p.err, CT_ERR_ATTN_META);
     for (int i = threadIdx.x; i < nv * D; i += blockDim.x) {
       const int v = i / D;
-      p.out[(row0 + v / G) * row_stride + static_cast<int64_t>(kvh * G + v % G) * D + i % D] =
-          __uint_as_float(0x7FC00000u);
+      ct_store(p.out, p.out_dtype, (row0 + v / G) * row_stride + static_cast<int64_t>(kvh * G + v % G) * D + i % D,
+               __uint_as_float(0x7FC00000u));
     }
     return;
   }
@@ -180,7 +181,7 @@ __device__ __forceinline__ void ct_prefill_tc_body(const ct_attention_params& p,
   const uint16_t* vc = static_cast<const uint16_t*>(p.v_cache);
   // This thread's two query vectors (its warp's mma rows g and g + 8): q and out rows, position.
   const float* qp[2];
-  float* op[2];
+  int64_t op[2];  // the out rows' first element
   int64_t pos[2];
   bool valid[2];
 #pragma unroll
@@ -190,7 +191,7 @@ __device__ __forceinline__ void ct_prefill_tc_body(const ct_attention_params& p,
     const int r = valid[x] ? v / G : 0, hh = kvh * G + (valid[x] ? v % G : 0);
     const int64_t at = (row0 + r) * row_stride + static_cast<int64_t>(hh) * D;
     qp[x] = p.q + at;
-    op[x] = p.out + at;
+    op[x] = at;
     pos[x] = pos0 + r;
   }
   uint32_t qa[CT_TC_MAX_D / 16][4];
@@ -242,7 +243,7 @@ __device__ __forceinline__ void ct_prefill_tc_body(const ct_attention_params& p,
   }
   // out = o / l per vector.
 #pragma unroll
-  for (int x = 0; x < 2; x++) ct_tc_finish_row(op[x], o, l[x], x, valid[x], D, t);
+  for (int x = 0; x < 2; x++) ct_tc_finish_row(p.out, p.out_dtype, op[x], o, l[x], x, valid[x], D, t);
 }
 
 extern "C" __global__ void __launch_bounds__(128) ct_prefill_attention_tc(ct_attention_params p) {

@@ -114,18 +114,18 @@ __device__ __forceinline__ void ct_tc_softmax_tile(float (*s)[4], float (*o)[4],
 }
 
 // The end of row x's online softmax: its sum l over the 4-lane group (returned; every lane
-// calls, the shuffles need them all), and, when `valid`, out[d] = o / sum for the thread's
-// columns d of the row (out: the row's first value).
-__device__ __forceinline__ float ct_tc_finish_row(float* out, const float (*o)[4], float l, int x, bool valid, int D,
-                                                  int t) {
+// calls, the shuffles need them all), and, when `valid`, out[at + d] = o / sum for the thread's
+// columns d of the row (at: the row's first value), stored in `dtype` (ct_store's rounding).
+__device__ __forceinline__ float ct_tc_finish_row(void* out, int dtype, int64_t at, const float (*o)[4], float l, int x,
+                                                  bool valid, int D, int t) {
   float L = l;
   L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 1));
   L = __fadd_rn(L, __shfl_xor_sync(0xffffffffu, L, 2));
   if (valid) {
 #pragma unroll
     for (int n = 0; n < D / 8; n++) {
-      out[n * 8 + 2 * t] = __fdiv_rn(o[n][2 * x], L);
-      out[n * 8 + 2 * t + 1] = __fdiv_rn(o[n][2 * x + 1], L);
+      ct_store(out, dtype, at + n * 8 + 2 * t, __fdiv_rn(o[n][2 * x], L));
+      ct_store(out, dtype, at + n * 8 + 2 * t + 1, __fdiv_rn(o[n][2 * x + 1], L));
     }
   }
   return L;

@@ -70,7 +70,7 @@ extern "C" __global__ void ct_attn_fwd(ct_attn_train_params p) {
     ct_at_tile_sum(acc, ps, min(CT_AT_TILE, i - tile + 1), p.v + koff, tile, kstride, D);
     __syncthreads();
   }
-  for (int a = 0, d = threadIdx.x; d < D; a++, d += blockDim.x) p.o[qrow + d] = acc[a];
+  for (int a = 0, d = threadIdx.x; d < D; a++, d += blockDim.x) ct_store(p.o, p.o_dtype, qrow + d, acc[a]);
   if (threadIdx.x == 0) p.lse[static_cast<int64_t>(i) * p.heads + h] = lse;
 }
 
@@ -226,7 +226,7 @@ __device__ __forceinline__ void ct_attn_fwd_tc_body(const ct_attn_train_params& 
   // o / l per row, and lse = m + log l.
 #pragma unroll
   for (int x = 0; x < 2; x++) {
-    const float L = ct_tc_finish_row(p.o + rows[x] * qstride + qoff, o, l[x], x, valid[x], D, t);
+    const float L = ct_tc_finish_row(p.o, p.o_dtype, rows[x] * qstride + qoff, o, l[x], x, valid[x], D, t);
     if (valid[x] && t == 0) p.lse[static_cast<int64_t>(rows[x]) * p.heads + h] = __fadd_rn(m[x], logf(L));
   }
 }

@@ -61,6 +61,10 @@ pub struct ForwardBuffers {
     /// BF16 copies' room for the GEMM-only inputs (CUDA, BF16 weights; else empty): the norms
     /// and SwiGLU write these instead of h and act where every reader is a dense BF16 linear.
     h16: Tensor, // (cap, C) bf16
+    /// The attention output in BF16 where o_proj is a dense BF16 linear: the kernels store what
+    /// the GEMM would round it to. It shares h16's room (the projections have read h16 before
+    /// attention writes it, and o_proj reads it before the next norm writes h16).
+    att16: Tensor, // (cap, H·D) bf16
     act16: Tensor,      // (cap, I) bf16
     /// When set, the forward records the max magnitude of every linear input and of the keys and
     /// values (the calibration pass of the low-precision engines).
@@ -68,8 +72,8 @@ pub struct ForwardBuffers {
 }
 
 impl ForwardBuffers {
-    /// `bf16_operands`: hold [`ForwardBuffers::h16`]'s and `act16`'s room (a CUDA device with
-    /// BF16 weights; the CPU multiplies f32 inputs).
+    /// `bf16_operands`: hold [`ForwardBuffers::h16`]'s (and `att16`'s) and `act16`'s room (a
+    /// CUDA device with BF16 weights; ignored on the CPU, which multiplies f32 inputs).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         dev: &Device,
@@ -92,7 +96,15 @@ impl ForwardBuffers {
             Ok(t)
         };
         let u = |n: usize| dev.zeros(DType::U32, &[n]);
+        let bf16_operands = bf16_operands && !dev.is_cpu();
         let half = |cols: usize| dev.zeros(DType::BF16, &[if bf16_operands { cap } else { 0 }, cols]);
+        let (h16, att16) = match bf16_operands {
+            true => {
+                let room = dev.zeros(DType::BF16, &[cap * c.max(q)])?;
+                (room.view(0, &[cap, c])?, room.view(0, &[cap, q])?)
+            }
+            false => (half(c)?, half(q)?),
+        };
         Ok(ForwardBuffers {
             cap,
             cap_rows,
@@ -133,7 +145,8 @@ impl ForwardBuffers {
             hn: f(&[cap_rows, c])?,
             logits: f(&[cap_rows, cfg.vocab_size])?,
             xq: f(&[cap, c.max(i).max(q)])?,
-            h16: half(c)?,
+            h16,
+            att16,
             act16: half(i)?,
             observe: None,
         })
@@ -158,12 +171,12 @@ impl ForwardBuffers {
             &self.os,
             &self.hn,
             &self.logits,
-            &self.h16,
             &self.act16,
         ]
         .iter()
         .map(|t| t.size_bytes())
-        .sum()
+        .sum::<usize>()
+            + self.h16.size_bytes().max(self.att16.size_bytes()) // one room, two views
     }
 }
 
@@ -202,16 +215,18 @@ impl Transformer {
         rope::rope_table(dev, &b.positions, &self.inv_freq, &mut b.cos, &mut b.sin, m)?;
         for (l, (lw, cache)) in w.layers.iter().zip(kv.iter_mut()).enumerate() {
             let ql = q.map(|q| &q[l]);
-            // The GEMM-only inputs in BF16 (h16, act16) where every linear that reads them is a
-            // dense BF16 one: the norms and SwiGLU store the rounding each GEMM applied to the
-            // f32 values (the same bits, without a cast); f32 while calibrating (the observer
-            // reads the f32 values) and for quantized linears (they quantize from f32).
+            // The GEMM-only inputs in BF16 (h16, att16, act16) where every linear that reads
+            // them is a dense BF16 one: the norms, attention and SwiGLU store the rounding each
+            // GEMM applied to the f32 values (the same bits, without a cast); f32 while
+            // calibrating (the observer reads the f32 values) and for quantized linears (they
+            // quantize from f32).
             let dense = |i: usize, w: &Tensor| {
                 w.dtype() == DType::BF16 && ql.is_none_or(|q| q.w[i].is_none() && q.act[i] == ActQuant::None)
             };
             let on16 = b.h16.numel() > 0 && b.observe.is_none();
             let attn16 = on16 && dense(0, &lw.q_proj) && dense(1, &lw.k_proj) && dense(2, &lw.v_proj);
             let mlp16 = on16 && dense(4, &lw.gate_proj) && dense(5, &lw.up_proj);
+            let out16 = on16 && dense(3, &lw.o_proj);
             let down16 = on16 && dense(6, &lw.down_proj);
             // Attention block. b.o holds the previous layer's MLP output, not yet added to x.
             let hy = if attn16 { &mut b.h16 } else { &mut b.h };
@@ -251,11 +266,13 @@ impl Transformer {
             }
             let (ks, vs) = (cache.k_scale, cache.v_scale);
             attention::kv_write(dev, &b.k, &b.v, &mut cache.k, &mut cache.v, ks, vs, &b.meta)?;
-            if !attention::packed_prefill(dev, &b.q, &b.k, &b.v, &cache.k, &cache.v, &mut b.meta, &mut b.att, h)? {
-                attention::paged_attention(dev, &b.q, &cache.k, &cache.v, ks, vs, &b.meta, &mut b.att, h)?;
+            let oy = if out16 { &mut b.att16 } else { &mut b.att };
+            if !attention::packed_prefill(dev, &b.q, &b.k, &b.v, &cache.k, &cache.v, &mut b.meta, oy, h)? {
+                attention::paged_attention(dev, &b.q, &cache.k, &cache.v, ks, vs, &b.meta, oy, h)?;
             }
             observe(dev, &mut b.observe, l, 1, &b.att, m)?;
-            proj(dev, &b.att, &mut b.xq, &lw.o_proj, pan(l, 3), lw.o_bias.as_ref(), ql, 3, &mut b.o, m)?;
+            let ox = if out16 { &b.att16 } else { &b.att };
+            proj(dev, ox, &mut b.xq, &lw.o_proj, pan(l, 3), lw.o_bias.as_ref(), ql, 3, &mut b.o, m)?;
             // MLP block.
             let hy = if mlp16 { &mut b.h16 } else { &mut b.h };
             norm::add_rmsnorm(dev, &mut b.x, &b.o, &lw.post_attention_layernorm, eps, hy, m)?;

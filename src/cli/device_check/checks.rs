@@ -503,9 +503,22 @@ fn check_attention(x: &mut Ctx, hkv: usize, heads: usize, d: usize) -> Result<()
                 _ => (if what == "prefill" { "prefill kernel" } else { "decode kernel" }, Tol::Close(1e-5, 1e-4)),
             };
             x.cmp(&format!("attention {shape_note}, {kernel}"), &format!("{} cache", dt.name()), &o, tol)?;
+            let mut o16 = x.gpu.zeros(DType::BF16, &[rows, heads * d])?;
+            attention::paged_attention(&x.gpu, &q.g, &kc.g, &vc.g, ks, vs, m_g, &mut o16, heads)?;
+            let what = format!("attention {shape_note}, {kernel}, BF16 output");
+            bf16_output(x, &what, &format!("{} cache", dt.name()), &o.g, &o16)?;
         }
     }
     packed_prefill(x, hkv, heads, d)
+}
+
+/// The GPU's attention run again storing BF16, `o16` (what a BF16 o_proj multiplies): exactly
+/// the host's round-to-nearest-even of its own f32 output `f32_out`.
+pub(super) fn bf16_output(x: &mut Ctx, what: &str, dtype: &str, f32_out: &Tensor, o16: &Tensor) -> Result<()> {
+    let f = f32_out.to_f32_vec()?;
+    let rounded = Tensor::from_f32_host(DType::BF16, &[f.len()], &f)?.to_f32_vec()?;
+    x.record(what, dtype, &rounded, &o16.to_f32_vec()?, Tol::Exact);
+    Ok(())
 }
 
 /// A prefill step with a BF16 cache: a continuing chunk (7 rows at positions 16..23, through
@@ -544,7 +557,11 @@ fn packed_prefill(x: &mut Ctx, hkv: usize, heads: usize, d: usize) -> Result<()>
         bail!("the packed prefill did not take the step's 3 whole sequences (h{heads}/kv{hkv} d{d})");
     }
     let what = format!("attention h{heads}/kv{hkv} d{d}, packed prefill (tensor cores)");
-    x.cmp(&what, "bf16 cache", &o, Tol::Close(1e-2, 1e-2))
+    x.cmp(&what, "bf16 cache", &o, Tol::Close(1e-2, 1e-2))?;
+    // Its outputs in BF16 (both kernels of the step), after the same cache writes.
+    let mut o16 = x.gpu.zeros(DType::BF16, &[t, heads * d])?;
+    attention::packed_prefill(&x.gpu, &q.g, &k.g, &v.g, &kc.g, &vc.g, &mut mg, &mut o16, heads)?;
+    bf16_output(x, &format!("{what}, BF16 output"), "bf16 cache", &o.g, &o16)
 }
 
 fn check_quant(x: &mut Ctx) -> Result<()> {

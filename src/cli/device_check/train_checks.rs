@@ -5,7 +5,7 @@
 //!
 //! Owns: the training check groups. May call: the ops. Must not: time anything.
 
-use super::checks::{pick, pick_mut, Ctx, Tol, C, M, N};
+use super::checks::{bf16_output, pick, pick_mut, Ctx, Tol, C, M, N};
 use crate::device::{DType, Tensor};
 use crate::ops::linear as matmul;
 use anyhow::Result;
@@ -409,6 +409,16 @@ fn attention(x: &mut Ctx) -> Result<()> {
     let tol = Tol::Close(3e-2, 2e-2);
     x.cmp("training attention tensor cores: out", "bf16 ops", &otc, tol)?;
     x.cmp("training attention tensor cores: lse", "bf16 ops", &ltc, tol)?;
+    // Both forwards storing BF16 outputs (o_proj's GEMM input): their own f32 outputs rounded.
+    let p = Packed { q: &q.g, k: &k.g, v: &v.g, cu: &cu.g, offsets: &offsets };
+    for (tc, what, f32_out) in [(false, "training attention", &o.g), (true, "training attention tensor cores", &otc.g)] {
+        let (mut o16, mut l) = (x.gpu.zeros(DType::BF16, &[t, h * d])?, x.gpu.zeros(DType::F32, &[t, h])?);
+        match tc {
+            true => train::fwd_tensor_cores(&x.gpu, &s, &p, &mut o16, &mut l)?,
+            false => train::fwd(&x.gpu, &s, &p, &mut o16, &mut l)?,
+        }
+        bf16_output(x, &format!("{what}: out, BF16 output"), "f32", f32_out, &o16)?;
+    }
     let (mut dq, mut dk, mut dv) = (x.out(&[t, h * d])?, x.out(&[t, hkv * d])?, x.out(&[t, hkv * d])?);
     x.both(|dev, g| {
         let p = Packed { q: pick(&q, g), k: pick(&k, g), v: pick(&v, g), cu: pick(&cu, g), offsets: &offsets };

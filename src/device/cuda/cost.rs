@@ -167,7 +167,7 @@ pub fn paged_attention(p: &ffi::ct_attention_params, keys: u64) -> Charge {
 /// shares each key tile it loads, so the keys' bytes are read once per tile of rows.
 pub fn prefill_attention(p: &ffi::ct_attention_params, keys: u64, rows_per_tile: usize) -> Charge {
     let (h, hkv, d) = (n(p.heads), n(p.kv_heads), n(p.head_dim));
-    let rows = n(p.num_tokens) * h * d * 4.0 * 2.0;
+    let rows = n(p.num_tokens) * h * d * (4.0 + dsize(p.out_dtype)); // q read, out written
     let per_key = Cost::hbm(4.0 * d * h, hkv * d * 2.0 * dsize(p.dtype) / rows_per_tile.max(1) as f64);
     Charge { base: Cost::hbm(0.0, rows), per_key: Some((per_key, keys)) }
 }
@@ -328,8 +328,8 @@ pub fn attn_train(p: &ffi::ct_attn_train_params, pairs: u64, part: AttnPart, tc:
     let kv = t * hkv * d * 4.0; // one (tokens, kv_heads·D) f32 tensor
     let stat = t * h * 4.0; // lse or delta
     let (per_pair, bytes) = match part {
-        // q, k, v read; o, lse written.
-        AttnPart::Fwd => (4.0, 2.0 * q + 2.0 * kv + stat),
+        // q, k, v read; o (in its dtype), lse written.
+        AttnPart::Fwd => (4.0, q * (1.0 + dsize(p.o_dtype) / 4.0) + 2.0 * kv + stat),
         // q, out, dout read, k, v read; dq, delta written, lse read.
         AttnPart::BwdDq => (6.0, 4.0 * q + 2.0 * kv + 2.0 * stat),
         // q, dout read, k, v read; dk, dv written; lse, delta read.
@@ -407,6 +407,9 @@ mod tests {
         let (tk, _) = tc.per_key.unwrap();
         assert_eq!((tk.bytes, tk.flops, tk.rate, tc.base.rate), (pf.bytes, pf.flops, Rate::Bf16, Rate::Bf16));
         assert_eq!(tc.base.bytes, prefill_attention(&p, 1000, 16).base.bytes);
+        // A BF16 output (o_proj's GEMM input) writes 2 bytes a value instead of 4; q stays f32.
+        p.out_dtype = ffi::CT_DTYPE_BF16;
+        assert_eq!(paged_attention(&p, 1000).base.bytes, 8.0 * 64.0 * (4.0 + 2.0));
         // SAFETY: as above.
         let mut t: ffi::ct_attn_train_params = unsafe { std::mem::zeroed() };
         (t.heads, t.kv_heads, t.head_dim, t.tokens) = (4, 2, 16, 10);
@@ -414,6 +417,11 @@ mod tests {
         // scores, 14·D per pair against the forward's 4·D.
         let f = attn_train(&t, 55, AttnPart::Fwd, true);
         assert_eq!((f.flops, f.rate), (4.0 * 16.0 * 4.0 * 55.0, Rate::Bf16));
+        // q and o (T, H·D) f32, k and v (T, Hkv·D) f32, lse (T, H): then o in BF16.
+        let (qb, kvb, stat) = (10.0 * 4.0 * 16.0 * 4.0, 10.0 * 2.0 * 16.0 * 4.0, 10.0 * 4.0 * 4.0);
+        assert_eq!(f.bytes, 2.0 * qb + 2.0 * kvb + stat);
+        t.o_dtype = ffi::CT_DTYPE_BF16;
+        assert_eq!(attn_train(&t, 55, AttnPart::Fwd, true).bytes, 1.5 * qb + 2.0 * kvb + stat);
         let b = attn_train(&t, 55, AttnPart::BwdDq, false).flops + attn_train(&t, 55, AttnPart::BwdDkv, false).flops;
         assert_eq!(b, 3.5 * f.flops);
     }

@@ -5,7 +5,7 @@
 //! cores to BF16 rounding (they round q and the probabilities too). Not yet run on a GPU.
 
 use super::{cache_dims, AttnMeta};
-use crate::device::cuda::args::{code, err_word, f32p, i32_of, ptr, u32p, vp};
+use crate::device::cuda::args::{code, err_word, i32_of, ptr, u32p, vp};
 use crate::device::cuda::kernels::prefill_tc_fits;
 use crate::device::cuda::{ffi, CudaDevice};
 use crate::device::{DType, Tensor};
@@ -13,6 +13,8 @@ use anyhow::{bail, Result};
 use std::ffi::c_void;
 
 const CACHES: &[DType] = &[DType::F32, DType::BF16, DType::F16, DType::U8];
+/// The output's dtypes: f32, or BF16 / F16 rounded as `ct_cast` rounds (o_proj's GEMM input).
+const OUTPUTS: &[DType] = &[DType::F32, DType::BF16, DType::F16];
 
 #[allow(clippy::too_many_arguments)]
 pub fn kv_write(
@@ -91,7 +93,8 @@ pub fn paged_attention(
         kv_heads: i32_of(hkv, "KV heads")?,
         head_dim: i32_of(hd, "head dimension")?,
         softmax_scale: 1.0 / (hd as f32).sqrt(),
-        out: f32p(ptr(d, o, &[DType::F32], "attention output")?),
+        out: vp(ptr(d, o, OUTPUTS, "attention output")?),
+        out_dtype: code(o.dtype()),
         err: err_word(d),
     };
     // Mostly prefill rows: the flash-style kernel (shares each key tile across a tile of rows),

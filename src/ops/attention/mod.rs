@@ -207,7 +207,8 @@ pub fn kv_write(
 }
 
 /// out[..T] (T, H·D) = attention of q (T, H·D) over the paged caches (FP8 caches decoded as
-/// e4m3(code) · scale).
+/// e4m3(code) · scale). out is f32, or on a CUDA device BF16 / F16: the f32 results rounded
+/// as `ct_cast` rounds them (what a BF16 o_proj multiplies; [`packed_prefill`] alike).
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     dev: &Device,

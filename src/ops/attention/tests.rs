@@ -1,6 +1,7 @@
 //! Paged attention against a dense f64 reference, on every cache dtype and paging.
 
 use super::cpu::dot;
+use crate::device::{DType, Device, Tensor};
 
 #[test]
 fn dot_is_the_documented_order_and_near_f64() {
@@ -123,6 +124,37 @@ fn attended_keys_follow_the_causal_rows() {
     assert_eq!(super::attended_keys(&[0, 5], &[2]), 0);
 }
 
+/// The metadata of one step on `dev`: sequences of (query rows, context after the step), each
+/// with `maxb` blocks of `bs` slots listed in `tables` (sequence by sequence).
+fn step_meta(dev: &Device, seqs: &[(u32, u32)], bs: usize, maxb: usize, tables: &[u32]) -> super::AttnMeta {
+    let up = |shape: &[usize], v: Vec<u32>| {
+        let h = Tensor::from_u32_host(shape, v).expect("host tensor");
+        if dev.is_cpu() {
+            h
+        } else {
+            dev.upload(h).expect("upload")
+        }
+    };
+    let mut q_start = vec![0u32];
+    for (q, _) in seqs {
+        q_start.push(q_start[q_start.len() - 1] + q);
+    }
+    let tokens = q_start[seqs.len()] as usize;
+    let ctx: Vec<u32> = seqs.iter().map(|x| x.1).collect();
+    super::AttnMeta {
+        num_seqs: seqs.len(),
+        num_tokens: tokens,
+        block_size: bs,
+        max_blocks: maxb,
+        q_start: up(&[seqs.len() + 1], q_start.clone()),
+        ctx_len: up(&[seqs.len()], ctx.clone()),
+        block_tables: up(&[seqs.len(), maxb], tables.to_vec()),
+        slot_mapping: up(&[tokens], vec![0; tokens]),
+        attended: super::attended_keys(&q_start, &ctx),
+        packed: Default::default(),
+    }
+}
+
 /// A prefill step over a BF16 cache on the simulated GPU runs ct_prefill_attention_tc (the
 /// tensor cores) and equals the CPU twin to BF16 rounding. The step mixes a chunk that
 /// continues a sequence (70 rows at positions 80..149: three key tiles of 64 and several
@@ -134,7 +166,6 @@ fn attended_keys_follow_the_causal_rows() {
 /// |gpu − cpu| ≤ 1e-2 + 1e-2·|cpu|.
 #[test]
 fn bf16_prefill_on_the_tensor_cores_sim() {
-    use crate::device::{DType, Device, Tensor};
     // A device of its own: the test reads its launch ledger, which other tests would add to.
     let cd = crate::device::cuda::CudaDevice::sim_unshared_arch(78, "sm_90a");
     let sim = Device::Cuda(cd.clone());
@@ -154,30 +185,7 @@ fn bf16_prefill_on_the_tensor_cores_sim() {
         q_start.push(q_start[q_start.len() - 1] + q);
     }
     let tokens = q_start[seqs.len()] as usize;
-    let ctx: Vec<u32> = seqs.iter().map(|x| x.1).collect();
-    let meta = |dev: &Device| -> super::AttnMeta {
-        let up = |shape: &[usize], v: Vec<u32>| {
-            let h = Tensor::from_u32_host(shape, v).expect("host tensor");
-            if dev.is_cpu() {
-                h
-            } else {
-                dev.upload(h).expect("upload")
-            }
-        };
-        super::AttnMeta {
-            num_seqs: seqs.len(),
-            num_tokens: tokens,
-            block_size: bs,
-            max_blocks: maxb,
-            q_start: up(&[seqs.len() + 1], q_start.clone()),
-            ctx_len: up(&[seqs.len()], ctx.clone()),
-            block_tables: up(&[seqs.len(), maxb], tables.clone()),
-            slot_mapping: up(&[tokens], vec![0; tokens]),
-            attended: super::attended_keys(&q_start, &ctx),
-            packed: Default::default(),
-        }
-    };
-    let (mc, mg) = (meta(&cpu), meta(&sim));
+    let (mc, mg) = (step_meta(&cpu, &seqs, bs, maxb, &tables), step_meta(&sim, &seqs, bs, maxb, &tables));
     for (hkv, heads, d) in [(2usize, 6usize, 16usize), (1, 8, 64), (2, 14, 128), (4, 4, 32)] {
         let what = format!("h{heads}/kv{hkv} d{d}");
         let mut rnd = |n: usize| (0..n).map(|_| s.normal() as f32).collect::<Vec<f32>>();
@@ -208,5 +216,92 @@ fn bf16_prefill_on_the_tensor_cores_sim() {
         }
         assert!(worst > 0.0, "{what}: the tensor cores round q and the probabilities: some difference is expected");
         println!("{what}: max |gpu − cpu| {worst:e}");
+    }
+}
+
+/// Every attention kernel that may feed a BF16 o_proj stores a BF16 output as the rounding
+/// `ct_cast` (round to nearest even) applies to its own f32 output: the engine's decode
+/// (ct_paged_attention), prefill on the CUDA cores (ct_prefill_attention, f32 and FP8 caches)
+/// and on the tensor cores (ct_prefill_attention_tc), and the training forward
+/// (ct_attn_fwd, ct_attn_fwd_tc; the engine's packed prefill). Bit for bit against the host's
+/// own BF16 rounding of the f32 output; each route checked to run the kernel it names.
+#[test]
+fn bf16_outputs_are_the_f32_outputs_rounded_sim() {
+    use super::grad::Shape;
+    use super::train::{self, Packed};
+    use crate::device::{CpuStorage, Storage};
+    // A device of its own: the test reads its launch ledger.
+    let cd = crate::device::cuda::CudaDevice::sim_unshared_arch(111, "sm_90a");
+    let sim = Device::Cuda(cd.clone());
+    let (bs, maxb, heads, hkv, d) = (16usize, 6usize, 6usize, 2usize, 32usize);
+    let mut s = crate::rand::Stream::new(5, 0);
+    let mut rnd = |n: usize| (0..n).map(|_| s.normal() as f32).collect::<Vec<f32>>();
+    let rounded = |v: &[f32]| Tensor::from_f32_host(DType::BF16, &[v.len()], v).and_then(|t| t.to_f32_vec());
+    let check = |what: &str, f32s: Vec<f32>, bf16s: Vec<f32>, ran: Vec<&str>, want: &str| {
+        assert_eq!(ran, [want], "{what}");
+        let r = rounded(&f32s).expect("host rounding");
+        assert!(f32s.iter().all(|x| x.is_finite()), "{what}: finite outputs");
+        let bad = r.iter().zip(&bf16s).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert!(bad.is_none(), "{what}: element {bad:?}: {:?} vs {:?}", bad.map(|i| r[i]), bad.map(|i| bf16s[i]));
+    };
+    let nb = 3 * maxb;
+    let tables: Vec<u32> = (0..nb as u32).rev().collect();
+    // (cache dtype, sequences (rows, context), the kernel): decode rows; a prefill step of
+    // whole and continuing sequences on the CUDA cores (f32 and FP8 caches) and on the tensor
+    // cores (BF16 cache).
+    let decode = [(1u32, 40u32), (1, 9), (1, 77)];
+    let prefill = [(30u32, 70u32), (21, 21), (12, 12)];
+    let routes = [
+        (DType::F32, &decode, "ct_paged_attention"),
+        (DType::F32, &prefill, "ct_prefill_attention"),
+        (DType::U8, &prefill, "ct_prefill_attention"),
+        (DType::BF16, &prefill, "ct_prefill_attention_tc"),
+    ];
+    for (cache, seqs, kernel) in routes {
+        let m = step_meta(&sim, seqs, bs, maxb, &tables);
+        let t = m.num_tokens;
+        let shape = [nb, hkv, bs, d];
+        let q = sim.from_f32(DType::F32, &[t, heads * d], &rnd(t * heads * d)).expect("q");
+        let kv = |v: Vec<f32>| match cache {
+            DType::U8 => {
+                let codes = v.iter().map(|&x| crate::formats::fp8::encode_e4m3_fast(x / 0.5)).collect();
+                let host = Tensor::from_storage(&shape, Storage::Cpu(CpuStorage::U8(codes)));
+                sim.upload(host).expect("upload")
+            }
+            dt => sim.from_f32(dt, &shape, &v).expect("cache"),
+        };
+        let (kc, vc) = (kv(rnd(nb * hkv * bs * d)), kv(rnd(nb * hkv * bs * d)));
+        let run = |dt: DType| {
+            let mut out = sim.zeros(dt, &[t, heads * d]).expect("out");
+            cd.take_ledger();
+            super::paged_attention(&sim, &q, &kc, &vc, 0.5, 0.5, &m, &mut out, heads).expect("attention");
+            let ran = crate::device::cuda::ledger::rows(&cd.take_ledger()).into_iter().map(|r| r.op).collect();
+            (out.to_f32_vec().expect("read"), ran)
+        };
+        let ((f, _), (b, ran)) = (run(DType::F32), run(DType::BF16));
+        check(&format!("{} cache, {kernel}", cache.name()), f, b, ran, kernel);
+    }
+    // The training forward over three packed sequences, on the CUDA cores and the tensor cores.
+    let offsets = [0usize, 19, 20, 53];
+    let t = offsets[3];
+    let cu = sim.upload(Tensor::from_u32_host(&[4], offsets.iter().map(|&o| o as u32).collect()).expect("cu"));
+    let cu = cu.expect("cu up");
+    let up = |n: usize, v: Vec<f32>| sim.from_f32(DType::F32, &[t, n], &v).expect("upload");
+    let (q, k, v) = (up(heads * d, rnd(t * heads * d)), up(hkv * d, rnd(t * hkv * d)), up(hkv * d, rnd(t * hkv * d)));
+    let x = Packed { q: &q, k: &k, v: &v, cu: &cu, offsets: &offsets };
+    let sh = Shape { heads, kv_heads: hkv, head_dim: d };
+    for (tc, kernel) in [(false, "ct_attn_fwd"), (true, "ct_attn_fwd_tc")] {
+        let run = |dt: DType| {
+            let (mut out, mut lse) = (sim.zeros(dt, &[t, heads * d]).expect("o"), sim.zeros(DType::F32, &[t, heads]).expect("lse"));
+            cd.take_ledger();
+            match tc {
+                true => train::fwd_tensor_cores(&sim, &sh, &x, &mut out, &mut lse).expect("forward"),
+                false => train::fwd(&sim, &sh, &x, &mut out, &mut lse).expect("forward"),
+            }
+            let ran = crate::device::cuda::ledger::rows(&cd.take_ledger()).into_iter().map(|r| r.op).collect();
+            (out.to_f32_vec().expect("read"), ran)
+        };
+        let ((f, _), (b, ran)) = (run(DType::F32), run(DType::BF16));
+        check(kernel, f, b, ran, kernel);
     }
 }

@@ -8,7 +8,7 @@
 //! Must not: hold a T × T matrix.
 
 use super::grad::{self, Shape};
-use crate::device::cuda::args::{i32_of, ptr};
+use crate::device::cuda::args::{code, i32_of, ptr};
 use crate::device::cuda::{ffi, CudaDevice};
 use crate::device::{DType, Device, Tensor};
 use anyhow::{bail, Result};
@@ -66,7 +66,9 @@ fn causal_pairs(cu: &[usize]) -> u64 {
     cu.windows(2).map(|w| (w[1] - w[0]) as u64).map(|l| l * (l + 1) / 2).sum()
 }
 
-/// out (T, H·D) and lse (T, H) of causal attention (`grad::fwd`).
+/// out (T, H·D) and lse (T, H) of causal attention (`grad::fwd`). On a CUDA device out may be
+/// BF16 or F16 (a GEMM's input, not the backward's: the kernels store the rounding `ct_cast`
+/// applies); on the CPU it is f32.
 pub fn fwd(dev: &Device, s: &Shape, x: &Packed<'_>, out: &mut Tensor, lse: &mut Tensor) -> Result<()> {
     fwd_on(dev, s, x, out, lse, false)
 }
@@ -100,7 +102,8 @@ fn fwd_on(dev: &Device, s: &Shape, x: &Packed<'_>, out: &mut Tensor, lse: &mut T
         Device::Cuda(d) => {
             let pairs = causal_pairs(&offsets(x, t)?);
             let mut p = params(d, s, x, t)?;
-            p.o = ptr(d, out, &[DType::F32], "attention output")? as *mut f32;
+            p.o = ptr(d, out, &[DType::F32, DType::BF16, DType::F16], "attention output")? as *mut std::ffi::c_void;
+            p.o_dtype = code(out.dtype());
             p.lse = ptr(d, lse, &[DType::F32], "attention log-sum-exp")? as *mut f32;
             if tc {
                 d.k_attn_fwd_tc(p, pairs)
@@ -239,6 +242,7 @@ fn params(d: &CudaDevice, s: &Shape, x: &Packed<'_>, t: usize) -> Result<ffi::ct
         out: std::ptr::null(),
         dout: std::ptr::null(),
         o: std::ptr::null_mut(),
+        o_dtype: ffi::CT_DTYPE_F32 as i32,
         lse: std::ptr::null_mut(),
         dq: std::ptr::null_mut(),
         dk: std::ptr::null_mut(),
