@@ -80,15 +80,61 @@ fn row(phase: &'static str, flops: f64, tflops: f64, bytes: f64, bw: f64, note: 
     Row { phase, flops, bytes, seconds, bound, note }
 }
 
+/// The rollout engine's weights as its recipe keeps them: `step`, the bytes one forward step
+/// streams (every layer's seven linears in their weight precision — NVFP4 0.5625 B a value
+/// with its E4M3 block scales, FP8 1 B, the model's BF16 2 B — its norms and biases, the final
+/// norm and the BF16 LM head; the embedding table is gathered a row per token, not streamed);
+/// `quantized`, the values of the linears a resync requantizes, and `codes`, their bytes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EngineWeights {
+    pub step: f64,
+    pub quantized: f64,
+    pub codes: f64,
+}
+
+impl EngineWeights {
+    /// `recipe`: one entry per layer (`Recipe::layers`); a layer without one is BF16.
+    pub fn of(s: &ModelConfig, recipe: &[crate::quant::recipe::LayerRecipe]) -> EngineWeights {
+        use crate::quant::recipe::Precision;
+        let (c, i, q, kv) = (s.hidden_size as f64, s.intermediate_size as f64, s.q_dim() as f64, s.kv_dim() as f64);
+        // The seven linears' values, in `recipe::LINEARS` order.
+        let sizes = [q * c, kv * c, kv * c, c * q, i * c, i * c, c * i];
+        let linears: f64 = sizes.iter().sum();
+        // Everything else of a layer (norms, biases, q/k norms) in BF16.
+        let rest = (s.num_params() - s.vocab_size * s.hidden_size * (1 + !s.tie_word_embeddings as usize)
+            - s.hidden_size) as f64
+            / s.num_layers as f64
+            - linears;
+        let mut e = EngineWeights { step: 2.0 * (s.vocab_size as f64 * c + c), quantized: 0.0, codes: 0.0 };
+        for l in 0..s.num_layers {
+            e.step += 2.0 * rest;
+            for (j, &v) in sizes.iter().enumerate() {
+                let bytes = match recipe.get(l).map(|r| r.weight[j]) {
+                    Some(Precision::Nvfp4) => 0.5625,
+                    Some(Precision::Fp8) => 1.0,
+                    _ => 2.0,
+                };
+                e.step += bytes * v;
+                if bytes < 2.0 {
+                    (e.quantized, e.codes) = (e.quantized + v, e.codes + bytes * v);
+                }
+            }
+        }
+        e
+    }
+}
+
 /// The phases of one synchronous colocated step on `w.gpus` GPUs of kind `g`: every GPU
 /// decodes and teacher-scores its share of the sequences, trains its share of the tokens, then
 /// ZeRO-1 reduce-scatters the FP32 gradient and all-gathers the BF16 weights, and the rollout
-/// engine resyncs in place. `kv_tok`: the rollout engine's KV-cache bytes per token (the
-/// recipe's FP8 and BF16 layers, `Recipe::kv_bytes_per_token`).
+/// engine resyncs in place. `ew`: the engine's weights as its recipe keeps them; `kv_tok`: its
+/// KV-cache bytes per token (the recipe's FP8 and BF16 layers, `Recipe::kv_bytes_per_token`).
+#[allow(clippy::too_many_arguments)]
 pub fn phases(
     student: &ModelConfig,
     teacher: Option<&ModelConfig>,
     recipe: &str,
+    ew: EngineWeights,
     kv_tok: f64,
     g: Gpu,
     w: Workload,
@@ -97,11 +143,11 @@ pub fn phases(
     let b = w.sequences as f64 / w.gpus as f64; // sequences per GPU
     let (p, r) = (w.prompt as f64, w.response as f64);
     let hbm = g.hbm_tbs * 1e12;
-    // Engine weights: bytes per parameter read per decode step, and the GEMM rate.
-    let (wbytes, rate) = match recipe {
-        "fp8" => (1.0, g.fp8_tflops),
-        "nvfp4" => (0.5625, g.fp4_tflops.unwrap_or(g.bf16_tflops)),
-        _ => (2.0, g.bf16_tflops),
+    // The quantized GEMMs' rate (their FLOPs dominate the engine's).
+    let rate = match recipe {
+        "fp8" => g.fp8_tflops,
+        "nvfp4" => g.fp4_tflops.unwrap_or(g.bf16_tflops),
+        _ => g.bf16_tflops,
     };
     let mut rows = Vec::new();
     // Prefill: the prompts, compute-bound.
@@ -109,18 +155,18 @@ pub fn phases(
         "rollout: prefill",
         2.0 * n * b * p,
         rate,
-        wbytes * n,
+        ew.step,
         hbm,
         format!("{b:.0} prompts × {p:.0} tokens per GPU"),
     ));
     // Decode: r steps, each reading the weights once and every sequence's KV so far.
     let kv_read = b * kv_tok * (r * p + r * (r + 1.0) / 2.0);
     let dec_flops = 2.0 * n * b * r;
-    let dec_bytes = wbytes * n * r + kv_read;
+    let dec_bytes = ew.step * r + kv_read;
     let mut d = row("rollout: decode", dec_flops, rate, dec_bytes, hbm, String::new());
     d.note = format!(
         "{r:.0} steps at batch {b:.0}: weights {:.1} GB + KV {:.1} GB read",
-        wbytes * n * r / 1e9,
+        ew.step * r / 1e9,
         kv_read / 1e9
     );
     rows.push(d);
@@ -168,10 +214,8 @@ pub fn phases(
     );
     c.bound = "NVLink";
     rows.push(c);
-    let resync = match recipe {
-        "bf16" | "fp8-kv" => 0.0,
-        _ => 2.0 * n + wbytes * n,
-    };
+    // The quantized linears' BF16 values read, their codes written.
+    let resync = 2.0 * ew.quantized + ew.codes;
     rows.push(row(
         "resync",
         0.0,
@@ -248,7 +292,8 @@ pub fn print(config: Option<&Path>, model_config: Option<&Path>, gpu_name: &str,
         // in BF16: `keep_bf16 = ["attention", "kv"]`).
         let spec = j.engine.spec(student.num_layers).with_context(|| format!("{}: [engine]", c.display()))?;
         let kv_tok = spec.recipe.kv_bytes_per_token(student.kv_dim(), 2) as f64;
-        let rows = phases(&student, teacher.as_ref(), &j.engine.recipe, kv_tok, g, w);
+        let ew = EngineWeights::of(&student, &spec.recipe.layers);
+        let rows = phases(&student, teacher.as_ref(), &j.engine.recipe, ew, kv_tok, g, w);
         println!(
             "\n{} ({:.2}B parameters, engine {}): {} sequences, assumed {} prompt + {} response tokens each",
             c.display(),
@@ -298,7 +343,11 @@ mod tests {
         assert!((n / 1e9 - 7.62).abs() < 0.01, "{n}");
         let w = Workload { gpus: 8, sequences: 64, prompt: 256, response: 4096 };
         let kv_tok = 2.0 * 28.0 * 512.0 * 2.0;
-        let rows = phases(&s, Some(&s), "bf16", kv_tok, H200, w);
+        // A BF16 engine streams every parameter but the (untied) embedding table's.
+        let ew = EngineWeights::of(&s, &[]);
+        let embed = 152064.0 * 3584.0;
+        assert_eq!((ew.step, ew.quantized, ew.codes), (2.0 * (n - embed), 0.0, 0.0));
+        let rows = phases(&s, Some(&s), "bf16", ew, kv_tok, H200, w);
         let get = |p: &str| rows.iter().find(|r| r.phase == p).unwrap();
         // Training: 6·N·T FLOPs at 989 TFLOP/s, T = 8 × (256 + 4096).
         let t = get("train");
@@ -311,14 +360,38 @@ mod tests {
         // Decode at batch 8 is memory-bound: weights (2 B each) once per step plus the KV.
         let d = get("rollout: decode");
         assert_eq!(d.bound, "memory");
-        let want = (2.0 * n * 4096.0 + 8.0 * kv_tok * (4096.0 * 256.0 + 4096.0 * 4097.0 / 2.0)) / 4.8e12;
+        let want = (2.0 * (n - embed) * 4096.0 + 8.0 * kv_tok * (4096.0 * 256.0 + 4096.0 * 4097.0 / 2.0)) / 4.8e12;
         assert!((d.seconds - want).abs() <= 1e-9 * want, "{} vs {want}", d.seconds);
         // The BF16 engine reads the trainer's weights in place: no resync work.
         assert_eq!(get("resync").seconds, 0.0);
         // NVFP4 on Hopper: half a byte per weight (plus scales), at the BF16 rate.
-        let q = phases(&s, None, "nvfp4", kv_tok / 2.0, H200, w);
-        assert!(q.iter().any(|r| r.phase == "resync" && r.seconds > 0.0));
+        let q = phases(&s, None, "nvfp4", ew, kv_tok / 2.0, H200, w);
         assert!(q.iter().all(|r| r.phase != "teacher"));
+        assert!(gpu("a100").is_err());
+    }
+
+    /// The NVFP4 config's engine (Qwen3-4B, tied head, `keep_bf16 = ["attention", "kv"]`):
+    /// attention and the LM head stream 2 B a value, the MLP's linears 0.5625 B; a resync reads
+    /// the MLP's BF16 values and writes their codes.
+    #[test]
+    fn engine_weights_follow_the_recipe() {
+        use crate::quant::recipe::{KvScale, Recipe};
+        let s = known_shape(Path::new("models/Qwen3-4B-Base")).unwrap();
+        let keep = ["attention".to_string(), "kv".to_string()];
+        let r = Recipe::preset("nvfp4", 36, &keep, KvScale::Calibrated, Default::default()).unwrap();
+        let ew = EngineWeights::of(&s, &r.layers);
+        let (c, i, q, kv, v) = (2560.0, 9728.0, 4096.0, 1024.0, 151936.0);
+        let attn = 2.0 * (q * c + 2.0 * kv * c + c * q);
+        let mlp = 3.0 * c * i;
+        // Per layer: two norms of C and the q/k norms of head_dim 128, in BF16.
+        let norms = 2.0 * (2.0 * c + 2.0 * 128.0);
+        let want = 36.0 * (attn + 0.5625 * mlp + norms) + 2.0 * (v * c + c);
+        assert!((ew.step - want).abs() <= 1e-9 * want, "{} vs {want}", ew.step);
+        assert_eq!((ew.quantized, ew.codes), (36.0 * mlp, 36.0 * 0.5625 * mlp));
+        let w = Workload { gpus: 8, sequences: 256, prompt: 256, response: 4096 };
+        let rows = phases(&s, None, "nvfp4", ew, 2.0 * 36.0 * 1024.0 * 2.0, H200, w);
+        let resync = rows.iter().find(|r| r.phase == "resync").unwrap();
+        assert_eq!(resync.bytes, 2.0 * 36.0 * mlp + 36.0 * 0.5625 * mlp);
         assert!(gpu("a100").is_err());
     }
 }
