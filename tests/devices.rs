@@ -280,14 +280,16 @@ fn a_stop_request_mid_run_checkpoints_the_step_it_interrupted() {
 }
 
 /// rollout.kv_cache_mb = 0: the KV caches get what the plan leaves of run.memory_budget_mb after
-/// the weights, the trainer, the teacher, the engine buffers and a tenth kept free; and
-/// a budget too small for one block, or none on CPU, is refused before any step.
+/// the weights, the trainer, the teacher, the engine buffers, the engines' activations and a
+/// tenth kept free; and a budget too small for one block, or none on CPU, is refused before
+/// any step.
 #[test]
 fn kv_caches_are_sized_from_what_the_plan_leaves() {
     let t = TempDir::new("plan");
-    // The tiny job holds ~35 MiB before its KV caches (plan line of the other tests).
+    // The tiny job holds ~64 MiB before its KV caches (plan line of the other tests), 38 of
+    // them its three engines' forward buffers (student, teacher, and the FP8 engine).
     let mut tokens = Vec::new();
-    for (budget, recipe) in [(60usize, "bf16"), (80, "bf16"), (60, "fp8")] {
+    for (budget, recipe) in [(90usize, "bf16"), (110, "bf16"), (100, "fp8")] {
         let dir = t.path().join(format!("{recipe}-{budget}"));
         let j = tiny(&dir, 1, |j| {
             j.rollout.kv_cache_mb = 0;
@@ -299,7 +301,7 @@ fn kv_caches_are_sized_from_what_the_plan_leaves() {
         let plan: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
         let p = &plan[0];
-        let total: u64 = ["weights", "trainer", "teacher", "engine_buffers", "kv_cache"]
+        let total: u64 = ["weights", "trainer", "teacher", "engine_buffers", "engine_activations", "kv_cache"]
             .iter()
             .map(|k| p[*k].as_u64().unwrap())
             .sum();
@@ -358,8 +360,10 @@ fn fixed_kv_caches_over_the_budget_are_refused_before_any_step() {
     job::run(&tiny(&dir, 1, edit), &JobOptions::default()).unwrap();
     let plan: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
-    let before: u64 =
-        ["weights", "trainer", "teacher", "engine_buffers"].iter().map(|k| plan[0][*k].as_u64().unwrap()).sum();
+    let before: u64 = ["weights", "trainer", "teacher", "engine_buffers", "engine_activations"]
+        .iter()
+        .map(|k| plan[0][*k].as_u64().unwrap())
+        .sum();
     let kv = plan[0]["kv_cache"].as_u64().unwrap();
     // A budget above what lives there before the caches, below it with them.
     let budget = (before + kv / 2) >> 20;

@@ -321,3 +321,41 @@ fn teacher_scores_of_completions_equal_those_of_rollouts() {
     let e = rollout::score_completions(&mut te, &teacher, &[&[1, 2]], &done[..1], 0.8).unwrap_err();
     assert!(e.to_string().contains("prompt of"), "{e}");
 }
+
+/// The memory plan counts every engine's forward buffers before the engine exists
+/// (`Engine::plan_buffer_bytes`): exactly the bytes the engine then holds, for sampling and
+/// scoring configs, F32 and BF16 weights, with and without BF16 operands, on the CPU and on a
+/// simulated GPU. The BF16 operands' room, by hand: one (cap, max(C, H·D)) buffer shared by
+/// the norms' and the attention's outputs, and one (cap, I), at 2 bytes — only for BF16
+/// weights on a GPU.
+#[test]
+fn an_engine_holds_the_buffers_its_plan_counts() {
+    let mut c = tiny_cfg(Arch::Qwen3);
+    c.head_dim = 12; // H·D = 72 > C = 48: the shared room takes the wider
+    let sim = Device::Cuda(colotrain::device::CudaDevice::sim(3).unwrap());
+    for dev in [Device::cpu(1).unwrap(), sim] {
+        let cuda = !dev.is_cpu();
+        for dtype in [DType::F32, DType::BF16] {
+            for on in [false, true] {
+                let base =
+                    EngineConfig { bf16_operands: on, max_tokens_per_step: 40, max_seqs: 4, ..Default::default() };
+                for ec in [base.clone(), base.scoring()] {
+                    let e = Engine::new(&dev, &c, dtype, &ec, None).unwrap();
+                    let plan = Engine::plan_buffer_bytes(&c, dtype, &ec, cuda);
+                    assert_eq!(
+                        e.buffer_bytes(),
+                        plan,
+                        "{} {dtype:?} bf16 operands {on} rows {}",
+                        dev.name(),
+                        ec.score_rows
+                    );
+                }
+                let room = if on && cuda && dtype == DType::BF16 { 2 * 40 * (72 + 96) } else { 0 };
+                let off = EngineConfig { bf16_operands: false, ..base.clone() };
+                let extra = Engine::plan_buffer_bytes(&c, dtype, &base, cuda)
+                    - Engine::plan_buffer_bytes(&c, dtype, &off, cuda);
+                assert_eq!(extra, room, "{} {dtype:?} bf16 operands {on}", dev.name());
+            }
+        }
+    }
+}

@@ -273,8 +273,10 @@ fn kv_caches_are_freed_for_training_when_the_plan_cannot_hold_both() {
     job::run(&jf, &JobOptions::default()).unwrap();
     let p = plan_of(&free);
     let n = |k: &str| p[k].as_u64().unwrap();
-    let total: u64 =
-        ["weights", "trainer", "teacher", "engine_buffers", "snapshot", "kv_cache"].iter().map(|k| n(k)).sum();
+    let total: u64 = ["weights", "trainer", "teacher", "engine_buffers", "engine_activations", "snapshot", "kv_cache"]
+        .iter()
+        .map(|k| n(k))
+        .sum();
     let (act, caches) = (n("activations"), n("kv_cache") + n("teacher_kv"));
     eprintln!("plan with room for both: {p}");
     assert_eq!((p["kv_release"].as_bool(), n("peak")), (Some(false), total), "{p}");

@@ -392,20 +392,21 @@ fn memory_table(m: &Memory, job: &JobConfig, g: &Gpu) -> String {
     let gb = |b: usize| b as f64 / 1e9;
     let mut out = format!(
         "GPU 0's memory plan on an {} ({} GB; the run's own plan, `holdings.rs` and `memory.rs`):\n\
-         | weights | trainer state | activations | teacher | engine buffers | KV caches | decode phase | train phase |\n\
-         |---|---|---|---|---|---|---|---|\n",
+         | weights | trainer state | activations | teacher | engine buffers | engine activations | KV caches | decode phase | train phase |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
         g.name, g.hbm_gb
     );
     let state = p.trainer_here - p.activations;
-    let weights = n.used - p.trainer_here - p.teacher - p.engine_buffers - p.snapshot;
+    let weights = n.used - p.trainer_here - p.teacher - p.engine_buffers - p.engine_activations - p.snapshot;
     let head = format!(
-        "| {:.1} | {:.1} | {:.1} ({} tokens) | {:.1} | {:.1} |",
+        "| {:.1} | {:.1} | {:.1} ({} tokens) | {:.1} | {:.1} | {:.1} |",
         gb(weights),
         gb(state),
         gb(p.activations),
         job.objective.micro_batch_tokens,
         gb(p.teacher),
-        gb(p.engine_buffers)
+        gb(p.engine_buffers),
+        gb(p.engine_activations)
     );
     match &m.sizing {
         Ok(s) => {

@@ -101,7 +101,8 @@ impl EngineWeights {
         let sizes = [q * c, kv * c, kv * c, c * q, i * c, i * c, c * i];
         let linears: f64 = sizes.iter().sum();
         // Everything else of a layer (norms, biases, q/k norms) in BF16.
-        let rest = (s.num_params() - s.vocab_size * s.hidden_size * (1 + !s.tie_word_embeddings as usize)
+        let rest = (s.num_params()
+            - s.vocab_size * s.hidden_size * (1 + !s.tie_word_embeddings as usize)
             - s.hidden_size) as f64
             / s.num_layers as f64
             - linears;
@@ -164,11 +165,8 @@ pub fn phases(
     let dec_flops = 2.0 * n * b * r;
     let dec_bytes = ew.step * r + kv_read;
     let mut d = row("rollout: decode", dec_flops, rate, dec_bytes, hbm, String::new());
-    d.note = format!(
-        "{r:.0} steps at batch {b:.0}: weights {:.1} GB + KV {:.1} GB read",
-        ew.step * r / 1e9,
-        kv_read / 1e9
-    );
+    d.note =
+        format!("{r:.0} steps at batch {b:.0}: weights {:.1} GB + KV {:.1} GB read", ew.step * r / 1e9, kv_read / 1e9);
     rows.push(d);
     let tokens = b * (p + r);
     if let Some(t) = teacher {

@@ -208,7 +208,25 @@ pub struct EngineStats {
     pub preemptions: u64,
 }
 
+/// Whether an engine writes its GEMM inputs in BF16 ([`ForwardBuffers::new`]'s room for them).
+fn bf16_operands(ec: &EngineConfig, cuda: bool, weights_dtype: DType) -> bool {
+    ec.bf16_operands && cuda && weights_dtype == DType::BF16
+}
+
 impl Engine {
+    /// The bytes of the forward's activation buffers an engine of `ec` over `cfg` in
+    /// `weights_dtype` allocates (on a CUDA device when `cuda`), before it exists: what
+    /// [`Engine::buffer_bytes`] will report (the device's memory plan counts them).
+    pub fn plan_buffer_bytes(cfg: &ModelConfig, weights_dtype: DType, ec: &EngineConfig, cuda: bool) -> usize {
+        let rows = ec.logits_rows.max(ec.score_rows);
+        ForwardBuffers::plan_bytes(cfg, ec.max_tokens_per_step, rows, bf16_operands(ec, cuda, weights_dtype))
+    }
+
+    /// The bytes of the forward's activation buffers (the KV cache apart).
+    pub fn buffer_bytes(&self) -> usize {
+        self.bufs.size_bytes()
+    }
+
     /// The tokenizer the engine decodes stop strings with (shared).
     pub fn text(&self) -> Option<Arc<TextTools>> {
         self.text.clone()
@@ -249,7 +267,7 @@ impl Engine {
             ec.max_seqs,
             max_blocks,
             ec.block_size,
-            ec.bf16_operands && !dev.is_cpu() && weights_dtype == DType::BF16,
+            bf16_operands(ec, !dev.is_cpu(), weights_dtype),
         )?;
         crate::ops::reserve_scratch(
             dev,

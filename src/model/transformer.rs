@@ -152,6 +152,17 @@ impl ForwardBuffers {
         })
     }
 
+    /// Bytes [`ForwardBuffers::size_bytes`] counts for buffers of these sizes, before they
+    /// exist (the device's memory plan): `bf16_operands` as `new` resolves it (false on the CPU).
+    pub fn plan_bytes(cfg: &ModelConfig, cap: usize, cap_rows: usize, bf16_operands: bool) -> usize {
+        let (c, i, q, kv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        // x, h, o; q, att; k, v; gate, up, act; cos, sin; xq. Then xs, os, hn and the logits.
+        let f32s = cap * (3 * c + 2 * q + 2 * kv + 3 * i + 2 * (d / 2) + c.max(i).max(q))
+            + cap_rows * (3 * c + cfg.vocab_size);
+        let bf16s = if bf16_operands { cap * (c.max(q) + i) } else { 0 }; // h16/att16's room, act16
+        4 * f32s + 2 * bf16s
+    }
+
     /// Bytes held by the activation buffers.
     pub fn size_bytes(&self) -> usize {
         [
@@ -171,6 +182,7 @@ impl ForwardBuffers {
             &self.os,
             &self.hn,
             &self.logits,
+            &self.xq,
             &self.act16,
         ]
         .iter()

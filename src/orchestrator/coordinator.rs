@@ -540,26 +540,28 @@ pub fn print_plan(h: &Coordinator) -> Result<()> {
         let snapshot =
             if p.snapshot > 0 { format!(", published snapshot {:.1} MiB", mib(p.snapshot)) } else { String::new() };
         eprintln!(
-            "  device {i} {} ({}): weights {:.1} MiB, trainer {:.1} MiB (master/Adam shard, grads, activations), teacher {:.1} MiB, engine buffers {:.1} MiB{snapshot}, KV cache {:.1} MiB = {} tokens; {end}",
+            "  device {i} {} ({}): weights {:.1} MiB, trainer {:.1} MiB (master/Adam shard, grads, activations), teacher {:.1} MiB, engine buffers {:.1} MiB, engine activations {:.1} MiB{snapshot}, KV cache {:.1} MiB = {} tokens; {end}",
             p.device,
             if !h.split() { "generates, trains" } else if h.trainers.contains(&i) { "trains" } else { "generates" },
             mib(p.weights),
             mib(p.trainer),
             mib(p.teacher),
             mib(p.engine_buffers),
+            mib(p.engine_activations),
             mib(p.kv_cache),
             p.kv_tokens,
         );
         if let Some(budget) = job.run.memory_budget_mb {
             if total > budget << 20 {
                 bail!(
-                    "the plan does not fit device {i} ({}): it needs {:.0} MiB (weights {:.0}, trainer {:.0}, teacher {:.0}, engine {:.0}, snapshot {:.0}, KV cache {:.0}){} but run.memory_budget_mb = {budget}; lower rollout.kv_cache_mb or objective.micro_batch_tokens, or add devices",
+                    "the plan does not fit device {i} ({}): it needs {:.0} MiB (weights {:.0}, trainer {:.0}, teacher {:.0}, engine {:.0} + {:.0} activations, snapshot {:.0}, KV cache {:.0}){} but run.memory_budget_mb = {budget}; lower rollout.kv_cache_mb or objective.micro_batch_tokens, or add devices",
                     p.device,
                     mib(total),
                     mib(p.weights),
                     mib(p.trainer),
                     mib(p.teacher),
                     mib(p.engine_buffers),
+                    mib(p.engine_activations),
                     mib(p.snapshot),
                     mib(p.kv_cache),
                     if p.kv_release { ", at its peak with the KV caches freed for training," } else { "" }

@@ -1,7 +1,8 @@
 //! What one device holds before its KV caches, in bytes, as the memory plan (`memory.rs`)
 //! takes it: the compute weights, the trainer's state and activation arenas where it trains
-//! there, the teacher, the rollout engine's buffers, a split lead's published snapshot (if it
-//! publishes through one), and the KV block of each engine the device runs. `Replica::new` plans a run's device with it, and
+//! there, the teacher, the rollout engine's buffers, every engine's forward activations, a
+//! split lead's published snapshot (if it publishes through one), and the KV block of each
+//! engine the device runs. `Replica::new` plans a run's device with it, and
 //! `bench node --model-gpu … --ledger` plans GPU 0 of a shipped config at its model's real
 //! shapes with it, so the report's memory line is the run's own arithmetic.
 //!
@@ -46,6 +47,9 @@ pub struct Planned {
     pub trainer_here: usize,
     pub teacher: usize,
     pub engine_buffers: usize,
+    /// The forward activation buffers of the engines on this device (standard, rollout when it
+    /// is another, the teacher's: `Engine::plan_buffer_bytes`).
+    pub engine_activations: usize,
     pub snapshot: usize,
     /// The rollout recipe is the standard engine's (no engine of its own).
     pub standard: bool,
@@ -105,15 +109,23 @@ pub fn plan(h: &Holdings) -> Planned {
         } else {
             0
         };
-    let used = tr.weights.size_bytes() + trainer_here + teacher + engine_buffers + snapshot;
+    // Every engine's forward buffers: the standard engine, the rollout engine where it is
+    // another, the teacher's (it scores in chunks of `EngineConfig::scoring`'s rows).
+    let fwd =
+        |c: &ModelConfig, dt: DType, ec: &EngineConfig| crate::engine::Engine::plan_buffer_bytes(c, dt, ec, !h.cpu);
+    let engine_activations = fwd(cfg, dtype, h.engine)
+        + if standard { 0 } else { fwd(cfg, dtype, &rollout_ec) }
+        + h.teacher.map(|(tc, tw)| fwd(tc, tw.dtype(), &h.engine.scoring())).unwrap_or(0);
+    let used = tr.weights.size_bytes() + trainer_here + teacher + engine_buffers + engine_activations + snapshot;
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     let parts =
         format!(
-            "weights {:.0} MiB + trainer {:.0} MiB + teacher {:.0} MiB + engine buffers {:.0} MiB",
+            "weights {:.0} MiB + trainer {:.0} MiB + teacher {:.0} MiB + engine buffers {:.0} MiB + engine activations {:.0} MiB",
             mib(tr.weights.size_bytes()),
             mib(trainer_here),
             mib(teacher),
-            mib(engine_buffers)
+            mib(engine_buffers),
+            mib(engine_activations)
         ) + &if snapshot > 0 { format!(" + published snapshot {:.0} MiB", mib(snapshot)) } else { String::new() };
     // The engines on this device (the standard one, the rollout engine when it is another,
     // the teacher's) and their KV block sizes.
@@ -146,5 +158,16 @@ pub fn plan(h: &Holdings) -> Planned {
         policy: job.rollout.kv_release,
         no_release,
     };
-    Planned { need, parts, activations, trainer_here, teacher, engine_buffers, snapshot, standard, rollout_ec }
+    Planned {
+        need,
+        parts,
+        activations,
+        trainer_here,
+        teacher,
+        engine_buffers,
+        engine_activations,
+        snapshot,
+        standard,
+        rollout_ec,
+    }
 }

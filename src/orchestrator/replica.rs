@@ -62,6 +62,8 @@ pub struct Plan {
     pub trainer: usize,
     pub teacher: usize,
     pub engine_buffers: usize,
+    /// Every engine's forward activation buffers (`Engine::buffer_bytes`).
+    pub engine_activations: usize,
     /// A split placement's lead trainer on a GPU: the copy of its compute weights it publishes.
     pub snapshot: usize,
     pub kv_cache: usize,
@@ -79,7 +81,13 @@ pub struct Plan {
 
 impl Plan {
     pub fn total(&self) -> usize {
-        self.weights + self.trainer + self.teacher + self.engine_buffers + self.snapshot + self.kv_cache
+        self.weights
+            + self.trainer
+            + self.teacher
+            + self.engine_buffers
+            + self.engine_activations
+            + self.snapshot
+            + self.kv_cache
     }
 
     fn peak_bytes(&self) -> usize {
@@ -611,6 +619,9 @@ impl Replica {
             teacher: self.teacher.as_ref().map(|(w, _)| w.size_bytes()).unwrap_or(0) + teacher_kv,
             teacher_kv,
             engine_buffers: self.rw()?.extra_bytes(),
+            engine_activations: self.std_engine.buffer_bytes()
+                + self.rollout_engine.as_ref().map(|e| e.buffer_bytes()).unwrap_or(0)
+                + self.teacher.as_ref().map(|(_, e)| e.buffer_bytes()).unwrap_or(0),
             snapshot: self.snapshot,
             kv_cache: kv,
             kv_tokens: e.cache.capacity_tokens(),

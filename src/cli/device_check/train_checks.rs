@@ -411,7 +411,8 @@ fn attention(x: &mut Ctx) -> Result<()> {
     x.cmp("training attention tensor cores: lse", "bf16 ops", &ltc, tol)?;
     // Both forwards storing BF16 outputs (o_proj's GEMM input): their own f32 outputs rounded.
     let p = Packed { q: &q.g, k: &k.g, v: &v.g, cu: &cu.g, offsets: &offsets };
-    for (tc, what, f32_out) in [(false, "training attention", &o.g), (true, "training attention tensor cores", &otc.g)] {
+    for (tc, what, f32_out) in [(false, "training attention", &o.g), (true, "training attention tensor cores", &otc.g)]
+    {
         let (mut o16, mut l) = (x.gpu.zeros(DType::BF16, &[t, h * d])?, x.gpu.zeros(DType::F32, &[t, h])?);
         match tc {
             true => train::fwd_tensor_cores(&x.gpu, &s, &p, &mut o16, &mut l)?,

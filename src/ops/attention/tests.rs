@@ -292,7 +292,8 @@ fn bf16_outputs_are_the_f32_outputs_rounded_sim() {
     let sh = Shape { heads, kv_heads: hkv, head_dim: d };
     for (tc, kernel) in [(false, "ct_attn_fwd"), (true, "ct_attn_fwd_tc")] {
         let run = |dt: DType| {
-            let (mut out, mut lse) = (sim.zeros(dt, &[t, heads * d]).expect("o"), sim.zeros(DType::F32, &[t, heads]).expect("lse"));
+            let (mut out, mut lse) =
+                (sim.zeros(dt, &[t, heads * d]).expect("o"), sim.zeros(DType::F32, &[t, heads]).expect("lse"));
             cd.take_ledger();
             match tc {
                 true => train::fwd_tensor_cores(&sim, &sh, &x, &mut out, &mut lse).expect("forward"),
