@@ -223,7 +223,7 @@ pub fn phases(
         if resync == 0.0 {
             "the engine reads the trainer's weights in place".into()
         } else {
-            "requantize in place (one read of the weights, one write of the codes)".into()
+            "requantize in place (one read of the quantized linears' BF16 values, one write of their codes)".into()
         },
     ));
     rows.push(Row {

@@ -513,11 +513,22 @@ impl Replica {
     /// decided when the run started, kept as it is): the weights, the
     /// trainer's state where it lives here, the teacher and its cache, the standard engine's
     /// cache, the new engine's buffers and KV cache (as many tokens as the standard engine's),
-    /// and with `rollout.kv_cache_mb = 0` the tenth of the budget kept free.
+    /// every engine's forward buffers, and with `rollout.kv_cache_mb = 0` the tenth of the
+    /// budget kept free.
     pub fn switch_fits(&self, s: &Setup, spec: &EngineSpec) -> Result<Option<String>> {
         let budget = s.job.run.memory_budget_mb.map(|m| m << 20).or(self.dev.memory_budget());
         let Some(budget) = budget else { return Ok(None) };
         let (new_buffers, new_kv) = self.engine_bytes(s, spec);
+        // Every engine's forward buffers after the switch: the standard engine's, the teacher's
+        // and the new rollout engine's.
+        let fwd = self.std_engine.buffer_bytes()
+            + self.teacher.as_ref().map(|(_, e)| e.buffer_bytes()).unwrap_or(0)
+            + if is_standard(spec) {
+                0
+            } else {
+                let (w, ec) = (&self.trainer.weights, self.rollout_config(s, spec));
+                Engine::plan_buffer_bytes(&self.trainer.cfg, w.dtype(), &ec, !self.dev.is_cpu())
+            };
         let t = &self.trainer;
         let trainer_here = if self.dev.is_cpu() || t.on_device() { t.state_bytes() + self.activations } else { 0 };
         let (teacher_w, teacher_kv) =
@@ -526,7 +537,8 @@ impl Replica {
         // With the caches freed for training, the larger of the two phases (`memory.rs`).
         let act = if self.kv_release && trainer_here > 0 { self.activations } else { 0 };
         let caches = teacher_kv + self.std_engine.cache.size_bytes() + new_kv;
-        let resident = t.weights.size_bytes() + trainer_here - act + teacher_w + new_buffers + self.snapshot + reserve;
+        let resident =
+            t.weights.size_bytes() + trainer_here - act + teacher_w + new_buffers + fwd + self.snapshot + reserve;
         let after = resident + if self.kv_release { caches.max(act) } else { caches + act };
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
         Ok((after > budget).then(|| {
