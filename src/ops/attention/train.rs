@@ -242,7 +242,7 @@ fn params(d: &CudaDevice, s: &Shape, x: &Packed<'_>, t: usize) -> Result<ffi::ct
         out: std::ptr::null(),
         dout: std::ptr::null(),
         o: std::ptr::null_mut(),
-        o_dtype: ffi::CT_DTYPE_F32 as i32,
+        o_dtype: ffi::CT_DTYPE_F32,
         lse: std::ptr::null_mut(),
         dq: std::ptr::null_mut(),
         dk: std::ptr::null_mut(),
