@@ -41,10 +41,10 @@ pub struct EngineConfig {
     /// False: graph-eligible decode steps run padded to their bucket but are never captured —
     /// the same launches as a replay, eagerly (the device check's reference for the graphs).
     pub graph_capture: bool,
-    /// CUDA devices with BF16 weights (on by default): the norms and SwiGLU write the inputs
-    /// that only dense BF16 linears read in BF16 (`ForwardBuffers::h16`), the rounding each
-    /// GEMM applied to their f32 values: the same bits without a cast. False: f32 (the
-    /// reference).
+    /// CUDA devices with BF16 weights (on by default): the norms, the attention and SwiGLU
+    /// write the inputs that only dense BF16 linears read in BF16 (`ForwardBuffers::h16`,
+    /// `att16`, `act16`), the rounding each GEMM applied to their f32 values: the same bits
+    /// without a cast. False: f32 (the reference).
     pub bf16_operands: bool,
 }
 

@@ -216,7 +216,8 @@ fn bf16_operands(ec: &EngineConfig, cuda: bool, weights_dtype: DType) -> bool {
 impl Engine {
     /// The bytes of the forward's activation buffers an engine of `ec` over `cfg` in
     /// `weights_dtype` allocates (on a CUDA device when `cuda`), before it exists: what
-    /// [`Engine::buffer_bytes`] will report (the device's memory plan counts them).
+    /// [`Engine::buffer_bytes`] will report (the device's memory plan counts them; the step's
+    /// metadata, a few MB, apart).
     pub fn plan_buffer_bytes(cfg: &ModelConfig, weights_dtype: DType, ec: &EngineConfig, cuda: bool) -> usize {
         let rows = ec.logits_rows.max(ec.score_rows);
         ForwardBuffers::plan_bytes(cfg, ec.max_tokens_per_step, rows, bf16_operands(ec, cuda, weights_dtype))

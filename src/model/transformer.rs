@@ -154,6 +154,8 @@ impl ForwardBuffers {
 
     /// Bytes [`ForwardBuffers::size_bytes`] counts for buffers of these sizes, before they
     /// exist (the device's memory plan): `bf16_operands` as `new` resolves it (false on the CPU).
+    /// Like `size_bytes`, it leaves out the step's metadata (ids, positions, block tables, the
+    /// packed prefill's offsets and log-sum-exp rows): a few MB at most.
     pub fn plan_bytes(cfg: &ModelConfig, cap: usize, cap_rows: usize, bf16_operands: bool) -> usize {
         let (c, i, q, kv, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
         // x, h, o; q, att; k, v; gate, up, act; cos, sin; xq. Then xs, os, hn and the logits.
@@ -163,7 +165,7 @@ impl ForwardBuffers {
         4 * f32s + 2 * bf16s
     }
 
-    /// Bytes held by the activation buffers.
+    /// Bytes held by the activation buffers (the metadata apart: see [`ForwardBuffers::plan_bytes`]).
     pub fn size_bytes(&self) -> usize {
         [
             &self.x,

@@ -543,11 +543,12 @@ impl Replica {
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
         Ok((after > budget).then(|| {
             format!(
-                "device {} ({}): engine buffers {:.0} MiB + KV cache {:.0} MiB would bring the plan to {:.0} MiB of a {:.0} MiB budget",
+                "device {} ({}): engine buffers {:.0} MiB + KV cache {:.0} MiB (with every engine's activations, {:.0} MiB) would bring the plan to {:.0} MiB of a {:.0} MiB budget",
                 self.rank,
                 self.dev.name(),
                 mib(new_buffers),
                 mib(new_kv),
+                mib(fwd),
                 mib(after),
                 mib(budget)
             )
