@@ -37,12 +37,12 @@ fn rowwise_ops_match_references(dev: &Device) {
     assert!(amax_rows(dev, &xt, m).unwrap().is_nan(), "amax propagates NaN");
 
     // An id outside the vocabulary is an error (CPU: before any write; CUDA: at the next sync).
-    // A simulated GPU's error word is the device's: on cuda-sim:0 a test running beside this one
-    // would read it at its own next sync, so the error is provoked on an ordinal no other lib
-    // test opens (6).
+    // A simulated GPU's error word is the device's: on a shared ordinal a test running beside
+    // this one would read it at its own next sync, so the error is provoked on a device of its
+    // own.
     let own;
     let d = if dev.name().starts_with("cuda-sim") {
-        own = Device::Cuda(crate::device::cuda::CudaDevice::sim_arch(6, Some("sm_90a")).unwrap());
+        own = Device::Cuda(crate::device::cuda::CudaDevice::sim_unshared_arch(114, "sm_90a"));
         &own
     } else {
         dev

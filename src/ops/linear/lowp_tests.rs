@@ -40,9 +40,10 @@ fn dequantized(q: &QTensor) -> Vec<f32> {
 }
 
 /// y = quant(x) · wqᵀ on every path of `arch`'s simulated GPU (ordinal `ordinal`), for an
-/// (m, n, k) problem.
+/// (m, n, k) problem. The device is the test's own: it reads the launch ledger, which a test
+/// running beside it on a shared ordinal would add to (or take).
 fn paths_on(arch: &str, ordinal: usize, m: usize, n: usize, k: usize) {
-    let cd = CudaDevice::sim_arch(ordinal, Some(arch)).unwrap();
+    let cd = CudaDevice::sim_unshared_arch(ordinal, arch);
     let gpu = Device::Cuda(cd.clone());
     let cpu = Device::cpu(1).unwrap();
     let xs = data(m * k, 1, 1.0);
@@ -122,20 +123,20 @@ fn lowp_gemm_paths_on_sim_sm90a() {
     // partial m-tile; 37: three, the last partial; 64: four whole ones; K = 384: three
     // 128-value chunks for the 8 warps, most of them idle) and the emulated path where it does
     // not (n = 132, m = 65).
-    paths_on("sm_90a", 6, 37, 132, 256);
-    paths_on("sm_90a", 6, 1, 32, 128);
-    paths_on("sm_90a", 6, 9, 64, 256);
-    paths_on("sm_90a", 6, 37, 96, 256);
-    paths_on("sm_90a", 6, 64, 32, 384);
-    paths_on("sm_90a", 6, 65, 32, 128);
+    paths_on("sm_90a", 112, 37, 132, 256);
+    paths_on("sm_90a", 112, 1, 32, 128);
+    paths_on("sm_90a", 112, 9, 64, 256);
+    paths_on("sm_90a", 112, 37, 96, 256);
+    paths_on("sm_90a", 112, 64, 32, 384);
+    paths_on("sm_90a", 112, 65, 32, 128);
 }
 
 #[test]
 fn lowp_gemm_paths_on_sim_sm100a() {
     // FP8 and NVFP4 through the sm_100a CUTLASS references (NVFP4 with swizzled scales);
     // K = 272 (17 blocks of 16) breaks NVFP4's K % 32 rule: Auto takes the emulated path.
-    paths_on("sm_100a", 7, 37, 132, 256);
-    paths_on("sm_100a", 7, 37, 132, 272);
+    paths_on("sm_100a", 113, 37, 132, 256);
+    paths_on("sm_100a", 113, 37, 132, 272);
 }
 
 /// The NVFP4 learner's W4A4 linear (`learner_w4a4`: CUTLASS block-scaled GEMM on the learner's
