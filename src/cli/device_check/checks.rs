@@ -317,8 +317,7 @@ fn check_dense(x: &mut Ctx) -> Result<()> {
     let (mut y32, mut y16) = (x.gpu.zeros(DType::F32, &[M, C])?, x.gpu.zeros(DType::BF16, &[M, C])?);
     norm::add_rmsnorm(&x.gpu, &mut r32, &upd.g, &w.g, 1e-6, &mut y32, M)?;
     norm::add_rmsnorm(&x.gpu, &mut r16, &upd.g, &w.g, 1e-6, &mut y16, M)?;
-    let want: Vec<f32> = y32.to_f32_vec()?.iter().map(|&v| crate::device::bf16_rne(v).to_f32()).collect();
-    x.record("add_rmsnorm: BF16 output vs the f32 output rounded", "bf16", &want, &y16.to_f32_vec()?, Tol::Exact);
+    bf16_output(x, "add_rmsnorm: BF16 output vs the f32 output rounded", "bf16", &y32, &y16)?;
     x.record("add_rmsnorm: residual beside a BF16 output", "f32", &r32.to_f32_vec()?, &r16.to_f32_vec()?, Tol::Exact);
     let (heads, d) = (6, 64);
     let mut q = x.randp(DType::F32, &[M, heads * d], 1.0)?;
@@ -512,11 +511,10 @@ fn check_attention(x: &mut Ctx, hkv: usize, heads: usize, d: usize) -> Result<()
     packed_prefill(x, hkv, heads, d)
 }
 
-/// The GPU's attention run again storing BF16, `o16` (what a BF16 o_proj multiplies): exactly
-/// the host's round-to-nearest-even of its own f32 output `f32_out`.
+/// A GPU op run again storing BF16, `o16` (what a dense BF16 linear multiplies): exactly the
+/// host's round-to-nearest-even of the same op's f32 output `f32_out`.
 pub(super) fn bf16_output(x: &mut Ctx, what: &str, dtype: &str, f32_out: &Tensor, o16: &Tensor) -> Result<()> {
-    let f = f32_out.to_f32_vec()?;
-    let rounded = Tensor::from_f32_host(DType::BF16, &[f.len()], &f)?.to_f32_vec()?;
+    let rounded: Vec<f32> = f32_out.to_f32_vec()?.iter().map(|&v| crate::device::bf16_rne(v).to_f32()).collect();
     x.record(what, dtype, &rounded, &o16.to_f32_vec()?, Tol::Exact);
     Ok(())
 }

@@ -261,15 +261,7 @@ pub(super) fn backward(x: &mut Ctx) -> Result<()> {
         let mut yb = x.gpu.zeros(DType::BF16, &[rows, c])?;
         let mut rs2 = x.gpu.zeros(DType::F32, &[rows])?;
         norm::rmsnorm_train(&x.gpu, &xin.g, &w.g, 1e-6, &mut yb, &mut rs2, rows)?;
-        let want: Vec<f32> = y.g.to_f32_vec()?.iter().map(|&v| crate::device::bf16_rne(v).to_f32()).collect();
-        let got = yb.to_f32_vec()?;
-        x.record(
-            &format!("rmsnorm train {shape}: BF16 output vs the f32 output rounded"),
-            "bf16",
-            &want,
-            &got,
-            Tol::Exact,
-        );
+        bf16_output(x, &format!("rmsnorm train {shape}: BF16 output vs the f32 output rounded"), "bf16", &y.g, &yb)?;
         let dy = x.randp(DType::F32, &[rows, c], 1.0)?;
         let (mut dx, mut dw) = (x.randp(DType::F32, &[rows, c], 1.0)?, x.randp(DType::F32, &[c], 1.0)?);
         let r = rstd.c.to_f32_vec()?;
@@ -297,8 +289,7 @@ pub(super) fn backward(x: &mut Ctx) -> Result<()> {
     let (mut a32, mut a16) = (x.gpu.zeros(DType::F32, &[M, N])?, x.gpu.zeros(DType::BF16, &[M, N])?);
     elementwise::swiglu(&x.gpu, &gt.g, &up.g, &mut a32, M)?;
     elementwise::swiglu(&x.gpu, &gt.g, &up.g, &mut a16, M)?;
-    let want: Vec<f32> = a32.to_f32_vec()?.iter().map(|&v| crate::device::bf16_rne(v).to_f32()).collect();
-    x.record("swiglu: BF16 output vs the f32 output rounded", "bf16", &want, &a16.to_f32_vec()?, Tol::Exact);
+    bf16_output(x, "swiglu: BF16 output vs the f32 output rounded", "bf16", &a32, &a16)?;
     x.cmp("swiglu backward: dg", "f32", &dg, Tol::Close(1e-6, 1e-5))?;
     x.cmp("swiglu backward: du", "f32", &du, Tol::Close(1e-6, 1e-5))?;
     // Its BF16 gradients (the gate and up projections' dy in the trainer) against its f32
