@@ -343,3 +343,59 @@ fn kv_caches_are_freed_for_training_when_the_plan_cannot_hold_both() {
         w2.iter().zip(&wf).map(|(a, b)| ((a - b).abs() as f64 - 1e-5 * b.abs() as f64).max(0.0)).fold(0.0, f64::max);
     assert!(worst <= 1e-6, "2 GPUs: master weights differ by up to {worst:e} beyond the relative part");
 }
+
+/// A quantized rollout engine (FP8) in the synchronous colocated schedule: its KV cache and
+/// the standard engine's take turns (the standard engine only calibrates and evaluates, between
+/// steps), so the GPU holds one of them at a time, where the asynchronous schedule (sequences
+/// in flight across updates) holds both. Evaluating at every step hands the memory back and
+/// forth without changing what the rollout engine samples.
+#[test]
+fn a_quantized_rollout_engine_takes_turns_with_the_standard_engines_cache() {
+    let _turn = serial();
+    let t = TempDir::new("sim-kv-turns");
+    let job_at = |dir: &std::path::Path, mode: ScheduleMode, every: u64| {
+        let mut j = tiny(dir, 6, 1, 2);
+        j.engine.recipe = "fp8".into();
+        (j.rollout.kv_cache_mb, j.rollout.max_seqs) = (512, 1024);
+        (j.schedule.mode, j.schedule.max_staleness) = (mode, 1);
+        j.eval.every = every;
+        j
+    };
+    let plan_of = |dir: &std::path::Path| -> serde_json::Value {
+        let p: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+        p[0].clone()
+    };
+    let peaks = |dir: &std::path::Path| -> Vec<u64> {
+        lines(dir).iter().filter(|l| l.get("loss").is_some()).map(|l| l["mem_peak_bytes"].as_u64().unwrap()).collect()
+    };
+    let (sync, sync_eval, asy) = (t.path().join("sync"), t.path().join("sync-eval"), t.path().join("async"));
+    job::run(&job_at(&sync, ScheduleMode::Sync, 0), &JobOptions::default()).unwrap();
+    let s = job::run(&job_at(&sync_eval, ScheduleMode::Sync, 1), &JobOptions::default()).unwrap();
+    job::run(&job_at(&asy, ScheduleMode::Async, 0), &JobOptions::default()).unwrap();
+    let (p, q) = (plan_of(&sync), plan_of(&asy));
+    eprintln!("sync: {p}\nasync: {q}");
+    assert_eq!((p["kv_turns"].as_bool(), q["kv_turns"].as_bool()), (Some(true), Some(false)));
+    // The same caches (as many tokens as 1024 sequences use: the F32 standard engine's 130 MiB,
+    // the FP8 engine's 34), the larger counted alone where they take turns.
+    let (kv_sync, kv_async) = (p["kv_cache"].as_u64().unwrap(), q["kv_cache"].as_u64().unwrap());
+    let (standard, fp8) = (kv_sync, kv_async - kv_sync);
+    assert!(p["kv_tokens"] == q["kv_tokens"] && fp8 >= 16 << 20 && standard >= 2 * fp8, "{p}\n{q}");
+    // Every step's peak: while the synchronous run decodes and trains, the standard engine's
+    // cache is not on the GPU (holding it, the peak would be the asynchronous run's or more).
+    let (ps, pa) = (peaks(&sync_eval), peaks(&asy));
+    eprintln!("peaks: sync {ps:?} B, async {pa:?} B; caches {standard} B (standard), {fp8} B (FP8)");
+    assert!(!ps.is_empty() && ps.len() == pa.len());
+    for (s, a) in ps.iter().zip(&pa) {
+        assert!(s + standard / 2 <= *a, "peak {s} B taking turns, {a} B holding both ({standard} B standard cache)");
+    }
+    // The evaluations ran on the standard engine's cache, and the rollouts after them sampled
+    // what the run without them sampled.
+    assert_eq!(s.evals.len(), 3, "step 0 and both steps");
+    assert!(s.evals.iter().all(|e| e.kl.is_finite()));
+    let (a, b) = (lines(&sync), lines(&sync_eval));
+    for (a, b) in a.iter().zip(&b).filter(|(a, _)| a.get("loss").is_some()) {
+        assert_eq!(a["samples_digest"], b["samples_digest"], "step {}", a["step"]);
+        assert_eq!(a["loss"], b["loss"], "step {}", a["step"]);
+    }
+}

@@ -186,12 +186,15 @@ impl KvCache {
         self.free.append(blocks);
     }
 
-    /// The device memory the cache holds when resident: on CUDA its reservation's whole
-    /// granules, on the CPU its layers' bytes.
+    /// The device memory the cache holds when resident (and takes back at a commit while
+    /// released): on CUDA its reservation's whole granules, on the CPU its layers' bytes.
     pub fn size_bytes(&self) -> usize {
         match &self.arena {
             Some(a) => a.size_bytes(),
-            None => self.layers.iter().map(|l| l.k.size_bytes() + l.v.size_bytes()).sum(),
+            None => {
+                let values: usize = self.shape.iter().product();
+                self.dtypes.iter().map(|(k, v)| values * (k.size() + v.size())).sum()
+            }
         }
     }
 }

@@ -213,22 +213,25 @@ impl Coordinator {
         self.pool.run_on(self.lead(), "stats", |r| Ok((r.trainer.version, r.trainer.skipped_steps)))
     }
 
-    /// Held-out evaluation on the training lead with its standard engine.
+    /// Held-out evaluation on the training lead with its standard engine (its KV cache swapped
+    /// in for the rollout engine's where the two take turns: `Replica::with_standard`).
     pub fn evaluate(&self, step: u64) -> Result<EvalResult> {
         let (job, text, heldout) = (self.job.clone(), self.text.clone(), self.heldout.clone());
         let r = self.pool.run_on(self.lead(), "eval", move |rep| {
             let eval_new = job.eval.max_new_tokens.unwrap_or(job.rollout.max_new_tokens);
-            let te = rep.teacher.as_mut().map(|(w, e)| (e, &*w));
-            let mut r = eval::evaluate(
-                step,
-                (&mut rep.std_engine, &rep.trainer.weights),
-                te,
-                text.as_deref(),
-                &heldout,
-                job.eval.samples_per_prompt as u32,
-                eval_new,
-                job.eval.seed,
-            )?;
+            let mut r = rep.with_standard(|rep| {
+                let te = rep.teacher.as_mut().map(|(w, e)| (e, &*w));
+                eval::evaluate(
+                    step,
+                    (&mut rep.std_engine, &rep.trainer.weights),
+                    te,
+                    text.as_deref(),
+                    &heldout,
+                    job.eval.samples_per_prompt as u32,
+                    eval_new,
+                    job.eval.seed,
+                )
+            })?;
             r.student = job.model.path.clone();
             r.teacher = job.teacher.as_ref().map(|t| t.path.clone()).unwrap_or_default();
             Ok(r)
@@ -540,7 +543,7 @@ pub fn print_plan(h: &Coordinator) -> Result<()> {
         let snapshot =
             if p.snapshot > 0 { format!(", published snapshot {:.1} MiB", mib(p.snapshot)) } else { String::new() };
         eprintln!(
-            "  device {i} {} ({}): weights {:.1} MiB, trainer {:.1} MiB (master/Adam shard, grads, activations), teacher {:.1} MiB, engine buffers {:.1} MiB, engine activations {:.1} MiB{snapshot}, KV cache {:.1} MiB = {} tokens; {end}",
+            "  device {i} {} ({}): weights {:.1} MiB, trainer {:.1} MiB (master/Adam shard, grads, activations), teacher {:.1} MiB, engine buffers {:.1} MiB, engine activations {:.1} MiB{snapshot}, KV cache {:.1} MiB = {} tokens{}; {end}",
             p.device,
             if !h.split() { "generates, trains" } else if h.trainers.contains(&i) { "trains" } else { "generates" },
             mib(p.weights),
@@ -550,6 +553,7 @@ pub fn print_plan(h: &Coordinator) -> Result<()> {
             mib(p.engine_activations),
             mib(p.kv_cache),
             p.kv_tokens,
+            if p.kv_turns { " (the standard engine's cache takes turns with the rollout engine's)" } else { "" },
         );
         if let Some(budget) = job.run.memory_budget_mb {
             if total > budget << 20 {

@@ -146,12 +146,16 @@ pub fn plan(h: &Holdings) -> Planned {
     } else {
         None
     };
+    // The standard engine only calibrates and evaluates, between steps: where a sequence never
+    // stays in flight across them, its cache takes turns with the rollout engine's.
+    let turns = !standard && no_release.is_none();
     let need = Need {
         used,
         activations: if trainer_here > 0 { activations } else { 0 },
         budget: h.budget,
         budget_source: if job.run.memory_budget_mb.is_some() { "run.memory_budget_mb" } else { "the device's memory" },
         engines,
+        turns,
         kv_cache_bytes: h.engine.kv_cache_bytes,
         graph_pad: (h.engine.cuda_graphs && !h.cpu) as usize,
         min_blocks: (job.rollout.max_new_tokens + 1).div_ceil(bs.max(1)),

@@ -12,6 +12,12 @@
 //! Only the synchronous colocated schedule can release: the asynchronous one keeps sequences
 //! in flight across updates, and a split placement's devices never switch.
 //!
+//! In that schedule, where the rollout engine is another than the standard one (a quantized,
+//! noisy or stale recipe), the two engines' caches also take turns (`Need::turns`): the
+//! standard engine decodes only to calibrate and to evaluate, between steps, while the rollout
+//! engine's cache is released; so the larger of the two counts, and the rollout engine gets
+//! the room both had shared.
+//!
 //! Owns: the arithmetic, and the plan's refusals. May call: the config. Must not: allocate.
 
 use crate::config::KvRelease;
@@ -28,8 +34,11 @@ pub struct Need {
     /// comes from ("run.memory_budget_mb" or "the device's memory").
     pub budget: Option<usize>,
     pub budget_source: &'static str,
-    /// Per engine on the device: (bytes of one KV block, blocks its sequences can use).
+    /// Per engine on the device: (bytes of one KV block, blocks its sequences can use); the
+    /// standard engine first, then the rollout engine where it is another, then the teacher's.
     pub engines: Vec<(usize, usize)>,
+    /// The first two engines' caches take turns (one resident at a time): the larger counts.
+    pub turns: bool,
     /// `rollout.kv_cache_mb` in bytes (each engine's cache); 0: from what is left.
     pub kv_cache_bytes: usize,
     /// Blocks each engine adds for the decode graphs' padding rows (0 or 1).
@@ -56,7 +65,17 @@ pub struct KvSizing {
 /// graphs' padding block included.
 pub fn kv_bytes(n: &Need, blocks: Option<usize>) -> usize {
     let each = |b: usize, useful: usize| blocks.unwrap_or((n.kv_cache_bytes / b.max(1)).clamp(1, useful.max(1)));
-    n.engines.iter().map(|&(b, useful)| (each(b, useful) + n.graph_pad) * b).sum()
+    resident(n, |&(b, useful)| (each(b, useful) + n.graph_pad) * b)
+}
+
+/// The sum of `f` over the engines whose caches are resident at once: with `turns`, the larger
+/// of the first two and the rest.
+fn resident(n: &Need, f: impl Fn(&(usize, usize)) -> usize) -> usize {
+    let v: Vec<usize> = n.engines.iter().map(f).collect();
+    match (n.turns, v.as_slice()) {
+        (true, [a, b, rest @ ..]) => *a.max(b) + rest.iter().sum::<usize>(),
+        _ => v.iter().sum(),
+    }
 }
 
 fn mib(b: usize) -> f64 {
@@ -89,11 +108,11 @@ pub fn size(n: &Need, who: &str, parts: &str) -> Result<KvSizing> {
         }
     };
     if n.kv_cache_bytes == 0 {
-        // A tenth of the budget stays free for what the plan does not itemize: the engines'
-        // forward buffers, the activation arenas' growth, the allocator's size classes. Every
-        // engine gets the same capacity in tokens, and one block more each for the graphs.
+        // A tenth of the budget stays free for what the plan does not itemize: the activation
+        // arenas' growth, the allocator's size classes, the step's metadata. Every engine gets
+        // the same capacity in tokens, and one block more each for the graphs.
         let reserve = budget / 10;
-        let per_block: usize = n.engines.iter().map(|e| e.0).sum::<usize>().max(1);
+        let per_block = resident(n, |e| e.0).max(1);
         let blocks_over =
             |base: usize| budget.saturating_sub(base + reserve).saturating_sub(n.graph_pad * per_block) / per_block;
         let release = match n.policy {
@@ -169,6 +188,7 @@ mod tests {
             budget: Some(budget),
             budget_source: "run.memory_budget_mb",
             engines: vec![(M, 1000)],
+            turns: false,
             kv_cache_bytes: kv_mb * M,
             graph_pad: 0,
             min_blocks: 1,
@@ -253,5 +273,34 @@ mod tests {
         // 110 MiB: training alone (100 + 11) does not fit.
         let e = err(&need(110 * M, 0, KvRelease::Auto));
         assert!(e.contains("its train phase alone needs parts + a tenth kept free = 111 MiB"), "{e}");
+    }
+
+    #[test]
+    fn engines_taking_turns_count_the_larger_cache_once() {
+        // Standard engine 2 MiB blocks, rollout engine (FP8 KV) 1 MiB, teacher 1 MiB; 160 MiB:
+        // 100 + 16 kept free leave 44 MiB.
+        let mut n = need(160 * M, 0, KvRelease::Never);
+        n.engines = vec![(2 * M, 1000), (M, 1000), (M, 1000)];
+        // Side by side: 4 MiB a block of capacity, 11 blocks each.
+        assert_eq!(size(&n, "d", "p").unwrap().blocks, Some(11));
+        assert_eq!(kv_bytes(&n, Some(11)), 44 * M);
+        // Taking turns: 2 + 1 MiB a block, 14 blocks each; the rollout engine's 14 MiB lie in
+        // the standard engine's 28 when it is released.
+        n.turns = true;
+        assert_eq!(size(&n, "d", "p").unwrap().blocks, Some(14));
+        assert_eq!(kv_bytes(&n, Some(14)), (28 + 14) * M);
+        // With the graphs' padding block: (2 + 1) MiB of it per block of capacity.
+        n.graph_pad = 1;
+        assert_eq!(size(&n, "d", "p").unwrap().blocks, Some(13));
+        assert_eq!(kv_bytes(&n, Some(13)), (28 + 14) * M);
+        // Fixed caches of 10 MiB each: 5 blocks of the standard engine's, 10 of the others'.
+        let mut n = need(200 * M, 10, KvRelease::Never);
+        n.engines = vec![(2 * M, 1000), (M, 1000), (M, 1000)];
+        assert_eq!(kv_bytes(&n, None), 30 * M);
+        n.turns = true;
+        assert_eq!(kv_bytes(&n, None), 20 * M);
+        // One engine alone: nothing to take turns with.
+        n.engines.truncate(1);
+        assert_eq!(kv_bytes(&n, None), 10 * M);
     }
 }

@@ -74,6 +74,9 @@ pub struct Plan {
     pub teacher_kv: usize,
     /// The KV caches are freed for each train phase.
     pub kv_release: bool,
+    /// The standard engine's cache takes turns with the rollout engine's (`memory.rs`): one
+    /// of them is resident at a time, and `kv_cache` counts the larger.
+    pub kv_turns: bool,
     /// The most the device holds at once: [`Plan::total`], or with `kv_release` the larger of
     /// the decode phase (without the activations) and the train phase (without the caches).
     pub peak: usize,
@@ -112,6 +115,9 @@ pub struct Replica {
     snapshot: usize,
     /// The plan frees the KV caches for each train phase (`memory.rs`).
     kv_release: bool,
+    /// The standard engine's cache takes turns with the rollout engine's (`memory.rs`): it is
+    /// resident only inside [`Replica::with_standard`] while another engine decodes the rollouts.
+    turns: bool,
 }
 
 /// Loads the model at `dir` with the dtype of its source (the config's `dtype`; default F32
@@ -199,7 +205,13 @@ impl Replica {
             }
             None => None,
         };
-        let std_engine = Engine::new(&dev, &cfg, dtype, &std_ec, student.text.clone())?;
+        let mut std_engine = Engine::new(&dev, &cfg, dtype, &std_ec, student.text.clone())?;
+        let turns = need.turns && !standard;
+        if turns {
+            // Its cache lies in the room the rollout engine's takes next.
+            std_engine.release_cache()?;
+            dev.release_cached()?;
+        }
         let rollout_engine =
             if standard { None } else { Some(Engine::new(&dev, &cfg, dtype, &roll_ec, student.text.clone())?) };
         Ok(Replica {
@@ -214,20 +226,55 @@ impl Replica {
             activations,
             snapshot,
             kv_release: sizing.release,
+            turns,
         })
+    }
+
+    /// The standard engine's cache is released while the rollout engine decodes (they take
+    /// turns, and the rollout engine is another).
+    fn std_parked(&self) -> bool {
+        self.turns && self.rollout_engine.is_some()
+    }
+
+    /// Runs `f` with the standard engine's cache resident: where it takes turns with the
+    /// rollout engine's, that one is released first (it holds no sequence between steps of
+    /// the synchronous schedule) and the two swap back after, whatever `f` returns (its error
+    /// first). The swap maps and zero-fills the cache (`Engine::commit_cache`): calibration
+    /// and held-out evaluation pay it, the rollouts never.
+    pub fn with_standard<T>(&mut self, f: impl FnOnce(&mut Replica) -> Result<T>) -> Result<T> {
+        if !self.std_parked() {
+            return f(self);
+        }
+        if let Some(e) = self.rollout_engine.as_mut() {
+            e.release_cache().context("handing the rollout engine's KV cache to the standard engine")?;
+        }
+        self.dev.release_cached()?;
+        self.std_engine.commit_cache()?;
+        let out = f(self);
+        let back = self
+            .std_engine
+            .release_cache()
+            .and_then(|_| self.dev.release_cached())
+            .and_then(|_| self.rollout_engine.as_mut().map(|e| e.commit_cache()).unwrap_or(Ok(())))
+            .context("handing the KV cache back to the rollout engine");
+        let v = out?;
+        back?;
+        Ok(v)
     }
 
     /// The calibration pass on the standard engine (one device runs it; all use the result).
     pub fn calibrate(&mut self, job: &JobConfig, prompts: &[crate::data::dataset::PromptItem]) -> Result<Calibration> {
         let cfg = self.trainer.cfg.clone();
-        crate::train::calibrate::calibrate(
-            &mut self.std_engine,
-            &self.trainer.weights,
-            &cfg,
-            prompts,
-            &super::plan::sampling_of(job),
-            job.run.seed,
-        )
+        self.with_standard(|r| {
+            crate::train::calibrate::calibrate(
+                &mut r.std_engine,
+                &r.trainer.weights,
+                &cfg,
+                prompts,
+                &super::plan::sampling_of(job),
+                job.run.seed,
+            )
+        })
     }
 
     /// Builds the rollout engine's buffers (and the NVFP4 learner's scales) from `calib`.
@@ -456,10 +503,12 @@ impl Replica {
         Ok(freed)
     }
 
-    /// Allocates every engine's KV cache again, and waits until the zero fill is done (so the
-    /// switch time reported is the whole cost).
+    /// Allocates every engine's KV cache again (the standard engine's not where it is parked:
+    /// [`Replica::with_standard`]), and waits until the zero fill is done (so the switch time
+    /// reported is the whole cost).
     pub fn commit_caches(&mut self) -> Result<()> {
-        for e in self.engines_mut() {
+        let skip = self.std_parked() as usize;
+        for e in self.engines_mut().skip(skip) {
             e.commit_cache()?;
         }
         self.dev.synchronize()
@@ -512,7 +561,8 @@ impl Replica {
     /// (None: it fits). The plan of [`Replica::new`] with the new engine (and the KV release
     /// decided when the run started, kept as it is): the weights, the
     /// trainer's state where it lives here, the teacher and its cache, the standard engine's
-    /// cache, the new engine's buffers and KV cache (as many tokens as the standard engine's),
+    /// cache and the new engine's buffers and KV cache (as many tokens as the standard
+    /// engine's; where the two caches take turns, the larger),
     /// every engine's forward buffers, and with `rollout.kv_cache_mb = 0` the tenth of the
     /// budget kept free.
     pub fn switch_fits(&self, s: &Setup, spec: &EngineSpec) -> Result<Option<String>> {
@@ -536,7 +586,8 @@ impl Replica {
         let reserve = if s.engine.kv_cache_bytes == 0 { budget / 10 } else { 0 };
         // With the caches freed for training, the larger of the two phases (`memory.rs`).
         let act = if self.kv_release && trainer_here > 0 { self.activations } else { 0 };
-        let caches = teacher_kv + self.std_engine.cache.size_bytes() + new_kv;
+        let std_kv = self.std_engine.cache.size_bytes();
+        let caches = teacher_kv + if self.turns { std_kv.max(new_kv) } else { std_kv + new_kv };
         let resident =
             t.weights.size_bytes() + trainer_here - act + teacher_w + new_buffers + fwd + self.snapshot + reserve;
         let after = resident + if self.kv_release { caches.max(act) } else { caches + act };
@@ -583,7 +634,15 @@ impl Replica {
     pub fn switch_engine(&mut self, s: &Setup, spec: &EngineSpec, calib: Option<&Calibration>) -> Result<()> {
         let ring = self.rw.take().map(|rw| rw.into_ring()).unwrap_or_default();
         self.rollout_engine = None;
-        if !is_standard(spec) {
+        if is_standard(spec) {
+            // The standard engine decodes the rollouts now: its cache stays resident.
+            self.dev.release_cached()?;
+            self.std_engine.commit_cache()?;
+        } else {
+            if self.turns {
+                self.std_engine.release_cache()?;
+                self.dev.release_cached()?;
+            }
             let ec = self.rollout_config(s, spec);
             let text = self.std_engine.text();
             self.rollout_engine =
@@ -621,7 +680,8 @@ impl Replica {
         let e = self.rollout_engine.as_ref().unwrap_or(&self.std_engine);
         let mut kv = e.cache.size_bytes();
         if self.rollout_engine.is_some() {
-            kv += self.std_engine.cache.size_bytes();
+            let std_kv = self.std_engine.cache.size_bytes();
+            kv = if self.turns { kv.max(std_kv) } else { kv + std_kv };
         }
         let teacher_kv = self.teacher.as_ref().map(|(_, e)| e.cache.size_bytes()).unwrap_or(0);
         let mut p = Plan {
@@ -639,6 +699,7 @@ impl Replica {
             kv_cache: kv,
             kv_tokens: e.cache.capacity_tokens(),
             kv_release: self.kv_release,
+            kv_turns: self.std_parked(),
             peak: 0,
         };
         p.peak = p.peak_bytes();
