@@ -417,7 +417,13 @@ fn memory_table(m: &Memory, job: &JobConfig, g: &Gpu) -> String {
                 false => (n.used + kv, n.used + kv),
             };
             let freed = if s.release { ", freed for training" } else { "" };
-            out += &format!("{head} {:.1}{freed} | {:.1} | {:.1} |\n", gb(kv), gb(decode), gb(train));
+            // Each engine's capacity (the same in tokens), and whether the standard engine's
+            // cache takes turns with the rollout engine's (`memory.rs`).
+            let tokens = match s.blocks {
+                Some(b) => format!(" ({}k tokens{})", b * p.rollout_ec.block_size / 1000, if n.turns { ", in turns" } else { "" }),
+                None => String::new(),
+            };
+            out += &format!("{head} {:.1}{tokens}{freed} | {:.1} | {:.1} |\n", gb(kv), gb(decode), gb(train));
         }
         Err(e) => out += &format!("{head} | | |\nDOES NOT FIT: {e}\n"),
     }
@@ -545,6 +551,14 @@ mod tests {
                 let share = j.rollout.prompts_per_step * j.rollout.samples_per_prompt / 8;
                 let need = share * (256 + j.rollout.max_new_tokens.min(4096) + 1).div_ceil(bs);
                 assert!(blocks >= need, "{f} on {}: {blocks} KV blocks, the modelled share needs {need}", g.name);
+                // The NVFP4 engine's cache takes turns with the standard engine's (the same
+                // BF16 blocks): twice the tokens of the two side by side.
+                let apart = memory::Need { turns: false, ..m.planned.need.clone() };
+                let side_by_side = memory::size(&apart, "GPU 0", "").unwrap().blocks.unwrap();
+                match f.contains("nvfp4") {
+                    true => assert!(blocks >= 2 * side_by_side, "{f} on {}: {blocks} vs {side_by_side}", g.name),
+                    false => assert!(!m.planned.need.turns && blocks == side_by_side, "{f} on {}", g.name),
+                }
             }
         }
     }

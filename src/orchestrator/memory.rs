@@ -24,6 +24,7 @@ use crate::config::KvRelease;
 use anyhow::{bail, Result};
 
 /// What a device holds besides its KV caches, and what its caches may take.
+#[derive(Clone)]
 pub struct Need {
     /// Bytes before the KV caches: weights, the trainer's state and activations where it
     /// trains here, the teacher's weights, the engine buffers, the published snapshot.
