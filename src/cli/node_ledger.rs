@@ -420,7 +420,11 @@ fn memory_table(m: &Memory, job: &JobConfig, g: &Gpu) -> String {
             // Each engine's capacity (the same in tokens), and whether the standard engine's
             // cache takes turns with the rollout engine's (`memory.rs`).
             let tokens = match s.blocks {
-                Some(b) => format!(" ({}k tokens{})", b * p.rollout_ec.block_size / 1000, if n.turns { ", in turns" } else { "" }),
+                Some(b) => format!(
+                    " ({}k tokens{})",
+                    b * p.rollout_ec.block_size / 1000,
+                    if n.turns { ", in turns" } else { "" }
+                ),
                 None => String::new(),
             };
             out += &format!("{head} {:.1}{tokens}{freed} | {:.1} | {:.1} |\n", gb(kv), gb(decode), gb(train));
