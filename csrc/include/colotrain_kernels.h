@@ -149,7 +149,11 @@ typedef struct ct_add_bias_params {
  * on CUTLASS, whose activation scales are per row or on the device (no scalar alpha known to the
  * host). With rht (cols % 16 == 0), each 16-column block of the scaled values is then rotated
  * back by the inverse RHT (ct_quant_nvfp4's unrotate: H/4, then the signs): the learner's
- * backward, whose GEMMs run in the rotated domain of its operands' codes. */
+ * backward, whose GEMMs run in the rotated domain of its operands' codes.
+ * With scalars (not NULL), one thread writes scalars[0] = g_row * g_col (per_row 0; src, dst,
+ * rows and cols unused) and scalars[1] = accumulate (1 or 0): the alpha and beta of a cuBLASLt
+ * GEMM in device pointer mode, which then applies the scales in its epilogue (the learner's
+ * forward, whose product needs no rotation back). */
 typedef struct ct_nvfp4_scale_out_params {
   const float* src;
   float* dst;
@@ -163,6 +167,7 @@ typedef struct ct_nvfp4_scale_out_params {
   int32_t accumulate;
   int32_t rht;
   float signs[16];
+  float* scalars;
 } ct_nvfp4_scale_out_params;
 
 /* y[i] = dtype(x[i]) (round to nearest even) for i < n; dtype BF16 or F16. With row_amax (not

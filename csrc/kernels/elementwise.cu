@@ -80,10 +80,17 @@ __device__ __forceinline__ float ct_nvfp4_global(const uint32_t* amax_bits, int6
   return amax > 0.0f ? __fdiv_rn(amax, 2688.0f) : 1.0f;
 }
 
-// One thread per value, or with rht per 16-column block.
+// One thread per value, or with rht per 16-column block; with scalars, one thread.
 extern "C" __global__ void ct_nvfp4_scale_out(ct_nvfp4_scale_out_params p) {
   const int64_t n = static_cast<int64_t>(p.rows) * p.cols;
   const float gc = ct_nvfp4_global(p.col_amax, 0, p.col_fixed);
+  if (p.scalars) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      p.scalars[0] = __fmul_rn(ct_nvfp4_global(p.row_amax, 0, p.row_fixed), gc);
+      p.scalars[1] = p.accumulate ? 1.0f : 0.0f;
+    }
+    return;
+  }
   if (!p.rht) {
     CT_GRID_LOOP(idx, n) {
       const int64_t row = idx / p.cols;

@@ -15,8 +15,10 @@ use crate::quant::qtensor::QFormat;
 use anyhow::{bail, Result};
 
 /// The NVFP4 learner's W4A4 linear on the learner's codes, globals on the device (CUTLASS's
-/// block-scaled GEMM on sm_100a / sm_103a; on Hopper a BF16 GEMM of the decoded unit values)
-/// against the CPU's product of the rounded operands.
+/// block-scaled GEMM on sm_100a / sm_103a; on Hopper a BF16 GEMM of the decoded unit values,
+/// whose epilogue applies one activation scale from device memory: cuBLASLt's device pointer
+/// mode) against the CPU's product of the rounded operands: written, then accumulated once
+/// more (beta 0, then 1), twice the product.
 pub(super) fn w4a4(
     x: &mut Ctx,
     xin: &Pair,
@@ -27,7 +29,11 @@ pub(super) fn w4a4(
 ) -> Result<()> {
     let (n, k) = (w.c.dim(0), w.c.dim(1));
     let gpu = x.gpu.clone();
-    let path = if lowp::cutlass_supports(&x.cuda, QFormat::Nvfp4, n, k) { "CUTLASS" } else { "BF16 unit values" };
+    let path = match (lowp::cutlass_supports(&x.cuda, QFormat::Nvfp4, n, k), global) {
+        (true, _) => "CUTLASS",
+        (false, Global::Row) => "BF16 unit values",
+        (false, _) => "BF16 unit values, scales in the epilogue",
+    };
     let op = format!("learner W4A4 GEMM ({path}), {label} global, rht+sr");
     let (mut xr, mut wr) = (x.out(&[M, k])?, x.out(&[n, k])?);
     quantize::learner_round(&x.cpu, &xin.c, &mut xr.c, M, global, opts)?;
@@ -42,7 +48,9 @@ pub(super) fn w4a4(
         x.skip(&op, "f32", format!("K = {k} is not a multiple of 16"));
         return Ok(());
     }
-    x.record(&op, "f32", &reference.to_f32_vec()?, &y.g.to_f32_vec()?, Tol::Close(1e-4, 1e-4));
+    matmul::learner_w4a4(&gpu, &xc, &wc, None, &mut y.g, true)?;
+    let twice: Vec<f32> = reference.to_f32_vec()?.iter().map(|v| 2.0 * v).collect();
+    x.record(&op, "f32", &twice, &y.g.to_f32_vec()?, Tol::Close(1e-4, 1e-4));
     Ok(())
 }
 

@@ -103,6 +103,10 @@ impl Blas {
         unsafe {
             set_attr(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_a)?;
             set_attr(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_b)?;
+            if key.device_scalars {
+                let mode = sys::cublasLtPointerMode_t::CUBLASLT_POINTER_MODE_DEVICE as i32;
+                set_attr(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode)?;
+            }
             if ab == Elem::E2M1 {
                 let mode = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3 as u32;
                 set_attr(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode)?;
@@ -143,7 +147,7 @@ impl Blas {
     /// of y's layout, cuBLASLt's C ≠ D) on `stream` (see the module header and
     /// [`GemmOperands`]). For E2M1, `ops.scales` are the tiled block scales of (w, x).
     pub fn gemm(&mut self, stream: cudarc::driver::sys::CUstream, key: GemmKey, ops: GemmOperands) -> Result<()> {
-        let GemmOperands { w, x, c, y, alpha, scales } = ops;
+        let GemmOperands { w, x, c, y, alpha, scales, scalars } = ops;
         if key.m == 0 || key.n == 0 {
             return Ok(());
         }
@@ -158,15 +162,21 @@ impl Blas {
                 set_attr(plan.desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sx)?;
             }
         }
+        // Host scalars that outlive the call, or in device pointer mode (the plan's descriptor
+        // says which) two f32 on the device that the stream wrote before this launch.
+        let (pa, pb) = match key.device_scalars {
+            true => (scalars as *const c_void, (scalars + 4) as *const c_void),
+            false => (&alpha as *const f32 as *const c_void, &beta as *const f32 as *const c_void),
+        };
         // SAFETY: w, x, c, y are device allocations of the plan's shapes (checked by the callers),
         // the workspace is owned by the device and only used on its single stream, and alpha /
-        // beta are host scalars (the default pointer mode) that outlive the call.
+        // beta are as above.
         unsafe {
             lt::matmul(
                 handle,
                 plan.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
+                pa,
+                pb,
                 w as *const c_void,
                 plan.la,
                 x as *const c_void,

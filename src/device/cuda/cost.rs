@@ -66,7 +66,15 @@ pub fn cutlass(g: Cutlass, a: &CutlassArgs) -> Cost {
         Cutlass::Fp8Sm90 | Cutlass::Fp8Sm100 => Elem::E4M3,
         Cutlass::Nvfp4Sm100 => Elem::E2M1,
     };
-    gemm(&GemmKey { m: a.m, n: a.n, k: a.k, ab, accumulate: false, form: super::driver::Form::Nt })
+    gemm(&GemmKey {
+        m: a.m,
+        n: a.n,
+        k: a.k,
+        ab,
+        accumulate: false,
+        form: super::driver::Form::Nt,
+        device_scalars: false,
+    })
 }
 
 /// (Copies.) `bytes` over `path`; a copy on one device reads and writes them.
@@ -131,8 +139,11 @@ pub fn add_bias(p: &ffi::ct_add_bias_params) -> Cost {
 }
 
 /// dst (+)= src·g_row·g_col (then, with the RHT, 4 butterfly stages and the signs: 6 more
-/// FLOPs a value).
+/// FLOPs a value); with `scalars`, two amax read and two values written.
 pub fn nvfp4_scale_out(p: &ffi::ct_nvfp4_scale_out_params) -> Cost {
+    if !p.scalars.is_null() {
+        return Cost::hbm(1.0, 16.0);
+    }
     let e = n(p.rows) * n(p.cols);
     let flops = if p.rht != 0 { 8.0 } else { 2.0 };
     Cost::hbm(flops * e, e * if p.accumulate != 0 { 12.0 } else { 8.0 })
@@ -366,7 +377,7 @@ mod tests {
     /// operands by their element types (hand arithmetic).
     #[test]
     fn gemms_declare_their_flops_and_operand_bytes() {
-        let k = GemmKey { m: 3, n: 5, k: 7, ab: Elem::BF16, accumulate: false, form: Form::Nt };
+        let k = GemmKey { m: 3, n: 5, k: 7, ab: Elem::BF16, accumulate: false, form: Form::Nt, device_scalars: false };
         let c = gemm(&k);
         assert_eq!(c.flops, 210.0);
         // x 3×7 and w 5×7 BF16 (2 B), y 3×5 f32 written.

@@ -113,7 +113,9 @@ pub enum Form {
     Tn,
 }
 
-/// One GEMM: y (m, n) f32 (+)= alpha · op(x) · op(w) in `form`, w and x of type `ab`.
+/// One GEMM: y (m, n) f32 (+)= alpha · op(x) · op(w) in `form`, w and x of type `ab`;
+/// `device_scalars`: alpha and beta read from device memory (cuBLASLt's device pointer mode,
+/// a descriptor of its own), not passed by the host.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub struct GemmKey {
     pub m: usize,
@@ -122,11 +124,14 @@ pub struct GemmKey {
     pub ab: Elem,
     pub accumulate: bool,
     pub form: Form,
+    pub device_scalars: bool,
 }
 
 /// The operands of one GEMM of a [`GemmKey`] (device addresses): y = alpha · op(x) · op(w),
 /// plus c with `key.accumulate` (c = y for an accumulation in place, another (m, n) f32 buffer
-/// for a residual: cuBLASLt's C ≠ D); `scales`: E2M1's tiled block scales of (w, x).
+/// for a residual: cuBLASLt's C ≠ D); `scales`: E2M1's tiled block scales of (w, x);
+/// `scalars`: with `key.device_scalars`, the device address of (alpha, beta) as two f32 (then
+/// `alpha` is unused, and beta must be 1 with `key.accumulate`, else 0), otherwise 0.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GemmOperands {
     pub w: u64,
@@ -135,6 +140,7 @@ pub struct GemmOperands {
     pub y: u64,
     pub alpha: f32,
     pub scales: Option<(u64, u64)>,
+    pub scalars: u64,
 }
 
 impl GemmKey {

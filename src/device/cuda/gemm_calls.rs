@@ -26,8 +26,29 @@ impl CudaDevice {
         scales: Option<(u64, u64)>,
     ) -> Result<()> {
         self.run_gemm(
-            GemmKey { m, n, k, ab, accumulate, form: Form::Nt },
-            GemmOperands { w, x, c: y, y, alpha, scales },
+            GemmKey { m, n, k, ab, accumulate, form: Form::Nt, device_scalars: false },
+            GemmOperands { w, x, c: y, y, alpha, scales, scalars: 0 },
+        )
+    }
+
+    /// y (m, n) f32 = alpha · x (m, k) · w (n, k)ᵀ + beta · y through cuBLASLt in device pointer
+    /// mode: (alpha, beta) are two f32 at `scalars` on the device, written by an earlier launch
+    /// of the same stream (beta 1 with `accumulate`, else 0) — a scale the host does not know
+    /// applied in the GEMM's epilogue instead of a pass over y.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_device_scalars(
+        &self,
+        ab: Elem,
+        w: u64,
+        x: u64,
+        y: u64,
+        (m, n, k): (usize, usize, usize),
+        scalars: u64,
+        accumulate: bool,
+    ) -> Result<()> {
+        self.run_gemm(
+            GemmKey { m, n, k, ab, accumulate, form: Form::Nt, device_scalars: true },
+            GemmOperands { w, x, c: y, y, alpha: 1.0, scales: None, scalars },
         )
     }
 
@@ -35,8 +56,8 @@ impl CudaDevice {
     /// added without copying it into y first), w and x of element type `ab`.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_residual(&self, ab: Elem, w: u64, x: u64, c: u64, y: u64, m: usize, n: usize, k: usize) -> Result<()> {
-        let ops = GemmOperands { w, x, c, y, alpha: 1.0, scales: None };
-        self.run_gemm(GemmKey { m, n, k, ab, accumulate: true, form: Form::Nt }, ops)
+        let ops = GemmOperands { w, x, c, y, alpha: 1.0, scales: None, scalars: 0 };
+        self.run_gemm(GemmKey { m, n, k, ab, accumulate: true, form: Form::Nt, device_scalars: false }, ops)
     }
 
     /// y (m, n) f32 (+)= alpha · op(x) · op(w) through cuBLASLt in `form` (`Form::Nn`: the
@@ -55,7 +76,8 @@ impl CudaDevice {
         alpha: f32,
         accumulate: bool,
     ) -> Result<()> {
-        self.run_gemm(GemmKey { m, n, k, ab, accumulate, form }, GemmOperands { w, x, c: y, y, alpha, scales: None })
+        let key = GemmKey { m, n, k, ab, accumulate, form, device_scalars: false };
+        self.run_gemm(key, GemmOperands { w, x, c: y, y, alpha, scales: None, scalars: 0 })
     }
 
     fn run_gemm(&self, key: GemmKey, ops: GemmOperands) -> Result<()> {

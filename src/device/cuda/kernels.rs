@@ -340,6 +340,12 @@ impl CudaDevice {
     }
 
     pub fn k_nvfp4_scale_out(&self, p: ffi::ct_nvfp4_scale_out_params) -> Result<()> {
+        if !p.scalars.is_null() {
+            if p.per_row != 0 {
+                bail!("ct_nvfp4_scale_out: a GEMM's alpha is one value, not one per row");
+            }
+            return self.launch(Kernel::Nvfp4ScaleOut, (1, 1, 1), 32, 0, &p, cost::nvfp4_scale_out(&p));
+        }
         let n = p.rows as i64 * p.cols as i64;
         if p.rht != 0 && p.cols % 16 != 0 {
             bail!("ct_nvfp4_scale_out: the inverse RHT needs 16-column blocks, got {} columns", p.cols);

@@ -63,6 +63,7 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_nvfp4_scale_out_params, dst),
             offset_of!(ffi::ct_nvfp4_scale_out_params, row_amax),
             offset_of!(ffi::ct_nvfp4_scale_out_params, col_amax),
+            offset_of!(ffi::ct_nvfp4_scale_out_params, scalars),
         ],
         "ct_cast_params" => &[
             offset_of!(ffi::ct_cast_params, x),

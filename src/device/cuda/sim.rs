@@ -455,7 +455,7 @@ impl Sim {
     pub fn gemm(&self, key: GemmKey, ops: GemmOperands) -> Result<()> {
         let mut st = self.state();
         super::sim_gemm::check(&key, &ops).map_err(|e| anyhow!("{}: cuBLASLt {e}", self.name()))?;
-        let GemmOperands { w, x, c, y, scales, .. } = ops;
+        let GemmOperands { w, x, c, y, scales, scalars, .. } = ops;
         let (m, n, k) = (key.m, key.n, key.k);
         check_range(&st, w, super::sim_gemm::matrix_bytes(key.ab, n, k), "GEMM weight")?;
         check_range(&st, x, super::sim_gemm::matrix_bytes(key.ab, m, k), "GEMM input")?;
@@ -467,8 +467,12 @@ impl Sim {
             check_range(&st, sw, super::sim_gemm::sf_bytes(n, k), "GEMM weight block scales")?;
             check_range(&st, sx, super::sim_gemm::sf_bytes(m, k), "GEMM input block scales")?;
         }
+        if key.device_scalars {
+            check_range(&st, scalars, 8, "GEMM (alpha, beta)")?;
+        }
         let mut uses = vec![w, x, y];
         uses.extend((key.accumulate && c != y).then_some(c));
+        uses.extend(key.device_scalars.then_some(scalars));
         uses.extend(scales.map(|(a, b)| [a, b]).into_iter().flatten());
         st.push(Op::Gemm { key, ops }, &uses);
         Ok(())

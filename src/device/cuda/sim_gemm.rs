@@ -67,7 +67,13 @@ fn sf_offset(r: usize, kb: usize, k: usize) -> usize {
 
 /// What cuBLASLt would refuse for this call.
 pub(super) fn check(key: &GemmKey, ops: &GemmOperands) -> Result<()> {
-    let GemmOperands { w, x, c, y, scales, .. } = *ops;
+    let GemmOperands { w, x, c, y, scales, scalars, .. } = *ops;
+    match (key.device_scalars, scalars) {
+        (true, 0) => bail!("device pointer mode without the (alpha, beta) address"),
+        (false, s) if s != 0 => bail!("an (alpha, beta) address in host pointer mode"),
+        (true, s) if s % 4 != 0 => bail!("(alpha, beta) at {s:#x}: not 4-byte aligned"),
+        _ => {}
+    }
     if key.form != Form::Nt && !matches!(key.ab, Elem::F32 | Elem::BF16 | Elem::F16) {
         bail!("{:?} operands in the TN form only, not {:?}", key.ab, key.form);
     }
@@ -166,7 +172,7 @@ impl Operand {
     }
 }
 
-/// y (m, n) = alpha · a · bᵀ (+ c (m, n) with `accumulate`; c may be y).
+/// y (m, n) = alpha · a · bᵀ (+ beta · c (m, n) with a beta; c may be y).
 ///
 /// SAFETY (callers): every range was checked against a live allocation when the op was queued.
 #[allow(clippy::too_many_arguments)]
@@ -179,7 +185,7 @@ unsafe fn reference(
     c: u64,
     y: u64,
     alpha: f32,
-    accumulate: bool,
+    beta: Option<f32>,
 ) {
     for i in 0..m {
         for j in 0..n {
@@ -189,9 +195,9 @@ unsafe fn reference(
                 acc += unsafe { a.at(i, t) * b.at(j, t) };
             }
             let (out, src) = ((y as *mut f32).wrapping_add(i * n + j), (c as *const f32).wrapping_add(i * n + j));
-            // SAFETY: y (and with `accumulate` c) holds m·n f32 values.
+            // SAFETY: y (and with a beta c) holds m·n f32 values.
             unsafe {
-                let prev = if accumulate { *src as f64 } else { 0.0 };
+                let prev = beta.map(|b| b as f64 * *src as f64).unwrap_or(0.0);
                 *out = (alpha as f64 * acc + prev) as f32;
             }
         }
@@ -200,8 +206,14 @@ unsafe fn reference(
 
 /// Runs a queued cuBLASLt GEMM (`scales`: the tiled block scales of (w, x) for NVFP4).
 pub(super) fn run(key: &GemmKey, ops: &GemmOperands) {
-    let GemmKey { m, n, k, ab, accumulate, form } = *key;
-    let GemmOperands { w, x, c, y, alpha, scales } = *ops;
+    let GemmKey { m, n, k, ab, accumulate, form, device_scalars } = *key;
+    let GemmOperands { w, x, c, y, alpha, scales, scalars } = *ops;
+    let (alpha, beta) = match device_scalars {
+        // SAFETY: `Sim::gemm` checked the 8 bytes at `scalars` when the GEMM was queued, and
+        // the launches before it on the stream have run.
+        true => unsafe { (*(scalars as *const f32), Some(*(scalars as *const f32).add(1)).filter(|&b| b != 0.0)) },
+        false => (alpha, accumulate.then_some(1.0)),
+    };
     let (sw, sx) = scales.unwrap_or((0, 0));
     let (mut a, mut b) = (Operand::rows(ab, x, sx, k), Operand::rows(ab, w, sw, k));
     // x (m, k) or, for Tn, (k, m); w (n, k) or, for Nn and Tn, (k, n).
@@ -212,7 +224,7 @@ pub(super) fn run(key: &GemmKey, ops: &GemmOperands) {
         (b.rs, b.cs) = (1, n);
     }
     // SAFETY: the ranges were checked when the GEMM was queued (`Sim::gemm`).
-    unsafe { reference(m, n, k, a, b, c, y, alpha, accumulate) }
+    unsafe { reference(m, n, k, a, b, c, y, alpha, beta) }
 }
 
 /// Runs a queued CUTLASS GEMM.
@@ -220,7 +232,7 @@ pub(super) fn run_cutlass(g: Cutlass, p: &CutlassArgs) {
     let e = if g == Cutlass::Nvfp4Sm100 { Elem::E2M1 } else { Elem::E4M3 };
     let (a, b) = (Operand::rows(e, p.a, p.sfa, p.k), Operand::rows(e, p.b, p.sfb, p.k));
     // SAFETY: the ranges were checked when the GEMM was queued (`Sim::cutlass`).
-    unsafe { reference(p.m, p.n, p.k, a, b, p.d, p.d, p.alpha, false) }
+    unsafe { reference(p.m, p.n, p.k, a, b, p.d, p.d, p.alpha, None) }
 }
 
 #[cfg(test)]

@@ -18,14 +18,17 @@ use crate::quant::qtensor::QFormat;
 use anyhow::{bail, Result};
 
 /// y[..m] (m, N) (+)= x · wᵀ (+ bias) for the NVFP4 learner's operands (codes of the same
-/// rounding as their decoded copies): the unit values' products with FP32 accumulation into a
-/// scratch — the CUTLASS block-scaled GEMM where there is one for the shape, else (Hopper) a
-/// BF16 GEMM of both operands decoded to their unit values (q·bs, exact in BF16: the same
-/// products) — then one kernel multiplying by the operands' global scales read on the device
-/// (per row for per-token activation scales) and adding into y. Ok(false) when K is not a
+/// rounding as their decoded copies): the unit values' products with FP32 accumulation — the
+/// CUTLASS block-scaled GEMM where there is one for the shape, else (Hopper) a BF16 GEMM of
+/// both operands decoded to their unit values (q·bs, exact in BF16: the same products) —
+/// times the operands' global scales read on the device. The BF16 GEMM applies them in its
+/// epilogue (alpha = g_x·g_w and beta written by a one-thread launch, cuBLASLt's device
+/// pointer mode) where x's scale is one value; CUTLASS (alpha from the host) and per-token
+/// scales write a scratch that one more kernel scales into y. Ok(false) when K is not a
 /// multiple of 16 (the caller multiplies the decoded copies instead). Before the BF16 path,
 /// Hopper multiplied the rounded f32 copies on the CUDA cores: 22.4 s of the 4B TRIAGE
-/// config's modelled 49 s train phase (`bench node --model-gpu h200 --ledger`).
+/// config's modelled 49 s train phase (`bench node --model-gpu h200 --ledger`); the pass over
+/// the scratch was 0.37 s more of it.
 pub fn learner_w4a4(
     d: &CudaDevice,
     x: &LearnerCodes,
@@ -43,8 +46,21 @@ pub fn learner_w4a4(
     if k % 16 != 0 {
         return Ok(false);
     }
-    let raw = d.scratch(m * n * 4, "learner W4A4 product")?;
+    let row = match x.per_row {
+        true => Scale::Rows(x.amax.ptr),
+        false => Scale::of(x),
+    };
     let cutlass = cutlass_kernel(d, QFormat::Nvfp4).filter(|_| cutlass_supports(d, QFormat::Nvfp4, n, k));
+    if cutlass.is_none() && !x.per_row {
+        let scalars = gemm_scalars(d, row, Scale::of(w), accumulate)?;
+        let (xb, wb) = (unit_values(d, x)?, unit_values(d, w)?);
+        d.gemm_device_scalars(Elem::BF16, wb.ptr, xb.ptr, yp, (m, n, k), scalars.ptr, accumulate)?;
+        if let Some(b) = bias {
+            add_bias(d, yp, b, m, n)?;
+        }
+        return Ok(true);
+    }
+    let raw = d.scratch(m * n * 4, "learner W4A4 product")?;
     let done = match cutlass {
         Some(g) => {
             let (sa, sw) = (swizzle(d, x.scales.ptr, m, k)?, swizzle(d, w.scales.ptr, n, k)?);
@@ -67,10 +83,6 @@ pub fn learner_w4a4(
         let (xb, wb) = (unit_values(d, x)?, unit_values(d, w)?);
         d.gemm(Elem::BF16, wb.ptr, xb.ptr, raw.ptr, m, n, k, 1.0, false, None)?;
     }
-    let row = match x.per_row {
-        true => Scale::Rows(x.amax.ptr),
-        false => Scale::of(x),
-    };
     scale_out(d, raw.ptr, yp, (m, n), row, Scale::of(w), None, accumulate)?;
     if let Some(b) = bias {
         add_bias(d, yp, b, m, n)?;
@@ -148,7 +160,36 @@ fn scale_out(
         accumulate: accumulate as i32,
         rht: signs.is_some() as i32,
         signs: signs.unwrap_or([1.0; 16]),
+        scalars: std::ptr::null_mut(),
     })
+}
+
+/// The (alpha, beta) of a GEMM in device pointer mode that applies `row` · `col` itself: g_x ·
+/// g_w by ct_nvfp4_scale_out's rule, and 1 with `accumulate` (else 0), in a scratch of two f32.
+fn gemm_scalars(d: &CudaDevice, row: Scale, col: Scale, accumulate: bool) -> Result<DevBuf> {
+    let out = d.scratch(8, "learner GEMM alpha and beta")?;
+    let side = |s: Scale| match s {
+        Scale::Value(v) => Ok((0, v)),
+        Scale::Amax(p) => Ok((p, 0.0)),
+        Scale::Rows(_) => bail!("learner GEMM scalars: one alpha for per-row scales"),
+    };
+    let ((row_amax, row_fixed), (col_amax, col_fixed)) = (side(row)?, side(col)?);
+    d.k_nvfp4_scale_out(ffi::ct_nvfp4_scale_out_params {
+        src: std::ptr::null(),
+        dst: std::ptr::null_mut(),
+        rows: 0,
+        cols: 0,
+        row_amax: row_amax as *const u32,
+        per_row: 0,
+        row_fixed,
+        col_amax: col_amax as *const u32,
+        col_fixed,
+        accumulate: accumulate as i32,
+        rht: 0,
+        signs: [1.0; 16],
+        scalars: out.ptr as *mut f32,
+    })?;
+    Ok(out)
 }
 
 /// The straight-through data gradient of the learner's linear y = Q(x)·Q(w)ᵀ: dx[..m] (m, K)

@@ -143,9 +143,11 @@ fn lowp_gemm_paths_on_sim_sm100a() {
 /// codes, globals applied on the device) against f64 over the host's `learner_round` copies,
 /// for every activation global (per tensor, per row, fixed) with and without RHT + stochastic
 /// rounding, with a bias, accumulating into y: on sm_100a through the CUTLASS block-scaled
-/// GEMM, on sm_90a (no NVFP4 tensor cores) through a BF16 GEMM of the decoded unit values.
-/// Tolerance |gpu − ref| ≤ 1e-5 + 1e-4·|ref|: the same grid values on both sides, only the
-/// f32 summation order (and, under the RHT, the f32 rotation back of the copies) differ.
+/// GEMM, on sm_90a (no NVFP4 tensor cores) through a BF16 GEMM of the decoded unit values
+/// whose epilogue applies the global scales (device pointer mode: no pass over y) unless they
+/// are per row. Tolerance |gpu − ref| ≤ 1e-5 + 1e-4·|ref|: the same grid values on both sides,
+/// only the f32 summation order (and, under the RHT, the f32 rotation back of the copies)
+/// differ.
 #[test]
 fn the_learners_w4a4_linear_multiplies_its_rounded_operands() {
     use crate::formats::nvfp4::Global;
@@ -154,8 +156,9 @@ fn the_learners_w4a4_linear_multiplies_its_rounded_operands() {
     let ws = data(n * k, 12, 0.05);
     let bs = data(n, 13, 0.1);
     let y0 = data(m * n, 14, 0.3);
-    for (arch, ordinal) in [("sm_100a", 7), ("sm_90a", 6)] {
-        let dev = Device::Cuda(CudaDevice::sim_arch(ordinal, Some(arch)).unwrap());
+    for (arch, ordinal) in [("sm_100a", 115), ("sm_90a", 116)] {
+        let cd = CudaDevice::sim_unshared_arch(ordinal, arch);
+        let dev = Device::Cuda(cd.clone());
         for opts in [Nvfp4Opts::default(), Nvfp4Opts { rht: Some(5), stochastic: Some(17) }] {
             for global in [Global::Tensor, Global::Row, Global::Fixed(0.004)] {
                 let what = format!("{arch} {global:?} {opts:?}");
@@ -168,8 +171,18 @@ fn the_learners_w4a4_linear_multiplies_its_rounded_operands() {
                 let wc = quantize::learner_round_codes(&dev, &w, &mut wr, n, Global::Tensor, &opts, true).unwrap();
                 let (xc, wc) = (xc.expect("codes on CUDA"), wc.expect("codes on CUDA"));
                 let mut y = dev.from_f32(DType::F32, &[m, n], &y0).unwrap();
+                cd.take_ledger();
                 let taken = super::learner_w4a4(&dev, &xc, &wc, Some(&bias), &mut y, true).unwrap();
                 assert!(taken, "{what}: the W4A4 path taken");
+                // The scale-out: a pass over the product (read, y read and written), or on
+                // sm_90a with one activation scale the GEMM's (alpha, beta) alone.
+                let l = cd.take_ledger();
+                let rows = crate::device::cuda::ledger::rows(&l);
+                let scale_out: Vec<(u64, f64)> =
+                    rows.iter().filter(|r| r.op == "ct_nvfp4_scale_out").map(|r| (r.launches, r.bytes)).collect();
+                let epilogue = arch == "sm_90a" && global != Global::Row;
+                let pass = (m * n * 12) as f64;
+                assert_eq!(scale_out, vec![(1, if epilogue { 16.0 } else { pass })], "{what}");
                 let (mut hx, mut hw) = (xs.clone(), ws.clone());
                 crate::formats::nvfp4::learner_round(&mut hx, k, global, &opts);
                 crate::formats::nvfp4::learner_round(&mut hw, k, Global::Tensor, &opts);
