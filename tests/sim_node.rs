@@ -347,8 +347,9 @@ fn kv_caches_are_freed_for_training_when_the_plan_cannot_hold_both() {
 /// A quantized rollout engine (FP8) in the synchronous colocated schedule: its KV cache and
 /// the standard engine's take turns (the standard engine only calibrates and evaluates, between
 /// steps), so the GPU holds one of them at a time, where the asynchronous schedule (sequences
-/// in flight across updates) holds both. Evaluating at every step hands the memory back and
-/// forth without changing what the rollout engine samples.
+/// in flight across updates) holds both; a GPU of the plan's size runs it, setup included.
+/// Evaluating at every step hands the memory back and forth without changing what the
+/// rollout engine samples.
 #[test]
 fn a_quantized_rollout_engine_takes_turns_with_the_standard_engines_cache() {
     let _turn = serial();
@@ -389,6 +390,27 @@ fn a_quantized_rollout_engine_takes_turns_with_the_standard_engines_cache() {
     for (s, a) in ps.iter().zip(&pa) {
         assert!(s + standard / 2 <= *a, "peak {s} B taking turns, {a} B holding both ({standard} B standard cache)");
     }
+    // On a GPU of the plan's size (with half the FP8 cache to spare for what the plan does not
+    // itemize), the run fits: the two caches are never allocated at once, not even while the
+    // engines are built (the allocator refuses what goes over COLOTRAIN_CUDA_BUDGET_MB; a
+    // process of its own, as the budget is read when a device opens).
+    let total: u64 = ["weights", "trainer", "teacher", "engine_buffers", "engine_activations", "snapshot", "kv_cache"]
+        .iter()
+        .map(|k| p[*k].as_u64().unwrap())
+        .sum();
+    let budget = (total + fp8 / 2) >> 20;
+    let tight = t.path().join("tight");
+    std::fs::create_dir_all(&tight).unwrap();
+    let config = tight.join("job.toml");
+    std::fs::write(&config, job_at(&tight, ScheduleMode::Sync, 1).to_toml()).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_colotrain"))
+        .args(["train", "--config", config.to_str().unwrap(), "--out-dir", tight.to_str().unwrap()])
+        .env("COLOTRAIN_CUDA_BUDGET_MB", budget.to_string())
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "a {budget} MiB GPU: {}", log.lines().rev().take(5).collect::<Vec<_>>().join("\n"));
+    assert_eq!(lines(&tight).iter().filter(|l| l.get("loss").is_some()).count(), 2);
     // The evaluations ran on the standard engine's cache, and the rollouts after them sampled
     // what the run without them sampled.
     assert_eq!(s.evals.len(), 3, "step 0 and both steps");
