@@ -15,8 +15,10 @@
 //! In that schedule, where the rollout engine is another than the standard one (a quantized,
 //! noisy or stale recipe), the two engines' caches also take turns (`Need::turns`): the
 //! standard engine decodes only to calibrate and to evaluate, between steps, while the rollout
-//! engine's cache is released; so the larger of the two counts, and the rollout engine gets
-//! the room both had shared.
+//! engine's cache is released; so the larger of the two counts. Every engine keeps the same
+//! capacity in tokens: where their blocks are the same size (BF16 KV, as the shipped NVFP4
+//! recipe keeps it) the rollout engine gets the room both had shared; an FP8 KV cache holds
+//! those tokens in part of it.
 //!
 //! Owns: the arithmetic, and the plan's refusals. May call: the config. Must not: allocate.
 

@@ -239,8 +239,9 @@ impl Replica {
     /// Runs `f` with the standard engine's cache resident: where it takes turns with the
     /// rollout engine's, that one is released first (it holds no sequence between steps of
     /// the synchronous schedule) and the two swap back after, whatever `f` returns (its error
-    /// first). The swap maps and zero-fills the cache (`Engine::commit_cache`): calibration
-    /// and held-out evaluation pay it, the rollouts never.
+    /// first, the swap-back's as its context). A swap-in that fails gives the rollout engine
+    /// its cache back. The swap maps and zero-fills the cache (`Engine::commit_cache`):
+    /// calibration and held-out evaluation pay it, the rollouts never.
     pub fn with_standard<T>(&mut self, f: impl FnOnce(&mut Replica) -> Result<T>) -> Result<T> {
         if !self.std_parked() {
             return f(self);
@@ -248,18 +249,23 @@ impl Replica {
         if let Some(e) = self.rollout_engine.as_mut() {
             e.release_cache().context("handing the rollout engine's KV cache to the standard engine")?;
         }
-        self.dev.release_cached()?;
-        self.std_engine.commit_cache()?;
-        let out = f(self);
+        let swap_in = self.dev.release_cached().and_then(|_| self.std_engine.commit_cache());
+        let out = match swap_in {
+            Ok(()) => f(self),
+            Err(e) => Err(e.context("committing the standard engine's KV cache")),
+        };
         let back = self
             .std_engine
             .release_cache()
             .and_then(|_| self.dev.release_cached())
             .and_then(|_| self.rollout_engine.as_mut().map(|e| e.commit_cache()).unwrap_or(Ok(())))
             .context("handing the KV cache back to the rollout engine");
-        let v = out?;
-        back?;
-        Ok(v)
+        match (out, back) {
+            (Ok(v), Ok(())) => Ok(v),
+            (Ok(_), Err(b)) => Err(b),
+            (Err(e), Ok(())) => Err(e),
+            (Err(e), Err(b)) => Err(e.context(format!("{b:#}"))),
+        }
     }
 
     /// The calibration pass on the standard engine (one device runs it; all use the result).

@@ -341,8 +341,8 @@ impl CudaDevice {
 
     pub fn k_nvfp4_scale_out(&self, p: ffi::ct_nvfp4_scale_out_params) -> Result<()> {
         if !p.scalars.is_null() {
-            if p.per_row != 0 {
-                bail!("ct_nvfp4_scale_out: a GEMM's alpha is one value, not one per row");
+            if p.per_row != 0 || p.rht != 0 {
+                bail!("ct_nvfp4_scale_out: a GEMM's alpha is one value (no per-row scales, no rotation back)");
             }
             return self.launch(Kernel::Nvfp4ScaleOut, (1, 1, 1), 32, 0, &p, cost::nvfp4_scale_out(&p));
         }

@@ -188,12 +188,18 @@ fn the_learners_w4a4_linear_multiplies_its_rounded_operands() {
                 crate::formats::nvfp4::learner_round(&mut hw, k, Global::Tensor, &opts);
                 assert_eq!(xr.to_f32_vec().unwrap(), hx, "{what}: the rounded activations");
                 let got = y.to_f32_vec().unwrap();
+                // Written over NaN instead (beta 0: y is not read).
+                let mut fresh = dev.from_f32(DType::F32, &[m, n], &vec![f32::NAN; m * n]).unwrap();
+                assert!(super::learner_w4a4(&dev, &xc, &wc, Some(&bias), &mut fresh, false).unwrap());
+                let fresh = fresh.to_f32_vec().unwrap();
                 for i in 0..m {
                     for j in 0..n {
                         let dot: f64 = (0..k).map(|t| hx[i * k + t] as f64 * hw[j * k + t] as f64).sum();
                         let want = y0[i * n + j] as f64 + bs[j] as f64 + dot;
                         let g = got[i * n + j] as f64;
                         assert!((g - want).abs() <= 1e-5 + 1e-4 * want.abs(), "{what}: y[{i},{j}] {g} vs {want}");
+                        let (g, want) = (fresh[i * n + j] as f64, bs[j] as f64 + dot);
+                        assert!((g - want).abs() <= 1e-5 + 1e-4 * want.abs(), "{what}: fresh y[{i},{j}] {g} vs {want}");
                     }
                 }
             }
