@@ -2,8 +2,9 @@
 //! on a CUDA device: the forward [`learner_w4a4`] and the straight-through backward
 //! [`learner_dx`] / [`learner_dw`]. Every GEMM multiplies unit values q·bs (exact in BF16) or
 //! the codes themselves (CUTLASS) with FP32 accumulation, in the operands' rotated domain under
-//! the RHT (H is orthogonal, so the products are the unrotated ones); one kernel then applies
-//! the global scales, read on the device, and rotates the backward's results back.
+//! the RHT (H is orthogonal, so the products are the unrotated ones); the global scales, read
+//! on the device, are applied by the forward's BF16 GEMM in its epilogue where the activation
+//! scale is one value, else by one more kernel, which also rotates the backward's results back.
 //!
 //! Owns: nothing (functions over `LearnerCodes`). May call: the device's GEMMs and kernels,
 //! `cuda_lowp`'s CUTLASS lookup and scale tiling. Must not: keep state between calls.
