@@ -209,8 +209,7 @@ impl Replica {
         let turns = need.turns && !standard;
         if turns {
             // Its cache lies in the room the rollout engine's takes next.
-            std_engine.release_cache()?;
-            dev.release_cached()?;
+            park(&mut std_engine, &dev)?;
         }
         let rollout_engine =
             if standard { None } else { Some(Engine::new(&dev, &cfg, dtype, &roll_ec, student.text.clone())?) };
@@ -247,17 +246,14 @@ impl Replica {
             return f(self);
         }
         if let Some(e) = self.rollout_engine.as_mut() {
-            e.release_cache().context("handing the rollout engine's KV cache to the standard engine")?;
+            park(e, &self.dev).context("handing the rollout engine's KV cache to the standard engine")?;
         }
-        let swap_in = self.dev.release_cached().and_then(|_| self.std_engine.commit_cache());
+        let swap_in = self.std_engine.commit_cache();
         let out = match swap_in {
             Ok(()) => f(self),
             Err(e) => Err(e.context("committing the standard engine's KV cache")),
         };
-        let back = self
-            .std_engine
-            .release_cache()
-            .and_then(|_| self.dev.release_cached())
+        let back = park(&mut self.std_engine, &self.dev)
             .and_then(|_| self.rollout_engine.as_mut().map(|e| e.commit_cache()).unwrap_or(Ok(())))
             .context("handing the KV cache back to the rollout engine");
         match (out, back) {
@@ -646,8 +642,7 @@ impl Replica {
             self.std_engine.commit_cache()?;
         } else {
             if self.turns {
-                self.std_engine.release_cache()?;
-                self.dev.release_cached()?;
+                park(&mut self.std_engine, &self.dev)?;
             }
             let ec = self.rollout_config(s, spec);
             let text = self.std_engine.text();
@@ -711,6 +706,13 @@ impl Replica {
         p.peak = p.peak_bytes();
         Ok(p)
     }
+}
+
+/// Releases `e`'s KV cache and hands its memory to the driver, for another engine's cache.
+fn park(e: &mut Engine, dev: &Device) -> Result<()> {
+    e.release_cache()?;
+    dev.release_cached()?;
+    Ok(())
 }
 
 /// Merges the devices' completions into one list in request order (deterministic whatever

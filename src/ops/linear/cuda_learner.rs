@@ -24,8 +24,9 @@ use anyhow::{bail, Result};
 /// both operands decoded to their unit values (q·bs, exact in BF16: the same products) —
 /// times the operands' global scales read on the device. The BF16 GEMM applies them in its
 /// epilogue (alpha = g_x·g_w and beta written by a one-thread launch, cuBLASLt's device
-/// pointer mode) where x's scale is one value; CUTLASS (alpha from the host) and per-token
-/// scales write a scratch that one more kernel scales into y. Ok(false) when K is not a
+/// pointer mode) where x's scale is one value (also where CUTLASS refuses the problem);
+/// CUTLASS (alpha from the host) and per-token scales write a scratch that one more kernel
+/// scales into y. Ok(false) when K is not a
 /// multiple of 16 (the caller multiplies the decoded copies instead). Before the BF16 path,
 /// Hopper multiplied the rounded f32 copies on the CUDA cores: 22.4 s of the 4B TRIAGE
 /// config's modelled 49 s train phase (`bench node --model-gpu h200 --ledger`); the pass over
@@ -52,18 +53,10 @@ pub fn learner_w4a4(
         false => Scale::of(x),
     };
     let cutlass = cutlass_kernel(d, QFormat::Nvfp4).filter(|_| cutlass_supports(d, QFormat::Nvfp4, n, k));
-    if cutlass.is_none() && !x.per_row {
-        let scalars = gemm_scalars(d, row, Scale::of(w), accumulate)?;
-        let (xb, wb) = (unit_values(d, x)?, unit_values(d, w)?);
-        d.gemm_device_scalars(Elem::BF16, wb.ptr, xb.ptr, yp, (m, n, k), scalars.ptr, accumulate)?;
-        if let Some(b) = bias {
-            add_bias(d, yp, b, m, n)?;
-        }
-        return Ok(true);
-    }
-    let raw = d.scratch(m * n * 4, "learner W4A4 product")?;
-    let done = match cutlass {
+    // CUTLASS's product (alpha from the host) in a scratch, where it runs the shape.
+    let mut raw = match cutlass {
         Some(g) => {
+            let raw = d.scratch(m * n * 4, "learner W4A4 product")?;
             let (sa, sw) = (swizzle(d, x.scales.ptr, m, k)?, swizzle(d, w.scales.ptr, n, k)?);
             let args = CutlassArgs {
                 a: x.packed.ptr,
@@ -76,15 +69,24 @@ pub fn learner_w4a4(
                 k,
                 alpha: 1.0,
             };
-            d.cutlass_gemm(g, &args)?
+            d.cutlass_gemm(g, &args)?.then_some(raw)
         }
-        None => false,
+        None => None,
     };
-    if !done {
+    if raw.is_none() {
         let (xb, wb) = (unit_values(d, x)?, unit_values(d, w)?);
-        d.gemm(Elem::BF16, wb.ptr, xb.ptr, raw.ptr, m, n, k, 1.0, false, None)?;
+        if x.per_row {
+            let r = d.scratch(m * n * 4, "learner W4A4 product")?;
+            d.gemm(Elem::BF16, wb.ptr, xb.ptr, r.ptr, m, n, k, 1.0, false, None)?;
+            raw = Some(r);
+        } else {
+            let scalars = gemm_scalars(d, row, Scale::of(w), accumulate)?;
+            d.gemm_device_scalars(Elem::BF16, wb.ptr, xb.ptr, yp, (m, n, k), scalars.ptr, accumulate)?;
+        }
     }
-    scale_out(d, raw.ptr, yp, (m, n), row, Scale::of(w), None, accumulate)?;
+    if let Some(raw) = raw {
+        scale_out(d, raw.ptr, yp, (m, n), row, Scale::of(w), None, accumulate)?;
+    }
     if let Some(b) = bias {
         add_bias(d, yp, b, m, n)?;
     }
