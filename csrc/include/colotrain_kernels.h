@@ -397,8 +397,12 @@ typedef struct ct_rmsnorm_train_params {
 } ct_rmsnorm_train_params;
 
 /* RMSNorm backward (ct_rmsnorm_bwd, one block per row): dx (+)= r w dy - (r^3 / cols) x
- * sum_j w_j dy_j x_j; (ct_rmsnorm_dw, one thread per column, rows in order) dw += sum_rows
- * dy x r. */
+ * sum_j w_j dy_j x_j. The weight gradient dw += sum_rows dy x r in the fixed order of
+ * ops::reduction_chunk_rows (the CPU's too): more rows than chunk_rows are summed in chunks,
+ * ct_rmsnorm_dw (grid (column blocks, chunks)) writing partial (chunks, cols), chunk c summed
+ * from 0 over its rows in order, then ct_col_sum adds the chunks onto dw in order; one chunk
+ * (partial NULL, chunk_rows = rows) adds the rows onto dw in order. (One thread per column
+ * over every row would leave all but cols / 128 of the SMs idle.) */
 typedef struct ct_rmsnorm_bwd_params {
   const float* dy;
   const float* x;
@@ -407,9 +411,11 @@ typedef struct ct_rmsnorm_bwd_params {
   const float* rstd;
   float* dx;
   float* dw;
+  float* partial;
   int32_t rows;
   int32_t cols;
   int32_t accumulate;
+  int32_t chunk_rows;
 } ct_rmsnorm_bwd_params;
 
 /* SwiGLU backward over n values: s = sigmoid(g); du = da g s; dg = da u s (1 + g (1 - s)),
@@ -425,13 +431,17 @@ typedef struct ct_swiglu_bwd_params {
   int64_t n;
 } ct_swiglu_bwd_params;
 
-/* out (cols) += the column sums of x (rows, cols), rows in order (one thread per column): a
- * bias gradient. */
+/* Column sums of x (rows, cols), grid (column blocks, chunks of chunk_rows rows): partial
+ * (chunks, cols) = each chunk summed from 0 in row order (out unused); partial NULL (one chunk,
+ * chunk_rows = rows): out (cols) += the rows in order. A bias gradient runs the first, then the
+ * second over the partials (ops::reduction_chunk_rows: the CPU's order too). */
 typedef struct ct_col_sum_params {
   const float* x;
   float* out;
+  float* partial;
   int32_t rows;
   int32_t cols;
+  int32_t chunk_rows;
 } ct_col_sum_params;
 
 /* Embedding backward: dtable[ids[t]] (cols) += dx[t] for t in order (one thread per column:

@@ -1,10 +1,11 @@
 // grad.cu: the backward kernels of the layers around the GEMMs, for training on the device.
 // CPU twins (src/ops/<op>/grad.rs, the trainer's f32 loops):
 //   ct_rmsnorm_train, ct_rmsnorm_bwd, ct_rmsnorm_dw <- ops/norm/grad.rs fwd / bwd (the row sums
-//       reduced across the block, dw summed over all rows in order: equal within f32 rounding)
+//       reduced across the block: equal within f32 rounding; dw in the chunked order of
+//       ops::reduction_chunk_rows, as the CPU: bit-exact)
 //   ct_swiglu_bwd   <- ops/elementwise/grad.rs swiglu_bwd (CUDA's expf vs the host's exp: ulps)
 //   ct_rope_bwd     <- ops/rope/grad.rs bwd (rotation by -angle; bit-exact, ct_rope_params)
-//   ct_col_sum      <- ops/linear/grad.rs bias_grad (rows in order: bit-exact)
+//   ct_col_sum      <- ops/linear/grad.rs bias_grad (the chunked order: bit-exact)
 //   ct_embed_bwd    <- ops/elementwise/grad.rs embed_bwd (tokens in order: bit-exact)
 // Not yet run on a GPU.
 #include "common.cuh"
@@ -42,16 +43,20 @@ extern "C" __global__ void ct_rmsnorm_bwd(ct_rmsnorm_bwd_params p) {
   }
 }
 
-// One thread per column, rows in order.
+// Grid (column blocks, chunks): one thread per (column, chunk), the chunk's rows in order,
+// from 0 into partial; partial NULL (one chunk of every row): from dw[j] onto dw.
 extern "C" __global__ void ct_rmsnorm_dw(ct_rmsnorm_bwd_params p) {
-  CT_GRID_LOOP(j, static_cast<int64_t>(p.cols)) {
-    float acc = p.dw[j];
-    for (int64_t row = 0; row < p.rows; row++) {
-      const int64_t i = row * p.cols + j;
-      acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(p.dy[i], p.x[i]), p.rstd[row]));
-    }
-    p.dw[j] = acc;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= p.cols) return;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * p.chunk_rows;
+  const int64_t r1 = min(r0 + p.chunk_rows, static_cast<int64_t>(p.rows));
+  float acc = p.partial == nullptr ? p.dw[j] : 0.0f;
+  for (int64_t row = r0; row < r1; row++) {
+    const int64_t i = row * p.cols + j;
+    acc = __fadd_rn(acc, __fmul_rn(__fmul_rn(p.dy[i], p.x[i]), p.rstd[row]));
   }
+  if (p.partial == nullptr) p.dw[j] = acc;
+  else p.partial[static_cast<int64_t>(blockIdx.y) * p.cols + j] = acc;
 }
 
 extern "C" __global__ void ct_swiglu_bwd(ct_swiglu_bwd_params p) {
@@ -79,13 +84,17 @@ extern "C" __global__ void ct_rope_bwd(ct_rope_params p) {
   }
 }
 
-// One thread per column, rows in order.
+// Grid (column blocks, chunks): one thread per (column, chunk), the chunk's rows in order,
+// from 0 into partial; partial NULL (one chunk of every row): from out[j] onto out.
 extern "C" __global__ void ct_col_sum(ct_col_sum_params p) {
-  CT_GRID_LOOP(j, static_cast<int64_t>(p.cols)) {
-    float acc = p.out[j];
-    for (int64_t row = 0; row < p.rows; row++) acc = __fadd_rn(acc, p.x[row * p.cols + j]);
-    p.out[j] = acc;
-  }
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= p.cols) return;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * p.chunk_rows;
+  const int64_t r1 = min(r0 + p.chunk_rows, static_cast<int64_t>(p.rows));
+  float acc = p.partial == nullptr ? p.out[j] : 0.0f;
+  for (int64_t row = r0; row < r1; row++) acc = __fadd_rn(acc, p.x[row * p.cols + j]);
+  if (p.partial == nullptr) p.out[j] = acc;
+  else p.partial[static_cast<int64_t>(blockIdx.y) * p.cols + j] = acc;
 }
 
 // One thread per column, tokens in order.

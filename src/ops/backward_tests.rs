@@ -27,8 +27,9 @@ fn close(dev: &Device, what: &str, got: &Tensor, want: &[f64]) {
 
 fn backward_ops(dev: &Device) {
     let t = |shape: &[usize], v: &[f32]| dev.from_f32(DType::F32, shape, v).unwrap();
-    // RMSNorm: 7 rows of 300 (wider than the kernel's 256 threads), then 12 heads' rows of 24.
-    for (m, c) in [(7usize, 300usize), (12, 24)] {
+    // RMSNorm: 7 rows of 300 (wider than the kernel's 256 threads), then 12 heads' rows of 24,
+    // then 70 such rows (dw summed in 3 chunks of 32 rows, `ops::reduction_chunk_rows`).
+    for (m, c) in [(7usize, 300usize), (12, 24), (70, 24)] {
         let (xs, ws, dys, dx0, dw0) = (data(m * c, 1), data(c, 2), data(m * c, 3), data(m * c, 4), data(c, 5));
         let (x, w, dy) = (t(&[m, c], &xs), t(&[c], &ws), t(&[m, c], &dys));
         let (mut y, mut rstd) = (t(&[m, c], &vec![f32::NAN; m * c]), t(&[m], &vec![f32::NAN; m]));
@@ -106,6 +107,32 @@ fn the_ordered_backward_kernels_equal_the_cpu_bit_for_bit() {
     let (a, b) = (run(&cpu), run(&sim));
     for (what, (x, y)) in ["rope backward", "bias gradient", "embedding backward"].iter().zip(a.iter().zip(&b)) {
         assert_eq!(x, y, "{what}");
+    }
+}
+
+/// The column sums (RMSNorm's dw, the bias gradient) follow `ops::reduction_chunk_rows` on the
+/// CPU and on the GPU: the same bits whether the rows fit one chunk (20: added onto the total
+/// in order), fill 41 chunks of 32 rows, or 1001 chunks of 40 rows (40,000 rows of 8: a
+/// per-head norm's shape, where the chunks grow past 32 rows).
+#[test]
+fn the_column_sums_are_the_same_bits_on_the_cpu_and_the_gpu() {
+    assert_eq!([20, 1300, 40_000].map(crate::ops::reduction_chunk_rows), [32, 32, 40]);
+    let (cpu, sim) = (Device::cpu(2).unwrap(), Device::parse("cuda-sim:0").unwrap());
+    for (m, c) in [(20usize, 40usize), (1300, 40), (40_000, 8)] {
+        let run = |dev: &Device| {
+            let t = |shape: &[usize], v: &[f32]| dev.from_f32(DType::F32, shape, v).unwrap();
+            let (x, dy) = (t(&[m, c], &data(m * c, 30)), t(&[m, c], &data(m * c, 31)));
+            let rstd: Vec<f32> = data(m, 32).iter().map(|v| 0.5 + v.abs()).collect();
+            let (mut dx, mut dw) = (t(&[m, c], &vec![0.0; m * c]), t(&[c], &data(c, 33)));
+            norm::rmsnorm_bwd(dev, &dy, &x, &t(&[c], &data(c, 34)), &t(&[m], &rstd), &mut dx, false, &mut dw, m)
+                .unwrap();
+            let mut db = t(&[c], &data(c, 35));
+            linear::bias_grad(dev, &dy, &mut db, m).unwrap();
+            [dw, db].map(|t| t.to_f32_vec().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>())
+        };
+        let (a, b) = (run(&cpu), run(&sim));
+        assert_eq!(a[0], b[0], "rmsnorm dw of {m} rows");
+        assert_eq!(a[1], b[1], "bias gradient of {m} rows");
     }
 }
 
@@ -253,3 +280,28 @@ test_device!(
     attention_tensor_cores_sim,
     attention_tensor_cores_cuda
 );
+
+/// At the 4B's shapes the weight gradients' column sums fill an H200 in the launch ledger
+/// (`ledger.rs`: a grid of fewer blocks than SMs gets their share of the bandwidth): RMSNorm
+/// over 32,768 rows of 2,560, the per-head norm over 1,048,576 rows of 128 and a bias gradient
+/// of each shape take at most 1.2 × their bytes at full bandwidth, both passes together. (One
+/// thread per column over every row ran on 20 and on 1 of the 132 SMs: 6.6 × and 132 ×.)
+#[test]
+fn the_column_sums_fill_the_gpu_at_a_models_shapes() {
+    let gpu = crate::device::CudaDevice::sim_dry(7, Some("sm_90a")).unwrap();
+    let dev = Device::Cuda(gpu.clone());
+    for (m, c) in [(32_768usize, 2_560usize), (1 << 20, 128)] {
+        let z = |shape: &[usize]| dev.zeros(DType::F32, shape).unwrap();
+        let (x, dy, w, rstd) = (z(&[m, c]), z(&[m, c]), z(&[c]), z(&[m]));
+        let (mut dx, mut dw, mut db) = (z(&[m, c]), z(&[c]), z(&[c]));
+        gpu.take_ledger();
+        norm::rmsnorm_bwd(&dev, &dy, &x, &w, &rstd, &mut dx, false, &mut dw, m).unwrap();
+        linear::bias_grad(&dev, &dy, &mut db, m).unwrap();
+        let l = gpu.take_ledger();
+        let sums: Vec<_> = l.entries().filter(|(k, _)| ["ct_rmsnorm_dw", "ct_col_sum"].contains(&k.2)).collect();
+        assert_eq!(sums.iter().map(|(_, e)| e.launches).sum::<u64>(), 4, "{m} rows: two passes each");
+        let (secs, bytes) = sums.iter().fold((0.0, 0.0), |(s, b), (_, e)| (s + e.seconds[0], b + e.bytes));
+        assert!(bytes > 8.0 * (m * c) as f64, "{m} rows: {bytes} bytes");
+        assert!(secs <= 1.2 * bytes / 4.8e12, "{m} rows of {c}: {secs} s for {bytes} bytes");
+    }
+}

@@ -76,6 +76,47 @@ pub(crate) fn check_rows(t: &Tensor, rows: usize, cols: usize, what: &str) -> Re
     Ok(())
 }
 
+/// The fixed order of a column sum over many rows (RMSNorm's weight gradient, a bias gradient)
+/// on every device, given as k, the rows of a chunk: at most k rows are added onto the total
+/// in row order; more are summed in chunks of k consecutive rows, each from zero in row order,
+/// and the chunks' sums added onto the total in chunk order. k = max(32, ⌈rows / 1024⌉): at
+/// most 1024 chunks, so a GPU's first pass has a block per 128 columns and chunk to fill its
+/// SMs and its second pass reads little. The CPU twins and the kernels (`ct_rmsnorm_dw`,
+/// `ct_col_sum`) follow this one rule, so their sums are the same bits.
+pub fn reduction_chunk_rows(rows: usize) -> usize {
+    rows.div_ceil(1024).max(32)
+}
+
+/// total (cols) += the column sums of `rows` rows, row r's values `f(r, j)` for column j, in
+/// the order of [`reduction_chunk_rows`] (the chunks summed in parallel).
+pub(crate) fn column_sums<T: real::Real>(rows: usize, total: &mut [T], f: impl Fn(usize, usize) -> T + Sync) {
+    use rayon::prelude::*;
+    let k = reduction_chunk_rows(rows);
+    let add = |r0: usize, r1: usize, acc: &mut [T]| {
+        for r in r0..r1 {
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a += f(r, j);
+            }
+        }
+    };
+    if rows <= k {
+        return add(0, rows, total);
+    }
+    let chunks: Vec<Vec<T>> = (0..rows.div_ceil(k))
+        .into_par_iter()
+        .map(|c| {
+            let mut acc = vec![T::zero(); total.len()];
+            add(c * k, (c * k + k).min(rows), &mut acc);
+            acc
+        })
+        .collect();
+    for c in chunks {
+        for (a, b) in total.iter_mut().zip(c) {
+            *a += b;
+        }
+    }
+}
+
 /// Minimum rows per rayon task for row-wise ops (keeps tiny batches on one thread).
 pub(crate) fn rows_per_task(cols: usize) -> usize {
     (16384 / cols.max(1)).max(1)

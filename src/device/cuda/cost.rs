@@ -57,6 +57,7 @@ pub fn gemm(k: &GemmKey) -> Cost {
         bytes: (m * kk + nn * kk) * elem_bytes(k.ab) + y,
         rate: elem_rate(k.ab),
         path: Path::Hbm,
+        blocks: None,
     }
 }
 
@@ -80,7 +81,7 @@ pub fn cutlass(g: Cutlass, a: &CutlassArgs) -> Cost {
 /// (Copies.) `bytes` over `path`; a copy on one device reads and writes them.
 pub fn copy(bytes: usize, path: Path) -> Cost {
     let b = bytes as f64 * if path == Path::Hbm { 2.0 } else { 1.0 };
-    Cost { flops: 0.0, bytes: b, rate: Rate::F32, path }
+    Cost { flops: 0.0, bytes: b, rate: Rate::F32, path, blocks: None }
 }
 
 /// Zeroing `bytes` of device memory: written once.
@@ -240,6 +241,7 @@ pub fn gemm_w4a4(p: &ffi::ct_gemm_w4a4_params) -> Cost {
         bytes: (m + nn) * kk * elem_bytes(Elem::E2M1) + m * nn * 4.0,
         rate: Rate::Bf16,
         path: Path::Hbm,
+        blocks: None,
     }
 }
 
@@ -298,10 +300,20 @@ pub fn rmsnorm_bwd(p: &ffi::ct_rmsnorm_bwd_params) -> Cost {
     Cost::hbm(8.0 * e, e * (8.0 + dx) + 4.0 * n(p.rows) + n(p.cols) * dsize(p.w_dtype))
 }
 
-/// dw += Σ_rows dy·x·r: dy and x read again, column by column; 3 FLOPs an element.
+/// The first pass of dw += Σ_rows dy·x·r: dy and x read again, a chunk's rows per thread; the
+/// chunks' sums written (one chunk: dw read and written); 3 FLOPs an element.
 pub fn rmsnorm_dw(p: &ffi::ct_rmsnorm_bwd_params) -> Cost {
     let e = n(p.rows) * n(p.cols);
-    Cost::hbm(3.0 * e, e * 8.0 + 4.0 * n(p.rows) + 8.0 * n(p.cols))
+    Cost::hbm(3.0 * e, e * 8.0 + 4.0 * n(p.rows) + chunk_sums(p.partial.is_null(), p.rows, p.chunk_rows, p.cols))
+}
+
+/// The bytes a column sum's pass writes: the chunks' sums (chunks, cols), or with one chunk the
+/// total read and written.
+fn chunk_sums(direct: bool, rows: i32, chunk_rows: i32, cols: i32) -> f64 {
+    match direct {
+        true => 8.0 * n(cols),
+        false => 4.0 * n((rows.max(0) as u32).div_ceil(chunk_rows.max(1) as u32) as i64) * n(cols),
+    }
 }
 
 /// da, g, u read; dg, du written in their dtype; 10 FLOPs an element.
@@ -309,9 +321,10 @@ pub fn swiglu_bwd(p: &ffi::ct_swiglu_bwd_params) -> Cost {
     Cost::hbm(10.0 * n(p.n), (12.0 + 2.0 * dsize(p.out_dtype)) * n(p.n))
 }
 
+/// One pass of a column sum: x read once; the chunks' sums written, or the total updated.
 pub fn col_sum(p: &ffi::ct_col_sum_params) -> Cost {
     let e = n(p.rows) * n(p.cols);
-    Cost::hbm(e, 4.0 * e + 8.0 * n(p.cols))
+    Cost::hbm(e, 4.0 * e + chunk_sums(p.partial.is_null(), p.rows, p.chunk_rows, p.cols))
 }
 
 pub fn embed_bwd(p: &ffi::ct_embed_bwd_params) -> Cost {
@@ -351,6 +364,7 @@ pub fn attn_train(p: &ffi::ct_attn_train_params, pairs: u64, part: AttnPart, tc:
         bytes,
         rate: if tc { Rate::Bf16 } else { Rate::F32 },
         path: Path::Hbm,
+        blocks: None,
     }
 }
 

@@ -56,6 +56,8 @@ pub fn prefill_tc_rows(groups: usize) -> usize {
 
 const ELEMENTWISE_THREADS: u32 = 256;
 const NORM_THREADS: u32 = 256;
+/// A column sum's block: 128 columns (one chunk of rows each).
+const COLUMN_THREADS: u32 = 128;
 const OPTIM_THREADS: u32 = 256;
 /// Threads per block of attention_train.cu (CT_AT_TILE: keys per tile).
 pub const AT_TILE: u32 = 128;
@@ -252,6 +254,24 @@ pub fn w4a4_takes(n: usize, k: usize) -> bool {
     n % W4A4_COLS == 0 && k % W4A4_K_STEP == 0 && n.max(k) <= i32::MAX as usize
 }
 
+/// The grid of a column sum's pass over `rows` rows in chunks of `chunk_rows` (one block of
+/// COLUMN_THREADS per 128 columns and chunk), and its chunks: one chunk exactly when there is
+/// no partial buffer (the pass adds onto the total itself), see `ops::reduction_chunk_rows`.
+fn column_grid(rows: i32, cols: i32, chunk_rows: i32, direct: bool, what: &str) -> Result<((u32, u32, u32), i32)> {
+    if chunk_rows <= 0 {
+        bail!("{what}: chunks of {chunk_rows} rows");
+    }
+    let chunks = (rows.max(1) as u32).div_ceil(chunk_rows as u32) as i32;
+    if direct != (chunks == 1) {
+        bail!(
+            "{what}: {rows} rows in {chunks} chunks {} a buffer for their sums",
+            if direct { "without" } else { "with" }
+        );
+    }
+    let blocks = u32_dim((cols.max(1) as u32).div_ceil(COLUMN_THREADS) as i64, "column blocks")?;
+    Ok(((blocks, u32_dim(chunks as i64, "chunks")?, 1), chunks))
+}
+
 fn u32_dim(n: i64, what: &str) -> Result<u32> {
     u32::try_from(n).map_err(|_| anyhow!("{what}: {n} is too large for one launch"))
 }
@@ -293,9 +313,13 @@ impl CudaDevice {
         let ptrs = super::ptr_fields::pointer_offsets(std::any::type_name::<P>());
         drv.launch(&super::driver::Launch { k, grid, block, smem, params, size: std::mem::size_of::<P>(), ptrs })
             .map_err(|e| anyhow!("launch of {} on {} failed: {e:#}", k.name(), self.name()))?;
+        // The ledger charges a grid of fewer blocks than SMs at their share of the GPU.
+        let blocks = grid.0 as u64 * grid.1 as u64 * grid.2 as u64;
         match charge.into() {
-            Charge { base, per_key: None } => self.record(k.name(), base),
-            Charge { base, per_key: Some((c, keys)) } => self.record_keyed(k.name(), base, c, keys),
+            Charge { base, per_key: None } => self.record(k.name(), base.on_blocks(blocks)),
+            Charge { base, per_key: Some((c, keys)) } => {
+                self.record_keyed(k.name(), base.on_blocks(blocks), c.on_blocks(blocks), keys)
+            }
         }
         // (Not while capturing: a capture may not synchronize; the replay is synchronized whole.)
         if self.sync_launches() && !self.capturing() {
@@ -529,7 +553,8 @@ impl CudaDevice {
         )
     }
 
-    /// dx: one block per row; dw: one thread per column.
+    /// dx: one block per row; dw: the chunked column sum (`column_grid`), its chunks' sums
+    /// (partial) then added onto dw by `ct_col_sum`.
     pub fn k_rmsnorm_bwd(&self, p: ffi::ct_rmsnorm_bwd_params) -> Result<()> {
         self.launch(
             Kernel::RmsnormBwd,
@@ -539,8 +564,25 @@ impl CudaDevice {
             &p,
             cost::rmsnorm_bwd(&p),
         )?;
-        let g = self.stride_grid(p.cols as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::RmsnormDw, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::rmsnorm_dw(&p))
+        let (grid, chunks) = column_grid(p.rows, p.cols, p.chunk_rows, p.partial.is_null(), "RMSNorm dw")?;
+        self.launch(Kernel::RmsnormDw, grid, COLUMN_THREADS, 0, &p, cost::rmsnorm_dw(&p))?;
+        self.add_chunks(p.partial, p.dw, chunks, p.cols)
+    }
+
+    /// The second pass of a chunked column sum: out (cols) += the `chunks` rows of partial in
+    /// order (nothing for one chunk, which the first pass added onto out itself).
+    fn add_chunks(&self, partial: *mut f32, out: *mut f32, chunks: i32, cols: i32) -> Result<()> {
+        if partial.is_null() {
+            return Ok(());
+        }
+        self.k_col_sum(ffi::ct_col_sum_params {
+            x: partial,
+            out,
+            partial: std::ptr::null_mut(),
+            rows: chunks,
+            cols,
+            chunk_rows: chunks,
+        })
     }
 
     pub fn k_swiglu_bwd(&self, p: ffi::ct_swiglu_bwd_params) -> Result<()> {
@@ -553,10 +595,12 @@ impl CudaDevice {
         self.launch(Kernel::RopeBwd, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::rope(&p))
     }
 
-    /// One thread per column.
+    /// One thread per (column, chunk) (`column_grid`); with partial, then the chunks' sums
+    /// onto out.
     pub fn k_col_sum(&self, p: ffi::ct_col_sum_params) -> Result<()> {
-        let g = self.stride_grid(p.cols as i64, ELEMENTWISE_THREADS);
-        self.launch(Kernel::ColSum, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::col_sum(&p))
+        let (grid, chunks) = column_grid(p.rows, p.cols, p.chunk_rows, p.partial.is_null(), "column sum")?;
+        self.launch(Kernel::ColSum, grid, COLUMN_THREADS, 0, &p, cost::col_sum(&p))?;
+        self.add_chunks(p.partial, p.out, chunks, p.cols)
     }
 
     /// One thread per column.

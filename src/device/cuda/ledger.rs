@@ -40,6 +40,9 @@ pub struct Gpu {
     /// HBM capacity, GB (10⁹ bytes, the vendor's figure; what a process can allocate is a
     /// little less, and the memory plan keeps its own margin).
     pub hbm_gb: f64,
+    /// Streaming multiprocessors: a kernel launch of fewer blocks leaves the others idle
+    /// ([`Cost::seconds`]).
+    pub sms: u32,
 }
 
 pub const H200: Gpu = Gpu {
@@ -52,6 +55,7 @@ pub const H200: Gpu = Gpu {
     nvlink_gbs: 450.0,
     pcie_gbs: 64.0,
     hbm_gb: 141.0,
+    sms: 132,
 };
 pub const B300: Gpu = Gpu {
     name: "B300",
@@ -63,6 +67,8 @@ pub const B300: Gpu = Gpu {
     nvlink_gbs: 900.0,
     pcie_gbs: 64.0,
     hbm_gb: 288.0,
+    // The simulator's sm_100a (a B200's count; the full Blackwell Ultra die has 160).
+    sms: 148,
 };
 /// The GPUs every launch is timed for, in the order of [`Entry::seconds`].
 pub const GPUS: [Gpu; 2] = [H200, B300];
@@ -91,22 +97,40 @@ pub enum Path {
     Pcie,
 }
 
-/// What one launch declares: FLOPs at `rate`, bytes over `path`.
+/// What one launch declares: FLOPs at `rate`, bytes over `path`, and for one of this
+/// project's kernels the blocks of its grid.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Cost {
     pub flops: f64,
     pub bytes: f64,
     pub rate: Rate,
     pub path: Path,
+    /// The launch's blocks (`kernels.rs` sets them from the grid); None for a library's
+    /// launch (cuBLASLt, CUTLASS, NCCL, copies), which sizes its grid to the GPU.
+    pub blocks: Option<u64>,
 }
 
 impl Cost {
     /// Element-wise or reduction work: FLOPs on the CUDA cores, bytes through HBM.
     pub fn hbm(flops: f64, bytes: f64) -> Cost {
-        Cost { flops, bytes, rate: Rate::F32, path: Path::Hbm }
+        Cost { flops, bytes, rate: Rate::F32, path: Path::Hbm, blocks: None }
     }
 
-    /// The roofline seconds of this launch on `g`.
+    /// This cost for a launch of `blocks` blocks.
+    pub fn on_blocks(self, blocks: u64) -> Cost {
+        Cost { blocks: Some(blocks), ..self }
+    }
+
+    /// The fraction of `g`'s SMs this launch occupies: min(1, blocks / SMs). A block runs on
+    /// one SM, so a grid of fewer blocks than SMs leaves the rest idle, and the model gives
+    /// each SM its share of the peak rates and bandwidths (a model: one SM alone can draw a
+    /// few times its share of HBM bandwidth, so it overstates such a launch's time by that
+    /// much, and it does not model partial last waves).
+    pub fn occupancy(&self, g: &Gpu) -> f64 {
+        self.blocks.map_or(1.0, |b| (b as f64 / g.sms as f64).min(1.0))
+    }
+
+    /// The roofline seconds of this launch on `g`, divided by its [`Cost::occupancy`].
     pub fn seconds(&self, g: &Gpu) -> f64 {
         let tflops = match self.rate {
             Rate::F32 => g.f32_tflops,
@@ -119,7 +143,7 @@ impl Cost {
             Path::Nvlink => g.nvlink_gbs * 1e9,
             Path::Pcie => g.pcie_gbs * 1e9,
         };
-        (self.flops / (tflops * 1e12)).max(self.bytes / bw)
+        (self.flops / (tflops * 1e12)).max(self.bytes / bw) / self.occupancy(g)
     }
 }
 
@@ -413,6 +437,7 @@ mod tests {
             bytes: 3.0 * 4096.0 * 4096.0 * 2.0,
             rate: Rate::Bf16,
             path: Path::Hbm,
+            blocks: None,
         };
         let want = 2.0 * 4096f64.powi(3) / 989e12;
         assert!((g.seconds(&H200) - want).abs() <= 1e-15 + 1e-12 * want);
@@ -427,10 +452,29 @@ mod tests {
         let e = Cost::hbm(1e8, 1e9);
         assert!((e.seconds(&H200) - 1e9 / 4.8e12).abs() <= 1e-18 + 1e-12 * 1e9 / 4.8e12);
         // A peer copy of 450 MB takes 1 ms over an H200's NVLink; over PCIe 7 ms.
-        let p = Cost { flops: 0.0, bytes: 450e6, rate: Rate::F32, path: Path::Nvlink };
+        let p = Cost { flops: 0.0, bytes: 450e6, rate: Rate::F32, path: Path::Nvlink, blocks: None };
         assert!((p.seconds(&H200) - 1e-3).abs() <= 1e-15);
         let h = Cost { path: Path::Pcie, ..p };
         assert!((h.seconds(&H200) - 450e6 / 64e9).abs() <= 1e-15);
+    }
+
+    /// A launch of fewer blocks than the GPU has SMs gets their share of its rates: one block
+    /// of a 1 GB column reduction takes 132 × 1e9 / 4.8e12 = 27.5 ms on an H200 (148 × on a
+    /// B300); from 132 blocks on it is the full roofline.
+    #[test]
+    fn a_launch_of_few_blocks_gets_only_their_share_of_the_gpu() {
+        let full = Cost::hbm(0.0, 1e9);
+        let one = full.on_blocks(1);
+        let want = 132.0 * 1e9 / 4.8e12;
+        assert!((one.seconds(&H200) - want).abs() <= 1e-15 + 1e-12 * want);
+        let want = 148.0 * 1e9 / 8e12;
+        assert!((one.seconds(&B300) - want).abs() <= 1e-15 + 1e-12 * want);
+        let ten = full.on_blocks(10);
+        assert!((ten.seconds(&H200) - 13.2 * 1e9 / 4.8e12).abs() <= 1e-15 + 1e-12 * ten.seconds(&H200));
+        for b in [132, 133, 2112] {
+            assert_eq!(full.on_blocks(b).seconds(&H200), full.seconds(&H200), "{b} blocks");
+        }
+        assert_eq!(full.on_blocks(140).occupancy(&B300), 140.0 / 148.0);
     }
 
     /// Recording adds launches, FLOPs, bytes and seconds per key; `take` empties the ledger;
@@ -439,7 +483,7 @@ mod tests {
     fn the_ledger_adds_up_per_key_and_per_phase() {
         let mut l = Ledger::default();
         let a = Cost::hbm(10.0, 100.0);
-        let b = Cost { flops: 1e6, bytes: 8.0, rate: Rate::Bf16, path: Path::Hbm };
+        let b = Cost { flops: 1e6, bytes: 8.0, rate: Rate::Bf16, path: Path::Hbm, blocks: None };
         l.record(("train", Stream::Compute, "ct_swiglu"), &a, false);
         l.record(("train", Stream::Compute, "ct_swiglu"), &a, true);
         l.record(("train", Stream::Comm, "ct_col_sum"), &b, false);

@@ -146,6 +146,7 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_rmsnorm_bwd_params, rstd),
             offset_of!(ffi::ct_rmsnorm_bwd_params, dx),
             offset_of!(ffi::ct_rmsnorm_bwd_params, dw),
+            offset_of!(ffi::ct_rmsnorm_bwd_params, partial),
         ],
         "ct_swiglu_bwd_params" => &[
             offset_of!(ffi::ct_swiglu_bwd_params, da),
@@ -154,7 +155,11 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_swiglu_bwd_params, dg),
             offset_of!(ffi::ct_swiglu_bwd_params, du),
         ],
-        "ct_col_sum_params" => &[offset_of!(ffi::ct_col_sum_params, x), offset_of!(ffi::ct_col_sum_params, out)],
+        "ct_col_sum_params" => &[
+            offset_of!(ffi::ct_col_sum_params, x),
+            offset_of!(ffi::ct_col_sum_params, out),
+            offset_of!(ffi::ct_col_sum_params, partial),
+        ],
         "ct_embed_bwd_params" => &[
             offset_of!(ffi::ct_embed_bwd_params, dx),
             offset_of!(ffi::ct_embed_bwd_params, ids),

@@ -351,12 +351,27 @@ pub fn linear_grads<const J: usize>(
     Ok(())
 }
 
-/// db (N) += column sums of dy (m, N) (ct_col_sum, rows in order: bit-exact with the CPU).
+/// db (N) += column sums of dy (m, N) (ct_col_sum in the order of `ops::reduction_chunk_rows`:
+/// bit-exact with the CPU).
 pub fn bias_grad(d: &CudaDevice, dy: &Tensor, db: &mut Tensor, m: usize) -> Result<()> {
+    let (chunk_rows, partial) = column_chunks(d, m, db.numel())?;
     d.k_col_sum(ffi::ct_col_sum_params {
         x: ptr(d, dy, &[DType::F32], "linear output gradient")? as *const f32,
         out: f32p(ptr(d, db, &[DType::F32], "bias gradient")?),
+        partial: partial.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr as *mut f32),
         rows: i32_of(m, "rows")?,
         cols: i32_of(db.numel(), "bias width")?,
+        chunk_rows,
     })
+}
+
+/// A column sum of `rows` rows of `cols` values in the order of `ops::reduction_chunk_rows`:
+/// its rows a chunk, and for more than one chunk a scratch (chunks, cols) f32 for the chunks'
+/// sums (freed blocks are reused only by later work on the stream).
+pub(crate) fn column_chunks(d: &CudaDevice, rows: usize, cols: usize) -> Result<(i32, Option<DevBuf>)> {
+    let k = crate::ops::reduction_chunk_rows(rows);
+    if rows <= k {
+        return Ok((i32_of(rows.max(1), "rows")?, None));
+    }
+    Ok((i32_of(k, "rows a chunk")?, Some(d.scratch(rows.div_ceil(k) * cols * 4, "column sums of the chunks")?)))
 }

@@ -101,13 +101,9 @@ pub mod serial {
     }
 }
 
-/// db (n) += column sums of dy (m, n).
+/// db (n) += column sums of dy (m, n), in the order of `ops::reduction_chunk_rows`.
 pub fn bias_grad<T: Real>(m: usize, n: usize, dy: &[T], db: &mut [T]) {
-    for row in dy[..m * n].chunks_exact(n) {
-        for (b, g) in db.iter_mut().zip(row) {
-            *b += *g;
-        }
-    }
+    crate::ops::column_sums(m, &mut db[..n], |row, j| dy[row * n + j]);
 }
 
 /// y (m, n) += b (n) on every row.

@@ -22,6 +22,7 @@ mod lowp_tests;
 mod tests;
 
 pub use cuda::cast_rows;
+pub(crate) use cuda::column_chunks;
 pub use panels::Panels;
 
 use super::check_rows;

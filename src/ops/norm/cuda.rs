@@ -106,6 +106,7 @@ pub fn rmsnorm_bwd(
         return Ok(());
     }
     let f = |t: &Tensor, what: &str| ptr(d, t, &[DType::F32], what);
+    let (chunk_rows, partial) = crate::ops::linear::column_chunks(d, m, c)?;
     d.k_rmsnorm_bwd(ffi::ct_rmsnorm_bwd_params {
         dy: f(dy, "rmsnorm output gradient")? as *const f32,
         x: f(x, "rmsnorm input")? as *const f32,
@@ -114,8 +115,10 @@ pub fn rmsnorm_bwd(
         rstd: f(rstd, "rmsnorm saved 1/rms")? as *const f32,
         dx: f32p(f(dx, "rmsnorm input gradient")?),
         dw: f32p(f(dw, "rmsnorm weight gradient")?),
+        partial: partial.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr as *mut f32),
         rows: i32_of(m, "rmsnorm rows")?,
         cols: i32_of(c, "rmsnorm width")?,
         accumulate: accumulate as i32,
+        chunk_rows,
     })
 }

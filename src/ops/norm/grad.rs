@@ -3,7 +3,7 @@
 //! dx_i = r·w_i·dy_i − (r³/C)·x_i·Σ_j w_j·dy_j·x_j,  dw_i += Σ_rows dy_i·x_i·r.
 //! The same kernels serve the per-head q/k norm (rows of D values, `rows` = tokens × heads).
 
-use crate::ops::{real::Real, rows_per_task};
+use crate::ops::{column_sums, real::Real, rows_per_task};
 use rayon::prelude::*;
 
 /// y (rows, C) = rmsnorm(x) · w, rstd (rows) saved for the backward.
@@ -24,8 +24,8 @@ pub fn fwd<T: Real>(rows: usize, c: usize, x: &[T], w: &[T], eps: T, y: &mut [T]
 }
 
 /// dx (rows, C) (+)= ∂/∂x, dw (C) += ∂/∂w, given dy (rows, C), the input x and the saved rstd.
-/// `dw_scratch` (threads × C) collects per-task partial sums so that dw is summed in a fixed
-/// order (rows in ascending blocks), independent of scheduling.
+/// dw is summed over the rows in the fixed order of `ops::reduction_chunk_rows` (the
+/// kernels' too), independent of scheduling.
 pub fn bwd<T: Real>(
     rows: usize,
     c: usize,
@@ -37,29 +37,7 @@ pub fn bwd<T: Real>(
     accumulate: bool,
     dw: &mut [T],
 ) {
-    let block = rows_per_task(c).max(1);
-    let nblocks = rows.div_ceil(block);
-    let partial: Vec<Vec<T>> = (0..nblocks)
-        .into_par_iter()
-        .map(|b| {
-            let mut pdw = vec![T::zero(); c];
-            let r0 = b * block;
-            let r1 = (r0 + block).min(rows);
-            for row in r0..r1 {
-                let (xr, dyr) = (&x[row * c..(row + 1) * c], &dy[row * c..(row + 1) * c]);
-                let r = rstd[row];
-                for j in 0..c {
-                    pdw[j] += dyr[j] * xr[j] * r;
-                }
-            }
-            pdw
-        })
-        .collect();
-    for p in partial {
-        for (a, b) in dw.iter_mut().zip(p) {
-            *a += b;
-        }
-    }
+    column_sums(rows, &mut dw[..c], |row, j| dy[row * c + j] * x[row * c + j] * rstd[row]);
     dx[..rows * c].par_chunks_mut(c).enumerate().with_min_len(rows_per_task(c)).for_each(|(row, dxr)| {
         let (xr, dyr) = (&x[row * c..(row + 1) * c], &dy[row * c..(row + 1) * c]);
         let r = rstd[row];
