@@ -138,7 +138,7 @@ static void attention() {
   const std::vector<uint32_t> tables = rd_as<uint32_t>("block_tables.bin"), qs = rd_as<uint32_t>("q_start.bin"),
                               ctx = rd_as<uint32_t>("ctx_len.bin");
   p.q = q.data(), p.k_cache = kc.data(), p.v_cache = vc.data(), p.block_tables = tables.data();
-  p.q_start = qs.data(), p.ctx_len = ctx.data(), p.num_tokens = rows;
+  p.q_start = qs.data(), p.ctx_len = ctx.data(), p.num_tokens = rows, p.splits = 1;
   all_schedules("attention", [&] {
     std::vector<float> out(static_cast<size_t>(rows) * p.heads * p.head_dim, NAN), out2(out.size(), NAN);
     uint32_t err = 0;

@@ -218,7 +218,13 @@ typedef struct ct_kv_write_params {
 /* Paged attention (prefill and decode rows alike): row t of sequence s (rows q_start[s] ..
  * q_start[s+1]) sits at position ctx_len[s] - q_len + (t - q_start[s]) and attends causally
  * to the cached positions 0..=that through block_tables (num_seqs, max_blocks). Online softmax
- * in f32; GQA maps query head h to KV head h / (heads / kv_heads). */
+ * in f32; GQA maps query head h to KV head h / (heads / kv_heads). The decode kernel
+ * (ct_paged_attention) may split a row's keys over `splits` blocks (split-K, as
+ * flash-decoding: a decode batch of few rows fills the GPU): split z takes the z-th run of
+ * ceil(n / splits) keys rounded up to whole tiles, and writes its unnormalized output to
+ * part_acc (num_tokens, heads, splits, head_dim) and its running max and sum to part_ml
+ * (num_tokens, heads, splits, 2); ct_attention_merge then writes out. splits = 1: out directly
+ * (part_* unused; the prefill kernels take only 1). */
 typedef struct ct_attention_params {
   const float* q;
   const void* k_cache;
@@ -241,7 +247,23 @@ typedef struct ct_attention_params {
   void* out;         /* (num_tokens, heads * head_dim) in out_dtype */
   int32_t out_dtype; /* F32, or BF16 / F16 rounded as ct_cast rounds (a GEMM's input) */
   uint32_t* err;
+  float* part_acc;
+  float* part_ml;
+  int32_t splits;
 } ct_attention_params;
+
+/* The merge of split-K decode attention (grid (num_tokens, heads)): with M = max_z m_z and
+ * w_z = exp(m_z - M), out = sum_z w_z acc_z / sum_z w_z l_z, the splits in order. */
+typedef struct ct_attention_merge_params {
+  const float* part_acc;
+  const float* part_ml;
+  void* out;
+  int32_t out_dtype;
+  int32_t num_tokens;
+  int32_t heads;
+  int32_t head_dim;
+  int32_t splits;
+} ct_attention_merge_params;
 
 /* out[i] = log_softmax(logits[i] / temperature)[targets[i]] (normalizer summed in double). */
 typedef struct ct_logprob_params {

@@ -5,8 +5,10 @@
 // tiles of CT_ATT_TILE and dot products are reduced across a warp, so results agree to
 // rounding). One block per (query row, KV head): the decode kernel. Batches that are mostly
 // prefill rows run attention_prefill.cu instead, which shares K/V tiles across rows (attention/cuda.rs
-// picks). Batch-1 decode uses only kv_heads blocks (no split-K yet). Not yet run on a GPU;
-// src/ops/hostemu/blocks.rs runs it under host emulation against the CPU twin.
+// picks). A decode batch of fewer (row, KV head) blocks than SMs splits each row's keys over
+// several blocks (split-K) and ct_attention_merge combines them (the CPU twin does not split:
+// equal to rounding). Not yet run on a GPU; src/ops/hostemu/blocks.rs runs it under host
+// emulation against the CPU twin.
 #include "common.cuh"
 
 #define CT_ATT_TILE 32
@@ -49,11 +51,26 @@ extern "C" __global__ void ct_kv_write(ct_kv_write_params p) {
   }
 }
 
-// grid (num_tokens, kv_heads), block 128 threads (4 warps). Dynamic shared memory:
+// The split's partial results (splits > 1): acc unnormalized, the running max and sum per head.
+__device__ void ct_attention_part(const ct_attention_params& p, int t, int h0, int groups, int z, const float* acc,
+                                  const float* mrun, const float* lrun) {
+  const int D = p.head_dim;
+  for (int i = threadIdx.x; i < groups * D; i += blockDim.x) {
+    const int64_t h = h0 + i / D;
+    p.part_acc[((t * static_cast<int64_t>(p.heads) + h) * p.splits + z) * D + i % D] = acc[i];
+  }
+  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+    const int64_t at = ((t * static_cast<int64_t>(p.heads) + h0 + g) * p.splits + z) * 2;
+    p.part_ml[at] = mrun[g];
+    p.part_ml[at + 1] = lrun[g];
+  }
+}
+
+// grid (num_tokens, kv_heads * splits), block 128 threads (4 warps). Dynamic shared memory:
 //   q (groups * D) | acc (groups * D) | scores (groups * TILE) | m, l, corr (3 * groups) floats.
 extern "C" __global__ void __launch_bounds__(CT_ATT_THREADS) ct_paged_attention(ct_attention_params p) {
   CT_DYNAMIC_SMEM(float, smem);
-  const int t = blockIdx.x, kvh = blockIdx.y;
+  const int t = blockIdx.x, kvh = blockIdx.y / p.splits, z = blockIdx.y % p.splits;
   const int D = p.head_dim, groups = p.heads / p.kv_heads;
   float* sq = smem;
   float* acc = sq + groups * D;
@@ -79,9 +96,20 @@ extern "C" __global__ void __launch_bounds__(CT_ATT_THREADS) ct_paged_attention(
   const int64_t n = pos + 1;
   if (q_len <= 0 || t - q0 >= q_len || pos < 0 || n > static_cast<int64_t>(p.max_blocks) * p.block_size) {
     if (tid == 0) ct_set_error(p.err, CT_ERR_ATTN_META);
+    if (p.splits > 1) {
+      // NaN partials: the merge writes NaN rows, as the unsplit kernel does.
+      for (int i = tid; i < groups * D; i += blockDim.x) acc[i] = __uint_as_float(0x7FC00000u);
+      for (int g = tid; g < groups; g += blockDim.x) mrun[g] = lrun[g] = __uint_as_float(0x7FC00000u);
+      __syncthreads();
+      ct_attention_part(p, t, kvh * groups, groups, z, acc, mrun, lrun);
+      return;
+    }
     for (int i = tid; i < groups * D; i += blockDim.x) ct_store(p.out, p.out_dtype, out0 + i, __uint_as_float(0x7FC00000u));
     return;
   }
+  // This block's keys [k0, k1): split z of runs of ceil(n / splits) keys in whole tiles.
+  const int64_t run = ((n + p.splits - 1) / p.splits + CT_ATT_TILE - 1) / CT_ATT_TILE * CT_ATT_TILE;
+  const int64_t k0 = min(n, z * run), k1 = min(n, k0 + run);
   const uint32_t* table = p.block_tables + static_cast<int64_t>(s) * p.max_blocks;
 
   const float* q = p.q + t * row_stride + static_cast<int64_t>(kvh) * groups * D;
@@ -95,8 +123,8 @@ extern "C" __global__ void __launch_bounds__(CT_ATT_THREADS) ct_paged_attention(
   }
   __syncthreads();
 
-  for (int64_t j0 = 0; j0 < n; j0 += CT_ATT_TILE) {
-    const int jn = static_cast<int>(n - j0 < CT_ATT_TILE ? n - j0 : CT_ATT_TILE);
+  for (int64_t j0 = k0; j0 < k1; j0 += CT_ATT_TILE) {
+    const int jn = static_cast<int>(k1 - j0 < CT_ATT_TILE ? k1 - j0 : CT_ATT_TILE);
     // Scores: one warp per key, lanes over D.
     for (int j = warp; j < jn; j += nwarps) {
       const int64_t key = j0 + j;
@@ -133,5 +161,26 @@ extern "C" __global__ void __launch_bounds__(CT_ATT_THREADS) ct_paged_attention(
     }
     __syncthreads();
   }
+  if (p.splits > 1) {
+    ct_attention_part(p, t, kvh * groups, groups, z, acc, mrun, lrun);
+    return;
+  }
   for (int i = tid; i < groups * D; i += blockDim.x) ct_store(p.out, p.out_dtype, out0 + i, acc[i] / lrun[i / D]);
+}
+
+// grid (num_tokens, heads), threads over head_dim; each thread weighs the splits itself.
+extern "C" __global__ void ct_attention_merge(ct_attention_merge_params p) {
+  const int64_t th = static_cast<int64_t>(blockIdx.x) * p.heads + blockIdx.y;
+  const float* ml = p.part_ml + th * p.splits * 2;
+  const float* acc = p.part_acc + th * p.splits * p.head_dim;
+  float m = -INFINITY;
+  for (int z = 0; z < p.splits; z++) m = fmaxf(m, ml[2 * z]);
+  float l = 0.0f;
+  for (int z = 0; z < p.splits; z++) l = __fadd_rn(l, __fmul_rn(ml[2 * z + 1], ct_exp_f32(__fsub_rn(ml[2 * z], m))));
+  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+    float a = 0.0f;
+    for (int z = 0; z < p.splits; z++)
+      a = __fadd_rn(a, __fmul_rn(acc[z * p.head_dim + d], ct_exp_f32(__fsub_rn(ml[2 * z], m))));
+    ct_store(p.out, p.out_dtype, th * p.head_dim + d, a / l);
+  }
 }

@@ -508,7 +508,44 @@ fn check_attention(x: &mut Ctx, hkv: usize, heads: usize, d: usize) -> Result<()
             bf16_output(x, &what, &format!("{} cache", dt.name()), &o.g, &o16)?;
         }
     }
+    split_decode(x, hkv, heads, d)?;
     packed_prefill(x, hkv, heads, d)
+}
+
+/// Three decode rows of 700, 37 and 300 keys through 48-block tables: too few (row, KV head)
+/// blocks for the SMs, so ct_paged_attention splits each row's keys (3 splits on an H200 and
+/// on the simulator) and ct_attention_merge combines them; the CPU twin does not split.
+fn split_decode(x: &mut Ctx, hkv: usize, heads: usize, d: usize) -> Result<()> {
+    let (bs, maxb, seqs) = (16usize, 48usize, [(1u32, 700u32), (1, 37), (1, 300)]);
+    let nb = seqs.len() * maxb;
+    let tables: Vec<u32> = (0..nb as u32).map(|i| (i * 7 + 3) % nb as u32).collect();
+    let slots = [699u32, 36, 299].map(|p| p % bs as u32);
+    let (mc, mg) = (
+        attn_meta(x, &x.cpu, bs, maxb, &seqs, &tables, &slots)?,
+        attn_meta(x, &x.gpu, bs, maxb, &seqs, &tables, &slots)?,
+    );
+    let q = x.randp(DType::F32, &[3, heads * d], 1.0)?;
+    for dt in [DType::F32, DType::BF16] {
+        let (kc, vc) = (x.randp(dt, &[nb, hkv, bs, d], 1.0)?, x.randp(dt, &[nb, hkv, bs, d], 1.0)?);
+        let mut o = x.out(&[3, heads * d])?;
+        x.both(|dv, g| {
+            let m = if g { &mg } else { &mc };
+            attention::paged_attention(
+                dv,
+                pick(&q, g),
+                pick(&kc, g),
+                pick(&vc, g),
+                1.0,
+                1.0,
+                m,
+                pick_mut(&mut o, g),
+                heads,
+            )
+        })?;
+        let what = format!("attention h{heads}/kv{hkv} d{d}, decode split over the keys + merge");
+        x.cmp(&what, &format!("{} cache", dt.name()), &o, Tol::Close(1e-5, 1e-4))?;
+    }
+    Ok(())
 }
 
 /// A GPU op run again storing BF16, `o16` (what a dense BF16 linear multiplies): exactly the

@@ -172,7 +172,19 @@ pub fn kv_write(p: &ffi::ct_kv_write_params) -> Cost {
 /// and out written; 4·D FLOPs per (query head, key) for q·k and p·v. The keys' part is a cost
 /// per key, so that a replayed graph counts the replaying step's keys.
 pub fn paged_attention(p: &ffi::ct_attention_params, keys: u64) -> Charge {
-    prefill_attention(p, keys, 1)
+    let c = prefill_attention(p, keys, 1);
+    // Split-K: each split's partial output, max and sum written (f32) instead of the output.
+    let parts = match p.splits > 1 {
+        true => n(p.num_tokens) * n(p.heads) * n(p.splits) * (n(p.head_dim) + 2.0) * 4.0,
+        false => 0.0,
+    };
+    Charge { base: Cost::hbm(0.0, c.base.bytes + parts), ..c }
+}
+
+/// The split-K merge: the parts read, out written; 4 FLOPs per (split, value).
+pub fn attention_merge(p: &ffi::ct_attention_merge_params) -> Cost {
+    let (rows, s, d) = (n(p.num_tokens) * n(p.heads), n(p.splits), n(p.head_dim));
+    Cost::hbm(4.0 * rows * s * d, rows * (s * (d + 2.0) * 4.0 + d * dsize(p.out_dtype)))
 }
 
 /// ct_prefill_attention: as [`paged_attention`], but a tile of `rows_per_tile` query rows

@@ -56,6 +56,8 @@ pub fn prefill_tc_rows(groups: usize) -> usize {
 
 const ELEMENTWISE_THREADS: u32 = 256;
 const NORM_THREADS: u32 = 256;
+/// ct_attention_merge's block: threads over head_dim.
+const MERGE_THREADS: u32 = 128;
 /// A column sum's block: 128 columns (one chunk of rows each).
 const COLUMN_THREADS: u32 = 128;
 const OPTIM_THREADS: u32 = 256;
@@ -119,10 +121,11 @@ pub enum Kernel {
     Nvfp4ScaleOut,
     GemmW4a4,
     PrefillAttentionTc,
+    AttentionMerge,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 42] = [
+    pub const ALL: [Kernel; 43] = [
         Kernel::Rmsnorm,
         Kernel::RopeTable,
         Kernel::Rope,
@@ -165,6 +168,7 @@ impl Kernel {
         Kernel::Nvfp4ScaleOut,
         Kernel::GemmW4a4,
         Kernel::PrefillAttentionTc,
+        Kernel::AttentionMerge,
     ];
 
     /// (the kernel's name, the csrc/kernels/ file that defines it, without `.cu`).
@@ -212,6 +216,7 @@ impl Kernel {
             Kernel::Nvfp4ScaleOut => ("ct_nvfp4_scale_out", "elementwise"),
             Kernel::GemmW4a4 => ("ct_gemm_w4a4", "gemm_w4a4"),
             Kernel::PrefillAttentionTc => ("ct_prefill_attention_tc", "attention_prefill"),
+            Kernel::AttentionMerge => ("ct_attention_merge", "attention"),
         }
     }
 
@@ -228,6 +233,7 @@ impl Kernel {
         match self {
             KvWrite | PagedAttention | PrefillAttention | QuantFp8 | QuantNvfp4 | Dequant | SwizzleSf | GemmW4a4 => 1,
             Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax | Optim | PrefillAttentionTc | Swiglu => 2,
+            AttentionMerge => 2,
             RopeTable | Rope | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
             | ScatterAddRows | LmStats | LmDz | Nvfp4ScaleOut => 4,
             RmsnormTrain | SwigluBwd => 2,
@@ -406,8 +412,44 @@ impl CudaDevice {
                 "paged attention: {groups} query heads per KV head of dimension {d} need {smem} bytes of shared memory"
             );
         }
-        let grid = (u32_dim(p.num_tokens as i64, "attention rows")?, p.kv_heads as u32, 1);
-        self.launch(Kernel::PagedAttention, grid, ATT_THREADS, smem as u32, &p, cost::paged_attention(&p, keys))
+        if p.splits < 1 || (p.splits > 1) == (p.part_acc.is_null() || p.part_ml.is_null()) {
+            bail!(
+                "paged attention: {} splits of the keys (buffers for the parts with more than one, none with one)",
+                p.splits
+            );
+        }
+        let grid = (
+            u32_dim(p.num_tokens as i64, "attention rows")?,
+            u32_dim(p.kv_heads as i64 * p.splits as i64, "KV heads × splits")?,
+            1,
+        );
+        self.launch(Kernel::PagedAttention, grid, ATT_THREADS, smem as u32, &p, cost::paged_attention(&p, keys))?;
+        if p.splits == 1 {
+            return Ok(());
+        }
+        let m = ffi::ct_attention_merge_params {
+            part_acc: p.part_acc,
+            part_ml: p.part_ml,
+            out: p.out,
+            out_dtype: p.out_dtype,
+            num_tokens: p.num_tokens,
+            heads: p.heads,
+            head_dim: p.head_dim,
+            splits: p.splits,
+        };
+        let grid = (u32_dim(p.num_tokens as i64, "attention rows")?, p.heads as u32, 1);
+        self.launch(Kernel::AttentionMerge, grid, MERGE_THREADS, 0, &m, cost::attention_merge(&m))
+    }
+
+    /// How many blocks ct_paged_attention splits each decode row's keys over: 1 when its
+    /// (row, KV head) blocks fill the SMs, else enough for one full wave, at most one per 256
+    /// of the `max_keys` a row may attend (the block tables' width) and at most 16.
+    pub fn decode_splits(&self, rows: usize, kv_heads: usize, max_keys: usize) -> usize {
+        let (blocks, sms) = ((rows * kv_heads).max(1), self.sm_count() as usize);
+        if blocks >= sms {
+            return 1;
+        }
+        sms.div_ceil(blocks).min(max_keys.div_ceil(256)).clamp(1, 16)
     }
 
     /// `keys`: as [`CudaDevice::k_paged_attention`]'s.

@@ -88,6 +88,13 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_attention_params, block_tables),
             offset_of!(ffi::ct_attention_params, out),
             offset_of!(ffi::ct_attention_params, err),
+            offset_of!(ffi::ct_attention_params, part_acc),
+            offset_of!(ffi::ct_attention_params, part_ml),
+        ],
+        "ct_attention_merge_params" => &[
+            offset_of!(ffi::ct_attention_merge_params, part_acc),
+            offset_of!(ffi::ct_attention_merge_params, part_ml),
+            offset_of!(ffi::ct_attention_merge_params, out),
         ],
         "ct_logprob_params" => &[
             offset_of!(ffi::ct_logprob_params, logits),

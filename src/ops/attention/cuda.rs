@@ -96,6 +96,9 @@ pub fn paged_attention(
         out: vp(ptr(d, o, OUTPUTS, "attention output")?),
         out_dtype: code(o.dtype()),
         err: err_word(d),
+        part_acc: std::ptr::null_mut(),
+        part_ml: std::ptr::null_mut(),
+        splits: 1,
     };
     // Mostly prefill rows: the flash-style kernel (shares each key tile across a tile of rows),
     // on the tensor cores where the cache is BF16 and the shape fits; mostly decode rows: one
@@ -107,6 +110,16 @@ pub fn paged_attention(
             d.k_prefill_attention(p, m.attended)
         }
     } else {
-        d.k_paged_attention(p, m.attended)
+        // Few rows (a small decode batch, or its tail): each row's keys split over blocks
+        // (split-K), the parts merged by ct_attention_merge.
+        let splits = d.decode_splits(m.num_tokens, hkv, m.max_blocks * bs);
+        if splits == 1 {
+            return d.k_paged_attention(p, m.attended);
+        }
+        let part = m.num_tokens * h * splits;
+        let acc = d.scratch(part * hd * 4, "split attention outputs")?; // (tokens, H, splits, D)
+        let ml = d.scratch(part * 2 * 4, "split attention maxima and sums")?; // (tokens, H, splits, 2)
+        let (part_acc, part_ml) = (acc.ptr as *mut f32, ml.ptr as *mut f32);
+        d.k_paged_attention(ffi::ct_attention_params { part_acc, part_ml, splits: splits as i32, ..p }, m.attended)
     }
 }

@@ -306,3 +306,58 @@ fn bf16_outputs_are_the_f32_outputs_rounded_sim() {
         check(kernel, f, b, ran, kernel);
     }
 }
+
+/// A decode step of few rows splits each row's keys over blocks (split-K: 3 rows × 2 KV heads
+/// are 6 blocks on 132 SMs) and merges the parts (ct_attention_merge), equal to the CPU twin,
+/// which does not split, within f32 rounding: |gpu − cpu| ≤ 1e-5 + 1e-4·|cpu|. Rows of 700, 37
+/// (splits 2 and 3 of it hold no key) and 300 keys through 48-block tables (768 keys: 3
+/// splits), f32 and FP8 caches, f32 and BF16 outputs (the BF16 one the f32 one rounded).
+#[test]
+fn a_few_decode_rows_split_their_keys_and_merge_sim() {
+    // A device of its own: the test reads its launch ledger.
+    let cd = crate::device::cuda::CudaDevice::sim_unshared_arch(117, "sm_90a");
+    let (sim, cpu) = (Device::Cuda(cd.clone()), Device::cpu(1).expect("cpu"));
+    let (bs, maxb, heads, hkv, d) = (16usize, 48usize, 6usize, 2usize, 32usize);
+    let seqs = [(1u32, 700u32), (1, 37), (1, 300)];
+    assert_eq!(cd.decode_splits(seqs.len(), hkv, maxb * bs), 3);
+    let nb = seqs.len() * maxb;
+    let tables: Vec<u32> = (0..nb as u32).map(|i| (i * 7 + 3) % nb as u32).collect();
+    let (mc, mg) = (step_meta(&cpu, &seqs, bs, maxb, &tables), step_meta(&sim, &seqs, bs, maxb, &tables));
+    let mut s = crate::rand::Stream::new(8, 0);
+    let mut rnd = |n: usize| (0..n).map(|_| s.normal() as f32).collect::<Vec<f32>>();
+    let shape = [nb, hkv, bs, d];
+    let q = Tensor::from_f32_host(DType::F32, &[3, heads * d], &rnd(3 * heads * d)).expect("q");
+    for (cache, scale) in [(DType::F32, 1.0f32), (DType::U8, 0.5)] {
+        let kv = |v: Vec<f32>| match cache {
+            DType::U8 => {
+                let codes = v.iter().map(|&x| crate::formats::fp8::encode_e4m3_fast(x / scale)).collect();
+                Tensor::from_storage(&shape, crate::device::Storage::Cpu(crate::device::CpuStorage::U8(codes)))
+            }
+            dt => Tensor::from_f32_host(dt, &shape, &v).expect("cache"),
+        };
+        let (kc, vc) = (kv(rnd(nb * hkv * bs * d)), kv(rnd(nb * hkv * bs * d)));
+        let mut want = Tensor::cpu_zeros(DType::F32, &[3, heads * d]);
+        super::paged_attention(&cpu, &q, &kc, &vc, scale, scale, &mc, &mut want, heads).expect("cpu attention");
+        let up = |t: &Tensor| sim.upload(t.try_clone().expect("clone")).expect("upload");
+        let (qg, kg, vg) = (up(&q), up(&kc), up(&vc));
+        let run = |dt: DType| {
+            let mut out = sim.zeros(dt, &[3, heads * d]).expect("out");
+            cd.take_ledger();
+            super::paged_attention(&sim, &qg, &kg, &vg, scale, scale, &mg, &mut out, heads).expect("gpu attention");
+            let ran: Vec<&str> =
+                crate::device::cuda::ledger::rows(&cd.take_ledger()).into_iter().map(|r| r.op).collect();
+            (out.to_f32_vec().expect("read"), ran)
+        };
+        let ((got, ran), (got16, _)) = (run(DType::F32), run(DType::BF16));
+        let mut ran = ran;
+        ran.sort_unstable();
+        assert_eq!(ran, ["ct_attention_merge", "ct_paged_attention"], "{} cache", cache.name());
+        for (i, (a, b)) in got.iter().zip(&want.to_f32_vec().expect("read")).enumerate() {
+            let (a, b) = (*a as f64, *b as f64);
+            assert!((a - b).abs() <= 1e-5 + 1e-4 * b.abs(), "{} cache: element {i}: {a} vs {b}", cache.name());
+        }
+        let rounded = Tensor::from_f32_host(DType::BF16, &[got.len()], &got).and_then(|t| t.to_f32_vec());
+        let same = rounded.expect("rounding").iter().zip(&got16).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{} cache: the BF16 output is the f32 output rounded", cache.name());
+    }
+}
