@@ -33,7 +33,10 @@ use crate::ops::lm_head::{self, Coef, DevCenter, Rows};
 use crate::ops::quantize::LearnerCodes;
 use crate::ops::{elementwise, linear, norm, quantize, rope};
 use crate::quant::nvfp4::Global;
+
+mod operands;
 use anyhow::{bail, Result};
+pub use operands::{Bf16Operands, LearnerKeep};
 
 /// One layer's saved activations (device tensors).
 struct Acts {
@@ -75,66 +78,6 @@ struct LayerCodes {
     w: [Option<LearnerCodes>; 3], // gate, up, down weights (I, C), (I, C), (C, I)
     h2: Option<LearnerCodes>,     // (N, C) the gate/up input
     a: Option<LearnerCodes>,      // (N, I) the down input
-}
-
-/// Which of a layer's GEMM-only operands the device trainer writes in BF16 (on CUDA, by
-/// default: `DeviceTrainable::set_bf16_inputs`), so that what it allocates and what the memory
-/// plan reserves ([`DeviceTrainable::activation_bytes`]) follow one rule.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Bf16Operands {
-    /// The first norm's output (q, k, v's input).
-    pub h1: bool,
-    /// The second norm's output (gate and up's input).
-    pub h2: bool,
-    /// SwiGLU's output (down's input).
-    pub a: bool,
-    /// SwiGLU's gradients dg and du (gate and up's output gradients).
-    pub dmlp: bool,
-    /// A BF16 LM head: the loss pass rounds each chunk's logits and rows to BF16 for its
-    /// gradient GEMMs (scratch the plan counts; the head rounds whatever `set_bf16_inputs` says).
-    pub head: bool,
-}
-
-impl Bf16Operands {
-    /// For weights of `dtype` on CUDA, the NVFP4 learner on `learner` = [gate, up, down] (it
-    /// quantizes its inputs and rounds its dy from f32): BF16 where every reader is a dense
-    /// BF16 linear, and for dg and du without MLP biases (whose gradients sum the f32 values).
-    pub fn of(cfg: &ModelConfig, dtype: DType, learner: [bool; 3]) -> Bf16Operands {
-        let bf = dtype == DType::BF16;
-        let gate_up = learner[0] || learner[1];
-        Bf16Operands {
-            h1: bf,
-            h2: bf && !gate_up,
-            a: bf && !learner[2],
-            dmlp: bf && !gate_up && !cfg.mlp_bias,
-            head: bf,
-        }
-    }
-}
-
-/// What the NVFP4 learner keeps of its rounded operands from the forward to the backward.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LearnerKeep {
-    /// No NVFP4 learner.
-    Off,
-    /// F32 copies rounded and rotated back, multiplied in F32 (`linear_dx` / `linear_dw`): the
-    /// CPU, and F32 (or F16) weights (the twin of the CPU's f32 learner).
-    Rounded,
-    /// The codes only (9/16 byte a value): BF16 weights on CUDA, whose backward multiplies the
-    /// codes in BF16 as the forward did (`linear::learner_dx` / `learner_dw`), dy rounded to
-    /// BF16 as the model's other linears round it.
-    Codes,
-}
-
-impl LearnerKeep {
-    /// For a learner (`on`) training weights of `dtype`, on a CUDA device or not.
-    pub fn of(cuda: bool, dtype: DType, on: bool) -> LearnerKeep {
-        match on {
-            false => LearnerKeep::Off,
-            true if cuda && dtype == DType::BF16 => LearnerKeep::Codes,
-            true => LearnerKeep::Rounded,
-        }
-    }
 }
 
 /// The batch on the device.
@@ -553,6 +496,24 @@ impl DeviceTrainable {
         Bf16Operands::of(&self.cfg, dtype, [on(GATE), on(UP), on(DOWN)])
     }
 
+    /// Whether SwiGLU's gradients dg and du are stored in BF16 under the NVFP4 learner on gate
+    /// or up ([`Bf16Operands::of`] says it for dense linears): each of the two a dense BF16
+    /// linear or a learner linear on its codes (`LearnerKeep::Codes`) under the engine's fixed
+    /// input scale in every layer, whose gradients round dy to BF16 as SwiGLU's store does
+    /// (per-token scales multiply the f32 dy first), and no MLP biases. The plan counts them
+    /// at 4 bytes: an upper bound (the scales come with the engine's calibration).
+    fn learner_takes_bf16_dy(&self, p: &[&Tensor]) -> bool {
+        let Some(q) = self.quant.as_ref().filter(|q| q.on(GATE) || q.on(UP)) else { return false };
+        if !self.bf16_inputs || self.dev.is_cpu() || self.exact_learner || self.cfg.mlp_bias {
+            return false;
+        }
+        self.ix.layers.iter().enumerate().all(|(l, li)| {
+            [(GATE, li.gate), (UP, li.up), (DOWN, li.down)].iter().all(|&(i, w)| {
+                p[w].dtype() == DType::BF16 && (i == DOWN || !q.on(i) || matches!(q.act_global(l, i), Global::Fixed(_)))
+            })
+        })
+    }
+
     /// Returns the saved activations to the allocator (between steps, while the engine decodes).
     pub fn release(&mut self) {
         self.acts.clear();
@@ -633,7 +594,7 @@ impl DeviceTrainable {
         // projections' gradient GEMMs read them (`set_bf16_inputs`; no biases, whose gradients
         // sum f32 values, no NVFP4 learner, which rounds dy from f32 itself): the rounding
         // each GEMM applied to the f32 values.
-        let mlp_dy = if self.bf16_operands(p).dmlp { DType::BF16 } else { DType::F32 };
+        let mlp_dy = if self.bf16_operands(p).dmlp || self.learner_takes_bf16_dy(p) { DType::BF16 } else { DType::F32 };
         let (mut da, mut dg, mut du) =
             (z(&[n, i_dim])?, dev.uninit(mlp_dy, &[n, i_dim])?, dev.uninit(mlp_dy, &[n, i_dim])?);
         let (mut dh2, mut datt, mut dh1) = (z(&[n, c])?, z(&[n, qd])?, z(&[n, c])?);

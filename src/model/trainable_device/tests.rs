@@ -469,10 +469,19 @@ fn the_learners_codes_backward_is_its_exact_backward_in_bf16_sim() {
     }
 }
 
+/// The NVFP4 learner of [`bf16_step`]: off, on down_proj alone (per-token input scales), or on
+/// the whole MLP under fixed input scales (an engine's calibration).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum StepLearner {
+    Off,
+    Down,
+    MlpFixed,
+}
+
 /// One step of 16 sequences of 20 tokens with BF16 weights on a fresh simulated sm_90a device
-/// `ordinal`, the NVFP4 learner on down_proj alone when `learner`: (the bits of the loss, the
-/// token statistics and every gradient; the `ct_cast` launches and the bytes of all launches).
-fn bf16_step(cfg: &ModelConfig, ordinal: usize, bf16_inputs: bool, learner: bool) -> (Vec<u32>, u64, f64) {
+/// `ordinal`, with `learner`: (the bits of the loss, the token statistics and every gradient;
+/// the `ct_cast` launches and the bytes of all launches).
+fn bf16_step(cfg: &ModelConfig, ordinal: usize, bf16_inputs: bool, learner: StepLearner) -> (Vec<u32>, u64, f64) {
     use crate::device::cuda::{ledger, CudaDevice};
     let cd = CudaDevice::sim_unshared_arch(ordinal, "sm_90a");
     let dev = Device::Cuda(cd.clone());
@@ -488,9 +497,20 @@ fn bf16_step(cfg: &ModelConfig, ordinal: usize, bf16_inputs: bool, learner: bool
     let (mut lp, mut en) = (dev.zeros(DType::F32, &[m]).unwrap(), dev.zeros(DType::F32, &[m]).unwrap());
     let mut t = DeviceTrainable::new(cfg, &dev).unwrap();
     t.set_bf16_inputs(bf16_inputs);
-    if learner {
-        let opts = crate::quant::nvfp4::Nvfp4Opts { rht: Some(3), stochastic: None };
-        t.set_quant(Some(LearnerQuant::new(&["down_proj".to_string()], opts, cfg.num_layers).unwrap()));
+    let opts = crate::quant::nvfp4::Nvfp4Opts { rht: Some(3), stochastic: None };
+    let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<String>>();
+    match learner {
+        StepLearner::Off => {}
+        StepLearner::Down => {
+            t.set_quant(Some(LearnerQuant::new(&names(&["down_proj"]), opts, cfg.num_layers).unwrap()))
+        }
+        StepLearner::MlpFixed => {
+            let mut q =
+                LearnerQuant::new(&names(&["gate_proj", "up_proj", "down_proj"]), opts, cfg.num_layers).unwrap();
+            // Globals of the order of amax / (448·6) for the step's activations.
+            q.act_global = vec![[Some(4e-4); 7]; cfg.num_layers];
+            t.set_quant(Some(q));
+        }
     }
     cd.take_ledger();
     t.forward(&pr, &b).unwrap();
@@ -514,21 +534,32 @@ fn bf16_step(cfg: &ModelConfig, ordinal: usize, bf16_inputs: bool, learner: bool
 /// gate and up projections' gradients. Each dense layer launches 8 roundings fewer (h1, h2 and
 /// a before their forward GEMMs and again before their weight gradients; dg and du before
 /// their data and weight gradients' GEMMs, which share one), 6 with the learner on down (its a
-/// stays f32), and the step moves fewer bytes.
+/// stays f32), and the step moves fewer bytes. With the learner on the whole MLP under fixed
+/// input scales, SwiGLU's backward writes dg and du in BF16 for the learner's gradients
+/// (`learner_takes_bf16_dy`): 4 roundings fewer (h1's two, dg's and du's; qwen2's MLP has no
+/// biases either), the same bits.
 #[test]
 fn bf16_inputs_are_the_gemms_own_rounding_sim() {
-    let mut ordinal = 95;
-    for arch in ["llama", "qwen2", "qwen3"] {
+    for (a, arch) in ["llama", "qwen2", "qwen3"].into_iter().enumerate() {
         let cfg = memory_cfg_arch(arch, 2);
-        for learner in [false, true] {
-            let what = format!("{arch}, learner on down {learner}");
+        for learner in [StepLearner::Off, StepLearner::Down, StepLearner::MlpFixed] {
+            // Devices of their own (the step reads its ledger): 95..106, then 118..123.
+            let ordinal = match learner {
+                StepLearner::Off => 95 + 4 * a,
+                StepLearner::Down => 97 + 4 * a,
+                StepLearner::MlpFixed => 118 + 2 * a,
+            };
+            let what = format!("{arch}, learner {learner:?}");
             let (off, casts_off, bytes_off) = bf16_step(&cfg, ordinal, false, learner);
             let (on, casts_on, bytes_on) = bf16_step(&cfg, ordinal + 1, true, learner);
-            ordinal += 2;
             assert_eq!(off.len(), on.len(), "{what}");
             let differ = off.iter().zip(&on).filter(|(a, b)| a != b).count();
             assert_eq!(differ, 0, "{what}: {differ} of {} values differ", off.len());
-            let saved_per_layer = if learner { 6 } else { 8 };
+            let saved_per_layer = match learner {
+                StepLearner::Off => 8,
+                StepLearner::Down => 6,
+                StepLearner::MlpFixed => 4,
+            };
             eprintln!("{what}: ct_cast {casts_off} -> {casts_on}, {bytes_off:.0} -> {bytes_on:.0} bytes");
             assert_eq!(casts_off - casts_on, saved_per_layer * cfg.num_layers as u64, "{what}");
             assert!(bytes_on < bytes_off, "{what}: {bytes_on} bytes, {bytes_off} with f32 inputs");

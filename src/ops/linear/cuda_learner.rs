@@ -229,7 +229,9 @@ pub fn learner_dw(d: &CudaDevice, dy: &Tensor, x: &LearnerCodes, dw: &mut Tensor
 
 /// Both straight-through gradients of one learner linear, [`learner_dx`] (accumulating when
 /// `acc_dx`) and [`learner_dw`] (accumulating), from one BF16 rounding of dy where x's scale is
-/// per tensor or fixed (per-token scales round g_t·dy for dw: a second rounding).
+/// per tensor or fixed (per-token scales round g_t·dy for dw: a second rounding). dy may come
+/// in BF16 already, rounded by its producer as this rounds it (SwiGLU's backward), where x's
+/// scale is per tensor or fixed.
 #[allow(clippy::too_many_arguments)]
 pub fn learner_grads(
     d: &CudaDevice,
@@ -242,19 +244,30 @@ pub fn learner_grads(
     m: usize,
 ) -> Result<()> {
     let n = w.rows;
-    let dyp = check_dy(d, dy, m, n)?;
+    crate::ops::check_rows(dy, m, n, "learner linear output gradient")?;
+    let dyp = ptr(d, dy, &[DType::F32, DType::BF16], "learner linear output gradient")?;
     let (dxp, dwp) = (check_dx(d, w, dx, m)?, check_dw(d, x, dw, m)?);
     if (dw.dim(0), dw.dim(1)) != (n, w.k) {
         bail!("learner gradients: a weight gradient of {:?} for a weight of ({n}, {})", dw.shape(), w.k);
     }
+    if dy.dtype() == DType::BF16 && x.per_row {
+        bail!("learner gradients: a BF16 output gradient for per-token input scales (dw scales the f32 values)");
+    }
     if m == 0 {
         return Ok(());
     }
-    let dyh = cast_rows(d, dyp, m * n, DType::BF16)?; // (m, N)
-    dx_from(d, dyh.ptr, w, dxp, m, acc_dx)?;
+    let own;
+    let dyh = match dy.dtype() {
+        DType::BF16 => dyp,
+        _ => {
+            own = cast_rows(d, dyp, m * n, DType::BF16)?; // (m, N)
+            own.ptr
+        }
+    };
+    dx_from(d, dyh, w, dxp, m, acc_dx)?;
     match x.per_row {
         true => dw_from(d, dy_for_dw(d, dyp, x, m, n)?.ptr, x, dwp, n, m, true),
-        false => dw_from(d, dyh.ptr, x, dwp, n, m, true),
+        false => dw_from(d, dyh, x, dwp, n, m, true),
     }
 }
 
