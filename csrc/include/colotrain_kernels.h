@@ -555,6 +555,9 @@ typedef struct ct_lm_params {
   const float* coef_sampler;   /* (rows) the sampler's log-probs, with coef_adv */
   const double* coef_adv;      /* (rows) advantages, or NULL: no TIS */
   double coef_cap;             /* TIS cap C */
+  void* dz_bf16;               /* (rows, vocab) or NULL: ct_lm_dz writes dz over z; else dz
+                                  rounded to BF16 here (the head's GEMM operand; no centering),
+                                  z left as it is */
 } ct_lm_params;
 
 /* ---- optimizer.cu: the optimizer step on the device ------------------------------------- */

@@ -90,6 +90,15 @@ extern "C" __global__ void ct_lm_dz(ct_lm_params p) {
     p.loss[row] = loss;
   }
   __syncthreads();
+  if (p.dz_bf16 != nullptr) {
+    // The same f32 values as below (the target's k subtracted), stored rounded to BF16.
+    for (int j = threadIdx.x; j < p.vocab; j += blockDim.x) {
+      float g = __fmul_rn(k, ct_exp_f32(__fsub_rn(z[j], l)));
+      if (ok && static_cast<uint32_t>(j) == y) g = __fsub_rn(g, k);
+      ct_store(p.dz_bf16, CT_DTYPE_BF16, static_cast<int64_t>(row) * p.vocab + j, g);
+    }
+    return;
+  }
   for (int j = threadIdx.x; j < p.vocab; j += blockDim.x) {
     z[j] = p.center_k > 0 ? 0.0f : __fmul_rn(k, ct_exp_f32(__fsub_rn(z[j], l)));
   }

@@ -173,6 +173,11 @@ pub(super) fn train_gemm(x: &mut Ctx) -> Result<()> {
         x.cmp(&format!("{name}: dh"), "f32 head", &dh, Tol::Close(1e-5, 1e-4))?;
         x.cmp(&format!("{name}: dWh"), "f32 head", &dwh, Tol::Close(1e-5, 1e-4))?;
     }
+    // A BF16 head's loss pass: ct_lm_dz stores dz in BF16 itself, the bits of its f32 dz rounded.
+    let zs = x.randn(3 * v, 2.0);
+    let (rounded, direct) =
+        lm_head::dz_two_ways(&x.cuda.clone(), &zs, &[7.5, 8.0, 6.9], &[0.8, -1.3, 0.05], &[5, 99, 0], 1.4)?;
+    x.record("LM head dz stored in BF16 by ct_lm_dz vs its f32 dz rounded", "bf16", &rounded, &direct, Tol::Exact);
     let r = Rows { rows: &idx.g, targets: &tg.g };
     one_pass(x, &h.g, &wh.g, &r)
 }

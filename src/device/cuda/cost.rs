@@ -295,7 +295,9 @@ pub fn lm_stats(p: &ffi::ct_lm_params) -> Cost {
 pub fn lm_dz(p: &ffi::ct_lm_params) -> Cost {
     let e = n(p.rows) * n(p.vocab);
     let center = n(p.rows) * n(p.center_k) * 8.0;
-    Cost::hbm(4.0 * e, 8.0 * e + 16.0 * n(p.rows) + center)
+    // z read; dz written over it in f32, or in BF16 apart.
+    let dz = if p.dz_bf16.is_null() { 4.0 } else { 2.0 };
+    Cost::hbm(4.0 * e, (4.0 + dz) * e + 16.0 * n(p.rows) + center)
 }
 
 /// x read, y written in its dtype, the row's 1/rms written, the gain read.

@@ -203,6 +203,7 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_lm_params, coef_out),
             offset_of!(ffi::ct_lm_params, coef_sampler),
             offset_of!(ffi::ct_lm_params, coef_adv),
+            offset_of!(ffi::ct_lm_params, dz_bf16),
         ],
         "ct_sum_sq_params" => &[
             offset_of!(ffi::ct_sum_sq_params, g),

@@ -100,6 +100,7 @@ impl Head {
             coef_sampler: std::ptr::null(),
             coef_adv: std::ptr::null(),
             coef_cap: 0.0,
+            dz_bf16: std::ptr::null_mut(),
         })
     }
 }
@@ -218,11 +219,22 @@ pub fn loss_grad(
             p.center_ids = (ids + 4 * (start * k) as u64) as *const u32;
             p.center_probs = (probs + 4 * (start * k) as u64) as *const f32;
         }
+        // A BF16 head's GEMMs read dz in BF16: ct_lm_dz stores it so (without centering, whose
+        // fix-ups come after the pass), else dz over z, rounded after.
+        let zb = match pass.bf16 && ct.is_none() {
+            true => Some(d.scratch(n * v * 2, "LM head logit gradients, BF16")?),
+            false => None,
+        };
+        p.dz_bf16 = zb.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr as *mut std::ffi::c_void);
         d.k_lm_dz(p)?;
         // dWh (V, C) += dzᵀ·hc; dhc (n, C) = dz·Wh.
         let dhc = d.scratch(n * c * 4, "LM head row gradients")?;
         if pass.bf16 {
-            let (zb, hb) = (cast_rows(d, z.ptr, n * v, DType::BF16)?, cast_rows(d, hc.ptr, n * c, DType::BF16)?);
+            let zb = match zb {
+                Some(zb) => zb,
+                None => cast_rows(d, z.ptr, n * v, DType::BF16)?,
+            };
+            let hb = cast_rows(d, hc.ptr, n * c, DType::BF16)?;
             d.gemm_form(Form::Tn, e, hb.ptr, zb.ptr, dwp, v, c, n, 1.0, true)?;
             d.gemm_form(Form::Nn, e, pass.wh, zb.ptr, dhc.ptr, n, c, v, 1.0, false)?;
         } else {
@@ -245,4 +257,67 @@ pub fn loss_grad(
     let mut terms = vec![0.0f32; total];
     d.dtoh(&mut terms, losses.ptr)?;
     Ok(Some(terms.iter().map(|&t| t as f64).sum()))
+}
+
+/// ct_lm_dz both ways on the same inputs (`z` (rows, vocab) of logits, each row's normalizer,
+/// coefficient and target; no centering): (its f32 dz over z, rounded to BF16 on the host; the
+/// BF16 dz it stores itself), which must be the same bits. The device check's row and the
+/// unit test.
+pub fn dz_two_ways(
+    d: &CudaDevice,
+    z: &[f32],
+    lse: &[f32],
+    coef: &[f32],
+    targets: &[u32],
+    inv_t: f32,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let dev = crate::device::Device::Cuda(d.clone());
+    let (rows, v) = (lse.len(), z.len() / lse.len().max(1));
+    if rows == 0 || coef.len() != rows || targets.len() != rows || z.len() != rows * v {
+        bail!(
+            "ct_lm_dz check: {} logits for {rows} rows, {} coefficients, {} targets",
+            z.len(),
+            coef.len(),
+            targets.len()
+        );
+    }
+    let zt = dev.from_f32(DType::F32, &[rows, v], z)?;
+    let z16 = dev.zeros(DType::BF16, &[rows, v])?;
+    let (lt, ct) = (dev.from_f32(DType::F32, &[rows], lse)?, dev.from_f32(DType::F32, &[rows], coef)?);
+    let tt = dev.upload(Tensor::from_u32_host(&[rows], targets.to_vec())?)?;
+    let loss = dev.zeros(DType::F32, &[rows])?;
+    let f = |t: &Tensor| t.data_ptr() as *mut f32;
+    let p = |dz: *mut std::ffi::c_void| -> Result<ffi::ct_lm_params> {
+        Ok(ffi::ct_lm_params {
+            z: f(&zt),
+            targets: tt.data_ptr() as *const u32,
+            rows: i32_of(rows, "rows")?,
+            vocab: i32_of(v, "vocabulary")?,
+            inv_t,
+            lse: f(&lt),
+            logp: std::ptr::null_mut(),
+            entropy: std::ptr::null_mut(),
+            coef: f(&ct),
+            center_k: 0,
+            center_ids: std::ptr::null(),
+            center_probs: std::ptr::null(),
+            loss: f(&loss),
+            err: err_word(d),
+            coef_den: std::ptr::null(),
+            coef_teacher: std::ptr::null(),
+            coef_offset: 0.0,
+            coef_out: std::ptr::null_mut(),
+            coef_sampler: std::ptr::null(),
+            coef_adv: std::ptr::null(),
+            coef_cap: 0.0,
+            dz_bf16: dz,
+        })
+    };
+    d.k_lm_dz(p(z16.data_ptr() as *mut std::ffi::c_void)?)?;
+    if zt.to_f32_vec()? != z {
+        bail!("ct_lm_dz storing BF16 wrote over z");
+    }
+    d.k_lm_dz(p(std::ptr::null_mut())?)?;
+    let rounded = zt.to_f32_vec()?.iter().map(|&x| crate::device::bf16_rne(x).to_f32()).collect();
+    Ok((rounded, z16.to_f32_vec()?))
 }

@@ -12,6 +12,7 @@
 
 mod cpu;
 mod cuda;
+pub use cuda::dz_two_ways;
 pub mod grad;
 #[cfg(test)]
 mod tests;

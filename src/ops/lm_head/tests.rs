@@ -149,3 +149,17 @@ fn bad_indices_are_errors_not_panics() {
     let e = format!("{:#}", stats(&dev, &h, &wh, &r, 1.0, 4, &mut lp, &mut en).unwrap_err());
     assert!(e.contains("row index 23 outside the 23 hidden rows"), "{e}");
 }
+
+/// ct_lm_dz storing dz in BF16 itself (a BF16 head's loss pass without centering) writes the
+/// bits `ct_cast` writes from the f32 dz it stores otherwise (`dz_two_ways`): 3 rows of 1,500
+/// logits (wider than the block), coefficients of both signs, each row's target moved by −k.
+#[test]
+fn the_loss_kernels_bf16_logit_gradient_is_its_f32_one_rounded_sim() {
+    let cd = crate::device::cuda::CudaDevice::sim_unshared_arch(124, "sm_90a");
+    let z = data(3 * V, 11, 2.0);
+    let (f32s, bf16s) = super::dz_two_ways(&cd, &z, &[7.5, 8.0, 6.9], &[0.8, -1.3, 0.05], &[5, 1499, 1024], 1.0 / 0.7)
+        .expect("both launches");
+    assert!(f32s.iter().all(|x| x.is_finite()) && f32s[5] < 0.0 && f32s[V + 1499] > 0.0, "finite; targets moved by -k");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    assert_eq!(bits(&f32s), bits(&bf16s));
+}
