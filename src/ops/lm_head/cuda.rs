@@ -78,31 +78,46 @@ impl Head {
         inv_t: f32,
         lse: u64,
     ) -> Result<ffi::ct_lm_params> {
-        Ok(ffi::ct_lm_params {
-            z: z as *mut f32,
-            targets: (self.targets + 4 * start as u64) as *const u32,
-            rows: i32_of(n, "LM head rows")?,
-            vocab: i32_of(self.v, "vocabulary")?,
-            inv_t,
-            lse: lse as *mut f32,
-            logp: std::ptr::null_mut(),
-            entropy: std::ptr::null_mut(),
-            coef: std::ptr::null(),
-            center_k: 0,
-            center_ids: std::ptr::null(),
-            center_probs: std::ptr::null(),
-            loss: std::ptr::null_mut(),
-            err: err_word(d),
-            coef_den: std::ptr::null(),
-            coef_teacher: std::ptr::null(),
-            coef_offset: 0.0,
-            coef_out: std::ptr::null_mut(),
-            coef_sampler: std::ptr::null(),
-            coef_adv: std::ptr::null(),
-            coef_cap: 0.0,
-            dz_bf16: std::ptr::null_mut(),
-        })
+        let targets = (self.targets + 4 * start as u64) as *const u32;
+        lm_params(d, z, targets, n, self.v, inv_t, lse)
     }
+}
+
+/// A chunk's ct_lm_params: `rows` rows of `vocab` logits at z, their targets and normalizers;
+/// nothing else asked for (no statistics, coefficients, centering or loss).
+fn lm_params(
+    d: &CudaDevice,
+    z: u64,
+    targets: *const u32,
+    rows: usize,
+    vocab: usize,
+    inv_t: f32,
+    lse: u64,
+) -> Result<ffi::ct_lm_params> {
+    Ok(ffi::ct_lm_params {
+        z: z as *mut f32,
+        targets,
+        rows: i32_of(rows, "LM head rows")?,
+        vocab: i32_of(vocab, "vocabulary")?,
+        inv_t,
+        lse: lse as *mut f32,
+        logp: std::ptr::null_mut(),
+        entropy: std::ptr::null_mut(),
+        coef: std::ptr::null(),
+        center_k: 0,
+        center_ids: std::ptr::null(),
+        center_probs: std::ptr::null(),
+        loss: std::ptr::null_mut(),
+        err: err_word(d),
+        coef_den: std::ptr::null(),
+        coef_teacher: std::ptr::null(),
+        coef_offset: 0.0,
+        coef_out: std::ptr::null_mut(),
+        coef_sampler: std::ptr::null(),
+        coef_adv: std::ptr::null(),
+        coef_cap: 0.0,
+        dz_bf16: std::ptr::null_mut(),
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -286,32 +301,11 @@ pub fn dz_two_ways(
     let (lt, ct) = (dev.from_f32(DType::F32, &[rows], lse)?, dev.from_f32(DType::F32, &[rows], coef)?);
     let tt = dev.upload(Tensor::from_u32_host(&[rows], targets.to_vec())?)?;
     let loss = dev.zeros(DType::F32, &[rows])?;
-    let f = |t: &Tensor| t.data_ptr() as *mut f32;
+    let at = |t: &Tensor| t.data_ptr() as u64;
     let p = |dz: *mut std::ffi::c_void| -> Result<ffi::ct_lm_params> {
-        Ok(ffi::ct_lm_params {
-            z: f(&zt),
-            targets: tt.data_ptr() as *const u32,
-            rows: i32_of(rows, "rows")?,
-            vocab: i32_of(v, "vocabulary")?,
-            inv_t,
-            lse: f(&lt),
-            logp: std::ptr::null_mut(),
-            entropy: std::ptr::null_mut(),
-            coef: f(&ct),
-            center_k: 0,
-            center_ids: std::ptr::null(),
-            center_probs: std::ptr::null(),
-            loss: f(&loss),
-            err: err_word(d),
-            coef_den: std::ptr::null(),
-            coef_teacher: std::ptr::null(),
-            coef_offset: 0.0,
-            coef_out: std::ptr::null_mut(),
-            coef_sampler: std::ptr::null(),
-            coef_adv: std::ptr::null(),
-            coef_cap: 0.0,
-            dz_bf16: dz,
-        })
+        let mut p = lm_params(d, at(&zt), at(&tt) as *const u32, rows, v, inv_t, at(&lt))?;
+        (p.coef, p.loss, p.dz_bf16) = (at(&ct) as *const f32, at(&loss) as *mut f32, dz);
+        Ok(p)
     };
     d.k_lm_dz(p(z16.data_ptr() as *mut std::ffi::c_void)?)?;
     if zt.to_f32_vec()? != z {
