@@ -399,7 +399,8 @@ fn a_short_bf16_run_on_the_simulator_lowers_the_heldout_kl() {
 /// in place between them (a resync). BF16 weights (their linears' input casts are the graphs'
 /// pooled scratch): the round after the resync only replays the graphs of the first (no new
 /// capture: every address stays valid); an FP8 rollout engine freezes its tensor scales into
-/// the capture, so its resync captures again.
+/// the capture, so its resync captures again. The BF16 engine's decode splits its keys
+/// (split-K attention and its merge inside the graphs).
 #[test]
 fn decode_graph_replays_after_an_in_place_resync_decode_what_eager_steps_decode() {
     use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
@@ -431,9 +432,17 @@ fn decode_graph_replays_after_an_in_place_resync_decode_what_eager_steps_decode(
             staleness: 0,
         });
         let mut rw = spec.as_ref().map(|s| RolloutWeights::new(&dev, s, &c, &lm.weights, Some(&cal), 0).unwrap());
+        // The BF16 engine's block tables hold 1,024 keys (past the model's 256 positions,
+        // which its sequences never reach): its decode attention splits each row's keys
+        // (split-K), so the graphs capture the merge and its pooled scratch too.
+        let max_model_len = (recipe == "none").then_some(1024);
+        if let (Some(len), Device::Cuda(cd)) = (max_model_len, &dev) {
+            assert!(cd.decode_splits(5, c.num_kv_heads, len) > 1, "a split decode");
+        }
         let ec = |graphs: bool| EngineConfig {
             kv_fp8: spec.as_ref().map(|s| s.recipe.kv_layers()).unwrap_or_default(),
             cuda_graphs: graphs,
+            max_model_len,
             ..Default::default()
         };
         let mut eager = Engine::new(&dev, &c, dtype, &ec(false), None).unwrap();
@@ -516,6 +525,19 @@ fn decode_graph_replays_after_an_in_place_resync_decode_what_eager_steps_decode(
                 assert!(s.pool_bytes > 0, "{what}: the BF16 input casts are the pool's blocks");
             }
             before = s;
+        }
+        // The split decode's merges ran, most of them replayed from the graphs.
+        if let (Some(_), Device::Cuda(cd)) = (max_model_len, &dev) {
+            let rows = colotrain::device::cuda::ledger::rows(&cd.take_ledger());
+            let m = rows.iter().find(|r| r.op == "ct_attention_merge").expect("merges in the ledger");
+            assert!(
+                m.replayed > 0 && m.launches > m.replayed,
+                "{recipe}: merges {} ({} replayed)",
+                m.launches,
+                m.replayed
+            );
+        } else if let Device::Cuda(cd) = &dev {
+            cd.take_ledger();
         }
     }
 }
