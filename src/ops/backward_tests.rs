@@ -112,7 +112,7 @@ fn the_ordered_backward_kernels_equal_the_cpu_bit_for_bit() {
 
 /// The column sums (RMSNorm's dw, the bias gradient) follow `ops::reduction_chunk_rows` on the
 /// CPU and on the GPU: the same bits whether the rows fit one chunk (20: added onto the total
-/// in order), fill 41 chunks of 32 rows, or 1001 chunks of 40 rows (40,000 rows of 8: a
+/// in order), fill 41 chunks of 32 rows, or 1,000 chunks of 40 rows (40,000 rows of 8: a
 /// per-head norm's shape, where the chunks grow past 32 rows).
 #[test]
 fn the_column_sums_are_the_same_bits_on_the_cpu_and_the_gpu() {

@@ -20,11 +20,11 @@
 //! (COLOTRAIN_DEVICE_COLLECTIVE=peer).
 //!
 //! Owns: the rendezvous and the per-call exchange of device addresses. May call: the CUDA
-//! device layer, `ops::linear::bias_grad` (the column sum). Must not: know about models or
+//! device layer, `ops::linear::sum_rows_in_order` (the column sum). Must not: know about models or
 //! optimizers.
 
 use crate::device::cuda::{on_stream, CudaDevice, Event, Stream};
-use crate::device::{DType, Device, Storage, Tensor};
+use crate::device::{DType, Storage, Tensor};
 use crate::parallel::{shard_range, Collective, InProcess};
 use anyhow::{anyhow, bail, Result};
 use std::sync::Mutex;
@@ -181,13 +181,12 @@ impl DeviceCollective for PeerCopy {
             }
             let (_, stage) = cuda_of(staging, "staging")?;
             let ranks = self.exchange(rank, &dev, src, ("reduce_scatter", n, DType::F32))?;
-            let d = Device::Cuda(dev.clone());
             // Piece by piece of w ≤ c values: row p of the staging (world, w) takes rank p's
             // values of them, and their column sums land in the shard. One stream, so a
             // piece's copies wait for the previous piece's sum to have read the staging.
             let sum = |start: usize, w: usize, recv: &mut Tensor| -> Result<()> {
                 let rows = staging.view(0, &[self.world, w])?;
-                crate::ops::linear::bias_grad(&d, &rows, &mut recv.view(start, &[w])?, self.world)
+                crate::ops::linear::sum_rows_in_order(&dev, &rows, &mut recv.view(start, &[w])?, self.world)
             };
             let pieces: Vec<(usize, usize)> = (0..len).step_by(c).map(|s| (s, c.min(len - s))).collect();
             on_stream(Stream::Comm, || -> Result<()> {
@@ -246,6 +245,7 @@ impl DeviceCollective for PeerCopy {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
+    use crate::device::Device;
     use std::sync::Arc;
 
     /// An all-gather's values (exact in BF16) and rank `rank`'s BF16 buffer of `n`: its shard

@@ -173,12 +173,13 @@ pub fn kv_write(p: &ffi::ct_kv_write_params) -> Cost {
 /// per key, so that a replayed graph counts the replaying step's keys.
 pub fn paged_attention(p: &ffi::ct_attention_params, keys: u64) -> Charge {
     let c = prefill_attention(p, keys, 1);
-    // Split-K: each split's partial output, max and sum written (f32) instead of the output.
-    let parts = match p.splits > 1 {
-        true => n(p.num_tokens) * n(p.heads) * n(p.splits) * (n(p.head_dim) + 2.0) * 4.0,
-        false => 0.0,
-    };
-    Charge { base: Cost::hbm(0.0, c.base.bytes + parts), ..c }
+    if p.splits <= 1 {
+        return c;
+    }
+    // Split-K: each split reads q and writes its partial output, max and sum (f32) instead of
+    // the output (the merge writes that); the keys' bytes are split, not repeated.
+    let (rows, s, d) = (n(p.num_tokens) * n(p.heads), n(p.splits), n(p.head_dim));
+    Charge { base: Cost::hbm(0.0, rows * s * (d * 4.0 + (d + 2.0) * 4.0)), ..c }
 }
 
 /// The split-K merge: the parts read, out written; 4 FLOPs per (split, value).

@@ -268,6 +268,9 @@ fn column_grid(rows: i32, cols: i32, chunk_rows: i32, direct: bool, what: &str) 
         bail!("{what}: chunks of {chunk_rows} rows");
     }
     let chunks = (rows.max(1) as u32).div_ceil(chunk_rows as u32) as i32;
+    if chunks > 65535 {
+        bail!("{what}: {chunks} chunks of {chunk_rows} rows, more than a grid's 65,535");
+    }
     if direct != (chunks == 1) {
         bail!(
             "{what}: {rows} rows in {chunks} chunks {} a buffer for their sums",
@@ -412,11 +415,11 @@ impl CudaDevice {
                 "paged attention: {groups} query heads per KV head of dimension {d} need {smem} bytes of shared memory"
             );
         }
-        if p.splits < 1 || (p.splits > 1) == (p.part_acc.is_null() || p.part_ml.is_null()) {
-            bail!(
-                "paged attention: {} splits of the keys (buffers for the parts with more than one, none with one)",
-                p.splits
-            );
+        if p.splits < 1 || (p.splits > 1 && (p.part_acc.is_null() || p.part_ml.is_null())) {
+            bail!("paged attention: {} splits of the keys (more than one needs buffers for the parts)", p.splits);
+        }
+        if p.kv_heads as i64 * p.splits as i64 > 65535 {
+            bail!("paged attention: {} KV heads × {} splits, more than a grid's 65,535", p.kv_heads, p.splits);
         }
         let grid = (
             u32_dim(p.num_tokens as i64, "attention rows")?,
@@ -442,8 +445,8 @@ impl CudaDevice {
     }
 
     /// How many blocks ct_paged_attention splits each decode row's keys over: 1 when its
-    /// (row, KV head) blocks fill the SMs, else enough for one full wave, at most one per 256
-    /// of the `max_keys` a row may attend (the block tables' width) and at most 16.
+    /// (row, KV head) blocks fill the SMs, else enough for one full wave, at most ⌈max_keys /
+    /// 256⌉ (`max_keys`: what a row may attend, the block tables' width) and at most 16.
     pub fn decode_splits(&self, rows: usize, kv_heads: usize, max_keys: usize) -> usize {
         let (blocks, sms) = ((rows * kv_heads).max(1), self.sm_count() as usize);
         if blocks >= sms {
@@ -579,6 +582,9 @@ impl CudaDevice {
 
     /// One block of LM_THREADS per row of the chunk.
     pub fn k_lm_dz(&self, p: ffi::ct_lm_params) -> Result<()> {
+        if !p.dz_bf16.is_null() && p.center_k > 0 {
+            bail!("ct_lm_dz: a BF16 dz leaves out the centering's fix-ups (store dz in f32 with centering)");
+        }
         let grid = (u32_dim(p.rows as i64, "loss rows")?, 1, 1);
         self.launch(Kernel::LmDz, grid, LM_THREADS, 0, &p, cost::lm_dz(&p))
     }

@@ -310,7 +310,7 @@ fn bf16_outputs_are_the_f32_outputs_rounded_sim() {
 /// A decode step of few rows splits each row's keys over blocks (split-K: 3 rows × 2 KV heads
 /// are 6 blocks on 132 SMs) and merges the parts (ct_attention_merge), equal to the CPU twin,
 /// which does not split, within f32 rounding: |gpu − cpu| ≤ 1e-5 + 1e-4·|cpu|. Rows of 700, 37
-/// (splits 2 and 3 of it hold no key) and 300 keys through 48-block tables (768 keys: 3
+/// (the third split of it holds no key) and 300 keys through 48-block tables (768 keys: 3
 /// splits), f32 and FP8 caches, f32 and BF16 outputs (the BF16 one the f32 one rounded).
 #[test]
 fn a_few_decode_rows_split_their_keys_and_merge_sim() {

@@ -365,6 +365,18 @@ pub fn bias_grad(d: &CudaDevice, dy: &Tensor, db: &mut Tensor, m: usize) -> Resu
     })
 }
 
+/// out (N) += the rows of x[..m] (m, N) in row order: ct_col_sum as one chunk.
+pub fn sum_rows_in_order(d: &CudaDevice, x: &Tensor, out: &mut Tensor, m: usize) -> Result<()> {
+    d.k_col_sum(ffi::ct_col_sum_params {
+        x: ptr(d, x, &[DType::F32], "rows to sum")? as *const f32,
+        out: f32p(ptr(d, out, &[DType::F32], "their sum")?),
+        partial: std::ptr::null_mut(),
+        rows: i32_of(m, "rows")?,
+        cols: i32_of(out.numel(), "columns")?,
+        chunk_rows: i32_of(m.max(1), "rows")?,
+    })
+}
+
 /// A column sum of `rows` rows of `cols` values in the order of `ops::reduction_chunk_rows`:
 /// its rows a chunk, and for more than one chunk a scratch (chunks, cols) f32 for the chunks'
 /// sums (freed blocks are reused only by later work on the stream).

@@ -377,7 +377,8 @@ pub fn linear_grads<const J: usize>(
     }
 }
 
-/// db (N) f32 += the column sums of dy[..m] (m, N), rows in order: a linear's bias gradient.
+/// db (N) f32 += the column sums of dy[..m] (m, N), in the order of `ops::reduction_chunk_rows`:
+/// a linear's bias gradient.
 pub fn bias_grad(dev: &Device, dy: &Tensor, db: &mut Tensor, m: usize) -> Result<()> {
     let n = db.numel();
     check_rows(dy, m, n, "linear output gradient")?;
@@ -388,4 +389,12 @@ pub fn bias_grad(dev: &Device, dy: &Tensor, db: &mut Tensor, m: usize) -> Result
         }
         Device::Cuda(c) => cuda::bias_grad(c, dy, db, m),
     }
+}
+
+/// On a CUDA device, out (N) += the rows of x[..m] (m, N) added in row order, whatever m (one
+/// launch, no scratch): the device collective's sum over the ranks, in the host collective's
+/// order (`parallel::collective`), on the communication stream.
+pub fn sum_rows_in_order(dev: &crate::device::cuda::CudaDevice, x: &Tensor, out: &mut Tensor, m: usize) -> Result<()> {
+    check_rows(x, m, out.numel(), "rows to sum")?;
+    cuda::sum_rows_in_order(dev, x, out, m)
 }
