@@ -264,9 +264,18 @@ impl Transformer {
                     m,
                 )?;
             } else {
-                proj(dev, hx, &mut b.xq, &lw.q_proj, pan(l, 0), lw.q_bias.as_ref(), ql, 0, &mut b.q, m)?;
-                proj(dev, hx, &mut b.xq, &lw.k_proj, pan(l, 1), lw.k_bias.as_ref(), ql, 1, &mut b.k, m)?;
-                proj(dev, hx, &mut b.xq, &lw.v_proj, pan(l, 2), lw.v_bias.as_ref(), ql, 2, &mut b.v, m)?;
+                projs(
+                    dev,
+                    hx,
+                    &mut b.xq,
+                    ql,
+                    [
+                        (0, Proj { w: &lw.q_proj, panels: pan(l, 0), bias: lw.q_bias.as_ref(), y: &mut b.q }),
+                        (1, Proj { w: &lw.k_proj, panels: pan(l, 1), bias: lw.k_bias.as_ref(), y: &mut b.k }),
+                        (2, Proj { w: &lw.v_proj, panels: pan(l, 2), bias: lw.v_bias.as_ref(), y: &mut b.v }),
+                    ],
+                    m,
+                )?;
             }
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
                 norm::head_rmsnorm(dev, &mut b.q, qn, eps, m, h)?;
@@ -303,8 +312,17 @@ impl Transformer {
                     m,
                 )?;
             } else {
-                proj(dev, hx, &mut b.xq, &lw.gate_proj, pan(l, 4), lw.gate_bias.as_ref(), ql, 4, &mut b.gate, m)?;
-                proj(dev, hx, &mut b.xq, &lw.up_proj, pan(l, 5), lw.up_bias.as_ref(), ql, 5, &mut b.up, m)?;
+                projs(
+                    dev,
+                    hx,
+                    &mut b.xq,
+                    ql,
+                    [
+                        (4, Proj { w: &lw.gate_proj, panels: pan(l, 4), bias: lw.gate_bias.as_ref(), y: &mut b.gate }),
+                        (5, Proj { w: &lw.up_proj, panels: pan(l, 5), bias: lw.up_bias.as_ref(), y: &mut b.up }),
+                    ],
+                    m,
+                )?;
             }
             let ay = if down16 { &mut b.act16 } else { &mut b.act };
             elementwise::swiglu(dev, &b.gate, &b.up, ay, m)?;
@@ -329,6 +347,41 @@ impl Transformer {
         // whole weight has streamed through the caches.)
         matmul::linear_packed_streamed(dev, &b.hn, w.head(), w.panels().map(|p| &p.head), &mut b.logits, r)
     }
+}
+
+/// The projections of one input (linear i of the layer each): where every one is a W8A8 /
+/// W4A4 linear with the same input quantization (q, k, v, or gate and up, share their input's
+/// calibration), the input is quantized once for all of them (`matmul::linears_act_q`: the
+/// same bits as once each); otherwise each is a [`proj`].
+fn projs<const N: usize>(
+    dev: &Device,
+    x: &Tensor,
+    xq: &mut Tensor,
+    q: Option<&QLayer>,
+    group: [(usize, Proj); N],
+    m: usize,
+) -> Result<()> {
+    if let Some(q) = q {
+        let act = q.act[group[0].0];
+        let real = |i: usize| {
+            q.w[i].as_ref().filter(|w| {
+                q.act[i] == act
+                    && matches!(
+                        (act, w.format),
+                        (ActQuant::Fp8 { .. }, QFormat::Fp8) | (ActQuant::Nvfp4 { .. }, QFormat::Nvfp4)
+                    )
+            })
+        };
+        if let (Some(first), true) = (real(group[0].0), group.iter().all(|(i, _)| real(*i).is_some())) {
+            // (On the stack: a decode step allocates nothing. Every `real(i)` is Some here.)
+            let mut shared = group.map(|(i, p)| matmul::QProj { w: real(i).unwrap_or(first), bias: p.bias, y: p.y });
+            return matmul::linears_act_q(dev, x, xq, &act, &mut shared, m);
+        }
+    }
+    for (i, p) in group {
+        proj(dev, x, xq, p.w, p.panels, p.bias, q, i, p.y, m)?;
+    }
+    Ok(())
 }
 
 /// One projection: dense, or with a quantized weight and/or a fake-quantized input.

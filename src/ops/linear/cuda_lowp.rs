@@ -22,6 +22,7 @@
 //! Not yet run on a GPU.
 
 use super::cuda::add_bias;
+use super::QProj;
 use crate::device::cuda::args::ptr;
 use crate::device::cuda::{ffi, kernels, CudaDevice, Cutlass, CutlassArgs, DevBuf, Elem};
 use crate::device::{DType, Tensor};
@@ -85,22 +86,42 @@ pub fn linear_act_q(
     m: usize,
     path: Path,
 ) -> Result<Path> {
-    match (act, wq.format) {
-        (ActQuant::Fp8 { .. }, QFormat::Fp8) | (ActQuant::Nvfp4 { .. }, QFormat::Nvfp4) => {}
-        _ => bail!("linear_act_q: activation format {act:?} does not match a {:?} weight", wq.format),
+    linears_act_q(d, x, act, &mut [QProj { w: wq, bias, y }], m, path)
+}
+
+/// [`linear_act_q`] for several projections of one input: x quantized once, then each
+/// projection's GEMM on those codes. Returns the last projection's path.
+pub fn linears_act_q(
+    d: &CudaDevice,
+    x: &Tensor,
+    act: &ActQuant,
+    projs: &mut [QProj],
+    m: usize,
+    path: Path,
+) -> Result<Path> {
+    let kx = x.dim(x.shape().len() - 1);
+    for p in projs.iter() {
+        match (act, p.w.format) {
+            (ActQuant::Fp8 { .. }, QFormat::Fp8) | (ActQuant::Nvfp4 { .. }, QFormat::Nvfp4) => {}
+            _ => bail!("linear_act_q: activation format {act:?} does not match a {:?} weight", p.w.format),
+        }
+        if kx != p.w.k {
+            bail!("linear_act_q: input rows of {kx} values for a weight with K = {}", p.w.k);
+        }
+        ptr(d, p.y, &[DType::F32], "linear output")?;
+        crate::ops::check_rows(p.y, m, p.w.rows, "linear output")?;
     }
-    if x.dim(x.shape().len() - 1) != wq.k {
-        bail!("linear_act_q: input rows of {} values for a weight with K = {}", x.dim(x.shape().len() - 1), wq.k);
-    }
-    let yp = ptr(d, y, &[DType::F32], "linear output")?;
-    crate::ops::check_rows(y, m, wq.rows, "linear output")?;
     if m == 0 {
         return Ok(path);
     }
     let qa = quantize_act(d, x, m, act)?;
-    let taken = gemm_q(d, &qa, wq, yp, path)?;
-    if let Some(b) = bias {
-        add_bias(d, yp, b, m, wq.rows)?;
+    let mut taken = path;
+    for p in projs.iter_mut() {
+        let yp = ptr(d, p.y, &[DType::F32], "linear output")?;
+        taken = gemm_q(d, &qa, p.w, yp, path)?;
+        if let Some(b) = p.bias {
+            add_bias(d, yp, b, m, p.w.rows)?;
+        }
     }
     Ok(taken)
 }

@@ -355,3 +355,68 @@ fn the_learners_backward_multiplies_its_codes_sim() {
         }
     }
 }
+
+/// The projections of one input quantize it once (`linears_act_q`): on the simulated sm_90a
+/// (FP8 through CUTLASS, NVFP4 through the mma kernel, with and without RHT + stochastic
+/// rounding) and on the CPU, each output has the bits of its own `linear_act_q` (a bias on
+/// one of them), and the GPU's ledger holds one activation quantization for the group against
+/// one per projection.
+#[test]
+fn the_projections_of_one_input_quantize_it_once_sim() {
+    use crate::ops::linear::{self as matmul, QProj};
+    let (m, k, ns) = (5usize, 256usize, [64usize, 96]);
+    let xs = data(m * k, 21, 1.0);
+    let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let cd = CudaDevice::sim_unshared_arch(125, "sm_90a");
+    let gpu = Device::Cuda(cd.clone());
+    let cpu = Device::cpu(1).unwrap();
+    let bias = data(ns[1], 23, 0.1);
+    for (format, act) in [
+        (QFormat::Fp8, ActQuant::Fp8 { scale: amax / 448.0 }),
+        (QFormat::Nvfp4, ActQuant::Nvfp4 { global: amax / 2688.0, opts: Nvfp4Opts::default() }),
+        (
+            QFormat::Nvfp4,
+            ActQuant::Nvfp4 { global: amax / 2688.0, opts: Nvfp4Opts { rht: Some(3), stochastic: Some(9) } },
+        ),
+    ] {
+        for dev in [&cpu, &gpu] {
+            let what = format!("{act:?} on {}", dev.name());
+            let x = dev.from_f32(DType::F32, &[m, k], &xs).unwrap();
+            let mut xq = dev.zeros(DType::F32, &[m, k]).unwrap();
+            let b = dev.from_f32(DType::F32, &[ns[1]], &bias).unwrap();
+            let mut ws = Vec::new();
+            for (j, &n) in ns.iter().enumerate() {
+                let w = dev.from_f32(DType::BF16, &[n, k], &data(n * k, 30 + j as u64, 0.05)).unwrap();
+                let mut q = QTensor::alloc_on(dev, format, n, k, Nvfp4Opts::default()).unwrap();
+                quantize::requantize(dev, &w, &mut q, "w").unwrap();
+                ws.push(q);
+            }
+            let mut each = Vec::new();
+            cd.take_ledger();
+            for (j, q) in ws.iter().enumerate() {
+                let mut y = dev.from_f32(DType::F32, &[m, ns[j]], &vec![f32::NAN; m * ns[j]]).unwrap();
+                let bj = (j == 1).then_some(&b);
+                matmul::linear_act_q(dev, &x, &mut xq, &act, q, bj, &mut y, m).unwrap();
+                each.push(y.to_f32_vec().unwrap());
+            }
+            let quants = |l: &crate::device::cuda::ledger::Ledger| {
+                l.entries().filter(|(key, _)| key.2.starts_with("ct_quant")).map(|(_, e)| e.launches).sum::<u64>()
+            };
+            let apart = quants(&cd.take_ledger());
+            let (mut y0, mut y1) = (
+                dev.from_f32(DType::F32, &[m, ns[0]], &vec![f32::NAN; m * ns[0]]).unwrap(),
+                dev.from_f32(DType::F32, &[m, ns[1]], &vec![f32::NAN; m * ns[1]]).unwrap(),
+            );
+            let mut group =
+                [QProj { w: &ws[0], bias: None, y: &mut y0 }, QProj { w: &ws[1], bias: Some(&b), y: &mut y1 }];
+            matmul::linears_act_q(dev, &x, &mut xq, &act, &mut group, m).unwrap();
+            let together = quants(&cd.take_ledger());
+            assert_eq!(y0.to_f32_vec().unwrap(), each[0], "{what}: the first projection");
+            assert_eq!(y1.to_f32_vec().unwrap(), each[1], "{what}: the second, with its bias");
+            assert!(each[1].iter().all(|v| v.is_finite()), "{what}");
+            if matches!(dev, Device::Cuda(_)) {
+                assert_eq!((apart, together), (2, 1), "{what}: activation quantizations");
+            }
+        }
+    }
+}

@@ -173,15 +173,41 @@ pub fn linear_act_q(
     y: &mut Tensor,
     m: usize,
 ) -> Result<()> {
+    linears_act_q(dev, x, xq, act, &mut [QProj { w: wq, bias, y }], m)
+}
+
+/// One quantized projection of a shared input: its weight, bias and output.
+pub struct QProj<'a> {
+    pub w: &'a QTensor,
+    pub bias: Option<&'a Tensor>,
+    pub y: &'a mut Tensor,
+}
+
+/// [`linear_act_q`] for several projections of one input quantized alike (a layer's q, k, v,
+/// or gate and up: one calibrated input, so one `act`): the input is quantized once and each
+/// projection's GEMM reads the same codes — the bits of quantizing it once per projection,
+/// since the quantization is a function of the input and `act` alone (stochastic rounding's
+/// seed included).
+pub fn linears_act_q(
+    dev: &Device,
+    x: &Tensor,
+    xq: &mut Tensor,
+    act: &ActQuant,
+    projs: &mut [QProj],
+    m: usize,
+) -> Result<()> {
     match dev {
         Device::Cpu(_) => {
             let k = x.dim(x.shape().len() - 1);
             // The scratch is sized for the widest K; view whole rows of this K in it.
             xq.reshape_within(&[xq.capacity() / k, k])?;
             super::quantize::fake_quant_rows(dev, x, xq, m, act)?;
-            linear_q(dev, xq, wq, bias, y, m)
+            for p in projs.iter_mut() {
+                linear_q(dev, xq, p.w, p.bias, p.y, m)?;
+            }
+            Ok(())
         }
-        Device::Cuda(c) => cuda_lowp::linear_act_q(c, x, act, wq, bias, y, m, cuda_lowp::Path::Auto).map(|_| ()),
+        Device::Cuda(c) => cuda_lowp::linears_act_q(c, x, act, projs, m, cuda_lowp::Path::Auto).map(|_| ()),
     }
 }
 
