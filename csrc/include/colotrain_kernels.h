@@ -373,7 +373,11 @@ typedef struct ct_dequant_params {
  * codes (gemm_w4a4.cu: the W4A4 GEMM of decode steps on Hopper, which has no FP4 tensor cores).
  * dec: each code's E2M1 value times its 16-value block's E4M3 scale (linear layout, one row of
  * k/16 per tensor row); alpha: the product of the two tensor scales. Needs m <= 64,
- * n % 32 == 0, k % 128 == 0 and 16-byte aligned code rows. */
+ * n % 32 == 0, k % 128 == 0 and 16-byte aligned code rows.
+ * Split-K (splits > 1, grid (n/32, splits)): K's 128-value chunks are cut into `splits`
+ * contiguous ranges of ceil(chunks / splits); block (x, s) writes its range's sum, without
+ * alpha, to part (splits, m, n), and ct_gemm_w4a4_merge (same parameters) then writes
+ * y = alpha * (part[0] + part[1] + ...) in split order. splits = 1: y directly, part unused. */
 typedef struct ct_gemm_w4a4_params {
   const uint8_t* a_codes;  /* (m, k/2), two codes a byte, the first in the low nibble */
   const uint8_t* a_scales; /* (m, k/16) */
@@ -384,6 +388,8 @@ typedef struct ct_gemm_w4a4_params {
   int32_t n;
   int32_t k;
   float alpha;
+  float* part;             /* (splits, m, n) when splits > 1 */
+  int32_t splits;
 } ct_gemm_w4a4_params;
 
 /* Rewrites NVFP4 block scales (rows, sf_cols) from the linear layout into the tiled layout of

@@ -17,6 +17,10 @@
 // feeds the mma's k = 2t, 2t + 1 with codes 32t + 4s + {0, 1} and k = 2t + 8, 2t + 9 with
 // codes 32t + 4s + {2, 3}: one permutation of the chunk's K for both operands, which leaves
 // every dot product's terms unchanged.
+//
+// Split-K (p.splits > 1, when n / 32 blocks leave SMs idle: a decode step's down projection):
+// blockIdx.y takes one contiguous range of the chunks, its warps as above, and writes its sum
+// to p.part; ct_gemm_w4a4_merge adds the ranges in order and applies alpha.
 #include "common.cuh"
 
 #define CT_W4A4_WARPS 8
@@ -58,7 +62,10 @@ extern "C" __global__ void __launch_bounds__(CT_W4A4_WARPS* CT_WARP) ct_gemm_w4a
   const int tiles = (p.m + 15) / 16;
   const int64_t row_bytes = p.k / 2, row_scales = p.k / 16;
   float acc[CT_W4A4_MT][CT_W4A4_NT][4] = {};
-  for (int c = warp; c < p.k / CT_W4A4_CHUNK; c += CT_W4A4_WARPS) {
+  // This block's chunks of K: all of them, or (split-K) range blockIdx.y of p.splits.
+  const int chunks = p.k / CT_W4A4_CHUNK, per = (chunks + p.splits - 1) / p.splits;
+  const int c0 = static_cast<int>(blockIdx.y) * per, c1 = min(chunks, c0 + per);
+  for (int c = c0 + warp; c < c1; c += CT_W4A4_WARPS) {
     const int64_t cb = static_cast<int64_t>(c) * (CT_W4A4_CHUNK / 2) + 16 * t;  // this lane's bytes
     const int64_t sb = static_cast<int64_t>(c) * (CT_W4A4_CHUNK / 16) + 2 * t;  // its two scales
     uint32_t w[CT_W4A4_NT][4];
@@ -127,8 +134,21 @@ extern "C" __global__ void __launch_bounds__(CT_W4A4_WARPS* CT_WARP) ct_gemm_w4a
       float sum = 0.0f;
       for (int w = 0; w < CT_W4A4_WARPS; w++) sum = __fadd_rn(sum, part[((w * CT_W4A4_NT + nt) * CT_WARP + src) * 4 + i]);
       const int64_t row = mt * 16 + r;
-      if (row < p.m) p.y[row * p.n + col0 + col] = __fmul_rn(p.alpha, sum);
+      if (row >= p.m) continue;
+      if (p.splits > 1) p.part[(blockIdx.y * static_cast<int64_t>(p.m) + row) * p.n + col0 + col] = sum;
+      else p.y[row * p.n + col0 + col] = __fmul_rn(p.alpha, sum);
     }
     __syncthreads();
+  }
+}
+
+// Split-K's second pass: y = alpha * the splits' sums added in split order from 0 (one thread
+// per output value).
+extern "C" __global__ void ct_gemm_w4a4_merge(ct_gemm_w4a4_params p) {
+  const int64_t mn = static_cast<int64_t>(p.m) * p.n;
+  CT_GRID_LOOP(i, mn) {
+    float sum = 0.0f;
+    for (int s = 0; s < p.splits; s++) sum = __fadd_rn(sum, p.part[s * mn + i]);
+    p.y[i] = __fmul_rn(p.alpha, sum);
   }
 }

@@ -668,7 +668,7 @@ fn check_quant(x: &mut Ctx) -> Result<()> {
                 }
             }
             if src_dt == DType::BF16 && opts == Nvfp4Opts::default() {
-                check_qlinear(x, &xin, &qc, &qg, name, amax)?;
+                super::gemm_checks::qlinear(x, &xin, &qc, &qg, name, amax)?;
             }
             // The mismatch guard's consistency check: the host's fresh quantization of sampled
             // rows must equal the codes the device wrote, and must catch them zeroed.
@@ -701,7 +701,7 @@ fn check_quant(x: &mut Ctx) -> Result<()> {
             }
         }
     }
-    Ok(())
+    super::gemm_checks::w4a4_split_k(x)
 }
 
 /// The sizes of the sm_100 CUTLASS kernels' NVFP4 scale tensors against the swizzled layout
@@ -723,42 +723,6 @@ fn check_scale_layout(x: &mut Ctx) -> Result<()> {
                 x.skip("NVFP4 scale layout sizes", "bytes", "this build has no sm100 CUTLASS kernels".into());
                 break;
             }
-        }
-    }
-    Ok(())
-}
-
-/// linear_q (emulated) and the real W8A8 / W4A4 GEMM paths against the CPU emulation.
-fn check_qlinear(x: &mut Ctx, xin: &Pair, qc: &QTensor, qg: &QTensor, name: &str, amax: f32) -> Result<()> {
-    let (n, m) = (qc.rows, M);
-    let mut y = x.out(&[m, n])?;
-    matmul::linear_q(&x.cpu, &xin.c, qc, None, &mut y.c, m)?;
-    matmul::linear_q(&x.gpu, &xin.g, qg, None, &mut y.g, m)?;
-    x.cmp("linear_q (emulated)", name, &y, Tol::Close(1e-2, 1e-2))?;
-    let act = if qc.format == QFormat::Fp8 {
-        ActQuant::Fp8 { scale: amax / 448.0 }
-    } else {
-        ActQuant::Nvfp4 { global: amax / 2688.0, opts: Nvfp4Opts::default() }
-    };
-    let mut xq = x.out(&[m, qc.k])?;
-    quantize::fake_quant_rows(&x.cpu, &xin.c, &mut xq.c, m, &act)?;
-    let mut reference = Tensor::cpu_zeros(DType::F32, &[m, n]);
-    matmul::linear_q(&x.cpu, &xq.c, qc, None, &mut reference, m)?;
-    let want = reference.to_f32_vec()?;
-    let cd = x.cuda.clone();
-    let mma = (qc.format == QFormat::Nvfp4).then_some(lowp::Path::Mma);
-    for path in
-        [Some(lowp::Path::Cutlass), Some(lowp::Path::CublasLt), mma, Some(lowp::Path::Emulated)].into_iter().flatten()
-    {
-        let mut yg = x.out(&[m, n])?;
-        let op = format!("{} GEMM via {path:?}", if qc.format == QFormat::Fp8 { "W8A8" } else { "W4A4" });
-        match lowp::linear_act_q(&cd, &xin.g, &act, qg, None, &mut yg.g, m, path) {
-            Ok(_) => {
-                let got = yg.g.to_f32_vec()?;
-                x.record(&op, name, &want, &got, Tol::Close(1e-3, 1e-3));
-            }
-            Err(e) if path != lowp::Path::Emulated => x.skip(&op, name, format!("{e:#}")),
-            Err(e) => return Err(e),
         }
     }
     Ok(())

@@ -14,6 +14,7 @@
 
 mod checks;
 mod engine_checks;
+mod gemm_checks;
 mod learner_checks;
 mod node_timing;
 mod timings;

@@ -246,16 +246,22 @@ pub fn dequant(p: &ffi::ct_dequant_params) -> Cost {
 
 /// The W4A4 decode GEMM: 2·m·n·k FLOPs on the BF16 tensor cores (mma.sync); both operands'
 /// codes and block scales read once (the activations are re-read by every block, from L2),
-/// y written in f32.
+/// y written in f32 — or, split over K, each split's (m, n) sums.
 pub fn gemm_w4a4(p: &ffi::ct_gemm_w4a4_params) -> Cost {
     let (m, nn, kk) = (n(p.m), n(p.n), n(p.k));
     Cost {
         flops: 2.0 * m * nn * kk,
-        bytes: (m + nn) * kk * elem_bytes(Elem::E2M1) + m * nn * 4.0,
+        bytes: (m + nn) * kk * elem_bytes(Elem::E2M1) + m * nn * 4.0 * n(p.splits.max(1)),
         rate: Rate::Bf16,
         path: Path::Hbm,
         blocks: None,
     }
+}
+
+/// Split-K's merge: the splits' sums read, y written.
+pub fn gemm_w4a4_merge(p: &ffi::ct_gemm_w4a4_params) -> Cost {
+    let mn = n(p.m) * n(p.n);
+    Cost::hbm(mn * n(p.splits), mn * 4.0 * (n(p.splits) + 1.0))
 }
 
 pub fn swizzle_sf(p: &ffi::ct_swizzle_sf_params) -> Cost {

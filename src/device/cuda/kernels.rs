@@ -73,6 +73,8 @@ pub const W4A4_THREADS: u32 = 8 * 32;
 pub const W4A4_COLS: usize = 32;
 pub const W4A4_MAX_M: usize = 64;
 pub const W4A4_K_STEP: usize = 128;
+/// The most splits of K a ct_gemm_w4a4 launch takes ([`CudaDevice::w4a4_splits`]).
+pub const W4A4_MAX_SPLITS: usize = 16;
 /// Threads per block of lm_head.cu's row kernels (CT_LM_THREADS).
 pub const LM_THREADS: u32 = 1024;
 
@@ -122,10 +124,11 @@ pub enum Kernel {
     GemmW4a4,
     PrefillAttentionTc,
     AttentionMerge,
+    GemmW4a4Merge,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 43] = [
+    pub const ALL: [Kernel; 44] = [
         Kernel::Rmsnorm,
         Kernel::RopeTable,
         Kernel::Rope,
@@ -169,6 +172,7 @@ impl Kernel {
         Kernel::GemmW4a4,
         Kernel::PrefillAttentionTc,
         Kernel::AttentionMerge,
+        Kernel::GemmW4a4Merge,
     ];
 
     /// (the kernel's name, the csrc/kernels/ file that defines it, without `.cu`).
@@ -217,6 +221,7 @@ impl Kernel {
             Kernel::GemmW4a4 => ("ct_gemm_w4a4", "gemm_w4a4"),
             Kernel::PrefillAttentionTc => ("ct_prefill_attention_tc", "attention_prefill"),
             Kernel::AttentionMerge => ("ct_attention_merge", "attention"),
+            Kernel::GemmW4a4Merge => ("ct_gemm_w4a4_merge", "gemm_w4a4"),
         }
     }
 
@@ -237,7 +242,7 @@ impl Kernel {
             RopeTable | Rope | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
             | ScatterAddRows | LmStats | LmDz | Nvfp4ScaleOut => 4,
             RmsnormTrain | SwigluBwd => 2,
-            RmsnormBwd | RmsnormDw | RopeBwd | ColSum | EmbedBwd => 4,
+            RmsnormBwd | RmsnormDw | RopeBwd | ColSum | EmbedBwd | GemmW4a4Merge => 4,
             AttnFwd | AttnBwdDq | AttnBwdDkv | AttnFwdTc | AttnBwdDqTc | AttnBwdDkvTc => 4,
         }
     }
@@ -539,15 +544,40 @@ impl CudaDevice {
         self.launch(Kernel::Dequant, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::dequant(&p))
     }
 
-    /// ct_gemm_w4a4: one block per W4A4_COLS output columns. Refuses the shapes and
-    /// alignments the kernel does not take (the caller checks [`w4a4_fits`] first).
+    /// ct_gemm_w4a4: one block per W4A4_COLS output columns and split of K (`p.splits`, from
+    /// [`CudaDevice::w4a4_splits`]; more than one needs `p.part` and is followed by
+    /// ct_gemm_w4a4_merge). Refuses the shapes and alignments the kernel does not take (the
+    /// caller checks [`w4a4_fits`] first).
     pub fn k_gemm_w4a4(&self, p: ffi::ct_gemm_w4a4_params) -> Result<()> {
         let (m, n, k) = (p.m as usize, p.n as usize, p.k as usize);
         if !w4a4_fits(m, n, k, &[p.a_codes as u64, p.w_codes as u64]) {
             bail!("ct_gemm_w4a4: (m, n, k) = ({m}, {n}, {k}) or its code rows do not fit the kernel");
         }
+        if !(1..=W4A4_MAX_SPLITS as i32).contains(&p.splits) || (p.splits > 1 && p.part.is_null()) {
+            bail!(
+                "ct_gemm_w4a4: {} splits of K (1 to {W4A4_MAX_SPLITS}, more than one with a buffer for their sums)",
+                p.splits
+            );
+        }
         let g = u32_dim((n / W4A4_COLS) as i64, "ct_gemm_w4a4 blocks")?;
-        self.launch(Kernel::GemmW4a4, (g, 1, 1), W4A4_THREADS, 0, &p, cost::gemm_w4a4(&p))
+        self.launch(Kernel::GemmW4a4, (g, p.splits as u32, 1), W4A4_THREADS, 0, &p, cost::gemm_w4a4(&p))?;
+        if p.splits == 1 {
+            return Ok(());
+        }
+        let g = self.stride_grid(m as i64 * n as i64, ELEMENTWISE_THREADS);
+        self.launch(Kernel::GemmW4a4Merge, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::gemm_w4a4_merge(&p))
+    }
+
+    /// How many splits of K ct_gemm_w4a4 takes for an (n, K) weight: 1 when its n / W4A4_COLS
+    /// blocks fill the SMs, else enough for one full wave, each split at least one 128-value
+    /// chunk per warp, at most W4A4_MAX_SPLITS.
+    pub fn w4a4_splits(&self, n: usize, k: usize) -> usize {
+        let (blocks, sms) = ((n / W4A4_COLS).max(1), self.sm_count() as usize);
+        if blocks >= sms {
+            return 1;
+        }
+        let per_warp = (k / W4A4_K_STEP) / (W4A4_THREADS as usize / 32);
+        sms.div_ceil(blocks).min(per_warp).clamp(1, W4A4_MAX_SPLITS)
     }
 
     pub fn k_swizzle_sf(&self, p: ffi::ct_swizzle_sf_params) -> Result<()> {

@@ -136,6 +136,7 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_gemm_w4a4_params, w_codes),
             offset_of!(ffi::ct_gemm_w4a4_params, w_scales),
             offset_of!(ffi::ct_gemm_w4a4_params, y),
+            offset_of!(ffi::ct_gemm_w4a4_params, part),
         ],
         "ct_swizzle_sf_params" => {
             &[offset_of!(ffi::ct_swizzle_sf_params, src), offset_of!(ffi::ct_swizzle_sf_params, dst)]

@@ -222,6 +222,10 @@ pub fn gemm_q(d: &CudaDevice, a: &QAct, w: &QTensor, y: u64, path: Path) -> Resu
     let mma = w.format == QFormat::Nvfp4 && kernels::w4a4_fits(m, n, k, &[a.codes.ptr, wc]);
     if mma && matches!(path, Path::Auto | Path::Mma) {
         let Some(sa) = a.scales.as_ref() else { bail!("NVFP4 activations without block scales") };
+        // Split over K where the weight's column blocks alone leave SMs idle (a down
+        // projection of few columns): each split's sums in a scratch, then merged in order.
+        let splits = d.w4a4_splits(n, k);
+        let part = if splits > 1 { Some(d.scratch(splits * m * n * 4, "split W4A4 sums")?) } else { None };
         d.k_gemm_w4a4(ffi::ct_gemm_w4a4_params {
             a_codes: a.codes.ptr as *const u8,
             a_scales: sa.ptr as *const u8,
@@ -232,6 +236,8 @@ pub fn gemm_q(d: &CudaDevice, a: &QAct, w: &QTensor, y: u64, path: Path) -> Resu
             n: n as i32,
             k: k as i32,
             alpha,
+            part: part.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr as *mut f32),
+            splits: splits as i32,
         })?;
         return Ok(Path::Mma);
     }

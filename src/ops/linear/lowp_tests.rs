@@ -107,6 +107,8 @@ fn paths_on(arch: &str, ordinal: usize, m: usize, n: usize, k: usize) {
             assert_eq!(ran("ct_gemm_w4a4"), expect == Path::Mma, "{what}");
             if expect == Path::Mma {
                 assert!(!ran("ct_dequant") && !ran("gemm bf16 nt"), "{what}");
+                // Split over K where the column blocks alone leave SMs idle, then merged.
+                assert_eq!(ran("ct_gemm_w4a4_merge"), cd.w4a4_splits(n, k) > 1, "{what}");
             }
             let got = y.to_f32_vec().unwrap();
             for (i, (&g, &r)) in got.iter().zip(&want).enumerate() {
@@ -129,6 +131,25 @@ fn lowp_gemm_paths_on_sim_sm90a() {
     paths_on("sm_90a", 112, 37, 96, 256);
     paths_on("sm_90a", 112, 64, 32, 384);
     paths_on("sm_90a", 112, 65, 32, 128);
+    // Split-K: 33 chunks of K over 2 column blocks, in 4 splits of 9, 9, 9 and 6 chunks.
+    assert_eq!(CudaDevice::sim_unshared_arch(112, "sm_90a").w4a4_splits(64, 4224), 4);
+    paths_on("sm_90a", 112, 37, 64, 4224);
+    paths_on("sm_90a", 112, 1, 64, 4224);
+}
+
+/// How many splits of K the W4A4 kernel takes on an H200 (132 SMs, 8 warps a block): none
+/// where the column blocks fill the SMs (a 4B gate/up projection: 304 blocks), enough for one
+/// wave where they do not (its down projection: 80 blocks, 2 splits), never fewer than one
+/// 128-value chunk per warp a split, at most 16.
+#[test]
+fn the_w4a4_kernel_splits_k_only_where_its_columns_leave_sms_idle() {
+    let d = CudaDevice::sim_dry(126, Some("sm_90a")).unwrap();
+    assert_eq!(d.w4a4_splits(9728, 2560), 1);
+    assert_eq!(d.w4a4_splits(2560, 9728), 2);
+    assert_eq!(d.w4a4_splits(4224, 2560), 1, "132 blocks: one whole wave");
+    assert_eq!(d.w4a4_splits(64, 256), 1, "2 chunks: not one per warp in two splits");
+    assert_eq!(d.w4a4_splits(64, 2048), 2, "16 chunks: 2 splits of one per warp");
+    assert_eq!(d.w4a4_splits(32, 1 << 16), 16, "at most 16");
 }
 
 #[test]
