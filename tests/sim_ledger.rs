@@ -387,3 +387,44 @@ fn an_engine_writes_its_gemm_inputs_in_bf16() {
         assert_eq!(casts_off - casts_on, 4 * c.num_layers as u64 * steps, "{recipe}");
     }
 }
+
+/// A quantized engine quantizes each layer input once per forward step, however many linears
+/// read it: q, k and v share the attention input's calibration, gate and up the MLP input's,
+/// so a layer of W8A8 or W4A4 linears runs 4 activation quantizations (its q/k/v input, o's,
+/// gate/up's, down's), not one per linear (7); the GEMMs read the same codes
+/// (`ops::linear::linears_act_q`, whose unit test compares the bits). Prefill and decode steps
+/// alike, decode graphs included.
+#[test]
+fn a_quantized_engine_quantizes_each_layer_input_once() {
+    use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
+    use colotrain::model::calib::Calibration;
+    use colotrain::quant::recipe::{KvScale, Recipe};
+    let cd = CudaDevice::sim(0).unwrap();
+    let dev = Device::Cuda(cd.clone());
+    let lm = load_fixture("llama_gqa", &dev, DType::BF16);
+    let c = lm.cfg.clone();
+    let mut cal = Calibration::new(Calibration::fingerprint(&c), c.num_layers);
+    for l in 0..c.num_layers {
+        cal.input_amax[l] = [4.0; 4];
+        cal.k_amax[l] = 6.0;
+        cal.v_amax[l] = 3.0;
+    }
+    for (recipe, quant) in [("fp8", "ct_quant_fp8"), ("nvfp4", "ct_quant_nvfp4")] {
+        let r = Recipe::preset(recipe, c.num_layers, &[], KvScale::Calibrated, Default::default()).unwrap();
+        let spec = EngineSpec { recipe: r, noise_sigma: 0.0, noise_seed: 0, staleness: 0 };
+        let rw = RolloutWeights::new(&dev, &spec, &c, &lm.weights, Some(&cal), 0).unwrap();
+        let ec = EngineConfig { kv_fp8: spec.recipe.kv_layers(), ..Default::default() };
+        let mut e = Engine::new(&dev, &c, DType::BF16, &ec, None).unwrap();
+        for q in decode_requests(c.vocab_size, 5) {
+            e.add(q).unwrap();
+        }
+        cd.take_ledger();
+        let done = e.run_to_completion(rw.view(&lm.weights), |_| {}).unwrap();
+        let l = cd.take_ledger();
+        assert_eq!(done.len(), 5, "{recipe}");
+        assert!(e.graph_stats().replays > 0, "{recipe}: decode graphs replayed");
+        let launches = op(&l, quant).launches;
+        eprintln!("{recipe}: {launches} {quant} over {} steps", e.stats.steps);
+        assert_eq!(launches, 4 * c.num_layers as u64 * e.stats.steps, "{recipe}: activation quantizations");
+    }
+}
