@@ -392,8 +392,9 @@ fn an_engine_writes_its_gemm_inputs_in_bf16() {
 /// read it: q, k and v share the attention input's calibration, gate and up the MLP input's,
 /// so a layer of W8A8 or W4A4 linears runs 4 activation quantizations (its q/k/v input, o's,
 /// gate/up's, down's), not one per linear (7); the GEMMs read the same codes
-/// (`ops::linear::linears_act_q`, whose unit test compares the bits). Prefill and decode steps
-/// alike, decode graphs included.
+/// (`ops::linear::linears_act_q`, whose unit test compares the bits). The down projection's
+/// quantizer reads gate and up and computes SwiGLU itself: no SwiGLU pass. Prefill and decode
+/// steps alike, decode graphs included.
 #[test]
 fn a_quantized_engine_quantizes_each_layer_input_once() {
     use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
@@ -426,5 +427,7 @@ fn a_quantized_engine_quantizes_each_layer_input_once() {
         let launches = op(&l, quant).launches;
         eprintln!("{recipe}: {launches} {quant} over {} steps", e.stats.steps);
         assert_eq!(launches, 4 * c.num_layers as u64 * e.stats.steps, "{recipe}: activation quantizations");
+        // The down projection's quantizer computes SwiGLU as it reads gate and up.
+        assert!(rows(&l).iter().all(|r| r.op != "ct_swiglu"), "{recipe}: no SwiGLU pass");
     }
 }

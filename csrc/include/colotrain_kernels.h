@@ -320,7 +320,8 @@ typedef struct ct_amax_params {
 /* FP8 E4M3 per-tensor quantization: scale = fixed_scale if > 0, else amax / 448 (1 when amax
  * is 0), amax read from *amax_bits; code = e4m3_satfinite(x / scale). Writes codes (if not
  * NULL), the dequantized values e4m3(code) * scale (if dequant is not NULL) and the scale (if
- * scale_out is not NULL). */
+ * scale_out is not NULL). With up (not NULL, x f32): the values quantized are
+ * SwiGLU(x, up) = silu(x) * up, ct_swiglu's arithmetic, read from the gate and up rows. */
 typedef struct ct_quant_fp8_params {
   const void* x;
   int32_t dtype;
@@ -330,6 +331,7 @@ typedef struct ct_quant_fp8_params {
   uint8_t* codes;
   float* dequant;
   float* scale_out;
+  const float* up;
 } ct_quant_fp8_params;
 
 /* NVFP4 quantization of n values (n % 16 == 0, blocks of 16 consecutive values), the exact
@@ -337,7 +339,7 @@ typedef struct ct_quant_fp8_params {
  * is 0); optional RHT (signs) and stochastic rounding (Philox key sr_seed, counter (flat index
  * of the value, 0x5352, 0)). Writes packed codes (n/2 bytes, even element in the low nibble),
  * E4M3 block scales (n/16 bytes), the dequantized values (if not NULL) and the global scale
- * (if global_out is not NULL). */
+ * (if global_out is not NULL). With up (not NULL, x f32), as ct_quant_fp8: SwiGLU(x, up). */
 typedef struct ct_quant_nvfp4_params {
   const void* x;
   int32_t dtype;
@@ -354,6 +356,7 @@ typedef struct ct_quant_nvfp4_params {
   float* global_out;
   int32_t row_k;    /* > 0: one global per row of row_k values, from amax_bits[row] */
   int32_t unrotate; /* with rht: dequant rotated back (inverse RHT), the learner's domain */
+  const float* up;
 } ct_quant_nvfp4_params;
 
 /* Decodes n quantized weight values. out_dtype F32: the exact CPU values (FP8: e4m3 * scale;

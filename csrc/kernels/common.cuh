@@ -127,6 +127,18 @@ __device__ __forceinline__ float ct_exp_f32(float x) {
   return __fmul_rn(__fmul_rn(y, __int_as_float((a + 127) << 23)), __int_as_float((b + 127) << 23));
 }
 
+// SwiGLU of one (gate, up) pair: silu(g) * u, src/ops/elementwise swiglu's f32 operations in
+// its order (ct_swiglu, and the quantizers that read gate and up for a down projection's input).
+__device__ __forceinline__ float ct_silu_mul(float g, float u) {
+  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, ct_exp_f32(-g))), u);
+}
+
+// Value i of a quantizer's input: x[i] in its dtype, or with `up` (f32 x = the gate) their
+// SwiGLU.
+__device__ __forceinline__ float ct_quant_input(const void* x, int dtype, const float* up, int64_t i) {
+  return up ? ct_silu_mul(static_cast<const float*>(x)[i], up[i]) : ct_load(x, dtype, i);
+}
+
 // ---- attention ---------------------------------------------------------------------------
 
 // One online-softmax step of one query over a tile of jn scores (flash-style): the running max

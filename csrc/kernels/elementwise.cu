@@ -26,9 +26,7 @@ extern "C" __global__ void ct_embedding(ct_embedding_params p) {
 // silu(g) * u with silu(g) = g / (1 + exp(-g)), exp being ct_exp_f32: the CPU's bits.
 extern "C" __global__ void ct_swiglu(ct_swiglu_params p) {
   CT_GRID_LOOP(i, p.n) {
-    const float g = p.gate[i];
-    const float s = __fdiv_rn(g, __fadd_rn(1.0f, ct_exp_f32(-g)));
-    ct_store(p.out, p.out_dtype, i, __fmul_rn(s, p.up[i]));
+    ct_store(p.out, p.out_dtype, i, ct_silu_mul(p.gate[i], p.up[i]));
   }
 }
 

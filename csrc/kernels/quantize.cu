@@ -9,6 +9,9 @@
 //                       flat element index) and fake_quantize_rows (dequantize_into); with
 //                       row_k / unrotate: learner_round (per-row globals, the inverse RHT)
 //   ct_dequant       <- src/device/tensor.rs CpuFloats::Fp8 / Nvfp4 read_into
+// ct_quant_fp8 and ct_quant_nvfp4 with `up` quantize SwiGLU(x, up) (ct_silu_mul, ct_swiglu's
+// arithmetic) without writing it: a down projection's input, the bits of ct_swiglu then the
+// quantizer.
 // One difference from the CPU: the CPU checks the amax for NaN/Inf before writing any code;
 // here the amax and the codes are computed in one stream of work and the host checks the amax
 // afterwards, so a tensor that holds NaN leaves garbage codes behind (and an error).
@@ -60,7 +63,7 @@ extern "C" __global__ void ct_quant_fp8(ct_quant_fp8_params p) {
   }
   if (p.scale_out && blockIdx.x == 0 && threadIdx.x == 0) *p.scale_out = scale;
   CT_GRID_LOOP(i, p.n) {
-    const uint32_t code = ct_e4m3_encode_nan(__fdiv_rn(ct_load(p.x, p.dtype, i), scale));
+    const uint32_t code = ct_e4m3_encode_nan(__fdiv_rn(ct_quant_input(p.x, p.dtype, p.up, i), scale));
     if (p.codes) p.codes[i] = static_cast<uint8_t>(code);
     if (p.dequant) p.dequant[i] = __fmul_rn(ct_e4m3_decode(code), scale);
   }
@@ -83,7 +86,7 @@ extern "C" __global__ void ct_quant_nvfp4(ct_quant_nvfp4_params p) {
     const float denom6 = __fmul_rn(6.0f, global);
     float x[16];
 #pragma unroll
-    for (int i = 0; i < 16; i++) x[i] = ct_load(p.x, p.dtype, b * 16 + i);
+    for (int i = 0; i < 16; i++) x[i] = ct_quant_input(p.x, p.dtype, p.up, b * 16 + i);
     if (p.rht) ct_rht16(x, p.signs);
     uint32_t mb = 0;
 #pragma unroll

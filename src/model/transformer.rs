@@ -15,7 +15,7 @@ use crate::ops::linear::Panels;
 use crate::ops::linear::Proj;
 use crate::ops::quantize::{self, ActQuant};
 use crate::ops::{elementwise, norm, rope};
-use crate::quant::qtensor::QFormat;
+use crate::quant::qtensor::{QFormat, QTensor};
 use anyhow::{bail, Result};
 
 /// One layer's paged cache: keys and values, each (num_blocks, Hkv, block_size, D).
@@ -324,11 +324,32 @@ impl Transformer {
                     m,
                 )?;
             }
-            let ay = if down16 { &mut b.act16 } else { &mut b.act };
-            elementwise::swiglu(dev, &b.gate, &b.up, ay, m)?;
-            observe(dev, &mut b.observe, l, 3, &b.act, m)?;
-            let ax = if down16 { &b.act16 } else { &b.act };
-            proj(dev, ax, &mut b.xq, &lw.down_proj, pan(l, 6), lw.down_bias.as_ref(), ql, 6, &mut b.o, m)?;
+            // A W8A8 / W4A4 down projection quantizes SwiGLU's output as it computes it (not
+            // while calibrating: the observer reads that output).
+            match ql.and_then(|q| real_lowp(q, 6).map(|w| (w, q.act[6]))).filter(|_| b.observe.is_none()) {
+                Some((wq, act)) => {
+                    let (gate, up, a) = (&b.gate, &b.up, &mut b.act);
+                    matmul::swiglu_linear_act_q(
+                        dev,
+                        gate,
+                        up,
+                        a,
+                        &mut b.xq,
+                        &act,
+                        wq,
+                        lw.down_bias.as_ref(),
+                        &mut b.o,
+                        m,
+                    )?;
+                }
+                None => {
+                    let ay = if down16 { &mut b.act16 } else { &mut b.act };
+                    elementwise::swiglu(dev, &b.gate, &b.up, ay, m)?;
+                    observe(dev, &mut b.observe, l, 3, &b.act, m)?;
+                    let ax = if down16 { &b.act16 } else { &b.act };
+                    proj(dev, ax, &mut b.xq, &lw.down_proj, pan(l, 6), lw.down_bias.as_ref(), ql, 6, &mut b.o, m)?;
+                }
+            }
         }
         Ok(())
     }
@@ -363,15 +384,7 @@ fn projs<const N: usize>(
 ) -> Result<()> {
     if let Some(q) = q {
         let act = q.act[group[0].0];
-        let real = |i: usize| {
-            q.w[i].as_ref().filter(|w| {
-                q.act[i] == act
-                    && matches!(
-                        (act, w.format),
-                        (ActQuant::Fp8 { .. }, QFormat::Fp8) | (ActQuant::Nvfp4 { .. }, QFormat::Nvfp4)
-                    )
-            })
-        };
+        let real = |i: usize| real_lowp(q, i).filter(|_| q.act[i] == act);
         if let (Some(first), true) = (real(group[0].0), group.iter().all(|(i, _)| real(*i).is_some())) {
             // (On the stack: a decode step allocates nothing. Every `real(i)` is Some here.)
             let mut shared = group.map(|(i, p)| matmul::QProj { w: real(i).unwrap_or(first), bias: p.bias, y: p.y });
@@ -382,6 +395,14 @@ fn projs<const N: usize>(
         proj(dev, x, xq, p.w, p.panels, p.bias, q, i, p.y, m)?;
     }
     Ok(())
+}
+
+/// Linear i's quantized weight where its input is quantized in the same format: a W8A8 /
+/// W4A4 linear (a real low-precision GEMM on CUDA, its emulation on the CPU).
+fn real_lowp(q: &QLayer, i: usize) -> Option<&QTensor> {
+    q.w[i].as_ref().filter(|w| {
+        matches!((q.act[i], w.format), (ActQuant::Fp8 { .. }, QFormat::Fp8) | (ActQuant::Nvfp4 { .. }, QFormat::Nvfp4))
+    })
 }
 
 /// One projection: dense, or with a quantized weight and/or a fake-quantized input.
@@ -404,12 +425,8 @@ fn proj(
     };
     // Both operands quantized in one format: the W8A8 / W4A4 linear (a real low-precision GEMM
     // on CUDA, its emulation on CPU).
-    if let Some(wq) = wq {
-        let same =
-            matches!((act, wq.format), (ActQuant::Fp8 { .. }, QFormat::Fp8) | (ActQuant::Nvfp4 { .. }, QFormat::Nvfp4));
-        if same {
-            return matmul::linear_act_q(dev, x, xq, &act, wq, bias, y, m);
-        }
+    if let Some(wq) = q.and_then(|q| real_lowp(q, i)) {
+        return matmul::linear_act_q(dev, x, xq, &act, wq, bias, y, m);
     }
     let input = if act == ActQuant::None {
         x

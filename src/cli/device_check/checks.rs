@@ -701,7 +701,8 @@ fn check_quant(x: &mut Ctx) -> Result<()> {
             }
         }
     }
-    super::gemm_checks::w4a4_split_k(x)
+    super::gemm_checks::w4a4_split_k(x)?;
+    super::gemm_checks::swiglu_down(x)
 }
 
 /// The sizes of the sm_100 CUTLASS kernels' NVFP4 scale tensors against the swizzled layout

@@ -74,3 +74,46 @@ pub(super) fn w4a4_split_k(x: &mut Ctx) -> Result<()> {
     x.record(&op, "nvfp4", &reference.to_f32_vec()?, &y.g.to_f32_vec()?, Tol::Close(1e-3, 1e-3));
     Ok(())
 }
+
+/// A quantized MLP's down projection with SwiGLU computed by its quantizer (`ct_quant_fp8` /
+/// `ct_quant_nvfp4` reading gate and up) against `ct_swiglu` then the linear, on the GPU: the
+/// same codes, so the same bits (and the product against the CPU's emulation).
+pub(super) fn swiglu_down(x: &mut Ctx) -> Result<()> {
+    let (n, i) = (64usize, 512usize);
+    let g = x.randp(DType::F32, &[M, i], 2.0)?;
+    let u = x.randp(DType::F32, &[M, i], 1.0)?;
+    let w = x.randp(DType::BF16, &[n, i], 0.05)?;
+    let mut a = x.out(&[M, i])?;
+    crate::ops::elementwise::swiglu(&x.cpu, &g.c, &u.c, &mut a.c, M)?;
+    let amax = a.c.to_f32_vec()?.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    for (fmt, act) in [
+        (QFormat::Fp8, ActQuant::Fp8 { scale: amax / 448.0 }),
+        (
+            QFormat::Nvfp4,
+            ActQuant::Nvfp4 { global: amax / 2688.0, opts: Nvfp4Opts { rht: Some(3), stochastic: Some(4) } },
+        ),
+    ] {
+        let (mut qc, mut qg) = (
+            QTensor::alloc(fmt, n, i, Nvfp4Opts::default())?,
+            QTensor::alloc_on(&x.gpu, fmt, n, i, Nvfp4Opts::default())?,
+        );
+        quantize::requantize(&x.cpu, &w.c, &mut qc, "w")?;
+        quantize::requantize(&x.gpu, &w.g, &mut qg, "w")?;
+        let (mut xq, mut y, mut fused) = (x.out(&[M, i])?, x.out(&[M, n])?, x.out(&[M, n])?);
+        matmul::linear_act_q(&x.cpu, &a.c, &mut xq.c, &act, &qc, None, &mut y.c, M)?;
+        crate::ops::elementwise::swiglu(&x.gpu, &g.g, &u.g, &mut a.g, M)?;
+        matmul::linear_act_q(&x.gpu, &a.g, &mut xq.g, &act, &qg, None, &mut y.g, M)?;
+        matmul::swiglu_linear_act_q(&x.gpu, &g.g, &u.g, &mut a.g, &mut xq.g, &act, &qg, None, &mut fused.g, M)?;
+        let (apart, fused) = (y.g.to_f32_vec()?, fused.g.to_f32_vec()?);
+        let name = if fmt == QFormat::Fp8 { "fp8" } else { "nvfp4 rht+sr" };
+        x.record("down projection, SwiGLU in the quantizer vs apart", name, &apart, &fused, Tol::Exact);
+        x.record(
+            "down projection, SwiGLU in the quantizer vs CPU",
+            name,
+            &y.c.to_f32_vec()?,
+            &fused,
+            Tol::Close(1e-3, 1e-3),
+        );
+    }
+    Ok(())
+}

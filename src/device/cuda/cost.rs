@@ -228,14 +228,26 @@ pub fn amax(p: &ffi::ct_amax_params) -> Cost {
 /// x read; the codes and (when asked) the dequantized f32 values written.
 pub fn quant_fp8(p: &ffi::ct_quant_fp8_params) -> Cost {
     let out = if p.codes.is_null() { 0.0 } else { 1.0 } + if p.dequant.is_null() { 0.0 } else { 4.0 };
-    Cost::hbm(2.0 * n(p.n), n(p.n) * (dsize(p.dtype) + out))
+    let (flops, input) = quant_input(p.up.is_null(), p.dtype);
+    Cost::hbm((2.0 + flops) * n(p.n), n(p.n) * (input + out))
 }
 
 /// x read; packed codes, block scales and (when asked) the dequantized values written.
 pub fn quant_nvfp4(p: &ffi::ct_quant_nvfp4_params) -> Cost {
     let out = if p.packed.is_null() { 0.0 } else { 0.5 + 1.0 / 16.0 } + if p.dequant.is_null() { 0.0 } else { 4.0 };
     let f = if p.rht != 0 { 8.0 } else { 4.0 };
-    Cost::hbm(f * n(p.n), n(p.n) * (dsize(p.dtype) + out))
+    let (flops, input) = quant_input(p.up.is_null(), p.dtype);
+    Cost::hbm((f + flops) * n(p.n), n(p.n) * (input + out))
+}
+
+/// A quantizer's input per value: (FLOPs, bytes): x in its dtype, or (with `up`) the gate and
+/// up in f32 and their SwiGLU ([`swiglu`]'s 5 FLOPs).
+fn quant_input(plain: bool, dtype: i32) -> (f64, f64) {
+    if plain {
+        (0.0, dsize(dtype))
+    } else {
+        (5.0, 8.0)
+    }
 }
 
 /// Codes (and block scales) read, values written in `out_dtype`.

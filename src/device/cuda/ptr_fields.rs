@@ -116,6 +116,7 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_quant_fp8_params, codes),
             offset_of!(ffi::ct_quant_fp8_params, dequant),
             offset_of!(ffi::ct_quant_fp8_params, scale_out),
+            offset_of!(ffi::ct_quant_fp8_params, up),
         ],
         "ct_quant_nvfp4_params" => &[
             offset_of!(ffi::ct_quant_nvfp4_params, x),
@@ -124,6 +125,7 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_quant_nvfp4_params, scales),
             offset_of!(ffi::ct_quant_nvfp4_params, dequant),
             offset_of!(ffi::ct_quant_nvfp4_params, global_out),
+            offset_of!(ffi::ct_quant_nvfp4_params, up),
         ],
         "ct_dequant_params" => &[
             offset_of!(ffi::ct_dequant_params, codes),

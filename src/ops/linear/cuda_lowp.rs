@@ -53,11 +53,30 @@ pub struct QAct {
 pub fn quantize_act(d: &CudaDevice, x: &Tensor, m: usize, act: &ActQuant) -> Result<QAct> {
     let k = x.dim(x.shape().len() - 1);
     let xp = ptr(d, x, &[DType::F32], "activation rows")?;
+    quantize_rows(d, xp, 0, m, k, act)
+}
+
+/// [`quantize_act`] of SwiGLU(gate, up) (both (m, K) f32), computed by the quantizer as it reads
+/// them (`ct_swiglu`'s arithmetic) and never written.
+pub fn quantize_swiglu_act(d: &CudaDevice, gate: &Tensor, up: &Tensor, m: usize, act: &ActQuant) -> Result<QAct> {
+    let k = gate.dim(gate.shape().len() - 1);
+    if up.dim(up.shape().len() - 1) != k {
+        bail!("SwiGLU quantization: gate rows of {k} values, up rows of {}", up.dim(up.shape().len() - 1));
+    }
+    crate::ops::check_rows(gate, m, k, "SwiGLU gate")?;
+    crate::ops::check_rows(up, m, k, "SwiGLU up")?;
+    let gp = ptr(d, gate, &[DType::F32], "SwiGLU gate")?;
+    let upp = ptr(d, up, &[DType::F32], "SwiGLU up")?;
+    quantize_rows(d, gp, upp, m, k, act)
+}
+
+/// The codes of rows (m, K) at `xp` (with `up`: of SwiGLU(x, up)).
+fn quantize_rows(d: &CudaDevice, xp: u64, up: u64, m: usize, k: usize, act: &ActQuant) -> Result<QAct> {
     let n = m * k;
     match *act {
         ActQuant::Fp8 { scale } => {
             let codes = d.scratch(n, "FP8 activation codes")?;
-            quant_rows_fixed(d, xp, m, k, act, codes.ptr, 0, 0)?;
+            quant_rows_fixed(d, xp, up, m, k, act, codes.ptr, 0, 0)?;
             Ok(QAct { codes, scales: None, scale, rows: m, k })
         }
         ActQuant::Nvfp4 { global, .. } => {
@@ -66,7 +85,7 @@ pub fn quantize_act(d: &CudaDevice, x: &Tensor, m: usize, act: &ActQuant) -> Res
             }
             let (codes, scales) =
                 (d.scratch(n / 2, "NVFP4 activation codes")?, d.scratch(n / 16, "NVFP4 activation scales")?);
-            quant_rows_fixed(d, xp, m, k, act, codes.ptr, scales.ptr, 0)?;
+            quant_rows_fixed(d, xp, up, m, k, act, codes.ptr, scales.ptr, 0)?;
             Ok(QAct { codes, scales: Some(scales), scale: global, rows: m, k })
         }
         ActQuant::None => bail!("quantize_act: no activation format given"),
@@ -99,7 +118,16 @@ pub fn linears_act_q(
     m: usize,
     path: Path,
 ) -> Result<Path> {
-    let kx = x.dim(x.shape().len() - 1);
+    check_projs(d, x.dim(x.shape().len() - 1), act, projs, m)?;
+    if m == 0 {
+        return Ok(path);
+    }
+    let qa = quantize_act(d, x, m, act)?;
+    gemms_q(d, &qa, projs, m, path)
+}
+
+/// The projections of rows of `kx` values quantized with `act`: formats, K and outputs.
+fn check_projs(d: &CudaDevice, kx: usize, act: &ActQuant, projs: &[QProj], m: usize) -> Result<()> {
     for p in projs.iter() {
         match (act, p.w.format) {
             (ActQuant::Fp8 { .. }, QFormat::Fp8) | (ActQuant::Nvfp4 { .. }, QFormat::Nvfp4) => {}
@@ -111,14 +139,38 @@ pub fn linears_act_q(
         ptr(d, p.y, &[DType::F32], "linear output")?;
         crate::ops::check_rows(p.y, m, p.w.rows, "linear output")?;
     }
+    Ok(())
+}
+
+/// y[..m] = quant(SwiGLU(gate, up)) · wqᵀ (+ bias): a down projection of a W8A8 / W4A4 MLP,
+/// the quantizer computing SwiGLU as it reads gate and up (no pass writes SwiGLU's output).
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_linear_act_q(
+    d: &CudaDevice,
+    gate: &Tensor,
+    up: &Tensor,
+    act: &ActQuant,
+    wq: &QTensor,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+    path: Path,
+) -> Result<Path> {
+    let mut projs = [QProj { w: wq, bias, y }];
+    check_projs(d, gate.dim(gate.shape().len() - 1), act, &projs, m)?;
     if m == 0 {
         return Ok(path);
     }
-    let qa = quantize_act(d, x, m, act)?;
+    let qa = quantize_swiglu_act(d, gate, up, m, act)?;
+    gemms_q(d, &qa, &mut projs, m, path)
+}
+
+/// Each projection's GEMM on the quantized rows `qa` (+ its bias); the last one's path.
+fn gemms_q(d: &CudaDevice, qa: &QAct, projs: &mut [QProj], m: usize, path: Path) -> Result<Path> {
     let mut taken = path;
     for p in projs.iter_mut() {
         let yp = ptr(d, p.y, &[DType::F32], "linear output")?;
-        taken = gemm_q(d, &qa, p.w, yp, path)?;
+        taken = gemm_q(d, qa, p.w, yp, path)?;
         if let Some(b) = p.bias {
             add_bias(d, yp, b, m, p.w.rows)?;
         }

@@ -441,3 +441,71 @@ fn the_projections_of_one_input_quantize_it_once_sim() {
         }
     }
 }
+
+/// A quantized MLP's down projection quantizes SwiGLU(gate, up) as its quantizer reads them
+/// (`swiglu_linear_act_q`): on the simulated sm_90a (FP8 through CUTLASS, NVFP4 through the
+/// mma kernel, with and without RHT + stochastic rounding) the bits of `ct_swiglu` then
+/// `linear_act_q`, with one launch (no `ct_swiglu`) and SwiGLU's output never written; on the
+/// CPU (its twin: SwiGLU, then the linear) the same values within the GPU GEMM's summation
+/// order, |gpu − cpu| ≤ 1e-4 + 1e-4·|cpu|.
+#[test]
+fn a_down_projection_quantizes_swiglu_as_it_reads_gate_and_up_sim() {
+    use crate::ops::elementwise;
+    use crate::ops::linear as matmul;
+    let (m, i, n) = (6usize, 384usize, 64usize);
+    let gs = data(m * i, 41, 2.0);
+    let us = data(m * i, 42, 1.0);
+    let ws = data(n * i, 43, 0.05);
+    let bias = data(n, 44, 0.1);
+    // The calibrated input amax: SwiGLU's largest |value| on these rows (from the CPU's output).
+    let cpu = Device::cpu(1).unwrap();
+    let cd = CudaDevice::sim_unshared_arch(127, "sm_90a");
+    let gpu = Device::Cuda(cd.clone());
+    let mut probe = Tensor::cpu_zeros(DType::F32, &[m, i]);
+    let (gc, uc) = (cpu.from_f32(DType::F32, &[m, i], &gs).unwrap(), cpu.from_f32(DType::F32, &[m, i], &us).unwrap());
+    elementwise::swiglu(&cpu, &gc, &uc, &mut probe, m).unwrap();
+    let amax = probe.to_f32_vec().unwrap().iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    for (format, act) in [
+        (QFormat::Fp8, ActQuant::Fp8 { scale: amax / 448.0 }),
+        (QFormat::Nvfp4, ActQuant::Nvfp4 { global: amax / 2688.0, opts: Nvfp4Opts::default() }),
+        (
+            QFormat::Nvfp4,
+            ActQuant::Nvfp4 { global: amax / 2688.0, opts: Nvfp4Opts { rht: Some(7), stochastic: Some(8) } },
+        ),
+    ] {
+        let what = format!("{act:?}");
+        let mut outs = Vec::new();
+        for dev in [&cpu, &gpu] {
+            let g = dev.from_f32(DType::F32, &[m, i], &gs).unwrap();
+            let u = dev.from_f32(DType::F32, &[m, i], &us).unwrap();
+            let b = dev.from_f32(DType::F32, &[n], &bias).unwrap();
+            let w = dev.from_f32(DType::BF16, &[n, i], &ws).unwrap();
+            let mut q = QTensor::alloc_on(dev, format, n, i, Nvfp4Opts::default()).unwrap();
+            quantize::requantize(dev, &w, &mut q, "w").unwrap();
+            let mut xq = dev.zeros(DType::F32, &[m, i]).unwrap();
+            let nan = |r: usize, c: usize| dev.from_f32(DType::F32, &[r, c], &vec![f32::NAN; r * c]).unwrap();
+            // Apart: SwiGLU written, then the linear on it.
+            let (mut a, mut y) = (nan(m, i), nan(m, n));
+            elementwise::swiglu(dev, &g, &u, &mut a, m).unwrap();
+            matmul::linear_act_q(dev, &a, &mut xq, &act, &q, Some(&b), &mut y, m).unwrap();
+            // Fused.
+            let (mut a2, mut y2) = (nan(m, i), nan(m, n));
+            cd.take_ledger();
+            matmul::swiglu_linear_act_q(dev, &g, &u, &mut a2, &mut xq, &act, &q, Some(&b), &mut y2, m).unwrap();
+            let l = cd.take_ledger();
+            let (y, y2) = (y.to_f32_vec().unwrap(), y2.to_f32_vec().unwrap());
+            assert!(y.iter().all(|v| v.is_finite()), "{what}");
+            assert_eq!(y2, y, "{what} on {}: fused against apart", dev.name());
+            if let Device::Cuda(_) = dev {
+                let launched = |op: &str| l.entries().filter(|(k, _)| k.2 == op).map(|(_, e)| e.launches).sum::<u64>();
+                let quant = if format == QFormat::Fp8 { "ct_quant_fp8" } else { "ct_quant_nvfp4" };
+                assert_eq!((launched("ct_swiglu"), launched(quant)), (0, 1), "{what}: launches");
+                assert!(a2.to_f32_vec().unwrap().iter().all(|v| v.is_nan()), "{what}: SwiGLU's output not written");
+            }
+            outs.push(y2);
+        }
+        for (j, (&g, &c)) in outs[1].iter().zip(&outs[0]).enumerate() {
+            assert!((g - c).abs() <= 1e-4 + 1e-4 * c.abs(), "{what}: y[{j}] gpu {g} cpu {c}");
+        }
+    }
+}

@@ -6,7 +6,8 @@
 //! panels (`panels.rs`), the tensor glue (`cpu.rs`), the training GEMMs (`gemm.rs` over the
 //! `gemm` crate; `grad.rs`: forward and backward of a linear). The CUDA side: cuBLASLt
 //! (`cuda.rs`), CUTLASS FP8 / NVFP4 or emulation (`cuda_lowp.rs`, csrc/cutlass/). May call:
-//! `crate::device`, `crate::quant`, `super::quantize`. Must not: allocate in steady state.
+//! `crate::device`, `crate::quant`, `super::quantize`, `super::elementwise` (SwiGLU, the CPU
+//! twin of the fused down projection). Must not: allocate in steady state.
 
 mod cpu;
 mod cuda;
@@ -208,6 +209,35 @@ pub fn linears_act_q(
             Ok(())
         }
         Device::Cuda(c) => cuda_lowp::linears_act_q(c, x, act, projs, m, cuda_lowp::Path::Auto).map(|_| ()),
+    }
+}
+
+/// y[..m] = quant(SwiGLU(gate[..m], up[..m]))·wqᵀ (+ bias): the down projection of a quantized
+/// engine's MLP, [`linear_act_q`] of SwiGLU's output. CPU: SwiGLU into the scratch `a` (m, I),
+/// then [`linear_act_q`]. CUDA: the quantizer computes SwiGLU as it reads gate and up, with
+/// `ct_swiglu`'s arithmetic (the same codes, so the same bits), and `a` is not written: one
+/// launch and one (m, I) f32 round trip fewer per layer.
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_linear_act_q(
+    dev: &Device,
+    gate: &Tensor,
+    up: &Tensor,
+    a: &mut Tensor,
+    xq: &mut Tensor,
+    act: &ActQuant,
+    wq: &QTensor,
+    bias: Option<&Tensor>,
+    y: &mut Tensor,
+    m: usize,
+) -> Result<()> {
+    match dev {
+        Device::Cpu(_) => {
+            super::elementwise::swiglu(dev, gate, up, a, m)?;
+            linear_act_q(dev, a, xq, act, wq, bias, y, m)
+        }
+        Device::Cuda(c) => {
+            cuda_lowp::swiglu_linear_act_q(c, gate, up, act, wq, bias, y, m, cuda_lowp::Path::Auto).map(|_| ())
+        }
     }
 }
 

@@ -92,6 +92,7 @@ pub fn requantize_all(
                 codes: codes as *mut u8,
                 dequant: std::ptr::null_mut(),
                 scale_out: std::ptr::null_mut(),
+                up: std::ptr::null(),
             })?,
             QFormat::Nvfp4 => {
                 let scales = ptr(d, &q.block_scales, &[DType::U8], "block scales")?;
@@ -111,6 +112,7 @@ pub fn requantize_all(
                     global_out: std::ptr::null_mut(),
                     row_k: 0,
                     unrotate: 0,
+                    up: std::ptr::null(),
                 })?
             }
         }
@@ -199,18 +201,21 @@ pub fn fake_quant_rows(d: &CudaDevice, x: &Tensor, y: &mut Tensor, m: usize, q: 
     let yp = ptr(d, y, &[DType::F32], "fake_quant output")?;
     match *q {
         ActQuant::None => d.dtod(yp, xp, m * k * 4),
-        _ => quant_rows_fixed(d, xp, m, k, q, 0, 0, yp),
+        _ => quant_rows_fixed(d, xp, 0, m, k, q, 0, 0, yp),
     }
 }
 
 /// Quantizes f32 rows x (m, K) at `xp` with the fixed scale of `q` (FP8: scale; NVFP4: global,
 /// with dynamic block scales, RHT and stochastic rounding as its options), writing whichever of
 /// codes (`codes`), NVFP4 block scales (`scales`) and dequantized values (`dequant`) is non-zero.
-/// The one launch of the quantize kernels for activations (fake_quant_rows, linear::cuda_lowp::quantize_act).
+/// With `up` (non-zero: f32 rows like x's, x then the gate) the rows quantized are SwiGLU(x, up),
+/// computed as `ct_swiglu` computes it and not written. The one launch of the quantize kernels
+/// for activations (fake_quant_rows, linear::cuda_lowp::quantize_act).
 #[allow(clippy::too_many_arguments)]
 pub fn quant_rows_fixed(
     d: &CudaDevice,
     xp: u64,
+    up: u64,
     m: usize,
     k: usize,
     q: &ActQuant,
@@ -235,6 +240,7 @@ pub fn quant_rows_fixed(
                 codes: out(codes),
                 dequant: f32p(dequant),
                 scale_out: std::ptr::null_mut(),
+                up: up as *const f32,
             })
         }
         ActQuant::Nvfp4 { global, opts } => {
@@ -261,6 +267,7 @@ pub fn quant_rows_fixed(
                 global_out: std::ptr::null_mut(),
                 row_k: 0,
                 unrotate: 0,
+                up: up as *const f32,
             })
         }
     }
@@ -339,6 +346,7 @@ pub fn learner_round(
         global_out: std::ptr::null_mut(),
         row_k: row_k as i32,
         unrotate: 1,
+        up: std::ptr::null(),
     })?;
     Ok(match (packed, scales) {
         (Some(packed), Some(scales)) => {
