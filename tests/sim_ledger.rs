@@ -393,8 +393,9 @@ fn an_engine_writes_its_gemm_inputs_in_bf16() {
 /// so a layer of W8A8 or W4A4 linears runs 4 activation quantizations (its q/k/v input, o's,
 /// gate/up's, down's), not one per linear (7); the GEMMs read the same codes
 /// (`ops::linear::linears_act_q`, whose unit test compares the bits). The down projection's
-/// quantizer reads gate and up and computes SwiGLU itself: no SwiGLU pass. Prefill and decode
-/// steps alike, decode graphs included.
+/// quantizer reads gate and up and computes SwiGLU itself: no SwiGLU pass; and RoPE and the KV
+/// write take one launch a layer (`ct_qk_rope_kv`). Prefill and decode steps alike, decode
+/// graphs included.
 #[test]
 fn a_quantized_engine_quantizes_each_layer_input_once() {
     use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
@@ -429,5 +430,8 @@ fn a_quantized_engine_quantizes_each_layer_input_once() {
         assert_eq!(launches, 4 * c.num_layers as u64 * e.stats.steps, "{recipe}: activation quantizations");
         // The down projection's quantizer computes SwiGLU as it reads gate and up.
         assert!(rows(&l).iter().all(|r| r.op != "ct_swiglu"), "{recipe}: no SwiGLU pass");
+        // RoPE of q and k and the KV write: one launch per layer and step, none of their own.
+        assert_eq!(op(&l, "ct_qk_rope_kv").launches, c.num_layers as u64 * e.stats.steps, "{recipe}");
+        assert!(rows(&l).iter().all(|r| r.op != "ct_rope" && r.op != "ct_kv_write"), "{recipe}: no RoPE or KV-write pass");
     }
 }

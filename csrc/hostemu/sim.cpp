@@ -79,6 +79,7 @@ extern "C" int ct_sim_launch(int id, unsigned gx, unsigned gy, unsigned bx, size
     case 41: run(ct_prefill_attention_tc, gx, gy, bx, smem, params); break;
     case 42: run(ct_attention_merge, gx, gy, bx, smem, params); break;
     case 43: run(ct_gemm_w4a4_merge, gx, gy, bx, smem, params); break;
+    case 44: run(ct_qk_rope_kv, gx, gy, bx, smem, params); break;
     default: return -1;
   }
   return 0;

@@ -215,6 +215,24 @@ typedef struct ct_kv_write_params {
   uint32_t* err;
 } ct_kv_write_params;
 
+/* A layer's attention inputs, ready, in one launch (grid (tokens, heads + kv.kv_heads) of 256
+ * threads): q (tokens, heads * D) and k (tokens, kv_heads * D), D = kv.head_dim, normalized per
+ * head in place where q_norm / k_norm (D values of norm_dtype) are given (Qwen3's q_norm and
+ * k_norm; ct_rmsnorm's arithmetic), rotated by RoPE (cos, sin (tokens, D/2); ct_rope's), then
+ * the keys and kv.v written into the caches as ct_kv_write writes them (kv.k unused). */
+typedef struct ct_qk_rope_kv_params {
+  ct_kv_write_params kv;
+  float* q;
+  float* k;
+  const void* q_norm;
+  const void* k_norm;
+  int32_t norm_dtype;
+  float eps;
+  const float* cos;
+  const float* sin;
+  int32_t heads;
+} ct_qk_rope_kv_params;
+
 /* Paged attention (prefill and decode rows alike): row t of sequence s (rows q_start[s] ..
  * q_start[s+1]) sits at position ctx_len[s] - q_len + (t - q_start[s]) and attends causally
  * to the cached positions 0..=that through block_tables (num_seqs, max_blocks). Online softmax

@@ -21,34 +21,65 @@ __device__ __forceinline__ float ct_cache_load(const void* c, int dtype, int64_t
   return ct_load(c, dtype, i);
 }
 
+// Key and value d of KV head h of token t into the caches at slots[t] (ct_kv_write and
+// ct_qk_rope_kv): U8 caches store e4m3_satfinite(x / scale).
+__device__ __forceinline__ void ct_kv_store(const ct_kv_write_params& p, int64_t t, int h, int d, float k, float v) {
+  const uint32_t slot = p.slots[t];
+  const uint32_t blk = slot / static_cast<uint32_t>(p.block_size);
+  const uint32_t off = slot % static_cast<uint32_t>(p.block_size);
+  if (blk >= static_cast<uint32_t>(p.num_blocks)) {
+    ct_set_error(p.err, CT_ERR_KV_SLOT);
+    return;
+  }
+  const int64_t dst = ((static_cast<int64_t>(blk) * p.kv_heads + h) * p.block_size + off) * p.head_dim + d;
+  const float kv[2] = {k, v};
+  void* caches[2] = {p.k_cache, p.v_cache};
+  const float scales[2] = {p.k_scale, p.v_scale};
+#pragma unroll
+  for (int w = 0; w < 2; w++) {
+    if (p.dtype == CT_DTYPE_U8) {
+      static_cast<uint8_t*>(caches[w])[dst] = static_cast<uint8_t>(ct_e4m3_encode_nan(__fdiv_rn(kv[w], scales[w])));
+    } else {
+      ct_store(caches[w], p.dtype, dst, kv[w]);
+    }
+  }
+}
+
 // One thread per (token, kv head, d) for keys and values.
 extern "C" __global__ void ct_kv_write(ct_kv_write_params p) {
   const int64_t row = static_cast<int64_t>(p.kv_heads) * p.head_dim;
   const int64_t n = static_cast<int64_t>(p.tokens) * row;
   CT_GRID_LOOP(idx, n) {
-    const int64_t t = idx / row;
     const int h = static_cast<int>((idx % row) / p.head_dim);
-    const int d = static_cast<int>(idx % p.head_dim);
-    const uint32_t slot = p.slots[t];
-    const uint32_t blk = slot / static_cast<uint32_t>(p.block_size);
-    const uint32_t off = slot % static_cast<uint32_t>(p.block_size);
-    if (blk >= static_cast<uint32_t>(p.num_blocks)) {
-      ct_set_error(p.err, CT_ERR_KV_SLOT);
-      continue;
-    }
-    const int64_t dst = ((static_cast<int64_t>(blk) * p.kv_heads + h) * p.block_size + off) * p.head_dim + d;
-    const float kv[2] = {p.k[idx], p.v[idx]};
-    void* caches[2] = {p.k_cache, p.v_cache};
-    const float scales[2] = {p.k_scale, p.v_scale};
-#pragma unroll
-    for (int w = 0; w < 2; w++) {
-      if (p.dtype == CT_DTYPE_U8) {
-        static_cast<uint8_t*>(caches[w])[dst] = static_cast<uint8_t>(ct_e4m3_encode_nan(__fdiv_rn(kv[w], scales[w])));
-      } else {
-        ct_store(caches[w], p.dtype, dst, kv[w]);
-      }
-    }
+    ct_kv_store(p, idx / row, h, static_cast<int>(idx % p.head_dim), p.k[idx], p.v[idx]);
   }
+}
+
+// A layer's attention inputs in one launch: block (t, s) of 256 threads (NORM_THREADS in kernels.rs, as
+// ct_rmsnorm: the same per-thread sums, so the same bits) takes query head s (s < heads) or
+// KV head s - heads of token t: the head's RMSNorm in place (with a norm weight), its RoPE
+// (ct_rope's pairs), and for a KV head its key and value into the caches (ct_kv_write's
+// stores). Global writes of a thread are visible to the block after __syncthreads.
+extern "C" __global__ void __launch_bounds__(256) ct_qk_rope_kv(ct_qk_rope_kv_params p) {
+  CT_SHARED(float, scratch, 32);
+  const int64_t t = blockIdx.x;
+  const int s = blockIdx.y, D = p.kv.head_dim, half = D / 2;
+  const bool query = s < p.heads;
+  const int h = query ? s : s - p.heads;
+  float* x = query ? p.q + (t * p.heads + h) * D : p.k + (t * p.kv.kv_heads + h) * D;
+  const void* w = query ? p.q_norm : p.k_norm;
+  if (w != nullptr) {
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) ss = __fadd_rn(ss, __fmul_rn(x[j], x[j]));
+    const float rstd = ct_rms_rstd(ss, D, p.eps, scratch);
+    for (int j = threadIdx.x; j < D; j += blockDim.x) x[j] = __fmul_rn(__fmul_rn(x[j], rstd), ct_load(w, p.norm_dtype, j));
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < half; i += blockDim.x) ct_rope_pair(x, i, half, p.cos[t * half + i], p.sin[t * half + i]);
+  if (query || p.kv.k_cache == nullptr) return;
+  __syncthreads();
+  const float* v = p.kv.v + (t * p.kv.kv_heads + h) * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) ct_kv_store(p.kv, t, h, d, x[d], v[d]);
 }
 
 // The split's partial results (splits > 1): acc unnormalized, the running max and sum per head.

@@ -84,6 +84,21 @@ __device__ __forceinline__ float ct_block_sum(float v, float* scratch) {
   return ct_warp_sum(t);
 }
 
+// RMSNorm's 1 / sqrt(mean(x²) + eps) from each thread's partial sum of squares `ss` (every
+// thread of the block calls it): the block sum, then each step rounded as on the CPU. One
+// definition for ct_rmsnorm and ct_qk_rope_kv, so a head's norm has the same bits in both.
+__device__ __forceinline__ float ct_rms_rstd(float ss, int cols, float eps, float* scratch) {
+  ss = ct_block_sum(ss, scratch);
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(cols)), eps)));
+}
+
+// HF rotate_half RoPE of pair (i, i + half) of head h (ct_rope and ct_qk_rope_kv).
+__device__ __forceinline__ void ct_rope_pair(float* h, int i, int half, float c, float s) {
+  const float a = h[i], b = h[i + half];
+  h[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  h[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
 __device__ __forceinline__ double ct_block_sum_f64(double v, double* scratch) {
   const int lane = threadIdx.x % CT_WARP, warp = threadIdx.x / CT_WARP;
   const int nwarps = (blockDim.x + CT_WARP - 1) / CT_WARP;

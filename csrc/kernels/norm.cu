@@ -18,11 +18,9 @@ extern "C" __global__ void __launch_bounds__(256) ct_rmsnorm(ct_rmsnorm_params p
       v = __fadd_rn(v, r[j]);
       x[j] = v;
     }
-    ss += v * v;
+    ss = __fadd_rn(ss, __fmul_rn(v, v));
   }
-  ss = ct_block_sum(ss, scratch);
-  // rstd = 1 / sqrt(ss / C + eps), each step rounded as on the CPU.
-  const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(p.cols)), p.eps)));
+  const float rstd = ct_rms_rstd(ss, p.cols, p.eps, scratch);
   for (int j = threadIdx.x; j < p.cols; j += blockDim.x) {
     // The same thread wrote x[j] above (when r): no cross-thread dependency.
     ct_store(p.y, p.y_dtype, y0 + j, __fmul_rn(__fmul_rn(x[j], rstd), ct_load(p.w, p.w_dtype, j)));

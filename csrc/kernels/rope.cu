@@ -26,10 +26,6 @@ extern "C" __global__ void ct_rope(ct_rope_params p) {
     const int i = static_cast<int>(idx % p.half);
     const int64_t rh = idx / p.half;  // row * heads + head
     const int64_t row = rh / p.heads;
-    float* h = p.x + rh * 2 * p.half;
-    const float c = p.cos[row * p.half + i], s = p.sin[row * p.half + i];
-    const float a = h[i], b = h[i + p.half];
-    h[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    h[i + p.half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    ct_rope_pair(p.x + rh * 2 * p.half, i, p.half, p.cos[row * p.half + i], p.sin[row * p.half + i]);
   }
 }

@@ -277,18 +277,42 @@ impl Transformer {
                     m,
                 )?;
             }
-            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
-                norm::head_rmsnorm(dev, &mut b.q, qn, eps, m, h)?;
-                norm::head_rmsnorm(dev, &mut b.k, kn, eps, m, hkv)?;
-            }
-            rope::rope(dev, &mut b.q, &b.cos, &b.sin, m, h)?;
-            rope::rope(dev, &mut b.k, &b.cos, &b.sin, m, hkv)?;
-            if let Some(obs) = &mut b.observe {
-                obs.k_amax[l] = obs.k_amax[l].max(elementwise::amax_rows(dev, &b.k, m)?);
-                obs.v_amax[l] = obs.v_amax[l].max(elementwise::amax_rows(dev, &b.v, m)?);
-            }
+            let norms = match (&lw.q_norm, &lw.k_norm) {
+                (Some(qn), Some(kn)) => Some((qn, kn, eps)),
+                _ => None,
+            };
             let (ks, vs) = (cache.k_scale, cache.v_scale);
-            attention::kv_write(dev, &b.k, &b.v, &mut cache.k, &mut cache.v, ks, vs, &b.meta)?;
+            match &mut b.observe {
+                // Per-head norms, RoPE and the cache write: one launch on CUDA.
+                None => {
+                    let caches = (&mut cache.k, &mut cache.v);
+                    attention::qk_rope_kv(
+                        dev,
+                        &mut b.q,
+                        &mut b.k,
+                        &b.v,
+                        norms,
+                        &b.cos,
+                        &b.sin,
+                        caches,
+                        (ks, vs),
+                        &b.meta,
+                        h,
+                    )?;
+                }
+                // Calibrating: the observer reads the keys between RoPE and the write.
+                Some(obs) => {
+                    if let Some((qn, kn, eps)) = norms {
+                        norm::head_rmsnorm(dev, &mut b.q, qn, eps, m, h)?;
+                        norm::head_rmsnorm(dev, &mut b.k, kn, eps, m, hkv)?;
+                    }
+                    rope::rope(dev, &mut b.q, &b.cos, &b.sin, m, h)?;
+                    rope::rope(dev, &mut b.k, &b.cos, &b.sin, m, hkv)?;
+                    obs.k_amax[l] = obs.k_amax[l].max(elementwise::amax_rows(dev, &b.k, m)?);
+                    obs.v_amax[l] = obs.v_amax[l].max(elementwise::amax_rows(dev, &b.v, m)?);
+                    attention::kv_write(dev, &b.k, &b.v, &mut cache.k, &mut cache.v, ks, vs, &b.meta)?;
+                }
+            }
             let oy = if out16 { &mut b.att16 } else { &mut b.att };
             if !attention::packed_prefill(dev, &b.q, &b.k, &b.v, &cache.k, &cache.v, &mut b.meta, oy, h)? {
                 attention::paged_attention(dev, &b.q, &cache.k, &cache.v, ks, vs, &b.meta, oy, h)?;

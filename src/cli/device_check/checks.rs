@@ -508,6 +508,7 @@ fn check_attention(x: &mut Ctx, hkv: usize, heads: usize, d: usize) -> Result<()
             bf16_output(x, &what, &format!("{} cache", dt.name()), &o.g, &o16)?;
         }
     }
+    super::prep_checks::qk_rope_kv(x, &mg, heads, shape)?;
     split_decode(x, hkv, heads, d)?;
     packed_prefill(x, hkv, heads, d)
 }

@@ -17,6 +17,7 @@ mod engine_checks;
 mod gemm_checks;
 mod learner_checks;
 mod node_timing;
+mod prep_checks;
 mod timings;
 mod train_checks;
 

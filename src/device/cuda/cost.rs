@@ -166,6 +166,17 @@ pub fn kv_write(p: &ffi::ct_kv_write_params) -> Cost {
     Cost::hbm(if p.dtype == ffi::CT_DTYPE_U8 { e } else { 0.0 }, e * (4.0 + dsize(p.dtype)) + 4.0 * n(p.tokens))
 }
 
+/// ct_qk_rope_kv: q and k read and written once (normalized and rotated in place), k and v
+/// (read) written into the caches (as [`kv_write`]), the RoPE tables read once per token; per value
+/// 3 FLOPs of RoPE, 4 more of the norm where there is one.
+pub fn qk_rope_kv(p: &ffi::ct_qk_rope_kv_params) -> Cost {
+    let (t, d) = (n(p.kv.tokens), n(p.kv.head_dim));
+    let (q, kv) = (t * n(p.heads) * d, t * n(p.kv.kv_heads) * d);
+    let norm = if p.q_norm.is_null() { 0.0 } else { 4.0 };
+    let cache = if p.kv.k_cache.is_null() { 0.0 } else { 4.0 * kv + 2.0 * kv * dsize(p.kv.dtype) + 4.0 * t };
+    Cost::hbm((3.0 + norm) * (q + kv), 8.0 * (q + kv) + cache + t * d * 4.0)
+}
+
 /// Paged attention of `p.num_tokens` query rows that attend `keys` cached positions in all
 /// (Σ over rows; a decode row attends its whole context): each row reads its keys and values
 /// once per KV head (a block of the kernel serves a KV head's group of query heads), q read

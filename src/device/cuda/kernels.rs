@@ -125,10 +125,11 @@ pub enum Kernel {
     PrefillAttentionTc,
     AttentionMerge,
     GemmW4a4Merge,
+    QkRopeKv,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 44] = [
+    pub const ALL: [Kernel; 45] = [
         Kernel::Rmsnorm,
         Kernel::RopeTable,
         Kernel::Rope,
@@ -173,6 +174,7 @@ impl Kernel {
         Kernel::PrefillAttentionTc,
         Kernel::AttentionMerge,
         Kernel::GemmW4a4Merge,
+        Kernel::QkRopeKv,
     ];
 
     /// (the kernel's name, the csrc/kernels/ file that defines it, without `.cu`).
@@ -222,6 +224,7 @@ impl Kernel {
             Kernel::PrefillAttentionTc => ("ct_prefill_attention_tc", "attention_prefill"),
             Kernel::AttentionMerge => ("ct_attention_merge", "attention"),
             Kernel::GemmW4a4Merge => ("ct_gemm_w4a4_merge", "gemm_w4a4"),
+            Kernel::QkRopeKv => ("ct_qk_rope_kv", "attention"),
         }
     }
 
@@ -237,6 +240,7 @@ impl Kernel {
         use Kernel::*;
         match self {
             KvWrite | PagedAttention | PrefillAttention | QuantFp8 | QuantNvfp4 | Dequant | SwizzleSf | GemmW4a4 => 1,
+            QkRopeKv => 1,
             Rmsnorm | Embedding | AddBias | Cast | FillNormal | Amax | Optim | PrefillAttentionTc | Swiglu => 2,
             AttentionMerge => 2,
             RopeTable | Rope | GatherRows | LogSoftmaxGather | Sample | SampleTopk | SumSq | SumSqFinish
@@ -405,6 +409,16 @@ impl CudaDevice {
     pub fn k_kv_write(&self, p: ffi::ct_kv_write_params) -> Result<()> {
         let g = self.stride_grid(p.tokens as i64 * p.kv_heads as i64 * p.head_dim as i64, ELEMENTWISE_THREADS);
         self.launch(Kernel::KvWrite, (g, 1, 1), ELEMENTWISE_THREADS, 0, &p, cost::kv_write(&p))
+    }
+
+    /// ct_qk_rope_kv: one block of NORM_THREADS per (token, query or KV head).
+    pub fn k_qk_rope_kv(&self, p: ffi::ct_qk_rope_kv_params) -> Result<()> {
+        let (d, heads, kv_heads) = (p.kv.head_dim, p.heads, p.kv.kv_heads);
+        if d <= 0 || d % 2 != 0 || heads < 0 || kv_heads < 0 {
+            bail!("ct_qk_rope_kv: head dimension {d} (even and positive), {heads} query and {kv_heads} KV heads");
+        }
+        let grid = (u32_dim(p.kv.tokens as i64, "tokens")?, u32_dim(heads as i64 + kv_heads as i64, "heads")?, 1);
+        self.launch(Kernel::QkRopeKv, grid, NORM_THREADS, 0, &p, cost::qk_rope_kv(&p))
     }
 
     /// `keys`: the cached positions the rows attend, summed over the rows (the ledger's cost).

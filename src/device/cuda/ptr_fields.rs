@@ -79,6 +79,20 @@ pub(super) fn pointer_offsets(type_name: &str) -> Option<&'static [usize]> {
             offset_of!(ffi::ct_kv_write_params, slots),
             offset_of!(ffi::ct_kv_write_params, err),
         ],
+        "ct_qk_rope_kv_params" => &[
+            offset_of!(ffi::ct_qk_rope_kv_params, kv) + offset_of!(ffi::ct_kv_write_params, k),
+            offset_of!(ffi::ct_qk_rope_kv_params, kv) + offset_of!(ffi::ct_kv_write_params, v),
+            offset_of!(ffi::ct_qk_rope_kv_params, kv) + offset_of!(ffi::ct_kv_write_params, k_cache),
+            offset_of!(ffi::ct_qk_rope_kv_params, kv) + offset_of!(ffi::ct_kv_write_params, v_cache),
+            offset_of!(ffi::ct_qk_rope_kv_params, kv) + offset_of!(ffi::ct_kv_write_params, slots),
+            offset_of!(ffi::ct_qk_rope_kv_params, kv) + offset_of!(ffi::ct_kv_write_params, err),
+            offset_of!(ffi::ct_qk_rope_kv_params, q),
+            offset_of!(ffi::ct_qk_rope_kv_params, k),
+            offset_of!(ffi::ct_qk_rope_kv_params, q_norm),
+            offset_of!(ffi::ct_qk_rope_kv_params, k_norm),
+            offset_of!(ffi::ct_qk_rope_kv_params, cos),
+            offset_of!(ffi::ct_qk_rope_kv_params, sin),
+        ],
         "ct_attention_params" => &[
             offset_of!(ffi::ct_attention_params, q),
             offset_of!(ffi::ct_attention_params, k_cache),
@@ -232,20 +246,35 @@ mod tests {
     #[test]
     fn the_table_matches_the_bindings() {
         let ffi = include_str!("ffi.rs");
+        let body = |name: &str| {
+            let part = ffi.split(&format!("pub struct {name} {{")).nth(1).unwrap_or("");
+            part.split(
+                "
+}",
+            )
+            .next()
+            .unwrap_or("")
+            .to_string()
+        };
+        // Pointer fields, those of a nested parameter struct (`pub kv: ct_kv_write_params,`)
+        // included.
+        fn count(body: &dyn Fn(&str) -> String, name: &str) -> usize {
+            let b = body(name);
+            let nested: usize = b
+                .lines()
+                .filter_map(|l| l.trim().strip_prefix("pub ")?.split(": ").nth(1)?.strip_suffix(','))
+                .filter(|ty| ty.starts_with("ct_") && ty.ends_with("_params"))
+                .map(|ty| count(body, ty))
+                .sum();
+            b.matches(": *const ").count() + b.matches(": *mut ").count() + nested
+        }
         let mut seen = 0;
         for part in ffi.split("pub struct ").skip(1) {
             let name = part.split_whitespace().next().unwrap_or("");
             if !(name.starts_with("ct_") && name.ends_with("_params")) {
                 continue;
             }
-            let body = part
-                .split(
-                    "
-}",
-                )
-                .next()
-                .unwrap_or("");
-            let ptrs = body.matches(": *const ").count() + body.matches(": *mut ").count();
+            let ptrs = count(&body, name);
             let got = super::pointer_offsets(name).map(|o| o.len());
             assert_eq!(got, Some(ptrs), "{name}: run scripts/gen_ptr_fields.py");
             seen += 1;

@@ -1,4 +1,5 @@
-//! Paged attention's CUDA twin: ct_kv_write, and ct_paged_attention (mostly decode rows, one
+//! Paged attention's CUDA twin: ct_kv_write (and ct_qk_rope_kv: a layer's q/k norms, RoPE and
+//! the KV write in one launch), and ct_paged_attention (mostly decode rows, one
 //! block per row) or, for mostly prefill rows (key tiles shared across a tile of rows),
 //! ct_prefill_attention on the CUDA cores or, with a BF16 cache, ct_prefill_attention_tc on
 //! the tensor cores. The CUDA-core kernels equal the CPU twin to f32 rounding, the tensor
@@ -27,6 +28,19 @@ pub fn kv_write(
     vs: f32,
     m: &AttnMeta,
 ) -> Result<()> {
+    let kp = ptr(d, k, &[DType::F32], "kv_write keys")?;
+    d.k_kv_write(kv_params(d, kp, v, (kc, vc), (ks, vs), m)?)
+}
+
+/// ct_kv_write's parameters: keys at `k` (0: none, ct_qk_rope_kv reads its own), values `v`.
+fn kv_params(
+    d: &CudaDevice,
+    k: u64,
+    v: &Tensor,
+    (kc, vc): (&mut Tensor, &mut Tensor),
+    (ks, vs): (f32, f32),
+    m: &AttnMeta,
+) -> Result<ffi::ct_kv_write_params> {
     let (nb, hkv, bs, hd) = cache_dims(kc)?;
     if vc.dtype() != kc.dtype() || vc.shape() != kc.shape() {
         bail!(
@@ -37,8 +51,8 @@ pub fn kv_write(
             vc.shape()
         );
     }
-    d.k_kv_write(ffi::ct_kv_write_params {
-        k: ptr(d, k, &[DType::F32], "kv_write keys")? as *const f32,
+    Ok(ffi::ct_kv_write_params {
+        k: k as *const f32,
         v: ptr(d, v, &[DType::F32], "kv_write values")? as *const f32,
         k_cache: vp(ptr(d, kc, CACHES, "key cache")?),
         v_cache: vp(ptr(d, vc, CACHES, "value cache")?),
@@ -52,6 +66,45 @@ pub fn kv_write(
         head_dim: i32_of(hd, "head dimension")?,
         num_blocks: i32_of(nb, "cache blocks")?,
         err: err_word(d),
+    })
+}
+
+/// One ct_qk_rope_kv launch (`super::qk_rope_kv`).
+#[allow(clippy::too_many_arguments)]
+pub fn qk_rope_kv(
+    d: &CudaDevice,
+    q: &mut Tensor,
+    k: &mut Tensor,
+    v: &Tensor,
+    norms: Option<(&Tensor, &Tensor, f32)>,
+    (cos, sin): (&Tensor, &Tensor),
+    caches: (&mut Tensor, &mut Tensor),
+    scales: (f32, f32),
+    m: &AttnMeta,
+    heads: usize,
+) -> Result<()> {
+    const NORMS: &[DType] = &[DType::F32, DType::BF16, DType::F16];
+    let (qn, kn, eps) = match norms {
+        Some((qn, kn, eps)) => {
+            if qn.dtype() != kn.dtype() {
+                bail!("q_norm in {} and k_norm in {}: one dtype expected", qn.dtype().name(), kn.dtype().name());
+            }
+            (ptr(d, qn, NORMS, "q_norm")?, ptr(d, kn, NORMS, "k_norm")?, eps)
+        }
+        None => (0, 0, 0.0),
+    };
+    let norm_dtype = code(norms.map_or(DType::F32, |n| n.0.dtype()));
+    d.k_qk_rope_kv(ffi::ct_qk_rope_kv_params {
+        kv: kv_params(d, 0, v, caches, scales, m)?,
+        q: ptr(d, q, &[DType::F32], "attention queries")? as *mut f32,
+        k: ptr(d, k, &[DType::F32], "attention keys")? as *mut f32,
+        q_norm: qn as *const c_void,
+        k_norm: kn as *const c_void,
+        norm_dtype,
+        eps,
+        cos: ptr(d, cos, &[DType::F32], "RoPE cos")? as *const f32,
+        sin: ptr(d, sin, &[DType::F32], "RoPE sin")? as *const f32,
+        heads: i32_of(heads, "query heads")?,
     })
 }
 

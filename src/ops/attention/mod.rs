@@ -8,7 +8,7 @@
 //! (`cpu.rs`), the CUDA twin (`cuda.rs`, kernels csrc/kernels/attention.cu — decode and the KV
 //! write — and attention_prefill.cu), the training twin (`grad.rs`: dense causal attention,
 //! forward saving the log-sum-exp, backward). May call: `crate::device`, `crate::quant` (FP8
-//! caches). Must not: allocate in steady state (the CPU scratch is thread-local).
+//! caches), `super::norm` and `super::rope` (the CPU twin of [`qk_rope_kv`]). Must not: allocate in steady state (the CPU scratch is thread-local).
 
 mod cpu;
 mod cuda;
@@ -203,6 +203,53 @@ pub fn kv_write(
     match dev {
         Device::Cpu(_) => cpu::kv_write(k, v, k_cache, v_cache, k_scale, v_scale, meta),
         Device::Cuda(c) => cuda::kv_write(c, k, v, k_cache, v_cache, k_scale, v_scale, meta),
+    }
+}
+
+/// A layer's attention inputs, ready: q (T, H·D) and k (T, Hkv·D) normalized per head in place
+/// where `norms` gives them (Qwen3's q_norm and k_norm, D values each, and eps), rotated by RoPE
+/// (cos, sin (T, D/2)), then k and v written into the paged caches at the batch's slots. CPU:
+/// `norm::head_rmsnorm`, `rope::rope` and [`kv_write`], in that order. CUDA: one launch
+/// (ct_qk_rope_kv) with those kernels' arithmetic, the same bits as their five launches.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_rope_kv(
+    dev: &Device,
+    q: &mut Tensor,
+    k: &mut Tensor,
+    v: &Tensor,
+    norms: Option<(&Tensor, &Tensor, f32)>,
+    cos: &Tensor,
+    sin: &Tensor,
+    caches: (&mut Tensor, &mut Tensor),
+    scales: (f32, f32),
+    meta: &AttnMeta,
+    heads: usize,
+) -> Result<()> {
+    let (_, hkv, _, d) = cache_dims(caches.0)?;
+    let m = meta.num_tokens;
+    check_rows(q, m, heads * d, "attention queries")?;
+    check_rows(cos, m, d / 2, "RoPE cos")?;
+    check_rows(sin, m, d / 2, "RoPE sin")?;
+    if let Some((qn, kn, _)) = norms {
+        if qn.numel() != d || kn.numel() != d {
+            bail!("per-head norms of {} and {} values for heads of {d}", qn.numel(), kn.numel());
+        }
+    }
+    match dev {
+        Device::Cpu(_) => {
+            if let Some((qn, kn, eps)) = norms {
+                super::norm::head_rmsnorm(dev, q, qn, eps, m, heads)?;
+                super::norm::head_rmsnorm(dev, k, kn, eps, m, hkv)?;
+            }
+            super::rope::rope(dev, q, cos, sin, m, heads)?;
+            super::rope::rope(dev, k, cos, sin, m, hkv)?;
+            kv_write(dev, k, v, caches.0, caches.1, scales.0, scales.1, meta)
+        }
+        Device::Cuda(c) => {
+            check_rows(k, m, hkv * d, "kv_write keys")?;
+            check_rows(v, m, hkv * d, "kv_write values")?;
+            cuda::qk_rope_kv(c, q, k, v, norms, (cos, sin), caches, scales, meta, heads)
+        }
     }
 }
 

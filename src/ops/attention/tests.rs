@@ -361,3 +361,85 @@ fn a_few_decode_rows_split_their_keys_and_merge_sim() {
         assert!(same, "{} cache: the BF16 output is the f32 output rounded", cache.name());
     }
 }
+
+/// A layer's attention inputs in one launch (`qk_rope_kv`: ct_qk_rope_kv) on the simulated GPU:
+/// with Qwen3's per-head norms (F32 and BF16 weights) and without, into a BF16 and an FP8
+/// cache, q, k and both caches have the bits of the five launches it replaces
+/// (`head_rmsnorm` ×2, `rope` ×2, `kv_write`), and q and k equal the CPU twin's to f32
+/// rounding (the norm's parallel sum of squares), |gpu − cpu| ≤ 1e-5 + 1e-5·|cpu|. Five tokens
+/// at scattered slots, 6 query heads over 2 KV heads of 64.
+#[test]
+fn a_layers_attention_inputs_take_one_launch_sim() {
+    let cd = crate::device::cuda::CudaDevice::sim_unshared_arch(128, "sm_90a");
+    let (sim, cpu) = (Device::Cuda(cd.clone()), Device::cpu(1).expect("cpu"));
+    let (t, heads, hkv, d, bs, nb) = (5usize, 6usize, 2usize, 64usize, 16usize, 4usize);
+    let mut s = crate::rand::Stream::new(21, 0);
+    let mut rnd = |n: usize, std: f64| (0..n).map(|_| (s.normal() * std) as f32).collect::<Vec<f32>>();
+    let (qs, ks, vs) = (rnd(t * heads * d, 1.0), rnd(t * hkv * d, 1.0), rnd(t * hkv * d, 1.0));
+    let angles = rnd(t * d / 2, 3.0);
+    let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+    let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+    let (qn, kn) = (rnd(d, 0.3), rnd(d, 0.3));
+    let slots = vec![3u32, 17, 40, 41, 60];
+    let meta = |dev: &Device| {
+        let mut m = step_meta(dev, &[(5, 5)], bs, nb, &[0, 1, 2, 3]);
+        let h = Tensor::from_u32_host(&[t], slots.clone()).expect("slots");
+        m.slot_mapping = if dev.is_cpu() { h } else { dev.upload(h).expect("upload") };
+        m
+    };
+    let (mc, mg) = (meta(&cpu), meta(&sim));
+    for (norm_dt, cache, scale) in
+        [(Some(DType::F32), DType::BF16, 1.0f32), (Some(DType::BF16), DType::U8, 0.5), (None, DType::BF16, 1.0)]
+    {
+        let what = format!("norms {norm_dt:?}, {} cache", cache.name());
+        // q, k, the two caches and the launches, on `dev` fused or apart.
+        let run = |dev: &Device, m: &super::AttnMeta, fused: bool| {
+            let mut q = dev.from_f32(DType::F32, &[t, heads * d], &qs).expect("q");
+            let mut k = dev.from_f32(DType::F32, &[t, hkv * d], &ks).expect("k");
+            let v = dev.from_f32(DType::F32, &[t, hkv * d], &vs).expect("v");
+            let (c, sn) = (
+                dev.from_f32(DType::F32, &[t, d / 2], &cos).expect("cos"),
+                dev.from_f32(DType::F32, &[t, d / 2], &sin).expect("sin"),
+            );
+            let norms =
+                norm_dt.map(|dt| (dev.from_f32(dt, &[d], &qn).expect("qn"), dev.from_f32(dt, &[d], &kn).expect("kn")));
+            let (mut kc, mut vc) =
+                (dev.zeros(cache, &[nb, hkv, bs, d]).expect("kc"), dev.zeros(cache, &[nb, hkv, bs, d]).expect("vc"));
+            cd.take_ledger();
+            if fused {
+                let n = norms.as_ref().map(|(a, b)| (a, b, 1e-6f32));
+                super::qk_rope_kv(dev, &mut q, &mut k, &v, n, &c, &sn, (&mut kc, &mut vc), (scale, scale), m, heads)
+                    .expect("fused");
+            } else {
+                if let Some((a, b)) = &norms {
+                    crate::ops::norm::head_rmsnorm(dev, &mut q, a, 1e-6, t, heads).expect("q norm");
+                    crate::ops::norm::head_rmsnorm(dev, &mut k, b, 1e-6, t, hkv).expect("k norm");
+                }
+                crate::ops::rope::rope(dev, &mut q, &c, &sn, t, heads).expect("q rope");
+                crate::ops::rope::rope(dev, &mut k, &c, &sn, t, hkv).expect("k rope");
+                super::kv_write(dev, &k, &v, &mut kc, &mut vc, scale, scale, m).expect("kv write");
+            }
+            let ran: Vec<(&str, u64)> =
+                crate::device::cuda::ledger::rows(&cd.take_ledger()).into_iter().map(|r| (r.op, r.launches)).collect();
+            let bits = |x: &Tensor| match x.dtype() {
+                DType::U8 => x.read_u8(0, x.numel()).expect("read").into_iter().map(u32::from).collect::<Vec<u32>>(),
+                _ => x.to_f32_vec().expect("read").iter().map(|v| v.to_bits()).collect(),
+            };
+            ([bits(&q), bits(&k), bits(&kc), bits(&vc)], ran)
+        };
+        let (apart, _) = run(&sim, &mg, false);
+        let (fused, ran) = run(&sim, &mg, true);
+        assert_eq!(ran, [("ct_qk_rope_kv", 1)], "{what}: one launch");
+        for (i, name) in ["q", "k", "key cache", "value cache"].iter().enumerate() {
+            assert!(fused[i] == apart[i], "{what}: {name} fused against apart");
+        }
+        assert!(fused[2].iter().any(|&b| b != 0), "{what}: the keys were written");
+        let (twin, _) = run(&cpu, &mc, true);
+        for i in 0..2 {
+            for (j, (&g, &c)) in fused[i].iter().zip(&twin[i]).enumerate() {
+                let (g, c) = (f32::from_bits(g) as f64, f32::from_bits(c) as f64);
+                assert!((g - c).abs() <= 1e-5 + 1e-5 * c.abs(), "{what}: {} [{j}] gpu {g} cpu {c}", ["q", "k"][i]);
+            }
+        }
+    }
+}
