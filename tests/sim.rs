@@ -211,7 +211,7 @@ fn every_rollout_engine_on_the_simulator_scores_like_its_cpu_twin() {
 /// simulated GPUs: 2 steps of 2 prompts × 2 samples. The first step's samples are the
 /// CPU run's (the same digest: the same Philox draws from logits that agree to rounding), and
 /// its loss, gradient norm and mismatch agree within 1e-3 relative (the engines' log-probs
-/// differ from the CPU's at the 1e-6 level).
+/// differ from the CPU's at the 1e-6 level), the entropy within 1e-4 + 1e-3 relative (below).
 #[test]
 fn the_tiny_opd_job_runs_with_its_engines_on_the_simulator() {
     use colotrain::config::JobConfig;
@@ -238,9 +238,14 @@ fn the_tiny_opd_job_runs_with_its_engines_on_the_simulator() {
         let sim = run_on(device, n);
         let b = first(&sim);
         assert_eq!(a["samples_digest"], b["samples_digest"], "{device} × {n}: the same samples");
-        for key in ["loss", "grad_norm", "entropy"] {
+        // The entropy's absolute term: the CPU twin sums H = lse − Σ p·z in f32 (the device in
+        // f64), and the two terms nearly cancel on these peaked rows (H ≈ 0.04 nats a token),
+        // so its error is about √V·ε·max|z| ≈ √320 · 6e-8 · 30 ≈ 3e-5 a token, whatever H is;
+        // the CPU twin's result differs between machines (5e-5 from the device's on an Intel
+        // Xeon with AVX-512, within 1e-3·H on an AMD EPYC).
+        for (key, atol) in [("loss", 1e-6), ("grad_norm", 1e-6), ("entropy", 1e-4)] {
             let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
-            assert!((x - y).abs() <= 1e-6 + 1e-3 * x.abs(), "{device} × {n}: {key}: cpu {x}, cuda-sim {y}");
+            assert!((x - y).abs() <= atol + 1e-3 * x.abs(), "{device} × {n}: {key}: cpu {x}, cuda-sim {y}");
         }
         let (x, y) = (a["mismatch"]["abs_mean"].as_f64().unwrap(), b["mismatch"]["abs_mean"].as_f64().unwrap());
         assert!(x < 1e-4 && y < 1e-4, "{device} × {n}: the standard engine agrees with the trainer: cpu {x}, sim {y}");
