@@ -432,6 +432,9 @@ fn a_quantized_engine_quantizes_each_layer_input_once() {
         assert!(rows(&l).iter().all(|r| r.op != "ct_swiglu"), "{recipe}: no SwiGLU pass");
         // RoPE of q and k and the KV write: one launch per layer and step, none of their own.
         assert_eq!(op(&l, "ct_qk_rope_kv").launches, c.num_layers as u64 * e.stats.steps, "{recipe}");
-        assert!(rows(&l).iter().all(|r| r.op != "ct_rope" && r.op != "ct_kv_write"), "{recipe}: no RoPE or KV-write pass");
+        assert!(
+            rows(&l).iter().all(|r| r.op != "ct_rope" && r.op != "ct_kv_write"),
+            "{recipe}: no RoPE or KV-write pass"
+        );
     }
 }
