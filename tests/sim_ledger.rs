@@ -339,18 +339,12 @@ fn a_scoring_engine_reads_the_lm_head_once_per_score_rows() {
 #[test]
 fn an_engine_writes_its_gemm_inputs_in_bf16() {
     use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
-    use colotrain::model::calib::Calibration;
     use colotrain::quant::recipe::{KvScale, Recipe};
     let cd = CudaDevice::sim(1).unwrap();
     let dev = Device::Cuda(cd.clone());
     let lm = load_fixture("llama_gqa", &dev, DType::BF16);
     let c = lm.cfg.clone();
-    let mut cal = Calibration::new(Calibration::fingerprint(&c), c.num_layers);
-    for l in 0..c.num_layers {
-        cal.input_amax[l] = [4.0; 4];
-        cal.k_amax[l] = 6.0;
-        cal.v_amax[l] = 3.0;
-    }
+    let cal = stand_in_calibration(&c);
     for recipe in ["bf16", "nvfp4"] {
         let keep = vec!["attention".to_string()];
         let r = Recipe::preset(recipe, c.num_layers, &keep, KvScale::Calibrated, Default::default()).unwrap();
@@ -399,18 +393,12 @@ fn an_engine_writes_its_gemm_inputs_in_bf16() {
 #[test]
 fn a_quantized_engine_quantizes_each_layer_input_once() {
     use colotrain::engine::rollout_weights::{EngineSpec, RolloutWeights};
-    use colotrain::model::calib::Calibration;
     use colotrain::quant::recipe::{KvScale, Recipe};
     let cd = CudaDevice::sim(0).unwrap();
     let dev = Device::Cuda(cd.clone());
     let lm = load_fixture("llama_gqa", &dev, DType::BF16);
     let c = lm.cfg.clone();
-    let mut cal = Calibration::new(Calibration::fingerprint(&c), c.num_layers);
-    for l in 0..c.num_layers {
-        cal.input_amax[l] = [4.0; 4];
-        cal.k_amax[l] = 6.0;
-        cal.v_amax[l] = 3.0;
-    }
+    let cal = stand_in_calibration(&c);
     for (recipe, quant) in [("fp8", "ct_quant_fp8"), ("nvfp4", "ct_quant_nvfp4")] {
         let r = Recipe::preset(recipe, c.num_layers, &[], KvScale::Calibrated, Default::default()).unwrap();
         let spec = EngineSpec { recipe: r, noise_sigma: 0.0, noise_seed: 0, staleness: 0 };
@@ -437,4 +425,17 @@ fn a_quantized_engine_quantizes_each_layer_input_once() {
             "{recipe}: no RoPE or KV-write pass"
         );
     }
+}
+
+/// A calibration of fixed input, key and value ranges for the llama_gqa fixture's quantized
+/// engines (the ledger tests count launches; the values only need to be finite).
+fn stand_in_calibration(c: &colotrain::model::ModelConfig) -> colotrain::model::calib::Calibration {
+    use colotrain::model::calib::Calibration;
+    let mut cal = Calibration::new(Calibration::fingerprint(c), c.num_layers);
+    for l in 0..c.num_layers {
+        cal.input_amax[l] = [4.0; 4];
+        cal.k_amax[l] = 6.0;
+        cal.v_amax[l] = 3.0;
+    }
+    cal
 }
