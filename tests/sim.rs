@@ -260,9 +260,13 @@ fn the_tiny_opd_job_runs_with_its_engines_on_the_simulator() {
             b2["loss"],
             a2["samples_digest"] == b2["samples_digest"]
         );
+        // Step 2's weights differ by the first update's rounding (the device sums in another
+        // order), which moves each token's log-prob by about 1e-6; the loss is a token mean of
+        // gaps that can nearly cancel (−2.9e-4 on an Intel Xeon, where the two differed by
+        // 3e-6), so it gets an absolute floor of 1e-5 beside the relative 1e-3.
         if a2["samples_digest"] == b2["samples_digest"] {
             let (x, y) = (a2["loss"].as_f64().unwrap(), b2["loss"].as_f64().unwrap());
-            assert!((x - y).abs() <= 1e-6 + 1e-3 * x.abs(), "{device} × {n}: step 2 loss: cpu {x}, cuda-sim {y}");
+            assert!((x - y).abs() <= 1e-5 + 1e-3 * x.abs(), "{device} × {n}: step 2 loss: cpu {x}, cuda-sim {y}");
         }
         assert_eq!(b["utilization"].as_array().map(|u| u.len()), Some(n), "{device} × {n}");
         // The simulated GPUs train on the device (two of them ZeRO-1 over the device
