@@ -76,7 +76,7 @@ extern "C" __global__ void __launch_bounds__(256) ct_qk_rope_kv(ct_qk_rope_kv_pa
     __syncthreads();
   }
   for (int i = threadIdx.x; i < half; i += blockDim.x) ct_rope_pair(x, i, half, p.cos[t * half + i], p.sin[t * half + i]);
-  if (query || p.kv.k_cache == nullptr) return;
+  if (query) return;
   __syncthreads();
   const float* v = p.kv.v + (t * p.kv.kv_heads + h) * D;
   for (int d = threadIdx.x; d < D; d += blockDim.x) ct_kv_store(p.kv, t, h, d, x[d], v[d]);

@@ -173,7 +173,7 @@ pub fn qk_rope_kv(p: &ffi::ct_qk_rope_kv_params) -> Cost {
     let (t, d) = (n(p.kv.tokens), n(p.kv.head_dim));
     let (q, kv) = (t * n(p.heads) * d, t * n(p.kv.kv_heads) * d);
     let norm = if p.q_norm.is_null() { 0.0 } else { 4.0 };
-    let cache = if p.kv.k_cache.is_null() { 0.0 } else { 4.0 * kv + 2.0 * kv * dsize(p.kv.dtype) + 4.0 * t };
+    let cache = 4.0 * kv + 2.0 * kv * dsize(p.kv.dtype) + 4.0 * t;
     Cost::hbm((3.0 + norm) * (q + kv), 8.0 * (q + kv) + cache + t * d * 4.0)
 }
 
