@@ -359,12 +359,16 @@ fn training_on_the_simulator_resumes_exactly() {
 /// the CPU, on the same rollouts: 4 prompts × 4 samples that the CPU student drew once, written
 /// to a rollout file (`rollout.source = "file"`: every step trains on that batch), AdamW 3e-4.
 /// The same data on both sides leaves only the device's BF16 rounding of GEMM activations
-/// between them, so: every step's loss within 2e-3 + 2e-2 relative of the CPU's (a token mean
-/// of log-prob gaps of order 1 that cancel to a few hundredths), and after 12 steps the two
+/// between them, so: step 1's loss within 2e-3 + 2e-2 relative of the CPU's (a token mean of
+/// log-prob gaps of order 1 that cancel to a few hundredths), every later step's within 5e-3
+/// (they also carry the runs' weight difference; the loss moves by 0.05 to 0.2 a step in the
+/// first steps), and after 12 steps the two
 /// runs' master weights lie closer to each other than a quarter of the distance the CPU's moved
 /// from step 1 to step 12 (a device optimizer that stood still or stepped elsewhere fails it).
 /// On an AMD EPYC: losses 0.2736 → 0.0311 (CPU) and 0.2736 → 0.0317 (cuda-sim), at most
-/// 9e-4 apart; the CPU moved 1.53, the runs end 0.063 apart (4%).
+/// 9e-4 apart; the CPU moved 1.53, the runs end 0.063 apart (4%). With the student of step 600
+/// of that machine's SFT (KL 0.114, as near the teacher as the CI's): at most 2.1e-3 apart
+/// (step 8), the CPU moved 1.00, the runs end 0.065 apart.
 /// Whether training lowers the held-out KL is `tests/train_job.rs`'s (300 CPU steps; the
 /// simulator's F32 steps equal the CPU's, above). Over 12 sampled steps it is noise: the tiny
 /// student is made by SFT on the machine that runs the tests, and on some machines it already
@@ -421,7 +425,9 @@ fn twelve_bf16_steps_on_the_simulator_train_as_the_cpu_does() {
     eprintln!("loss per step: cpu {lc:?}\n               cuda-sim {ls:?}");
     assert!(lc.len() == 12 && ls.len() == 12, "one loss per step: cpu {}, cuda-sim {}", lc.len(), ls.len());
     for (i, (x, y)) in lc.iter().zip(&ls).enumerate() {
-        assert!((x - y).abs() <= 2e-3 + 2e-2 * x.abs(), "step {}: loss cpu {x}, cuda-sim {y}", i + 1);
+        // Step 1 runs on the same weights; later steps also carry the runs' weight difference.
+        let atol = if i == 0 { 2e-3 } else { 5e-3 };
+        assert!((x - y).abs() <= atol + 2e-2 * x.abs(), "step {}: loss cpu {x}, cuda-sim {y}", i + 1);
     }
     let dist = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>().sqrt();
     let (moved, apart, apart1) = (dist(&c12, &c1), dist(&s12, &c12), dist(&s1, &c1));
