@@ -4,7 +4,8 @@
 //! different orders); greedy and sampled tokens identical (the same Philox draws from logits
 //! that agree to rounding); BF16 weights |Δ log p| ≤ 5e-2 + 5e-2·|ref| (the CUDA linears round
 //! their f32 inputs to BF16, the CPU keeps them in f32). Both architecture profiles run: sm_90a
-//! (H200) on cuda-sim:0, sm_100a (B300) on cuda-sim:1; the jobs use ordinals 2, 3, 5 and 6.
+//! (H200) on cuda-sim:0, sm_100a (B300) on cuda-sim:1; the jobs use ordinals 2, 3, 5, 6 and 7,
+//! the decode graphs 4.
 
 mod common;
 
