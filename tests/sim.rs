@@ -363,9 +363,9 @@ fn training_on_the_simulator_resumes_exactly() {
 /// between them, so: step 1's loss within 2e-3 + 2e-2 relative of the CPU's (a token mean of
 /// log-prob gaps of order 1 that cancel to a few hundredths), every later step's within 5e-3
 /// (they also carry the runs' weight difference; the loss moves by 0.05 to 0.2 a step in the
-/// first steps), and after 12 steps the two
-/// runs' master weights lie closer to each other than a quarter of the distance the CPU's moved
-/// from step 1 to step 12 (a device optimizer that stood still or stepped elsewhere fails it).
+/// first steps), and after 12 steps the two runs' master weights lie closer to each other than
+/// a quarter of the distance the CPU's moved from step 1 to step 12 (a device optimizer that
+/// stood still or stepped elsewhere fails it).
 /// On an AMD EPYC: losses 0.2736 → 0.0311 (CPU) and 0.2736 → 0.0317 (cuda-sim), at most
 /// 9e-4 apart; the CPU moved 1.53, the runs end 0.063 apart (4%). With the student of step 600
 /// of that machine's SFT (KL 0.114, as near the teacher as the CI's): at most 2.1e-3 apart
@@ -430,6 +430,7 @@ fn twelve_bf16_steps_on_the_simulator_train_as_the_cpu_does() {
         let atol = if i == 0 { 2e-3 } else { 5e-3 };
         assert!((x - y).abs() <= atol + 2e-2 * x.abs(), "step {}: loss cpu {x}, cuda-sim {y}", i + 1);
     }
+    assert!(c1.len() == s1.len() && c12.len() == s12.len(), "the runs' master weights differ in length");
     let dist = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>().sqrt();
     let (moved, apart, apart1) = (dist(&c12, &c1), dist(&s12, &c12), dist(&s1, &c1));
     eprintln!("master weights: the CPU moved {moved:.4e} from step 1 to 12; cuda-sim vs cpu {apart1:.4e} after step 1, {apart:.4e} after 12");
